@@ -1,0 +1,83 @@
+"""Cache policies: which part of the sequence each decoding step recomputes.
+
+Every policy answers one question for the generation loop: "give me the logits of the current
+block at this step". They differ only in the window they recompute (`Transformer.logits_for`):
+
+- `NoCache`: the whole sequence at every step (LLaDA's baseline).
+- `PrefixCache`: at a block's first step a full forward fills the cache (and decodes); later steps
+  recompute [block start, end of sequence) against the cached prefix (Fast-dLLM prefix cache).
+- `DualCache`: the same, but later steps recompute only the block, against the cached prefix *and*
+  the cached masked suffix (Fast-dLLM DualCache).
+
+The cache is refreshed when a new block starts, i.e. when the previous one completed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVCache
+
+
+@dataclass
+class SequenceView:
+    """What a policy needs about the rows being decoded (a batch may shrink as rows finish)."""
+
+    x: torch.Tensor  # (B, L) token ids
+    positions: torch.Tensor  # (B, L) RoPE positions (left padding aware)
+    key_mask: torch.Tensor | None  # (B, 1, 1, L) True where attention may look, None: no padding
+
+
+class CachePolicy:
+    name = "none"
+
+    def __init__(self, model):
+        self.model = model
+
+    def block_logits(self, seq: SequenceView, start: int, end: int, step_in_block: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NoCache(CachePolicy):
+    name = "none"
+
+    def block_logits(self, seq, start, end, step_in_block):
+        return self.model.logits_for(seq.x, start, end, positions=seq.positions, key_mask=seq.key_mask)
+
+
+class PrefixCache(CachePolicy):
+    name = "prefix"
+    # Whether later steps also reuse the suffix after the block (DualCache) or recompute it.
+    reuse_suffix = False
+
+    def __init__(self, model):
+        super().__init__(model)
+        self._buffer: KVCache | None = None
+        self.cache: KVCache | None = None
+
+    def _cache_for(self, batch: int, length: int) -> KVCache:
+        # One allocation per generation; when finished rows drop out we use the leading rows.
+        if self._buffer is None or self._buffer.batch < batch or self._buffer.length != length:
+            self._buffer = self.model.new_cache(batch, length)
+        return self._buffer.narrow(batch)
+
+    def block_logits(self, seq, start, end, step_in_block):
+        bsz, length = seq.x.shape
+        if step_in_block == 0:
+            self.cache = self._cache_for(bsz, length)
+            window = None  # full forward: refreshes every position of the cache
+        else:
+            window = (start, end if self.reuse_suffix else length)
+        return self.model.logits_for(
+            seq.x, start, end, window=window, cache=self.cache, positions=seq.positions, key_mask=seq.key_mask
+        )
+
+
+class DualCache(PrefixCache):
+    name = "dual"
+    reuse_suffix = True
+
+
+CACHE_POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (NoCache, PrefixCache, DualCache)}

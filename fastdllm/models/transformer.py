@@ -1,0 +1,234 @@
+"""The shared bidirectional transformer behind every model family (gpt-fast style).
+
+LLaDA and Dream are both Llama-shaped: pre-norm RMSNorm blocks, rotary position
+embeddings, multi-head (optionally grouped-query) attention with *no* causal mask,
+and a SwiGLU MLP. The family files (`llada.py`, `dream.py`) only translate their
+checkpoint's config fields and weight names into `ModelArgs` and the module names
+used here, and say whether the logits are shifted.
+
+The one forward that decoding needs is `Transformer.logits_for`: compute a window
+[ws, we) of the sequence, optionally against a KV cache holding everything else,
+and return logits for the positions [start, end) only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import KVCache
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int  # SwiGLU inner width
+    vocab_size: int  # rows of the embedding / output head
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    mask_token_id: int = 0
+    eos_token_id: int = 0
+    # The logit at i-1 predicts token i (Dream, initialised from an autoregressive model).
+    shifted_logits: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as both reference implementations do, then scale in the input dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (max_len, head_dim) in fp32, half-split layout (rotate_half)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D) in fp32 (LLaDA's rope_full_precision).
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, key_mask, layer_cache, window_start: int) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if layer_cache is not None:
+            # Write the window's fresh K/V in place, then attend over the whole cached sequence:
+            # positions outside the window keep the K/V of the last full forward.
+            k_buf, v_buf = layer_cache
+            k_buf[:, :, window_start : window_start + seqlen] = k
+            v_buf[:, :, window_start : window_start + seqlen] = v
+            k, v = k_buf, v_buf
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=key_mask, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, key_mask, layer_cache, window_start):
+        x = x + self.attention(self.attention_norm(x), cos, sin, key_mask, layer_cache, window_start)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def positions_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    """Absolute RoPE positions (B, L). With left padding a row's first real token is position 0,
+    so a padded row sees exactly the positions it would see alone."""
+    if attention_mask is None:
+        return torch.arange(length, device=device).expand(batch, length)
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+class Transformer(nn.Module):
+    """A bidirectional Llama-shaped transformer. Family adapters subclass it for naming only."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.setup_rope()
+        # Filled by the loader from the tokenizer (EOS, end-of-turn): tokens after which nothing matters.
+        self.stop_token_ids: list[int] = [args.eos_token_id]
+
+    def setup_rope(self, device=None) -> None:
+        if device is None:
+            device = self.tok_embeddings.weight.device
+            if device.type == "meta":
+                device = torch.device("cpu")
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.args.mask_token_id
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, batch, a.n_kv_heads, length, a.head_dim, dtype=self.dtype, device=self.device)
+
+    # ---- forward passes -------------------------------------------------------------------
+    def hidden(self, tokens, positions, key_mask=None, cache: KVCache | None = None, window_start: int = 0):
+        """Final-norm hidden states of a window of tokens (B, T) at absolute `positions` (B, T).
+
+        `key_mask` (B, 1, 1, S) is True where a key may be attended; S is T without a cache or the
+        cache length with one. With a cache, the window's K/V are written at [window_start, +T).
+        """
+        x = self.tok_embeddings(tokens)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, key_mask, None if cache is None else cache.layer(i), window_start)
+        return self.norm(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, weight)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Plain full forward: logits (B, L, V) with the family's native meaning (shifted for Dream)."""
+        bsz, length = input_ids.shape
+        positions = positions_from_mask(attention_mask, bsz, length, input_ids.device)
+        key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        return self.head(self.hidden(input_ids, positions, key_mask))
+
+    def logits_for(
+        self,
+        x: torch.Tensor,
+        start: int,
+        end: int,
+        *,
+        window: tuple[int, int] | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, end-start, V) in which row j predicts token `start + j`, for every family.
+
+        window=None (or the whole sequence) runs a full forward; with `cache` it also fills the
+        cache. A smaller window [ws, we) needs a cache filled by an earlier full forward: the
+        window's K/V are recomputed and written back, everything else is read from the cache.
+        Prefix mode is window (block_start, L); DualCache is window (block_start, block_end).
+        `positions` (B, L) and `key_mask` (B, 1, 1, L) describe the whole sequence (padding).
+        """
+        bsz, length = x.shape
+        ws, we = (0, length) if window is None else window
+        shift = 1 if self.args.shifted_logits else 0
+        if shift and start - shift < ws:
+            ws = start - shift  # Dream: the logit for `start` comes from position start-1
+        if ws < 0 or not (ws <= start - shift and end - shift <= we <= length):
+            raise ValueError(f"window {(ws, we)} does not cover logits for [{start}, {end})")
+        if cache is None and (ws, we) != (0, length):
+            raise ValueError("a partial window needs a KV cache filled by a full forward")
+        if positions is None:
+            positions = positions_from_mask(None, bsz, length, x.device)
+        h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws)
+        return self.head(h[:, start - shift - ws : end - shift - ws])

@@ -1,0 +1,154 @@
+"""Tokenizers from a checkpoint folder, with the model's chat template.
+
+Two layouts are read: a fast-tokenizer `tokenizer.json` (LLaDA, our embedded model), or Qwen2's
+byte-level BPE files `vocab.json` + `merges.txt` + `added_tokens.json` (Dream), built here with the
+`tokenizers` library, never through remote code. The chat template comes from
+`tokenizer_config.json` and is rendered with jinja2's sandbox, as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.models import BPE
+
+# Qwen2's pre-tokenisation pattern (digits split one by one).
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Names of the end-of-turn tokens of the chat templates we know: generation may stop at them.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
+
+
+class Tokenizer:
+    def __init__(self, fast: FastTokenizer, tokenizer_config: dict | None = None):
+        self.fast = fast
+        self.config = tokenizer_config or {}
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.bos_token = self._token_str("bos_token")
+        self.eos_token = self._token_str("eos_token")
+        self.pad_token = self._token_str("pad_token") or self.eos_token
+
+    def _token_str(self, key: str) -> str | None:
+        value = self.config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        return value
+
+    # ---- vocabulary -------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.fast.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.fast.token_to_id(token)
+
+    def id_of(self, token: str | None) -> int | None:
+        return None if token is None else self.fast.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.id_of(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.id_of(self.pad_token)
+
+    def stop_token_ids(self) -> list[int]:
+        """EOS and any end-of-turn token present: once generated, nothing after them matters."""
+        ids = [self.eos_token_id] + [self.fast.token_to_id(t) for t in END_OF_TURN_TOKENS]
+        return sorted({i for i in ids if i is not None})
+
+    # ---- text <-> ids -----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self.fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    # ---- files ------------------------------------------------------------------------------
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        self.fast.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2, ensure_ascii=False) + "\n")
+        special = {k: self.config[k] for k in ("bos_token", "eos_token", "pad_token") if k in self.config}
+        (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _qwen2_bpe(folder: Path) -> FastTokenizer:
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    for f in (vocab, merges):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing (a byte-level BPE tokenizer needs vocab.json and merges.txt)")
+    tok = FastTokenizer(BPE.from_file(str(vocab), str(merges), unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    added_path = folder / "added_tokens.json"
+    if added_path.is_file():
+        added = _read_json(added_path)
+        for content, _id in sorted(added.items(), key=lambda kv: kv[1]):
+            tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+            if tok.token_to_id(content) != _id:
+                raise ValueError(f"{added_path}: token {content!r} should have id {_id}, got {tok.token_to_id(content)}")
+    return tok
+
+
+def load_tokenizer(folder: str | Path) -> Tokenizer:
+    folder = Path(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    if (folder / "tokenizer.json").is_file():
+        try:
+            fast = FastTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad files
+            raise ValueError(f"{folder / 'tokenizer.json'}: cannot be read ({e})") from None
+    elif (folder / "vocab.json").is_file():
+        fast = _qwen2_bpe(folder)
+    else:
+        raise FileNotFoundError(f"{folder}: no tokenizer.json nor vocab.json + merges.txt")
+    # added_tokens_decoder in tokenizer_config.json marks specials that tokenizer.json may lack.
+    for _id, spec in sorted(config.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0])):
+        if fast.token_to_id(spec["content"]) is None:
+            fast.add_special_tokens([AddedToken(spec["content"], special=True, normalized=False)])
+    return Tokenizer(fast, config)

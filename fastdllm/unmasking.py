@@ -1,0 +1,227 @@
+"""Unmasking policies: given the current block's logits, which masked positions become tokens.
+
+Two separate choices make a policy:
+
+1. **Proposal and confidence** (`propose`): the token proposed for each masked position and a
+   confidence score.
+   - LLaDA (`alg=None`): argmax of the logits, with Gumbel-max noise in float64 when
+     temperature > 0; confidence = softmax probability of the proposed token
+     (`remasking='low_confidence'`) or uniform noise (`remasking='random'`).
+   - Dream (`alg` = 'origin' | 'maskgit_plus' | 'topk_margin' | 'entropy'): tokens sampled from
+     softmax(logits / temperature) (argmax at temperature 0, after optional top-p / top-k);
+     confidence = that token's probability (maskgit_plus, and origin when combined with a
+     threshold), top-1 minus top-2 probability (topk_margin), or negative entropy (entropy).
+2. **How many / which** (`select`):
+   - `Threshold` (Fast-dLLM): every masked position with confidence >= threshold, and always at
+     least the most confident one.
+   - `Factor` (Fast-dLLM, Theorem 1): sort confidences c_1 >= c_2 >= ...; take the top n for the
+     largest n such that c_m >= 1 - factor / (m + 1) for every m <= n, i.e. (m + 1)(1 - c_m) <=
+     factor; always at least one. *Deliberate difference*: the reference code also takes every
+     token when the first failing rank is the last one (an off-by-one in its loop); we take
+     exactly the ranks that pass, as the paper's rule says.
+   - `LinearSchedule` (LLaDA): step i of a block unmasks the k_i most confident positions, the
+     block's masks split evenly over its steps, the remainder going to the first steps.
+   - `DreamSchedule` (Dream): timesteps linspace(1, eps, steps + 1); step i unmasks
+     int(n_masked * (1 - s / t)) positions (all of them at the last step), by top-k confidence or,
+     with `alg_temp` > 0, sampled from softmax(confidence / alg_temp). With alg='origin' each
+     masked position is instead revealed independently with probability 1 - s / t.
+     *Deliberate difference*: Dream averages the mask count over the batch; we count per row, so
+     that a row decodes the same in a batch as alone.
+
+Ties in confidence are broken towards the leftmost position. Confidences are computed in float32
+(the reference uses float64 for its softmax): the proposal is unaffected, and probabilities are
+only compared against thresholds. Randomness comes from one generator per row, drawn only for rows
+that still have masks in the block, so batched and single runs consume identical random streams.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+NEG_INF = float("-inf")
+
+
+# ---- proposals ---------------------------------------------------------------------------------
+def _rows_rand(shape, generators, rows, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    out = torch.empty((len(rows),) + tuple(shape), dtype=dtype, device=device)
+    for i, r in enumerate(rows):
+        out[i] = torch.rand(shape, generator=generators[r], dtype=dtype, device=device)
+    return out
+
+
+def propose(logits: torch.Tensor, config, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator of
+    batch row i; only rows listed in `rows` are ever sampled for (the others get argmax)."""
+    logits = logits.float()
+    if config.alg is None:
+        return _propose_llada(logits, config, generators, rows)
+    return _propose_dream(logits, config, generators, rows)
+
+
+def _propose_llada(logits, config, generators, rows):
+    if config.temperature > 0:
+        # Gumbel-max in float64 (LLaDA's add_gumbel_noise): argmax of exp(l) / (-log u)^temperature.
+        l64 = logits.double()
+        noise = _rows_rand(logits.shape[1:], generators, rows, torch.float64, logits.device)
+        tokens = (l64.exp() / (-torch.log(noise)) ** config.temperature).argmax(-1)
+    else:
+        tokens = logits.argmax(-1)
+    if config.remasking == "random":
+        conf = _rows_rand(logits.shape[1:2], generators, rows, torch.float32, logits.device)
+    else:
+        conf = (logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)).exp()
+    return tokens, conf
+
+
+def _filter_top_p_top_k(logits, top_p, top_k):
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum > top_p
+        drop[..., 1:] = drop[..., :-1].clone()
+        drop[..., 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
+    return logits
+
+
+def _propose_dream(logits, config, generators, rows):
+    if config.temperature > 0:
+        logits = logits / config.temperature
+    logits = _filter_top_p_top_k(logits, config.top_p, config.top_k)
+    probs = logits.softmax(-1)
+    if config.temperature > 0:
+        bsz, t, v = probs.shape
+        tokens = torch.stack(
+            [torch.multinomial(probs[i], 1, generator=generators[r]).squeeze(-1) for i, r in enumerate(rows)]
+        )
+        conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    else:
+        conf, tokens = probs.max(-1)
+    if config.alg == "topk_margin":
+        top2 = probs.topk(2, dim=-1).values
+        conf = top2[..., 0] - top2[..., 1]
+    elif config.alg == "entropy":
+        conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+    return tokens, conf
+
+
+# ---- selection rules ---------------------------------------------------------------------------
+def _ranks(conf: torch.Tensor) -> torch.Tensor:
+    """Rank of each position by descending confidence (0 = most confident), leftmost first on ties."""
+    order = conf.argsort(dim=-1, descending=True, stable=True)
+    return torch.empty_like(order).scatter_(-1, order, torch.arange(conf.shape[-1], device=conf.device).expand_as(order))
+
+
+def _top_k_mask(conf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return _ranks(conf) < k.unsqueeze(-1)
+
+
+class SelectionRule:
+    """Decides which masked positions of a block to reveal at one step."""
+
+    def begin_block(self, masked: torch.Tensor, steps: int, generators, rows) -> None:
+        """Called when a block starts; `masked` (B, T) is the block's mask pattern."""
+
+    def select(self, conf, masked, step, generators, rows) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Threshold(SelectionRule):
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def select(self, conf, masked, step, generators, rows):
+        conf = conf.masked_fill(~masked, NEG_INF)
+        chosen = masked & (conf >= self.threshold)
+        best = conf.argmax(-1, keepdim=True)  # argmax returns the first maximum: leftmost on ties
+        has_mask = masked.any(-1, keepdim=True)
+        return chosen | (torch.zeros_like(masked).scatter_(-1, best, True) & has_mask)
+
+
+class Factor(SelectionRule):
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def select(self, conf, masked, step, generators, rows):
+        conf = conf.masked_fill(~masked, NEG_INF)
+        sorted_conf = conf.sort(dim=-1, descending=True, stable=True).values
+        rank = torch.arange(1, conf.shape[-1] + 1, device=conf.device, dtype=conf.dtype)  # m = 1, 2, ...
+        passes = sorted_conf >= 1 - self.factor / (rank + 1)
+        passes[..., 0] = True  # always at least one
+        count = passes.long().cumprod(-1).sum(-1)
+        count = torch.minimum(count, masked.sum(-1))
+        return _top_k_mask(conf, count) & masked
+
+
+def linear_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
+    """LLaDA's get_num_transfer_tokens: (B,) mask counts -> (B, steps) tokens per step."""
+    base = num_masked // steps
+    remainder = num_masked % steps
+    counts = base.unsqueeze(-1).repeat(1, steps)
+    counts += (torch.arange(steps, device=num_masked.device) < remainder.unsqueeze(-1)).long()
+    return counts
+
+
+class LinearSchedule(SelectionRule):
+    def begin_block(self, masked, steps, generators, rows):
+        self.counts = linear_schedule(masked.sum(-1), steps)
+        self.steps = steps
+
+    def select(self, conf, masked, step, generators, rows):
+        k = self.counts[:, step] if step < self.steps else masked.sum(-1)
+        return _top_k_mask(conf.masked_fill(~masked, NEG_INF), k) & masked
+
+
+class DreamSchedule(SelectionRule):
+    def __init__(self, alg: str, eps: float, alg_temp: float | None):
+        self.alg, self.eps, self.alg_temp = alg, eps, alg_temp
+
+    def begin_block(self, masked, steps, generators, rows):
+        self.steps = steps
+        self.timesteps = torch.linspace(1, self.eps, steps + 1, device=masked.device)
+
+    def select(self, conf, masked, step, generators, rows):
+        last = step >= self.steps - 1
+        t, s = (self.timesteps[step], self.timesteps[step + 1]) if not last else (None, None)
+        if self.alg == "origin":
+            if last:
+                return masked.clone()
+            p_transfer = 1 - s / t
+            u = _rows_rand(masked.shape[1:], generators, rows, torch.float32, masked.device)
+            return masked & (u < p_transfer)
+        n_masked = masked.sum(-1)
+        k = n_masked if last else (n_masked.float() * (1 - s / t)).long()
+        conf = conf.masked_fill(~masked, NEG_INF)
+        if not self.alg_temp:
+            return _top_k_mask(conf, k) & masked
+        chosen = torch.zeros_like(masked)
+        weights = (conf / self.alg_temp).softmax(-1)
+        for i, r in enumerate(rows):
+            if k[i] > 0:
+                picked = torch.multinomial(weights[i], int(k[i]), replacement=False, generator=generators[r])
+                chosen[i, picked] = True
+        return chosen & masked
+
+
+def selection_rule(config) -> SelectionRule:
+    if config.factor is not None:
+        return Factor(config.factor)
+    if config.threshold is not None:
+        return Threshold(config.threshold)
+    if config.alg is None:
+        return LinearSchedule()
+    return DreamSchedule(config.alg, config.eps, config.alg_temp)
+
+
+def needs_randomness(config) -> bool:
+    return (
+        config.temperature > 0
+        or config.remasking == "random"
+        or (config.alg == "origin" and config.threshold is None and config.factor is None)
+        or bool(config.alg_temp)
+    )

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdllm.loading import save_pretrained
+from fastdllm.models.transformer import ModelArgs
+from fastdllm.train import build_tokenizer, new_model
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+def random_model(arch: str, tokenizer, seed: int = 0, **overrides):
+    """A tiny random model of a family, in fp32, with GQA for Dream (as the real one has)."""
+    model = new_model(arch, "micro", tokenizer, seed=seed)
+    if overrides:
+        args = ModelArgs(**{**model.args.__dict__, **overrides})
+        fam = model.family
+        torch.manual_seed(seed)
+        from fastdllm.models import Transformer
+
+        model = Transformer(args)
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+        model.family, model.config = fam, {}
+    # Norm weights and biases away from their init values, so a mix-up cannot go unnoticed.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.mul_(8.0)  # larger weights: sharper distributions, a stricter parity check
+    model.stop_token_ids = tokenizer.stop_token_ids()
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llada(tokenizer):
+    return random_model("llada", tokenizer, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dream(tokenizer):
+    return random_model("dream", tokenizer, seed=2, n_heads=4, n_kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llada_dir(tmp_path_factory, tiny_llada, tokenizer):
+    return save_pretrained(tiny_llada, tmp_path_factory.mktemp("llada"), tokenizer, dtype=torch.float32,
+                           max_shard_bytes=20_000)
+
+
+@pytest.fixture(scope="session")
+def tiny_dream_dir(tmp_path_factory, tiny_dream, tokenizer):
+    return save_pretrained(tiny_dream, tmp_path_factory.mktemp("dream"), tokenizer, dtype=torch.float32)

@@ -1,0 +1,291 @@
+"""Issue 2: model code parity, cache exactness, checkpoint round trip, and clear loading errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fastdllm
+from fastdllm.loading import save_pretrained
+from fastdllm.models import llada
+from fastdllm.models.transformer import positions_from_mask
+
+from .conftest import SHARED
+
+transformers = pytest.importorskip("transformers")
+
+
+def _full_mask(batch, length):
+    return torch.ones(batch, 1, length, length, dtype=torch.bool)
+
+
+def _llada_to_llama(state: dict, n_layers: int) -> dict:
+    """An independent name mapping: LLaDA checkpoint names -> transformers' Llama names."""
+    out = {
+        "model.embed_tokens.weight": state["model.transformer.wte.weight"],
+        "model.norm.weight": state["model.transformer.ln_f.weight"],
+        "lm_head.weight": state["model.transformer.ff_out.weight"],
+    }
+    pairs = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+             "attn_out": "self_attn.o_proj", "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+             "ff_out": "mlp.down_proj", "attn_norm": "input_layernorm", "ff_norm": "post_attention_layernorm"}
+    for i in range(n_layers):
+        for theirs, hf in pairs.items():
+            out[f"model.layers.{i}.{hf}.weight"] = state[f"model.transformer.blocks.{i}.{theirs}.weight"]
+    return out
+
+
+def _weights(folder) -> dict:
+    state = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def test_llada_matches_transformers_llama(tiny_llada_dir):
+    model, _ = fastdllm.load(tiny_llada_dir, dtype="float32", device="cpu")
+    a = model.args
+    cfg = transformers.LlamaConfig(
+        hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
+        max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta,
+        attention_bias=False, tie_word_embeddings=False,
+    )
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.load_state_dict(_llada_to_llama(_weights(tiny_llada_dir), a.n_layers), strict=True)
+    x = torch.randint(0, 700, (2, 37))
+    with torch.no_grad():
+        ours = model(x)
+        theirs = ref(x, attention_mask=_full_mask(2, 37)).logits
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def test_dream_matches_transformers_qwen2(tiny_dream_dir):
+    model, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
+    a = model.args
+    assert a.n_kv_heads < a.n_heads and a.qkv_bias and a.shifted_logits
+    cfg = transformers.Qwen2Config(
+        hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
+        max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta,
+        tie_word_embeddings=False, use_sliding_window=False,
+    )
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    ref.load_state_dict(_weights(tiny_dream_dir), strict=True)  # Dream uses Qwen2's names as they are
+    x = torch.randint(0, 700, (2, 29))
+    with torch.no_grad():
+        ours = model(x)
+        theirs = ref(x, attention_mask=_full_mask(2, 29)).logits
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+    # logits_for hides the shift: row j predicts token start + j, i.e. native logit start + j - 1.
+    with torch.no_grad():
+        adapted = model.logits_for(x, 5, 12)
+    torch.testing.assert_close(adapted, ours[:, 4:11])
+
+
+def test_llada_logits_for_is_unshifted(tiny_llada):
+    x = torch.randint(0, 700, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_llada.logits_for(x, 5, 12), tiny_llada(x)[:, 5:12])
+
+
+def _padded_batch(lengths, total, vocab=700, pad=0):
+    rows = [torch.randint(1, vocab, (n,)) for n in lengths]
+    width = max(lengths)
+    ids = torch.full((len(rows), width + total), pad)
+    mask = torch.zeros(len(rows), width + total, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) : width] = r
+        mask[i, width - len(r) :] = True
+    ids[:, width:] = torch.randint(1, vocab, (len(rows), total))
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
+@pytest.mark.parametrize("lengths", [[11], [11, 7, 3]])
+def test_cached_windows_equal_full_forward(arch, lengths, request):
+    """Right after a full forward fills the cache, prefix- and dual-mode logits of any window equal
+    the full forward's logits at those positions (fp32, tight tolerance), with left padding too."""
+    model = request.getfixturevalue(arch)
+    ids, mask = _padded_batch(lengths, 24)
+    bsz, length = ids.shape
+    positions = positions_from_mask(mask, bsz, length, "cpu")
+    key_mask = mask[:, None, None, :]
+    with torch.no_grad():
+        full = model.logits_for(ids, 1, length, positions=positions, key_mask=key_mask)
+        for s, e in [(max(lengths), max(lengths) + 8), (length - 8, length), (5, 9)]:
+            cache = model.new_cache(bsz, length)
+            filled = model.logits_for(ids, s, e, cache=cache, positions=positions, key_mask=key_mask)
+            torch.testing.assert_close(filled, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
+            prefix = model.logits_for(ids, s, e, window=(s, length), cache=cache, positions=positions, key_mask=key_mask)
+            dual = model.logits_for(ids, s, e, window=(s, e), cache=cache, positions=positions, key_mask=key_mask)
+            torch.testing.assert_close(prefix, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(dual, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
+def test_padded_row_equals_row_alone(arch, request):
+    model = request.getfixturevalue(arch)
+    ids, mask = _padded_batch([13, 5], 10)
+    width = ids.shape[1]
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask)
+        alone = model(ids[1:, mask[1]])
+    torch.testing.assert_close(batched[1, mask[1]], alone[0], atol=1e-5, rtol=1e-5)
+    assert width > alone.shape[1]
+
+
+def test_round_trip_is_bit_exact(tiny_llada, tiny_llada_dir, tokenizer):
+    assert (tiny_llada_dir / "model.safetensors.index.json").is_file()
+    assert len(list(tiny_llada_dir.glob("model-*-of-*.safetensors"))) > 1
+    model, tok = fastdllm.load(tiny_llada_dir, dtype="float32", device="cpu")
+    for (name, a), (_, b) in zip(tiny_llada.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+    text = "Tom has 5 apples. <|eot_id|>"
+    assert tok.encode(text) == tokenizer.encode(text)
+    assert tok.chat_template == tokenizer.chat_template
+    assert model.stop_token_ids == tokenizer.stop_token_ids()
+
+
+def test_saved_llada_config_has_every_reference_field(tiny_llada_dir):
+    reference = json.loads((SHARED / "formats" / "llada-8b-instruct.config.json").read_text())
+    saved = json.loads((tiny_llada_dir / "config.json").read_text())
+    assert set(reference) <= set(saved)
+    assert saved["model_type"] == "llada" and saved["d_model"] != reference["d_model"]
+    assert llada.REFERENCE_CONFIG == reference  # our copy of the real config is verbatim
+
+
+def test_real_llada_config_shrunk_loads(tmp_path, tokenizer):
+    """LLaDA-8B-Instruct's exact config.json with the layer count and widths shrunk."""
+    cfg = json.loads((SHARED / "formats" / "llada-8b-instruct.config.json").read_text())
+    cfg.update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=96)
+    cfg.update(mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"), vocab_size=1024, embedding_size=1024)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    names = llada.weight_names(llada.args_from_config(cfg))
+    shapes = {"wte": (1024, 64), "ln_f": (64,), "transformer.ff_out": (1024, 64)}
+    tensors = {}
+    for ours, theirs in names.items():
+        if "norm" in ours:
+            shape = (64,)
+        elif ours == "tok_embeddings.weight" or ours == "output.weight":
+            shape = (1024, 64)
+        elif ".w1." in ours or ".w3." in ours:
+            shape = (96, 64)
+        elif ".w2." in ours:
+            shape = (64, 96)
+        else:
+            shape = (64, 64)
+        tensors[theirs] = torch.randn(shape, dtype=torch.bfloat16)
+    assert shapes
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    tokenizer.save(tmp_path)
+    model, _ = fastdllm.load(tmp_path, device="cpu")
+    assert model.dtype == torch.bfloat16  # the config's torch_dtype
+    assert model.args.rope_theta == 500000.0 and model.args.max_seq_len == 4096
+    assert model(torch.randint(0, 1000, (1, 9))).shape == (1, 9, 1024)
+
+
+def test_dream_tokenizer_from_vocab_and_merges(tmp_path, tokenizer, tiny_dream):
+    """Dream ships vocab.json + merges.txt + added_tokens.json (no tokenizer.json)."""
+    tokenizer.fast.model.save(str(tmp_path))
+    vocab = json.loads((tmp_path / "vocab.json").read_text())
+    added = {t: len(vocab) + i for i, t in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mdm_mask|>"])}
+    (tmp_path / "added_tokens.json").write_text(json.dumps(added))
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": chatml, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}))
+    save_pretrained(tiny_dream, tmp_path / "m", dtype=torch.float32)
+    for f in (tmp_path / "m").iterdir():
+        shutil.move(str(f), tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["mask_token_id"] = added["<|mdm_mask|>"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model, tok = fastdllm.load(tmp_path, device="cpu")
+    text = "Ann has 12 pencils.\nShe gives 3 to Tom!"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(" 12")) >= 2 and len(tokenizer.encode(" 12")) == 1  # Qwen2 splits digits
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode("<|im_end|>") == [added["<|im_end|>"]]
+    assert added["<|im_end|>"] in model.stop_token_ids and added["<|endoftext|>"] in model.stop_token_ids
+
+
+# ---- bad input: clear errors naming the file or field ---------------------------------------------
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_config_names_the_file(tmp_path, tiny_llada_dir):
+    d = _copy(tiny_llada_dir, tmp_path / "m")
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        fastdllm.load(d)
+
+
+def test_missing_shard_names_the_file(tmp_path, tiny_llada_dir):
+    d = _copy(tiny_llada_dir, tmp_path / "m")
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        fastdllm.load(d)
+
+
+def test_unknown_model_type_names_the_field(tmp_path, tiny_llada_dir):
+    d = _copy(tiny_llada_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        fastdllm.load(d)
+
+
+def test_wrong_tensor_shape_names_the_tensor(tmp_path, tiny_dream_dir):
+    d = _copy(tiny_dream_dir, tmp_path / "m")
+    state = load_file(str(d / "model.safetensors"))
+    state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*\(3, 3\)"):
+        fastdllm.load(d)
+
+
+def test_mask_token_absent_from_tokenizer(tmp_path, tiny_llada_dir):
+    d = _copy(tiny_llada_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["mask_token_id"] = 126336  # LLaDA-8B's id: far outside our small vocabulary
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mask_token_id 126336"):
+        fastdllm.load(d)
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, tiny_llada_dir):
+    d = tmp_path / "m"
+    d.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llada_dir / name, d)
+    (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ValueError, match="safetensors only"):
+        fastdllm.load(d)
+
+
+def test_missing_folder_and_unreachable_hub_id_are_clear(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        fastdllm.load(tmp_path / "nope" / "deeper")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="'no-such-org/no-such-model'"):
+        fastdllm.load("no-such-org/no-such-model")
+
+
+def test_bfloat16_forward_close_to_fp32(tiny_llada_dir):
+    m32, _ = fastdllm.load(tiny_llada_dir, dtype="float32", device="cpu")
+    m16, _ = fastdllm.load(tiny_llada_dir, dtype="bfloat16", device="cpu")
+    x = torch.randint(0, 700, (1, 16))
+    a, b = m32(x), m16(x).float()
+    assert m16.dtype == torch.bfloat16
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
