@@ -1,0 +1,303 @@
+"""Issue 3: the decoding engine. Exactness anchors, batching, stop-at-EOS, schedules, validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm import GenerationConfig, generate, stream_blocks
+from fastdllm.cache_policies import CACHE_POLICIES, DualCache, PrefixCache
+from fastdllm.unmasking import Factor, Threshold, linear_schedule
+
+
+def prompts(tokenizer):
+    return [
+        tokenizer.encode("Question: Tom has 5 apples. He buys 3 more."),
+        tokenizer.encode("Hi"),
+        tokenizer.encode("Mia has 12 pencils and gives 2 to Ann. How many pencils does Mia have now?"),
+    ]
+
+
+# ---- exactness anchor: caches refreshed at every step == no cache ---------------------------------
+class _RefreshEveryStep:
+    """Before every windowed step, refill the cache with a full forward of the current canvas, then
+    take the logits from the window: with a fresh cache the window must reproduce the full forward."""
+
+    def block_logits(self, seq, start, end, step_in_block):
+        if step_in_block > 0:
+            super().block_logits(seq, start, end, 0)  # full forward: refresh every cached position
+        return super().block_logits(seq, start, end, step_in_block)
+
+
+class PrefixRefreshed(_RefreshEveryStep, PrefixCache):
+    name = "prefix_refreshed"
+
+
+class DualRefreshed(_RefreshEveryStep, DualCache):
+    name = "dual_refreshed"
+
+
+@pytest.fixture
+def refreshed_policies(monkeypatch):
+    monkeypatch.setitem(CACHE_POLICIES, "prefix_refreshed", PrefixRefreshed)
+    monkeypatch.setitem(CACHE_POLICIES, "dual_refreshed", DualRefreshed)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
+@pytest.mark.parametrize("threshold", [None, 0.3])
+def test_refreshed_caches_equal_no_cache(arch, threshold, request, tokenizer, refreshed_policies):
+    model = request.getfixturevalue(arch)
+    base = dict(gen_length=32, block_length=8, threshold=threshold, stop_at_eos=False)
+    ref = generate(model, prompts(tokenizer), config=GenerationConfig(cache="none", **base))
+    for cache in ("prefix_refreshed", "dual_refreshed"):
+        cfg = GenerationConfig(**base)
+        cfg.cache = cache  # test-only policies registered above
+        out = generate(model, prompts(tokenizer), config=cfg)
+        assert torch.equal(out.sequences, ref.sequences), cache
+        assert out.nfe_per_row == ref.nfe_per_row
+
+
+def test_stale_caches_run_fewer_full_forwards(tiny_llada, tokenizer):
+    """Without refreshes the caches really are used (window forwards), and decode everything."""
+    calls = []
+    orig = tiny_llada.logits_for
+
+    def spy(x, start, end, **kw):
+        calls.append(kw.get("window"))
+        return orig(x, start, end, **kw)
+
+    tiny_llada.logits_for = spy
+    try:
+        out = generate(tiny_llada, prompts(tokenizer), config=GenerationConfig(gen_length=32, block_length=8,
+                                                                              threshold=None, cache="dual"))
+    finally:
+        del tiny_llada.logits_for
+    full = sum(w is None for w in calls)
+    assert full == 4 and len(calls) == out.nfe == 32
+    assert all(w[1] - w[0] == 8 for w in calls if w is not None)
+    assert not (out.sequences == tiny_llada.mask_token_id).any()
+
+
+# ---- threshold / factor / schedules ---------------------------------------------------------------
+def test_unreachable_threshold_is_the_one_token_baseline(tiny_llada, tokenizer):
+    base = dict(gen_length=32, block_length=8, cache="none", stop_at_eos=False)
+    thr = generate(tiny_llada, prompts(tokenizer), config=GenerationConfig(threshold=1.0, **base))
+    ref = generate(tiny_llada, prompts(tokenizer), config=GenerationConfig(threshold=None, steps=32, **base))
+    assert torch.equal(thr.sequences, ref.sequences)
+    assert thr.nfe == ref.nfe == 32
+    assert all(set(t) == {1} for t in thr.tokens_per_step)
+
+
+def test_threshold_rule():
+    conf = torch.tensor([[0.95, 0.2, 0.91, 0.9, 0.3], [0.1, 0.2, 0.3, 0.4, 0.5]])
+    masked = torch.tensor([[True, True, True, False, True], [True, True, True, True, True]])
+    chosen = Threshold(0.9).select(conf, masked, 0, None, [0, 1])
+    # row 0: >= 0.9 among masked (0.9 at index 3 is not masked); row 1: none reach it -> the top one
+    assert chosen.tolist() == [[True, False, True, False, False], [False, False, False, False, True]]
+
+
+def test_factor_rule_takes_exactly_the_passing_ranks():
+    # factor 1: rank m passes when c_m >= 1 - 1/(m+1): 0.5, 0.667, 0.75, 0.8
+    conf = torch.tensor([[0.5, 0.99, 0.9, 0.95], [0.99, 0.6, 0.3, 0.1], [0.2, 0.1, 0.05, 0.01]])
+    masked = torch.ones_like(conf, dtype=torch.bool)
+    chosen = Factor(1.0).select(conf, masked, 0, None, [0, 1, 2])
+    # row 0: 0.99, 0.95, 0.9 pass; 0.5 (last rank) fails -> 3 (the reference's quirk would take 4)
+    # row 1: 0.99 passes, 0.6 < 0.667 fails -> 1; row 2: none pass -> at least one
+    assert chosen.sum(-1).tolist() == [3, 1, 1]
+    assert chosen[0].tolist() == [False, True, True, True]
+
+
+@pytest.mark.parametrize(
+    "masks, steps, expected",
+    [
+        (32, 32, [1] * 32),
+        (32, 5, [7, 7, 6, 6, 6]),
+        (10, 4, [3, 3, 2, 2]),
+        (5, 8, [1, 1, 1, 1, 1, 0, 0, 0]),
+        (32, 1, [32]),
+        (7, 7, [1] * 7),
+        (0, 3, [0, 0, 0]),
+    ],
+)
+def test_linear_schedule_matches_llada(masks, steps, expected):
+    # LLaDA's get_num_transfer_tokens: base = masks // steps, the remainder to the first steps
+    assert linear_schedule(torch.tensor([masks]), steps)[0].tolist() == expected
+    assert sum(expected) == masks
+
+
+def test_steps_spread_over_blocks():
+    cfg = GenerationConfig(gen_length=64, block_length=16, steps=10, threshold=None)
+    assert cfg.steps_per_block() == [3, 3, 2, 2]
+
+
+def test_one_step_per_block_leaves_no_mask(tiny_llada, tokenizer):
+    cfg = GenerationConfig(gen_length=32, block_length=8, steps=4, threshold=None, cache="dual", stop_at_eos=False)
+    out = generate(tiny_llada, prompts(tokenizer), config=cfg)
+    assert not (out.sequences == tiny_llada.mask_token_id).any()
+    assert out.nfe == 4 and all(t == [8, 8, 8, 8] for t in out.tokens_per_step)
+
+
+@pytest.mark.parametrize("alg", ["origin", "maskgit_plus", "topk_margin", "entropy"])
+def test_dream_algorithms_follow_the_timestep_schedule(tiny_dream, tokenizer, alg):
+    cfg = GenerationConfig(gen_length=32, block_length=32, steps=8, threshold=None, cache="dual", alg=alg,
+                           seed=3, stop_at_eos=False)
+    out = generate(tiny_dream, prompts(tokenizer), config=cfg)
+    assert not (out.sequences == tiny_dream.mask_token_id).any()
+    if alg != "origin":
+        # linspace(1, eps, 9): int(n * (1 - s/t)) per step, all at the last
+        t = torch.linspace(1, 1e-3, 9)
+        n, expected = 32, []
+        for i in range(8):
+            k = n if i == 7 else int(torch.tensor(float(n)) * (1 - t[i + 1] / t[i]))
+            expected.append(k)
+            n -= k
+        assert out.tokens_per_step[0][: len(expected)] == [e for e in expected][: len(out.tokens_per_step[0])]
+    # with threshold and a cache, every Dream algorithm works too
+    cfg2 = cfg.replace(threshold=0.5)
+    out2 = generate(tiny_dream, prompts(tokenizer), config=cfg2)
+    assert not (out2.sequences == tiny_dream.mask_token_id).any()
+
+
+# ---- batching, seeds, stop-at-EOS, streaming ------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(threshold=None, cache="none"),
+        dict(threshold=0.2, cache="dual"),
+        dict(threshold=None, factor=1.0, cache="prefix"),
+        dict(threshold=None, cache="dual", temperature=0.7, remasking="random"),
+        dict(threshold=None, cache="prefix", alg="entropy", temperature=0.5, alg_temp=0.3),
+    ],
+)
+@pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
+def test_batch_equals_single(arch, overrides, request, tokenizer):
+    model = request.getfixturevalue(arch)
+    cfg = GenerationConfig(gen_length=32, block_length=8, stop_at_eos=False, **overrides)
+    ps = prompts(tokenizer)
+    seeds = [11, 12, 13]
+    batch = generate(model, ps, config=cfg, row_seeds=seeds)
+    for i, p in enumerate(ps):
+        alone = generate(model, [p], config=cfg, row_seeds=[seeds[i]])
+        assert torch.equal(batch.sequences[i], alone.sequences[0]), i
+        assert batch.nfe_per_row[i] == alone.nfe_per_row[0]
+
+
+def test_seed_reproducible_and_matters(tiny_llada, tokenizer):
+    cfg = GenerationConfig(gen_length=16, block_length=8, threshold=None, temperature=1.0, seed=5,
+                           stop_at_eos=False)
+    a = generate(tiny_llada, prompts(tokenizer), config=cfg).sequences
+    b = generate(tiny_llada, prompts(tokenizer), config=cfg).sequences
+    c = generate(tiny_llada, prompts(tokenizer), config=cfg.replace(seed=6)).sequences
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_padded_tensor_input_equals_list_input(tiny_llada, tokenizer):
+    ps = prompts(tokenizer)
+    width = max(map(len, ps))
+    ids = torch.zeros(len(ps), width, dtype=torch.long)
+    mask = torch.zeros(len(ps), width, dtype=torch.bool)
+    for i, p in enumerate(ps):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = True
+    cfg = GenerationConfig(gen_length=16, block_length=8, stop_at_eos=False)
+    a = generate(tiny_llada, ids, config=cfg, attention_mask=mask)
+    b = generate(tiny_llada, ps, config=cfg)
+    assert torch.equal(a.sequences, b.sequences)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return fastdllm.load(device="cpu")
+
+
+def arith_prompts(tokenizer, n):
+    from fastdllm.tasks import arith
+    from fastdllm.train import prompt_ids
+
+    return [prompt_ids(tokenizer, p.question, []) for p in arith.test_split()[:n]]
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(cache="none", threshold=None, steps=64)])
+def test_stop_at_eos_gives_the_full_length_text(trained, overrides):
+    model, tok = trained
+    ps = arith_prompts(tok, 6)
+    cfg = GenerationConfig(gen_length=128, block_length=32, **overrides)
+    stopped = generate(model, ps, config=cfg)
+    full = generate(model, ps, config=cfg.replace(stop_at_eos=False))
+    for i in range(len(ps)):
+        a, b = stopped.sequences[i].tolist(), full.sequences[i].tolist()
+        n = stopped.num_tokens[i]
+        assert n == full.num_tokens[i] and a[:n] == b[:n]
+        assert tok.decode(a) == tok.decode(b)
+    assert stopped.nfe < full.nfe  # the answers end well before 128 tokens: stopping saves work
+    assert stopped.nfe_per_row == [sum(1 for _ in t) for t in stopped.tokens_per_step]
+
+
+def test_step_record_is_consistent(trained):
+    model, tok = trained
+    out = generate(model, arith_prompts(tok, 4), config=GenerationConfig(gen_length=64, block_length=32))
+    for r in range(4):
+        steps = out.unmask_step[r]
+        revealed = steps[steps >= 0]
+        assert len(out.tokens_per_step[r]) == out.nfe_per_row[r]
+        counts = torch.bincount(revealed, minlength=out.nfe_per_row[r]).tolist()
+        assert counts == out.tokens_per_step[r]
+        assert all(c >= 1 for c in counts)
+    assert max(out.nfe_per_row) == out.nfe
+
+
+def test_on_step_and_stream_blocks(trained):
+    model, tok = trained
+    ps = arith_prompts(tok, 2)
+    cfg = GenerationConfig(gen_length=96, block_length=32, stop_at_eos=False)
+    events = []
+    out = generate(model, ps, config=cfg, on_step=events.append)
+    steps = [e for e in events if e.kind == "step"]
+    assert len(steps) == out.nfe
+    assert sum(int(e.revealed.sum()) for e in steps) == 2 * 96
+    blocks = list(stream_blocks(model, ps, cfg))
+    assert [b for b, _, _ in blocks] == [0, 1, 2]
+    for r in range(2):
+        assert sum((parts[r] for _, parts, _ in blocks), []) == out.sequences[r].tolist()
+
+
+# ---- validation ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(gen_length=0), "gen_length"),
+        (dict(gen_length=100, block_length=32), "block_length"),
+        (dict(gen_length=64, block_length=32, steps=1), "steps"),
+        (dict(gen_length=64, steps=65), "steps"),
+        (dict(threshold=0.0), "threshold"),
+        (dict(threshold=1.5), "threshold"),
+        (dict(factor=0), "factor"),
+        (dict(temperature=-1), "temperature"),
+        (dict(remasking="lowest"), "remasking"),
+        (dict(cache="triple"), "cache"),
+        (dict(alg="greedy"), "alg"),
+        (dict(alg_temp=-0.1), "alg_temp"),
+        (dict(eps=0), "eps"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(stop_at_eos="yes"), "stop_at_eos"),
+        (dict(gen_length="64"), "gen_length"),
+    ],
+)
+def test_invalid_config_names_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        GenerationConfig(**kwargs)
+
+
+def test_invalid_inputs_are_clear(tiny_llada, tokenizer):
+    cfg = GenerationConfig(gen_length=16, block_length=8)
+    with pytest.raises(ValueError, match="input_ids: empty prompt"):
+        generate(tiny_llada, [[]], config=cfg)
+    with pytest.raises(ValueError, match="mask token"):
+        generate(tiny_llada, [[5, tiny_llada.mask_token_id, 7]], config=cfg)
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        generate(tiny_llada, [[5] * 2040], config=cfg)
+    with pytest.raises(ValueError, match="left-padded"):
+        generate(tiny_llada, torch.ones(1, 4, dtype=torch.long), config=cfg,
+                 attention_mask=torch.tensor([[1, 1, 1, 0]]))
