@@ -163,8 +163,20 @@ class StepEvent:
     canvas: torch.Tensor  # (B, gen_length) current answer region, mask id where still masked
     block: int  # index of the current block
     rows: list[int]  # batch rows that took part in this step
-    revealed: torch.Tensor | None = None  # (B, gen_length) bool: positions revealed by this step
     finished: list[bool] | None = None  # per row: stopped at a stop token
+    chosen: torch.Tensor | None = field(default=None, repr=False)  # (len(rows), block_length)
+    block_length: int = 0
+
+    @property
+    def revealed(self) -> torch.Tensor | None:
+        """(B, gen_length) bool: positions revealed by this step (built on demand: the loop
+        itself never needs it)."""
+        if self.chosen is None:
+            return None
+        out = torch.zeros(self.canvas.shape, dtype=torch.bool, device=self.canvas.device)
+        offset = self.block * self.block_length
+        out[self.rows, offset : offset + self.chosen.shape[1]] = self.chosen
+        return out
 
 
 # ---- input preparation -------------------------------------------------------------------------
@@ -252,8 +264,8 @@ def iter_generate(
     stop_ids = torch.tensor(sorted(set(model.stop_token_ids)), device=device)
 
     unmask_step = torch.full((bsz, gen_len), -1, dtype=torch.long, device=device)
-    row_nfe = [0] * bsz
-    tokens_per_step: list[list[int]] = [[] for _ in range(bsz)]
+    row_nfe = torch.zeros(bsz, dtype=torch.long, device=device)  # steps each row took part in
+    step_log: list[tuple] = []  # (rows, tokens revealed per row, row had masks): lists built at the end
     finished = [False] * bsz
     nfe, forward_time = 0, 0.0
     stats = {} if stats is None else stats
@@ -287,20 +299,22 @@ def iter_generate(
             sync()
             forward_time += time.perf_counter() - t0
             nfe += 1
-            live = has_mask.tolist()
             tokens, conf = propose(logits, config, generators, rows)
             chosen = rule.select(conf, masked, step, generators, rows) & masked
             block[chosen] = tokens[chosen]
-            counts = chosen.sum(-1).tolist()
-            for i, r in enumerate(rows):
-                if live[i]:
-                    unmask_step[r, start - plen : end - plen][chosen[i]] = row_nfe[r]
-                    tokens_per_step[r].append(counts[i])
-                    row_nfe[r] += 1
+            # Record, vectorised: the step index of each revealed position, per row.
+            region = unmask_step[:, start - plen : end - plen]
+            if all_rows:
+                region.copy_(torch.where(chosen, row_nfe[:, None], region))
+                row_nfe += has_mask
+            else:
+                region[idx] = torch.where(chosen, row_nfe[idx, None], region[idx])
+                row_nfe[idx] += has_mask
+            step_log.append((rows, chosen.sum(-1), has_mask))
             step += 1
             if not all_rows:
                 x[idx, start:end] = block
-            yield StepEvent("step", x[:, plen:], b, rows, revealed=_revealed(chosen, rows, bsz, gen_len, start - plen))
+            yield StepEvent("step", x[:, plen:], b, rows, chosen=chosen, block_length=blk)
         if not all_rows:
             x[idx] = xa
         if config.stop_at_eos:
@@ -311,15 +325,14 @@ def iter_generate(
                     x[r, end:] = model.args.eos_token_id
         yield StepEvent("block", x[:, plen:], b, rows, finished=list(finished))
 
-    stats.update(nfe=nfe, row_nfe=row_nfe, tokens_per_step=tokens_per_step, unmask_step=unmask_step,
+    tokens_per_step: list[list[int]] = [[] for _ in range(bsz)]
+    for rows_in_step, counts, live in step_log:
+        for r, c, alive in zip(rows_in_step, counts.tolist(), live.tolist()):
+            if alive:
+                tokens_per_step[r].append(c)
+    stats.update(nfe=nfe, row_nfe=row_nfe.tolist(), tokens_per_step=tokens_per_step, unmask_step=unmask_step,
                  forward_time=forward_time, finished=finished)
     yield StepEvent("done", x[:, plen:], config.num_blocks - 1, [], finished=list(finished))
-
-
-def _revealed(chosen, rows, bsz, gen_len, offset) -> torch.Tensor:
-    out = torch.zeros((bsz, gen_len), dtype=torch.bool, device=chosen.device)
-    out[rows, offset : offset + chosen.shape[1]] = chosen
-    return out
 
 
 def count_until_stop(seq: torch.Tensor, stop_ids: Sequence[int]) -> list[int]:

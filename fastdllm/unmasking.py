@@ -66,12 +66,13 @@ def _propose_llada(logits, config, generators, rows):
         l64 = logits.double()
         noise = _rows_rand(logits.shape[1:], generators, rows, torch.float64, logits.device)
         tokens = (l64.exp() / (-torch.log(noise)) ** config.temperature).argmax(-1)
+        chosen_logit = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     else:
-        tokens = logits.argmax(-1)
+        chosen_logit, tokens = logits.max(-1)
     if config.remasking == "random":
         conf = _rows_rand(logits.shape[1:2], generators, rows, torch.float32, logits.device)
     else:
-        conf = (logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)).exp()
+        conf = (chosen_logit - logits.logsumexp(-1)).exp()
     return tokens, conf
 
 
@@ -118,6 +119,14 @@ def _ranks(conf: torch.Tensor) -> torch.Tensor:
 
 
 def _top_k_mask(conf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per row, the k[row] most confident positions (leftmost first on ties)."""
+    kmax = int(k.max()) if k.numel() else 0
+    if kmax == 0:
+        return torch.zeros_like(conf, dtype=torch.bool)
+    if kmax == 1:  # the common one-token step: argmax already prefers the leftmost maximum
+        return torch.zeros_like(conf, dtype=torch.bool).scatter_(-1, conf.argmax(-1, keepdim=True), True) & (
+            k.unsqueeze(-1) >= 1
+        )
     return _ranks(conf) < k.unsqueeze(-1)
 
 
