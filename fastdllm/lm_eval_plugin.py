@@ -1,0 +1,228 @@
+"""lm-evaluation-harness model `fastdllm`: generation tasks through our decoding engine.
+
+Install the extra (`pip install 'fastdllm[lm_eval]'`), then either
+
+    # the command line: this module registers the model, then runs lm_eval's own CLI
+    python -m fastdllm.lm_eval_plugin --model fastdllm \\
+        --model_args pretrained=GSAI-ML/LLaDA-8B-Instruct,threshold=0.9,cache=dual,gen_length=256 \\
+        --tasks gsm8k --num_fewshot 5 --batch_size 8
+
+    # or Python: importing this module registers the model
+    import lm_eval, fastdllm.lm_eval_plugin
+    lm_eval.simple_evaluate(model="fastdllm", model_args="threshold=0.9,cache=dual", tasks=["gsm8k"])
+
+Why the wrapper: lm_eval finds model classes in its registry, which only its own modules fill
+(there is no plugin entry point for models), so the class must be registered in the process
+before lm_eval's CLI parses `--model`; `python -m fastdllm.lm_eval_plugin` does exactly that and
+takes the same arguments as `lm_eval`.
+
+model_args: `pretrained` (folder or hub id; default the embedded model), `device`, `dtype`, and
+any GenerationConfig field (gen_length, block_length, steps, threshold, factor, cache, alg,
+temperature, ...), e.g. `threshold=none` for the schedule. Without gen_length, each request's
+`max_gen_toks` is used (rounded up to a whole number of blocks). Each request's `until` strings
+cut the answer (`fastdllm.text.complete`); `--batch_size N` decodes N prompts together.
+
+Only `generate_until` is implemented: a masked diffusion model has no left-to-right
+log-likelihood, so `loglikelihood` tasks (multiple choice) raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .generate import GenerationConfig
+
+MODEL_NAME = "fastdllm"
+_REGISTERED: dict[str, Any] = {}
+
+
+def _config_kwargs(kwargs: dict) -> dict:
+    names = set(GenerationConfig.field_names())
+    out = {}
+    for k, v in kwargs.items():
+        if k in names:
+            if isinstance(v, str) and v.lower() in ("none", "off", "null"):
+                v = None
+            out[k] = v
+    return out
+
+
+def make_model_class(LM, register=None):
+    """Build the lm_eval model class on lm_eval's `LM` base (and register it when given
+    `register_model`). Kept a factory so the logic can be tested without lm_eval."""
+
+    class FastDLLM(LM):
+        def __init__(self, pretrained: str | None = None, device: str | None = None, dtype: str | None = None,
+                     batch_size: int | str | None = 1, max_batch_size: int | None = None, **kwargs):
+            super().__init__()
+            from .loading import load
+
+            unknown = [k for k in kwargs if k not in GenerationConfig.field_names()]
+            if unknown:
+                raise ValueError(f"fastdllm: unknown model_args {', '.join(sorted(unknown))}; use pretrained, "
+                                 f"device, dtype or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})")
+            self.gen_kwargs = _config_kwargs(kwargs)
+            self.fixed_gen_length = "gen_length" in self.gen_kwargs
+            self.base_config = GenerationConfig(**self.gen_kwargs)  # validates the values now
+            if device is not None and str(device).startswith("cuda"):
+                import torch
+
+                if not torch.cuda.is_available():  # lm_eval's CLI passes --device cuda by default
+                    device = None
+            self.model, self.tokenizer = load(pretrained, dtype=dtype, device=device)
+            self.pretrained = pretrained or "fastdllm/llada-arith"
+            self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
+            self._device = self.model.device
+            try:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():
+                    self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+            except ImportError:
+                pass
+
+        # -- the request types ------------------------------------------------------------
+        def loglikelihood(self, requests):
+            raise NotImplementedError(
+                "fastdllm: loglikelihood is not available for masked diffusion models (no left-to-right "
+                "likelihood); use generation tasks (generate_until), e.g. gsm8k, minerva_math, humaneval, mbpp")
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError(
+                "fastdllm: loglikelihood_rolling (perplexity) is not available for masked diffusion models")
+
+        def _config_for(self, gen_kwargs: dict) -> GenerationConfig:
+            changes: dict[str, Any] = {}
+            if not self.fixed_gen_length and gen_kwargs.get("max_gen_toks"):
+                blk = self.base_config.block_length
+                want = int(gen_kwargs["max_gen_toks"])
+                changes["gen_length"] = max(blk, -(-want // blk) * blk)
+                if self.base_config.steps is not None:
+                    changes["steps"] = None
+            if gen_kwargs.get("do_sample") and "temperature" not in self.gen_kwargs:
+                changes["temperature"] = float(gen_kwargs.get("temperature", 1.0) or 0.0)
+            return self.base_config.replace(**changes) if changes else self.base_config
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            from .generate import generate
+            from .text import complete
+
+            stop_ids = list(getattr(self.model, "stop_token_ids", None) or self.tokenizer.stop_token_ids())
+            results: list[str | None] = [None] * len(requests)
+            # Group requests with the same settings; decode `batch_size` at a time.
+            groups: dict[tuple, list[int]] = {}
+            for i, req in enumerate(requests):
+                context, gen_kwargs = req.args[0], (req.args[1] if len(req.args) > 1 else {}) or {}
+                config = self._config_for(gen_kwargs)
+                until = gen_kwargs.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                key = (tuple(sorted(config.to_dict().items())), tuple(until))
+                groups.setdefault(key, []).append(i)
+            bar = None
+            if not disable_tqdm and self.rank == 0:
+                try:
+                    from tqdm.auto import tqdm
+
+                    bar = tqdm(total=len(requests), desc="fastdllm generate_until")
+                except ImportError:
+                    bar = None
+            for key, idxs in groups.items():
+                config = GenerationConfig(**dict(key[0]))
+                until = list(key[1])
+                for start in range(0, len(idxs), self.batch_size):
+                    chunk = idxs[start : start + self.batch_size]
+                    prompts = [self.tokenizer.encode(requests[i].args[0]) for i in chunk]
+                    out = generate(self.model, prompts, config=config, row_seeds=[(config.seed or 0) + i for i in chunk])
+                    for row, i in enumerate(chunk):
+                        text = complete(self.tokenizer, out.sequences[row], stop_ids, stop=until).text
+                        results[i] = text
+                        self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                    if bar is not None:
+                        bar.update(len(chunk))
+            if bar is not None:
+                bar.close()
+            return results
+
+        # -- chat templates -----------------------------------------------------------------
+        def apply_chat_template(self, chat_history, add_generation_prompt=True):
+            return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+
+        @property
+        def tokenizer_name(self) -> str:
+            return str(self.pretrained).replace("/", "__")
+
+        def chat_template(self, chat_template=False):
+            return self.tokenizer.chat_template or ""
+
+        # -- ranks (torchrun / accelerate launch with torch.distributed initialised) ----------
+        def all_gather(self, tensor):
+            if self.world_size == 1:
+                return tensor
+            import torch
+            import torch.distributed as dist
+
+            parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(parts, tensor)
+            return torch.cat(parts)
+
+        def gather_object(self, obj, dst=0):
+            if self.world_size == 1:
+                return [obj]
+            import torch.distributed as dist
+
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, obj)
+            return parts if self.rank == dst else None
+
+        def barrier(self):
+            if self.world_size > 1:
+                import torch.distributed as dist
+
+                dist.barrier()
+
+    FastDLLM.__name__ = FastDLLM.__qualname__ = "FastDLLM"
+    if register is not None:
+        register(MODEL_NAME)(FastDLLM)
+    return FastDLLM
+
+
+def register() -> Any:
+    """Register the `fastdllm` model with lm_eval (idempotent); returns the class."""
+    if "cls" in _REGISTERED:
+        return _REGISTERED["cls"]
+    try:
+        from lm_eval.api.model import LM
+        from lm_eval.api.registry import register_model
+    except ImportError as e:
+        raise ImportError("fastdllm.lm_eval_plugin needs lm-evaluation-harness: pip install 'fastdllm[lm_eval]'") from e
+    _REGISTERED["cls"] = make_model_class(LM, register_model)
+    return _REGISTERED["cls"]
+
+
+try:  # importing the module registers the model when lm_eval is installed
+    FastDLLM = register()
+except ImportError:
+    FastDLLM = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fastdllm.lm_eval_plugin <lm_eval arguments>`: register, then run lm_eval's CLI."""
+    try:
+        register()
+    except ImportError as e:
+        print(f"fastdllm.lm_eval_plugin: {e}", file=sys.stderr)
+        return 2
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError as e:
+        print(f"fastdllm.lm_eval_plugin: cannot find lm_eval's CLI ({e})", file=sys.stderr)
+        return 2
+    cli_evaluate()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
