@@ -180,7 +180,7 @@ def _closed_ancestor(path: str) -> str | None:
     return None
 
 
-def _covers(workdir: str, stage: str) -> list[tuple[str, list[str], str]]:
+def _covers(workdir: str) -> list[tuple[str, list[str], str]]:
     """(folder to cover with an empty tmpfs, paths under it to put back, tmpfs mode) for a run:
     closed folders on the way to the interpreter (mode 755, the interpreter put back read-only)
     and the world-writable scratch folders (mode 1777, the run's folder put back)."""
@@ -199,9 +199,7 @@ def _covers(workdir: str, stage: str) -> list[tuple[str, list[str], str]]:
     for top in tops:
         keep = [d for d in interpreter + [real_work] if under(d, top)]
         covers.append((top, keep, "1777" if top in shared else "755"))
-    # The cover that hides the staging folder must be built last.
-    covers.sort(key=lambda c: (under(os.path.realpath(stage), c[0]), c[0]))
-    return covers
+    return sorted(covers)
 
 
 class _ChildSetup:
@@ -209,10 +207,10 @@ class _ChildSetup:
     computed beforehand; it only makes system calls, and any failure raises (the parent sees
     the run as "could not start")."""
 
-    def __init__(self, plan: _Plan, config: SandboxConfig, uid: int | None, workdir: str, stage: str):
+    def __init__(self, plan: _Plan, config: SandboxConfig, uid: int | None, workdir: str):
         self.plan, self.config, self.uid = plan, config, uid
-        self.workdir, self.stage = workdir, stage
-        self.covers = _covers(workdir, stage) if plan.private_mounts else []
+        self.workdir = workdir
+        self.covers = _covers(workdir) if plan.private_mounts else []
         self.libc = _get_libc() if (plan.new_net or plan.private_mounts or plan.user_namespace) else None
         self.outer_uid, self.outer_gid = os.getuid(), os.getgid()
         self.rlimits = self._rlimits()
@@ -260,19 +258,16 @@ class _ChildSetup:
         if plan.private_mounts:
             self._mount("none", "/", None, MS_REC | MS_PRIVATE, None)
             size = f"size={self.config.tmpfs_mb}m"
-            for i, (top, keep, mode) in enumerate(self.covers):
-                # Build the cover on a staging folder (a fresh tmpfs with the kept paths bound
-                # into it), then move it over `top` in one step. The cover holding the staging
-                # folder itself comes last.
-                st = f"{self.stage}/{i}"
-                os.mkdir(st)
-                self._mount("tmpfs", st, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode},{size}")
-                for path in keep:
-                    inner = st + path[len(top.rstrip("/")):]
-                    os.makedirs(inner, mode=0o755, exist_ok=True)
-                    self._mount(path, inner, None, MS_BIND | MS_REC, None)
-                self._mount(st, top, None, MS_MOVE, None)
-                for path in keep:
+            # Hold every path to put back by an O_PATH descriptor, cover the folders with empty
+            # tmpfs, then bind the paths back from their descriptors (/proc/self/fd/N).
+            held = [(top, keep, mode, [os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep])
+                    for top, keep, mode in self.covers]
+            for top, keep, mode, fds in held:
+                self._mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode},{size}")
+                for path, fd in zip(keep, fds):
+                    os.makedirs(path, mode=0o755, exist_ok=True)
+                    self._mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+                    os.close(fd)
                     if path != self.workdir:
                         self._mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
             os.chdir(self.workdir)  # the old cwd handle points below the cover
@@ -342,6 +337,22 @@ def protections() -> tuple[str, ...]:
 
 
 # ---- one run -----------------------------------------------------------------------------------
+def _uid_has_processes(uid: int) -> bool:
+    """Is any process of `uid` left? (/proc/<pid> belongs to the process's uid.)"""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return True
+    for name in names:
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def _kill_uid(uid: int) -> None:
     """SIGKILL every process of `uid`: a forked helper takes the uid and calls kill(-1), which
     reaches every process the caller may signal, i.e. those of its own uid. The kernel walks the
@@ -380,7 +391,6 @@ def _last_line(text: str) -> str:
 
 def _run(source: str, config: SandboxConfig, plan: _Plan, marker: bool = True) -> SandboxResult:
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="fastdllm-sandbox-"))
-    stage = os.path.realpath(tempfile.mkdtemp(prefix="fastdllm-stage-"))
     uid = _next_uid() if plan.drop_user else None
     token = secrets.token_hex(16)
     rfd, wfd = os.pipe()
@@ -396,7 +406,7 @@ def _run(source: str, config: SandboxConfig, plan: _Plan, marker: bool = True) -
             os.chown(path, uid, uid)
         os.chmod(workdir, 0o700)
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-        setup = _ChildSetup(plan, config, uid, workdir, stage)
+        setup = _ChildSetup(plan, config, uid, workdir)
         proc = subprocess.Popen(
             [sys.executable, "-I", "-B", "program.py"],
             cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -414,7 +424,7 @@ def _run(source: str, config: SandboxConfig, plan: _Plan, marker: bool = True) -
     finally:
         if proc is not None and proc.poll() is None:
             _kill_group(proc)
-        if uid is not None:
+        if uid is not None and _uid_has_processes(uid):
             _kill_uid(uid)
         for fd in (rfd, wfd):
             if fd >= 0:
@@ -423,7 +433,6 @@ def _run(source: str, config: SandboxConfig, plan: _Plan, marker: bool = True) -
                 except OSError:
                     pass
         shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(stage, ignore_errors=True)
     rc = proc.returncode
     stdout, stderr = _decode(out), _decode(err)
     verdict, reason = _verdict(rc, timed_out, token.encode() in got, stderr, config)

@@ -85,6 +85,16 @@ def test_sleep_times_out_and_daemon_is_reaped():
         assert leftover_processes() == []
 
 
+@needs_user
+def test_background_child_does_not_outlive_the_run():
+    code = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    sys.stdout.close()\n    sys.stderr.close()\n"
+            "    time.sleep(600)\nprint('main done')\n")
+    r = run(code)
+    assert r.verdict == "passed" and r.stdout == "main done\n"
+    time.sleep(0.2)
+    assert leftover_processes() == []
+
+
 def test_fork_bomb_is_contained():
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     r = run_program(code, timeout=2.0)
