@@ -246,6 +246,8 @@ def train(args: argparse.Namespace) -> Path:
     ckpt = out / "checkpoint"
     if args.resume and ckpt.is_dir():
         tokenizer = load_tokenizer(ckpt)
+    elif args.init_from:
+        tokenizer = load_tokenizer(args.init_from)
     else:
         tokenizer = build_tokenizer(seed=args.seed)
     model = new_model(args.arch, args.preset, tokenizer, seed=args.seed).to(args.device)
@@ -254,6 +256,10 @@ def train(args: argparse.Namespace) -> Path:
     if args.resume and ckpt.is_dir():
         step = load_checkpoint(ckpt, model, opt)
         print(f"resumed from {ckpt} at step {step}", flush=True)
+    elif args.init_from:
+        # Continue training a finished model (e.g. the shipped one) with a fresh optimizer and schedule.
+        model.load_state_dict(load_model(args.init_from, dtype=torch.float32).state_dict())
+        print(f"initialised weights from {args.init_from}", flush=True)
     log = (out / "train_log.jsonl").open("a")
     model.train()
     t_start, tokens = time.time(), 0
@@ -311,6 +317,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-n", type=int, default=64)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint if present")
+    p.add_argument("--init-from", default=None, help="start from this model folder's weights and tokenizer")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,78 @@
+"""Issue 4: the arith task and the training loop (a micro config, a few steps)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+import fastdllm
+from fastdllm import train
+from fastdllm.tasks import arith
+from fastdllm.tasks.scoring import extract_gsm8k_answer
+
+
+def test_arith_splits_are_fixed_and_disjoint():
+    test = arith.test_split()
+    assert len(test) >= 1000 and len({p.question for p in test}) == len(test)
+    assert [p.question for p in test[:5]] == [p.question for p in arith._unique(arith.TEST_SEED, 5,
+                                                                                   {q.question for q in arith.fewshot_pool()})]
+    held = arith.held_out_questions()
+    assert not any(p.question in held for p in itertools.islice(arith.train_stream(0), 5000))
+    for p in test[:200]:
+        assert p.answer.endswith(f"#### {p.value}") and extract_gsm8k_answer(p.answer) == str(p.value)
+        assert 0 <= p.value <= arith.MAX_VALUE
+        assert 2 <= p.answer.count("\n") <= 4  # 2-4 worked steps before the #### line
+
+
+def test_fewshot_prompts():
+    q = arith.test_split()[0].question
+    assert arith.format_prompt(q, []) == f"Question: {q}\nAnswer:"
+    eight = arith.format_prompt(q, arith.fewshot_exemplars(8))
+    assert eight.count("Question:") == 9 and eight.count("####") == 8
+
+
+def _args(out, steps, resume=False):
+    return argparse.Namespace(
+        arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,
+        token_budget=600, seed=0, device="cpu", threads=1, log_every=1, save_every=2, eval_every=0, eval_n=4,
+        resume=resume, init_from=None, command_line="test",
+    )
+
+
+def test_training_steps_resume_exactly(tmp_path):
+    straight = train.train(_args(tmp_path / "a", 4))
+    train.train(_args(tmp_path / "b", 2))
+    resumed = train.train(_args(tmp_path / "b", 4, resume=True))
+    a, _ = fastdllm.load(tmp_path / "a" / "checkpoint", device="cpu")
+    b, _ = fastdllm.load(tmp_path / "b" / "checkpoint", device="cpu")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=name)
+    log = [json.loads(line) for line in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in log)
+    # the final export is a LLaDA checkpoint in bf16 that the public loader reads
+    model, tok = fastdllm.load(straight, device="cpu")
+    cfg = json.loads((straight / "config.json").read_text())
+    assert cfg["model_type"] == "llada" and cfg["torch_dtype"] == "bfloat16" and model.dtype == torch.bfloat16
+    assert resumed.is_dir() and tok.token_to_id("<|mdm_mask|>") == model.mask_token_id
+
+
+def test_sft_loss_masks_only_the_answer_region(tokenizer):
+    model = train.new_model("llada", "micro", tokenizer)
+    ids, starts = train.make_batch(tokenizer, 0, 0, 600)
+    seen = {}
+    real_forward = model.forward
+
+    def spy(noisy, *a, **k):
+        seen["noisy"] = noisy
+        return real_forward(noisy, *a, **k)
+
+    model.forward = spy
+    loss = train.sft_loss(model, ids, starts, torch.Generator().manual_seed(0))
+    noisy = seen["noisy"]
+    for row in range(ids.shape[0]):
+        prompt = slice(0, int(starts[row]))
+        assert torch.equal(noisy[row, prompt], ids[row, prompt])  # the prompt is never masked
+    assert (noisy == model.mask_token_id).any() and torch.isfinite(loss)
