@@ -21,13 +21,13 @@ always
 when we run as root ("unprivileged_user", "no_network", "private_mounts")
 - it drops to a user id of its own (setgroups([]), setgid, setuid in the child), distinct for
   every run, so RLIMIT_NPROC bounds a fork bomb, it can signal no process but its own, it can
-  write nowhere but its directory (and world-writable places, which are covered, see below), and
-  after the run every process left with that uid is killed (`kill(-1)` from a helper that takes
-  the uid), so no daemon it forked survives;
+  write only in its directory and where any user may (the world-writable folders, covered as
+  below), and after the run any process left with that uid is killed (`kill(-1)` from a helper
+  that takes the uid), so no daemon it forked survives;
 - a fresh network namespace (`unshare(CLONE_NEWNET)`): only a loopback interface that is down,
   so every connection fails, to the internet as to 127.0.0.1;
 - a private mount namespace: /tmp, /var/tmp and /dev/shm are covered by small empty tmpfs (the
-  run's own directory is moved back in), as is any directory the unprivileged user could not
+  run's own directory is bound back in), as is any directory the unprivileged user could not
   enter on the way to the interpreter (for example /root, which holds a pyenv Python): the
   interpreter's folders are bind-mounted back read-only, the rest of it (home, secrets) vanishes.
 

@@ -521,6 +521,7 @@ class MathChecker:
         self.timeout, self.memory_mb = timeout, memory_mb
         self.proc = None
         self.timeouts = 0
+        self.start_timeout = 120.0  # importing sympy / math-verify in a fresh worker
         import threading
 
         self._lock = threading.Lock()
@@ -538,6 +539,13 @@ class MathChecker:
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1,
                                      start_new_session=True)
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.start_timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith('{"ready"'):
+            self._stop()
+            raise RuntimeError("the MATH equivalence worker did not start")
 
     def _stop(self):
         if self.proc is not None:
@@ -587,22 +595,17 @@ class MathChecker:
                 except (BrokenPipeError, OSError):
                     self._stop()
                     continue
-                # The worker's first answer includes its import time: allow for it.
-                limit = self.timeout + (30.0 if getattr(self, "_fresh", True) else 0.0)
-                ready, _, _ = select.select([self.proc.stdout], [], [], limit)
+                ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
                 if not ready:
                     self.timeouts += 1
                     self._stop()
-                    self._fresh = True
                     return False, "timeout"
                 line = self.proc.stdout.readline()
                 if not line:
                     self._stop()
-                    self._fresh = True
                     if attempt == 0:
                         continue
                     return False, "checker crashed"
-                self._fresh = False
                 reply = json.loads(line)
                 return bool(reply["equal"]), reply.get("error") or ""
             return False, "checker crashed"
@@ -624,6 +627,8 @@ def _worker_main(memory_mb: int = 4096) -> None:
         import math_verify  # noqa: F401
     except ImportError:
         pass
+    sys.stdout.write('{"ready": true}\n')
+    sys.stdout.flush()
     for line in sys.stdin:
         req = json.loads(line)
         try:
