@@ -1,0 +1,272 @@
+"""`fastdllm generate` and `fastdllm chat`: text in, text out, optionally watching the canvas denoise.
+
+Both commands load the embedded default model unless `--model` is given, take every decoding
+option as a flag (the GenerationConfig names, see `fastdllm.cli.add_generation_args`), decode the
+answer with `fastdllm.text.complete` (stop tokens, `--stop` strings) and print one line of
+statistics on stderr. `--show` draws the canvas live (fastdllm.live_view) when stdout is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+
+from .cli import UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit
+from .generate import GenerationConfig, GenerationOutput, generate
+from .text import Completion, complete
+
+GENERATE_EXAMPLES = """examples:
+  fastdllm generate "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
+  fastdllm generate --show --show-delay 0.05 "Ann has 12 pencils. She gives 4 away. How many are left?"
+  fastdllm generate --threshold none --cache none --steps 64 --gen-length 64 "..."   # LLaDA baseline
+  fastdllm generate --json --seed 0 --temperature 0.7 "..."
+  echo "Mia has 3 books." | fastdllm generate -
+  fastdllm generate --raw "Question: 2 + 3 = ?\\nAnswer:"        # no chat template
+"""
+
+CHAT_EXAMPLES = """examples:
+  fastdllm chat
+  fastdllm chat --show --threshold 0.7
+  printf 'Tom has 5 apples. He buys 3 more. How many now?\\n/reset\\nhi\\n' | fastdllm chat
+
+commands inside the chat:
+  /reset   forget the conversation so far
+  /exit    quit (also /quit, or end of input: Ctrl-D)
+  /help    show these commands
+"""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports mistakes as a UserError: one line, exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        message = re.sub(r"invalid _optional_(\w+) value", r"invalid \1 value", message)
+        raise UserError(message)
+
+
+def _parser(prog: str, description: str, epilog: str) -> ArgumentParser:
+    return ArgumentParser(prog=prog, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    add_generation_args(p, GenerationConfig())
+    out = p.add_argument_group("output")
+    out.add_argument("--show", action="store_true",
+                     help="draw the canvas live while it denoises (only when stdout is a terminal)")
+    out.add_argument("--show-delay", type=float, default=0.0, metavar="SECONDS",
+                     help="pause after each drawn step, to watch a fast model (default 0)")
+    out.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="cut the answer at this string (repeatable)")
+    out.add_argument("--system", default=None, help="a system message put before the conversation")
+    out.add_argument("--no-stats", action="store_true", help="do not print the statistics line")
+
+
+@dataclass
+class Answer:
+    completion: Completion
+    output: GenerationOutput
+    prompt_tokens: int
+
+    @property
+    def tokens_per_step(self) -> float:
+        per_step = self.output.tokens_per_step[0]
+        return sum(per_step) / len(per_step) if per_step else 0.0
+
+    def stats_line(self) -> str:
+        o = self.output
+        tps = self.completion.num_tokens / o.wall_time if o.wall_time > 0 else 0.0
+        return (f"[{self.completion.num_tokens} tokens · {o.nfe} NFE · {self.tokens_per_step:.2f} tokens/step · "
+                f"{tps:.1f} tokens/s · {o.wall_time:.2f} s]")
+
+
+def run_prompt(model, tokenizer, ids: list[int], config: GenerationConfig, stop=None, show: bool = False,
+               show_delay: float = 0.0, console=None) -> Answer:
+    """Generate for one prompt (token ids), with the live view if asked; user mistakes as UserError."""
+    limit = model.args.max_seq_len
+    if len(ids) + config.gen_length > limit:
+        raise UserError(f"the prompt ({len(ids)} tokens) + --gen-length ({config.gen_length}) exceeds the "
+                        f"model's context of {limit} tokens")
+    on_step, view = None, None
+    if show:
+        from .live_view import LiveView
+
+        view = LiveView(tokenizer, model.mask_token_id, config.block_length, model.stop_token_ids,
+                        console=console, delay=show_delay)
+        on_step = view.on_step if view.enabled else None
+    try:
+        if view is not None and view.enabled:
+            with view:
+                out = generate(model, [ids], config, on_step=on_step)
+        else:
+            out = generate(model, [ids], config)
+    except ValueError as e:  # prompt/config mistakes found by the generation loop
+        raise UserError(str(e)) from None
+    completion = complete(tokenizer, out.sequences[0], model.stop_token_ids, stop)
+    return Answer(completion, out, len(ids))
+
+
+def _read_prompt(arg: str) -> str:
+    text = sys.stdin.read() if arg == "-" else arg
+    if arg == "-":
+        text = text.rstrip("\n")
+    if not text.strip():
+        raise UserError("the prompt is empty")
+    return text
+
+
+def main_generate(argv: list[str] | None = None) -> int:
+    p = _parser(
+        "fastdllm generate",
+        "Generate the answer to one prompt with a diffusion language model (the embedded default model "
+        "unless --model). The prompt goes through the model's chat template unless --raw. The answer goes "
+        "to stdout, one line of statistics (tokens, NFE, tokens/step, tokens/s) to stderr.",
+        GENERATE_EXAMPLES,
+    )
+    p.add_argument("prompt", help='the prompt, or "-" to read it from stdin')
+    _add_common(p)
+    p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, tokens, nfe, tokens_per_step, tokens_per_second, config)")
+    args = p.parse_args(argv)
+    config = config_from_args(args)
+    if args.show_delay < 0:
+        raise UserError("--show-delay: must be >= 0")
+    prompt = _read_prompt(args.prompt)
+    model, tokenizer = load_model_or_exit(args)
+
+    templated = not args.raw and bool(tokenizer.chat_template)
+    if templated:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}]
+        ids = tokenizer.encode_chat(messages)
+    else:
+        ids = tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt)
+    if not ids:
+        raise UserError("the prompt is empty after tokenisation")
+    answer = run_prompt(model, tokenizer, ids, config, stop=args.stop, show=args.show and not args.json,
+                        show_delay=args.show_delay)
+    c, o = answer.completion, answer.output
+    if args.json:
+        record = {
+            "text": c.text,
+            "tokens": c.num_tokens,
+            "finish_reason": c.finish_reason,
+            "prompt_tokens": answer.prompt_tokens,
+            "nfe": o.nfe,
+            "tokens_per_step": round(answer.tokens_per_step, 4),
+            "tokens_per_second": round(c.num_tokens / o.wall_time if o.wall_time > 0 else 0.0, 2),
+            "wall_time": round(o.wall_time, 4),
+            "chat_template": templated,
+            "model": args.model or "default",
+            "config": config.to_dict(),
+        }
+        print(json.dumps(record, ensure_ascii=False))
+        return 0
+    print(c.text)
+    sys.stdout.flush()
+    if not args.no_stats:
+        print(answer.stats_line(), file=sys.stderr)
+    return 0
+
+
+class ChatSession:
+    """A conversation: the history of messages, re-encoded with the chat template at every turn.
+
+    When the history no longer fits the context (prompt + gen_length), the oldest turns are dropped
+    (the system message stays)."""
+
+    def __init__(self, model, tokenizer, config: GenerationConfig, system: str | None = None, stop=None):
+        if not tokenizer.chat_template:
+            raise UserError("this model's tokenizer has no chat template; use `fastdllm generate --raw` instead")
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.system, self.stop = system, stop
+        self.messages: list[dict] = []
+        self.dropped_turns = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def _prompt_ids(self) -> list[int]:
+        limit = self.model.args.max_seq_len - self.config.gen_length
+        ids = self.tokenizer.encode_chat(self.messages)
+        first = 1 if self.system else 0
+        while len(ids) > limit and len(self.messages) - first > 1:
+            del self.messages[first : first + 2]  # the oldest user + assistant pair
+            self.dropped_turns += 1
+            ids = self.tokenizer.encode_chat(self.messages)
+        return ids
+
+    def send(self, text: str, show: bool = False, show_delay: float = 0.0) -> Answer:
+        self.messages.append({"role": "user", "content": text})
+        try:
+            answer = run_prompt(self.model, self.tokenizer, self._prompt_ids(), self.config, stop=self.stop,
+                                show=show, show_delay=show_delay)
+        except BaseException:
+            self.messages.pop()
+            raise
+        self.messages.append({"role": "assistant", "content": answer.completion.text})
+        return answer
+
+
+def main_chat(argv: list[str] | None = None) -> int:
+    p = _parser(
+        "fastdllm chat",
+        "Multi-turn chat with a diffusion language model through its chat template (the embedded default "
+        "model unless --model). Reads one message per line from stdin, so it also works with piped input; "
+        "answers go to stdout, statistics to stderr.",
+        CHAT_EXAMPLES,
+    )
+    _add_common(p)
+    args = p.parse_args(argv)
+    config = config_from_args(args)
+    if args.show_delay < 0:
+        raise UserError("--show-delay: must be >= 0")
+    model, tokenizer = load_model_or_exit(args)
+    session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("fastdllm chat: type a message; /reset to forget the conversation, /exit to quit.", file=sys.stderr)
+    while True:
+        try:
+            if interactive:
+                line = input(">>> ")
+            else:
+                line = sys.stdin.readline()
+                if not line:
+                    break
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd = line.split()[0].lower()
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                session.reset()
+                print("(conversation reset)", file=sys.stderr)
+            elif cmd == "/help":
+                print("/reset  forget the conversation    /exit  quit", file=sys.stderr)
+            else:
+                print(f"unknown command {cmd}; try /help", file=sys.stderr)
+            continue
+        dropped = session.dropped_turns
+        try:
+            answer = session.send(line, show=args.show, show_delay=args.show_delay)
+        except UserError as e:
+            print(f"fastdllm chat: error: {e}", file=sys.stderr)
+            continue
+        if session.dropped_turns > dropped:
+            print(f"(dropped {session.dropped_turns - dropped} old turn(s) to fit the context)", file=sys.stderr)
+        print(answer.completion.text)
+        sys.stdout.flush()
+        if not args.no_stats:
+            print(answer.stats_line(), file=sys.stderr)
+    return 0
