@@ -66,7 +66,10 @@ class LiveServer:
 def loaded():
     # float32: a left-padded row of a batch then decodes exactly as alone. In bfloat16 the padding
     # changes the rounding of the logits (~1e-2), which can flip a sampled token at temperature > 0.
-    return fastdllm.load(dtype="float32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared machine: oversubscribed threads are much slower
+    yield fastdllm.load(dtype="float32")
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

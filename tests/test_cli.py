@@ -1,0 +1,234 @@
+"""`fastdllm generate` / `fastdllm chat`: end to end in subprocesses on the embedded model, the live
+view through a pseudo-terminal and rich's recording console, and one-line errors for mistakes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from rich.console import Console
+
+import fastdllm
+from fastdllm import cli
+from fastdllm.chat import ChatSession
+from fastdllm.generate import GenerationConfig, generate
+from fastdllm.live_view import MASK_GLYPH, STYLE_NEW, LiveView, render_canvas
+
+from .conftest import REPO
+
+QUESTION = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
+SMALL = ["--gen-length", "32", "--block-length", "32"]
+STATS = re.compile(r"\[\d+ tokens · \d+ NFE · [\d.]+ tokens/step · [\d.]+ tokens/s · [\d.]+ s\]")
+# One thread per subprocess: the machine is shared, and oversubscribed OpenMP threads crawl.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "COLUMNS": "120"}
+
+
+def run(args, stdin=None, timeout=180):
+    return subprocess.run([sys.executable, "-m", "fastdllm", *args], input=stdin, capture_output=True, text=True,
+                          env=ENV, cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield fastdllm.load()
+    torch.set_num_threads(threads)
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+def test_generate_end_to_end():
+    plain = run(["generate", *SMALL, "--show", QUESTION])  # --show with stdout piped: plain output
+    assert plain.returncode == 0, plain.stderr
+    assert "\x1b[" not in plain.stdout and MASK_GLYPH not in plain.stdout
+    assert STATS.search(plain.stderr), plain.stderr
+    assert "Traceback" not in plain.stderr
+    js = run(["generate", *SMALL, "--json", "-"], stdin=QUESTION + "\n")  # prompt from stdin
+    assert js.returncode == 0, js.stderr
+    record = json.loads(js.stdout)
+    assert {"text", "tokens", "nfe", "tokens_per_step", "tokens_per_second", "config"} <= set(record)
+    assert record["text"] + "\n" == plain.stdout
+    assert record["config"]["gen_length"] == 32 and record["config"]["threshold"] == 0.9
+    assert record["chat_template"] is True and 0 <= record["tokens"] <= 32 and record["nfe"] >= 1
+    assert 1 <= record["tokens_per_step"] <= 32
+
+
+def test_chat_end_to_end():
+    script = f"{QUESTION}\n/reset\n\n/nonsense\nAnn has 12 pencils. She gives 4 away. How many are left?\n/exit\nnever read\n"
+    r = run(["chat", *SMALL], stdin=script)
+    assert r.returncode == 0, r.stderr
+    assert len(STATS.findall(r.stderr)) == 2  # two answers, the line after /exit is not read
+    assert "(conversation reset)" in r.stderr and "unknown command /nonsense" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_flag_value_is_one_line_exit_2():
+    r = run(["generate", "--threshold", "2", QUESTION])
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith("fastdllm generate: error: --threshold") and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_show_draws_live_in_a_terminal():
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "fastdllm", "generate", *SMALL, "--show", QUESTION],
+                            stdin=slave, stdout=slave, stderr=slave, env={**ENV, "TERM": "xterm-256color"},
+                            cwd=REPO, close_fds=True)
+    os.close(slave)
+    out, deadline = b"", time.time() + 180
+    while time.time() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            out += data
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    assert proc.wait(10) == 0, out[-2000:]
+    text = out.decode("utf-8", "replace")
+    assert MASK_GLYPH in text  # masked positions drawn
+    assert "\x1b[" in text  # styled (highlight, underline) and redrawn in place
+    assert re.search(r"block 1/1 · step 1 · \d+/32 revealed", text)
+    assert STATS.search(text) and "Traceback" not in text
+
+
+# ---- in-process: errors and help ------------------------------------------------------------------
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--threshold", "abc", "x"], "--threshold"),
+    (["generate", "--gen-length", "30", "x"], "--block-length"),
+    (["generate", "--cache", "bogus", "x"], "--cache"),
+    (["generate", "--model", "/no/such/folder", "x"], "/no/such/folder"),
+    (["generate", "--bogus-flag", "x"], "--bogus-flag"),
+    (["generate", "   "], "empty"),
+    (["generate", "--show-delay", "-1", "x"], "--show-delay"),
+    (["generate"], "prompt"),
+    (["chat", "--temperature", "-1"], "--temperature"),
+    (["chat", "--model", "/no/such/folder"], "/no/such/folder"),
+    (["serve", "--max-batch-size", "0"], "--max-batch-size"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--threshold", "1.5"], "--threshold"),
+])
+def test_user_mistakes_are_one_line(capsys, argv, needle):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"fastdllm {argv[0]}: error:"), err
+    assert needle in err
+
+
+def test_prompt_beyond_context_is_a_user_error(capsys):
+    assert cli.main(["generate", "--gen-length", "2048", "x"]) == 2
+    assert "context" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_help_has_examples(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "--threshold" in out and f"fastdllm {command}" in out
+
+
+# ---- in-process: chat history ------------------------------------------------------------------------
+def test_chat_session_keeps_and_resets_history(loaded):
+    model, tok = loaded
+    session = ChatSession(model, tok, GenerationConfig(gen_length=32, block_length=32), system="Be brief.")
+    first = session.send(QUESTION)
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant"]
+    assert session.messages[2]["content"] == first.completion.text
+    second = session.send("And then?")
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert second.prompt_tokens == len(tok.encode_chat(session.messages[:4])) > first.prompt_tokens
+    session.reset()
+    assert session.messages == [{"role": "system", "content": "Be brief."}]
+
+
+def test_chat_session_drops_old_turns_to_fit(loaded):
+    model, tok = loaded
+    session = ChatSession(model, tok, GenerationConfig(gen_length=32, block_length=32))
+    saved = model.args.max_seq_len
+    try:
+        one_turn = len(tok.encode_chat([{"role": "user", "content": QUESTION}]))
+        model.args.max_seq_len = one_turn * 2 + 32 + 8  # room for about one turn of history
+        for _ in range(4):
+            session.send(QUESTION)
+        assert session.dropped_turns >= 2
+        assert session.messages[-2]["content"] == QUESTION and len(session.messages) <= 4
+    finally:
+        model.args.max_seq_len = saved
+
+
+# ---- in-process: the live view ------------------------------------------------------------------------
+def _events(loaded, config):
+    """Every StepEvent of one generation, rendered right away (the canvas is a live view)."""
+    model, tok = loaded
+    frames = []
+    ids = tok.encode_chat([{"role": "user", "content": QUESTION}])
+
+    def on_step(event):
+        frames.append((event.kind, event.block, render_canvas(event, tok, model.mask_token_id,
+                                                              config.block_length, model.stop_token_ids, step=1)))
+
+    out = generate(model, [ids], config, on_step=on_step)
+    return frames, out
+
+
+def test_render_canvas_marks_masks_new_tokens_and_current_block(loaded):
+    config = GenerationConfig(gen_length=64, block_length=32, threshold=None, stop_at_eos=False)
+    frames, out = _events(loaded, config)
+    kind, block, first = frames[0]
+    assert kind == "step" and block == 0
+    body = first.plain.split("\n", 1)[1]
+    assert body.count(MASK_GLYPH) == 63  # one token revealed by the first step
+    assert body.startswith("[") and body.count("[") == 1 and "]" in body  # the current block bracketed
+    new = [s for s in first.spans if STYLE_NEW in str(s.style)]
+    assert len(new) == 1 and "underline" in str(new[0].style)  # in the current block
+    header = first.plain.split("\n", 1)[0]
+    assert header.startswith("block 1/2 · step 1 · 1/64 revealed · +1 this step")
+
+    second_block = next(t for k, b, t in frames if k == "step" and b == 1)
+    body = second_block.plain.split("\n", 1)[1]
+    assert body.count(MASK_GLYPH) == 31 and body.index("[") > 0  # first block done, second current
+
+    kind, _, last = frames[-1]
+    assert kind == "block" and MASK_GLYPH not in last.plain
+
+    console = Console(record=True, width=100, force_terminal=True, color_system="truecolor", file=io.StringIO())
+    console.print(first)
+    assert MASK_GLYPH in console.export_text(clear=False)
+    html = console.export_html()
+    assert "text-decoration: underline" in html  # the current block
+
+
+def test_live_view_draws_only_on_a_terminal(loaded):
+    model, tok = loaded
+    ids = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    config = GenerationConfig(gen_length=32, block_length=32)
+    term = Console(record=True, width=100, force_terminal=True, file=io.StringIO())
+    view = LiveView(tok, model.mask_token_id, 32, model.stop_token_ids, console=term, min_interval=0,
+                    transient=False)
+    with view:
+        out = generate(model, [ids], config, on_step=view.on_step)
+    assert view.enabled and view.frames == view.steps + 1 == out.nfe + 1  # every step, and the block end
+    assert "block 1/1" in term.export_text()
+
+    piped = Console(file=io.StringIO(), force_terminal=False)
+    view = LiveView(tok, model.mask_token_id, 32, model.stop_token_ids, console=piped)
+    with view:
+        generate(model, [ids], config, on_step=view.on_step)
+    assert not view.enabled and view.frames == 0 and piped.file.getvalue() == ""
