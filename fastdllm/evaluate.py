@@ -149,7 +149,7 @@ def evaluate(
 
     bar = _progress(len(docs), progress and rank == 0, f"{task.name}")
     records: list[dict] = []
-    gen_time = score_time = 0.0
+    gen_time = score_time = forward_time = 0.0
     n_tokens = n_correct = n_done = 0
     t_start = time.perf_counter()
     with task.scorer(workers=workers, timeout=timeout) as scorer:
@@ -160,6 +160,7 @@ def evaluate(
             except ValueError as e:
                 raise ValueError(f"{batch[0].id}: {e}") from None
             gen_time += out.wall_time
+            forward_time += out.forward_time
             completions = [complete(tokenizer, out.sequences[i], stop_ids, stop=stops) for i in range(len(batch))]
             t0 = time.perf_counter()
             scores = scorer.score(batch, [c.text for c in completions])
@@ -195,7 +196,7 @@ def evaluate(
         bar.n = bar.total
         bar.close()
 
-    timing = {"rank": rank, "generation_time_s": gen_time, "scoring_time_s": score_time,
+    timing = {"rank": rank, "generation_time_s": gen_time, "forward_time_s": forward_time, "scoring_time_s": score_time,
               "total_time_s": time.perf_counter() - t_start}
     all_records = _gather(records, group)
     timings = _gather([timing], group)
@@ -251,6 +252,8 @@ def summarize(records: Sequence[dict], timings: Sequence[dict] = ()) -> dict:
         "generated_tokens": tokens,
         "mean_generated_tokens": tokens / n if n else 0.0,
         "generation_time_s": gen_time,
+        # time inside the model's forward passes: 1 - forward/generation is the engine's own overhead
+        "forward_time_s": sum(t.get("forward_time_s", 0.0) for t in timings),
         "scoring_time_s": sum(t["scoring_time_s"] for t in timings),
         "wall_time_s": max((t["total_time_s"] for t in timings), default=0.0),
         "verdicts": verdicts,

@@ -1,0 +1,255 @@
+"""`fastdllm bench`: Fast-dLLM's tables on your machine and model, side by side, in one run.
+
+Every configuration decodes the same prompts in the same process, so the speed-up column is a
+ratio of figures measured together (this matters on shared, noisy machines). Rows follow the
+paper's Table 1 / Table 3: baseline (LLaDA: no cache, one token per step, block 32), + prefix
+cache, + DualCache, + parallel (threshold 0.9), + parallel with prefix cache, + parallel with
+DualCache (the full method), and factor decoding. By default every row runs with stop-at-EOS off
+(as the paper) and the baseline and full method are repeated with it on.
+
+Metrics are the evaluation harness's (`fastdllm.evaluate`): accuracy; tokens/s = generated tokens
+up to the first EOS or stop sequence divided by generation wall time; NFE per sample; tokens per
+step; mean latency per sample; and the share of wall time spent outside the model's forward.
+
+Outputs in --out: bench.md (the table), bench.json (every figure, the settings, machine and library
+versions), and plots: accuracy vs tokens/s, a threshold sweep and a block-size sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .cli import UserError, add_model_args, load_model_or_exit
+from .generate import GenerationConfig
+
+
+@dataclass
+class Row:
+    name: str
+    config: GenerationConfig
+    group: str  # rows are compared with the baseline of their group
+
+
+def table_rows(gen_length: int, block_length: int, stop_at_eos: str) -> list[Row]:
+    g = f"gen {gen_length}"
+    base = dict(gen_length=gen_length, block_length=block_length, steps=gen_length, stop_at_eos=False)
+    rows = [
+        ("baseline", dict(cache="none", threshold=None)),
+        ("+prefix cache", dict(cache="prefix", threshold=None)),
+        ("+dual cache", dict(cache="dual", threshold=None)),
+        ("+parallel (threshold 0.9)", dict(cache="none", threshold=0.9)),
+        ("+parallel +prefix cache", dict(cache="prefix", threshold=0.9)),
+        ("+parallel +dual cache (Fast-dLLM)", dict(cache="dual", threshold=0.9)),
+        ("factor 1.0 +dual cache", dict(cache="dual", threshold=None, factor=1.0)),
+    ]
+    out = []
+    if stop_at_eos in ("off", "both"):
+        out += [Row(name, GenerationConfig(**base, **kw), g) for name, kw in rows]
+    if stop_at_eos in ("on", "both"):
+        picked = rows if stop_at_eos == "on" else [rows[0], rows[5]]
+        out += [Row(name + " [stop@eos]", GenerationConfig(**{**base, "stop_at_eos": True}, **kw), g + " stop@eos")
+                for name, kw in picked]
+    return out
+
+
+def run_config(model, tokenizer, task, config, args, num_fewshot, batch_size=None) -> dict:
+    from .evaluate import evaluate
+
+    m = evaluate(model, tokenizer, task, limit=args.limit, num_fewshot=num_fewshot, config=config,
+                 batch_size=batch_size or args.batch_size, data_dir=args.data_dir, progress=False)
+    n = m["num_samples"]
+    fwd = m.get("forward_time_s")
+    return {
+        "accuracy": m["accuracy"],
+        "tokens_per_second": m["tokens_per_second"],
+        "nfe_per_sample": m["nfe_per_sample"],
+        "tokens_per_step": m["tokens_per_step"],
+        "latency_s": m["generation_time_s"] / max(1, n),
+        "outside_forward": None if fwd is None else 1 - fwd / m["generation_time_s"],
+        "generated_tokens": m["generated_tokens"],
+        "num_samples": n,
+    }
+
+
+def fmt_row(r: dict) -> str:
+    outside = "" if r.get("outside_forward") is None else f"{100 * r['outside_forward']:.1f}%"
+    return (f"| {r['group']} | {r['name']} | {100 * r['accuracy']:.1f} | {r['tokens_per_second']:.1f} | "
+            f"{r['speedup']:.1f}x | {r['nfe_per_sample']:.1f} | {r['tokens_per_step']:.2f} | "
+            f"{r['latency_s']:.2f} | {outside} |")
+
+
+HEADER = ("| setting | configuration | accuracy % | tokens/s | speed-up | NFE/sample | tokens/step | "
+          "latency s | outside fwd |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def environment(model, device) -> dict:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "device": str(device),
+        "model": getattr(model, "name_or_path", None),
+        "params_millions": round(sum(p.numel() for p in model.parameters()) / 1e6, 3),
+        "dtype": str(model.dtype),
+    }
+    if str(device).startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def plots(out: Path, rows: list[dict], sweeps: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ax.scatter(r["tokens_per_second"], 100 * r["accuracy"], s=30)
+        ax.annotate(f"{r['name']} ({r['group']})", (r["tokens_per_second"], 100 * r["accuracy"]), fontsize=6)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens/s (log)")
+    ax.set_ylabel("accuracy %")
+    ax.set_title("accuracy vs throughput")
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_speed.png", dpi=130)
+    files.append("accuracy_vs_speed.png")
+    plt.close(fig)
+    for key, label in (("threshold", "threshold"), ("block_length", "block length")):
+        pts = sweeps.get(key) or []
+        if not pts:
+            continue
+        fig, ax1 = plt.subplots(figsize=(6, 4))
+        xs = [p["value"] for p in pts]
+        ax1.plot(xs, [100 * p["accuracy"] for p in pts], "o-", color="tab:blue")
+        ax1.set_xlabel(label)
+        ax1.set_ylabel("accuracy %", color="tab:blue")
+        ax2 = ax1.twinx()
+        ax2.plot(xs, [p["tokens_per_second"] for p in pts], "s--", color="tab:red")
+        ax2.set_ylabel("tokens/s", color="tab:red")
+        if key == "block_length":
+            ax1.set_xscale("log", base=2)
+        ax1.set_title(f"{label} sweep (DualCache + threshold)" if key == "block_length" else "threshold sweep (DualCache)")
+        fig.tight_layout()
+        name = f"sweep_{key}.png"
+        fig.savefig(out / name, dpi=130)
+        files.append(name)
+        plt.close(fig)
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="fastdllm bench",
+        description=__doc__.split("\n\n")[0],
+        epilog="examples:\n  fastdllm bench --quick\n  fastdllm bench --gen-length 256 1024 --limit 50 --out bench_out\n"
+               "  fastdllm bench --model GSAI-ML/LLaDA-8B-Instruct --task gsm8k --device cuda --limit 100",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_args(p)
+    p.add_argument("--task", default="arith")
+    p.add_argument("--limit", type=int, default=None, help="samples per configuration (default 32; --quick: 4)")
+    p.add_argument("--gen-length", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--num-fewshot", type=int, nargs="+", default=None,
+                   help="shots per gen length (default: 0 for 256, 8 for 1024, as the paper)")
+    p.add_argument("--batch-size", type=int, default=1, help="batch size of the table rows (paper: 1)")
+    p.add_argument("--stop-at-eos", choices=["off", "on", "both"], default="both")
+    p.add_argument("--sweeps", action=argparse.BooleanOptionalAction, default=True,
+                   help="threshold and block-size sweeps at the first gen length")
+    p.add_argument("--batch-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="full method at batch 1 vs batch 8")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 samples, gen length 64, small sweeps")
+    p.add_argument("--out", default="bench_out")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.limit = args.limit or 4
+        args.gen_length = [64]
+    args.limit = args.limit or 32
+    shots = args.num_fewshot or [0 if g <= 256 else 8 for g in args.gen_length]
+    if len(shots) != len(args.gen_length):
+        raise UserError("--num-fewshot: give one value per --gen-length")
+    model, tokenizer = load_model_or_exit(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Warm-up: the first forward passes of a process pay for allocation and kernel selection.
+    run_config(model, tokenizer, args.task, GenerationConfig(gen_length=args.gen_length[0], block_length=args.block_length),
+               argparse.Namespace(**{**vars(args), "limit": 1}), shots[0])
+
+    results: list[dict] = []
+    for gen_length, k in zip(args.gen_length, shots):
+        for row in table_rows(gen_length, args.block_length, args.stop_at_eos):
+            r = run_config(model, tokenizer, args.task, row.config, args, k)
+            results.append({"name": row.name, "group": f"{row.group}, {k}-shot", "config": row.config.to_dict(),
+                            "num_fewshot": k, **r})
+            print(f"  {results[-1]['group']:<22} {row.name:<40} acc {100 * r['accuracy']:5.1f}  "
+                  f"{r['tokens_per_second']:8.1f} tok/s  NFE {r['nfe_per_sample']:.1f}", flush=True)
+    for r in results:
+        base = next(b for b in results if b["group"] == r["group"] and b["name"].startswith("baseline"))
+        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base["tokens_per_second"] else 0.0
+
+    sweeps: dict[str, list[dict]] = {}
+    g0, k0 = args.gen_length[0], shots[0]
+    if args.sweeps:
+        thresholds = [0.5, 0.7, 0.9, 1.0] if args.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+        blocks = [b for b in ([8, 32] if args.quick else [4, 8, 16, 32, 64]) if g0 % b == 0]
+        sweeps["threshold"] = [
+            {"value": t, **run_config(model, tokenizer, args.task, GenerationConfig(
+                gen_length=g0, block_length=args.block_length, cache="dual", threshold=t, stop_at_eos=False), args, k0)}
+            for t in thresholds
+        ]
+        sweeps["block_length"] = [
+            {"value": b, **run_config(model, tokenizer, args.task, GenerationConfig(
+                gen_length=g0, block_length=b, cache="dual", threshold=0.9, stop_at_eos=False), args, k0)}
+            for b in blocks
+        ]
+    batch = {}
+    if args.batch_check:
+        cfg = GenerationConfig(gen_length=g0, block_length=args.block_length, cache="dual", threshold=0.9,
+                               stop_at_eos=False)
+        one = run_config(model, tokenizer, args.task, cfg, args, k0, batch_size=1)
+        eight = run_config(model, tokenizer, args.task, cfg, args, k0, batch_size=8)
+        batch = {"batch_1": one, "batch_8": eight,
+                 "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0}
+
+    lines = [f"fastdllm bench: task {args.task}, {args.limit} samples per row, batch {args.batch_size}, "
+             f"device {model.device}", "", HEADER] + [fmt_row(r) for r in results]
+    for key, pts in sweeps.items():
+        lines += ["", f"{key} sweep (gen {g0}, {k0}-shot, DualCache):", "", f"| {key} | accuracy % | tokens/s | NFE/sample |",
+                  "|---|---|---|---|"]
+        lines += [f"| {p['value']} | {100 * p['accuracy']:.1f} | {p['tokens_per_second']:.1f} | {p['nfe_per_sample']:.1f} |"
+                  for p in pts]
+    if batch:
+        lines += ["", f"batch 8 vs batch 1 (full method, gen {g0}): {batch['batch_8']['tokens_per_second']:.1f} vs "
+                      f"{batch['batch_1']['tokens_per_second']:.1f} tokens/s = {batch['ratio']:.1f}x"]
+    table = "\n".join(lines)
+    print(table)
+    (out / "bench.md").write_text(table + "\n")
+    plot_files = plots(out, results, sweeps)
+    record = {
+        "command": "fastdllm bench " + " ".join(argv if argv is not None else []),
+        "settings": {k: v for k, v in vars(args).items()},
+        "environment": environment(model, model.device),
+        "rows": results,
+        "sweeps": sweeps,
+        "batch": batch,
+        "plots": plot_files,
+    }
+    (out / "bench.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"wrote {out / 'bench.md'}, {out / 'bench.json'} and {', '.join(plot_files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""Issue 5: a --quick bench run produces the table, the JSON with every figure, and the plots."""
+
+from __future__ import annotations
+
+import json
+
+from fastdllm import bench
+
+FIGURES = {"accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step", "latency_s", "speedup",
+           "outside_forward", "config", "num_samples"}
+
+
+def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert bench.main(["--quick", "--limit", "2", "--out", str(out), "--device", "cpu"]) == 0
+    table = (out / "bench.md").read_text()
+    assert "+parallel +dual cache (Fast-dLLM)" in table and "| baseline |" in table
+    record = json.loads((out / "bench.json").read_text())
+    rows = record["rows"]
+    assert len(rows) == 7 + 2  # the seven paper rows, then baseline and full method with stop-at-EOS
+    for r in rows:
+        assert FIGURES <= set(r), FIGURES - set(r)
+        base = next(b for b in rows if b["group"] == r["group"] and b["name"].startswith("baseline"))
+        assert abs(r["speedup"] - r["tokens_per_second"] / base["tokens_per_second"]) < 1e-9
+    baseline = next(r for r in rows if r["name"] == "baseline")
+    assert baseline["config"]["cache"] == "none" and baseline["config"]["threshold"] is None
+    assert baseline["nfe_per_sample"] == baseline["config"]["gen_length"]  # one token per step, no stop
+    full = next(r for r in rows if r["name"] == "+parallel +dual cache (Fast-dLLM)")
+    assert full["config"]["cache"] == "dual" and full["config"]["threshold"] == 0.9
+    assert full["nfe_per_sample"] <= baseline["nfe_per_sample"]
+    assert {"threshold", "block_length"} <= set(record["sweeps"]) and record["batch"]["ratio"] > 0
+    assert record["environment"]["torch"] and record["settings"]["quick"] is True
+    for name in record["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(record["plots"]) == 3
