@@ -158,7 +158,7 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1 - MAX_N)
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -675,6 +675,10 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         config, keep = server.config_for(req, max_tokens)
         server.check_context(prompts, config, param)
         seed = server.base_seed(req)
+        limit = max(MAX_N, settings.max_batch_size)
+        if len(prompts) * req.n > limit:
+            raise APIError(400, f"n: prompts x n = {len(prompts) * req.n} choices; at most {limit} per request",
+                           param="n", code="invalid_value")
         rows = [p for p in prompts for _ in range(req.n)]
         seeds = [seed + i for _ in prompts for i in range(req.n)]
         stop = req.stop_list()

@@ -164,6 +164,15 @@ def test_n_choices_use_consecutive_seeds(srv):
     assert r.usage.completion_tokens >= 0
 
 
+def test_completion_prompt_list_matches_single_prompts(srv):
+    prompts = ["Question: " + q + "\nAnswer:" for q in QUESTIONS[:2]]
+    r = srv.client.completions.create(model=MODEL, prompt=prompts, max_tokens=32, seed=9, temperature=1.0)
+    assert [c.index for c in r.choices] == [0, 1]
+    for p, c in zip(prompts, r.choices):
+        single = srv.client.completions.create(model=MODEL, prompt=p, max_tokens=32, seed=9, temperature=1.0)
+        assert c.text == single.choices[0].text
+
+
 # ---- streaming ---------------------------------------------------------------------------------
 def test_stream_chat_equals_non_streamed(srv):
     for seed, temp in [(1, 0.9), (2, 0.9), (0, 0.0)]:
@@ -348,6 +357,8 @@ BAD_REQUESTS = [
     (COMP, {"model": MODEL, "prompt": ""}, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    (COMP, {"model": MODEL, "prompt": ["a", "b", "c"], "n": 20}, 400, "n"),
+    (COMP, {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed"),
     (COMP, {"model": MODEL, "prompt": "hi", "max_tokens": 3000}, 400, "prompt"),
     ("/v1/nothing", {"model": MODEL}, 404, None),
 ]
