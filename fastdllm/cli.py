@@ -52,6 +52,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder or Hugging Face repo id (default: the embedded model)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the checkpoint's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's; use 1 on a machine shared with other jobs)")
 
 
 def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig | None = None) -> None:
@@ -85,8 +87,14 @@ def config_from_args(args: argparse.Namespace) -> GenerationConfig:
 
 
 def load_model_or_exit(args: argparse.Namespace):
+    import torch
+
     from .loading import load
 
+    if getattr(args, "threads", None):
+        if args.threads < 1:
+            raise UserError("--threads: must be a positive integer")
+        torch.set_num_threads(args.threads)
     try:
         return load(args.model, dtype=args.dtype, device=args.device)
     except (FileNotFoundError, ValueError) as e:

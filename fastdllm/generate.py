@@ -8,7 +8,9 @@ caching policy refreshes its cache). Positions after the current block are never
 
 Beyond the reference implementations:
 - batches of prompts of different lengths (left padding) decode exactly as each row alone: every
-  row follows its own schedule, threshold and random stream;
+  row follows its own schedule, threshold and random stream. Exactly means token-identical in
+  float32; in bfloat16 the padding changes how attention's sums are rounded (logits move by ~1e-2),
+  so a sampled or near-tied token can differ;
 - stop at EOS: once a completed block holds a stop token (EOS or end-of-turn), later blocks cannot
   change anything before it, so the row stops and the rest is filled with EOS; finished rows leave
   the batch;
