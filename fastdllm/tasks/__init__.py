@@ -246,13 +246,19 @@ class ArithTask(Task):
         return ["Question:"]
 
     def score_one(self, doc, completion):
-        from .scoring import extract_gsm8k_answer, normalize_number
+        return score_final_number(doc, completion)
 
-        got = extract_gsm8k_answer(completion)
-        if got is None:
-            return Score(False, "no_answer", None)
-        ok = got == normalize_number(doc.gold)
-        return Score(ok, "correct" if ok else "wrong", got)
+
+def score_final_number(doc: Doc, completion: str) -> Score:
+    """GSM8K-style scoring (gsm8k, arith): the number after '####' (else the last number), normalised,
+    against the normalised gold number."""
+    from .scoring import extract_gsm8k_answer, normalize_number
+
+    got = extract_gsm8k_answer(completion)
+    if got is None:
+        return Score(False, "no_answer", None)
+    ok = got == normalize_number(doc.gold)
+    return Score(ok, "correct" if ok else "wrong", got)
 
 
 # ---- registry ----------------------------------------------------------------------------------

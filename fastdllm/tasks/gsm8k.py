@@ -20,8 +20,8 @@ starting another exemplar) or at the first stop token.
 
 from __future__ import annotations
 
-from . import Doc, Score, Task, apply_limit, read_jsonl
-from .scoring import extract_gsm8k_answer, normalize_number
+from . import Doc, Task, apply_limit, read_jsonl, score_final_number
+from .scoring import normalize_number
 
 MAX_SHOTS = 8
 
@@ -66,8 +66,4 @@ class GSM8KTask(Task):
         return ["Question:"]
 
     def score_one(self, doc, completion):
-        got = extract_gsm8k_answer(completion)
-        if got is None:
-            return Score(False, "no_answer", None)
-        ok = got == doc.gold
-        return Score(ok, "correct" if ok else "wrong", got)
+        return score_final_number(doc, completion)
