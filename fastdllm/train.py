@@ -126,13 +126,24 @@ def prompt_ids(tokenizer: Tokenizer, question: str, shots: list[arith.Problem]) 
     return tokenizer.encode_chat([{"role": "user", "content": arith.format_prompt(question, shots)}])
 
 
-def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, stream_seed_base: int = 0):
+# Batch shapes: (probability of a k-shot prompt, [(cumulative probability, region lengths)]).
+# "v1" spends ~40% of batches on 256-1024-token regions that are mostly EOS padding; "dense" keeps
+# some long regions (the model must still fill 1024 positions with EOS) but spends far more of
+# each batch on answer tokens, which is what the model was short of after v1 (see the model card).
+DATA_MIXES = {
+    "v1": (0.2, [(0.6, [64, 96, 128]), (0.9, [256]), (1.0, [512, 1024])]),
+    "dense": (0.1, [(0.75, [32, 48, 64]), (0.95, [256]), (1.0, [512, 1024])]),
+}
+
+
+def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1"):
     """Deterministic in (seed, step): returns input ids (B, T) and the region start of each row."""
     r = random.Random(seed * 1_000_003 + step)
     eot, eos = tokenizer.token_to_id(SPECIAL_TOKENS["eot"]), tokenizer.eos_token_id
-    k = 0 if r.random() < 0.8 else r.randint(1, 8)
+    p_shots, regions = DATA_MIXES[mix]
+    k = 0 if r.random() < 1 - p_shots else r.randint(1, 8)
     u = r.random()
-    region = r.choice([64, 96, 128]) if u < 0.6 else (256 if u < 0.9 else r.choice([512, 1024]))
+    region = r.choice(next(lengths for cum, lengths in regions if u < cum))
     stream = arith.train_stream(r.randrange(1 << 30))
     rows, prompts = [], []
     while True:
@@ -263,12 +274,13 @@ def train(args: argparse.Namespace) -> Path:
     log = (out / "train_log.jsonl").open("a")
     model.train()
     t_start, tokens = time.time(), 0
-    meta = {"command": args.command_line, "arch": args.arch, "preset": args.preset, "seed": args.seed}
+    meta = {"command": args.command_line, "arch": args.arch, "preset": args.preset, "seed": args.seed,
+            "data_mix": args.data_mix}
     while step < args.steps:
         lr = lr_at(step, args.steps, args.lr, args.warmup, args.decay_frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget)
+        ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget, args.data_mix)
         gen = torch.Generator().manual_seed(args.seed * 7919 + step)
         loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen)
         opt.zero_grad(set_to_none=True)
@@ -309,6 +321,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--decay-frac", type=float, default=0.4)
     p.add_argument("--token-budget", type=int, default=8192, help="tokens per batch")
+    p.add_argument("--data-mix", choices=sorted(DATA_MIXES), default="v1", help="batch shapes (see DATA_MIXES)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0)

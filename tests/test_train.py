@@ -38,7 +38,7 @@ def _args(out, steps, resume=False):
     return argparse.Namespace(
         arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,
         token_budget=600, seed=0, device="cpu", threads=1, log_every=1, save_every=2, eval_every=0, eval_n=4,
-        resume=resume, init_from=None, command_line="test",
+        resume=resume, init_from=None, command_line="test", data_mix="v1",
     )
 
 
