@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_model_args(p)
     p.add_argument("--task", default="arith")
-    p.add_argument("--limit", type=int, default=None, help="samples per configuration (default 32; --quick: 4)")
+    p.add_argument("--limit", type=int, nargs="+", default=None,
+                   help="samples per configuration, one value or one per gen length (default 32; --quick: 4)")
     p.add_argument("--gen-length", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--num-fewshot", type=int, nargs="+", default=None,
@@ -173,12 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench_out")
     args = p.parse_args(argv)
     if args.quick:
-        args.limit = args.limit or 4
+        args.limit = args.limit or [4]
         args.gen_length = [64]
-    args.limit = args.limit or 32
+    limits = args.limit or [32]
+    limits = limits * len(args.gen_length) if len(limits) == 1 else limits
     shots = args.num_fewshot or [0 if g <= 256 else 8 for g in args.gen_length]
     if len(shots) != len(args.gen_length):
         raise UserError("--num-fewshot: give one value per --gen-length")
+    if len(limits) != len(args.gen_length):
+        raise UserError("--limit: give one value, or one per --gen-length")
+    args.limit, args.limits = limits[0], limits
     model, tokenizer = load_model_or_exit(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                argparse.Namespace(**{**vars(args), "limit": 1}), shots[0])
 
     results: list[dict] = []
-    for gen_length, k in zip(args.gen_length, shots):
+    for gen_length, k, limit in zip(args.gen_length, shots, limits):
+        group_args = argparse.Namespace(**{**vars(args), "limit": limit})
         for row in table_rows(gen_length, args.block_length, args.stop_at_eos):
-            r = run_config(model, tokenizer, args.task, row.config, args, k)
+            r = run_config(model, tokenizer, args.task, row.config, group_args, k)
             results.append({"name": row.name, "group": f"{row.group}, {k}-shot", "config": row.config.to_dict(),
                             "num_fewshot": k, **r})
             print(f"  {results[-1]['group']:<22} {row.name:<40} acc {100 * r['accuracy']:5.1f}  "
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = {"batch_1": one, "batch_8": eight,
                  "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0}
 
-    lines = [f"fastdllm bench: task {args.task}, {args.limit} samples per row, batch {args.batch_size}, "
+    lines = [f"fastdllm bench: task {args.task}, {'/'.join(map(str, limits))} samples per row, batch {args.batch_size}, "
              f"device {model.device}", "", HEADER] + [fmt_row(r) for r in results]
     for key, pts in sweeps.items():
         lines += ["", f"{key} sweep (gen {g0}, {k0}-shot, DualCache):", "", f"| {key} | accuracy % | tokens/s | NFE/sample |",
