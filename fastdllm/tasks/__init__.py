@@ -102,6 +102,8 @@ def has_chat_template(tokenizer) -> bool:
 
 # ---- the task interface ------------------------------------------------------------------------
 class _NullScorer:
+    """Scores answers in process (text tasks); a context manager like every scorer."""
+
     def __init__(self, task: "Task"):
         self.task = task
 
@@ -118,24 +120,15 @@ class _NullScorer:
         return [self.task.score_one(d, c) for d, c in zip(docs, completions)]
 
 
-class _CodeScorer:
+class _CodeScorer(_NullScorer):
     """Runs each answer's program (solution + tests) in the sandbox, `workers` at a time."""
 
     def __init__(self, task: "Task", workers: int, timeout: float | None):
         from ..sandbox import SandboxConfig
 
-        self.task = task
+        super().__init__(task)
         self.workers = max(1, int(workers))
         self.config = SandboxConfig(timeout=timeout or task.default_timeout)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self):
-        pass
 
     def score(self, docs, completions):
         from ..sandbox import run_many
