@@ -167,7 +167,6 @@ def test_real_llada_config_shrunk_loads(tmp_path, tokenizer):
     cfg.update(mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"), vocab_size=1024, embedding_size=1024)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     names = llada.weight_names(llada.args_from_config(cfg))
-    shapes = {"wte": (1024, 64), "ln_f": (64,), "transformer.ff_out": (1024, 64)}
     tensors = {}
     for ours, theirs in names.items():
         if "norm" in ours:
@@ -181,7 +180,6 @@ def test_real_llada_config_shrunk_loads(tmp_path, tokenizer):
         else:
             shape = (64, 64)
         tensors[theirs] = torch.randn(shape, dtype=torch.bfloat16)
-    assert shapes
     save_file(tensors, str(tmp_path / "model.safetensors"))
     tokenizer.save(tmp_path)
     model, _ = fastdllm.load(tmp_path, device="cpu")
