@@ -7,10 +7,11 @@ masked positions to reveal, until the block has no masks left. Then the next blo
 caching policy refreshes its cache). Positions after the current block are never revealed.
 
 Beyond the reference implementations:
-- batches of prompts of different lengths (left padding) decode exactly as each row alone: every
-  row follows its own schedule, threshold and random stream. Exactly means token-identical in
-  float32; in bfloat16 the padding changes how attention's sums are rounded (logits move by ~1e-2),
-  so a sampled or near-tied token can differ;
+- batches of prompts of different lengths (left padding) decode as each row alone: every row
+  follows its own schedule, threshold and random stream (a row whose block is done draws nothing
+  while other rows finish theirs). Rows of equal length decode bit-identically in float32 whatever
+  else is in the batch. Padding changes how attention's sums are split and rounded (a padded row's
+  logits move by ~1e-5 in float32, ~1e-2 in bfloat16), so a near-tied token can then differ;
 - stop at EOS: once a completed block holds a stop token (EOS or end-of-turn), later blocks cannot
   change anything before it, so the row stops and the rest is filled with EOS; finished rows leave
   the batch;
@@ -301,8 +302,13 @@ def iter_generate(
             sync()
             forward_time += time.perf_counter() - t0
             nfe += 1
-            tokens, conf = propose(logits, config, generators, rows)
-            chosen = rule.select(conf, masked, step, generators, rows) & masked
+            # Rows whose block is already done draw no randomness: each row's stream must advance
+            # exactly as when it is decoded alone, whatever the other rows still need.
+            drawing = rows
+            if generators is not None and not bool(has_mask.all()):
+                drawing = [r if m else None for r, m in zip(rows, has_mask.tolist())]
+            tokens, conf = propose(logits, config, generators, drawing)
+            chosen = rule.select(conf, masked, step, generators, drawing) & masked
             block[chosen] = tokens[chosen]
             # Record, vectorised: the step index of each revealed position, per row.
             region = unmask_step[:, start - plen : end - plen]

@@ -24,7 +24,8 @@ non-streamed text. `stream_options.include_usage` adds a last chunk with usage a
 Concurrency: every request becomes a job in one bounded queue served by ONE inference thread.
 The thread takes the oldest job plus any other queued jobs whose GenerationConfig is equal (up to
 --max-batch-size rows) and decodes them as one batch with per-row seeds; the generation loop
-decodes a batch token-identically to each row alone, so batching never changes an answer. A full
+decodes each row with its own schedule and random stream, as alone (bit-identical in float32 for
+prompts of equal length; left padding moves logits by float rounding, which can flip a near-tie). A full
 queue answers 503. A job whose client went away is dropped from the queue; a running batch stops
 at the next block once none of its jobs needs more output (client gone, stop string reached).
 

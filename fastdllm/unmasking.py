@@ -45,15 +45,19 @@ NEG_INF = float("-inf")
 
 # ---- proposals ---------------------------------------------------------------------------------
 def _rows_rand(shape, generators, rows, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    out = torch.empty((len(rows),) + tuple(shape), dtype=dtype, device=device)
+    """Uniform draws, row i from generators[rows[i]]. A row named None has nothing to reveal at this
+    step (its block is done while other rows' are not): it draws nothing and gets 0.5, so that its
+    stream advances exactly as when it is decoded alone."""
+    out = torch.full((len(rows),) + tuple(shape), 0.5, dtype=dtype, device=device)
     for i, r in enumerate(rows):
-        out[i] = torch.rand(shape, generator=generators[r], dtype=dtype, device=device)
+        if r is not None:
+            out[i] = torch.rand(shape, generator=generators[r], dtype=dtype, device=device)
     return out
 
 
 def propose(logits: torch.Tensor, config, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator of
-    batch row i; only rows listed in `rows` are ever sampled for (the others get argmax)."""
+    batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
     logits = logits.float()
     if config.alg is None:
         return _propose_llada(logits, config, generators, rows)
@@ -98,7 +102,8 @@ def _propose_dream(logits, config, generators, rows):
     if config.temperature > 0:
         bsz, t, v = probs.shape
         tokens = torch.stack(
-            [torch.multinomial(probs[i], 1, generator=generators[r]).squeeze(-1) for i, r in enumerate(rows)]
+            [probs[i].argmax(-1) if r is None else torch.multinomial(probs[i], 1, generator=generators[r]).squeeze(-1)
+             for i, r in enumerate(rows)]
         )
         conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     else:
@@ -211,7 +216,7 @@ class DreamSchedule(SelectionRule):
         chosen = torch.zeros_like(masked)
         weights = (conf / self.alg_temp).softmax(-1)
         for i, r in enumerate(rows):
-            if k[i] > 0:
+            if k[i] > 0 and r is not None:
                 picked = torch.multinomial(weights[i], int(k[i]), replacement=False, generator=generators[r])
                 chosen[i, picked] = True
         return chosen & masked

@@ -168,6 +168,9 @@ def test_dream_algorithms_follow_the_timestep_schedule(tiny_dream, tokenizer, al
         dict(threshold=None, factor=1.0, cache="prefix"),
         dict(threshold=None, cache="dual", temperature=0.7, remasking="random"),
         dict(threshold=None, cache="prefix", alg="entropy", temperature=0.5, alg_temp=0.3),
+        # rows finish a block at different steps: a finished row must not draw from its stream
+        dict(threshold=0.002, cache="dual", temperature=0.8),
+        dict(threshold=0.002, cache="none", alg="maskgit_plus", temperature=0.6),
     ],
 )
 @pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])

@@ -29,6 +29,16 @@ QUESTIONS = [
     "A pen costs 3 dollars. Mia buys 4 pens. How much does Mia spend?",
     "Leo reads 5 pages a day. How many pages does he read in 6 days?",
 ]
+# Prompts of one token length, for tests that compare answers across batch compositions. A padded
+# row's logits differ from its unpadded ones by float rounding (~1e-5 in float32: attention's sums
+# are split differently), which can flip a near-tie; rows of equal length need no padding, and then
+# a batch decodes bit-identically to each row alone.
+SAME_LENGTH_QUESTIONS = [
+    "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?",
+    "Ann has 7 books. She buys 2 more books. How many books does Ann have now?",
+    "Max has 9 cards. He buys 4 more cards. How many cards does Max have now?",
+    "Mia has 6 shells. She finds 5 more shells. How many shells does Mia have now?",
+]
 
 
 class LiveServer:
@@ -64,8 +74,8 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def loaded():
-    # float32: a left-padded row of a batch then decodes exactly as alone. In bfloat16 the padding
-    # changes the rounding of the logits (~1e-2), which can flip a sampled token at temperature > 0.
+    # float32: rows of equal length then decode bit-identically in any batch (see SAME_LENGTH_QUESTIONS);
+    # in bfloat16 even that is not promised, and padding moves the logits by ~1e-2.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared machine: oversubscribed threads are much slower
     yield fastdllm.load(dtype="float32")
@@ -88,6 +98,11 @@ def wait_for(predicate, timeout=30.0):
 
 def user(q):
     return [{"role": "user", "content": q}]
+
+
+def test_same_length_questions_need_no_padding(loaded):
+    _, tok = loaded
+    assert len({len(tok.encode_chat(user(q))) for q in SAME_LENGTH_QUESTIONS}) == 1
 
 
 def direct(loaded, ids, max_tokens, seed, stop=None, **overrides):
@@ -268,8 +283,8 @@ def test_20_concurrent_clients_are_batched_and_match_single_requests(srv):
     before = srv.health()
     jobs = []
     for i in range(20):
-        kw = dict(model=MODEL, messages=user(QUESTIONS[i % 4]), max_tokens=32 if i % 5 else 64, seed=100 + i,
-                  temperature=0.0 if i % 3 == 0 else 0.8)
+        kw = dict(model=MODEL, messages=user(SAME_LENGTH_QUESTIONS[i % 4]), max_tokens=32 if i % 5 else 64,
+                  seed=100 + i, temperature=0.0 if i % 3 == 0 else 0.8)
         if i % 7 == 0:
             kw["extra_body"] = {"threshold": 0.7}
         jobs.append(kw)
@@ -306,7 +321,7 @@ def test_concurrent_streams_without_pause(srv):
     out: dict = {}
 
     def call(i):
-        kw = dict(model=MODEL, messages=user(QUESTIONS[i % 4]), max_tokens=64, seed=i, temperature=0.7)
+        kw = dict(model=MODEL, messages=user(SAME_LENGTH_QUESTIONS[i % 4]), max_tokens=64, seed=i, temperature=0.7)
         chunks = list(srv.client.chat.completions.create(**kw, stream=True))
         out[i] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
                   srv.client.chat.completions.create(**kw).choices[0].message.content)
