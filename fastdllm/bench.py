@@ -36,23 +36,30 @@ class Row:
     group: str  # rows are compared with the baseline of their group
 
 
-def table_rows(gen_length: int, block_length: int, stop_at_eos: str) -> list[Row]:
+# (key for --rows, name in the table, settings): the paper's Table 1 / Table 3 rows.
+TABLE_ROWS = [
+    ("baseline", "baseline", dict(cache="none", threshold=None)),
+    ("prefix", "+prefix cache", dict(cache="prefix", threshold=None)),
+    ("dual", "+dual cache", dict(cache="dual", threshold=None)),
+    ("parallel", "+parallel (threshold 0.9)", dict(cache="none", threshold=0.9)),
+    ("parallel-prefix", "+parallel +prefix cache", dict(cache="prefix", threshold=0.9)),
+    ("full", "+parallel +dual cache (Fast-dLLM)", dict(cache="dual", threshold=0.9)),
+    ("factor", "factor 1.0 +dual cache", dict(cache="dual", threshold=None, factor=1.0)),
+]
+ROW_KEYS = [key for key, _, _ in TABLE_ROWS]
+
+
+def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None) -> list[Row]:
+    """The rows to run; `keys` picks some (the baseline always runs: speed-ups are relative to it)."""
     g = f"gen {gen_length}"
     base = dict(gen_length=gen_length, block_length=block_length, steps=gen_length, stop_at_eos=False)
-    rows = [
-        ("baseline", dict(cache="none", threshold=None)),
-        ("+prefix cache", dict(cache="prefix", threshold=None)),
-        ("+dual cache", dict(cache="dual", threshold=None)),
-        ("+parallel (threshold 0.9)", dict(cache="none", threshold=0.9)),
-        ("+parallel +prefix cache", dict(cache="prefix", threshold=0.9)),
-        ("+parallel +dual cache (Fast-dLLM)", dict(cache="dual", threshold=0.9)),
-        ("factor 1.0 +dual cache", dict(cache="dual", threshold=None, factor=1.0)),
-    ]
+    rows = [(name, kw) for key, name, kw in TABLE_ROWS if keys is None or key in keys or key == "baseline"]
+    full = next((r for r in rows if r[0] == TABLE_ROWS[5][1]), None)
     out = []
     if stop_at_eos in ("off", "both"):
         out += [Row(name, GenerationConfig(**base, **kw), g) for name, kw in rows]
     if stop_at_eos in ("on", "both"):
-        picked = rows if stop_at_eos == "on" else [rows[0], rows[5]]
+        picked = rows if stop_at_eos == "on" else [r for r in (rows[0], full) if r is not None]
         out += [Row(name + " [stop@eos]", GenerationConfig(**{**base, "stop_at_eos": True}, **kw), g + " stop@eos")
                 for name, kw in picked]
     return out
@@ -152,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="fastdllm bench",
         description=__doc__.split("\n\n")[0],
         epilog="examples:\n  fastdllm bench --quick\n  fastdllm bench --gen-length 256 1024 --limit 50 --out bench_out\n"
+               "  fastdllm bench --gen-length 1024 --limit 2 --rows full --no-sweeps --no-batch-check\n"
                "  fastdllm bench --model GSAI-ML/LLaDA-8B-Instruct --task gsm8k --device cuda --limit 100",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -165,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="shots per gen length (default: 0 for 256, 8 for 1024, as the paper)")
     p.add_argument("--batch-size", type=int, default=1, help="batch size of the table rows (paper: 1)")
     p.add_argument("--stop-at-eos", choices=["off", "on", "both"], default="both")
+    p.add_argument("--rows", nargs="+", choices=ROW_KEYS, default=None,
+                   help="run only these table rows (the baseline always runs); default: all")
     p.add_argument("--sweeps", action=argparse.BooleanOptionalAction, default=True,
                    help="threshold and block-size sweeps at the first gen length")
     p.add_argument("--batch-check", action=argparse.BooleanOptionalAction, default=True,
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     for gen_length, k, limit in zip(args.gen_length, shots, limits):
         group_args = argparse.Namespace(**{**vars(args), "limit": limit})
-        for row in table_rows(gen_length, args.block_length, args.stop_at_eos):
+        for row in table_rows(gen_length, args.block_length, args.stop_at_eos, args.rows):
             r = run_config(model, tokenizer, args.task, row.config, group_args, k)
             results.append({"name": row.name, "group": f"{row.group}, {k}-shot", "config": row.config.to_dict(),
                             "num_fewshot": k, **r})

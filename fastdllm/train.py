@@ -122,10 +122,15 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
 
 
 # ---- data --------------------------------------------------------------------------------------
-def prompt_ids(tokenizer: Tokenizer, question: str, shots: list[arith.Problem]) -> list[int]:
-    return tokenizer.encode_chat([{"role": "user", "content": arith.format_prompt(question, shots)}])
+def prompt_ids(tokenizer: Tokenizer, question: str, shots: list[arith.Problem], bare: bool = False) -> list[int]:
+    """The chat-formatted prompt: the evaluation's "Question: ...\nAnswer:" message (with k shots), or
+    with `bare` the question alone, as a user types it into `fastdllm generate` or a chat."""
+    content = question if bare else arith.format_prompt(question, shots)
+    return tokenizer.encode_chat([{"role": "user", "content": content}])
 
 
+# Share of 0-shot rows whose user message is the bare question (see prompt_ids).
+P_BARE_QUESTION = 0.3
 # Batch shapes: (probability of a k-shot prompt, [(cumulative probability, region lengths)]).
 # "v1" spends ~40% of batches on 256-1024-token regions that are mostly EOS padding; "dense" keeps
 # some long regions (the model must still fill 1024 positions with EOS) but spends far more of
@@ -153,7 +158,7 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     while True:
         shots = [next(stream) for _ in range(k)]
         p = next(stream)
-        pids = prompt_ids(tokenizer, p.question, shots)
+        pids = prompt_ids(tokenizer, p.question, shots, bare=k == 0 and r.random() < P_BARE_QUESTION)
         aids = tokenizer.encode(p.answer) + [eot]
         need = max(region, len(aids) + 1)
         rows.append((pids, aids, need))

@@ -33,3 +33,14 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     for name in record["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(record["plots"]) == 3
+
+
+def test_rows_pick_table_rows_and_keep_the_baseline(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["--quick", "--limit", "1", "--rows", "full", "--no-sweeps", "--no-batch-check", "--out", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["baseline", "+parallel +dual cache (Fast-dLLM)",
+                                         "baseline [stop@eos]", "+parallel +dual cache (Fast-dLLM) [stop@eos]"]
+    assert bench.table_rows(64, 32, "off", ["dual"])[1].config.cache == "dual"
+    assert len(bench.table_rows(64, 32, "on", ["factor"])) == 2

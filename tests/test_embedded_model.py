@@ -1,0 +1,74 @@
+"""The shipped default model (`fastdllm/assets/llada-arith`): it loads like a real LLaDA checkpoint and
+actually solves held-out `arith` problems, with and without Fast-dLLM's parallel decoding.
+
+The floors below are the figures measured on the shipped weights minus a margin (see
+docs/model-card.md for the full 500-problem tables and the command that measured them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm.loading import DEFAULT_MODEL_DIR
+from fastdllm.models.llada import REFERENCE_CONFIG
+from fastdllm.tasks import arith
+from fastdllm.train import heldout_accuracy
+
+from .conftest import REPO
+
+HELDOUT_N = 64
+# Answers are 20-57 tokens: gen length 128 (four blocks of 32) holds every one and keeps the
+# one-token-per-step baseline affordable in CI.
+GEN = dict(gen_length=128, block_length=32)
+BASELINE_FLOOR = 0.80  # measured on these 64 problems: see the model card
+MAX_LOSS_AT_THRESHOLD_09 = 0.05  # fraction of problems
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield fastdllm.load(dtype="float32")
+    torch.set_num_threads(threads)
+
+
+def test_default_model_is_a_llada_checkpoint():
+    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    assert set(REFERENCE_CONFIG) <= set(config)
+    assert config["model_type"] == "llada" and config["max_sequence_length"] >= 2048
+    by_default, _ = fastdllm.load()
+    by_path, _ = fastdllm.load(str(DEFAULT_MODEL_DIR))
+    for (name, a), (_, b) in zip(by_default.state_dict().items(), by_path.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.fixture(scope="module")
+def baseline(loaded):
+    model, tok = loaded
+    return heldout_accuracy(model, tok, HELDOUT_N, threshold=None, cache="none", steps=GEN["gen_length"], **GEN)
+
+
+def test_baseline_decoding_solves_held_out_problems(baseline):
+    assert baseline["accuracy"] >= BASELINE_FLOOR, baseline
+
+
+def test_threshold_09_halves_forward_passes_at_little_cost(loaded, baseline):
+    model, tok = loaded
+    fast = heldout_accuracy(model, tok, HELDOUT_N, threshold=0.9, cache="dual", **GEN)
+    assert fast["nfe_per_sample"] <= baseline["nfe_per_sample"] / 2, (fast, baseline)
+    assert fast["accuracy"] >= baseline["accuracy"] - MAX_LOSS_AT_THRESHOLD_09, (fast, baseline)
+
+
+def test_cli_generate_prints_a_correct_worked_answer():
+    problem = arith.test_split()[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "fastdllm", "generate", problem.question], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == problem.answer, (problem.question, out.stdout)
