@@ -30,7 +30,9 @@ Two separate choices make a policy:
 
 Ties in confidence are broken towards the leftmost position. Confidences are computed in float32
 (the reference uses float64 for its softmax): the proposal is unaffected, and probabilities are
-only compared against thresholds. Randomness comes from one generator per row, drawn only for rows
+only compared against thresholds. One visible consequence: a probability within ~6e-8 of 1 rounds
+to exactly 1.0 in float32, so `threshold=1.0` still reveals such saturated tokens (typically the
+EOS padding) several at a time, where the reference's float64 would reveal one per step. Randomness comes from one generator per row, drawn only for rows
 that still have masks in the block, so batched and single runs consume identical random streams.
 """
 
