@@ -24,6 +24,7 @@ def probe(model, tokenizer, problems: int) -> dict[str, tuple[float, int]]:
     counts: dict[str, list[int]] = {}
     for p in arith.test_split()[:problems]:
         pids, answer = prompt_ids(tokenizer, p.question, []), tokenizer.encode(p.answer)
+        in_question = set(pids)
         # A region of 64 like the training mix's short one: the answer, then EOS padding.
         row = pids + answer + [tokenizer.eos_token_id] * max(4, 64 - len(answer))
         x = torch.tensor([row] * len(answer))
@@ -33,7 +34,7 @@ def probe(model, tokenizer, problems: int) -> dict[str, tuple[float, int]]:
             logits = model(x)
         for j, tok in enumerate(answer):
             kind = ("number" if tokenizer.decode([tok]).strip().isdigit() else "word") + (
-                " in question" if tok in set(pids) else " not in question")
+                " in question" if tok in in_question else " not in question")
             hit = int(logits[j, len(pids) + j].argmax()) == tok
             c = counts.setdefault(kind, [0, 0])
             c[0] += hit

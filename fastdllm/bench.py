@@ -53,15 +53,15 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None) 
     """The rows to run; `keys` picks some (the baseline always runs: speed-ups are relative to it)."""
     g = f"gen {gen_length}"
     base = dict(gen_length=gen_length, block_length=block_length, steps=gen_length, stop_at_eos=False)
-    rows = [(name, kw) for key, name, kw in TABLE_ROWS if keys is None or key in keys or key == "baseline"]
-    full = next((r for r in rows if r[0] == TABLE_ROWS[5][1]), None)
+    rows = [row for row in TABLE_ROWS if keys is None or row[0] in keys or row[0] == "baseline"]
     out = []
     if stop_at_eos in ("off", "both"):
-        out += [Row(name, GenerationConfig(**base, **kw), g) for name, kw in rows]
+        out += [Row(name, GenerationConfig(**base, **kw), g) for _, name, kw in rows]
     if stop_at_eos in ("on", "both"):
-        picked = rows if stop_at_eos == "on" else [r for r in (rows[0], full) if r is not None]
+        # "both": only the baseline and the full method are repeated with stop-at-EOS
+        picked = rows if stop_at_eos == "on" else [row for row in rows if row[0] in ("baseline", "full")]
         out += [Row(name + " [stop@eos]", GenerationConfig(**{**base, "stop_at_eos": True}, **kw), g + " stop@eos")
-                for name, kw in picked]
+                for _, name, kw in picked]
     return out
 
 

@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 from . import __version__
 from .generate import GenerationConfig, generate
-from .tasks import DataError, Doc, Task, UnknownTaskError, get_task, has_chat_template, list_tasks
+from .tasks import DataError, Task, UnknownTaskError, get_task, has_chat_template, list_tasks
 from .text import complete
 
 DEFAULT_BATCH_SIZE = 1
@@ -285,7 +285,7 @@ def format_summary(results: dict) -> str:
         f"{r['generation_time_s']:.2f}s)",
         f"  NFE/sample        {r['nfe_per_sample']:.2f}",
         f"  tokens/step       {r['tokens_per_step']:.2f}",
-        f"  verdicts          " + ", ".join(f"{k} {v}" for k, v in sorted(r["verdicts"].items())),
+        "  verdicts          " + ", ".join(f"{k} {v}" for k, v in sorted(r["verdicts"].items())),
     ]
     if r.get("world_size", 1) > 1:
         lines.append(f"  ranks             {r['world_size']} (aggregate {r['aggregate_tokens_per_second']:.1f} tokens/s)")

@@ -113,7 +113,7 @@ def make_model_class(LM, register=None):
             # Group requests with the same settings; decode `batch_size` at a time.
             groups: dict[tuple, list[int]] = {}
             for i, req in enumerate(requests):
-                context, gen_kwargs = req.args[0], (req.args[1] if len(req.args) > 1 else {}) or {}
+                gen_kwargs = (req.args[1] if len(req.args) > 1 else {}) or {}
                 config = self._config_for(gen_kwargs)
                 until = gen_kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .models import ModelArgs, Transformer, family_of
+from .models import Transformer, family_of
 from .tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "llada-arith"

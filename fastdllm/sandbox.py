@@ -46,7 +46,6 @@ exit; the reason is the last line of stderr), "timeout" (wall clock or CPU limit
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import resource
 import secrets

@@ -154,7 +154,7 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     u = r.random()
     region = r.choice(next(lengths for cum, lengths in regions if u < cum))
     stream = arith.train_stream(r.randrange(1 << 30))
-    rows, prompts = [], []
+    rows = []
     while True:
         shots = [next(stream) for _ in range(k)]
         p = next(stream)

@@ -32,14 +32,14 @@ Ties in confidence are broken towards the leftmost position. Confidences are com
 (the reference uses float64 for its softmax): the proposal is unaffected, and probabilities are
 only compared against thresholds. One visible consequence: a probability within ~6e-8 of 1 rounds
 to exactly 1.0 in float32, so `threshold=1.0` still reveals such saturated tokens (typically the
-EOS padding) several at a time, where the reference's float64 would reveal one per step. Randomness comes from one generator per row, drawn only for rows
-that still have masks in the block, so batched and single runs consume identical random streams.
+EOS padding) several at a time, where the reference's float64 would reveal one per step.
+Randomness comes from one generator per row, drawn only for rows that still have masks in the
+block, so batched and single runs consume identical random streams.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 NEG_INF = float("-inf")
@@ -102,7 +102,6 @@ def _propose_dream(logits, config, generators, rows):
     logits = _filter_top_p_top_k(logits, config.top_p, config.top_k)
     probs = logits.softmax(-1)
     if config.temperature > 0:
-        bsz, t, v = probs.shape
         tokens = torch.stack(
             [probs[i].argmax(-1) if r is None else torch.multinomial(probs[i], 1, generator=generators[r]).squeeze(-1)
              for i, r in enumerate(rows)]
