@@ -389,12 +389,31 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"results: {args.output}")
             if args.log_samples:
                 print(f"samples: {args.log_samples}")
-    finally:
+    except BaseException:
         if started:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+        raise
+    if started:
+        _finish_distributed()
     return 0
+
+
+def _finish_distributed() -> None:
+    """Tear down a torchrun worker after a successful evaluation, and exit."""
+    import torch.distributed as dist
+
+    # Together: rank 0 writes files after the gather, so the ranks reach this point at different times.
+    dist.barrier()
+    dist.destroy_process_group()
+    # Then skip interpreter finalisation: even after this clean teardown, a C++ thread (not ours) is
+    # now and then destroyed while joinable at exit, and the rank aborts with "terminate called without
+    # an active exception" after its results were written (about 1 run in 10 on a loaded 2-core
+    # machine; a bare gloo all_gather/barrier/destroy script did not show it in 30 runs).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
