@@ -142,7 +142,14 @@ DATA_MIXES = {
     # 20-57 tokens), so nearly every masked token is answer content; a quarter still teaches the
     # EOS fill of 96-1024-token regions and 8-shot prompts.
     "focus": (0.08, [(0.72, [64]), (0.86, [96, 128]), (0.96, [256]), (1.0, [512, 1024])]),
+    # "drill": the focus mix, except that a quarter of the batches are arithmetic drills
+    # (arith.drill_problem). v2 decoded from scratch makes arithmetic slips ("45 - 10 = 42") although it
+    # fills a masked result perfectly when the result is written elsewhere in the answer: it had
+    # learned to copy results, not to compute them.
+    "drill": (0.08, [(0.72, [64]), (0.86, [96, 128]), (0.96, [256]), (1.0, [512, 1024])]),
 }
+# Share of batches that are arithmetic drills, per mix (0 where absent).
+DRILL_SHARE = {"drill": 0.25}
 
 
 def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1"):
@@ -153,12 +160,17 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     k = 0 if r.random() < 1 - p_shots else r.randint(1, 8)
     u = r.random()
     region = r.choice(next(lengths for cum, lengths in regions if u < cum))
-    stream = arith.train_stream(r.randrange(1 << 30))
+    drill = DRILL_SHARE.get(mix, 0.0) > 0 and r.random() < DRILL_SHARE[mix]
+    if drill:
+        k, region = 0, 64
+        stream = iter(lambda: arith.drill_problem(r), None)
+    else:
+        stream = arith.train_stream(r.randrange(1 << 30))
     rows = []
     while True:
         shots = [next(stream) for _ in range(k)]
         p = next(stream)
-        pids = prompt_ids(tokenizer, p.question, shots, bare=k == 0 and r.random() < P_BARE_QUESTION)
+        pids = prompt_ids(tokenizer, p.question, shots, bare=not drill and k == 0 and r.random() < P_BARE_QUESTION)
         aids = tokenizer.encode(p.answer) + [eot]
         need = max(region, len(aids) + 1)
         rows.append((pids, aids, need))

@@ -34,6 +34,41 @@ def test_fewshot_prompts():
     assert eight.count("Question:") == 9 and eight.count("####") == 8
 
 
+def test_arithmetic_facts_cover_the_test_split_and_drills_are_correct():
+    import random
+    import re
+
+    facts = set(arith.arithmetic_facts())
+    equation = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+    written = {(int(a), op, int(b), int(c)) for p in arith.test_split() for a, op, b, c in equation.findall(p.answer)}
+    assert written and written <= facts  # a drill never teaches a fact the task cannot ask for, and misses none
+    ops = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__, "/": int.__floordiv__}
+    assert all(ops[op](a, b) == c and (op != "/" or a % b == 0) for a, op, b, c in facts)
+    r = random.Random(0)
+    for _ in range(50):
+        p = arith.drill_problem(r)
+        lines = p.answer.split("\n")
+        assert len(lines) == 8 and all(equation.fullmatch(line) for line in lines)
+        for line in lines:  # each operation is in the question; its result is written once, in the answer
+            a, op, b, c = equation.fullmatch(line).groups()
+            assert f"{a} {op} {b}" in p.question and (int(a), op, int(b), int(c)) in facts
+        assert p.question not in arith.held_out_questions()
+
+
+def test_drill_mix_mixes_drills_into_focus_batches(tokenizer):
+    kinds = []
+    for step in range(60):
+        ids, starts = train.make_batch(tokenizer, step, 0, 8192, "drill")
+        first = tokenizer.decode(ids[0])
+        kinds.append("Work out" in first)
+        if kinds[-1]:  # a whole batch of drills, 0-shot, 64-token regions
+            assert all("Work out" in tokenizer.decode(row) for row in ids)
+            assert (ids.shape[1] - starts).max() == 64
+    assert 0.1 < sum(kinds) / len(kinds) < 0.5  # DRILL_SHARE is 0.25
+    assert not any("Work out" in tokenizer.decode(train.make_batch(tokenizer, s, 0, 8192, "focus")[0][0])
+                   for s in range(20))
+
+
 def _args(out, steps, resume=False):
     return argparse.Namespace(
         arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,

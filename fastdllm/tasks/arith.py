@@ -197,7 +197,7 @@ def _unique(seed: int, count: int, exclude: set[str] = frozenset()) -> list[Prob
     return out
 
 
-_cache: dict[str, list[Problem]] = {}
+_cache: dict = {}
 
 
 def fewshot_pool() -> list[Problem]:
@@ -223,6 +223,56 @@ def train_stream(seed: int):
         p = make_problem(r)
         if p.question not in held_out:
             yield p
+
+
+def arithmetic_facts() -> list[tuple[int, str, int, int]]:
+    """Every (a, op, b, result) that a worked answer of this task can contain.
+
+    Sums and differences take a second operand of 2..10, products a second factor of 2..5 (and
+    shopping and rates write 2..5 * 2..10), quotients a divisor of 2..5; every value stays in
+    0..MAX_VALUE.
+    """
+    facts = []
+    for a in range(MAX_VALUE + 1):
+        for b in range(2, 11):
+            if a + b <= MAX_VALUE:
+                facts.append((a, "+", b, a + b))
+            if a - b >= 0:
+                facts.append((a, "-", b, a - b))
+        for b in range(2, 6):
+            if a * b <= MAX_VALUE:
+                facts.append((a, "*", b, a * b))
+            if a % b == 0:
+                facts.append((a, "/", b, a // b))
+    for a in range(2, 6):  # 2..5 times 6..10 (shopping prices, daily rates) as written in answers
+        for b in range(6, 11):
+            facts.append((a, "*", b, a * b))
+    return sorted(set(facts))
+
+
+def _facts_by_op() -> dict[str, list[tuple[int, str, int, int]]]:
+    if "facts" not in _cache:
+        by_op: dict = {}
+        for fact in arithmetic_facts():
+            by_op.setdefault(fact[1], []).append(fact)
+        _cache["facts"] = by_op
+    return _cache["facts"]
+
+
+def drill_problem(r: random.Random, n_lines: int = 8) -> Problem:
+    """A training-only drill: several unrelated facts, each result written exactly once.
+
+    In a worked answer each result reappears (as the next line's operand and after `####`), so a
+    model can learn to copy a result instead of computing it; here the only way to fill a masked
+    result is to know the fact.
+    """
+    by_op = _facts_by_op()
+    ops = sorted(by_op)  # an operation first, then a fact: products and quotients are few but common
+    picked = [r.choice(by_op[r.choice(ops)]) for _ in range(n_lines)]
+    question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in picked[:-1])
+    question += f" and {picked[-1][0]} {picked[-1][1]} {picked[-1][2]}."
+    answer = "\n".join(f"{a} {op} {b} = {c}" for a, op, b, c in picked)
+    return Problem(question, answer, picked[-1][3])
 
 
 def format_prompt(question: str, shots: list[Problem]) -> str:
