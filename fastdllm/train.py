@@ -254,6 +254,35 @@ def load_checkpoint(ckpt: Path, model, opt) -> int:
     return step
 
 
+def transplant_weights(model: Transformer, source: Transformer) -> None:
+    """Start `model` from `source`'s weights, also across families (a LLaDA model into a Dream twin).
+
+    Every tensor is copied by name. Where the target has fewer key/value heads, each group of source
+    heads that will share one is mean-pooled into it (the GQA "uptraining" conversion of Ainslie et
+    al., 2023; query head i reads key/value head i // group, as SDPA's enable_gqa does); biases the
+    source lacks are set to zero. What does not carry over is the Dream twin's shifted prediction: that is
+    what its training then has to learn.
+    """
+    if model.args.dim != source.args.dim or model.args.n_layers != source.args.n_layers:
+        raise ValueError("init_from: the model sizes differ (dim and n_layers must match)")
+    src = source.state_dict()
+    head_dim = model.args.head_dim
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            if name not in src:
+                if not name.endswith("bias"):
+                    raise ValueError(f"init_from: the source has no weight {name}")
+                param.zero_()  # a bias the source lacks: zero keeps the source's function
+                continue
+            w = src[name]
+            if w.shape != param.shape and name.endswith(("wk.weight", "wv.weight")):
+                groups = source.args.n_kv_heads // model.args.n_kv_heads
+                w = w.view(model.args.n_kv_heads, groups, head_dim, -1).mean(1).reshape(param.shape)
+            if w.shape != param.shape:
+                raise ValueError(f"init_from: {name} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
+            param.copy_(w)
+
+
 # ---- evaluation during training ----------------------------------------------------------------
 def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
     from .generate import GenerationConfig, generate  # lazy: the engine sits above this module
@@ -293,7 +322,7 @@ def train(args: argparse.Namespace) -> Path:
         print(f"resumed from {ckpt} at step {step}", flush=True)
     elif args.init_from:
         # Continue training a finished model (e.g. the shipped one) with a fresh optimizer and schedule.
-        model.load_state_dict(load_model(args.init_from, dtype=torch.float32).state_dict())
+        transplant_weights(model, load_model(args.init_from, dtype=torch.float32))
         print(f"initialised weights from {args.init_from}", flush=True)
     log = (out / "train_log.jsonl").open("a")
     model.train()

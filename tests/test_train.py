@@ -10,6 +10,7 @@ import torch
 
 import fastdllm
 from fastdllm import train
+from fastdllm.models import ModelArgs, Transformer
 from fastdllm.tasks import arith
 from fastdllm.tasks.scoring import extract_gsm8k_answer
 
@@ -111,3 +112,30 @@ def test_sft_loss_masks_only_the_answer_region(tokenizer):
         prompt = slice(0, int(starts[row]))
         assert torch.equal(noisy[row, prompt], ids[row, prompt])  # the prompt is never masked
     assert (noisy == model.mask_token_id).any() and torch.isfinite(loss)
+
+
+def test_transplant_llada_weights_into_the_dream_twin(tokenizer):
+    """GQA conversion: with key/value heads already equal within each group, the pooled Dream model
+    computes exactly what the LLaDA model does (before Dream's shift, which training then learns)."""
+    llada = train.new_model("llada", "llada", tokenizer, seed=0)
+    dream = train.new_model("dream", "dream", tokenizer, seed=1)
+    # (the families' RMSNorm eps differ, 1e-5 and 1e-6: equal here so that the outputs can be compared)
+    dream = Transformer(ModelArgs(**{**dream.args.__dict__, "norm_eps": llada.args.norm_eps}))
+    group = llada.args.n_heads // dream.args.n_kv_heads
+    with torch.no_grad():
+        for layer in llada.layers:
+            for lin in (layer.attention.wk, layer.attention.wv):
+                heads = lin.weight.view(dream.args.n_kv_heads, group, llada.args.head_dim, -1)
+                heads.copy_(heads[:, :1].expand_as(heads))
+    train.transplant_weights(dream, llada)
+    ids = torch.randint(0, 800, (2, 24))
+    torch.testing.assert_close(dream(ids), llada(ids), atol=1e-5, rtol=1e-4)
+    assert all(layer.attention.wq.bias.abs().sum() == 0 for layer in dream.layers)
+    # sizes that cannot be transplanted are refused by name
+    micro = train.new_model("dream", "micro", tokenizer)
+    try:
+        train.transplant_weights(micro, llada)
+    except ValueError as e:
+        assert "init_from" in str(e)
+    else:
+        raise AssertionError("a size mismatch was accepted")
