@@ -11,6 +11,8 @@ Two separate choices make a policy:
      softmax(logits / temperature) (argmax at temperature 0, after optional top-p / top-k);
      confidence = that token's probability (maskgit_plus, and origin when combined with a
      threshold), top-1 minus top-2 probability (topk_margin), or negative entropy (entropy).
+     With a threshold or factor rule the confidence is always the token's probability, whatever
+     `alg` says: those rules are defined on probabilities, as in Fast-dLLM's Dream code.
 2. **How many / which** (`select`):
    - `Threshold` (Fast-dLLM): every masked position with confidence >= threshold, and always at
      least the most confident one.
@@ -109,6 +111,11 @@ def _propose_dream(logits, config, generators, rows):
         conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     else:
         conf, tokens = probs.max(-1)
+    if config.threshold is not None or config.factor is not None:
+        # Parallel decoding compares probabilities with the threshold / factor rule (Fast-dLLM's
+        # Dream "confidence_threshold"): a margin or a negative entropy is on another scale (an
+        # entropy score is never >= 0.9, so every step would reveal one token).
+        return tokens, conf
     if config.alg == "topk_margin":
         top2 = probs.topk(2, dim=-1).values
         conf = top2[..., 0] - top2[..., 1]

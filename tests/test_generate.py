@@ -159,6 +159,19 @@ def test_dream_algorithms_follow_the_timestep_schedule(tiny_dream, tokenizer, al
     assert not (out2.sequences == tiny_dream.mask_token_id).any()
 
 
+@pytest.mark.parametrize("alg", ["origin", "maskgit_plus", "topk_margin", "entropy"])
+def test_dream_threshold_compares_probabilities_for_every_alg(alg):
+    from fastdllm.unmasking import propose
+
+    logits = torch.randn(2, 6, 50) * 4
+    probs = logits.softmax(-1)
+    tokens, conf = propose(logits, GenerationConfig(alg=alg, threshold=0.9), [None, None], [None, None])
+    torch.testing.assert_close(conf, probs.max(-1).values)
+    assert torch.equal(tokens, probs.argmax(-1))
+    _, conf_factor = propose(logits, GenerationConfig(alg=alg, threshold=None, factor=1.0), [None, None], [None, None])
+    torch.testing.assert_close(conf_factor, probs.max(-1).values)
+
+
 # ---- batching, seeds, stop-at-EOS, streaming ------------------------------------------------------
 @pytest.mark.parametrize(
     "overrides",
