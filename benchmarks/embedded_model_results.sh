@@ -2,7 +2,7 @@
 # The figures of docs/model-card.md and the README for the embedded model, on this machine.
 # Two lanes run side by side, one CPU thread each: the evaluations (accuracy on held-out arith
 # problems) and `fastdllm bench` (the paper's table, speed-ups measured within one process).
-# Usage: bash benchmarks/embedded_model_results.sh [OUT_DIR]   (about 20 minutes on 2 CPU cores)
+# Usage: bash benchmarks/embedded_model_results.sh [OUT_DIR]   (about 30 minutes on 2 CPU cores)
 set -euo pipefail
 out=${1:-docs/results}
 mkdir -p "$out"
@@ -22,6 +22,12 @@ evals=$!
   # so only the baseline and the full method run, on two problems.
   python -m fastdllm bench --threads 1 --gen-length 1024 --limit 2 --rows full --no-sweeps --no-batch-check \
     --out "$out/bench_1024"
+  # The Dream-format twin: Dream's own decoding (entropy-ordered, one token per step, block 32), and
+  # the full method on top of it.
+  if [ -d fastdllm/assets/dream-arith ]; then
+    ev dream_baseline_256 --model dream-arith --limit 500 --gen-length 256 --cache none --threshold none --alg entropy
+    ev dream_full_256     --model dream-arith --limit 500 --gen-length 256 --alg entropy
+  fi
 ) > "$out/bench.log" 2>&1
 wait $evals
 cat "$out/evals.log"

@@ -18,7 +18,11 @@ from safetensors.torch import save_file
 from .models import Transformer, family_of
 from .tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "llada-arith"
+ASSETS_DIR = Path(__file__).parent / "assets"
+DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
+# Models shipped in the package, loadable by name: the default LLaDA-format model and, where it has
+# been trained, its Dream-format twin (see docs/model-card.md).
+EMBEDDED_MODELS = ("llada-arith", "dream-arith")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]
@@ -33,12 +37,15 @@ def resolve_dtype(dtype) -> torch.dtype | None:
 
 
 def resolve_model_path(path_or_repo_id: str | os.PathLike | None) -> Path:
-    """A local folder as is; otherwise a hub repo id downloaded (or found in the hub cache)."""
+    """A local folder as is; the name of an embedded model; otherwise a hub repo id downloaded (or
+    found in the hub cache)."""
     if path_or_repo_id is None:
         return DEFAULT_MODEL_DIR
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
+    if str(path_or_repo_id) in EMBEDDED_MODELS and (ASSETS_DIR / str(path_or_repo_id)).is_dir():
+        return ASSETS_DIR / str(path_or_repo_id)
     text = str(path_or_repo_id)
     looks_like_repo = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.exists()
     if not looks_like_repo:

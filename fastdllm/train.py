@@ -116,7 +116,9 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)
     model.family = family
-    model.config = {}
+    # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
+    ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
+    model.config = {k: v for k, v in ids.items() if k in family.REFERENCE_CONFIG}
     model.stop_token_ids = tokenizer.stop_token_ids()
     return model
 
