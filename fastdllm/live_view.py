@@ -92,11 +92,9 @@ def render_canvas(
             out.append("[", style=STYLE_BRACKET)
         if t == mask_id:
             glyph, style = MASK_GLYPH, STYLE_MASK
-        elif t in stops:
-            glyph, style = STOP_GLYPH, STYLE_STOP
         else:
-            glyph, style = texts(t), STYLE_TOKEN
-            if revealed[j]:
+            glyph, style = (STOP_GLYPH, STYLE_STOP) if t in stops else (texts(t), STYLE_TOKEN)
+            if revealed[j]:  # a stop token just revealed is news too (models often fix the end first)
                 style = STYLE_NEW
         if in_current:
             style = f"{style} {STYLE_CURRENT}".strip()
