@@ -41,12 +41,11 @@ def resolve_model_path(path_or_repo_id: str | os.PathLike | None) -> Path:
     found in the hub cache)."""
     if path_or_repo_id is None:
         return DEFAULT_MODEL_DIR
-    path = Path(path_or_repo_id).expanduser()
+    path, text = Path(path_or_repo_id).expanduser(), str(path_or_repo_id)
     if path.is_dir():
         return path
-    if str(path_or_repo_id) in EMBEDDED_MODELS and (ASSETS_DIR / str(path_or_repo_id)).is_dir():
-        return ASSETS_DIR / str(path_or_repo_id)
-    text = str(path_or_repo_id)
+    if text in EMBEDDED_MODELS and (ASSETS_DIR / text).is_dir():
+        return ASSETS_DIR / text
     looks_like_repo = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.exists()
     if not looks_like_repo:
         raise FileNotFoundError(f"model folder not found: {text}")

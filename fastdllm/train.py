@@ -144,13 +144,13 @@ DATA_MIXES = {
     # 20-57 tokens), so nearly every masked token is answer content; a quarter still teaches the
     # EOS fill of 96-1024-token regions and 8-shot prompts.
     "focus": (0.08, [(0.72, [64]), (0.86, [96, 128]), (0.96, [256]), (1.0, [512, 1024])]),
-    # "drill": the focus mix, except that a quarter of the batches are arithmetic drills
-    # (arith.drill_problem). v2 decoded from scratch makes arithmetic slips ("45 - 10 = 42") although it
-    # fills a masked result perfectly when the result is written elsewhere in the answer: it had
-    # learned to copy results, not to compute them.
-    "drill": (0.08, [(0.72, [64]), (0.86, [96, 128]), (0.96, [256]), (1.0, [512, 1024])]),
 }
-# Share of batches that are arithmetic drills, per mix (0 where absent).
+# "drill": the focus mix, except that a quarter of the batches are arithmetic drills
+# (arith.drill_problem). v2 decoded from scratch makes arithmetic slips ("45 - 10 = 42") although it
+# fills a masked result perfectly when the result is written elsewhere in the answer: it had
+# learned to copy results, not to compute them.
+DATA_MIXES["drill"] = DATA_MIXES["focus"]
+# Share of batches that are arithmetic drills, per mix (none where absent).
 DRILL_SHARE = {"drill": 0.25}
 
 
@@ -162,7 +162,7 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     k = 0 if r.random() < 1 - p_shots else r.randint(1, 8)
     u = r.random()
     region = r.choice(next(lengths for cum, lengths in regions if u < cum))
-    drill = DRILL_SHARE.get(mix, 0.0) > 0 and r.random() < DRILL_SHARE[mix]
+    drill = mix in DRILL_SHARE and r.random() < DRILL_SHARE[mix]  # other mixes draw nothing here
     if drill:
         k, region = 0, 64
         stream = iter(lambda: arith.drill_problem(r), None)
@@ -262,8 +262,8 @@ def transplant_weights(model: Transformer, source: Transformer) -> None:
     Every tensor is copied by name. Where the target has fewer key/value heads, each group of source
     heads that will share one is mean-pooled into it (the GQA "uptraining" conversion of Ainslie et
     al., 2023; query head i reads key/value head i // group, as SDPA's enable_gqa does); biases the
-    source lacks are set to zero. What does not carry over is the Dream twin's shifted prediction: that is
-    what its training then has to learn.
+    source lacks are set to zero. What does not carry over is the Dream twin's shifted prediction:
+    that is what its training then has to learn.
     """
     if model.args.dim != source.args.dim or model.args.n_layers != source.args.n_layers:
         raise ValueError("init_from: the model sizes differ (dim and n_layers must match)")

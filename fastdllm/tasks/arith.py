@@ -16,6 +16,7 @@ appear in training, which filters them out by question text.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -197,7 +198,7 @@ def _unique(seed: int, count: int, exclude: set[str] = frozenset()) -> list[Prob
     return out
 
 
-_cache: dict = {}
+_cache: dict[str, list[Problem]] = {}
 
 
 def fewshot_pool() -> list[Problem]:
@@ -250,13 +251,12 @@ def arithmetic_facts() -> list[tuple[int, str, int, int]]:
     return sorted(set(facts))
 
 
+@functools.cache
 def _facts_by_op() -> dict[str, list[tuple[int, str, int, int]]]:
-    if "facts" not in _cache:
-        by_op: dict = {}
-        for fact in arithmetic_facts():
-            by_op.setdefault(fact[1], []).append(fact)
-        _cache["facts"] = by_op
-    return _cache["facts"]
+    by_op: dict[str, list[tuple[int, str, int, int]]] = {}
+    for fact in arithmetic_facts():
+        by_op.setdefault(fact[1], []).append(fact)
+    return by_op
 
 
 def drill_problem(r: random.Random, n_lines: int = 8) -> Problem:
