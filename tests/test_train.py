@@ -71,6 +71,22 @@ def test_drill_mix_mixes_drills_into_focus_batches(tokenizer):
                    for s in range(20))
 
 
+def test_facts_mix_draws_drills_uniformly_over_facts(tokenizer):
+    import random
+
+    drills = sum("Work out" in tokenizer.decode(train.make_batch(tokenizer, step, 0, 8192, "facts")[0][0])
+                 for step in range(40))
+    assert 0.3 < drills / 40 < 0.7  # DRILL_SHARE is 0.5
+    # Sums and differences are 810 of the 964 facts: drawn by fact, they fill most drill lines
+    # (drawn by operation, about half).
+    r = random.Random(1)
+    lines = [line for _ in range(200) for line in arith.drill_problem(r, weighting="fact").answer.split("\n")]
+    share = sum(line.split()[1] in "+-" for line in lines) / len(lines)
+    assert 0.78 < share < 0.9
+    with pytest.raises(ValueError, match="weighting"):
+        arith.drill_problem(r, weighting="uniform")
+
+
 def _args(out, steps, resume=False):
     return argparse.Namespace(
         arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,

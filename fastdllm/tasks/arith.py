@@ -252,23 +252,38 @@ def arithmetic_facts() -> list[tuple[int, str, int, int]]:
 
 
 @functools.cache
+def _all_facts() -> list[tuple[int, str, int, int]]:
+    return arithmetic_facts()
+
+
+@functools.cache
 def _facts_by_op() -> dict[str, list[tuple[int, str, int, int]]]:
     by_op: dict[str, list[tuple[int, str, int, int]]] = {}
-    for fact in arithmetic_facts():
+    for fact in _all_facts():
         by_op.setdefault(fact[1], []).append(fact)
     return by_op
 
 
-def drill_problem(r: random.Random, n_lines: int = 8) -> Problem:
+def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op") -> Problem:
     """A training-only drill: several unrelated facts, each result written exactly once.
 
     In a worked answer each result reappears (as the next line's operand and after `####`), so a
     model can learn to copy a result instead of computing it; here the only way to fill a masked
     result is to know the fact.
+
+    weighting "op" draws an operation, then one of its facts: the 87 products and 67 quotients are
+    then seen ~5x as often each as the 405 sums and 405 differences (v3 learned 90% of the former,
+    13% of the latter). "fact" draws uniformly over all facts.
     """
-    by_op = _facts_by_op()
-    ops = sorted(by_op)  # an operation first, then a fact: products and quotients are few but common
-    picked = [r.choice(by_op[r.choice(ops)]) for _ in range(n_lines)]
+    if weighting == "op":
+        by_op = _facts_by_op()
+        ops = sorted(by_op)
+        picked = [r.choice(by_op[r.choice(ops)]) for _ in range(n_lines)]
+    elif weighting == "fact":
+        facts = _all_facts()
+        picked = [r.choice(facts) for _ in range(n_lines)]
+    else:
+        raise ValueError(f"weighting: must be 'op' or 'fact', got {weighting!r}")
     question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in picked[:-1])
     question += f" and {picked[-1][0]} {picked[-1][1]} {picked[-1][2]}."
     answer = "\n".join(f"{a} {op} {b} = {c}" for a, op, b, c in picked)
