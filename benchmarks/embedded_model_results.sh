@@ -3,6 +3,7 @@
 # Two lanes run side by side, one CPU thread each: the evaluations (accuracy on held-out arith
 # problems) and `fastdllm bench` (the paper's table, speed-ups measured within one process).
 # Usage: bash benchmarks/embedded_model_results.sh [OUT_DIR]   (about 30 minutes on 2 CPU cores)
+#        DREAM=0 bash benchmarks/embedded_model_results.sh ...   skips the Dream twin's two evaluations
 set -euo pipefail
 out=${1:-docs/results}
 mkdir -p "$out"
@@ -24,7 +25,7 @@ evals=$!
     --out "$out/bench_1024"
   # The Dream-format twin: Dream's own decoding (entropy-ordered, one token per step, block 32), and
   # the full method on top of it.
-  if [ -d fastdllm/assets/dream-arith ]; then
+  if [ "${DREAM:-1}" != 0 ] && [ -d fastdllm/assets/dream-arith ]; then
     ev dream_baseline_256 --model dream-arith --limit 500 --gen-length 256 --cache none --threshold none --alg entropy
     ev dream_full_256     --model dream-arith --limit 500 --gen-length 256 --alg entropy
   fi

@@ -1,14 +1,17 @@
 """Which arithmetic facts an arith model knows: every fact of the task (`arith.arithmetic_facts()`,
-964 of them) is written in drill rows of eight ("Work out 45 - 10, ...", answer "45 - 10 = 35" ...),
-every result is masked at once, and the model's top-1 guess for each is checked in one forward.
-Reported per operation and by operand size.
+964 of them) is written in drill rows of eight (answer "45 - 10 = 35\n3 + 4 = 7 ..."), every result
+is masked at once, and the model's top-1 guess for each is checked in one forward. Reported per
+operation and by operand size.
 
 A result of a worked answer is usually also written elsewhere in it (the next line's operand, the
 `####` line), so answer-level probes can be passed by copying; here a result can only be known.
-This is how we found that v3 knew ~90% of the products and quotients and ~13% of the sums and
-differences (docs/model-card.md).
+By default the question is "Work out these.", as in a worked answer, where nothing restates the
+operation; `--restate` lists the operations in the question ("Work out 45 - 10, ...") as the
+`drill` and `facts` training mixes did. What we found with it (docs/model-card.md): v3 knew ~90% of
+the products and quotients and ~13% of the sums and differences with the operations restated, and
+3% of all facts without.
 
-    python benchmarks/probe_facts.py [MODEL_DIR] [--repeats 2]
+    python benchmarks/probe_facts.py [MODEL_DIR] [--repeats 2] [--restate]
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from fastdllm.tasks import arith
 from fastdllm.train import prompt_ids
 
 
-def probe(model, tokenizer, repeats: int = 2) -> dict[tuple[int, str, int, int], float]:
+def probe(model, tokenizer, repeats: int = 2, restate: bool = False) -> dict[tuple[int, str, int, int], float]:
     """Per fact: the share of the `repeats` shuffled drill placements in which its result was right."""
     facts = arith.arithmetic_facts()
     equals = tokenizer.encode(" =")[-1]
@@ -33,8 +36,10 @@ def probe(model, tokenizer, repeats: int = 2) -> dict[tuple[int, str, int, int],
         random.Random(rep).shuffle(order)
         for i in range(0, len(order), 8):
             chunk = order[i : i + 8]
-            question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in chunk[:-1])
-            question += f" and {chunk[-1][0]} {chunk[-1][1]} {chunk[-1][2]}."
+            question = "Work out these."
+            if restate:
+                question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in chunk[:-1])
+                question += f" and {chunk[-1][0]} {chunk[-1][1]} {chunk[-1][2]}."
             answer = tokenizer.encode("\n".join(f"{a} {op} {b} = {c}" for a, op, b, c in chunk))
             pids = prompt_ids(tokenizer, question, [])
             target = torch.tensor([pids + answer])
@@ -55,10 +60,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=None, help="model folder or embedded name (default: the embedded model)")
     ap.add_argument("--repeats", type=int, default=2, help="shuffled placements of every fact")
+    ap.add_argument("--restate", action="store_true", help="list the operations in the question")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = fastdllm.load(args.model, dtype="float32")
-    known = probe(model, tokenizer, args.repeats)
+    known = probe(model, tokenizer, args.repeats, args.restate)
 
     def share(facts) -> str:
         facts = list(facts)

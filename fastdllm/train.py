@@ -155,9 +155,14 @@ DATA_MIXES["drill"] = DATA_MIXES["focus"]
 # often each. So half the batches are drills drawn uniformly over facts, and 12% of the rest are
 # few-shot (8-shot answers were garbled: they sit at positions 0-shot rows never reach).
 DATA_MIXES["facts"] = (0.12, DATA_MIXES["focus"][1])
-# Share of batches that are arithmetic drills, and how drills draw their facts, per mix (none where absent).
-DRILL_SHARE = {"drill": 0.25, "facts": 0.5}
-DRILL_WEIGHTING = {"drill": "op", "facts": "fact"}
+# "recall": the facts mix, but the drill question no longer restates the operations. Drills that
+# list them taught v4's first leg to compute from the question's copy of an operation (70% of facts
+# right with it, 3% without), which no worked answer offers.
+DATA_MIXES["recall"] = DATA_MIXES["facts"]
+# Share of batches that are arithmetic drills, per mix (none where absent), and how a mix's drills
+# are drawn (arith.drill_problem's weighting and restate).
+DRILL_SHARE = {"drill": 0.25, "facts": 0.5, "recall": 0.5}
+DRILL_STYLE = {"drill": ("op", True), "facts": ("fact", True), "recall": ("fact", False)}
 
 
 def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1"):
@@ -171,7 +176,8 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     drill = mix in DRILL_SHARE and r.random() < DRILL_SHARE[mix]  # other mixes draw nothing here
     if drill:
         k, region = 0, 64
-        stream = iter(lambda: arith.drill_problem(r, weighting=DRILL_WEIGHTING[mix]), None)
+        weighting, restate = DRILL_STYLE[mix]
+        stream = iter(lambda: arith.drill_problem(r, weighting=weighting, restate=restate), None)
     else:
         stream = arith.train_stream(r.randrange(1 << 30))
     rows = []

@@ -87,6 +87,16 @@ def test_facts_mix_draws_drills_uniformly_over_facts(tokenizer):
         arith.drill_problem(r, weighting="uniform")
 
 
+def test_recall_mix_drills_do_not_restate_the_operations(tokenizer):
+    import random
+
+    bare = arith.drill_problem(random.Random(0), restate=False)
+    assert bare.question == "Work out these." and bare.answer.count(" = ") == 8
+    drill_rows = [tokenizer.decode(row) for step in range(40)
+                  for row in [train.make_batch(tokenizer, step, 0, 8192, "recall")[0][0]] if "Work out" in tokenizer.decode(row)]
+    assert drill_rows and all("Work out these." in row for row in drill_rows)
+
+
 def _args(out, steps, resume=False):
     return argparse.Namespace(
         arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,

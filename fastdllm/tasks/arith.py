@@ -264,7 +264,7 @@ def _facts_by_op() -> dict[str, list[tuple[int, str, int, int]]]:
     return by_op
 
 
-def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op") -> Problem:
+def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op", restate: bool = True) -> Problem:
     """A training-only drill: several unrelated facts, each result written exactly once.
 
     In a worked answer each result reappears (as the next line's operand and after `####`), so a
@@ -274,6 +274,12 @@ def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op") -> 
     weighting "op" draws an operation, then one of its facts: the 87 products and 67 quotients are
     then seen ~5x as often each as the 405 sums and 405 differences (v3 learned 90% of the former,
     13% of the latter). "fact" draws uniformly over all facts.
+
+    restate=True lists the operations in the question ("Work out 45 - 10, 3 + 4 ..."). A model
+    trained on such drills learns to compute a result from the question's copy of its operation
+    and not from its own line: v4's first 1000 steps knew 70% of the facts when the question
+    restated them and 3% when it did not, and worked answers never restate. restate=False asks
+    "Work out these." so a result can only come from the operands on its own line.
     """
     if weighting == "op":
         by_op = _facts_by_op()
@@ -284,8 +290,11 @@ def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op") -> 
         picked = [r.choice(facts) for _ in range(n_lines)]
     else:
         raise ValueError(f"weighting: must be 'op' or 'fact', got {weighting!r}")
-    question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in picked[:-1])
-    question += f" and {picked[-1][0]} {picked[-1][1]} {picked[-1][2]}."
+    if restate:
+        question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in picked[:-1])
+        question += f" and {picked[-1][0]} {picked[-1][1]} {picked[-1][2]}."
+    else:
+        question = "Work out these."
     answer = "\n".join(f"{a} {op} {b} = {c}" for a, op, b, c in picked)
     return Problem(question, answer, picked[-1][3])
 
