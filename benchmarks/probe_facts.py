@@ -32,25 +32,19 @@ def probe(model, tokenizer, repeats: int = 2, restate: bool = False) -> dict[tup
     equals = tokenizer.encode(" =")[-1]
     hits: dict[tuple[int, str, int, int], list[bool]] = {f: [] for f in facts}
     for rep in range(repeats):
-        order = facts[:]
+        order = list(facts)
         random.Random(rep).shuffle(order)
         for i in range(0, len(order), 8):
             chunk = order[i : i + 8]
-            question = "Work out these."
-            if restate:
-                question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in chunk[:-1])
-                question += f" and {chunk[-1][0]} {chunk[-1][1]} {chunk[-1][2]}."
-            answer = tokenizer.encode("\n".join(f"{a} {op} {b} = {c}" for a, op, b, c in chunk))
-            pids = prompt_ids(tokenizer, question, [])
+            drill = arith.drill_from_facts(chunk, restate)
+            pids, answer = prompt_ids(tokenizer, drill.question, []), tokenizer.encode(drill.answer)
             target = torch.tensor([pids + answer])
             where = [len(pids) + j + 1 for j, tok in enumerate(answer) if tok == equals]  # each result
             x = target.clone()
             x[0, where] = model.mask_token_id
-            with torch.no_grad():
-                logits = model(x)
-            if model.args.shifted_logits:  # Dream: the output at i-1 predicts token i
-                logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-            right = (logits[0, where].argmax(-1) == target[0, where]).tolist()
+            with torch.no_grad():  # row j predicts token 1 + j, for either family (Dream shifts)
+                logits = model.logits_for(x, 1, x.shape[1])
+            right = (logits[0, [w - 1 for w in where]].argmax(-1) == target[0, where]).tolist()
             for fact, ok in zip(chunk, right):
                 hits[fact].append(ok)
     return {f: sum(h) / len(h) for f, h in hits.items()}

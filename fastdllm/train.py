@@ -159,10 +159,9 @@ DATA_MIXES["facts"] = (0.12, DATA_MIXES["focus"][1])
 # list them taught v4's first leg to compute from the question's copy of an operation (70% of facts
 # right with it, 3% without), which no worked answer offers.
 DATA_MIXES["recall"] = DATA_MIXES["facts"]
-# Share of batches that are arithmetic drills, per mix (none where absent), and how a mix's drills
-# are drawn (arith.drill_problem's weighting and restate).
-DRILL_SHARE = {"drill": 0.25, "facts": 0.5, "recall": 0.5}
-DRILL_STYLE = {"drill": ("op", True), "facts": ("fact", True), "recall": ("fact", False)}
+# Per mix with drills: the share of batches that are drills, and arith.drill_problem's weighting
+# and restate for them (mixes not listed have none).
+DRILLS = {"drill": (0.25, "op", True), "facts": (0.5, "fact", True), "recall": (0.5, "fact", False)}
 
 
 def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1"):
@@ -173,10 +172,10 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     k = 0 if r.random() < 1 - p_shots else r.randint(1, 8)
     u = r.random()
     region = r.choice(next(lengths for cum, lengths in regions if u < cum))
-    drill = mix in DRILL_SHARE and r.random() < DRILL_SHARE[mix]  # other mixes draw nothing here
+    drill = mix in DRILLS and r.random() < DRILLS[mix][0]  # other mixes draw nothing here
     if drill:
         k, region = 0, 64
-        weighting, restate = DRILL_STYLE[mix]
+        _, weighting, restate = DRILLS[mix]
         stream = iter(lambda: arith.drill_problem(r, weighting=weighting, restate=restate), None)
     else:
         stream = arith.train_stream(r.randrange(1 << 30))

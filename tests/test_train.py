@@ -66,7 +66,7 @@ def test_drill_mix_mixes_drills_into_focus_batches(tokenizer):
         if kinds[-1]:  # a whole batch of drills, 0-shot, 64-token regions
             assert all("Work out" in tokenizer.decode(row) for row in ids)
             assert (ids.shape[1] - starts).max() == 64
-    assert 0.1 < sum(kinds) / len(kinds) < 0.5  # DRILL_SHARE is 0.25
+    assert 0.1 < sum(kinds) / len(kinds) < 0.5  # the drill mix's share is 0.25
     assert not any("Work out" in tokenizer.decode(train.make_batch(tokenizer, s, 0, 8192, "focus")[0][0])
                    for s in range(20))
 
@@ -76,7 +76,7 @@ def test_facts_mix_draws_drills_uniformly_over_facts(tokenizer):
 
     drills = sum("Work out" in tokenizer.decode(train.make_batch(tokenizer, step, 0, 8192, "facts")[0][0])
                  for step in range(40))
-    assert 0.3 < drills / 40 < 0.7  # DRILL_SHARE is 0.5
+    assert 0.3 < drills / 40 < 0.7  # the facts mix's share is 0.5
     # Sums and differences are 810 of the 964 facts: drawn by fact, they fill most drill lines
     # (drawn by operation, about half).
     r = random.Random(1)
@@ -92,8 +92,8 @@ def test_recall_mix_drills_do_not_restate_the_operations(tokenizer):
 
     bare = arith.drill_problem(random.Random(0), restate=False)
     assert bare.question == "Work out these." and bare.answer.count(" = ") == 8
-    drill_rows = [tokenizer.decode(row) for step in range(40)
-                  for row in [train.make_batch(tokenizer, step, 0, 8192, "recall")[0][0]] if "Work out" in tokenizer.decode(row)]
+    first_rows = [tokenizer.decode(train.make_batch(tokenizer, step, 0, 8192, "recall")[0][0]) for step in range(40)]
+    drill_rows = [row for row in first_rows if "Work out" in row]
     assert drill_rows and all("Work out these." in row for row in drill_rows)
 
 

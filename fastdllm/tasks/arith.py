@@ -226,7 +226,8 @@ def train_stream(seed: int):
             yield p
 
 
-def arithmetic_facts() -> list[tuple[int, str, int, int]]:
+@functools.cache
+def arithmetic_facts() -> tuple[tuple[int, str, int, int], ...]:
     """Every (a, op, b, result) that a worked answer of this task can contain.
 
     Sums and differences take a second operand of 2..10, products a second factor of 2..5 (and
@@ -248,18 +249,13 @@ def arithmetic_facts() -> list[tuple[int, str, int, int]]:
     for a in range(2, 6):  # 2..5 times 6..10 (shopping prices, daily rates) as written in answers
         for b in range(6, 11):
             facts.append((a, "*", b, a * b))
-    return sorted(set(facts))
-
-
-@functools.cache
-def _all_facts() -> list[tuple[int, str, int, int]]:
-    return arithmetic_facts()
+    return tuple(sorted(set(facts)))
 
 
 @functools.cache
 def _facts_by_op() -> dict[str, list[tuple[int, str, int, int]]]:
     by_op: dict[str, list[tuple[int, str, int, int]]] = {}
-    for fact in _all_facts():
+    for fact in arithmetic_facts():
         by_op.setdefault(fact[1], []).append(fact)
     return by_op
 
@@ -286,17 +282,22 @@ def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op", res
         ops = sorted(by_op)
         picked = [r.choice(by_op[r.choice(ops)]) for _ in range(n_lines)]
     elif weighting == "fact":
-        facts = _all_facts()
+        facts = arithmetic_facts()
         picked = [r.choice(facts) for _ in range(n_lines)]
     else:
         raise ValueError(f"weighting: must be 'op' or 'fact', got {weighting!r}")
+    return drill_from_facts(picked, restate)
+
+
+def drill_from_facts(facts, restate: bool = True) -> Problem:
+    """The drill whose answer writes these (a, op, b, result) facts, one per line, in this order."""
     if restate:
-        question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in picked[:-1])
-        question += f" and {picked[-1][0]} {picked[-1][1]} {picked[-1][2]}."
+        question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in facts[:-1])
+        question += f" and {facts[-1][0]} {facts[-1][1]} {facts[-1][2]}."
     else:
         question = "Work out these."
-    answer = "\n".join(f"{a} {op} {b} = {c}" for a, op, b, c in picked)
-    return Problem(question, answer, picked[-1][3])
+    answer = "\n".join(f"{a} {op} {b} = {c}" for a, op, b, c in facts)
+    return Problem(question, answer, facts[-1][3])
 
 
 def format_prompt(question: str, shots: list[Problem]) -> str:
