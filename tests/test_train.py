@@ -97,6 +97,35 @@ def test_recall_mix_drills_do_not_restate_the_operations(tokenizer):
     assert drill_rows and all("Work out these." in row for row in drill_rows)
 
 
+def test_story_mix_drills_write_facts_in_the_answers_own_sentences(tokenizer):
+    import random
+    import re
+
+    facts, equation = set(arith.arithmetic_facts()), re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+    answer_lines = [line for p in arith.test_split() for line in p.answer.split("\n")[:-1]]
+    for op, phrases in arith.ANSWER_PHRASES.items():
+        for phrase in phrases:  # every phrase is a sentence the task's worked answers really write
+            pattern = re.escape(phrase).replace(r"\{e\}", rf"\d+ {re.escape(op)} \d+").replace(r"\{c\}", r"\d+")
+            pattern = re.sub(r"\\\{\w+\\\}", r"[\\w ]+", pattern)
+            assert any(re.fullmatch(pattern, line) for line in answer_lines), phrase
+    r = random.Random(0)
+    for _ in range(30):
+        p = arith.drill_problem(r, weighting="fact", restate=False, phrasing="sentence")
+        lines = p.answer.split("\n")
+        assert p.question == "Work out these." and len(lines) == 8
+        for line in lines:  # one correct fact per sentence, its result written once
+            (a, op, b, c), = equation.findall(line)
+            assert (int(a), op, int(b), int(c)) in facts and line.endswith(".") and not line[0].isdigit()
+    with pytest.raises(ValueError, match="phrasing"):
+        arith.drill_problem(r, phrasing="prose")
+    kinds = []
+    for step in range(60):
+        ids, starts = train.make_batch(tokenizer, step, 0, 8192, "story")
+        if "Work out these." in tokenizer.decode(ids[0, : starts[0]]):
+            kinds.append(not tokenizer.decode(ids[0, starts[0]:]).lstrip()[0].isdigit())
+    assert kinds and 0.25 < sum(kinds) / len(kinds) < 0.75  # half the drills are in sentences
+
+
 def _args(out, steps, resume=False):
     return argparse.Namespace(
         arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,

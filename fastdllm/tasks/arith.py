@@ -260,7 +260,23 @@ def _facts_by_op() -> dict[str, list[tuple[int, str, int, int]]]:
     return by_op
 
 
-def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op", restate: bool = True) -> Problem:
+# Answer sentences of the five templates, per operation, as drills in "sentence" phrasing write them:
+# {e} is "a op b", {c} the result; the other slots are filled at random.
+ANSWER_PHRASES = {
+    "+": ["After that {name} has {e} = {c} {item}.", "With the last day that is {e} = {c} {unit}.",
+          "Then each friend has {e} = {c} {item}.", "With the {priced} {name} spends {e} = {c} dollars.",
+          "{name} has {e} = {c} {item}."],
+    "-": ["After giving some away {name} has {e} = {c} {item}.", "After losing some that is {e} = {c} {unit}.",
+          "With the discount {name} pays {e} = {c} dollars.", "{name} has {e} = {c} {item}."],
+    "*": ["Then {name} has {e} = {c} {item}.", "The {priced}s cost {e} = {c} dollars.",
+          "In {a} days {name} {verb} {e} = {c} {unit}.", "In all the friends have {e} = {c} {item}."],
+    "/": ["One pile has {e} = {c} {item}.", "One part is {e} = {c} {item}.",
+          "Each friend first gets {e} = {c} {item}."],
+}
+
+
+def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op", restate: bool = True,
+                  phrasing: str = "equation") -> Problem:
     """A training-only drill: several unrelated facts, each result written exactly once.
 
     In a worked answer each result reappears (as the next line's operand and after `####`), so a
@@ -276,7 +292,14 @@ def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op", res
     and not from its own line: v4's first 1000 steps knew 70% of the facts when the question
     restated them and 3% when it did not, and worked answers never restate. restate=False asks
     "Work out these." so a result can only come from the operands on its own line.
+
+    phrasing "equation" writes each line as "a op b = c". "sentence" wraps it in one of the
+    answers' own sentences with a random name and item ("After that Mia has 16 + 9 = 25 toys."):
+    v4 knew 93% of the sums as bare equations but got 80% of them right inside worked answers
+    (every result masked, operands shown), so the recall has to hold in the answers' wording too.
     """
+    if phrasing not in ("equation", "sentence"):
+        raise ValueError(f"phrasing: must be 'equation' or 'sentence', got {phrasing!r}")
     if weighting == "op":
         by_op = _facts_by_op()
         ops = sorted(by_op)
@@ -286,18 +309,29 @@ def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op", res
         picked = [r.choice(facts) for _ in range(n_lines)]
     else:
         raise ValueError(f"weighting: must be 'op' or 'fact', got {weighting!r}")
-    return drill_from_facts(picked, restate)
+    lines = None
+    if phrasing == "sentence":
+        lines = []
+        for a, op, b, c in picked:
+            verb, unit = r.choice(ACTIVITIES)
+            phrases = [f for f in ANSWER_PHRASES[op] if a >= 2 or "days" not in f]  # no "In 1 days"
+            lines.append(r.choice(phrases).format(
+                e=f"{a} {op} {b}", c=c, a=a, name=r.choice(NAMES), item=r.choice(ITEMS),
+                priced=r.choice(PRICED), verb=verb, unit=unit))
+    return drill_from_facts(picked, restate, lines)
 
 
-def drill_from_facts(facts, restate: bool = True) -> Problem:
-    """The drill whose answer writes these (a, op, b, result) facts, one per line, in this order."""
+def drill_from_facts(facts, restate: bool = True, lines: list[str] | None = None) -> Problem:
+    """The drill whose answer writes these (a, op, b, result) facts, one per line, in this order
+    (as `lines`, when given, phrase them; by default "a op b = c")."""
     if restate:
         question = "Work out " + ", ".join(f"{a} {op} {b}" for a, op, b, _ in facts[:-1])
         question += f" and {facts[-1][0]} {facts[-1][1]} {facts[-1][2]}."
     else:
         question = "Work out these."
-    answer = "\n".join(f"{a} {op} {b} = {c}" for a, op, b, c in facts)
-    return Problem(question, answer, facts[-1][3])
+    if lines is None:
+        lines = [f"{a} {op} {b} = {c}" for a, op, b, c in facts]
+    return Problem(question, "\n".join(lines), facts[-1][3])
 
 
 def format_prompt(question: str, shots: list[Problem]) -> str:
