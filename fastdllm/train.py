@@ -161,7 +161,10 @@ DATA_MIXES["facts"] = (0.12, DATA_MIXES["focus"][1])
 DATA_MIXES["recall"] = DATA_MIXES["facts"]
 # "story": the recall mix, but half of its drills write each fact in an answer's own sentence
 # (arith.ANSWER_PHRASES): v4 recalled 93% of sums as bare equations, 80% inside worked answers.
-DATA_MIXES["story"] = DATA_MIXES["recall"]
+# And a quarter of the other batches (not 4%) have 512- or 1024-token regions: v4 decoded garbled
+# answers at gen length 1024 (17% on 48 problems, 60% at 256, 0-shot both; one token per step
+# too), as it had rarely seen an answer followed by ~1000 masked positions.
+DATA_MIXES["story"] = (0.12, [(0.5, [64]), (0.62, [96, 128]), (0.76, [256]), (1.0, [512, 1024])])
 # Per mix with drills: the share of batches that are drills, arith.drill_problem's weighting and
 # restate for them, and the share of those drills in "sentence" phrasing (mixes not listed have none).
 DRILLS = {"drill": (0.25, "op", True, 0.0), "facts": (0.5, "fact", True, 0.0),
