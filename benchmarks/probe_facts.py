@@ -31,6 +31,15 @@ from fastdllm.tasks import arith
 from fastdllm.train import prompt_ids
 
 
+def _masked_top1(model, target: torch.Tensor, where: list[int]) -> list[bool]:
+    """Mask the positions `where` of the one-row `target` together; is each top-1 guess right?"""
+    x = target.clone()
+    x[0, where] = model.mask_token_id
+    with torch.no_grad():  # row j predicts token 1 + j, for either family (Dream shifts)
+        logits = model.logits_for(x, 1, x.shape[1])
+    return (logits[0, [w - 1 for w in where]].argmax(-1) == target[0, where]).tolist()
+
+
 def probe(model, tokenizer, repeats: int = 2, restate: bool = False) -> dict[tuple[int, str, int, int], float]:
     """Per fact: the share of the `repeats` shuffled drill placements in which its result was right."""
     facts = arith.arithmetic_facts()
@@ -45,12 +54,7 @@ def probe(model, tokenizer, repeats: int = 2, restate: bool = False) -> dict[tup
             pids, answer = prompt_ids(tokenizer, drill.question, []), tokenizer.encode(drill.answer)
             target = torch.tensor([pids + answer])
             where = [len(pids) + j + 1 for j, tok in enumerate(answer) if tok == equals]  # each result
-            x = target.clone()
-            x[0, where] = model.mask_token_id
-            with torch.no_grad():  # row j predicts token 1 + j, for either family (Dream shifts)
-                logits = model.logits_for(x, 1, x.shape[1])
-            right = (logits[0, [w - 1 for w in where]].argmax(-1) == target[0, where]).tolist()
-            for fact, ok in zip(chunk, right):
+            for fact, ok in zip(chunk, _masked_top1(model, target, where)):
                 hits[fact].append(ok)
     return {f: sum(h) / len(h) for f, h in hits.items()}
 
@@ -66,14 +70,11 @@ def probe_answers(model, tokenizer, problems: int) -> tuple[dict[str, list[int]]
         # As trained and decoded: <|eot_id|>, then EOS padding to a 64-token region.
         tail = [tokenizer.token_to_id("<|eot_id|>")] + [tokenizer.eos_token_id] * max(3, 63 - len(answer))
         target = torch.tensor([pids + answer + tail])
-        where = [len(pids) + j + 1 for j, tok in enumerate(answer) if tok in (equals, hashes)]
-        ops = [tokenizer.decode([answer[j - len(pids) - 3]]).strip() if answer[j - len(pids) - 1] == equals
-               else "####" for j in where]
-        x = target.clone()
-        x[0, where] = model.mask_token_id
-        with torch.no_grad():
-            logits = model.logits_for(x, 1, x.shape[1])
-        right = (logits[0, [w - 1 for w in where]].argmax(-1) == target[0, where]).tolist()
+        # Each result follows " =" (its operation two tokens earlier) or "####".
+        marks = [j for j, tok in enumerate(answer) if tok in (equals, hashes)]
+        where = [len(pids) + j + 1 for j in marks]
+        ops = [tokenizer.decode([answer[j - 2]]).strip() if answer[j] == equals else "####" for j in marks]
+        right = _masked_top1(model, target, where)
         for op, ok in zip(ops, right):
             c = counts.setdefault(op, [0, 0])
             c[0] += ok

@@ -34,8 +34,8 @@ GEN = dict(gen_length=128, block_length=32)
 # differences across machines (a near-tie flips one problem's chain).
 BASELINE_FLOOR = 0.80
 MAX_LOSS_AT_THRESHOLD_09 = 0.05  # fraction of problems
-# The Dream twin (session 5 weights) with Dream's entropy-ordered decoding, same 64 problems: baseline 67.2% with 41.0
-# NFE, DualCache + threshold 0.9 82.8% with 4.80 NFE.
+# The Dream twin (session 5 weights) with Dream's entropy-ordered decoding, same 64 problems:
+# baseline 67.2% with 41.0 NFE, DualCache + threshold 0.9 82.8% with 4.80 NFE.
 DREAM_BASELINE_FLOOR = 0.55
 
 
