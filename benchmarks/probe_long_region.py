@@ -1,8 +1,8 @@
 """How well an arith model fills a worked answer as the generation region grows: each of N held-out
 answers is placed at the start of a 64-, 256- or 1024-token region (the rest EOS padding, as in
 training), every answer token is masked, and the model's top-1 guess for each is checked in one
-forward. With `suffix masked` the padding is masked too, which is what block-wise decoding sees
-while it writes the answer's first blocks; with `EOS shown` the padding is visible.
+forward. With `padding masked` the padding is masked too, which is what block-wise decoding sees
+while it writes the answer's first blocks; with `padding shown` it is visible.
 
 What we found with it (docs/model-card.md, 48 answers): v5 filled 96.2% of answer tokens in a
 64-token region and 90.2% in a 1024-token one (64.6% with the padding shown); v6, after 2000 steps
@@ -32,11 +32,9 @@ def answer_top1(model, tok, problems, region: int, suffix_visible: bool) -> floa
         start, end = len(pids), len(pids) + len(aids)
         noisy = ids.clone()
         noisy[0, start:end if suffix_visible else None] = mask
-        with torch.no_grad():
-            logits = model(noisy)
-        if model.args.shifted_logits:  # Dream: the output at i-1 predicts token i
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        right += (logits[0, start:end].argmax(-1) == ids[0, start:end]).sum().item()
+        with torch.no_grad():  # row j predicts token start + j, for either family (Dream shifts)
+            logits = model.logits_for(noisy, start, end)
+        right += (logits[0].argmax(-1) == ids[0, start:end]).sum().item()
         total += end - start
     return right / total
 

@@ -173,8 +173,8 @@ DATA_MIXES["long"] = (0.12, [(0.35, [64]), (0.45, [96, 128]), (0.65, [256]), (1.
 # Per mix with drills: the share of batches that are drills, arith.drill_problem's weighting and
 # restate for them, and the share of those drills in "sentence" phrasing (mixes not listed have none).
 DRILLS = {"drill": (0.25, "op", True, 0.0), "facts": (0.5, "fact", True, 0.0),
-          "recall": (0.5, "fact", False, 0.0), "story": (0.5, "fact", False, 0.5),
-          "long": (0.5, "fact", False, 0.5)}
+          "recall": (0.5, "fact", False, 0.0), "story": (0.5, "fact", False, 0.5)}
+DRILLS["long"] = DRILLS["story"]  # the same drills; only the word problems' regions differ
 
 
 def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1"):
