@@ -139,6 +139,20 @@ def test_long_mix_puts_more_word_problems_in_long_regions(tokenizer):
     assert 0.45 < long < 0.75 and long > story + 0.1  # expected 55% and 38% (measured 60%, 42%)
 
 
+def test_shots_mix_puts_more_word_problems_behind_long_few_shot_prompts(tokenizer):
+    def few_shot_share(mix):
+        shots = []
+        for step in range(200):
+            ids, starts = train.make_batch(tokenizer, step, 0, 8192, mix)
+            prompt = tokenizer.decode(ids[0, : starts[0]])
+            if "Work out these." not in prompt:  # word problems only
+                shots.append(prompt.count("####"))  # one per exemplar's worked answer
+        return sum(k >= 4 for k in shots) / len(shots), max(shots)
+
+    (long, _), (shots, most) = few_shot_share("long"), few_shot_share("shots")
+    assert 0.25 < shots < 0.55 and long < 0.12 and most == 8  # expected 40% and 6%
+
+
 def _args(out, steps, resume=False):
     return argparse.Namespace(
         arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,
