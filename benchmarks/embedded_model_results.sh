@@ -14,9 +14,10 @@ ev() { name=$1; shift; python -m fastdllm eval --task arith --threads 1 --batch-
   ev full_256        --limit 500 --gen-length 256
   ev threshold07_256 --limit 500 --gen-length 256 --threshold 0.7
   ev threshold05_256 --limit 500 --gen-length 256 --threshold 0.5
-  ev full_1024_8shot --limit 200 --gen-length 1024 --num-fewshot 8
+  # Gen length 1024 on the same 500 problems as the gen-256 rows, so the gap compares like with like.
+  ev full_1024_8shot --limit 500 --gen-length 1024 --num-fewshot 8
   # 0-shot at gen length 1024 too, to tell the long answer region from the 8-shot prompt.
-  ev full_1024       --limit 200 --gen-length 1024
+  ev full_1024       --limit 500 --gen-length 1024
 ) > "$out/evals.log" 2>&1 &
 evals=$!
 (

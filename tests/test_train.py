@@ -156,6 +156,16 @@ def test_shots_mix_puts_more_word_problems_behind_long_few_shot_prompts(tokenize
     assert 0.25 < shots < 0.55 and long < 0.12 and most == 8  # expected 40% and 7.5% (measured 35%, 8%)
 
 
+
+def test_tail_mix_puts_more_batches_in_512_and_1024_token_regions(tokenizer):
+    shots, tail = (_share(_word_problem_batches(tokenizer, mix), lambda k, n: n >= 512) for mix in ("shots", "tail"))
+    few_shot = _share(_word_problem_batches(tokenizer, "tail"), lambda k, n: k >= 4)
+    word_problems = len(_word_problem_batches(tokenizer, "tail")) / 200
+    assert 0.42 < tail < 0.7 and shots < 0.45 and tail > shots + 0.1  # expected 55% and 35% (measured 61%, 35%)
+    # 40% of word problems few-shot, as in shots (measured 36%); 35% of batches drills (measured 40%).
+    assert 0.25 < few_shot < 0.55 and 0.55 < word_problems < 0.75
+
+
 def _args(out, steps, resume=False):
     return argparse.Namespace(
         arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,
