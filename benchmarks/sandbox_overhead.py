@@ -3,9 +3,10 @@
     python benchmarks/sandbox_overhead.py [--runs 30] [--workers 2] [--skip-humaneval]
 
 Overhead = median wall time of `sandbox.run_program("pass")` minus the median of a bare
-`subprocess.run([sys.executable, "-I", "-c", "pass"])`, both run one at a time. HumanEval:
-all 164 canonical solutions scored through the pipeline (post-processing + sandbox) with
-`--workers` programs at a time.
+`subprocess.run([sys.executable, "-I", "-c", "pass"])`, both run one at a time; "judged" is one
+`sandbox.judge` of a one-line solution against a one-line test (two sandboxed processes, what
+each HumanEval/MBPP answer costs). HumanEval: all 164 canonical solutions scored through the
+pipeline (post-processing + judge) with `--workers` checks at a time.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ def main(argv=None) -> int:
     print("protections:", ", ".join(sandbox.protections()))
     bare = median_time(lambda: subprocess.run([sys.executable, "-I", "-c", "pass"], check=True), args.runs)
     boxed = median_time(lambda: sandbox.run_program("pass"), args.runs)
+    check = sandbox.CodeCheck("def f(x):\n    return x + 1\n", "assert f(1) == 2\n", remote=("f",))
+    judged = median_time(lambda: sandbox.judge(check), args.runs)
     print(f"bare interpreter  {bare * 1000:7.1f} ms (median of {args.runs})")
     print(f"sandboxed         {boxed * 1000:7.1f} ms")
     print(f"overhead          {(boxed - bare) * 1000:7.1f} ms per program")
+    print(f"judged            {judged * 1000:7.1f} ms per check (solution and tests in two processes)")
     if not args.skip_humaneval:
         from fastdllm.tasks import get_task
 

@@ -10,9 +10,49 @@ from fastdllm.models.transformer import ModelArgs
 from fastdllm.train import build_tokenizer, new_model
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 
 torch.set_num_threads(2)
+
+
+def sandbox_processes() -> list[str]:
+    """Live processes of the uids that this test process's sandbox runs used."""
+    import subprocess
+
+    from fastdllm.sandbox.box import own_uids
+
+    uids = own_uids()
+    out = subprocess.run(["ps", "-eo", "uid=,stat=,pid="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()
+            if line.split() and int(line.split()[0]) in uids and not line.split()[1].startswith("Z")]
+
+
+def sandbox_files() -> list[str]:
+    """Files owned by one of those uids in the host's shared scratch folders."""
+    import os
+
+    from fastdllm.sandbox.box import own_uids
+
+    uids, found = own_uids(), []
+    for top in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+        for root, dirs, files in os.walk(top):
+            for name in dirs + files:
+                try:
+                    if os.lstat(os.path.join(root, name)).st_uid in uids:
+                        found.append(os.path.join(root, name))
+                except OSError:
+                    pass
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_of_the_sandbox_survives():
+    """After the whole suite: no process of a sandbox uid, no file one wrote outside its folder."""
+    yield
+    import time
+
+    time.sleep(0.2)
+    assert sandbox_processes() == []
+    assert sandbox_files() == []
 
 
 @pytest.fixture(scope="session")

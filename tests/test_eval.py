@@ -176,13 +176,15 @@ def test_evaluate_code_and_math_plumbing(tiny_llada, tokenizer):
     he = evaluate(tiny_llada, tokenizer, "humaneval", limit=2, config=SMALL, workers=2, timeout=5)
     assert he["num_samples"] == 2 and "pass@1" in he and "sandbox_protections" in he
     assert all(s["verdict"] in ("passed", "failed", "timeout", "crashed") for s in he["samples"])
-    assert all(s["extracted"].rstrip().endswith(f"check({d})") for s, d in
+    # the logged program is the solution alone: the tests never ran beside it
+    assert all(f"def {d}(" in s["extracted"] and "check(" not in s["extracted"] for s, d in
                zip(he["samples"], ("has_close_elements", "separate_paren_groups")))
     m = evaluate(tiny_llada, tokenizer, "math500", limit=2, num_fewshot=0, config=SMALL)
-    assert m["num_samples"] == 2 and m["equivalence_backend"] in ("math_verify", "sympy")
+    assert m["num_samples"] == 2 and m["equivalence_backend"] == "math_verify"
 
 
 # ---- the command line, end to end ----------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
     out, log = tmp_path / "results.json", tmp_path / "samples.jsonl"
     r = run_cli("eval", "--task", "arith", "--limit", "16", "--gen-length", "128", "--output", str(out),
@@ -197,6 +199,7 @@ def test_cli_end_to_end(tmp_path):
     assert "accuracy" in r.stdout and "tokens/s" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not found")
 def test_two_ranks_match_one_process(tmp_path):
     common = ["eval", "--task", "arith", "--limit", "8", "--gen-length", "64", "--batch-size", "2", "--no-progress",

@@ -15,6 +15,8 @@ import pytest
 from fastdllm import sandbox
 from fastdllm.sandbox import SandboxConfig, run_many, run_program
 
+from .conftest import sandbox_processes
+
 REPO = Path(__file__).resolve().parents[1]
 PROTECTIONS = sandbox.protections()
 needs_user = pytest.mark.skipif("unprivileged_user" not in PROTECTIONS,
@@ -35,14 +37,12 @@ def host_alive() -> None:
     assert len(bytearray(50 * 1024 * 1024)) == 50 * 1024 * 1024
 
 
-def leftover_processes(min_uid: int = sandbox.UID_BASE) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "uid=,stat=,pid="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines()
-            if line.split() and int(line.split()[0]) >= min_uid and not line.split()[1].startswith("Z")]
+leftover_processes = sandbox_processes
 
 
 def test_protections_recorded():
-    core = {"isolated_interpreter", "own_session", "scrubbed_env", "rlimits", "temp_dir", "wall_timeout"}
+    core = {"isolated_interpreter", "own_session", "scrubbed_env", "rlimits", "cpu_timeout", "wall_backstop",
+            "no_new_privs"}
     assert core <= set(PROTECTIONS)
     r = run("print('hello')")
     assert r.verdict == "passed" and r.stdout == "hello\n" and r.reason == ""
@@ -67,19 +67,26 @@ def test_early_exit_is_not_a_pass(code):
     assert r.verdict == "failed", r
 
 
-def test_infinite_loop_times_out():
+def test_infinite_loop_times_out_on_cpu_time():
     t0 = time.perf_counter()
     r = run_program("while True:\n    pass", timeout=1.5)
-    assert r.verdict == "timeout" and "1.5s" in r.reason
+    assert r.verdict == "timeout" and "CPU time limit of 1.5s" in r.reason, r
+    assert r.cpu_time >= 1.5
     assert time.perf_counter() - t0 < 10
     host_alive()
+
+
+def test_catching_sigxcpu_does_not_escape_the_cpu_limit():
+    code = "import signal\nsignal.signal(signal.SIGXCPU, lambda *a: None)\nwhile True:\n    pass\n"
+    r = run_program(code, timeout=1.0)
+    assert r.verdict == "timeout" and "CPU time" in r.reason, r
 
 
 def test_sleep_times_out_and_daemon_is_reaped():
     code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n"
             "time.sleep(600)\n")
-    r = run_program(code, timeout=1.5)
-    assert r.verdict == "timeout"
+    r = run_program(code, timeout=1.5, wall_timeout=2.0)
+    assert r.verdict == "timeout" and "wall-clock backstop" in r.reason, r
     if "unprivileged_user" in PROTECTIONS:
         time.sleep(0.2)
         assert leftover_processes() == []
@@ -258,3 +265,184 @@ def test_run_many_in_order_and_parallel():
     results = run_many(sources, workers=2)
     assert [r.verdict for r in results] == ["failed", "passed", "passed", "failed", "passed", "passed"]
     assert time.perf_counter() - t0 < 6
+
+
+# ---- the gaps a hostile program probes: each contained ------------------------------------------
+needs_root_fs = pytest.mark.skipif("read_only_root" not in PROTECTIONS,
+                                   reason="needs root and mount namespaces for the sandbox's own root")
+
+
+@needs_user
+def test_setuid_binaries_gain_nothing():
+    su = next((p for p in ("/usr/bin/su", "/bin/su", "/usr/bin/passwd") if os.path.exists(p)), None)
+    code = f"""
+import ctypes, os, subprocess, time
+libc = ctypes.CDLL(None)
+print("no_new_privs", libc.prctl(39, 0, 0, 0, 0))  # PR_GET_NO_NEW_PRIVS
+print("nosuid", bool(os.statvfs("/usr/bin").f_flag & os.ST_NOSUID))
+su = {su!r}
+if su and os.path.exists("/proc/self/status"):
+    p = subprocess.Popen([su], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.5)
+    try:
+        uids = [l for l in open("/proc/%d/status" % p.pid) if l.startswith("Uid:")][0].split()[1:]
+        print("euid", uids[1], "uid", os.getuid())
+    except (OSError, IndexError):
+        print("euid gone")
+    p.kill()
+"""
+    r = run(code)
+    assert r.verdict == "passed", r
+    assert "no_new_privs 1" in r.stdout
+    if "read_only_root" in PROTECTIONS:
+        assert "nosuid True" in r.stdout
+    for line in r.stdout.splitlines():
+        if line.startswith("euid ") and line != "euid gone":
+            _, euid, _, uid = line.split()
+            assert euid == uid != "0", line
+
+
+def world_writable_dirs() -> list[str]:
+    """World-writable folders of the host (two levels below /, and the usual scratch folders)."""
+    found = set()
+    for top in ("/", "/var", "/run", "/dev", "/usr", "/etc", "/opt", "/srv", "/home", "/tmp", "/var/lib"):
+        try:
+            entries = [top] + [os.path.join(top, e) for e in os.listdir(top)]
+        except OSError:
+            continue
+        for path in entries:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if os.path.isdir(path) and st.st_mode & 0o002 and not path.startswith(("/proc", "/sys")):
+                found.add(os.path.realpath(path))
+    return sorted(found)
+
+
+@needs_user
+def test_no_file_lands_in_any_world_writable_host_folder():
+    dirs = world_writable_dirs()
+    assert "/tmp" in dirs
+    name = f"sandbox-canary-{secrets.token_hex(6)}"
+    code = f"""
+import os
+wrote = []
+for d in {dirs!r} + ["/run/lock", "/var/lock", "/var/tmp", "/dev/shm", "/tmp"]:
+    try:
+        with open(os.path.join(d, {name!r}), "w") as f:
+            f.write("x")
+        wrote.append(d)
+    except OSError:
+        pass
+print(wrote)
+"""
+    r = run(code)
+    assert r.verdict == "passed", r
+    left = [d for d in dirs + ["/run/lock", "/var/tmp", "/dev/shm"] if os.path.exists(os.path.join(d, name))]
+    assert left == [], left
+
+
+@needs_root_fs
+def test_its_folder_and_tmp_are_size_limited():
+    code = """
+import os
+total = {}
+for where in (".", "/tmp"):
+    n = 0
+    try:
+        for i in range(100):
+            with open(os.path.join(where, f"fill{i}"), "wb") as f:
+                f.write(b"x" * (8 * 1024 * 1024))
+            n += 8
+    except OSError as e:
+        pass
+    total[where] = n
+print(total)
+"""
+    r = run_program(code, timeout=10.0, tmpfs_mb=32)
+    assert r.verdict == "passed", r
+    sizes = eval(r.stdout)
+    assert sizes["."] <= 32 and sizes["/tmp"] <= 32, sizes
+
+
+@needs_root_fs
+def test_host_sockets_and_foreign_socket_families_are_out_of_reach(tmp_path):
+    path = f"/run/fastdllm-test-{secrets.token_hex(4)}.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    server.setblocking(False)
+    code = f"""
+import os, socket
+print("run", os.path.exists("/run"), os.path.exists("/var/run"), os.path.exists({path!r}))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect({path!r})
+    print("CONNECTED")
+except OSError:
+    pass
+for family in (40, 16, 17):  # AF_VSOCK, AF_NETLINK, AF_PACKET
+    try:
+        socket.socket(family, socket.SOCK_DGRAM if family != 40 else socket.SOCK_STREAM)
+        print("CREATED", family)
+    except OSError as e:
+        print("refused", family, e.errno)
+"""
+    try:
+        r = run(code)
+        assert r.verdict == "passed", r
+        assert "run False False False" in r.stdout and "CONNECTED" not in r.stdout and "CREATED" not in r.stdout, r
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+        os.unlink(path)
+
+
+@needs_root_fs
+def test_package_data_and_host_processes_are_hidden():
+    from fastdllm.tasks import DATA_DIR
+
+    code = f"""
+import os
+data = {str(DATA_DIR)!r}
+print("data", os.path.exists(data), os.path.exists(os.path.join(data, "HumanEval.jsonl.gz")))
+try:
+    import fastdllm
+    print("IMPORTED fastdllm")
+except ImportError:
+    pass
+cmdlines = []
+for pid in (os.listdir("/proc") if os.path.isdir("/proc") else []):
+    if pid.isdigit():
+        try:
+            cmdlines.append(open("/proc/%s/cmdline" % pid, "rb").read())
+        except OSError:
+            pass
+print("procs", len(cmdlines), any(b"pytest" in c for c in cmdlines))
+"""
+    r = run(code)
+    assert r.verdict == "passed", r
+    assert "data False False" in r.stdout and "IMPORTED" not in r.stdout, r
+    assert "True" not in r.stdout.split("procs")[1], r  # no host process (pytest is one) visible
+
+
+def burn_cores(seconds: float) -> list[subprocess.Popen]:
+    """A busy loop on every core, for `seconds`."""
+    code = f"import time\nt = time.time() + {seconds}\nwhile time.time() < t:\n    pass\n"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(os.cpu_count() or 2)]
+
+
+def test_cpu_time_decides_timeouts_on_a_busy_machine():
+    """1.2 s of CPU under a 2 s limit passes even when every core is busy (the wall time then
+    exceeds the limit); 3 s of CPU does not."""
+    code = "import time\nt = time.process_time() + {}\nwhile time.process_time() < t:\n    pass\n"
+    burners = burn_cores(30)
+    try:
+        results = run_many([code.format(1.2)] * 2 + [code.format(3.0)], SandboxConfig(timeout=2.0), workers=3)
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    assert [r.verdict for r in results] == ["passed", "passed", "timeout"], results

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
@@ -17,14 +16,9 @@ from fastdllm.tasks.scoring import (
     extract_gsm8k_answer,
     extract_math_answer,
     last_boxed,
-    normalize_latex,
+    math_verify_equiv,
     normalize_number,
-    sympy_equiv,
 )
-
-HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
-BACKENDS = ["sympy", pytest.param("math_verify", marks=pytest.mark.skipif(not HAS_MATH_VERIFY,
-                                                                            reason="math-verify not installed"))]
 
 
 # ---- GSM8K / arith ---------------------------------------------------------------------------
@@ -86,35 +80,39 @@ NOT_EQUIVALENT = [
 ]
 
 
+# A second, lenient checker once accepted these; math-verify (the one checker) does not.
+LENIENT = [("\\pi", "3.14159"), ("3", "3.0000001"), ("1", "0.9999999")]
+
+
 @pytest.mark.parametrize("gold,pred", EQUIVALENT)
-def test_sympy_equivalent_pairs(gold, pred):
-    assert sympy_equiv(gold, pred) and sympy_equiv(pred, gold)
+def test_equivalent_pairs(gold, pred):
+    assert math_verify_equiv(gold, pred) and math_verify_equiv(pred, gold)
 
 
-@pytest.mark.parametrize("gold,pred", NOT_EQUIVALENT)
-def test_sympy_non_equivalent_pairs(gold, pred):
-    assert not sympy_equiv(gold, pred)
+@pytest.mark.parametrize("gold,pred", NOT_EQUIVALENT + LENIENT)
+def test_non_equivalent_pairs(gold, pred):
+    assert not math_verify_equiv(gold, pred)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_math500_gold_all_correct_and_pairs(backend):
+@pytest.mark.slow
+def test_math500_gold_all_correct_and_pairs():
     task = get_task("math500")
     docs = task.load()
     assert len(docs) == 500
-    with task.scorer(timeout=10.0, backend=backend) as scorer:
+    with task.scorer(timeout=10.0) as scorer:
         scores = scorer.score(docs, [d.data["solution"] for d in docs])
         bad = [(d.gold, s.extracted, s.reason) for d, s in zip(docs, scores) if not s.correct]
         assert bad == []
         checker = scorer.checker
         for gold, pred in EQUIVALENT:
             assert checker.check(gold, pred)[0], (gold, pred)
-        for gold, pred in NOT_EQUIVALENT:
+        for gold, pred in NOT_EQUIVALENT + LENIENT:
             assert not checker.check(gold, pred)[0], (gold, pred)
         assert scorer.score(docs[:1], ["I cannot solve it."])[0].verdict == "no_answer"
 
 
 def test_math_check_is_bounded_in_time():
-    with MathChecker(backend="sympy", timeout=1.0) as checker:
+    with MathChecker(timeout=1.0) as checker:
         assert checker.check("2", "2") == (True, "")  # warm: the worker is up
         t0 = time.perf_counter()
         ok, reason = checker.check("2", "(10^{9})!")  # exact factorial of 10^9: never finishes
@@ -122,12 +120,8 @@ def test_math_check_is_bounded_in_time():
         assert time.perf_counter() - t0 < 5
         assert checker.check("\\frac{1}{2}", "0.5") == (True, "")  # a fresh worker takes over
         assert checker.timeouts == 1
-
-
-def test_normalize_latex():
-    assert normalize_latex("\\left( 3, \\dfrac{\\pi}{2} \\right)") == "( 3, \\frac{\\pi}{2} )"
-    assert normalize_latex("15\\mbox{ cm}^2") == "15"
-    assert normalize_latex("\\text{(B)}") == "B"
+    with pytest.raises(ValueError, match="backend"):
+        MathChecker(backend="sympy")
 
 
 # ---- code ------------------------------------------------------------------------------------
@@ -157,6 +151,7 @@ def test_mbpp_post_processing():
     assert extract_code("```python\ndef f(): return 1\n```\n[DONE]") == "def f(): return 1"
 
 
+@pytest.mark.slow
 def test_humaneval_canonical_solutions_all_pass():
     task = get_task("humaneval")
     docs = task.load()
@@ -170,6 +165,7 @@ def test_humaneval_canonical_solutions_all_pass():
         assert [s.verdict for s in wrong] == ["failed", "failed", "failed"]
 
 
+@pytest.mark.slow
 def test_mbpp_reference_code_all_pass():
     task = get_task("mbpp")
     docs = task.load()

@@ -121,7 +121,8 @@ class _NullScorer:
 
 
 class _CodeScorer(_NullScorer):
-    """Runs each answer's program (solution + tests) in the sandbox, `workers` at a time."""
+    """Judges each answer against its tests in the sandbox (`sandbox.judge`: the tests and the
+    solution run in two processes that exchange only data), `workers` at a time."""
 
     def __init__(self, task: "Task", workers: int, timeout: float | None):
         from ..sandbox import SandboxConfig
@@ -131,12 +132,13 @@ class _CodeScorer(_NullScorer):
         self.config = SandboxConfig(timeout=timeout or task.default_timeout)
 
     def score(self, docs, completions):
-        from ..sandbox import run_many
+        from ..sandbox import judge_many
 
-        programs = [self.task.build_program(d, c) for d, c in zip(docs, completions)]
-        results = run_many(programs, self.config, workers=self.workers)
-        return [Score(r.passed, r.verdict, p, r.reason, {"duration": round(r.duration, 3)})
-                for p, r in zip(programs, results)]
+        checks = [self.task.build_check(d, c) for d, c in zip(docs, completions)]
+        results = judge_many(checks, self.config, workers=self.workers)
+        return [Score(r.passed, r.verdict, ch.solution, r.reason,
+                      {"duration": round(r.duration, 3), "cpu_time": r.to_dict()["cpu_time"]})
+                for ch, r in zip(checks, results)]
 
 
 class Task:
@@ -185,8 +187,8 @@ class Task:
     def score_one(self, doc: Doc, completion: str) -> Score:
         raise NotImplementedError
 
-    def build_program(self, doc: Doc, completion: str) -> str:
-        """Code tasks: the program (solution + tests) that the sandbox runs."""
+    def build_check(self, doc: Doc, completion: str):
+        """Code tasks: the `sandbox.CodeCheck` (solution, tests, and what joins them) to judge."""
         raise NotImplementedError
 
     def scorer(self, workers: int = 2, timeout: float | None = None):

@@ -15,8 +15,10 @@ Post-processing (`extract_program`), in this order:
    also the stop strings of generation for models without a chat template) and appended to the
    prompt.
 
-The program is the function, the task's `test` (which defines `check`), and `check(<entry>)`; it
-runs in `fastdllm.sandbox` and passes when it runs to the end without error.
+Judging (`fastdllm.sandbox.judge`): the function runs in the solution's process; the task's
+`test` (which defines `check`) and `check(<entry_point>)` run in the tests' process after the
+prompt itself (trusted: it defines helpers the tests use, e.g. `poly`, `encode_cyclic`), with
+`<entry_point>` standing for the solution's function. It passes when `check` returns.
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ class HumanEvalTask(Task):
         # A chat model answers with a whole function in a fence: "\ndef " would cut it.
         return [] if chat else list(STOP_SEQUENCES)
 
-    def build_program(self, doc, completion):
+    def build_check(self, doc, completion):
+        from ..sandbox import CodeCheck
+
         d = doc.data
-        body = extract_program(d["prompt"], d["entry_point"], completion)
-        return f"{body}\n\n{d['test']}\n\ncheck({d['entry_point']})\n"
+        return CodeCheck(solution=extract_program(d["prompt"], d["entry_point"], completion),
+                         tests=f"{d['test']}\n\ncheck({d['entry_point']})\n", remote=(d["entry_point"],),
+                         prelude=d["prompt"], label=doc.id)

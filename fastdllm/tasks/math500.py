@@ -16,9 +16,8 @@ from MATH's test set). For a chat model the whole prompt is the single user mess
 
 Scoring: the answer is the last \\boxed{...} (nested braces), else Minerva's "The final answer is
 $X$", else "the answer is X" (`scoring.extract_math_answer`); equivalence with the gold `answer`
-by math-verify when installed (falling back to our sympy checker when math-verify says no), else
-by `scoring.sympy_equiv` (LaTeX normalisation, fractions, roots, ±, tuples, intervals, sets,
-matrices, equations). Each check runs in a worker process and is bounded in time: a check that
+by math-verify alone (`scoring.math_verify_equiv`), so the figure is comparable with lm-eval's
+and math-verify's. Each check runs in a worker process and is bounded in time: a check that
 takes longer than `timeout` (default 5 s) is killed and counts as wrong.
 """
 
@@ -95,7 +94,7 @@ class Math500Task(Task):
     name = "math500"
     default_num_fewshot = 4
     max_num_fewshot = len(EXEMPLARS)
-    description = "MATH-500, Minerva-style 4-shot, \\boxed{} answer, math-verify (or sympy) equivalence"
+    description = "MATH-500, Minerva-style 4-shot, \\boxed{} answer, math-verify equivalence"
 
     def load(self, data_dir=None, limit=None):
         rows = read_jsonl("math500_test", data_dir, required=("problem", "answer"))

@@ -17,9 +17,14 @@ code and "[DONE]" (the stop string). For a chat model the whole prompt is the si
 message.
 
 Post-processing: a leading "[BEGIN]" is dropped, the answer is cut at "[DONE]", and a markdown
-fence, if any, gives the code. The program is the code, `test_setup_code` (it may use the
-code's classes), and the task's
-`test_list` asserts; it runs in `fastdllm.sandbox` and passes when every assert holds.
+fence, if any, gives the code.
+
+Judging (`fastdllm.sandbox.judge`): the code, then `test_setup_code` (it may use the code's
+classes: task 367 builds trees of its `Node`), run in the solution's process; the `test_list`
+asserts run in the tests' process, where every name they read without defining (the function,
+and the setup's trees) stands for the solution's. Built-in names stay built-in unless the
+reference code defines them (task 126's function is called `sum`). It passes when every assert
+holds.
 """
 
 from __future__ import annotations
@@ -92,9 +97,11 @@ class MBPPTask(Task):
     def stop_strings(self, chat):
         return list(STOP)
 
-    def build_program(self, doc, completion):
+    def build_check(self, doc, completion):
+        from ..sandbox import CodeCheck
+        from ..sandbox.judge import remote_names, top_level_names
+
         d = doc.data
-        setup = d.get("test_setup_code") or ""
-        tests = "\n".join(d["test_list"])
-        # The setup code may use the solution's classes (task 367 builds trees of its Node): after it.
-        return f"{extract_code(completion)}\n\n{setup}\n{tests}\n"
+        tests = "\n".join(d["test_list"]) + "\n"
+        return CodeCheck(solution=extract_code(completion), tests=tests, setup=d.get("test_setup_code") or "",
+                         remote=remote_names(tests, top_level_names(d["code"])), label=doc.id)

@@ -1,0 +1,284 @@
+"""Start one sandboxed program: `python -I -S launcher.py SPEC_JSON`.
+
+Run by `fastdllm.sandbox` in a fresh, single-threaded interpreter (never forked from the caller,
+which may hold threads and locks). It imports only the standard library. The spec says which
+confinements to set up; in order:
+
+1. `unshare` the namespaces: network (no interface up: nothing to connect to, and abstract Unix
+   sockets are per namespace), IPC, UTS, mount, PID; or, when we are not root, a user namespace
+   with the network namespace;
+2. fork: the child is PID 1 of the new PID namespace, our init. When it exits the kernel kills
+   every process left in the namespace, so nothing the program started outlives the run;
+3. init builds a new root (see `_build_root`) and pivots into it: a read-only tmpfs holding
+   read-only, nosuid binds of the system folders and the interpreter, a few device nodes, its
+   own /proc where the kernel allows, and two size-limited tmpfs, /sandbox (the program's folder,
+   HOME) and /tmp. Nothing else of the host is there: no /run or /var/run (host sockets), no
+   world-writable host folder, no project data, no other process's /proc;
+4. init forks the program: resource limits, the run's own unprivileged uid and gid, no
+   supplementary groups, `PR_SET_NO_NEW_PRIVS` (setuid binaries gain nothing), a seccomp filter
+   that allows only Unix and IP sockets and no io_uring, every other descriptor closed, then exec;
+5. init reaps until the program exits, then writes its wait status and CPU time as one JSON line
+   to the status descriptor (which the program never holds) and exits.
+
+Any failure before the exec is reported on the status descriptor as `{"error": ...}`.
+"""
+
+import ctypes
+import json
+import os
+import platform
+import resource
+import shutil
+import struct
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+
+# Per architecture: audit arch, socket, socketpair, io_uring_setup, pivot_root syscall numbers.
+ARCHES = {
+    "x86_64": (0xC000003E, 41, 53, 425, 155),
+    "aarch64": (0xC00000B7, 198, 199, 425, 41),
+}
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+EAFNOSUPPORT, ENOSYS = 97, 38
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc, what):
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def _write(path, text):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+# ---- the new root ----------------------------------------------------------------------------------
+def _bind(root, path, writable=False, device=False):
+    """Bind host `path` at the same place under `root`: read-only and nosuid unless `writable` /
+    `device`. A host symlink (merged /usr: /bin -> usr/bin) is recreated as the same symlink."""
+    target = root + path
+    os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+    if os.path.islink(path):
+        if not os.path.lexists(target):
+            os.symlink(os.readlink(path), target)
+        return
+    if os.path.isdir(path):
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    elif os.path.exists(path):
+        if not os.path.exists(target):
+            open(target, "w").close()
+    else:
+        return
+    _mount(path, target, None, MS_BIND | MS_REC)
+    flags = MS_REMOUNT | MS_BIND | MS_NOSUID
+    if not device:
+        flags |= MS_NODEV
+    if not writable and not device:
+        flags |= MS_RDONLY
+    _mount(None, target, None, flags)
+
+
+def _pivot(root):
+    arch = ARCHES.get(platform.machine())
+    os.makedirs(root + "/.oldroot", mode=0o700, exist_ok=True)
+    os.chdir(root)
+    if arch is not None:
+        libc.syscall.restype = ctypes.c_long
+        _check(libc.syscall(ctypes.c_long(arch[4]), b".", b".oldroot"), "pivot_root")
+        os.chdir("/")
+        _check(libc.umount2(b"/.oldroot", MNT_DETACH), "umount old root")
+        os.rmdir("/.oldroot")
+    else:  # no pivot_root number known: move the tmpfs over / and chroot into it
+        _mount(root, "/", None, MS_BIND | MS_REC)
+        os.chroot(".")
+        os.chdir("/")
+
+
+def _build_root(spec):
+    root = spec["root_dir"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path in spec["binds"]:
+        _bind(root, path)
+    for name in ("null", "zero", "full", "random", "urandom"):
+        _bind(root, "/dev/" + name, device=True)
+    for path in spec["hide"]:  # e.g. the package's own data, where it lies inside a bound folder
+        if os.path.isdir(root + path):
+            _mount("tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=755")
+    size = f"size={spec['tmpfs_mb']}m"
+    uid = spec["uid"]
+    os.makedirs(root + "/sandbox", exist_ok=True)
+    _mount("tmpfs", root + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=700,{size}")
+    for name in os.listdir(spec["files_dir"]):
+        shutil.copyfile(os.path.join(spec["files_dir"], name), os.path.join(root, "sandbox", name))
+        if uid is not None:
+            os.chown(os.path.join(root, "sandbox", name), uid, uid)
+    if uid is not None:
+        os.chown(root + "/sandbox", uid, uid)
+    os.makedirs(root + "/tmp", exist_ok=True)
+    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
+    own_proc = False
+    if spec["pid"]:
+        os.makedirs(root + "/proc", exist_ok=True)
+        try:  # only this namespace's processes; refused where the host masks parts of /proc
+            _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            own_proc = True
+        except OSError:
+            os.rmdir(root + "/proc")
+    _pivot(root)
+    _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    return own_proc
+
+
+# ---- the program ------------------------------------------------------------------------------------
+def _seccomp_filter():
+    """A BPF program: kill on a foreign syscall ABI; socket/socketpair only for AF_UNIX, AF_INET,
+    AF_INET6 (no AF_VSOCK, AF_NETLINK, AF_PACKET, ...); io_uring_setup refused (its requests can
+    open sockets past the filter); everything else allowed."""
+    arch = ARCHES[platform.machine()]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, kill = 0x7FFF0000, 0x80000000
+    errno = lambda e: 0x00050000 | e  # noqa: E731
+    prog = [
+        (ld, 0, 0, 4),                       # 0: A = arch
+        (jeq, 1, 0, arch[0]),                # 1: native -> 3
+        (ret, 0, 0, kill),                   # 2
+        (ld, 0, 0, 0),                       # 3: A = nr
+        (jge, 11, 0, 0x40000000),            # 4: x32 ABI -> kill (16)
+        (jeq, 3, 0, arch[1]),                # 5: socket -> 9
+        (jeq, 2, 0, arch[2]),                # 6: socketpair -> 9
+        (jeq, 7, 0, arch[3]),                # 7: io_uring_setup -> 15
+        (ret, 0, 0, allow),                  # 8
+        (ld, 0, 0, 16),                      # 9: A = args[0] (family, low word)
+        (jeq, 3, 0, AF_UNIX),                # 10 -> 14
+        (jeq, 2, 0, AF_INET),                # 11 -> 14
+        (jeq, 1, 0, AF_INET6),               # 12 -> 14
+        (ret, 0, 0, errno(EAFNOSUPPORT)),    # 13
+        (ret, 0, 0, allow),                  # 14
+        (ret, 0, 0, errno(ENOSYS)),          # 15
+        (ret, 0, 0, kill),                   # 16
+    ]
+    raw = b"".join(struct.pack("HBBI", *ins) for ins in prog)
+    buf = ctypes.create_string_buffer(raw)
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    return SockFprog(len(prog), ctypes.addressof(buf)), buf
+
+
+def _exec_program(spec, status_fd):
+    keep = set(spec["keep_fds"]) | {0, 1, 2}
+    os.close(status_fd)
+    for fd in spec["keep_fds"]:
+        os.set_inheritable(fd, True)
+    high = max(keep) + 1
+    for fd in range(3, high):
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    os.closerange(high, 65536)
+    os.chdir(spec["cwd"])
+    for res, soft, hard in spec["rlimits"]:
+        resource.setrlimit(res, (soft, hard))
+    uid = spec["uid"]
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if spec["seccomp"]:
+        prog, _buf = _seccomp_filter()
+        libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+        _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0), "seccomp")
+    os.execve(spec["python"], [spec["python"], *spec["flags"], *spec["argv"]], spec["env"])
+
+
+def _report(fd, obj):
+    try:
+        os.write(fd, (json.dumps(obj) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _init(spec, status_fd):
+    """Set up the root, start the program, reap until it exits, report its status."""
+    own_proc = _build_root(spec) if spec["new_root"] else False
+    child = os.fork()
+    if child == 0:
+        try:
+            _exec_program(spec, status_fd)
+        except BaseException as e:  # noqa: BLE001 - anything before exec means "could not start"
+            _report(status_fd, {"error": f"{type(e).__name__}: {e}"})
+        os._exit(70)
+    while True:
+        try:
+            pid, status, usage = os.wait4(-1, 0)
+        except ChildProcessError:
+            pid, status, usage = child, 0, None
+        if pid == child:
+            break
+    cpu = (usage.ru_utime + usage.ru_stime) if usage is not None else 0.0
+    _report(status_fd, {"status": status, "cpu": cpu, "own_proc": own_proc})
+    os._exit(0)
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    status_fd = spec["status_fd"]
+    try:
+        flags = 0
+        if spec["user_ns"]:
+            flags |= CLONE_NEWUSER | CLONE_NEWNET
+        else:
+            if spec["net"]:
+                flags |= CLONE_NEWNET
+            if spec["new_root"]:
+                flags |= CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
+            if spec["pid"]:
+                flags |= CLONE_NEWPID
+        outer_uid, outer_gid = os.getuid(), os.getgid()
+        if flags:
+            _check(libc.unshare(flags), "unshare")
+        if spec["user_ns"]:
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"{outer_uid} {outer_uid} 1")
+            _write("/proc/self/gid_map", f"{outer_gid} {outer_gid} 1")
+        if spec["pid"] and not spec["user_ns"]:
+            pid = os.fork()
+            if pid:  # outside the namespace: wait for its init, which reports for both
+                _, status = os.waitpid(pid, 0)
+                os._exit(0 if status == 0 else 71)
+        _init(spec, status_fd)
+    except BaseException as e:  # noqa: BLE001
+        _report(status_fd, {"error": f"{type(e).__name__}: {e}"})
+        os._exit(70)
+
+
+if __name__ == "__main__":
+    main()
