@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from fastdllm import bench
@@ -10,6 +12,7 @@ FIGURES = {"accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step",
            "outside_forward", "config", "num_samples"}
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
     assert bench.main(["--quick", "--limit", "2", "--out", str(out), "--device", "cpu"]) == 0

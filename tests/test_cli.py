@@ -46,6 +46,7 @@ def loaded():
 
 
 # ---- end to end ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_generate_end_to_end():
     plain = run(["generate", *SMALL, "--show", QUESTION])  # --show with stdout piped: plain output
     assert plain.returncode == 0, plain.stderr
@@ -62,6 +63,7 @@ def test_generate_end_to_end():
     assert 1 <= record["tokens_per_step"] <= 32
 
 
+@pytest.mark.slow
 def test_chat_end_to_end():
     script = f"{QUESTION}\n/reset\n\n/nonsense\nAnn has 12 pencils. She gives 4 away. How many are left?\n/exit\nnever read\n"
     r = run(["chat", *SMALL], stdin=script)
@@ -79,6 +81,7 @@ def test_bad_flag_value_is_one_line_exit_2():
     assert r.stdout == ""
 
 
+@pytest.mark.slow
 def test_show_draws_live_in_a_terminal():
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "fastdllm", "generate", *SMALL, "--show", QUESTION],

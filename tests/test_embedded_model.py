@@ -63,10 +63,12 @@ def baseline(loaded):
     return heldout_accuracy(model, tok, HELDOUT_N, threshold=None, cache="none", steps=GEN["gen_length"], **GEN)
 
 
+@pytest.mark.slow
 def test_baseline_decoding_solves_held_out_problems(baseline):
     assert baseline["accuracy"] >= BASELINE_FLOOR, baseline
 
 
+@pytest.mark.slow
 def test_threshold_09_halves_forward_passes_at_little_cost(loaded, baseline):
     model, tok = loaded
     fast = heldout_accuracy(model, tok, HELDOUT_N, threshold=0.9, cache="dual", **GEN)
@@ -74,6 +76,7 @@ def test_threshold_09_halves_forward_passes_at_little_cost(loaded, baseline):
     assert fast["accuracy"] >= baseline["accuracy"] - MAX_LOSS_AT_THRESHOLD_09, (fast, baseline)
 
 
+@pytest.mark.slow
 def test_cli_generate_prints_a_correct_worked_answer():
     # The default settings (bf16, DualCache + threshold 0.9, gen 256) and the bare question as the
     # user message, as the README's first command runs it.
@@ -106,6 +109,7 @@ def test_dream_twin_is_a_dream_checkpoint():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_dream_twin_solves_held_out_problems_with_its_own_decoding():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

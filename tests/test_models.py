@@ -14,7 +14,9 @@ from fastdllm.loading import save_pretrained
 from fastdllm.models import llada
 from fastdllm.models.transformer import positions_from_mask
 
-from .conftest import SHARED
+from .conftest import REPO
+
+FORMATS = REPO / "tests" / "data"  # the real checkpoints' config files, as published
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,7 +155,7 @@ def test_round_trip_is_bit_exact(tiny_llada, tiny_llada_dir, tokenizer):
 
 
 def test_saved_llada_config_has_every_reference_field(tiny_llada_dir):
-    reference = json.loads((SHARED / "formats" / "llada-8b-instruct.config.json").read_text())
+    reference = json.loads((FORMATS / "llada-8b-instruct.config.json").read_text())
     saved = json.loads((tiny_llada_dir / "config.json").read_text())
     assert set(reference) <= set(saved)
     assert saved["model_type"] == "llada" and saved["d_model"] != reference["d_model"]
@@ -162,7 +164,7 @@ def test_saved_llada_config_has_every_reference_field(tiny_llada_dir):
 
 def test_real_llada_config_shrunk_loads(tmp_path, tokenizer):
     """LLaDA-8B-Instruct's exact config.json with the layer count and widths shrunk."""
-    cfg = json.loads((SHARED / "formats" / "llada-8b-instruct.config.json").read_text())
+    cfg = json.loads((FORMATS / "llada-8b-instruct.config.json").read_text())
     cfg.update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=96)
     cfg.update(mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"), vocab_size=1024, embedding_size=1024)
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -58,6 +58,7 @@ def test_arithmetic_facts_cover_the_test_split_and_drills_are_correct():
         assert p.question not in arith.held_out_questions()
 
 
+@pytest.mark.slow
 def test_drill_mix_mixes_drills_into_focus_batches(tokenizer):
     kinds = []
     for step in range(60):
@@ -72,6 +73,7 @@ def test_drill_mix_mixes_drills_into_focus_batches(tokenizer):
                    for s in range(20))
 
 
+@pytest.mark.slow
 def test_facts_mix_draws_drills_uniformly_over_facts(tokenizer):
     import random
 
@@ -88,6 +90,7 @@ def test_facts_mix_draws_drills_uniformly_over_facts(tokenizer):
         arith.drill_problem(r, weighting="uniform")
 
 
+@pytest.mark.slow
 def test_recall_mix_drills_do_not_restate_the_operations(tokenizer):
     import random
 
@@ -98,6 +101,7 @@ def test_recall_mix_drills_do_not_restate_the_operations(tokenizer):
     assert drill_rows and all("Work out these." in row for row in drill_rows)
 
 
+@pytest.mark.slow
 def test_story_mix_drills_write_facts_in_the_answers_own_sentences(tokenizer):
     import random
     import re
@@ -145,11 +149,13 @@ def _share(shapes, keep) -> float:
     return sum(keep(*shape) for shape in shapes) / len(shapes)
 
 
+@pytest.mark.slow
 def test_long_mix_puts_more_word_problems_in_long_regions(tokenizer):
     story, long = (_share(_word_problem_batches(tokenizer, mix), lambda k, n: n >= 256) for mix in ("story", "long"))
     assert 0.45 < long < 0.75 and long > story + 0.1  # expected 55% and 38% (measured 60%, 42%)
 
 
+@pytest.mark.slow
 def test_shots_mix_puts_more_word_problems_behind_long_few_shot_prompts(tokenizer):
     long, shots = (_share(_word_problem_batches(tokenizer, mix), lambda k, n: k >= 4) for mix in ("long", "shots"))
     most = max(k for k, _ in _word_problem_batches(tokenizer, "shots"))
@@ -157,6 +163,7 @@ def test_shots_mix_puts_more_word_problems_behind_long_few_shot_prompts(tokenize
 
 
 
+@pytest.mark.slow
 def test_tail_mix_puts_more_batches_in_512_and_1024_token_regions(tokenizer):
     shots, tail = (_share(_word_problem_batches(tokenizer, mix), lambda k, n: n >= 512) for mix in ("shots", "tail"))
     few_shot = _share(_word_problem_batches(tokenizer, "tail"), lambda k, n: k >= 4)
