@@ -446,3 +446,18 @@ def test_cpu_time_decides_timeouts_on_a_busy_machine():
             p.kill()
             p.wait()
     assert [r.verdict for r in results] == ["passed", "passed", "timeout"], results
+
+
+@needs_root_fs
+def test_an_installed_package_folder_is_hidden_inside_the_bound_interpreter(monkeypatch):
+    """Installed into site-packages (not editable), fastdllm lies inside a folder the sandbox
+    binds: its folder is covered. Shown on a stdlib package standing in for it."""
+    import xmlrpc
+
+    from fastdllm.sandbox import box
+
+    stand_in = os.path.dirname(xmlrpc.__file__)
+    assert any(stand_in.startswith(d) for d in box.interpreter_dirs())
+    monkeypatch.setattr(box, "PACKAGE_DIR", stand_in)
+    r = run(f"import os\nprint(sorted(os.listdir({stand_in!r})))")
+    assert r.verdict == "passed" and r.stdout.strip() == "[]", r

@@ -1,4 +1,4 @@
-"""Start one sandboxed program: `python -I -S launcher.py SPEC_JSON`.
+"""Start one sandboxed program: `python -I -S launcher.py SPEC` (SPEC: a marshalled dict, in hex).
 
 Run by `fastdllm.sandbox` in a fresh, single-threaded interpreter (never forked from the caller,
 which may hold threads and locks). It imports only the standard library. The spec says which
@@ -17,19 +17,17 @@ confinements to set up; in order:
 4. init forks the program: resource limits, the run's own unprivileged uid and gid, no
    supplementary groups, `PR_SET_NO_NEW_PRIVS` (setuid binaries gain nothing), a seccomp filter
    that allows only Unix and IP sockets and no io_uring, every other descriptor closed, then exec;
-5. init reaps until the program exits, then writes its wait status and CPU time as one JSON line
-   to the status descriptor (which the program never holds) and exits.
+5. init reaps until the program exits, then writes its wait status and CPU time (a marshalled
+   dict) to the status descriptor, which the program never holds, and exits.
 
-Any failure before the exec is reported on the status descriptor as `{"error": ...}`.
+Any failure before the exec is reported on the status descriptor as `{"error": ...}`. Only
+built-in modules and ctypes are imported, so that it starts in a few milliseconds.
 """
 
 import ctypes
-import json
+import marshal
 import os
-import platform
 import resource
-import shutil
-import struct
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -101,7 +99,7 @@ def _bind(root, path, writable=False, device=False):
 
 
 def _pivot(root):
-    arch = ARCHES.get(platform.machine())
+    arch = ARCHES.get(os.uname().machine)
     os.makedirs(root + "/.oldroot", mode=0o700, exist_ok=True)
     os.chdir(root)
     if arch is not None:
@@ -132,7 +130,9 @@ def _build_root(spec):
     os.makedirs(root + "/sandbox", exist_ok=True)
     _mount("tmpfs", root + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=700,{size}")
     for name in os.listdir(spec["files_dir"]):
-        shutil.copyfile(os.path.join(spec["files_dir"], name), os.path.join(root, "sandbox", name))
+        with open(os.path.join(spec["files_dir"], name), "rb") as src, \
+                open(os.path.join(root, "sandbox", name), "wb") as dst:
+            dst.write(src.read())
         if uid is not None:
             os.chown(os.path.join(root, "sandbox", name), uid, uid)
     if uid is not None:
@@ -157,7 +157,7 @@ def _seccomp_filter():
     """A BPF program: kill on a foreign syscall ABI; socket/socketpair only for AF_UNIX, AF_INET,
     AF_INET6 (no AF_VSOCK, AF_NETLINK, AF_PACKET, ...); io_uring_setup refused (its requests can
     open sockets past the filter); everything else allowed."""
-    arch = ARCHES[platform.machine()]
+    arch = ARCHES[os.uname().machine]
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     allow, kill = 0x7FFF0000, 0x80000000
     errno = lambda e: 0x00050000 | e  # noqa: E731
@@ -180,7 +180,9 @@ def _seccomp_filter():
         (ret, 0, 0, errno(ENOSYS)),          # 15
         (ret, 0, 0, kill),                   # 16
     ]
-    raw = b"".join(struct.pack("HBBI", *ins) for ins in prog)
+    # struct sock_filter {u16 code; u8 jt; u8 jf; u32 k;}, native byte order
+    raw = b"".join(code.to_bytes(2, sys.byteorder) + bytes([jt, jf]) + k.to_bytes(4, sys.byteorder)
+                   for code, jt, jf, k in prog)
     buf = ctypes.create_string_buffer(raw)
 
     class SockFprog(ctypes.Structure):
@@ -221,7 +223,7 @@ def _exec_program(spec, status_fd):
 
 def _report(fd, obj):
     try:
-        os.write(fd, (json.dumps(obj) + "\n").encode())
+        os.write(fd, marshal.dumps(obj))
     except OSError:
         pass
 
@@ -249,7 +251,7 @@ def _init(spec, status_fd):
 
 
 def main():
-    spec = json.loads(sys.argv[1])
+    spec = marshal.loads(bytes.fromhex(sys.argv[1]))
     status_fd = spec["status_fd"]
     try:
         flags = 0
