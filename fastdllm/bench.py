@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import UserError, add_model_args, load_model_or_exit
+from .cli_args import UserError, add_model_args, load_model_or_exit
 from .generate import GenerationConfig
 
 

@@ -1,7 +1,7 @@
 """`fastdllm generate` and `fastdllm chat`: text in, text out, optionally watching the canvas denoise.
 
 Both commands load the embedded default model unless `--model` is given, take every decoding
-option as a flag (the GenerationConfig names, see `fastdllm.cli.add_generation_args`), decode the
+option as a flag (the GenerationConfig names, see `fastdllm.cli_args.add_generation_args`), decode the
 answer with `fastdllm.text.complete` (stop tokens, `--stop` strings) and print one line of
 statistics on stderr. `--show` draws the canvas live (fastdllm.live_view) when stdout is a terminal.
 """
@@ -14,7 +14,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from .cli import UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit
+from .cli_args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit
 from .generate import GenerationConfig, GenerationOutput, generate
 from .text import Completion, complete
 
@@ -37,14 +37,6 @@ commands inside the chat:
   /exit    quit (also /quit, or end of input: Ctrl-D)
   /help    show these commands
 """
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports mistakes as a UserError: one line, exit code 2, no usage dump."""
-
-    def error(self, message: str):
-        message = re.sub(r"invalid _optional_(\w+) value", r"invalid \1 value", message)
-        raise UserError(message)
 
 
 def _parser(prog: str, description: str, epilog: str) -> ArgumentParser:

@@ -296,7 +296,7 @@ def format_summary(results: dict) -> str:
 
 # ---- command line ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import add_generation_args, add_model_args
+    from .cli_args import add_generation_args, add_model_args
 
     p = argparse.ArgumentParser(
         prog="fastdllm eval",
@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="read the task's data files from here (default: the bundled copies)")
     p.add_argument("--workers", type=int, default=2, help="sandbox processes for humaneval / mbpp (default %(default)s)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds per program (code tasks, default 10) or per MATH equivalence check (default 5)")
+                   help="CPU seconds per program (code tasks, default 10) or wall seconds per MATH check (default 5)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (it is shown when stderr is a terminal)")
     add_model_args(p)
@@ -344,7 +344,7 @@ def _init_distributed(args) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import UserError, config_from_args, load_model_or_exit
+    from .cli_args import UserError, config_from_args, load_model_or_exit
 
     args = build_parser().parse_args(argv)
     try:

@@ -21,125 +21,15 @@ Beyond the reference implementations:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .cache_policies import CACHE_POLICIES, SequenceView
+from .cache_policies import CACHE_POLICIES, CachePolicy, NoCache, SequenceView
+from .config import ConfigError, GenerationConfig  # noqa: F401 - re-exported: its old home
 from .models.transformer import positions_from_mask
-from .unmasking import DREAM_ALGS, needs_randomness, propose, selection_rule
-
-REMASKING = ("low_confidence", "random")
-
-
-@dataclass
-class GenerationConfig:
-    """Decoding settings, named as in the LLaDA / Fast-dLLM / Dream reference code.
-
-    The defaults are Fast-dLLM's full method: DualCache with threshold-0.9 parallel decoding,
-    gen_length 256 in blocks of 32. The LLaDA baseline is `threshold=None, cache='none'`
-    (one token per step when steps == gen_length). Parallel decoding: `threshold` (unmask all
-    positions at or above it) or `factor` (Fast-dLLM's factor rule; takes precedence over
-    threshold). With neither, each block follows a fixed schedule of `steps` spread over the
-    blocks: LLaDA's linear schedule, or Dream's timestep schedule when `alg` is set.
-
-    `steps` not divisible by the number of blocks: the remainder goes to the first blocks (the
-    reference requires divisibility). `steps` defaults to gen_length.
-    """
-
-    gen_length: int = 256
-    block_length: int = 32
-    steps: int | None = None
-    temperature: float = 0.0
-    remasking: str = "low_confidence"
-    threshold: float | None = 0.9
-    factor: float | None = None
-    cache: str = "dual"
-    alg: str | None = None
-    alg_temp: float | None = None
-    eps: float = 1e-3
-    top_p: float | None = None
-    top_k: int | None = None
-    stop_at_eos: bool = True
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @classmethod
-    def baseline(cls, **overrides) -> "GenerationConfig":
-        """LLaDA's semi-autoregressive baseline: no cache, one token per step."""
-        return cls(**{"threshold": None, "cache": "none", **overrides})
-
-    def replace(self, **changes) -> "GenerationConfig":
-        return replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.gen_length // self.block_length
-
-    @property
-    def total_steps(self) -> int:
-        return self.gen_length if self.steps is None else self.steps
-
-    def steps_per_block(self) -> list[int]:
-        nb, total = self.num_blocks, self.total_steps
-        return [total // nb + (1 if b < total % nb else 0) for b in range(nb)]
-
-    def validate(self) -> None:
-        """Every check in one place: a ValueError naming the parameter and what is allowed."""
-
-        def need(ok: bool, name: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{name}: {allowed} (got {getattr(self, name)!r})")
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        need(is_int(self.gen_length) and self.gen_length > 0, "gen_length", "must be a positive integer")
-        need(is_int(self.block_length) and self.block_length > 0, "block_length", "must be a positive integer")
-        need(
-            self.gen_length % self.block_length == 0,
-            "block_length",
-            f"must divide gen_length={self.gen_length}",
-        )
-        if self.steps is not None:
-            need(is_int(self.steps), "steps", "must be an integer or None")
-            need(
-                self.num_blocks <= self.steps <= self.gen_length,
-                "steps",
-                f"must be between the number of blocks ({self.num_blocks}) and gen_length ({self.gen_length})",
-            )
-        need(is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
-        need(self.remasking in REMASKING, "remasking", f"must be one of {', '.join(REMASKING)}")
-        if self.threshold is not None:
-            need(is_num(self.threshold) and 0 < self.threshold <= 1, "threshold", "must be in (0, 1] or None")
-        if self.factor is not None:
-            need(is_num(self.factor) and self.factor > 0, "factor", "must be > 0 or None")
-        need(self.cache in CACHE_POLICIES, "cache", f"must be one of {', '.join(CACHE_POLICIES)}")
-        need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
-        if self.alg_temp is not None:
-            need(is_num(self.alg_temp) and self.alg_temp >= 0, "alg_temp", "must be >= 0 or None")
-        need(is_num(self.eps) and 0 < self.eps < 1, "eps", "must be in (0, 1)")
-        if self.top_p is not None:
-            need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1] or None")
-        if self.top_k is not None:
-            need(is_int(self.top_k) and self.top_k >= 1, "top_k", "must be a positive integer or None")
-        need(isinstance(self.stop_at_eos, bool), "stop_at_eos", "must be true or false")
-        if self.seed is not None:
-            need(is_int(self.seed), "seed", "must be an integer or None")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
+from .unmasking import UnmaskingStrategy
 
 @dataclass
 class GenerationOutput:
@@ -245,8 +135,13 @@ def iter_generate(
     attention_mask: torch.Tensor | None = None,
     row_seeds: Sequence[int] | None = None,
     stats: dict | None = None,
+    cache: CachePolicy | None = None,
+    strategy: UnmaskingStrategy | None = None,
 ) -> Iterator[StepEvent]:
-    """The one decoding loop, as a generator of events. `generate` runs it to the end."""
+    """The one decoding loop, as a generator of events. `generate` runs it to the end.
+
+    `cache` (a CachePolicy) and `strategy` (an UnmaskingStrategy) override the policies that
+    `config.cache` and the config's unmasking fields name: a new policy plugs in here."""
     config = config or GenerationConfig()
     prompt, prompt_mask = prepare_inputs(model, input_ids, attention_mask, config)
     bsz, plen = prompt.shape
@@ -261,9 +156,13 @@ def iter_generate(
     positions = positions_from_mask(full_mask, bsz, length, device)
     key_mask = None if bool(full_mask.all()) else full_mask[:, None, None, :]
 
-    policy = CACHE_POLICIES[config.cache](model)
-    rule = selection_rule(config)
-    generators = _generators(config, bsz, row_seeds, device) if needs_randomness(config) else None
+    policy = cache if cache is not None else CACHE_POLICIES[config.cache](model)
+    if strategy is None:
+        cached = not isinstance(policy, NoCache)
+        family = getattr(getattr(model, "family", None), "MODEL_TYPE", None)
+        strategy = UnmaskingStrategy.from_config(config, family, cached)
+    rule = strategy.new_rule()
+    generators = _generators(config, bsz, row_seeds, device) if strategy.draws_randomness else None
     stop_ids = torch.tensor(sorted(set(model.stop_token_ids)), device=device)
 
     unmask_step = torch.full((bsz, gen_len), -1, dtype=torch.long, device=device)
@@ -307,7 +206,7 @@ def iter_generate(
             drawing = rows
             if generators is not None and not bool(has_mask.all()):
                 drawing = [r if m else None for r, m in zip(rows, has_mask.tolist())]
-            tokens, conf = propose(logits, config, generators, drawing)
+            tokens, conf = strategy.propose(logits, generators, drawing)
             chosen = rule.select(conf, masked, step, generators, drawing) & masked
             block[chosen] = tokens[chosen]
             # Record, vectorised: the step index of each revealed position, per row.
@@ -357,19 +256,22 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     on_step: Callable[[StepEvent], None] | None = None,
     row_seeds: Sequence[int] | None = None,
+    cache: CachePolicy | None = None,
+    strategy: UnmaskingStrategy | None = None,
 ) -> GenerationOutput:
     """Generate `config.gen_length` tokens after each prompt.
 
     input_ids: a (B, P) tensor (left-padded, with `attention_mask`), or a list of token-id lists
     of any lengths (padded here). `row_seeds` gives each row its own random stream (else
-    `config.seed` + row). Returns the generated ids and the statistics of the run.
+    `config.seed` + row). `cache` and `strategy` plug in policy objects (see `iter_generate`).
+    Returns the generated ids and the statistics of the run.
     """
     config = config or GenerationConfig()
     stats: dict = {}
     t0 = time.perf_counter()
     last = None
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats):
+        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats, cache, strategy):
             if on_step is not None and event.kind != "done":
                 on_step(event)
             last = event

@@ -38,14 +38,9 @@ _REGISTERED: dict[str, Any] = {}
 
 
 def _config_kwargs(kwargs: dict) -> dict:
+    """GenerationConfig fields among model_args, parsed by each field's kind ("none" for None)."""
     names = set(GenerationConfig.field_names())
-    out = {}
-    for k, v in kwargs.items():
-        if k in names:
-            if isinstance(v, str) and v.lower() in ("none", "off", "null"):
-                v = None
-            out[k] = v
-    return out
+    return {k: GenerationConfig.parse(k, v) for k, v in kwargs.items() if k in names}
 
 
 def make_model_class(LM, register=None):

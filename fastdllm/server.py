@@ -53,17 +53,18 @@ from typing import Any, Callable, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .config import ConfigError
 from .generate import GenerationConfig, stream_blocks
 from .text import complete
 
 log = logging.getLogger("fastdllm.server")
 
-# Request fields that set a GenerationConfig field of the same name.
-DLLM_FIELDS = ("block_length", "steps", "threshold", "factor", "cache", "remasking", "alg", "alg_temp", "eps",
-               "top_k", "stop_at_eos")
+# Request fields that set a GenerationConfig field of the same name (declared there).
+DLLM_FIELDS = tuple(o["name"] for o in GenerationConfig.options() if o["server"])
+_KIND_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 MAX_N = 32
 MAX_STOP = 16
 
@@ -150,7 +151,14 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+_DecodingFields = create_model(
+    "_DecodingFields", __base__=_Strict,
+    **{o["name"]: (_KIND_TYPES[o["kind"].removeprefix("optional ")] | None, Field(default=None, description=o["help"]))
+       for o in GenerationConfig.options() if o["server"]},
+)
+
+
+class _Common(_DecodingFields):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
@@ -164,18 +172,6 @@ class _Common(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
-    # dLLM options (GenerationConfig names)
-    block_length: int | None = None
-    steps: int | None = None
-    threshold: float | None = None
-    factor: float | None = None
-    cache: str | None = None
-    remasking: str | None = None
-    alg: str | None = None
-    alg_temp: float | None = None
-    eps: float | None = None
-    top_k: int | None = None
-    stop_at_eos: bool | None = None
 
     def check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -513,10 +509,9 @@ class Server:
             overrides["steps"] = min(gen_length, max(nb, round(base.steps * gen_length / base.gen_length)))
         try:
             config = base.replace(**overrides)
-        except ValueError as e:
-            name, _, msg = str(e).partition(":")
-            param = "max_tokens" if name == "gen_length" else name
-            raise APIError(400, f"{param}:{msg}", param=param, code="invalid_value") from None
+        except ConfigError as e:
+            param = "max_tokens" if e.param == "gen_length" else e.param
+            raise APIError(400, f"{param}: {e.detail}", param=param, code="invalid_value") from None
         return config, keep
 
     def base_seed(self, req: _Common) -> int:
@@ -828,8 +823,7 @@ def default_model_name(path: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .chat import ArgumentParser
-    from .cli import UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit
+    from .cli_args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit
 
     p = ArgumentParser(
         prog="fastdllm serve",

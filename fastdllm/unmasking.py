@@ -1,6 +1,9 @@
 """Unmasking policies: given the current block's logits, which masked positions become tokens.
 
-Two separate choices make a policy:
+An `UnmaskingStrategy` is one policy, built once from a config (`UnmaskingStrategy.from_config`
+reads the precedence factor > threshold > schedule in one place) and passed to the loop; a new
+policy is a new strategy (or SelectionRule subclass), not edits here. Two separate choices make
+a policy:
 
 1. **Proposal and confidence** (`propose`): the token proposed for each masked position and a
    confidence score.
@@ -30,11 +33,10 @@ Two separate choices make a policy:
      *Deliberate difference*: Dream averages the mask count over the batch; we count per row, so
      that a row decodes the same in a batch as alone.
 
-Ties in confidence are broken towards the leftmost position. Confidences are computed in float32
-(the reference uses float64 for its softmax): the proposal is unaffected, and probabilities are
-only compared against thresholds. One visible consequence: a probability within ~6e-8 of 1 rounds
-to exactly 1.0 in float32, so `threshold=1.0` still reveals such saturated tokens (typically the
-EOS padding) several at a time, where the reference's float64 would reveal one per step.
+Ties in confidence are broken towards the leftmost position. LLaDA's confidence (the proposed
+token's softmax probability) is computed in float64, as the reference does: it decides a top-k
+ranking, and confident positions that tie in float32 (0.99999237 for several at once) are
+ordered by their float64 values, as there. Dream's confidences are float32, as in Dream's code.
 Randomness comes from one generator per row, drawn only for rows that still have masks in the
 block, so batched and single runs consume identical random streams.
 """
@@ -60,12 +62,8 @@ def _rows_rand(shape, generators, rows, dtype=torch.float32, device="cpu") -> to
 
 
 def propose(logits: torch.Tensor, config, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator of
-    batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
-    logits = logits.float()
-    if config.alg is None:
-        return _propose_llada(logits, config, generators, rows)
-    return _propose_dream(logits, config, generators, rows)
+    """(tokens, confidence), each (B, T), for logits (B, T, V), under `config`'s strategy."""
+    return UnmaskingStrategy.from_config(config).propose(logits, generators, rows)
 
 
 def _propose_llada(logits, config, generators, rows):
@@ -79,8 +77,8 @@ def _propose_llada(logits, config, generators, rows):
         chosen_logit, tokens = logits.max(-1)
     if config.remasking == "random":
         conf = _rows_rand(logits.shape[1:2], generators, rows, torch.float32, logits.device)
-    else:
-        conf = (chosen_logit - logits.logsumexp(-1)).exp()
+    else:  # float64, as the reference's softmax: it decides the ranking of near-certain positions
+        conf = (chosen_logit.double() - logits.double().logsumexp(-1)).exp()
     return tokens, conf
 
 
@@ -98,7 +96,7 @@ def _filter_top_p_top_k(logits, top_p, top_k):
     return logits
 
 
-def _propose_dream(logits, config, generators, rows):
+def _propose_dream(logits, config, generators, rows, score):
     if config.temperature > 0:
         logits = logits / config.temperature
     logits = _filter_top_p_top_k(logits, config.top_p, config.top_k)
@@ -111,15 +109,10 @@ def _propose_dream(logits, config, generators, rows):
         conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     else:
         conf, tokens = probs.max(-1)
-    if config.threshold is not None or config.factor is not None:
-        # Parallel decoding compares probabilities with the threshold / factor rule (Fast-dLLM's
-        # Dream "confidence_threshold"): a margin or a negative entropy is on another scale (an
-        # entropy score is never >= 0.9, so every step would reveal one token).
-        return tokens, conf
-    if config.alg == "topk_margin":
+    if score == "margin":
         top2 = probs.topk(2, dim=-1).values
         conf = top2[..., 0] - top2[..., 1]
-    elif config.alg == "entropy":
+    elif score == "entropy":
         conf = (probs * torch.log(probs + 1e-10)).sum(-1)
     return tokens, conf
 
@@ -230,20 +223,80 @@ class DreamSchedule(SelectionRule):
         return chosen & masked
 
 
+class FirstPositionAtBlockStart(SelectionRule):
+    """Fast-dLLM's Dream with a block cache: the block-start forward (the one that refreshes the
+    cache) reveals exactly the block's first masked position, whatever the rule; the rule decides
+    the cached steps after it (a schedule counts the block-start step as its step 0)."""
+
+    def __init__(self, inner: SelectionRule):
+        self.inner = inner
+
+    def begin_block(self, masked, steps, generators, rows):
+        self.inner.begin_block(masked, steps, generators, rows)
+
+    def select(self, conf, masked, step, generators, rows):
+        if step > 0:
+            return self.inner.select(conf, masked, step, generators, rows)
+        first = masked.long().argmax(-1, keepdim=True)  # leftmost masked position
+        return torch.zeros_like(masked).scatter_(-1, first, True) & masked.any(-1, keepdim=True)
+
+
+class UnmaskingStrategy:
+    """One unmasking policy: how tokens and confidences are proposed, which rule selects the
+    positions to reveal, and whether it draws randomness (then each row gets a generator).
+
+    `from_config(config, family, cached)`: for the Dream family decoding with a block cache
+    (`cached`), the reference's block start is followed (`FirstPositionAtBlockStart`), as
+    Fast-dLLM's Dream code does; pass another strategy to `generate` to decode otherwise."""
+
+    def __init__(self, config, make_rule, score: str, draws_randomness: bool):
+        self.config, self.make_rule, self.score, self.draws_randomness = config, make_rule, score, draws_randomness
+
+    @classmethod
+    def from_config(cls, config, family: str | None = None, cached: bool = False) -> "UnmaskingStrategy":
+        strategy = cls._from_config(config)
+        if family == "dream" and cached:
+            inner = strategy.make_rule
+            strategy.make_rule = lambda: FirstPositionAtBlockStart(inner())  # noqa: E731
+        return strategy
+
+    @classmethod
+    def _from_config(cls, config) -> "UnmaskingStrategy":
+        parallel = config.factor is not None or config.threshold is not None
+        if config.factor is not None:
+            make_rule = lambda: Factor(config.factor)  # noqa: E731
+        elif config.threshold is not None:
+            make_rule = lambda: Threshold(config.threshold)  # noqa: E731
+        elif config.alg is None:
+            make_rule = LinearSchedule
+        else:
+            make_rule = lambda: DreamSchedule(config.alg, config.eps, config.alg_temp)  # noqa: E731
+        # Parallel decoding compares probabilities with the threshold / factor rule (Fast-dLLM's
+        # Dream "confidence_threshold"): a margin or a negative entropy is on another scale (an
+        # entropy score is never >= 0.9, so every step would reveal one token).
+        score = "probability"
+        if config.alg is not None and not parallel:
+            score = {"topk_margin": "margin", "entropy": "entropy"}.get(config.alg, "probability")
+        draws = (config.temperature > 0 or config.remasking == "random"
+                 or (config.alg == "origin" and not parallel) or bool(config.alg_temp))
+        return cls(config, make_rule, score, draws)
+
+    def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator
+        of batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
+        logits = logits.float()
+        if self.config.alg is None:
+            return _propose_llada(logits, self.config, generators, rows)
+        return _propose_dream(logits, self.config, generators, rows, self.score)
+
+    def new_rule(self) -> SelectionRule:
+        """A fresh selection rule for one generation (rules keep per-block state)."""
+        return self.make_rule()
+
+
 def selection_rule(config) -> SelectionRule:
-    if config.factor is not None:
-        return Factor(config.factor)
-    if config.threshold is not None:
-        return Threshold(config.threshold)
-    if config.alg is None:
-        return LinearSchedule()
-    return DreamSchedule(config.alg, config.eps, config.alg_temp)
+    return UnmaskingStrategy.from_config(config).new_rule()
 
 
 def needs_randomness(config) -> bool:
-    return (
-        config.temperature > 0
-        or config.remasking == "random"
-        or (config.alg == "origin" and config.threshold is None and config.factor is None)
-        or bool(config.alg_temp)
-    )
+    return UnmaskingStrategy.from_config(config).draws_randomness

@@ -7,8 +7,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate, stream_blocks
-from fastdllm.cache_policies import CACHE_POLICIES, DualCache, PrefixCache
-from fastdllm.unmasking import Factor, Threshold, linear_schedule
+from fastdllm.cache_policies import DualCache, PrefixCache
+from fastdllm.unmasking import Factor, Threshold, UnmaskingStrategy, linear_schedule
 
 
 def prompts(tokenizer):
@@ -38,23 +38,18 @@ class DualRefreshed(_RefreshEveryStep, DualCache):
     name = "dual_refreshed"
 
 
-@pytest.fixture
-def refreshed_policies(monkeypatch):
-    monkeypatch.setitem(CACHE_POLICIES, "prefix_refreshed", PrefixRefreshed)
-    monkeypatch.setitem(CACHE_POLICIES, "dual_refreshed", DualRefreshed)
-
-
 @pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
 @pytest.mark.parametrize("threshold", [None, 0.3])
-def test_refreshed_caches_equal_no_cache(arch, threshold, request, tokenizer, refreshed_policies):
+def test_refreshed_caches_equal_no_cache(arch, threshold, request, tokenizer):
     model = request.getfixturevalue(arch)
     base = dict(gen_length=32, block_length=8, threshold=threshold, stop_at_eos=False)
     ref = generate(model, prompts(tokenizer), config=GenerationConfig(cache="none", **base))
-    for cache in ("prefix_refreshed", "dual_refreshed"):
-        cfg = GenerationConfig(**base)
-        cfg.cache = cache  # test-only policies registered above
-        out = generate(model, prompts(tokenizer), config=cfg)
-        assert torch.equal(out.sequences, ref.sequences), cache
+    cfg = GenerationConfig(**base)
+    # The same unmasking policy as without a cache (Dream's block start differs with one: tested below).
+    strategy = UnmaskingStrategy.from_config(cfg)
+    for policy in (PrefixRefreshed, DualRefreshed):  # policy objects plug into the loop directly
+        out = generate(model, prompts(tokenizer), config=cfg, cache=policy(model), strategy=strategy)
+        assert torch.equal(out.sequences, ref.sequences), policy.name
         assert out.nfe_per_row == ref.nfe_per_row
 
 
@@ -138,22 +133,26 @@ def test_one_step_per_block_leaves_no_mask(tiny_llada, tokenizer):
     assert out.nfe == 4 and all(t == [8, 8, 8, 8] for t in out.tokens_per_step)
 
 
+@pytest.mark.parametrize("cache", ["none", "dual"])
 @pytest.mark.parametrize("alg", ["origin", "maskgit_plus", "topk_margin", "entropy"])
-def test_dream_algorithms_follow_the_timestep_schedule(tiny_dream, tokenizer, alg):
-    cfg = GenerationConfig(gen_length=32, block_length=32, steps=8, threshold=None, cache="dual", alg=alg,
+def test_dream_algorithms_follow_the_timestep_schedule(tiny_dream, tokenizer, alg, cache):
+    cfg = GenerationConfig(gen_length=32, block_length=32, steps=8, threshold=None, cache=cache, alg=alg,
                            seed=3, stop_at_eos=False)
     out = generate(tiny_dream, prompts(tokenizer), config=cfg)
     assert not (out.sequences == tiny_dream.mask_token_id).any()
     if alg != "origin":
-        # linspace(1, eps, 9): int(n * (1 - s/t)) per step, all at the last
+        # linspace(1, eps, 9): int(n * (1 - s/t)) per step, all at the last; with a cache the
+        # block-start step reveals the block's first position instead (Fast-dLLM's Dream)
         t = torch.linspace(1, 1e-3, 9)
         n, expected = 32, []
         for i in range(8):
             k = n if i == 7 else int(torch.tensor(float(n)) * (1 - t[i + 1] / t[i]))
+            if i == 0 and cache != "none":
+                k = 1
             expected.append(k)
             n -= k
         assert out.tokens_per_step[0] == expected
-    # with threshold and a cache, every Dream algorithm works too
+    # with threshold, every Dream algorithm works too
     cfg2 = cfg.replace(threshold=0.5)
     out2 = generate(tiny_dream, prompts(tokenizer), config=cfg2)
     assert not (out2.sequences == tiny_dream.mask_token_id).any()
@@ -317,3 +316,45 @@ def test_invalid_inputs_are_clear(tiny_llada, tokenizer):
     with pytest.raises(ValueError, match="left-padded"):
         generate(tiny_llada, torch.ones(1, 4, dtype=torch.long), config=cfg,
                  attention_mask=torch.tensor([[1, 1, 1, 0]]))
+
+
+# ---- fidelity to the reference implementations ------------------------------------------------------
+def test_llada_ranks_confidences_in_float64():
+    """Two near-certain positions whose probabilities tie in float32 are ordered by their float64
+    values, as the reference's float64 softmax orders them (not leftmost-first)."""
+    logits = torch.full((1, 2, 4), 0.0)
+    logits[0, 0, 1], logits[0, 1, 2] = 20.0, 20.5  # p = 1 - 6.2e-9 and 1 - 3.7e-9
+    p32 = logits.softmax(-1).amax(-1)
+    assert p32[0, 0] == p32[0, 1]  # the collision is real in float32
+    config = GenerationConfig.baseline(gen_length=2, block_length=2)
+    strategy = UnmaskingStrategy.from_config(config)
+    tokens, conf = strategy.propose(logits, None, [None])
+    assert conf.dtype == torch.float64 and conf[0, 1] > conf[0, 0]
+    rule = strategy.new_rule()
+    masked = torch.ones(1, 2, dtype=torch.bool)
+    rule.begin_block(masked, 2, None, [0])
+    assert rule.select(conf, masked, 0, None, [0]).tolist() == [[False, True]]
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_dream_with_a_cache_reveals_the_blocks_first_position_at_block_start(tiny_dream, tiny_llada, tokenizer,
+                                                                             cache):
+    """Fast-dLLM's Dream: the block-start forward reveals exactly the block's first position,
+    whatever the rule; LLaDA, and Dream without a cache, apply the rule there too."""
+    # two steps per block: a schedule reveals several positions at each
+    config = GenerationConfig(gen_length=32, block_length=8, steps=8, threshold=None, cache=cache, stop_at_eos=False)
+
+    def first_steps(model, cfg):
+        seen, out = set(), []
+        def on_step(event):
+            if event.block not in seen:
+                seen.add(event.block)
+                out.append(event.chosen[0].tolist())
+        generate(model, prompts(tokenizer)[:1], config=cfg, on_step=on_step)
+        return out
+
+    for dream_config in (config.replace(alg="maskgit_plus"), config.replace(threshold=0.05)):
+        dream = first_steps(tiny_dream, dream_config)
+        assert len(dream) == 4 and all(c == [True] + [False] * 7 for c in dream), dream
+    assert all(sum(c) == 3 for c in first_steps(tiny_dream, config.replace(alg="maskgit_plus", cache="none")))
+    assert all(sum(c) == 4 for c in first_steps(tiny_llada, config))

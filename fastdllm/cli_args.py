@@ -1,0 +1,86 @@
+"""What the commands share: the argument parser that reports mistakes in one line, the model
+flags, and the decoding flags, generated from `GenerationConfig`'s declarations (one flag per
+field, the field's name with dashes)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import ConfigError, GenerationConfig
+
+
+class UserError(Exception):
+    """A mistake of the user's (bad flag, missing folder): printed as one line, exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports mistakes as a UserError: one line, exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        raise UserError(message)
+
+
+def parser(prog: str, description: str, epilog: str) -> ArgumentParser:
+    return ArgumentParser(prog=prog, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint folder or Hugging Face repo id (default: the embedded model)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the checkpoint's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's; use 1 on a machine shared with other jobs)")
+
+
+def _parser_for(name: str, kind: str):
+    def parse(text: str):
+        try:
+            return GenerationConfig.parse(name, text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(e.detail) from None
+
+    parse.__name__ = kind.replace(" ", "_")  # argparse names it in "invalid <kind> value"
+    return parse
+
+
+def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig | None = None) -> None:
+    """One flag per GenerationConfig field, same names (dashes for underscores)."""
+    d = defaults or GenerationConfig()
+    g = p.add_argument_group("decoding (GenerationConfig)")
+    for opt in GenerationConfig.options():
+        name, kind = opt["name"], opt["kind"]
+        default = getattr(d, name)
+        text = f"{opt['help']} (default: {default})"
+        if kind == "bool":
+            g.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            g.add_argument(flag(name), dest=name, type=_parser_for(name, kind), default=default, help=text,
+                           metavar=kind.removeprefix("optional ").upper())
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> GenerationConfig:
+    values = {name: getattr(args, name) for name in GenerationConfig.field_names() if hasattr(args, name)}
+    try:
+        return GenerationConfig(**{**values, **overrides})
+    except ConfigError as e:
+        raise UserError(f"{flag(e.param)}: {e.detail}") from None
+
+
+def load_model_or_exit(args: argparse.Namespace):
+    import torch
+
+    from .loading import load
+
+    if getattr(args, "threads", None):
+        if args.threads < 1:
+            raise UserError("--threads: must be a positive integer")
+        torch.set_num_threads(args.threads)
+    try:
+        return load(args.model, dtype=args.dtype, device=args.device)
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None

@@ -1,0 +1,173 @@
+"""`GenerationConfig`: every decoding option, declared once.
+
+Each field carries its help text and its kind (how a string from a command line or a model_args
+string becomes a value). The CLI flags (`cli_args.add_generation_args`), the server's request
+fields and the lm-eval plugin's parsing are all generated from these declarations, and
+validation raises `ConfigError`, a `ValueError` that names the parameter in `.param`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from .cache_policies import CACHE_POLICIES
+from .unmasking import DREAM_ALGS
+
+REMASKING = ("low_confidence", "random")
+NONE_WORDS = ("none", "off", "null")
+
+
+class ConfigError(ValueError):
+    """An invalid decoding option; `.param` is the field's name."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param, self.detail = param, message
+
+
+def _opt(default, kind: str, help: str, server: bool = True):
+    """A field: `kind` is int | float | str | bool, prefixed with "optional " when None is allowed;
+    `server` says whether an API request may set it under this name."""
+    return field(default=default, metadata={"kind": kind, "help": help, "server": server})
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding settings, named as in the LLaDA / Fast-dLLM / Dream reference code. Immutable:
+    change one with `config.replace(name=value)`, which validates again.
+
+    The defaults are Fast-dLLM's full method: DualCache with threshold-0.9 parallel decoding,
+    gen_length 256 in blocks of 32. The LLaDA baseline is `threshold=None, cache='none'`
+    (one token per step when steps == gen_length). Parallel decoding: `threshold` (unmask all
+    positions at or above it) or `factor` (Fast-dLLM's factor rule; takes precedence over
+    threshold). With neither, each block follows a fixed schedule of `steps` spread over the
+    blocks: LLaDA's linear schedule, or Dream's timestep schedule when `alg` is set.
+
+    `steps` not divisible by the number of blocks: the remainder goes to the first blocks (the
+    reference requires divisibility). `steps` defaults to gen_length.
+    """
+
+    gen_length: int = _opt(256, "int", "tokens to generate (a multiple of block_length)", server=False)
+    block_length: int = _opt(32, "int", "block size: blocks are decoded left to right")
+    steps: int | None = _opt(None, "optional int", "schedule steps over all blocks (default: gen_length)")
+    temperature: float = _opt(0.0, "float", "sampling temperature (0: greedy)", server=False)
+    remasking: str = _opt("low_confidence", "str", "LLaDA's confidence: " + " | ".join(REMASKING))
+    threshold: float | None = _opt(0.9, "optional float",
+                                   "parallel decoding: reveal every position at least this confident; 'none' "
+                                   "for the schedule")
+    factor: float | None = _opt(None, "optional float", "factor-rule parallel decoding (takes precedence)")
+    cache: str = _opt("dual", "str", "KV cache policy: " + " | ".join(CACHE_POLICIES))
+    alg: str | None = _opt(None, "optional str", "Dream's confidence: " + " | ".join(DREAM_ALGS))
+    alg_temp: float | None = _opt(None, "optional float", "Dream: sample positions with this temperature")
+    eps: float = _opt(1e-3, "float", "Dream: the final timestep")
+    top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False)
+    top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)")
+    stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token")
+    seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def baseline(cls, **overrides) -> "GenerationConfig":
+        """LLaDA's semi-autoregressive baseline: no cache, one token per step."""
+        return cls(**{"threshold": None, "cache": "none", **overrides})
+
+    def replace(self, **changes) -> "GenerationConfig":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def total_steps(self) -> int:
+        return self.gen_length if self.steps is None else self.steps
+
+    def steps_per_block(self) -> list[int]:
+        nb, total = self.num_blocks, self.total_steps
+        return [total // nb + (1 if b < total % nb else 0) for b in range(nb)]
+
+    # -- the declarations, for the CLI, the server and the lm-eval plugin
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def options(cls) -> list[dict]:
+        """One entry per field: name, default, kind, help, server."""
+        return [{"name": f.name, "default": f.default, **f.metadata} for f in fields(cls)]
+
+    @classmethod
+    def parse(cls, name: str, text: Any) -> Any:
+        """A field's value from text ("none"/"off"/"null" for None where allowed); non-strings
+        are returned as they are. A ConfigError names the field when the text does not parse."""
+        kinds = {o["name"]: o["kind"] for o in cls.options()}
+        if name not in kinds:
+            raise ConfigError(name, f"unknown option; choose from {', '.join(kinds)}")
+        if not isinstance(text, str):
+            return text
+        kind = kinds[name]
+        optional = kind.startswith("optional ")
+        base = kind.removeprefix("optional ")
+        if optional and text.strip().lower() in NONE_WORDS:
+            return None
+        try:
+            if base == "int":
+                return int(text)
+            if base == "float":
+                return float(text)
+            if base == "bool":
+                low = text.strip().lower()
+                if low in ("true", "1", "yes", "on"):
+                    return True
+                if low in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError(text)
+        except ValueError:
+            raise ConfigError(name, f"expected {kind.replace('optional ', 'an optional ')}, got {text!r}") from None
+        return text
+
+    # -- validation
+    def validate(self) -> None:
+        """Every check in one place: a ConfigError naming the parameter and what is allowed."""
+
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(name, f"{allowed} (got {getattr(self, name)!r})")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        need(is_int(self.gen_length) and self.gen_length > 0, "gen_length", "must be a positive integer")
+        need(is_int(self.block_length) and self.block_length > 0, "block_length", "must be a positive integer")
+        need(self.gen_length % self.block_length == 0, "block_length", f"must divide gen_length={self.gen_length}")
+        if self.steps is not None:
+            need(is_int(self.steps), "steps", "must be an integer or None")
+            need(self.num_blocks <= self.steps <= self.gen_length, "steps",
+                 f"must be between the number of blocks ({self.num_blocks}) and gen_length ({self.gen_length})")
+        need(is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        need(self.remasking in REMASKING, "remasking", f"must be one of {', '.join(REMASKING)}")
+        if self.threshold is not None:
+            need(is_num(self.threshold) and 0 < self.threshold <= 1, "threshold", "must be in (0, 1] or None")
+        if self.factor is not None:
+            need(is_num(self.factor) and self.factor > 0, "factor", "must be > 0 or None")
+        need(self.cache in CACHE_POLICIES, "cache", f"must be one of {', '.join(CACHE_POLICIES)}")
+        need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
+        if self.alg_temp is not None:
+            need(is_num(self.alg_temp) and self.alg_temp >= 0, "alg_temp", "must be >= 0 or None")
+        need(is_num(self.eps) and 0 < self.eps < 1, "eps", "must be in (0, 1)")
+        if self.top_p is not None:
+            need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1] or None")
+        if self.top_k is not None:
+            need(is_int(self.top_k) and self.top_k >= 1, "top_k", "must be a positive integer or None")
+        need(isinstance(self.stop_at_eos, bool), "stop_at_eos", "must be true or false")
+        if self.seed is not None:
+            need(is_int(self.seed), "seed", "must be an integer or None")

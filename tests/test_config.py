@@ -1,0 +1,84 @@
+"""`GenerationConfig` is the one declaration of every decoding option: the CLI flags, the
+server's request fields and the lm-eval parsing come from it, and errors name the field."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from fastdllm import GenerationConfig
+from fastdllm.cli_args import add_generation_args, config_from_args, UserError
+from fastdllm.config import ConfigError
+
+BAD = {
+    "gen_length": 0, "block_length": 7, "steps": 1000, "temperature": -1, "remasking": "x", "threshold": 1.5,
+    "factor": 0, "cache": "x", "alg": "x", "alg_temp": -1, "eps": 1, "top_p": 0, "top_k": 0, "stop_at_eos": "yes",
+    "seed": 1.5,
+}
+
+
+def test_every_field_has_a_bad_value_here():
+    assert set(BAD) == set(GenerationConfig.field_names())
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_invalid_value_is_a_config_error_naming_the_field(name):
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig(**{name: BAD[name]})
+    assert isinstance(info.value, ValueError) and info.value.param == name
+    assert str(info.value).startswith(f"{name}: ")
+
+
+def test_config_is_immutable_and_replace_validates():
+    cfg = GenerationConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_length = 7
+    with pytest.raises(ConfigError):
+        cfg.replace(block_length=7)
+    assert cfg.replace(threshold=None).threshold is None and cfg.threshold == 0.9
+
+
+def test_cli_flags_are_generated_from_the_fields():
+    p = argparse.ArgumentParser()
+    add_generation_args(p)
+    flags = {a.dest: a.option_strings for a in p._actions if a.dest != "help"}
+    assert set(flags) == set(GenerationConfig.field_names())
+    for name, strings in flags.items():
+        assert "--" + name.replace("_", "-") in strings
+    args = p.parse_args(["--threshold", "none", "--no-stop-at-eos", "--top-k", "5", "--cache", "prefix"])
+    cfg = config_from_args(args)
+    assert (cfg.threshold, cfg.stop_at_eos, cfg.top_k, cfg.cache) == (None, False, 5, "prefix")
+    with pytest.raises(UserError, match="^--block-length: must divide"):
+        config_from_args(p.parse_args(["--block-length", "7"]))
+
+
+def test_parse_reads_text_by_the_fields_kind():
+    assert GenerationConfig.parse("threshold", "off") is None
+    assert GenerationConfig.parse("steps", "64") == 64
+    assert GenerationConfig.parse("stop_at_eos", "false") is False
+    assert GenerationConfig.parse("alg", "null") is None
+    assert GenerationConfig.parse("threshold", 0.5) == 0.5  # values pass through
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig.parse("gen_length", "many")
+    assert info.value.param == "gen_length"
+    with pytest.raises(ConfigError):
+        GenerationConfig.parse("temperature", "none")  # not optional
+
+
+def test_server_request_fields_are_the_declared_options():
+    from fastdllm.server import DLLM_FIELDS, ChatCompletionRequest, CompletionRequest
+
+    declared = {o["name"] for o in GenerationConfig.options() if o["server"]}
+    assert set(DLLM_FIELDS) == declared
+    for model in (ChatCompletionRequest, CompletionRequest):
+        assert declared <= set(model.model_fields)
+    # the OpenAI names take the fields that are not server options
+    assert {"gen_length", "seed"}.isdisjoint(declared)
+
+
+def test_old_import_path_still_works():
+    from fastdllm.generate import GenerationConfig as Old
+
+    assert Old is GenerationConfig
