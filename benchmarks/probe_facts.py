@@ -28,7 +28,7 @@ import torch
 
 import fastdllm
 from fastdllm.tasks import arith
-from fastdllm.train import prompt_ids
+from fastdllm.tasks.arith import prompt_ids
 
 
 def _masked_top1(model, target: torch.Tensor, where: list[int]) -> list[bool]:

@@ -26,7 +26,7 @@ def answer_top1(model, tok, problems, region: int, suffix_visible: bool) -> floa
     eos, eot, mask = tok.eos_token_id, tok.token_to_id("<|eot_id|>"), model.mask_token_id
     right = total = 0
     for p in problems:
-        pids = train.prompt_ids(tok, p.question, [])
+        pids = arith.prompt_ids(tok, p.question, [])
         aids = tok.encode(p.answer) + [eot]
         ids = torch.tensor([pids + aids + [eos] * (region - len(aids))])
         start, end = len(pids), len(pids) + len(aids)

@@ -17,7 +17,7 @@ import torch
 
 import fastdllm
 from fastdllm.tasks import arith
-from fastdllm.train import prompt_ids
+from fastdllm.tasks.arith import prompt_ids
 
 
 def probe(model, tokenizer, problems: int) -> dict[str, tuple[float, int]]:

@@ -1,8 +1,11 @@
 """Preallocated key/value buffers for block-wise approximate KV caching (Fast-dLLM).
 
 One buffer per layer for keys and one for values, each (batch, kv_heads, length, head_dim),
-allocated once per generation. A full forward writes every position; a windowed forward
-(prefix or dual mode) overwrites only its window in place, so nothing is concatenated per step.
+allocated once per generation. The cache owns its writes (as gpt-fast's `KVCache.update`): a
+layer's attention hands it the fresh K/V of the window it computed, the cache writes them in
+place and returns the whole sequence's K/V to attend over. A full forward writes every position;
+a windowed forward (prefix or dual mode, or any partial refresh) only its window, so nothing is
+concatenated per step.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ class KVCache:
     def length(self) -> int:
         return self.k.shape[3]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def layer(self, i: int) -> "LayerKV":
+        return LayerKV(self.k[i], self.v[i])
 
     def narrow(self, batch: int) -> "KVCache":
         """A view of the first `batch` rows (no copy): used when finished rows leave the batch."""
@@ -37,3 +40,20 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+
+class LayerKV:
+    """One layer's slice of a KVCache."""
+
+    __slots__ = ("k", "v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the K/V of positions [start, start + T) in place; return the whole cached K/V
+        (positions outside the window keep what an earlier forward wrote)."""
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k, self.v

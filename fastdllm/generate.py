@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .cache_policies import CACHE_POLICIES, CachePolicy, NoCache, SequenceView
-from .config import ConfigError, GenerationConfig  # noqa: F401 - re-exported: its old home
+from .config import ConfigError, GenerationConfig  # noqa: F401 - re-exported: their old home
 from .models.transformer import positions_from_mask
 from .unmasking import UnmaskingStrategy
 

@@ -124,11 +124,7 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
 
 
 # ---- data --------------------------------------------------------------------------------------
-def prompt_ids(tokenizer: Tokenizer, question: str, shots: list[arith.Problem], bare: bool = False) -> list[int]:
-    """The chat-formatted prompt: the evaluation's "Question: ...\nAnswer:" message (with k shots), or
-    with `bare` the question alone, as a user types it into `fastdllm generate` or a chat."""
-    content = question if bare else arith.format_prompt(question, shots)
-    return tokenizer.encode_chat([{"role": "user", "content": content}])
+prompt_ids = arith.prompt_ids  # the task builds its prompts; kept here under its old name
 
 
 # Share of 0-shot rows whose user message is the bare question (see prompt_ids).
@@ -328,21 +324,19 @@ def transplant_weights(model: Transformer, source: Transformer) -> None:
 
 # ---- evaluation during training ----------------------------------------------------------------
 def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
-    from .generate import GenerationConfig, generate  # lazy: the engine sits above this module
-    from .tasks.scoring import extract_gsm8k_answer
+    """Accuracy and NFE on the first `n` held-out arith problems, through `fastdllm.evaluate`
+    (the one arith evaluator), 0-shot, batches of 16."""
+    from .evaluate import evaluate  # lazy: the engine and the harness sit above this module
+    from .generate import GenerationConfig
 
-    problems = arith.test_split()[:n]
-    correct, nfe, t0 = 0, 0, time.time()
+    t0, was_training = time.time(), model.training
     model.eval()
-    for i in range(0, n, 16):
-        chunk = problems[i : i + 16]
-        prompts = [prompt_ids(tokenizer, p.question, []) for p in chunk]
-        out = generate(model, prompts, config=GenerationConfig(**config))
-        for p, row in zip(chunk, out.sequences):
-            correct += extract_gsm8k_answer(tokenizer.decode(row)) == str(p.value)
-        nfe += sum(out.nfe_per_row)
-    model.train()
-    return {"accuracy": correct / n, "nfe_per_sample": nfe / n, "eval_seconds": time.time() - t0}
+    try:
+        r = evaluate(model, tokenizer, "arith", limit=n, num_fewshot=0, config=GenerationConfig(**config),
+                     batch_size=16)
+    finally:
+        model.train(was_training)
+    return {"accuracy": r["accuracy"], "nfe_per_sample": r["nfe_per_sample"], "eval_seconds": time.time() - t0}
 
 
 # ---- main --------------------------------------------------------------------------------------

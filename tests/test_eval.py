@@ -95,7 +95,7 @@ def test_bad_options(capsys):
 # ---- prompts -----------------------------------------------------------------------------------
 def test_arith_prompts_are_the_training_prompts(tokenizer):
     from fastdllm.tasks import arith
-    from fastdllm.train import prompt_ids
+    from fastdllm.tasks.arith import prompt_ids
 
     task = get_task("arith")
     doc = task.load(limit=1)[0]

@@ -228,7 +228,7 @@ def trained():
 
 def arith_prompts(tokenizer, n):
     from fastdllm.tasks import arith
-    from fastdllm.train import prompt_ids
+    from fastdllm.tasks.arith import prompt_ids
 
     return [prompt_ids(tokenizer, p.question, []) for p in arith.test_split()[:n]]
 

@@ -91,13 +91,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if layer_cache is not None:
-            # Write the window's fresh K/V in place, then attend over the whole cached sequence:
-            # positions outside the window keep the K/V of the last full forward.
-            k_buf, v_buf = layer_cache
-            k_buf[:, :, window_start : window_start + seqlen] = k
-            v_buf[:, :, window_start : window_start + seqlen] = v
-            k, v = k_buf, v_buf
+        if layer_cache is not None:  # attend over the whole cached sequence, this window fresh
+            k, v = layer_cache.update(window_start, k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=key_mask, enable_gqa=self.n_kv_heads != self.n_heads
         )

@@ -200,7 +200,7 @@ class Task:
 # ---- arith (the embedded model's task) ---------------------------------------------------------
 class ArithTask(Task):
     """`fastdllm.tasks.arith`: 1000 GSM8K-like test problems, 0-shot by default (k-shot from
-    `arith.fewshot_exemplars`). Prompts are built exactly as in training (`train.prompt_ids`:
+    `arith.fewshot_exemplars`). Prompts are built exactly as in training (`arith.prompt_ids`:
     `arith.format_prompt` in the chat template); scored like GSM8K."""
 
     name = "arith"
@@ -231,10 +231,10 @@ class ArithTask(Task):
         return arith.format_prompt(doc.data["question"], shots)
 
     def encode(self, tokenizer, doc, shots):
-        if has_chat_template(tokenizer):
-            from ..train import prompt_ids
+        from . import arith
 
-            return prompt_ids(tokenizer, doc.data["question"], shots)
+        if has_chat_template(tokenizer):
+            return arith.prompt_ids(tokenizer, doc.data["question"], shots)
         return tokenizer.encode(self.prompt_text(doc, shots))
 
     def stop_strings(self, chat):

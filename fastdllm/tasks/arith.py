@@ -341,6 +341,14 @@ def format_prompt(question: str, shots: list[Problem]) -> str:
     return "\n\n".join(parts)
 
 
+def prompt_ids(tokenizer, question: str, shots: list[Problem], bare: bool = False) -> list[int]:
+    """The chat-formatted prompt: the "Question: ...\nAnswer:" message (with k shots), or with
+    `bare` the question alone, as a user types it into `fastdllm generate` or a chat. Training
+    and evaluation both build their prompts here."""
+    content = question if bare else format_prompt(question, shots)
+    return tokenizer.encode_chat([{"role": "user", "content": content}])
+
+
 def fewshot_exemplars(k: int) -> list[Problem]:
     if not 0 <= k <= FEWSHOT_POOL_SIZE:
         raise ValueError(f"num_fewshot: must be in 0..{FEWSHOT_POOL_SIZE}, got {k}")

@@ -1,0 +1,372 @@
+"""The FastAPI application: routes, request -> GenerationConfig, responses and streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import ConfigError
+from ..generate import GenerationConfig
+from .incremental import ChoiceText
+from .scheduler import Job, QueueFull, Scheduler
+from .schema import (DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, _Common,
+                     _validation_error)
+
+log = logging.getLogger("fastdllm.server")
+
+
+# ---- the application ----------------------------------------------------------------------------
+@dataclass
+class ServerSettings:
+    model_name: str
+    defaults: GenerationConfig
+    max_batch_size: int = 8
+    max_queue: int = 64
+    batch_wait: float = 0.0
+    block_hook: Callable[[int], None] | None = None  # called by the worker after each block
+
+
+class Server:
+    """The state behind the routes: model, tokenizer, server defaults and the scheduler."""
+
+    def __init__(self, model, tokenizer, settings: ServerSettings):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.scheduler = Scheduler(model, settings.max_batch_size, settings.max_queue, settings.batch_wait,
+                                   settings.block_hook)
+        self.created = int(time.time())
+
+    # -- request -> rows and config
+    def check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise APIError(404, f"The model {name!r} does not exist; this server serves "
+                           f"{self.settings.model_name!r}", param="model", code="model_not_found")
+
+    def config_for(self, req: _Common, max_tokens: int | None) -> tuple[GenerationConfig, int]:
+        """The request's GenerationConfig (seed None) and the number of tokens to keep."""
+        base = self.settings.defaults.replace(seed=None)
+        overrides: dict[str, Any] = {}
+        for name in DLLM_FIELDS:
+            if name in req.model_fields_set:
+                overrides[name] = getattr(req, name)
+        for name in ("temperature", "top_p"):
+            if getattr(req, name) is not None:
+                overrides[name] = getattr(req, name)
+        block = overrides.get("block_length", base.block_length)
+        keep = max_tokens if max_tokens is not None else base.gen_length
+        gen_length = base.gen_length
+        if isinstance(block, int) and not isinstance(block, bool) and block > 0:
+            gen_length = math.ceil(keep / block) * block
+        overrides["gen_length"] = gen_length
+        if "steps" not in overrides and base.steps is not None:
+            nb = gen_length // block if isinstance(block, int) and block > 0 else 1
+            overrides["steps"] = min(gen_length, max(nb, round(base.steps * gen_length / base.gen_length)))
+        try:
+            config = base.replace(**overrides)
+        except ConfigError as e:
+            param = "max_tokens" if e.param == "gen_length" else e.param
+            raise APIError(400, f"{param}: {e.detail}", param=param, code="invalid_value") from None
+        return config, keep
+
+    def base_seed(self, req: _Common) -> int:
+        if req.seed is not None:
+            return req.seed
+        if self.settings.defaults.seed is not None:
+            return self.settings.defaults.seed
+        return random.randrange(2**31 - 1)
+
+    def check_context(self, prompts: list[list[int]], config: GenerationConfig, param: str) -> None:
+        limit = self.model.args.max_seq_len
+        longest = max(len(p) for p in prompts)
+        if longest + config.gen_length > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the prompt has {longest} tokens and "
+                f"max_tokens asks for {config.gen_length} (rounded up to whole blocks of {config.block_length})",
+                param=param, code="context_length_exceeded")
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages",
+                           code="no_chat_template")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except Exception as e:  # a template that rejects the conversation (e.g. role order)
+            raise APIError(400, f"messages: the chat template rejected them ({e})", param="messages",
+                           code="invalid_value") from None
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.tokenizer.encode(p)]
+        elif not p:
+            raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+        elif isinstance(p[0], str):
+            prompts = [self.tokenizer.encode(s) for s in p]
+        elif isinstance(p[0], int):
+            prompts = [list(p)]
+        else:
+            prompts = [list(x) for x in p]
+        vocab = self.model.args.vocab_size
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+            if any(not 0 <= t < vocab or t == self.model.mask_token_id for t in ids):
+                raise APIError(400, f"prompt: token ids must be in [0, {vocab}) and not the mask token",
+                               param="prompt", code="invalid_value")
+        return prompts
+
+
+def _parse(model_cls, body: bytes):
+    try:
+        return model_cls.model_validate_json(body or b"")
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
+    server = Server(model, tokenizer, settings)
+
+    async def lifespan(app):
+        yield
+        server.scheduler.close()
+
+    app = FastAPI(title="fastdllm", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server for diffusion language models")
+    app.state.server = server
+    app.state.scheduler = server.scheduler
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return APIError(404, f"Unknown route: {request.method} {request.url.path}", code="not_found").response()
+        if exc.status_code == 405:
+            return APIError(405, f"Method {request.method} not allowed on {request.url.path}",
+                            code="method_not_allowed").response()
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return APIError(400, str(exc.errors()[0].get("msg", "invalid request"))).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error")
+        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model_name, **server.scheduler.snapshot()}
+
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": server.created, "owned_by": "fastdllm",
+                "max_model_len": model.args.max_seq_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str):
+        server.check_model(model_id)
+        return model_card()
+
+    async def submit(prompts, seeds, config) -> Job:
+        job = Job(prompts, seeds, config, asyncio.get_running_loop())
+        try:
+            server.scheduler.submit(job)
+        except QueueFull as e:
+            raise APIError(503, str(e), "server_error", code="queue_full") from None
+        return job
+
+    async def events(job: Job, request: Request, watch_disconnect: bool):
+        """The job's events; when not streaming, checks every second that the client is still there."""
+        while True:
+            if watch_disconnect:
+                try:
+                    item = await asyncio.wait_for(job.events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        server.scheduler.cancel(job)
+                        return
+                    continue
+            else:
+                item = await job.events.get()
+            yield item
+            if item[0] in ("end", "error"):
+                return
+
+    async def run(kind: str, request: Request):
+        body = await request.body()
+        req = _parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
+        server.check_model(req.model)
+        req.check_unsupported()
+        if kind == "chat":
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            prompts, param = [server.chat_prompt(req)], "messages"
+        else:
+            max_tokens = req.max_tokens
+            prompts, param = server.completion_prompts(req), "prompt"
+        config, keep = server.config_for(req, max_tokens)
+        server.check_context(prompts, config, param)
+        seed = server.base_seed(req)
+        limit = max(MAX_N, settings.max_batch_size)
+        if len(prompts) * req.n > limit:
+            raise APIError(400, f"n: prompts x n = {len(prompts) * req.n} choices; at most {limit} per request",
+                           param="n", code="invalid_value")
+        rows = [p for p in prompts for _ in range(req.n)]
+        seeds = [seed + i for _ in prompts for i in range(req.n)]
+        stop = req.stop_list()
+        choices = [ChoiceText(tokenizer, model.stop_token_ids, stop, keep) for _ in rows]
+        prompt_tokens = sum(len(p) for p in prompts)
+        job = await submit(rows, seeds, config)
+        meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                "created": int(time.time()), "model": settings.model_name}
+        last_block = config.num_blocks - 1
+
+        def on_block(item) -> list[tuple[int, str, bool]]:
+            """Feed a block to every choice: [(index, new text, became final)]."""
+            out = []
+            _, b, parts, finished = item
+            for i, ch in enumerate(choices):
+                if ch.final:
+                    continue
+                delta = ch.feed(parts[i], finished[i], b == last_block)
+                out.append((i, delta, ch.final))
+            if all(ch.final for ch in choices):
+                job.satisfied = True
+            return out
+
+        def finish_all() -> list[tuple[int, str, bool]]:
+            out = []
+            for i, ch in enumerate(choices):
+                if not ch.final:
+                    out.append((i, ch.feed([], False, True), True))
+            return out
+
+        if not req.stream:
+            ended = False
+            try:
+                async for item in events(job, request, watch_disconnect=True):
+                    if item[0] == "error":
+                        ended = True
+                        raise item[1]
+                    if item[0] == "end":
+                        ended = True
+                    elif item[0] == "block":
+                        on_block(item)
+                        if job.satisfied:
+                            ended = True
+                            break
+                if not ended:  # the client went away while waiting
+                    return JSONResponse({}, status_code=499)
+                finish_all()
+            finally:
+                if not ended:
+                    server.scheduler.cancel(job)
+            usage = _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))
+            if kind == "chat":
+                return {**meta, "object": "chat.completion", "system_fingerprint": None,
+                        "choices": [{"index": i, "message": {"role": "assistant", "content": ch.text},
+                                     "logprobs": None, "finish_reason": ch.finish_reason}
+                                    for i, ch in enumerate(choices)],
+                        "usage": usage}
+            return {**meta, "object": "text_completion", "system_fingerprint": None,
+                    "choices": [{"index": i, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
+                                for i, ch in enumerate(choices)],
+                    "usage": usage}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(i: int, delta: str | None, finish: str | None, role: bool = False) -> str:
+            if kind == "chat":
+                d = {} if delta is None else {"content": delta}
+                if role:
+                    d = {"role": "assistant", "content": ""}
+                c = {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            body = {**meta, "object": obj, "system_fingerprint": None, "choices": [c]}
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        def render(updates) -> list[str]:
+            out = []
+            for i, delta, became_final in updates:
+                if delta:
+                    out.append(chunk(i, delta, None))
+                if became_final:
+                    out.append(chunk(i, None, choices[i].finish_reason))
+            return out
+
+        async def stream():
+            done = False
+            try:
+                if kind == "chat":
+                    for i in range(len(choices)):
+                        yield chunk(i, None, None, role=True)
+                async for item in events(job, request, watch_disconnect=False):
+                    if item[0] == "error":
+                        err: APIError = item[1]
+                        yield _sse(err.body())
+                        yield "data: [DONE]\n\n"
+                        done = True
+                        return
+                    if item[0] == "block":
+                        for s in render(on_block(item)):
+                            yield s
+                        if job.satisfied:
+                            break
+                for s in render(finish_all()):
+                    yield s
+                if include_usage:
+                    yield _sse({**meta, "object": obj, "system_fingerprint": None, "choices": [],
+                                "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))})
+                yield "data: [DONE]\n\n"
+                done = True
+            finally:
+                if not done:  # the client went away (the response task was cancelled)
+                    server.scheduler.cancel(job)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run("completion", request)
+
+    return app

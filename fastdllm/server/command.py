@@ -1,0 +1,83 @@
+"""`fastdllm serve`: the command line that loads a model and runs the app under uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..generate import GenerationConfig
+from .app import ServerSettings, create_app
+
+log = logging.getLogger("fastdllm.server")
+
+SERVE_EXAMPLES = """examples:
+  fastdllm serve --port 8000
+  fastdllm serve --model GSAI-ML/LLaDA-8B-Instruct --device cuda --max-batch-size 16 --threshold 0.9
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "llada-arith", "messages": [{"role": "user", "content": "Tom has 5 apples..."}],
+            "max_tokens": 64, "threshold": 0.8}'
+
+  python -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x");
+             print(c.chat.completions.create(model="llada-arith", max_tokens=64,
+                   messages=[{"role": "user", "content": "hi"}]).choices[0].message.content)'
+"""
+
+
+# ---- command line -------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "positive integer"
+
+
+def default_model_name(path: str | None) -> str:
+    if path is None:
+        return "llada-arith"
+    return str(path).rstrip("/").split("/")[-1] or str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli_args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit
+
+    p = ArgumentParser(
+        prog="fastdllm serve",
+        description="An OpenAI-compatible HTTP server (POST /v1/chat/completions, /v1/completions; GET "
+                    "/v1/models, /health). The decoding flags set the server defaults; requests override them "
+                    "with extra body fields of the same names (threshold, block_length, cache, ...).",
+        epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: the folder name, or llada-arith for the embedded model)")
+    s.add_argument("--max-batch-size", type=_positive_int, default=8,
+                   help="most rows decoded together; 1 turns batching off (default %(default)s)")
+    s.add_argument("--max-queue", type=_positive_int, default=64,
+                   help="most requests waiting; beyond it, 503 (default %(default)s)")
+    s.add_argument("--batch-wait-ms", type=float, default=0.0,
+                   help="wait up to this long for more requests before starting a batch (default 0)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_generation_args(p, GenerationConfig())
+    args = p.parse_args(argv)
+    config = config_from_args(args)
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port: must be in 1..65535 (got {args.port})")
+    if args.batch_wait_ms < 0:
+        raise UserError("--batch-wait-ms: must be >= 0")
+    model, tokenizer = load_model_or_exit(args)
+    name = args.served_model_name or default_model_name(args.model)
+    settings = ServerSettings(name, config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000)
+    app = create_app(model, tokenizer, settings)
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    print(f"fastdllm serve: model {name!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch_size}, "
+          f"max queue {args.max_queue})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

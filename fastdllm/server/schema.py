@@ -1,0 +1,159 @@
+"""Request bodies (pydantic, strict, unknown fields refused) and OpenAI-shaped errors.
+
+The dLLM fields of a request are generated from `GenerationConfig`'s declarations.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from ..config import GenerationConfig
+
+# Request fields that set a GenerationConfig field of the same name (declared there).
+DLLM_FIELDS = tuple(o["name"] for o in GenerationConfig.options() if o["server"])
+_KIND_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+MAX_N = 32
+MAX_STOP = 16
+
+
+# ---- errors ------------------------------------------------------------------------------------
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*|constrained-.*|[A-Z]\w*)$")
+
+
+def _loc_to_param(loc) -> str | None:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not isinstance(part, str) or _UNION_TAG.match(part):
+            continue  # union-member tags that pydantic puts into error locations
+        else:
+            out += ("." if out else "") + part
+    return out or None
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    kind, loc = err["type"], err["loc"]
+    param = _loc_to_param(loc)
+    if kind == "json_invalid":
+        return APIError(400, f"malformed JSON body: {err['msg'].removeprefix('Invalid JSON: ')}", code="invalid_json")
+    if kind == "model_type" and not loc:
+        return APIError(400, "the request body must be a JSON object", code="invalid_body")
+    if kind == "extra_forbidden":
+        hint = "; use max_tokens" if loc and loc[-1] == "gen_length" else ""
+        return APIError(400, f"unknown field {param!r}{hint}", param=param, code="unknown_field")
+    if kind == "missing":
+        return APIError(400, f"{param}: required field is missing", param=param, code="missing_field")
+    return APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param, code="invalid_value")
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+_DecodingFields = create_model(
+    "_DecodingFields", __base__=_Strict,
+    **{o["name"]: (_KIND_TYPES[o["kind"].removeprefix("optional ")] | None, Field(default=None, description=o["help"]))
+       for o in GenerationConfig.options() if o["server"]},
+)
+
+
+class _Common(_DecodingFields):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise APIError(400, f"{name}: not supported by diffusion decoding (only 0)", param=name,
+                               code="unsupported_value")
+        if self.logprobs not in (None, False):
+            raise APIError(400, "logprobs: not supported", param="logprobs", code="unsupported_value")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} stop strings", param="stop", code="invalid_value")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed with stream: true", param="stream_options",
+                           code="invalid_value")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs is not None:
+            raise APIError(400, "top_logprobs: not supported", param="top_logprobs", code="unsupported_value")
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise APIError(400, "echo: not supported", param="echo", code="unsupported_value")
+        if self.suffix:
+            raise APIError(400, "suffix: not supported", param="suffix", code="unsupported_value")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of: not supported (only 1)", param="best_of", code="unsupported_value")
