@@ -1,5 +1,5 @@
 """Forward time of a model at sequence lengths 256 and 1024: full forward vs prefix-mode window
-vs dual-mode window of 32 positions, and the peak memory of each (issue 2's measurement).
+vs dual-mode window of 32 positions, and the peak memory of each.
 
     python benchmarks/forward_speed.py [--model PATH] [--device cpu|cuda] [--repeats 20]
 

@@ -1,4 +1,4 @@
-"""Which arithmetic facts an arith model knows: every fact of the task (`arith.arithmetic_facts()`,
+"""Which arithmetic facts an arith model knows: every fact of the task (`drills.arithmetic_facts()`,
 964 of them) is written in drill rows of eight (answer "45 - 10 = 35\n3 + 4 = 7 ..."), every result
 is masked at once, and the model's top-1 guess for each is checked in one forward. Reported per
 operation and by operand size.
@@ -7,14 +7,10 @@ A result of a worked answer is usually also written elsewhere in it (the next li
 `####` line), so answer-level probes can be passed by copying; here a result can only be known.
 By default the question is "Work out these.", as in a worked answer, where nothing restates the
 operation; `--restate` lists the operations in the question ("Work out 45 - 10, ...") as the
-`drill` and `facts` training mixes did. What we found with it (docs/model-card.md): v3 knew ~90% of
-the products and quotients and ~13% of the sums and differences with the operations restated, and
-3% of all facts without.
+`drill` and `facts` training mixes do. What it found during training is in docs/training-notes.md.
 
 `--answers N` probes the same facts where they matter: inside the worked answers of N held-out
-problems, with every result and the `####` value masked at once and the operands shown. v4 knew
-93% of the sums as bare drills and got 80% of them right there (differences 81%, products and
-quotients 97%, the `####` value 73%; every result right in 64% of 300 answers).
+problems, with every result and the `####` value masked at once and the operands shown.
 
     python benchmarks/probe_facts.py [MODEL_DIR] [--repeats 2] [--restate] [--answers 300]
 """
@@ -27,6 +23,7 @@ import random
 import torch
 
 import fastdllm
+from fastdllm import drills
 from fastdllm.tasks import arith
 from fastdllm.tasks.arith import prompt_ids
 
@@ -42,7 +39,7 @@ def _masked_top1(model, target: torch.Tensor, where: list[int]) -> list[bool]:
 
 def probe(model, tokenizer, repeats: int = 2, restate: bool = False) -> dict[tuple[int, str, int, int], float]:
     """Per fact: the share of the `repeats` shuffled drill placements in which its result was right."""
-    facts = arith.arithmetic_facts()
+    facts = drills.arithmetic_facts()
     equals = tokenizer.encode(" =")[-1]
     hits: dict[tuple[int, str, int, int], list[bool]] = {f: [] for f in facts}
     for rep in range(repeats):
@@ -50,7 +47,7 @@ def probe(model, tokenizer, repeats: int = 2, restate: bool = False) -> dict[tup
         random.Random(rep).shuffle(order)
         for i in range(0, len(order), 8):
             chunk = order[i : i + 8]
-            drill = arith.drill_from_facts(chunk, restate)
+            drill = drills.drill_from_facts(chunk, restate)
             pids, answer = prompt_ids(tokenizer, drill.question, []), tokenizer.encode(drill.answer)
             target = torch.tensor([pids + answer])
             where = [len(pids) + j + 1 for j, tok in enumerate(answer) if tok == equals]  # each result

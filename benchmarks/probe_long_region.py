@@ -4,9 +4,7 @@ training), every answer token is masked, and the model's top-1 guess for each is
 forward. With `padding masked` the padding is masked too, which is what block-wise decoding sees
 while it writes the answer's first blocks; with `padding shown` it is visible.
 
-What we found with it (docs/model-card.md, 48 answers): v5 filled 96.2% of answer tokens in a
-64-token region and 90.2% in a 1024-token one (64.6% with the padding shown); v6, after 2000 steps
-of the `long` mix, 96.0%, 92.4% and 76.5%.
+What it found during training is in docs/training-notes.md.
 
     python benchmarks/probe_long_region.py [MODEL_DIR] [--n 48] [--regions 64 256 1024]
 """

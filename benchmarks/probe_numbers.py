@@ -3,8 +3,7 @@ else visible, and check the model's top-1 guess. Reported separately for words a
 for tokens that also occur in the question (copying) or not (computed results).
 
 Free decoding must get every token of an answer right from an all-[MASK] start, so its accuracy
-lags; this probe shows what the model has learned so far (in our runs number copying went from
-~25% to ~90% while held-out accuracy was still ~10%: see docs/model-card.md).
+lags; this probe shows what the model has learned so far (see docs/training-notes.md).
 
     python benchmarks/probe_numbers.py [MODEL_DIR] [--problems 40]
 """

@@ -28,6 +28,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from .loading import load_model, save_pretrained
 from .models import FAMILIES, ModelArgs, Transformer
+from . import drills
 from .tasks import arith
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -49,7 +50,7 @@ CHAT_TEMPLATE = (
 )
 MASK_EPS = 1e-3
 
-# Sizes of the shipped models (measured choices: see docs/model-card.md).
+# Sizes of the shipped models (see docs/model-card.md).
 PRESETS = {
     "llada": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),
     "dream": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=512),
@@ -130,58 +131,39 @@ prompt_ids = arith.prompt_ids  # the task builds its prompts; kept here under it
 # Share of 0-shot rows whose user message is the bare question (see prompt_ids).
 P_BARE_QUESTION = 0.3
 # Batch shapes: (probability of a k-shot prompt, [(cumulative probability, region lengths)]).
-# "v1" spends ~40% of batches on 256-1024-token regions that are mostly EOS padding; "dense" keeps
-# some long regions (the model must still fill 1024 positions with EOS) but spends far more of
-# each batch on answer tokens, which is what the model was short of after v1 (see the model card).
+# Each mix is one stage of the recipe in docs/model-card.md; why each stage's mix changed, and what
+# it measured, is in docs/training-notes.md.
 DATA_MIXES = {
+    # long regions (mostly EOS padding) and few-shot prompts in a fifth of the batches
     "v1": (0.2, [(0.6, [64, 96, 128]), (0.9, [256]), (1.0, [512, 1024])]),
+    # more of each batch on answer tokens, still some long regions to learn the EOS fill
     "dense": (0.1, [(0.75, [32, 48, 64]), (0.95, [256]), (1.0, [512, 1024])]),
-    # "focus": most batches are 0-shot with a region just long enough for the answer (answers are
-    # 20-57 tokens), so nearly every masked token is answer content; a quarter still teaches the
-    # EOS fill of 96-1024-token regions and 8-shot prompts.
+    # mostly 0-shot with a region just long enough for the answer (answers are 20-57 tokens), so
+    # nearly every masked token is answer content; a quarter still teaches the EOS fill of
+    # 96-1024-token regions and 8-shot prompts
     "focus": (0.08, [(0.72, [64]), (0.86, [96, 128]), (0.96, [256]), (1.0, [512, 1024])]),
 }
-# "drill": the focus mix, except that a quarter of the batches are arithmetic drills
-# (arith.drill_problem). v2 decoded from scratch makes arithmetic slips ("45 - 10 = 42") although it
-# fills a masked result perfectly when the result is written elsewhere in the answer: it had
-# learned to copy results, not to compute them.
+# focus's shapes with arithmetic drills (see DRILLS): a model that only copies results between the
+# lines of a worked answer has to compute them from a drill
 DATA_MIXES["drill"] = DATA_MIXES["focus"]
-# "facts": v3 still knew only ~13% of the task's sums and differences (drills with every result
-# masked), against ~90% of its products and quotients, which the op-first drill draw shows ~5x as
-# often each. So half the batches are drills drawn uniformly over facts, and 12% of the rest are
-# few-shot (8-shot answers were garbled: they sit at positions 0-shot rows never reach).
+# drills drawn uniformly over the task's facts, and 12% of word problems few-shot
 DATA_MIXES["facts"] = (0.12, DATA_MIXES["focus"][1])
-# "recall": the facts mix, but the drill question no longer restates the operations. Drills that
-# list them taught v4's first leg to compute from the question's copy of an operation (70% of facts
-# right with it, 3% without), which no worked answer offers.
+# as facts; its drills do not restate the operations in the question (no worked answer does)
 DATA_MIXES["recall"] = DATA_MIXES["facts"]
-# "story": the recall mix, but half of its drills write each fact in an answer's own sentence
-# (arith.ANSWER_PHRASES): v4 recalled 93% of sums as bare equations, 80% inside worked answers.
-# And a quarter of the other batches (not 4%) have 512- or 1024-token regions: v4 decoded garbled
-# answers at gen length 1024 (17% on 48 problems, 60% at 256, 0-shot both; one token per step
-# too), as it had rarely seen an answer followed by ~1000 masked positions.
+# half the drills write each fact in an answer's own sentence; a quarter of the word problems in
+# 512/1024-token regions, where answers must hold up behind ~1000 masked positions
 DATA_MIXES["story"] = (0.12, [(0.5, [64]), (0.62, [96, 128]), (0.76, [256]), (1.0, [512, 1024])])
-# "long": the story mix with more of its word-problem batches in long regions (256: 20%, not 14%;
-# 512/1024: 35%, not 24%). v5 still misplaced sums and differences by 1-4 more often at gen length
-# 1024 (71% on 96 problems, 89% at 256, full method both): its number recall drifts when ~1000 masked
-# or EOS positions share the attention, and its regions of 256+ tokens were a third of its batches.
+# story with more word problems in long regions (256: 20%, 512/1024: 35%)
 DATA_MIXES["long"] = (0.12, [(0.35, [64]), (0.45, [96, 128]), (0.65, [256]), (1.0, [512, 1024])])
-# Per mix with drills: the share of batches that are drills, arith.drill_problem's weighting and
+# Per mix with drills: the share of batches that are drills, drills.drill_problem's weighting and
 # restate for them, and the share of those drills in "sentence" phrasing (mixes not listed have none).
 DRILLS = {"drill": (0.25, "op", True, 0.0), "facts": (0.5, "fact", True, 0.0),
           "recall": (0.5, "fact", False, 0.0), "story": (0.5, "fact", False, 0.5)}
 DRILLS["long"] = DRILLS["story"]  # the same drills; only the word problems' regions differ
-# "shots": the long mix with 40% of word-problem batches few-shot (not 12%), with 4-8 exemplars (not
-# 1-8). v6 scored 90.6% 0-shot at gen length 512 but 80.2% 8-shot at gen length 256 (96 problems, full
-# method): with eight worked answers in the prompt it slips on sums ("6 + 6 = 10") and takes
-# operands from the exemplars; 8-shot at gen length 1024 it scored 69.0%, and the long mix (v5 -> v6)
-# had not moved that figure (68.5%), as a long region behind an 8-shot prompt was ~0.5% of batches.
+# long with 40% of word problems few-shot, 4-8 exemplars: long regions behind 8-shot prompts
 DATA_MIXES["shots"] = (0.4, DATA_MIXES["long"][1])
 DRILLS["shots"] = DRILLS["story"]
-# "tail": the shots mix with 55% of word-problem batches in 512- or 1024-token regions (not 35%) and
-# 35% of batches drills (not 50%). v7 scored 92.4% at gen length 256 (500 problems, baseline) but
-# 89.0% 8-shot and 85.0% 0-shot at gen length 1024 (full method): its misses there are sums and
-# differences off by 1-4, as in v5, and a row with a 1024-token region was ~9% of its batches.
+# shots with 55% of word problems in 512/1024-token regions and 35% of batches drills
 DATA_MIXES["tail"] = (0.4, [(0.2, [64]), (0.3, [96, 128]), (0.45, [256]), (1.0, [512, 1024])])
 DRILLS["tail"] = (0.35, "fact", False, 0.5)
 # The fewest exemplars a few-shot batch draws, per mix (default 1; the most is always 8).
@@ -202,7 +184,7 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
         _, weighting, restate, p_sentence = DRILLS[mix]
         # Mixes without sentence drills draw no extra random number, so their batches stay as before.
         phrasing = "sentence" if p_sentence and r.random() < p_sentence else "equation"
-        stream = iter(lambda: arith.drill_problem(r, weighting=weighting, restate=restate, phrasing=phrasing), None)
+        stream = iter(lambda: drills.drill_problem(r, weighting=weighting, restate=restate, phrasing=phrasing), None)
     else:
         stream = arith.train_stream(r.randrange(1 << 30))
     rows = []

@@ -1,4 +1,4 @@
-"""Issue 5: a --quick bench run produces the table, the JSON with every figure, and the plots."""
+"""A --quick bench run produces the table, the JSON with every figure, and the plots."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 3: the decoding engine. Exactness anchors, batching, stop-at-EOS, schedules, validation."""
+"""The decoding engine. Exactness anchors, batching, stop-at-EOS, schedules, validation."""
 
 from __future__ import annotations
 

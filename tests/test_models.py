@@ -1,4 +1,4 @@
-"""Issue 2: model code parity, cache exactness, checkpoint round trip, and clear loading errors."""
+"""Model code parity, cache exactness, checkpoint round trip, and clear loading errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 4: the arith task and the training loop (a micro config, a few steps)."""
+"""The arith task and the training loop (a micro config, a few steps)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastdllm
-from fastdllm import train
+from fastdllm import drills, train
 from fastdllm.models import ModelArgs, Transformer
 from fastdllm.tasks import arith
 from fastdllm.tasks.scoring import extract_gsm8k_answer
@@ -41,7 +41,7 @@ def test_arithmetic_facts_cover_the_test_split_and_drills_are_correct():
     import random
     import re
 
-    facts = set(arith.arithmetic_facts())
+    facts = set(drills.arithmetic_facts())
     equation = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
     written = {(int(a), op, int(b), int(c)) for p in arith.test_split() for a, op, b, c in equation.findall(p.answer)}
     assert written and written <= facts  # a drill never teaches a fact the task cannot ask for, and misses none
@@ -49,7 +49,7 @@ def test_arithmetic_facts_cover_the_test_split_and_drills_are_correct():
     assert all(ops[op](a, b) == c and (op != "/" or a % b == 0) for a, op, b, c in facts)
     r = random.Random(0)
     for _ in range(50):
-        p = arith.drill_problem(r)
+        p = drills.drill_problem(r)
         lines = p.answer.split("\n")
         assert len(lines) == 8 and all(equation.fullmatch(line) for line in lines)
         for line in lines:  # each operation is in the question; its result is written once, in the answer
@@ -77,24 +77,24 @@ def test_drill_mix_mixes_drills_into_focus_batches(tokenizer):
 def test_facts_mix_draws_drills_uniformly_over_facts(tokenizer):
     import random
 
-    drills = sum("Work out" in tokenizer.decode(train.make_batch(tokenizer, step, 0, 8192, "facts")[0][0])
-                 for step in range(40))
-    assert 0.3 < drills / 40 < 0.7  # the facts mix's share is 0.5
+    drilled = sum("Work out" in tokenizer.decode(train.make_batch(tokenizer, step, 0, 8192, "facts")[0][0])
+                  for step in range(40))
+    assert 0.3 < drilled / 40 < 0.7  # the facts mix's share is 0.5
     # Sums and differences are 810 of the 964 facts: drawn by fact, they fill most drill lines
     # (drawn by operation, about half).
     r = random.Random(1)
-    lines = [line for _ in range(200) for line in arith.drill_problem(r, weighting="fact").answer.split("\n")]
+    lines = [line for _ in range(200) for line in drills.drill_problem(r, weighting="fact").answer.split("\n")]
     share = sum(line.split()[1] in "+-" for line in lines) / len(lines)
     assert 0.78 < share < 0.9
     with pytest.raises(ValueError, match="weighting"):
-        arith.drill_problem(r, weighting="uniform")
+        drills.drill_problem(r, weighting="uniform")
 
 
 @pytest.mark.slow
 def test_recall_mix_drills_do_not_restate_the_operations(tokenizer):
     import random
 
-    bare = arith.drill_problem(random.Random(0), restate=False)
+    bare = drills.drill_problem(random.Random(0), restate=False)
     assert bare.question == "Work out these." and bare.answer.count(" = ") == 8
     first_rows = [tokenizer.decode(train.make_batch(tokenizer, step, 0, 8192, "recall")[0][0]) for step in range(40)]
     drill_rows = [row for row in first_rows if "Work out" in row]
@@ -106,23 +106,23 @@ def test_story_mix_drills_write_facts_in_the_answers_own_sentences(tokenizer):
     import random
     import re
 
-    facts, equation = set(arith.arithmetic_facts()), re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+    facts, equation = set(drills.arithmetic_facts()), re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
     answer_lines = [line for p in arith.test_split() for line in p.answer.split("\n")[:-1]]
-    for op, phrases in arith.ANSWER_PHRASES.items():
+    for op, phrases in drills.ANSWER_PHRASES.items():
         for phrase in phrases:  # every phrase is a sentence the task's worked answers really write
             pattern = re.escape(phrase).replace(r"\{e\}", rf"\d+ {re.escape(op)} \d+").replace(r"\{c\}", r"\d+")
             pattern = re.sub(r"\\\{\w+\\\}", r"[\\w ]+", pattern)
             assert any(re.fullmatch(pattern, line) for line in answer_lines), phrase
     r = random.Random(0)
     for _ in range(30):
-        p = arith.drill_problem(r, weighting="fact", restate=False, phrasing="sentence")
+        p = drills.drill_problem(r, weighting="fact", restate=False, phrasing="sentence")
         lines = p.answer.split("\n")
         assert p.question == "Work out these." and len(lines) == 8
         for line in lines:  # one correct fact per sentence, its result written once
             (a, op, b, c), = equation.findall(line)
             assert (int(a), op, int(b), int(c)) in facts and line.endswith(".") and not line[0].isdigit()
     with pytest.raises(ValueError, match="phrasing"):
-        arith.drill_problem(r, phrasing="prose")
+        drills.drill_problem(r, phrasing="prose")
     kinds = []
     for step in range(60):
         ids, starts = train.make_batch(tokenizer, step, 0, 8192, "story")

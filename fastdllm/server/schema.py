@@ -5,7 +5,6 @@ The dLLM fields of a request are generated from `GenerationConfig`'s declaration
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -34,25 +33,30 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*|constrained-.*|[A-Z]\w*)$")
-
-
-def _loc_to_param(loc) -> str | None:
+def _loc_to_param(loc, kind: str) -> str | None:
+    """The request path of an error location (`messages[0].content`): field names of our request
+    models and list indices; pydantic also puts union-member tags ('str', 'list[str]') into
+    locations, which are not field names and are left out. An unknown field keeps its name."""
+    names = _field_names()
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not isinstance(part, str) or _UNION_TAG.match(part):
-            continue  # union-member tags that pydantic puts into error locations
-        else:
+        elif isinstance(part, str) and (part in names or (last and kind in ("extra_forbidden", "missing"))):
             out += ("." if out else "") + part
     return out or None
+
+
+def _field_names() -> set[str]:
+    models = (ContentPart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest)
+    return {name for m in models for name in m.model_fields}
 
 
 def _validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
     kind, loc = err["type"], err["loc"]
-    param = _loc_to_param(loc)
+    param = _loc_to_param(loc, kind)
     if kind == "json_invalid":
         return APIError(400, f"malformed JSON body: {err['msg'].removeprefix('Invalid JSON: ')}", code="invalid_json")
     if kind == "model_type" and not loc:
