@@ -96,9 +96,7 @@ def build_model(config: dict, where: str = "config.json", device="meta") -> Tran
     family = family_of(config, where)
     args = family.args_from_config(config, where)
     with torch.device(device):
-        model = Transformer(args)
-    model.family = family
-    model.config = config
+        model = Transformer(args, family=family, config=config)
     return model
 
 

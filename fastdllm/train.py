@@ -109,18 +109,16 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
         eos_token_id=tokenizer.eos_token_id,
         shifted_logits=family.SHIFTED_LOGITS,
     )
+    # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
+    ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
     torch.manual_seed(seed)
-    model = Transformer(args)
+    model = Transformer(args, family=family, config={k: v for k, v in ids.items() if k in family.REFERENCE_CONFIG},
+                        stop_token_ids=tokenizer.stop_token_ids())
     for name, p in model.named_parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)
-    model.family = family
-    # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
-    ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
-    model.config = {k: v for k, v in ids.items() if k in family.REFERENCE_CONFIG}
-    model.stop_token_ids = tokenizer.stop_token_ids()
     return model
 
 

@@ -69,11 +69,10 @@ def random_model(arch: str, tokenizer, seed: int = 0, **overrides):
         torch.manual_seed(seed)
         from fastdllm.models import Transformer
 
-        model = Transformer(args)
+        model = Transformer(args, family=fam, stop_token_ids=tokenizer.stop_token_ids())
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02)
-        model.family, model.config = fam, {}
     # Norm weights and biases away from their init values, so a mix-up cannot go unnoticed.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -81,7 +80,7 @@ def random_model(arch: str, tokenizer, seed: int = 0, **overrides):
                 p.add_(torch.randn_like(p) * 0.1)
             else:
                 p.mul_(8.0)  # larger weights: sharper distributions, a stricter parity check
-    model.stop_token_ids = tokenizer.stop_token_ids()
+    assert model.stop_token_ids == tokenizer.stop_token_ids()
     return model.eval().requires_grad_(False)
 
 

@@ -14,7 +14,7 @@ not token-identical with, the reference.
 
 from __future__ import annotations
 
-from .transformer import ModelArgs
+from .family import ConfigField, Family
 
 SHIFTED_LOGITS = True
 MODEL_TYPE = "dream"
@@ -51,76 +51,51 @@ REFERENCE_CONFIG = {
     "vocab_size": 152064,
 }
 
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 DEFAULT_MASK_TOKEN_ID = 151666
 
 
-def args_from_config(cfg: dict, where: str = "config.json") -> ModelArgs:
-    missing = [k for k in REQUIRED if k not in cfg]
-    if missing:
-        raise ValueError(f"{where}: Dream config is missing field(s) {', '.join(missing)}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: field hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
+def _check(cfg: dict, where: str) -> None:
     if cfg.get("rope_scaling"):
         raise ValueError(f"{where}: field rope_scaling={cfg['rope_scaling']!r} is not supported")
-    n_heads = int(cfg["num_attention_heads"])
-    return ModelArgs(
-        dim=int(cfg["hidden_size"]),
-        n_layers=int(cfg["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        hidden_dim=int(cfg["intermediate_size"]),
-        vocab_size=int(cfg["vocab_size"]),
-        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        qkv_bias=True,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        mask_token_id=int(cfg.get("mask_token_id", DEFAULT_MASK_TOKEN_ID)),
-        eos_token_id=int(cfg.get("eos_token_id", 151643)),
-        shifted_logits=SHIFTED_LOGITS,
-    )
 
 
-def config_from_args(args: ModelArgs, base: dict | None = None) -> dict:
-    cfg = dict(REFERENCE_CONFIG)
-    cfg.update(base or {})
-    cfg.update(
-        hidden_size=args.dim,
-        num_hidden_layers=args.n_layers,
-        max_window_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        intermediate_size=args.hidden_dim,
-        vocab_size=args.vocab_size,
-        max_position_embeddings=args.max_seq_len,
-        rope_theta=args.rope_theta,
-        rms_norm_eps=args.norm_eps,
-        tie_word_embeddings=args.tie_embeddings,
-        mask_token_id=args.mask_token_id,
-        eos_token_id=args.eos_token_id,
-    )
-    return cfg
-
-
-def weight_names(args: ModelArgs) -> dict[str, str]:
-    """Our parameter name -> Dream (Qwen2) checkpoint name."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not args.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(args.n_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        names.update(
-            {
-                f"{ours}.attention_norm.weight": f"{theirs}.input_layernorm.weight",
-                f"{ours}.ffn_norm.weight": f"{theirs}.post_attention_layernorm.weight",
-                f"{ours}.attention.wo.weight": f"{theirs}.self_attn.o_proj.weight",
-                f"{ours}.feed_forward.w1.weight": f"{theirs}.mlp.gate_proj.weight",
-                f"{ours}.feed_forward.w3.weight": f"{theirs}.mlp.up_proj.weight",
-                f"{ours}.feed_forward.w2.weight": f"{theirs}.mlp.down_proj.weight",
-            }
-        )
-        for proj in "qkv":
-            names[f"{ours}.attention.w{proj}.weight"] = f"{theirs}.self_attn.{proj}_proj.weight"
-            names[f"{ours}.attention.w{proj}.bias"] = f"{theirs}.self_attn.{proj}_proj.bias"
-    return names
+FAMILY = Family(
+    name="Dream",
+    model_type=MODEL_TYPE,
+    shifted_logits=SHIFTED_LOGITS,
+    reference_config=REFERENCE_CONFIG,
+    required=("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"),
+    fields={
+        "dim": ConfigField(("hidden_size",)),
+        "n_layers": ConfigField(("num_hidden_layers",), write=("num_hidden_layers", "max_window_layers")),
+        "n_heads": ConfigField(("num_attention_heads",)),
+        "n_kv_heads": ConfigField(("num_key_value_heads",), default=lambda v: v["n_heads"]),
+        "hidden_dim": ConfigField(("intermediate_size",)),
+        "vocab_size": ConfigField(("vocab_size",)),
+        "max_seq_len": ConfigField(("max_position_embeddings",), default=4096),
+        "rope_theta": ConfigField(("rope_theta",), float, 10000.0),
+        "norm_eps": ConfigField(("rms_norm_eps",), float, 1e-6),
+        "tie_embeddings": ConfigField(("tie_word_embeddings",), bool, False),
+        "mask_token_id": ConfigField(("mask_token_id",), default=DEFAULT_MASK_TOKEN_ID),
+        "eos_token_id": ConfigField(("eos_token_id",), default=151643),
+    },
+    unsupported={"hidden_act": "silu"},
+    check=_check,
+    fixed={"qkv_bias": True},  # Qwen2: q/k/v always have biases
+    top_weights={"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"},
+    layer_weights={
+        "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+        "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "layers.{i}.attention.w{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
+        "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+        "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+        "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+        "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    },
+    qkv_bias_weights={"layers.{i}.attention.w{p}.bias": "model.layers.{i}.self_attn.{p}_proj.bias"},
+)
+REQUIRED = FAMILY.required
+args_from_config = FAMILY.args_from_config
+config_from_args = FAMILY.config_from_args
+weight_names = FAMILY.weight_names

@@ -7,7 +7,7 @@ x += ff_out(silu(ff_proj(h)) * up_proj(h)) with h = ff_norm(x); final ln_f and o
 
 from __future__ import annotations
 
-from .transformer import ModelArgs
+from .family import ConfigField, Family
 
 SHIFTED_LOGITS = False
 MODEL_TYPE = "llada"
@@ -69,95 +69,48 @@ REFERENCE_CONFIG = {
     "weight_tying": False,
 }
 
-REQUIRED = ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size", "mask_token_id", "eos_token_id")
-
-# Settings of LLaDA's config that this (Llama-style) implementation does not support.
-UNSUPPORTED = {
-    "alibi": False,
-    "block_type": "llama",
-    "layer_norm_type": "rms",
-    "activation_type": "silu",
-    "input_emb_norm": False,
-    "scale_logits": False,
-    "attention_layer_norm": False,
-    "rope": True,
-}
-
-
-def args_from_config(cfg: dict, where: str = "config.json") -> ModelArgs:
-    missing = [k for k in REQUIRED if k not in cfg]
-    if missing:
-        raise ValueError(f"{where}: LLaDA config is missing field(s) {', '.join(missing)}")
-    for key, supported in UNSUPPORTED.items():
-        if key in cfg and cfg[key] != supported:
-            raise ValueError(f"{where}: field {key}={cfg[key]!r} is not supported (only {supported!r})")
-    n_heads = int(cfg["n_heads"])
-    n_kv_heads = cfg.get("n_kv_heads") or n_heads
-    if cfg.get("multi_query_attention"):
-        n_kv_heads = 1
-    return ModelArgs(
-        dim=int(cfg["d_model"]),
-        n_layers=int(cfg["n_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(n_kv_heads),
-        hidden_dim=int(cfg["mlp_hidden_size"]),
-        vocab_size=int(cfg.get("embedding_size") or cfg["vocab_size"]),
-        max_seq_len=int(cfg.get("max_sequence_length", 4096)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        qkv_bias=bool(cfg.get("include_qkv_bias") or cfg.get("include_bias")),
-        tie_embeddings=bool(cfg.get("weight_tying", False)),
-        mask_token_id=int(cfg["mask_token_id"]),
-        eos_token_id=int(cfg["eos_token_id"]),
-        shifted_logits=SHIFTED_LOGITS,
-    )
-
-
-def config_from_args(args: ModelArgs, base: dict | None = None) -> dict:
-    """A complete LLaDA config.json for `args`: every reference field, sizes replaced."""
-    cfg = dict(REFERENCE_CONFIG)
-    cfg.update(base or {})
-    cfg.update(
-        d_model=args.dim,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads,
-        mlp_hidden_size=args.hidden_dim,
-        mlp_ratio=max(1, round(args.hidden_dim / args.dim)),
-        vocab_size=args.vocab_size,
-        embedding_size=args.vocab_size,
-        max_sequence_length=args.max_seq_len,
-        rope_theta=args.rope_theta,
-        rms_norm_eps=args.norm_eps,
-        include_qkv_bias=args.qkv_bias,
-        weight_tying=args.tie_embeddings,
-        mask_token_id=args.mask_token_id,
-        eos_token_id=args.eos_token_id,
-    )
-    cfg.setdefault("pad_token_id", args.eos_token_id)
-    return cfg
-
-
-def weight_names(args: ModelArgs) -> dict[str, str]:
-    """Our parameter name -> LLaDA checkpoint name."""
-    t = "model.transformer"
-    names = {"tok_embeddings.weight": f"{t}.wte.weight", "norm.weight": f"{t}.ln_f.weight"}
-    if not args.tie_embeddings:
-        names["output.weight"] = f"{t}.ff_out.weight"
-    for i in range(args.n_layers):
-        ours, theirs = f"layers.{i}", f"{t}.blocks.{i}"
-        names.update(
-            {
-                f"{ours}.attention_norm.weight": f"{theirs}.attn_norm.weight",
-                f"{ours}.ffn_norm.weight": f"{theirs}.ff_norm.weight",
-                f"{ours}.attention.wo.weight": f"{theirs}.attn_out.weight",
-                f"{ours}.feed_forward.w1.weight": f"{theirs}.ff_proj.weight",
-                f"{ours}.feed_forward.w3.weight": f"{theirs}.up_proj.weight",
-                f"{ours}.feed_forward.w2.weight": f"{theirs}.ff_out.weight",
-            }
-        )
-        for proj in "qkv":
-            names[f"{ours}.attention.w{proj}.weight"] = f"{theirs}.{proj}_proj.weight"
-            if args.qkv_bias:
-                names[f"{ours}.attention.w{proj}.bias"] = f"{theirs}.{proj}_proj.bias"
-    return names
+FAMILY = Family(
+    name="LLaDA",
+    model_type=MODEL_TYPE,
+    shifted_logits=SHIFTED_LOGITS,
+    reference_config=REFERENCE_CONFIG,
+    required=("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size", "mask_token_id", "eos_token_id"),
+    fields={
+        "dim": ConfigField(("d_model",)),
+        "n_layers": ConfigField(("n_layers",)),
+        "n_heads": ConfigField(("n_heads",)),
+        "n_kv_heads": ConfigField(("n_kv_heads",), default=lambda v: v["n_heads"]),
+        "hidden_dim": ConfigField(("mlp_hidden_size",)),
+        "vocab_size": ConfigField(("embedding_size", "vocab_size"), write=("vocab_size", "embedding_size")),
+        "max_seq_len": ConfigField(("max_sequence_length",), default=4096),
+        "rope_theta": ConfigField(("rope_theta",), float, 10000.0),
+        "norm_eps": ConfigField(("rms_norm_eps",), float, 1e-5),
+        "qkv_bias": ConfigField(("include_qkv_bias", "include_bias"), bool, False, write=("include_qkv_bias",)),
+        "tie_embeddings": ConfigField(("weight_tying",), bool, False),
+        "mask_token_id": ConfigField(("mask_token_id",)),
+        "eos_token_id": ConfigField(("eos_token_id",)),
+    },
+    # Settings of LLaDA's config that this (Llama-style) implementation does not support.
+    unsupported={"alibi": False, "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu",
+                 "input_emb_norm": False, "scale_logits": False, "attention_layer_norm": False, "rope": True},
+    adjust=lambda cfg, v: v.update(n_kv_heads=1) if cfg.get("multi_query_attention") else None,
+    derived=lambda a: {"mlp_ratio": max(1, round(a.hidden_dim / a.dim))},
+    top_weights={"tok_embeddings.weight": "model.transformer.wte.weight",
+                 "norm.weight": "model.transformer.ln_f.weight",
+                 "output.weight": "model.transformer.ff_out.weight"},
+    layer_weights={
+        "layers.{i}.attention_norm.weight": "model.transformer.blocks.{i}.attn_norm.weight",
+        "layers.{i}.ffn_norm.weight": "model.transformer.blocks.{i}.ff_norm.weight",
+        "layers.{i}.attention.w{p}.weight": "model.transformer.blocks.{i}.{p}_proj.weight",
+        "layers.{i}.attention.wo.weight": "model.transformer.blocks.{i}.attn_out.weight",
+        "layers.{i}.feed_forward.w1.weight": "model.transformer.blocks.{i}.ff_proj.weight",
+        "layers.{i}.feed_forward.w3.weight": "model.transformer.blocks.{i}.up_proj.weight",
+        "layers.{i}.feed_forward.w2.weight": "model.transformer.blocks.{i}.ff_out.weight",
+    },
+    qkv_bias_weights={"layers.{i}.attention.w{p}.bias": "model.transformer.blocks.{i}.{p}_proj.bias"},
+)
+REQUIRED = FAMILY.required
+UNSUPPORTED = FAMILY.unsupported
+args_from_config = FAMILY.args_from_config
+config_from_args = FAMILY.config_from_args
+weight_names = FAMILY.weight_names

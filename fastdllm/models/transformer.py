@@ -132,18 +132,27 @@ def positions_from_mask(attention_mask: torch.Tensor | None, batch: int, length:
 
 
 class Transformer(nn.Module):
-    """A bidirectional Llama-shaped transformer. Family adapters subclass it for naming only."""
+    """A bidirectional Llama-shaped transformer; the families differ only in names and config
+    fields (`models/family.py`).
 
-    def __init__(self, args: ModelArgs):
+    Besides its weights a model knows its `family` (the module of `models/`: llada or dream),
+    the `config` its checkpoint was read from (or the fields a saved one should keep), where it
+    came from (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer:
+    tokens after which nothing matters)."""
+
+    def __init__(self, args: ModelArgs, family=None, config: dict | None = None, name_or_path: str | None = None,
+                 stop_token_ids: list[int] | None = None):
         super().__init__()
         self.args = args
+        self.family = family
+        self.config: dict = dict(config or {})
+        self.name_or_path = name_or_path
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.setup_rope()
-        # Filled by the loader from the tokenizer (EOS, end-of-turn): tokens after which nothing matters.
-        self.stop_token_ids: list[int] = [args.eos_token_id]
+        self.stop_token_ids: list[int] = list(stop_token_ids) if stop_token_ids else [args.eos_token_id]
 
     def setup_rope(self, device=None) -> None:
         if device is None:

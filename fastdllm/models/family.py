@@ -1,0 +1,95 @@
+"""`Family`: how one checkpoint format maps onto `Transformer`, as data.
+
+A family is a field map (which config.json keys give each `ModelArgs` field, and which keys a
+saved config writes), the settings it cannot run, and weight-name templates (ours -> theirs, per
+layer with `{i}`, q/k/v with `{p}`). Reading a config, writing one and naming the weights are the
+same three functions for every family, so a new family is a short file of declarations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .transformer import ModelArgs
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One ModelArgs field: read from the first of `read` that is set (not None, 0 or false), else
+    `default` (a callable gets the fields read so far); written to every key of `write`."""
+
+    read: tuple[str, ...]
+    cast: Callable = int
+    default: Any = None
+    write: tuple[str, ...] | None = None  # default: read[0]
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self.write if self.write is not None else self.read[:1]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as people write it: "LLaDA", "Dream"
+    model_type: str
+    shifted_logits: bool
+    reference_config: dict
+    fields: dict[str, ConfigField]  # ModelArgs field -> how config.json holds it
+    required: tuple[str, ...]
+    top_weights: dict[str, str]  # ours -> theirs, outside the layers (output.weight only when untied)
+    layer_weights: dict[str, str]  # ours -> theirs for layer {i}; "{p}" stands for q, k and v
+    qkv_bias_weights: dict[str, str] = field(default_factory=dict)  # when args.qkv_bias
+    unsupported: dict[str, Any] = field(default_factory=dict)  # config key -> the only value we run
+    fixed: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields the family fixes
+    check: Callable[[dict, str], None] | None = None  # further checks of a config
+    adjust: Callable[[dict, dict], None] | None = None  # (config, fields read) -> fix-ups in place
+    derived: Callable[[ModelArgs], dict] | None = None  # extra keys a saved config writes
+
+    # -- config.json -> ModelArgs
+    def args_from_config(self, cfg: dict, where: str = "config.json") -> ModelArgs:
+        missing = [k for k in self.required if k not in cfg]
+        if missing:
+            raise ValueError(f"{where}: {self.name} config is missing field(s) {', '.join(missing)}")
+        for key, supported in self.unsupported.items():
+            if key in cfg and cfg[key] != supported:
+                raise ValueError(f"{where}: field {key}={cfg[key]!r} is not supported (only {supported!r})")
+        if self.check is not None:
+            self.check(cfg, where)
+        values: dict[str, Any] = {}
+        for name, f in self.fields.items():
+            raw = next((cfg[k] for k in f.read if cfg.get(k)), None)
+            if raw is None:
+                raw = f.default(values) if callable(f.default) else f.default
+            values[name] = f.cast(raw)
+        if self.adjust is not None:
+            self.adjust(cfg, values)
+        return ModelArgs(**values, **self.fixed, shifted_logits=self.shifted_logits)
+
+    # -- ModelArgs -> config.json
+    def config_from_args(self, args: ModelArgs, base: dict | None = None) -> dict:
+        """A complete config.json for `args`: every reference field, sizes replaced."""
+        cfg = dict(self.reference_config)
+        cfg.update(base or {})
+        for name, f in self.fields.items():
+            for key in f.targets:
+                cfg[key] = getattr(args, name)
+        if self.derived is not None:
+            cfg.update(self.derived(args))
+        return cfg
+
+    # -- weight names
+    def weight_names(self, args: ModelArgs) -> dict[str, str]:
+        """Our parameter name -> the checkpoint's."""
+        names = {k: v for k, v in self.top_weights.items() if k != "output.weight" or not args.tie_embeddings}
+        per_layer = dict(self.layer_weights)
+        if args.qkv_bias:
+            per_layer.update(self.qkv_bias_weights)
+        for i in range(args.n_layers):
+            for ours, theirs in per_layer.items():
+                if "{p}" in ours:
+                    for p in "qkv":
+                        names[ours.format(i=i, p=p)] = theirs.format(i=i, p=p)
+                else:
+                    names[ours.format(i=i)] = theirs.format(i=i)
+        return names
