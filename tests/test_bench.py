@@ -23,14 +23,16 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     assert len(rows) == 7 + 2  # the seven paper rows, then baseline and full method with stop-at-EOS
     for r in rows:
         assert FIGURES <= set(r), FIGURES - set(r)
-        base = next(b for b in rows if b["group"] == r["group"] and b["name"].startswith("baseline"))
-        assert abs(r["speedup"] - r["tokens_per_second"] / base["tokens_per_second"]) < 1e-9
+        if r["name"].startswith("baseline"):
+            assert r["speedup"] == 1.0
     baseline = next(r for r in rows if r["name"] == "baseline")
     assert baseline["config"]["cache"] == "none" and baseline["config"]["threshold"] is None
     assert baseline["nfe_per_sample"] == baseline["config"]["gen_length"]  # one token per step, no stop
     full = next(r for r in rows if r["name"] == "+parallel +dual cache (Fast-dLLM)")
     assert full["config"]["cache"] == "dual" and full["config"]["threshold"] == 0.9
-    assert full["nfe_per_sample"] <= baseline["nfe_per_sample"]
+    assert full["nfe_per_sample"] <= baseline["nfe_per_sample"] / 4
+    # measured side by side: ~28x fewer forwards cannot all be eaten by timing noise
+    assert full["speedup"] > 2 and full["tokens_per_second"] > 2 * baseline["tokens_per_second"]
     assert {"threshold", "block_length"} <= set(record["sweeps"]) and record["batch"]["ratio"] > 0
     assert record["environment"]["torch"] and record["settings"]["quick"] is True
     for name in record["plots"]:

@@ -51,10 +51,25 @@ def test_default_model_is_a_llada_checkpoint():
     config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     assert set(REFERENCE_CONFIG) <= set(config)
     assert config["model_type"] == "llada" and config["max_sequence_length"] >= 2048
-    by_default, _ = fastdllm.load()
-    by_path, _ = fastdllm.load(str(DEFAULT_MODEL_DIR))
-    for (name, a), (_, b) in zip(by_default.state_dict().items(), by_path.state_dict().items()):
-        assert torch.equal(a, b), name
+    model, _ = fastdllm.load()
+    assert model.name_or_path == "fastdllm/llada-arith" and model.family.MODEL_TYPE == "llada"
+    assert_weights_are_the_files(model, DEFAULT_MODEL_DIR)
+
+
+def assert_weights_are_the_files(model, folder):
+    """Every tensor of the checkpoint's files, read here without the loader, is the model's
+    parameter of the family's name for it, and no tensor of the files is left over."""
+    from safetensors.torch import load_file
+
+    raw = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        raw.update(load_file(str(f)))
+    names = model.family.weight_names(model.args)  # ours -> theirs
+    assert set(raw) == set(names.values())
+    state = model.state_dict()
+    assert set(names) == {k for k in state if not k.startswith("rope_")}
+    for ours, theirs in names.items():
+        assert torch.equal(state[ours], raw[theirs].to(state[ours].dtype)), ours
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +118,9 @@ def test_dream_twin_is_a_dream_checkpoint():
     config = json.loads((folder / "config.json").read_text())
     assert set(dream_family.REFERENCE_CONFIG) <= set(config) and config["model_type"] == "Dream"
     by_name, _ = fastdllm.load("dream-arith")
-    by_path, _ = fastdllm.load(str(folder))
     assert by_name.args.shifted_logits and by_name.args.qkv_bias and by_name.args.n_kv_heads < by_name.args.n_heads
-    for (name, a), (_, b) in zip(by_name.state_dict().items(), by_path.state_dict().items()):
-        assert torch.equal(a, b), name
+    assert by_name.family.MODEL_TYPE == "dream"
+    assert_weights_are_the_files(by_name, folder)
 
 
 @pytest.mark.slow
