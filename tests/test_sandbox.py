@@ -104,7 +104,7 @@ def test_background_child_does_not_outlive_the_run():
 
 def test_fork_bomb_is_contained():
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    r = run_program(code, timeout=2.0)
+    r = run_program(code, timeout=2.0, wall_timeout=4.0)
     assert r.verdict in ("timeout", "failed", "crashed")
     host_alive()
     if "unprivileged_user" in PROTECTIONS:

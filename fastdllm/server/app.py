@@ -132,6 +132,56 @@ class Server:
         return prompts
 
 
+class ChatEndpoint:
+    """/v1/chat/completions: what differs from /v1/completions, in one place."""
+
+    request_model = ChatCompletionRequest
+    id_prefix, object, chunk_object, prompt_param = "chatcmpl", "chat.completion", "chat.completion.chunk", "messages"
+    opens_with_role = True
+
+    @staticmethod
+    def max_tokens(req):
+        return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+    @staticmethod
+    def prompts(server, req):
+        return [server.chat_prompt(req)]
+
+    @staticmethod
+    def choice(i, ch) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": ch.text}, "logprobs": None,
+                "finish_reason": ch.finish_reason}
+
+    @staticmethod
+    def chunk_choice(i, delta, finish, role=False) -> dict:
+        d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+        return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+
+
+class CompletionEndpoint:
+    """/v1/completions."""
+
+    request_model = CompletionRequest
+    id_prefix, object, chunk_object, prompt_param = "cmpl", "text_completion", "text_completion", "prompt"
+    opens_with_role = False
+
+    @staticmethod
+    def max_tokens(req):
+        return req.max_tokens
+
+    @staticmethod
+    def prompts(server, req):
+        return server.completion_prompts(req)
+
+    @staticmethod
+    def choice(i, ch) -> dict:
+        return {"index": i, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
+
+    @staticmethod
+    def chunk_choice(i, delta, finish, role=False) -> dict:
+        return {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
+
+
 def _parse(model_cls, body: bytes):
     try:
         return model_cls.model_validate_json(body or b"")
@@ -224,19 +274,14 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             if item[0] in ("end", "error"):
                 return
 
-    async def run(kind: str, request: Request):
+    async def run(endpoint, request: Request):
         body = await request.body()
-        req = _parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
+        req = _parse(endpoint.request_model, body)
         server.check_model(req.model)
         req.check_unsupported()
-        if kind == "chat":
-            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            prompts, param = [server.chat_prompt(req)], "messages"
-        else:
-            max_tokens = req.max_tokens
-            prompts, param = server.completion_prompts(req), "prompt"
-        config, keep = server.config_for(req, max_tokens)
-        server.check_context(prompts, config, param)
+        prompts = endpoint.prompts(server, req)
+        config, keep = server.config_for(req, endpoint.max_tokens(req))
+        server.check_context(prompts, config, endpoint.prompt_param)
         seed = server.base_seed(req)
         limit = max(MAX_N, settings.max_batch_size)
         if len(prompts) * req.n > limit:
@@ -248,7 +293,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         choices = [ChoiceText(tokenizer, model.stop_token_ids, stop, keep) for _ in rows]
         prompt_tokens = sum(len(p) for p in prompts)
         job = await submit(rows, seeds, config)
-        meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        meta = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}",
                 "created": int(time.time()), "model": settings.model_name}
         last_block = config.num_blocks - 1
 
@@ -292,29 +337,15 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             finally:
                 if not ended:
                     server.scheduler.cancel(job)
-            usage = _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))
-            if kind == "chat":
-                return {**meta, "object": "chat.completion", "system_fingerprint": None,
-                        "choices": [{"index": i, "message": {"role": "assistant", "content": ch.text},
-                                     "logprobs": None, "finish_reason": ch.finish_reason}
-                                    for i, ch in enumerate(choices)],
-                        "usage": usage}
-            return {**meta, "object": "text_completion", "system_fingerprint": None,
-                    "choices": [{"index": i, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
-                                for i, ch in enumerate(choices)],
-                    "usage": usage}
+            return {**meta, "object": endpoint.object, "system_fingerprint": None,
+                    "choices": [endpoint.choice(i, ch) for i, ch in enumerate(choices)],
+                    "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        obj = endpoint.chunk_object
 
         def chunk(i: int, delta: str | None, finish: str | None, role: bool = False) -> str:
-            if kind == "chat":
-                d = {} if delta is None else {"content": delta}
-                if role:
-                    d = {"role": "assistant", "content": ""}
-                c = {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
-            else:
-                c = {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            c = endpoint.chunk_choice(i, delta, finish, role)
             body = {**meta, "object": obj, "system_fingerprint": None, "choices": [c]}
             if include_usage:
                 body["usage"] = None
@@ -332,7 +363,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         async def stream():
             done = False
             try:
-                if kind == "chat":
+                if endpoint.opens_with_role:
                     for i in range(len(choices)):
                         yield chunk(i, None, None, role=True)
                 async for item in events(job, request, watch_disconnect=False):
@@ -363,10 +394,10 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run("chat", request)
+        return await run(ChatEndpoint, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run("completion", request)
+        return await run(CompletionEndpoint, request)
 
     return app
