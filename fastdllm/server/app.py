@@ -16,15 +16,13 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from ..generate import GenerationConfig
 from .incremental import ChoiceText
 from .scheduler import Job, QueueFull, Scheduler
-from .schema import (DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, _Common,
-                     _validation_error)
+from .schema import DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, _Common, validation_error
 
 log = logging.getLogger("fastdllm.server")
 
@@ -182,13 +180,6 @@ class CompletionEndpoint:
         return {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
 
 
-def _parse(model_cls, body: bytes):
-    try:
-        return model_cls.model_validate_json(body or b"")
-    except ValidationError as e:
-        raise _validation_error(e) from None
-
-
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -225,7 +216,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return APIError(400, str(exc.errors()[0].get("msg", "invalid request"))).response()
+        return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -274,9 +265,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             if item[0] in ("end", "error"):
                 return
 
-    async def run(endpoint, request: Request):
-        body = await request.body()
-        req = _parse(endpoint.request_model, body)
+    async def run(endpoint, req, request: Request):
         server.check_model(req.model)
         req.check_unsupported()
         prompts = endpoint.prompts(server, req)
@@ -393,11 +382,11 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await run(ChatEndpoint, request)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await run(ChatEndpoint, req, request)
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await run(CompletionEndpoint, request)
+    async def completions(req: CompletionRequest, request: Request):
+        return await run(CompletionEndpoint, req, request)
 
     return app

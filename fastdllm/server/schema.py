@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from ..config import GenerationConfig
 
@@ -53,13 +53,18 @@ def _field_names() -> set[str]:
     return {name for m in models for name in m.model_fields}
 
 
-def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    kind, loc = err["type"], err["loc"]
+def validation_error(errors: list[dict]) -> APIError:
+    """The one mapping of a request's validation errors (FastAPI's, locations under "body") onto
+    an OpenAI error: the first error, its parameter path, a code."""
+    err = errors[0]
+    kind, loc = err["type"], tuple(err["loc"])
+    if loc[:1] == ("body",):
+        loc = loc[1:]
     param = _loc_to_param(loc, kind)
     if kind == "json_invalid":
-        return APIError(400, f"malformed JSON body: {err['msg'].removeprefix('Invalid JSON: ')}", code="invalid_json")
-    if kind == "model_type" and not loc:
+        detail = (err.get("ctx") or {}).get("error") or err["msg"].removeprefix("Invalid JSON: ")
+        return APIError(400, f"malformed JSON body: {detail}", code="invalid_json")
+    if (kind in ("model_type", "model_attributes_type", "dict_type") or kind == "missing") and not loc:
         return APIError(400, "the request body must be a JSON object", code="invalid_body")
     if kind == "extra_forbidden":
         hint = "; use max_tokens" if loc and loc[-1] == "gen_length" else ""
