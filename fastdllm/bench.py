@@ -77,6 +77,8 @@ def run_config(model, tokenizer, task, config, args, num_fewshot, batch_size=Non
         "tokens_per_second": m["tokens_per_second"],
         "nfe_per_sample": m["nfe_per_sample"],
         "tokens_per_step": m["tokens_per_step"],
+        "positions_per_token": m["positions_per_token"],
+        "attended_per_token": m["attended_per_token"],
         "latency_s": m["generation_time_s"] / max(1, n),
         "outside_forward": None if fwd is None else 1 - fwd / m["generation_time_s"],
         "generated_tokens": m["generated_tokens"],
@@ -88,11 +90,12 @@ def fmt_row(r: dict) -> str:
     outside = "" if r.get("outside_forward") is None else f"{100 * r['outside_forward']:.1f}%"
     return (f"| {r['group']} | {r['name']} | {100 * r['accuracy']:.1f} | {r['tokens_per_second']:.1f} | "
             f"{r['speedup']:.1f}x | {r['nfe_per_sample']:.1f} | {r['tokens_per_step']:.2f} | "
-            f"{r['latency_s']:.2f} | {outside} |")
+            f"{r['positions_per_token']:.1f} | {r['attended_per_token']:.0f} | {r['latency_s']:.2f} | {outside} |")
 
 
 HEADER = ("| setting | configuration | accuracy % | tokens/s | speed-up | NFE/sample | tokens/step | "
-          "latency s | outside fwd |\n|---|---|---|---|---|---|---|---|---|")
+          "positions/token | attended/token | latency s | outside fwd |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def environment(model, device) -> dict:
@@ -130,6 +133,21 @@ def plots(out: Path, rows: list[dict], sweeps: dict) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_speed.png", dpi=130)
     files.append("accuracy_vs_speed.png")
+    plt.close(fig)
+    # The same against work: positions computed per generated token (1 = the autoregressive limit).
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        x = max(r.get("positions_per_token") or 0.0, 1e-3)
+        ax.scatter(x, 100 * r["accuracy"], s=30)
+        ax.annotate(f"{r['name']} ({r['group']})", (x, 100 * r["accuracy"]), fontsize=6)
+    ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("forward positions per generated token (log; 1 = autoregressive)")
+    ax.set_ylabel("accuracy %")
+    ax.set_title("accuracy vs work")
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_work.png", dpi=130)
+    files.append("accuracy_vs_work.png")
     plt.close(fig)
     for key, label in (("threshold", "threshold"), ("block_length", "block length")):
         pts = sweeps.get(key) or []

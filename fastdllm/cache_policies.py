@@ -31,20 +31,32 @@ class SequenceView:
 
 
 class CachePolicy:
+    """Answers "the block's logits at this step" by a forward over some window of the sequence.
+    `forward` runs it and records the work (`last_work`: query and key positions per row), which
+    the loop counts for every row in the step."""
+
     name = "none"
 
     def __init__(self, model):
         self.model = model
+        self.last_work: tuple[int, int] = (0, 0)
 
     def block_logits(self, seq: SequenceView, start: int, end: int, step_in_block: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward(self, seq: SequenceView, start: int, end: int, window=None, cache=None) -> torch.Tensor:
+        length = seq.x.shape[1]
+        ws, we = (0, length) if window is None else window
+        self.last_work = (we - ws, length)  # a window's queries attend over the whole sequence
+        return self.model.logits_for(seq.x, start, end, window=window, cache=cache, positions=seq.positions,
+                                     key_mask=seq.key_mask)
 
 
 class NoCache(CachePolicy):
     name = "none"
 
     def block_logits(self, seq, start, end, step_in_block):
-        return self.model.logits_for(seq.x, start, end, positions=seq.positions, key_mask=seq.key_mask)
+        return self.forward(seq, start, end)
 
 
 class PrefixCache(CachePolicy):
@@ -70,9 +82,7 @@ class PrefixCache(CachePolicy):
             window = None  # full forward: refreshes every position of the cache
         else:
             window = (start, end if self.reuse_suffix else length)
-        return self.model.logits_for(
-            seq.x, start, end, window=window, cache=self.cache, positions=seq.positions, key_mask=seq.key_mask
-        )
+        return self.forward(seq, start, end, window=window, cache=self.cache)
 
 
 class DualCache(PrefixCache):

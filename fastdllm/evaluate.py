@@ -20,6 +20,9 @@ Metrics (the same definitions in the results JSON, the per-sample log and the pr
   prompt building, decoding to text and scoring are excluded. It is the throughput of one decoding
   process at the chosen batch size, comparable across world sizes; `aggregate_tokens_per_second`
   divides by the slowest rank's generation time instead (the throughput of the whole run);
+- positions_per_token / attended_per_token: query positions computed (and query x key positions
+  attended) by all of a sample's forwards, per generated token (counted as tokens/s counts
+  them), summed over samples: the work against the autoregressive limit of ~1 position per token;
 - nfe_per_sample: model forward passes a sample needed (`nfe_per_row`, what it costs alone),
   averaged over samples;
 - tokens_per_step: answer positions revealed per denoising step, summed over samples and divided
@@ -180,6 +183,8 @@ def evaluate(
                     "finish_reason": comp.finish_reason,
                     "num_tokens": comp.num_tokens,
                     "nfe": int(out.nfe_per_row[i]),
+                    "forward_positions": int(out.forward_positions[i]),
+                    "attended_positions": int(out.attended_positions[i]),
                     "revealed": int(sum(steps)),
                     "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 0.0,
                     "time_s": round(out.wall_time / len(batch), 5),
@@ -248,6 +253,9 @@ def summarize(records: Sequence[dict], timings: Sequence[dict] = ()) -> dict:
         "tokens_per_second": tokens / gen_time if gen_time > 0 else 0.0,
         "aggregate_tokens_per_second": tokens / slowest if slowest > 0 else 0.0,
         "nfe_per_sample": steps / n if n else 0.0,
+        # work per generated token, hardware-independent (~1 position for autoregressive decoding)
+        "positions_per_token": sum(r.get("forward_positions", 0) for r in records) / tokens if tokens else 0.0,
+        "attended_per_token": sum(r.get("attended_positions", 0) for r in records) / tokens if tokens else 0.0,
         "tokens_per_step": sum(r["revealed"] for r in records) / steps if steps else 0.0,
         "generated_tokens": tokens,
         "mean_generated_tokens": tokens / n if n else 0.0,
@@ -284,6 +292,8 @@ def format_summary(results: dict) -> str:
         f"  tokens/s          {r['tokens_per_second']:.1f} (generation only; {r['generated_tokens']} tokens in "
         f"{r['generation_time_s']:.2f}s)",
         f"  NFE/sample        {r['nfe_per_sample']:.2f}",
+        f"  positions/token   {r.get('positions_per_token', 0.0):.1f} computed, "
+        f"{r.get('attended_per_token', 0.0):.0f} attended",
         f"  tokens/step       {r['tokens_per_step']:.2f}",
         "  verdicts          " + ", ".join(f"{k} {v}" for k, v in sorted(r["verdicts"].items())),
     ]

@@ -42,10 +42,25 @@ class GenerationOutput:
     wall_time: float
     forward_time: float  # seconds inside the model's forward passes
     config: GenerationConfig = field(repr=False, default=None)
+    # Work, per row, hardware-independent: query positions processed by all of the row's forwards,
+    # and query x key positions attended (the attention's cost).
+    forward_positions: list[int] = field(default_factory=list)
+    attended_positions: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
         return sum(self.num_tokens) / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def positions_per_token(self) -> float:
+        """Query positions computed per generated token (tokens up to the first stop, as
+        tokens/s counts them): ~1 for autoregressive decoding after the prompt."""
+        return sum(self.forward_positions) / max(1, sum(self.num_tokens))
+
+    @property
+    def attended_per_token(self) -> float:
+        """Query x key positions attended per generated token."""
+        return sum(self.attended_positions) / max(1, sum(self.num_tokens))
 
 
 @dataclass
@@ -167,6 +182,7 @@ def iter_generate(
 
     unmask_step = torch.full((bsz, gen_len), -1, dtype=torch.long, device=device)
     row_nfe = torch.zeros(bsz, dtype=torch.long, device=device)  # steps each row took part in
+    row_queries, row_attended = [0] * bsz, [0] * bsz  # work each row took part in
     step_log: list[tuple] = []  # (rows, tokens revealed per row, row had masks): lists built at the end
     finished = [False] * bsz
     nfe, forward_time = 0, 0.0
@@ -201,6 +217,12 @@ def iter_generate(
             sync()
             forward_time += time.perf_counter() - t0
             nfe += 1
+            # Each row is charged the forward only when it needed it (as nfe_per_row): what it costs alone.
+            queries, keys = policy.last_work
+            for r, needed in zip(rows, has_mask.tolist()):
+                if needed:
+                    row_queries[r] += queries
+                    row_attended[r] += queries * keys
             # Rows whose block is already done draw no randomness: each row's stream must advance
             # exactly as when it is decoded alone, whatever the other rows still need.
             drawing = rows
@@ -238,7 +260,8 @@ def iter_generate(
             if alive:
                 tokens_per_step[r].append(c)
     stats.update(nfe=nfe, row_nfe=row_nfe.tolist(), tokens_per_step=tokens_per_step, unmask_step=unmask_step,
-                 forward_time=forward_time, finished=finished)
+                 forward_time=forward_time, finished=finished, forward_positions=row_queries,
+                 attended_positions=row_attended)
     yield StepEvent("done", x[:, plen:], config.num_blocks - 1, [], finished=list(finished))
 
 
@@ -289,6 +312,8 @@ def generate(
         wall_time=wall,
         forward_time=stats["forward_time"],
         config=config,
+        forward_positions=stats["forward_positions"],
+        attended_positions=stats["attended_positions"],
     )
 
 

@@ -9,7 +9,7 @@ import json
 from fastdllm import bench
 
 FIGURES = {"accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step", "latency_s", "speedup",
-           "outside_forward", "config", "num_samples"}
+           "outside_forward", "config", "num_samples", "positions_per_token", "attended_per_token"}
 
 
 @pytest.mark.slow
@@ -37,7 +37,9 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     assert record["environment"]["torch"] and record["settings"]["quick"] is True
     for name in record["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(record["plots"]) == 3
+    assert len(record["plots"]) == 4
+    # the baseline without stop-at-EOS computes the whole sequence once per generated position
+    assert baseline["positions_per_token"] > full["positions_per_token"] > 0
 
 
 def test_rows_pick_table_rows_and_keep_the_baseline(tmp_path):

@@ -358,3 +358,35 @@ def test_dream_with_a_cache_reveals_the_blocks_first_position_at_block_start(tin
         assert len(dream) == 4 and all(c == [True] + [False] * 7 for c in dream), dream
     assert all(sum(c) == 3 for c in first_steps(tiny_dream, config.replace(alg="maskgit_plus", cache="none")))
     assert all(sum(c) == 4 for c in first_steps(tiny_llada, config))
+
+
+# ---- work accounting -------------------------------------------------------------------------------
+def test_work_accounting_on_hand_checkable_cases(tiny_llada, tokenizer):
+    prompt = prompts(tokenizer)[:1]
+    plen, gen, blk = len(prompt[0]), 32, 8
+    length = plen + gen
+    base = dict(gen_length=gen, block_length=blk, stop_at_eos=False)
+    # the baseline: every forward is the whole sequence, one per token
+    out = generate(tiny_llada, prompt, config=GenerationConfig.baseline(**base))
+    assert out.nfe == gen and out.forward_positions == [gen * length]
+    assert out.attended_positions == [gen * length * length]
+    assert out.positions_per_token == gen * length / out.num_tokens[0]
+    # DualCache, one token per step: per block one full forward, then block-sized windows
+    out = generate(tiny_llada, prompt, config=GenerationConfig(threshold=None, cache="dual", **base))
+    per_block = blk  # steps per block
+    assert out.forward_positions == [(gen // blk) * (length + (per_block - 1) * blk)]
+    # prefix cache: the window runs from the block to the end of the sequence
+    out = generate(tiny_llada, prompt, config=GenerationConfig(threshold=None, cache="prefix", **base))
+    expected = sum(length + (per_block - 1) * (length - (plen + b * blk)) for b in range(gen // blk))
+    assert out.forward_positions == [expected]
+
+
+def test_work_is_charged_per_row_as_alone(tiny_llada, tokenizer):
+    cfg = GenerationConfig(gen_length=32, block_length=8, threshold=0.5, stop_at_eos=False)
+    rows = prompts(tokenizer)[:3]
+    together = generate(tiny_llada, rows, config=cfg)
+    for i, p in enumerate(rows):
+        alone = generate(tiny_llada, [p], config=cfg)
+        if len(p) == max(len(r) for r in rows):  # same padded length: the same windows
+            assert together.forward_positions[i] == alone.forward_positions[0]
+        assert together.nfe_per_row[i] == alone.nfe_per_row[0]
