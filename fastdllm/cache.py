@@ -30,12 +30,14 @@ class KVCache:
     def layer(self, i: int) -> "LayerKV":
         return LayerKV(self.k[i], self.v[i])
 
-    def narrow(self, batch: int) -> "KVCache":
-        """A view of the first `batch` rows (no copy): used when finished rows leave the batch."""
-        if batch == self.batch:
+    def narrow(self, batch: int, length: int | None = None) -> "KVCache":
+        """A view of the first `batch` rows and `length` positions (no copy): finished rows leave
+        the batch; a suffix window leaves the positions after it out of every forward."""
+        length = self.length if length is None else length
+        if batch == self.batch and length == self.length:
             return self
         view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, :batch], self.v[:, :batch]
+        view.k, view.v = self.k[:, :batch, :, :length], self.v[:, :batch, :, :length]
         return view
 
     def nbytes(self) -> int:

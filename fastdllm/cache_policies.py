@@ -9,7 +9,14 @@ block at this step". They differ only in the window they recompute (`Transformer
 - `DualCache`: the same, but later steps recompute only the block, against the cached prefix *and*
   the cached masked suffix (Fast-dLLM DualCache).
 
-The cache is refreshed when a new block starts, i.e. when the previous one completed.
+The cache is refreshed when a new block starts, i.e. when the previous one completed. How much a
+block-start forward recomputes is the policy's `refresh`:
+- "full" (Fast-dLLM): the whole sequence;
+- "vicinity" (after dInfer's vicinity refresh): only from the just-finished block to the end
+  (its tokens just became final, and the current block and what follows it see them), against
+  the cached K/V of everything before it; the prompt's K/V are computed once per generation, at
+  the first block. `refresh_every` N adds a full refresh every N blocks (1: every block, which is
+  "full"). A batch whose rows changed (a row finished) refreshes fully, as its cache rows moved.
 """
 
 from __future__ import annotations
@@ -25,9 +32,13 @@ from .cache import KVCache
 class SequenceView:
     """What a policy needs about the rows being decoded (a batch may shrink as rows finish)."""
 
-    x: torch.Tensor  # (B, L) token ids
+    x: torch.Tensor  # (B, L) token ids (L: up to the end of the suffix window)
     positions: torch.Tensor  # (B, L) RoPE positions (left padding aware)
     key_mask: torch.Tensor | None  # (B, 1, 1, L) True where attention may look, None: no padding
+    block: int = 0  # index of the current block
+    block_length: int = 0
+    rows: tuple[int, ...] = ()  # the batch rows being decoded (finished rows leave)
+    capacity: int | None = None  # the whole sequence's length (L grows with a suffix window)
 
 
 class CachePolicy:
@@ -59,27 +70,43 @@ class NoCache(CachePolicy):
         return self.forward(seq, start, end)
 
 
+REFRESH = ("full", "vicinity")
+
+
 class PrefixCache(CachePolicy):
     name = "prefix"
     # Whether later steps also reuse the suffix after the block (DualCache) or recompute it.
     reuse_suffix = False
 
-    def __init__(self, model):
+    def __init__(self, model, refresh: str = "full", refresh_every: int | None = None):
         super().__init__(model)
+        if refresh not in REFRESH:
+            raise ValueError(f"refresh: must be one of {', '.join(REFRESH)} (got {refresh!r})")
+        self.refresh, self.refresh_every = refresh, refresh_every
         self._buffer: KVCache | None = None
         self.cache: KVCache | None = None
+        self._rows: tuple[int, ...] | None = None
 
-    def _cache_for(self, batch: int, length: int) -> KVCache:
+    def _cache_for(self, batch: int, length: int, capacity: int) -> KVCache:
         # One allocation per generation; when finished rows drop out we use the leading rows.
-        if self._buffer is None or self._buffer.batch < batch or self._buffer.length != length:
-            self._buffer = self.model.new_cache(batch, length)
-        return self._buffer.narrow(batch)
+        if self._buffer is None or self._buffer.batch < batch or self._buffer.length != capacity:
+            self._buffer = self.model.new_cache(batch, capacity)
+        return self._buffer.narrow(batch, length)
+
+    def refresh_window(self, seq: SequenceView, start: int, end: int) -> tuple[int, int] | None:
+        """What the block-start forward recomputes: None for the whole sequence."""
+        rows_moved = self._rows is not None and self._rows != tuple(seq.rows)
+        if (self.refresh == "full" or seq.block == 0 or rows_moved
+                or (self.refresh_every and seq.block % self.refresh_every == 0)):
+            return None
+        return (max(0, start - seq.block_length), seq.x.shape[1])
 
     def block_logits(self, seq, start, end, step_in_block):
         bsz, length = seq.x.shape
         if step_in_block == 0:
-            self.cache = self._cache_for(bsz, length)
-            window = None  # full forward: refreshes every position of the cache
+            self.cache = self._cache_for(bsz, length, seq.capacity or length)
+            window = self.refresh_window(seq, start, end)
+            self._rows = tuple(seq.rows)
         else:
             window = (start, end if self.reuse_suffix else length)
         return self.forward(seq, start, end, window=window, cache=self.cache)
@@ -91,3 +118,11 @@ class DualCache(PrefixCache):
 
 
 CACHE_POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (NoCache, PrefixCache, DualCache)}
+
+
+def cache_policy(model, config) -> CachePolicy:
+    """The policy a config names, with its refresh settings."""
+    cls = CACHE_POLICIES[config.cache]
+    if cls is NoCache:
+        return cls(model)
+    return cls(model, refresh=config.refresh, refresh_every=config.refresh_every)

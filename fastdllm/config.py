@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .cache_policies import CACHE_POLICIES
+from .cache_policies import CACHE_POLICIES, REFRESH
 from .unmasking import DREAM_ALGS
 
 REMASKING = ("low_confidence", "random")
@@ -64,6 +64,12 @@ class GenerationConfig:
     top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False)
     top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)")
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token")
+    suffix_window: int | None = _opt(None, "optional int",
+                                     "forwards see only this many positions after the current block (after "
+                                     "DPad); 'none': the whole answer region")
+    refresh: str = _opt("full", "str", "what a cache policy's block-start forward recomputes: "
+                        + " | ".join(REFRESH) + " (vicinity: from the just-finished block on, after dInfer)")
+    refresh_every: int | None = _opt(None, "optional int", "with refresh=vicinity: a full refresh every N blocks")
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
 
     def __post_init__(self) -> None:
@@ -169,5 +175,14 @@ class GenerationConfig:
         if self.top_k is not None:
             need(is_int(self.top_k) and self.top_k >= 1, "top_k", "must be a positive integer or None")
         need(isinstance(self.stop_at_eos, bool), "stop_at_eos", "must be true or false")
+        if self.suffix_window is not None:
+            need(is_int(self.suffix_window) and self.suffix_window >= 0, "suffix_window",
+                 "must be a non-negative integer or None")
+        need(self.refresh in REFRESH, "refresh", f"must be one of {', '.join(REFRESH)}")
+        need(self.refresh == "full" or self.cache != "none", "refresh",
+             "needs a cache (cache=prefix or dual): without one every forward is full")
+        if self.refresh_every is not None:
+            need(is_int(self.refresh_every) and self.refresh_every >= 1, "refresh_every",
+                 "must be a positive integer or None")
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .cache_policies import CACHE_POLICIES, CachePolicy, NoCache, SequenceView
+from .cache_policies import CachePolicy, NoCache, SequenceView, cache_policy
 from .config import ConfigError, GenerationConfig  # noqa: F401 - re-exported: their old home
 from .models.transformer import positions_from_mask
 from .unmasking import UnmaskingStrategy
@@ -171,7 +171,7 @@ def iter_generate(
     positions = positions_from_mask(full_mask, bsz, length, device)
     key_mask = None if bool(full_mask.all()) else full_mask[:, None, None, :]
 
-    policy = cache if cache is not None else CACHE_POLICIES[config.cache](model)
+    policy = cache if cache is not None else cache_policy(model, config)
     if strategy is None:
         cached = not isinstance(policy, NoCache)
         family = getattr(getattr(model, "family", None), "MODEL_TYPE", None)
@@ -197,11 +197,13 @@ def iter_generate(
         idx = None if all_rows else torch.tensor(rows, device=device)
         # Finished rows leave the batch: decode a compact copy and write it back after the block.
         xa = x if all_rows else x[idx]
-        seq = SequenceView(
-            xa,
-            positions if all_rows else positions[idx],
-            key_mask if (all_rows or key_mask is None) else key_mask[idx],
-        )
+        # A suffix window: forwards see the sequence only up to `cut` (the masked tail after it
+        # is not part of any forward until the window reaches it).
+        cut = length if config.suffix_window is None else min(length, end + config.suffix_window)
+        pos = positions if all_rows else positions[idx]
+        km = key_mask if (all_rows or key_mask is None) else key_mask[idx]
+        seq = SequenceView(xa[:, :cut], pos[:, :cut], None if km is None else km[..., :cut], block=b,
+                           block_length=blk, rows=tuple(rows), capacity=length)
         block = xa[:, start:end]  # a view: writes go straight into xa
         masked = block == mask_id
         rule.begin_block(masked, steps, generators, rows)

@@ -15,7 +15,7 @@ from fastdllm.config import ConfigError
 BAD = {
     "gen_length": 0, "block_length": 7, "steps": 1000, "temperature": -1, "remasking": "x", "threshold": 1.5,
     "factor": 0, "cache": "x", "alg": "x", "alg_temp": -1, "eps": 1, "top_p": 0, "top_k": 0, "stop_at_eos": "yes",
-    "seed": 1.5,
+    "seed": 1.5, "suffix_window": -1, "refresh": "sometimes", "refresh_every": 0,
 }
 
 
@@ -29,6 +29,12 @@ def test_invalid_value_is_a_config_error_naming_the_field(name):
         GenerationConfig(**{name: BAD[name]})
     assert isinstance(info.value, ValueError) and info.value.param == name
     assert str(info.value).startswith(f"{name}: ")
+
+
+def test_refresh_needs_a_cache():
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig(cache="none", refresh="vicinity")
+    assert info.value.param == "refresh"
 
 
 def test_config_is_immutable_and_replace_validates():

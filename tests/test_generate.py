@@ -233,7 +233,9 @@ def arith_prompts(tokenizer, n):
     return [prompt_ids(tokenizer, p.question, []) for p in arith.test_split()[:n]]
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(cache="none", threshold=None, steps=64)])
+@pytest.mark.parametrize("overrides", [dict(), dict(cache="none", threshold=None, steps=64),
+                                       dict(suffix_window=32), dict(refresh="vicinity"),
+                                       dict(refresh="vicinity", suffix_window=16, refresh_every=3)])
 def test_stop_at_eos_gives_the_full_length_text(trained, overrides):
     model, tok = trained
     ps = arith_prompts(tok, 6)
@@ -390,3 +392,48 @@ def test_work_is_charged_per_row_as_alone(tiny_llada, tokenizer):
         if len(p) == max(len(r) for r in rows):  # same padded length: the same windows
             assert together.forward_positions[i] == alone.forward_positions[0]
         assert together.nfe_per_row[i] == alone.nfe_per_row[0]
+
+
+# ---- beyond Fast-dLLM: suffix window, vicinity refresh ------------------------------------------------
+@pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_conservative_settings_are_token_identical_to_fast_dllm(arch, cache, request, tokenizer):
+    model = request.getfixturevalue(arch)
+    base = GenerationConfig(gen_length=32, block_length=8, threshold=0.3, cache=cache, stop_at_eos=False)
+    ref = generate(model, prompts(tokenizer), config=base)
+    variants = [base.replace(suffix_window=32), base.replace(suffix_window=1000)]
+    if cache != "none":
+        variants.append(base.replace(refresh="vicinity", refresh_every=1))
+    for cfg in variants:
+        out = generate(model, prompts(tokenizer), config=cfg)
+        assert torch.equal(out.sequences, ref.sequences), cfg
+        assert out.nfe_per_row == ref.nfe_per_row and out.forward_positions == ref.forward_positions
+
+
+@pytest.mark.parametrize("overrides", [dict(suffix_window=8), dict(refresh="vicinity"),
+                                       dict(refresh="vicinity", suffix_window=4, cache="prefix")])
+def test_new_policies_batch_equals_single(tiny_llada, tokenizer, overrides):
+    cfg = GenerationConfig(gen_length=32, block_length=8, threshold=0.3, stop_at_eos=False, **overrides)
+    a, b = tokenizer.encode("Tom has 5 apples and 3 pears."), tokenizer.encode("Mia has 4 cats.")
+    same_length = [a[:len(b)], b] if len(a) >= len(b) else [a, b[:len(a)]]
+    together = generate(tiny_llada, same_length, config=cfg)
+    for i, p in enumerate(same_length):
+        alone = generate(tiny_llada, [p], config=cfg)
+        assert torch.equal(together.sequences[i], alone.sequences[0])
+        assert together.forward_positions[i] == alone.forward_positions[0]
+
+
+def test_new_policies_compute_less(tiny_llada, tokenizer):
+    base = GenerationConfig(gen_length=64, block_length=8, threshold=None, cache="dual", stop_at_eos=False)
+    ps = prompts(tokenizer)[:1]
+    plen, length = len(ps[0]), len(ps[0]) + 64
+    full = generate(tiny_llada, ps, config=base)
+    near = generate(tiny_llada, ps, config=base.replace(refresh="vicinity"))
+    window = generate(tiny_llada, ps, config=base.replace(suffix_window=8))
+    # block b > 0 starts with a forward from the previous block on, not over the whole sequence
+    expected = length + sum(length - (plen + (b - 1) * 8) for b in range(1, 8)) + 8 * 7 * 8
+    assert near.forward_positions == [expected] and expected < full.forward_positions[0]
+    # every forward sees at most the block and 8 positions after it
+    assert window.attended_positions[0] < full.attended_positions[0]
+    assert not (near.sequences == tiny_llada.mask_token_id).any()
+    assert not (window.sequences == tiny_llada.mask_token_id).any()
