@@ -45,6 +45,11 @@ TABLE_ROWS = [
     ("parallel-prefix", "+parallel +prefix cache", dict(cache="prefix", threshold=0.9)),
     ("full", "+parallel +dual cache (Fast-dLLM)", dict(cache="dual", threshold=0.9)),
     ("factor", "factor 1.0 +dual cache", dict(cache="dual", threshold=None, factor=1.0)),
+    # beyond Fast-dLLM
+    ("suffix", "Fast-dLLM +suffix window 64 (after DPad)", dict(cache="dual", threshold=0.9, suffix_window=64)),
+    ("vicinity", "Fast-dLLM +vicinity refresh (after dInfer)", dict(cache="dual", threshold=0.9, refresh="vicinity")),
+    ("beyond", "Fast-dLLM +suffix window 64 +vicinity refresh",
+     dict(cache="dual", threshold=0.9, suffix_window=64, refresh="vicinity")),
 ]
 ROW_KEYS = [key for key, _, _ in TABLE_ROWS]
 
@@ -59,7 +64,7 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None) 
         out += [Row(name, GenerationConfig(**base, **kw), g) for _, name, kw in rows]
     if stop_at_eos in ("on", "both"):
         # "both": only the baseline and the full method are repeated with stop-at-EOS
-        picked = rows if stop_at_eos == "on" else [row for row in rows if row[0] in ("baseline", "full")]
+        picked = rows if stop_at_eos == "on" else [row for row in rows if row[0] in ("baseline", "full", "beyond")]
         out += [Row(name + " [stop@eos]", GenerationConfig(**{**base, "stop_at_eos": True}, **kw), g + " stop@eos")
                 for _, name, kw in picked]
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import ConfigError, GenerationConfig
+from .config import PRESETS, ConfigError, GenerationConfig
 
 
 class UserError(Exception):
@@ -48,25 +48,48 @@ def _parser_for(name: str, kind: str):
     return parse
 
 
+class _Explicit:
+    """Records which decoding flags the user gave, so that a --preset fills only the others."""
+
+    def __call__(self, action_cls):
+        class Recording(action_cls):
+            def __call__(self, parser, namespace, values, option_string=None):
+                super().__call__(parser, namespace, values, option_string)
+                explicit = set(getattr(namespace, "_explicit", ()))
+                namespace._explicit = explicit | {self.dest}
+
+        return Recording
+
+
+_StoreRecording = _Explicit()(argparse._StoreAction)
+_BoolRecording = _Explicit()(argparse.BooleanOptionalAction)
+
+
 def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig | None = None) -> None:
-    """One flag per GenerationConfig field, same names (dashes for underscores)."""
+    """One flag per GenerationConfig field, same names (dashes for underscores), and --preset."""
     d = defaults or GenerationConfig()
     g = p.add_argument_group("decoding (GenerationConfig)")
+    g.add_argument("--preset", default=None, choices=list(PRESETS),
+                   help="start from a named configuration (fast-dllm: as published; baseline: LLaDA's one token "
+                        "per step); the flags below override it")
     for opt in GenerationConfig.options():
         name, kind = opt["name"], opt["kind"]
         default = getattr(d, name)
         text = f"{opt['help']} (default: {default})"
         if kind == "bool":
-            g.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=default, help=text)
+            g.add_argument(flag(name), dest=name, action=_BoolRecording, default=default, help=text)
         else:
-            g.add_argument(flag(name), dest=name, type=_parser_for(name, kind), default=default, help=text,
-                           metavar=kind.removeprefix("optional ").upper())
+            g.add_argument(flag(name), dest=name, action=_StoreRecording, type=_parser_for(name, kind),
+                           default=default, help=text, metavar=kind.removeprefix("optional ").upper())
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> GenerationConfig:
-    values = {name: getattr(args, name) for name in GenerationConfig.field_names() if hasattr(args, name)}
+    names = [n for n in GenerationConfig.field_names() if hasattr(args, n)]
     try:
-        return GenerationConfig(**{**values, **overrides})
+        if getattr(args, "preset", None):
+            given = {n: getattr(args, n) for n in names if n in getattr(args, "_explicit", ())}
+            return GenerationConfig.preset(args.preset, **{**given, **overrides})
+        return GenerationConfig(**{**{n: getattr(args, n) for n in names}, **overrides})
     except ConfigError as e:
         raise UserError(f"{flag(e.param)}: {e.detail}") from None
 

@@ -80,6 +80,25 @@ class GenerationConfig:
         """LLaDA's semi-autoregressive baseline: no cache, one token per step."""
         return cls(**{"threshold": None, "cache": "none", **overrides})
 
+    @classmethod
+    def fast_dllm(cls, **overrides) -> "GenerationConfig":
+        """Fast-dLLM exactly as published: DualCache, threshold 0.9, a full refresh at every block,
+        every forward over the whole sequence; gen length 256 in blocks of 32."""
+        published = dict(gen_length=256, block_length=32, steps=None, threshold=0.9, factor=None, cache="dual",
+                          suffix_window=None, refresh="full", refresh_every=None)
+        return cls(**{**published, **overrides})
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GenerationConfig":
+        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline")."""
+        if name not in PRESETS:
+            raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
+        return getattr(cls, PRESETS[name])(**overrides)
+
+    @classmethod
+    def default(cls, **overrides) -> "GenerationConfig":
+        return cls(**overrides)
+
     def replace(self, **changes) -> "GenerationConfig":
         return replace(self, **changes)
 
@@ -186,3 +205,7 @@ class GenerationConfig:
                  "must be a positive integer or None")
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")
+
+
+# --preset NAME -> the GenerationConfig classmethod that builds it.
+PRESETS = {"default": "default", "fast-dllm": "fast_dllm", "baseline": "baseline"}

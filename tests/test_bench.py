@@ -20,7 +20,9 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     assert "+parallel +dual cache (Fast-dLLM)" in table and "| baseline |" in table
     record = json.loads((out / "bench.json").read_text())
     rows = record["rows"]
-    assert len(rows) == 7 + 2  # the seven paper rows, then baseline and full method with stop-at-EOS
+    # the paper's seven rows and the three beyond it, then baseline, Fast-dLLM and the combined
+    # policies with stop-at-EOS
+    assert len(rows) == len(bench.TABLE_ROWS) + 3 and len(bench.TABLE_ROWS) == 10
     for r in rows:
         assert FIGURES <= set(r), FIGURES - set(r)
         if r["name"].startswith("baseline"):

@@ -49,7 +49,7 @@ def test_config_is_immutable_and_replace_validates():
 def test_cli_flags_are_generated_from_the_fields():
     p = argparse.ArgumentParser()
     add_generation_args(p)
-    flags = {a.dest: a.option_strings for a in p._actions if a.dest != "help"}
+    flags = {a.dest: a.option_strings for a in p._actions if a.dest not in ("help", "preset")}
     assert set(flags) == set(GenerationConfig.field_names())
     for name, strings in flags.items():
         assert "--" + name.replace("_", "-") in strings
@@ -88,3 +88,18 @@ def test_old_import_path_still_works():
     from fastdllm.generate import GenerationConfig as Old
 
     assert Old is GenerationConfig
+
+
+def test_presets_and_the_preset_flag():
+    assert GenerationConfig.fast_dllm() == GenerationConfig(cache="dual", threshold=0.9, suffix_window=None,
+                                                            refresh="full", gen_length=256, block_length=32)
+    assert GenerationConfig.preset("baseline") == GenerationConfig.baseline()
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig.preset("warp")
+    assert info.value.param == "preset"
+    p = argparse.ArgumentParser()
+    add_generation_args(p)
+    cfg = config_from_args(p.parse_args(["--preset", "fast-dllm", "--gen-length", "64"]))
+    assert cfg == GenerationConfig.fast_dllm(gen_length=64)
+    cfg = config_from_args(p.parse_args(["--preset", "baseline", "--no-stop-at-eos"]))
+    assert cfg == GenerationConfig.baseline(stop_at_eos=False)
