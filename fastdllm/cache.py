@@ -40,6 +40,14 @@ class KVCache:
         view.k, view.v = self.k[:, :batch, :, :length], self.v[:, :batch, :, :length]
         return view
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Move rows `rows` (in this order) to the front, in place: when finished rows leave the
+        batch, the cached K/V of the remaining ones stay usable."""
+        idx = torch.tensor(rows, device=self.k.device)
+        n = len(rows)
+        self.k[:, :n] = self.k.index_select(1, idx)
+        self.v[:, :n] = self.v.index_select(1, idx)
+
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 

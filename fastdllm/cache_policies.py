@@ -16,7 +16,7 @@ block-start forward recomputes is the policy's `refresh`:
   (its tokens just became final, and the current block and what follows it see them), against
   the cached K/V of everything before it; the prompt's K/V are computed once per generation, at
   the first block. `refresh_every` N adds a full refresh every N blocks (1: every block, which is
-  "full"). A batch whose rows changed (a row finished) refreshes fully, as its cache rows moved.
+  "full"). When rows finish and leave the batch, the cache rows of the others move with them.
 """
 
 from __future__ import annotations
@@ -95,18 +95,19 @@ class PrefixCache(CachePolicy):
 
     def refresh_window(self, seq: SequenceView, start: int, end: int) -> tuple[int, int] | None:
         """What the block-start forward recomputes: None for the whole sequence."""
-        rows_moved = self._rows is not None and self._rows != tuple(seq.rows)
-        if (self.refresh == "full" or seq.block == 0 or rows_moved
-                or (self.refresh_every and seq.block % self.refresh_every == 0)):
+        if self.refresh == "full" or seq.block == 0 or (self.refresh_every and seq.block % self.refresh_every == 0):
             return None
         return (max(0, start - seq.block_length), seq.x.shape[1])
 
     def block_logits(self, seq, start, end, step_in_block):
         bsz, length = seq.x.shape
         if step_in_block == 0:
+            rows = tuple(seq.rows)
+            if self.refresh != "full" and self._rows is not None and rows != self._rows and self._buffer is not None:
+                self._buffer.keep_rows([self._rows.index(r) for r in rows])  # finished rows left the batch
             self.cache = self._cache_for(bsz, length, seq.capacity or length)
             window = self.refresh_window(seq, start, end)
-            self._rows = tuple(seq.rows)
+            self._rows = rows
         else:
             window = (start, end if self.reuse_suffix else length)
         return self.forward(seq, start, end, window=window, cache=self.cache)

@@ -437,3 +437,17 @@ def test_new_policies_compute_less(tiny_llada, tokenizer):
     assert window.attended_positions[0] < full.attended_positions[0]
     assert not (near.sequences == tiny_llada.mask_token_id).any()
     assert not (window.sequences == tiny_llada.mask_token_id).any()
+
+
+def test_vicinity_refresh_keeps_cache_rows_when_rows_finish(trained):
+    """Rows that finish leave the batch; with a vicinity refresh the others' cached K/V move with
+    them, so each row still decodes as alone."""
+    model, tok = trained
+    ps = arith_prompts(tok, 4)
+    cfg = GenerationConfig(gen_length=128, block_length=32, refresh="vicinity")
+    together = generate(model, ps, config=cfg)
+    assert len(set(together.nfe_per_row)) > 1  # rows finished at different blocks
+    for i, p in enumerate(ps):
+        alone = generate(model, [p], config=cfg)
+        n = alone.num_tokens[0]
+        assert together.sequences[i, :n].tolist() == alone.sequences[0, :n].tolist()
