@@ -51,6 +51,13 @@ class CachePolicy:
     def __init__(self, model):
         self.model = model
         self.last_work: tuple[int, int] = (0, 0)
+        self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
+
+    def record(self) -> "CachePolicy":
+        """Record every forward's (window start, window end, sequence length, block start, block end)
+        in `history`: the schedule a benchmark can replay on another model."""
+        self.history = []
+        return self
 
     def block_logits(self, seq: SequenceView, start: int, end: int, step_in_block: int) -> torch.Tensor:
         raise NotImplementedError
@@ -59,6 +66,8 @@ class CachePolicy:
         length = seq.x.shape[1]
         ws, we = (0, length) if window is None else window
         self.last_work = (we - ws, length)  # a window's queries attend over the whole sequence
+        if self.history is not None:
+            self.history.append((ws, we, length, start, end))
         return self.model.logits_for(seq.x, start, end, window=window, cache=cache, positions=seq.positions,
                                      key_mask=seq.key_mask)
 

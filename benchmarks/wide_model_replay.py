@@ -1,0 +1,110 @@
+"""Replay the forward windows of real runs on a model of LLaDA-8B's width.
+
+    python benchmarks/wide_model_replay.py [--problems 2] [--gen-length 1024] [--num-fewshot 8]
+        [--layers 2] [--dtype float32] [--configs fast-dllm beyond]
+
+The embedded model decodes held-out arith problems one at a time under each configuration; every
+forward's window (what the cache policy recomputed, against how long a sequence) is recorded.
+The same sequence of windows is then run, with random weights, on a transformer with LLaDA-8B's
+d_model 4096, 32 heads, SwiGLU 12288 and vocabulary 126464, but only `--layers` layers (time per
+layer is what scales), and timed. Both configurations replay in one process, alternating, so the
+ratio is measured side by side. This shows whether a speed-up that the tiny model shows (where
+per-step overhead matters) holds where the forward's compute dominates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+CONFIGS = {
+    "fast-dllm": dict(cache="dual", threshold=0.9),
+    "suffix64": dict(cache="dual", threshold=0.9, suffix_window=64),
+    "beyond": dict(cache="dual", threshold=0.9, suffix_window=64, refresh="vicinity"),
+    "beyond32": dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity"),
+}
+
+
+def record_windows(config_name: str, gen_length: int, num_fewshot: int, problems: int) -> list[list[tuple]]:
+    import fastdllm
+    from fastdllm.cache_policies import cache_policy
+    from fastdllm.tasks import arith
+
+    model, tok = fastdllm.load(dtype="float32")
+    cfg = fastdllm.GenerationConfig(gen_length=gen_length, **CONFIGS[config_name])
+    shots = arith.fewshot_exemplars(num_fewshot)
+    runs = []
+    for p in arith.test_split()[:problems]:
+        policy = cache_policy(model, cfg).record()
+        fastdllm.generate(model, [arith.prompt_ids(tok, p.question, shots)], config=cfg, cache=policy)
+        runs.append(policy.history)
+    return runs
+
+
+def wide_model(layers: int, dtype):
+    from fastdllm.models import ModelArgs, Transformer
+
+    args = ModelArgs(dim=4096, n_layers=layers, n_heads=32, n_kv_heads=32, hidden_dim=12288, vocab_size=126464,
+                     max_seq_len=4096, rope_theta=500000.0, norm_eps=1e-5, qkv_bias=False, tie_embeddings=False,
+                     mask_token_id=126336, eos_token_id=126081, shifted_logits=False)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Transformer(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def replay(model, windows: list[tuple]) -> float:
+    """Seconds to run one generation's forwards (tokens are random: only the shapes matter)."""
+    t0 = time.perf_counter()
+    cache = None
+    for ws, we, length, start, end in windows:
+        x = torch.randint(0, 1000, (1, length))
+        if ws == 0 and we == length:  # a full forward refills the cache
+            cache = model.new_cache(1, length)
+            model.logits_for(x, start, end, cache=cache)
+        else:
+            if cache.length < length:  # a suffix window grew: keep what is there
+                grown = model.new_cache(1, length)
+                grown.k[:, :, :, :cache.length] = cache.k
+                grown.v[:, :, :, :cache.length] = cache.v
+                cache = grown
+            model.logits_for(x, start, end, window=(ws, we), cache=cache.narrow(1, length))
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--problems", type=int, default=2)
+    p.add_argument("--gen-length", type=int, default=1024)
+    p.add_argument("--num-fewshot", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--configs", nargs=2, default=["fast-dllm", "beyond"], choices=list(CONFIGS))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    runs = {c: record_windows(c, args.gen_length, args.num_fewshot, args.problems) for c in args.configs}
+    for c, rs in runs.items():
+        positions = [sum(we - ws for ws, we, *_ in r) for r in rs]
+        print(f"{c}: {statistics.mean(len(r) for r in rs):.1f} forwards/problem, "
+              f"{statistics.mean(positions):.0f} query positions/problem")
+    model = wide_model(args.layers, getattr(torch, args.dtype))
+    replay(model, runs[args.configs[0]][0][:1])  # warm up
+    times = {c: 0.0 for c in args.configs}
+    for i in range(args.problems):
+        for c in args.configs:
+            times[c] += replay(model, runs[c][i])
+    a, b = args.configs
+    print(f"width 4096, {args.layers} layers, {args.dtype}: {a} {times[a]:.1f}s, {b} {times[b]:.1f}s "
+          f"for {args.problems} problems: {b} is {times[a] / times[b]:.2f}x faster")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
