@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -51,6 +52,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                      help="draw the canvas live while it denoises (only when stdout is a terminal)")
     out.add_argument("--show-delay", type=float, default=0.0, metavar="SECONDS",
                      help="pause after each drawn step, to watch a fast model (default 0)")
+    out.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                     help="at most N tokens: decodes ceil(N / block length) blocks and cuts the answer to N tokens "
+                          "(instead of --gen-length)")
     out.add_argument("--stop", action="append", default=None, metavar="TEXT",
                      help="cut the answer at this string (repeatable)")
     out.add_argument("--system", default=None, help="a system message put before the conversation")
@@ -76,8 +80,9 @@ class Answer:
 
 
 def run_prompt(model, tokenizer, ids: list[int], config: GenerationConfig, stop=None, show: bool = False,
-               show_delay: float = 0.0, console=None) -> Answer:
-    """Generate for one prompt (token ids), with the live view if asked; user mistakes as UserError."""
+               show_delay: float = 0.0, console=None, keep: int | None = None) -> Answer:
+    """Generate for one prompt (token ids), with the live view if asked; user mistakes as UserError.
+    `keep`: cut the answer to that many tokens (--max-new-tokens)."""
     limit = model.args.max_seq_len
     if len(ids) + config.gen_length > limit:
         raise UserError(f"the prompt ({len(ids)} tokens) + --gen-length ({config.gen_length}) exceeds the "
@@ -97,8 +102,17 @@ def run_prompt(model, tokenizer, ids: list[int], config: GenerationConfig, stop=
             out = generate(model, [ids], config)
     except ValueError as e:  # prompt/config mistakes found by the generation loop
         raise UserError(str(e)) from None
-    completion = complete(tokenizer, out.sequences[0], model.stop_token_ids, stop)
+    completion = complete(tokenizer, out.sequences[0][:keep], model.stop_token_ids, stop)
     return Answer(completion, out, len(ids))
+
+
+def _with_max_new_tokens(config: GenerationConfig, n: int | None) -> GenerationConfig:
+    """--max-new-tokens N: decode whole blocks covering N tokens (the answer is cut back to N)."""
+    if n is None:
+        return config
+    if n < 1:
+        raise UserError("--max-new-tokens: must be a positive integer")
+    return config.replace(gen_length=math.ceil(n / config.block_length) * config.block_length, steps=None)
 
 
 def _read_prompt(arg: str) -> str:
@@ -124,7 +138,7 @@ def main_generate(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, nfe, tokens_per_step, tokens_per_second, config)")
     args = p.parse_args(argv)
-    config = config_from_args(args)
+    config = _with_max_new_tokens(config_from_args(args), args.max_new_tokens)
     if args.show_delay < 0:
         raise UserError("--show-delay: must be >= 0")
     prompt = _read_prompt(args.prompt)
@@ -140,6 +154,7 @@ def main_generate(argv: list[str] | None = None) -> int:
     if not ids:
         raise UserError("the prompt is empty after tokenisation")
     answer = run_prompt(model, tokenizer, ids, config, stop=args.stop, show=args.show and not args.json,
+                        keep=args.max_new_tokens,
                         show_delay=args.show_delay)
     c, o = answer.completion, answer.output
     if args.json:
@@ -171,11 +186,12 @@ class ChatSession:
     When the history no longer fits the context (prompt + gen_length), the oldest turns are dropped
     (the system message stays)."""
 
-    def __init__(self, model, tokenizer, config: GenerationConfig, system: str | None = None, stop=None):
+    def __init__(self, model, tokenizer, config: GenerationConfig, system: str | None = None, stop=None,
+                 keep: int | None = None):
         if not tokenizer.chat_template:
             raise UserError("this model's tokenizer has no chat template; use `fastdllm generate --raw` instead")
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.system, self.stop = system, stop
+        self.system, self.stop, self.keep = system, stop, keep
         self.messages: list[dict] = []
         self.dropped_turns = 0
         self.reset()
@@ -197,6 +213,7 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         try:
             answer = run_prompt(self.model, self.tokenizer, self._prompt_ids(), self.config, stop=self.stop,
+                                keep=self.keep,
                                 show=show, show_delay=show_delay)
         except BaseException:
             self.messages.pop()
@@ -215,11 +232,11 @@ def main_chat(argv: list[str] | None = None) -> int:
     )
     _add_common(p)
     args = p.parse_args(argv)
-    config = config_from_args(args)
+    config = _with_max_new_tokens(config_from_args(args), args.max_new_tokens)
     if args.show_delay < 0:
         raise UserError("--show-delay: must be >= 0")
     model, tokenizer = load_model_or_exit(args)
-    session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop)
+    session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop, keep=args.max_new_tokens)
     interactive = sys.stdin.isatty()
     if interactive:
         print("fastdllm chat: type a message; /reset to forget the conversation, /exit to quit.", file=sys.stderr)

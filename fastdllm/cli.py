@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"fastdllm {__version__}")
+        return 0
     if argv[0] not in COMMANDS:
         print(f"fastdllm: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
@@ -55,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `fastdllm generate ... | head`: the reader left; no traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

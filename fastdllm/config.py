@@ -15,6 +15,7 @@ from .cache_policies import CACHE_POLICIES, REFRESH
 from .unmasking import DREAM_ALGS
 
 REMASKING = ("low_confidence", "random")
+MIN_TEMPERATURE = 1e-3  # below it, dividing float32 logits overflows
 NONE_WORDS = ("none", "off", "null")
 
 
@@ -178,7 +179,12 @@ class GenerationConfig:
             need(is_int(self.steps), "steps", "must be an integer or None")
             need(self.num_blocks <= self.steps <= self.gen_length, "steps",
                  f"must be between the number of blocks ({self.num_blocks}) and gen_length ({self.gen_length})")
-        need(is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        finite = lambda v: v == v and v not in (float("inf"), float("-inf"))  # noqa: E731
+        need(is_num(self.temperature) and finite(self.temperature) and self.temperature >= 0, "temperature",
+             "must be a finite number >= 0")
+        # logits / temperature overflows to inf (and softmax to NaN) for tiny temperatures: 0 is greedy
+        need(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
+             f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         need(self.remasking in REMASKING, "remasking", f"must be one of {', '.join(REMASKING)}")
         if self.threshold is not None:
             need(is_num(self.threshold) and 0 < self.threshold <= 1, "threshold", "must be in (0, 1] or None")
@@ -187,7 +193,10 @@ class GenerationConfig:
         need(self.cache in CACHE_POLICIES, "cache", f"must be one of {', '.join(CACHE_POLICIES)}")
         need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
         if self.alg_temp is not None:
-            need(is_num(self.alg_temp) and self.alg_temp >= 0, "alg_temp", "must be >= 0 or None")
+            need(is_num(self.alg_temp) and finite(self.alg_temp) and self.alg_temp >= 0, "alg_temp",
+                 "must be a finite number >= 0 or None")
+            need(self.alg_temp == 0 or self.alg_temp >= MIN_TEMPERATURE, "alg_temp",
+                 f"must be 0 or None (top-k) or at least {MIN_TEMPERATURE:g}")
         need(is_num(self.eps) and 0 < self.eps < 1, "eps", "must be in (0, 1)")
         if self.top_p is not None:
             need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1] or None")

@@ -91,11 +91,20 @@ class StepEvent:
 def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
     """Left-pad a list of prompts (or check a padded tensor); returns ids (B, P) and mask (B, P)."""
     pad_id = model.args.eos_token_id
+    vocab = model.args.vocab_size
+    if input_ids is None or isinstance(input_ids, (str, bytes)) or (
+            isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], str)):
+        raise ValueError("input_ids: generate() takes token ids (a list of ints, a list of lists, or a tensor); "
+                         "for text use fastdllm.generate_text(model, tokenizer, text)")
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected (batch, length), got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+            raise ValueError(f"input_ids: token ids must be integers, got a {input_ids.dtype} tensor")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
         ids = input_ids.to(model.device, torch.long)
         if attention_mask is None:
             mask = torch.ones_like(ids, dtype=torch.bool)
@@ -106,11 +115,17 @@ def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
             if not mask[:, -1].all() or (mask[:, 1:].long() < mask[:, :-1].long()).any():
                 raise ValueError("attention_mask: prompts must be left-padded (ones at the end of every row)")
     else:
-        rows = [list(r) for r in input_ids]
-        if not rows:
+        input_ids = list(input_ids)
+        if not input_ids:
             raise ValueError("input_ids: empty batch")
-        if isinstance(rows[0], int):  # a single prompt given as a flat list
-            rows = [rows]
+        rows = [input_ids] if not isinstance(input_ids[0], (list, tuple, torch.Tensor)) else \
+            [list(r.tolist() if isinstance(r, torch.Tensor) else r) for r in input_ids]
+        for r in rows:
+            for t in r:
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise ValueError(f"input_ids: token ids must be integers, got {t!r} ({type(t).__name__})")
+                if not 0 <= t < vocab:
+                    raise ValueError(f"input_ids: token id {t} is outside the vocabulary [0, {vocab})")
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.bool)
