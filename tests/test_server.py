@@ -366,7 +366,11 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": MSG, "gen_length": 64}, 400, "gen_length"),
     (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True}, 400, "logprobs"),
     (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 1.0}, 400, "presence_penalty"),
-    (CHAT, {"model": MODEL, "messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
+     "response_format"),
+    (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"5": 10}}, 400, "logit_bias"),
     (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 4096}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "apples " * 3000}]}, 400, "messages"),
     (CHAT, {"model": "gpt-4o", "messages": MSG}, 404, "model"),
@@ -479,3 +483,43 @@ def test_disconnect_mid_stream_stops_the_batch(tiny_llada, tokenizer):
         assert r.choices[0].finish_reason == "length"
     finally:
         server.stop()
+
+
+# ---- what frameworks send -----------------------------------------------------------------------------
+FRAMEWORK_FIELDS = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "metadata": {"a": "b"},
+                    "store": False, "user": "u1", "service_tier": "auto", "parallel_tool_calls": False,
+                    "reasoning_effort": "low", "logit_bias": {}, "stream_options": {"include_usage": True}}
+
+
+def test_fields_frameworks_send_are_accepted_ignored_and_named(srv):
+    plain = srv.post(CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 16, "seed": 1})
+    r = srv.post(CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 16, "seed": 1, **FRAMEWORK_FIELDS})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    ignored = set(r.headers["x-fastdllm-ignored"].split(", "))
+    assert ignored == set(FRAMEWORK_FIELDS) - {"user"}
+    # and through the official client, as LangChain / LiteLLM pass them
+    c = srv.client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=16, seed=1, tools=[], store=False,
+                                           metadata={"a": "b"}, response_format={"type": "text"},
+                                           parallel_tool_calls=False, service_tier="auto")
+    assert c.choices[0].message.content == plain.json()["choices"][0]["message"]["content"]
+
+
+def test_strict_refuses_what_is_otherwise_ignored(loaded):
+    server = LiveServer(*loaded, strict=True, aliases=("org/llada-arith",))
+    try:
+        r = server.post(CHAT, {"model": MODEL, "messages": MSG, "metadata": {}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
+        ids = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+        assert ids == [MODEL, "org/llada-arith"]
+        r = server.post(CHAT, {"model": "org/llada-arith", "messages": MSG, "max_tokens": 8})
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+
+
+def test_served_name_keeps_the_organisation():
+    from fastdllm.server import default_model_name
+
+    assert default_model_name("Dream-org/Dream-v0-Instruct-7B") == "Dream-org/Dream-v0-Instruct-7B"
+    assert default_model_name(None) == "llada-arith"

@@ -36,6 +36,12 @@ class ServerSettings:
     max_queue: int = 64
     batch_wait: float = 0.0
     block_hook: Callable[[int], None] | None = None  # called by the worker after each block
+    aliases: tuple[str, ...] = ()  # more ids clients may use for the model
+    strict: bool = False  # refuse the fields that are otherwise accepted and ignored
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.model_name, *[a for a in self.aliases if a != self.model_name])
 
 
 class Server:
@@ -49,9 +55,10 @@ class Server:
 
     # -- request -> rows and config
     def check_model(self, name: str) -> None:
-        if name != self.settings.model_name:
+        if name not in self.settings.names:
             raise APIError(404, f"The model {name!r} does not exist; this server serves "
-                           f"{self.settings.model_name!r}", param="model", code="model_not_found")
+                           f"{', '.join(repr(n) for n in self.settings.names)}", param="model",
+                           code="model_not_found")
 
     def config_for(self, req: _Common, max_tokens: int | None) -> tuple[GenerationConfig, int]:
         """The request's GenerationConfig (seed None) and the number of tokens to keep."""
@@ -227,18 +234,18 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
     async def health():
         return {"status": "ok", "model": settings.model_name, **server.scheduler.snapshot()}
 
-    def model_card() -> dict:
-        return {"id": settings.model_name, "object": "model", "created": server.created, "owned_by": "fastdllm",
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "fastdllm",
                 "max_model_len": model.args.max_seq_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in settings.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model_info(model_id: str):
         server.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
 
     async def submit(prompts, seeds, config) -> Job:
         job = Job(prompts, seeds, config, asyncio.get_running_loop())
@@ -267,7 +274,11 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
 
     async def run(endpoint, req, request: Request):
         server.check_model(req.model)
-        req.check_unsupported()
+        req.check_unsupported(settings.strict)
+        ignored = req.ignored_fields()
+        headers = {"X-Fastdllm-Ignored": ", ".join(ignored)} if ignored else {}
+        if ignored:
+            log.info("request fields accepted and ignored: %s", ", ".join(ignored))
         prompts = endpoint.prompts(server, req)
         config, keep = server.config_for(req, endpoint.max_tokens(req))
         server.check_context(prompts, config, endpoint.prompt_param)
@@ -326,9 +337,10 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             finally:
                 if not ended:
                     server.scheduler.cancel(job)
-            return {**meta, "object": endpoint.object, "system_fingerprint": None,
-                    "choices": [endpoint.choice(i, ch) for i, ch in enumerate(choices)],
-                    "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))}
+            return JSONResponse({**meta, "object": endpoint.object, "system_fingerprint": None,
+                                 "choices": [endpoint.choice(i, ch) for i, ch in enumerate(choices)],
+                                 "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))},
+                                headers=headers)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         obj = endpoint.chunk_object
@@ -379,7 +391,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                     server.scheduler.cancel(job)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):

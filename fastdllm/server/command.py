@@ -36,9 +36,11 @@ _positive_int.__name__ = "positive integer"
 
 
 def default_model_name(path: str | None) -> str:
+    """The id served for `--model PATH`: the embedded model's name, else PATH as given (a hub id
+    keeps its organisation: `Dream-org/Dream-v0-Instruct-7B`), as vLLM serves it."""
     if path is None:
         return "llada-arith"
-    return str(path).rstrip("/").split("/")[-1] or str(path)
+    return str(path).rstrip("/") or str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model id clients use (default: the folder name, or llada-arith for the embedded model)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids clients may use, the first one reported (default: --model as given, or "
+                        "llada-arith for the embedded model)")
+    s.add_argument("--strict", action="store_true",
+                   help="refuse request fields that are otherwise accepted and ignored (metadata, store, tools: [], "
+                        "response_format text, ...)")
     s.add_argument("--max-batch-size", type=_positive_int, default=8,
                    help="most rows decoded together; 1 turns batching off (default %(default)s)")
     s.add_argument("--max-queue", type=_positive_int, default=64,
@@ -71,13 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_wait_ms < 0:
         raise UserError("--batch-wait-ms: must be >= 0")
     model, tokenizer = load_model_or_exit(args)
-    name = args.served_model_name or default_model_name(args.model)
-    settings = ServerSettings(name, config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000)
+    names = args.served_model_name or [default_model_name(args.model)]
+    settings = ServerSettings(names[0], config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000,
+                              aliases=tuple(names[1:]), strict=args.strict)
     app = create_app(model, tokenizer, settings)
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    print(f"fastdllm serve: model {name!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch_size}, "
+    print(f"fastdllm serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch_size}, "
           f"max queue {args.max_queue})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

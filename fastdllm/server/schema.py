@@ -17,6 +17,8 @@ DLLM_FIELDS = tuple(o["name"] for o in GenerationConfig.options() if o["server"]
 _KIND_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 MAX_N = 32
 MAX_STOP = 16
+IGNORABLE = ("metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "logit_bias", "tools",
+             "tool_choice", "response_format")
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -121,7 +123,45 @@ class _Common(_DecodingFields):
     frequency_penalty: float | None = None
     logprobs: Any = None
 
-    def check_unsupported(self) -> None:
+    # Fields that frameworks send (LangChain, LiteLLM, agent SDKs) and that cannot change a diffusion
+    # answer in their harmless form: accepted and ignored, and named in the X-Fastdllm-Ignored header.
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    logit_bias: dict | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    def ignored_fields(self) -> list[str]:
+        """The fields given that have no effect here (see IGNORABLE)."""
+        given = [n for n in IGNORABLE if n in self.model_fields_set]
+        if self.stream_options is not None and not self.stream:
+            given.append("stream_options")
+        return given
+
+    def check_unsupported(self, strict: bool = False) -> None:
+        """400 for what would change the answer and is not implemented; with `strict`, also for
+        every field that would otherwise be ignored."""
+        if strict:
+            for name in self.ignored_fields():
+                if name == "stream_options":
+                    raise APIError(400, "stream_options: only allowed with stream: true", param=name,
+                                   code="invalid_value")
+                raise APIError(400, f"unknown field {name!r}", param=name, code="unknown_field")
+        if self.tools:
+            raise APIError(400, "tools: tool calling is not supported", param="tools", code="unsupported_value")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice: tool calling is not supported", param="tool_choice",
+                           code="unsupported_value")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, 'response_format: only {"type": "text"} is supported (no JSON mode or schema)',
+                           param="response_format", code="unsupported_value")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias: not supported (only empty)", param="logit_bias",
+                           code="unsupported_value")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
@@ -131,9 +171,6 @@ class _Common(_DecodingFields):
             raise APIError(400, "logprobs: not supported", param="logprobs", code="unsupported_value")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings", param="stop", code="invalid_value")
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options: only allowed with stream: true", param="stream_options",
-                           code="invalid_value")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -146,8 +183,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check_unsupported(self, strict: bool = False) -> None:
+        super().check_unsupported(strict)
         if self.top_logprobs is not None:
             raise APIError(400, "top_logprobs: not supported", param="top_logprobs", code="unsupported_value")
 
@@ -158,8 +195,8 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
+    def check_unsupported(self, strict: bool = False) -> None:
+        super().check_unsupported(strict)
         if self.echo:
             raise APIError(400, "echo: not supported", param="echo", code="unsupported_value")
         if self.suffix:
