@@ -9,12 +9,11 @@ statistics on stderr. `--show` draws the canvas live (fastdllm.live_view) when s
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
 
-from .cli_args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit
+from .cli_args import ArgumentParser, UserError, add_generation_args, add_model_args
 from .generate import GenerationConfig, GenerationOutput, generate
 from .text import Completion, complete
 
@@ -124,62 +123,6 @@ def _read_prompt(arg: str) -> str:
     return text
 
 
-def main_generate(argv: list[str] | None = None) -> int:
-    p = _parser(
-        "fastdllm generate",
-        "Generate the answer to one prompt with a diffusion language model (the embedded default model "
-        "unless --model). The prompt goes through the model's chat template unless --raw. The answer goes "
-        "to stdout, one line of statistics (tokens, NFE, tokens/step, tokens/s) to stderr.",
-        GENERATE_EXAMPLES,
-    )
-    p.add_argument("prompt", help='the prompt, or "-" to read it from stdin')
-    _add_common(p)
-    p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, tokens, nfe, tokens_per_step, tokens_per_second, config)")
-    args = p.parse_args(argv)
-    config = _with_max_new_tokens(config_from_args(args), args.max_new_tokens)
-    if args.show_delay < 0:
-        raise UserError("--show-delay: must be >= 0")
-    prompt = _read_prompt(args.prompt)
-    model, tokenizer = load_model_or_exit(args)
-
-    templated = not args.raw and bool(tokenizer.chat_template)
-    if templated:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}]
-        ids = tokenizer.encode_chat(messages)
-    else:
-        ids = tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt)
-    if not ids:
-        raise UserError("the prompt is empty after tokenisation")
-    answer = run_prompt(model, tokenizer, ids, config, stop=args.stop, show=args.show and not args.json,
-                        keep=args.max_new_tokens,
-                        show_delay=args.show_delay)
-    c, o = answer.completion, answer.output
-    if args.json:
-        record = {
-            "text": c.text,
-            "tokens": c.num_tokens,
-            "finish_reason": c.finish_reason,
-            "prompt_tokens": answer.prompt_tokens,
-            "nfe": o.nfe,
-            "tokens_per_step": round(answer.tokens_per_step, 4),
-            "tokens_per_second": round(c.num_tokens / o.wall_time if o.wall_time > 0 else 0.0, 2),
-            "wall_time": round(o.wall_time, 4),
-            "chat_template": templated,
-            "model": args.model or "default",
-            "config": config.to_dict(),
-        }
-        print(json.dumps(record, ensure_ascii=False))
-        return 0
-    print(c.text)
-    sys.stdout.flush()
-    if not args.no_stats:
-        print(answer.stats_line(), file=sys.stderr)
-    return 0
-
-
 class ChatSession:
     """A conversation: the history of messages, re-encoded with the chat template at every turn.
 
@@ -222,59 +165,15 @@ class ChatSession:
         return answer
 
 
+def main_generate(argv: list[str] | None = None) -> int:
+    """`fastdllm generate` (kept here under its old name; the command lives in fastdllm.commands.generate)."""
+    from .commands.generate import main
+
+    return main(argv)
+
+
 def main_chat(argv: list[str] | None = None) -> int:
-    p = _parser(
-        "fastdllm chat",
-        "Multi-turn chat with a diffusion language model through its chat template (the embedded default "
-        "model unless --model). Reads one message per line from stdin, so it also works with piped input; "
-        "answers go to stdout, statistics to stderr.",
-        CHAT_EXAMPLES,
-    )
-    _add_common(p)
-    args = p.parse_args(argv)
-    config = _with_max_new_tokens(config_from_args(args), args.max_new_tokens)
-    if args.show_delay < 0:
-        raise UserError("--show-delay: must be >= 0")
-    model, tokenizer = load_model_or_exit(args)
-    session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop, keep=args.max_new_tokens)
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print("fastdllm chat: type a message; /reset to forget the conversation, /exit to quit.", file=sys.stderr)
-    while True:
-        try:
-            if interactive:
-                line = input(">>> ")
-            else:
-                line = sys.stdin.readline()
-                if not line:
-                    break
-        except EOFError:
-            break
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("/"):
-            cmd = line.split()[0].lower()
-            if cmd in ("/exit", "/quit"):
-                break
-            if cmd == "/reset":
-                session.reset()
-                print("(conversation reset)", file=sys.stderr)
-            elif cmd == "/help":
-                print("/reset  forget the conversation    /exit  quit", file=sys.stderr)
-            else:
-                print(f"unknown command {cmd}; try /help", file=sys.stderr)
-            continue
-        dropped = session.dropped_turns
-        try:
-            answer = session.send(line, show=args.show, show_delay=args.show_delay)
-        except UserError as e:
-            print(f"fastdllm chat: error: {e}", file=sys.stderr)
-            continue
-        if session.dropped_turns > dropped:
-            print(f"(dropped {session.dropped_turns - dropped} old turn(s) to fit the context)", file=sys.stderr)
-        print(answer.completion.text)
-        sys.stdout.flush()
-        if not args.no_stats:
-            print(answer.stats_line(), file=sys.stderr)
-    return 0
+    """`fastdllm chat` (kept here under its old name; the command lives in fastdllm.commands.chat)."""
+    from .commands.chat import main
+
+    return main(argv)

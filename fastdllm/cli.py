@@ -1,7 +1,7 @@
 """`fastdllm <command>`: the command-line entry point (also `python -m fastdllm <command>`).
 
-Each command lives in its own module with a `main(argv)`; this file only dispatches, and no module
-imports it. What the commands share (argument parser, model and decoding flags) is in
+Each command lives in its own module of `fastdllm.commands` with a `main(argv)`; this file only
+dispatches (importing the command's module when it runs), and no module imports it. What the commands share (argument parser, model and decoding flags) is in
 `cli_args`.
 """
 
@@ -14,12 +14,12 @@ import sys
 from .cli_args import UserError
 
 COMMANDS = {
-    "generate": ("fastdllm.chat", "main_generate", "generate text for one prompt"),
-    "chat": ("fastdllm.chat", "main_chat", "multi-turn chat with the model's chat template"),
-    "serve": ("fastdllm.server", "main", "OpenAI-compatible HTTP server"),
-    "eval": ("fastdllm.evaluate", "main", "accuracy and tokens/s on gsm8k, math500, humaneval, mbpp, arith"),
-    "bench": ("fastdllm.bench", "main", "the Fast-dLLM tables on your machine: baseline vs cache vs parallel"),
-    "train-tiny": ("fastdllm.train", "main", "train the embedded default model from a seed"),
+    "generate": ("fastdllm.commands.generate", "main", "generate text for one prompt"),
+    "chat": ("fastdllm.commands.chat", "main", "multi-turn chat with the model's chat template"),
+    "serve": ("fastdllm.commands.serve", "main", "OpenAI-compatible HTTP server"),
+    "eval": ("fastdllm.commands.eval", "main", "accuracy and tokens/s on gsm8k, math500, humaneval, mbpp, arith"),
+    "bench": ("fastdllm.commands.bench", "main", "the Fast-dLLM tables on your machine: baseline vs cache vs parallel"),
+    "train-tiny": ("fastdllm.commands.train_tiny", "main", "train the embedded default model from a seed"),
 }
 
 EXAMPLES = """examples:

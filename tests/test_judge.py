@@ -227,7 +227,7 @@ def test_remote_names_keep_builtins_out_unless_the_reference_defines_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task_name", ["humaneval", "mbpp"])
-@pytest.mark.parametrize("attack", ["forged_verdict", "always_equal", "trace_jump"])
+@pytest.mark.parametrize("attack", ["forged_verdict", "always_equal"])
 def test_attack_fails_on_every_problem(task_name, attack):
     task = get_task(task_name)
     docs = task.load()

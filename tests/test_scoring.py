@@ -165,14 +165,16 @@ def test_humaneval_canonical_solutions_all_pass():
         assert [s.verdict for s in wrong] == ["failed", "failed", "failed"]
 
 
-@pytest.mark.slow
-def test_mbpp_reference_code_all_pass():
+def test_mbpp_reference_code_passes_and_wrong_code_fails():
+    """All 500 reference solutions pass in tests/test_judge.py (on a loaded machine, slow); here a
+    sample of them, and wrong code fails."""
     task = get_task("mbpp")
     docs = task.load()
     assert len(docs) == 500 and docs[0].id == "mbpp/11" and docs[-1].id == "mbpp/510"
+    sample = docs[::50]
     with task.scorer(workers=2) as scorer:
-        scores = scorer.score(docs, [d.data["code"] for d in docs])
-        failed = [(d.id, s.verdict, s.reason) for d, s in zip(docs, scores) if not s.correct]
+        scores = scorer.score(sample, [d.data["code"] for d in sample])
+        failed = [(d.id, s.verdict, s.reason) for d, s in zip(sample, scores) if not s.correct]
         assert failed == []
         wrong = scorer.score(docs[:2], ["def nothing():\n    return 0\n", docs[0].data["code"]])
         assert [s.verdict for s in wrong] == ["failed", "failed"]  # 12's tests on 11's code

@@ -34,13 +34,13 @@ request (malformed JSON, wrong types, unknown fields, out-of-range values, a pro
 context), 404 for an unknown route or model, 503 when the queue is full.
 
 Where things are: `schema` (request bodies, errors), `scheduler` (queue, inference thread),
-`incremental` (streamed text), `app` (routes), `command` (`fastdllm serve`).
+`incremental` (streamed text), `app` (routes); the command `fastdllm serve` is
+`fastdllm.commands.serve`.
 """
 
 from __future__ import annotations
 
-from .app import Server, ServerSettings, create_app
-from .command import default_model_name, main
+from .app import Server, ServerSettings, create_app, default_model_name
 from .incremental import ChoiceText
 from .scheduler import Job, QueueFull, Scheduler
 from .schema import DLLM_FIELDS, MAX_N, MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest
@@ -48,3 +48,10 @@ from .schema import DLLM_FIELDS, MAX_N, MAX_STOP, APIError, ChatCompletionReques
 __all__ = ["APIError", "ChatCompletionRequest", "ChoiceText", "CompletionRequest", "DLLM_FIELDS", "Job", "MAX_N",
            "MAX_STOP", "QueueFull", "Scheduler", "Server", "ServerSettings", "create_app", "default_model_name",
            "main"]
+
+
+def main(argv=None) -> int:
+    """`fastdllm serve` (kept here under its old name; the command lives in fastdllm.commands.serve)."""
+    from ..commands.serve import main as command
+
+    return command(argv)

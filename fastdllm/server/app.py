@@ -44,6 +44,14 @@ class ServerSettings:
         return (self.model_name, *[a for a in self.aliases if a != self.model_name])
 
 
+def default_model_name(path: str | None) -> str:
+    """The id served for `--model PATH`: the embedded model's name, else PATH as given (a hub id
+    keeps its organisation: `Dream-org/Dream-v0-Instruct-7B`), as vLLM serves it."""
+    if path is None:
+        return "llada-arith"
+    return str(path).rstrip("/") or str(path)
+
+
 class Server:
     """The state behind the routes: model, tokenizer, server defaults and the scheduler."""
 

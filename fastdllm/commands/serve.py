@@ -7,7 +7,7 @@ import argparse
 import logging
 
 from ..generate import GenerationConfig
-from .app import ServerSettings, create_app
+from ..server.app import ServerSettings, create_app, default_model_name
 
 log = logging.getLogger("fastdllm.server")
 
@@ -33,14 +33,6 @@ def _positive_int(text: str) -> int:
 
 
 _positive_int.__name__ = "positive integer"
-
-
-def default_model_name(path: str | None) -> str:
-    """The id served for `--model PATH`: the embedded model's name, else PATH as given (a hub id
-    keeps its organisation: `Dream-org/Dream-v0-Instruct-7B`), as vLLM serves it."""
-    if path is None:
-        return "llada-arith"
-    return str(path).rstrip("/") or str(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,128 @@
+"""`fastdllm bench`: Fast-dLLM's tables on your machine, side by side (`fastdllm.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..bench import HEADER, ROW_KEYS, environment, fmt_row, plots, run_config, table_rows
+from ..cli_args import UserError, add_model_args, load_model_or_exit
+from ..config import GenerationConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="fastdllm bench",
+        description=__doc__.split("\n\n")[0],
+        epilog="examples:\n  fastdllm bench --quick\n  fastdllm bench --gen-length 256 1024 --limit 50 --out bench_out\n"
+               "  fastdllm bench --gen-length 1024 --limit 2 --rows full --no-sweeps --no-batch-check\n"
+               "  fastdllm bench --model GSAI-ML/LLaDA-8B-Instruct --task gsm8k --device cuda --limit 100",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_args(p)
+    p.add_argument("--task", default="arith")
+    p.add_argument("--limit", type=int, nargs="+", default=None,
+                   help="samples per configuration, one value or one per gen length (default 32; --quick: 4)")
+    p.add_argument("--gen-length", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--num-fewshot", type=int, nargs="+", default=None,
+                   help="shots per gen length (default: 0 for 256, 8 for 1024, as the paper)")
+    p.add_argument("--batch-size", type=int, default=1, help="batch size of the table rows (paper: 1)")
+    p.add_argument("--stop-at-eos", choices=["off", "on", "both"], default="both")
+    p.add_argument("--rows", nargs="+", choices=ROW_KEYS, default=None,
+                   help="run only these table rows (the baseline always runs); default: all")
+    p.add_argument("--sweeps", action=argparse.BooleanOptionalAction, default=True,
+                   help="threshold and block-size sweeps at the first gen length")
+    p.add_argument("--batch-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="full method at batch 1 vs batch 8")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 samples, gen length 64, small sweeps")
+    p.add_argument("--out", default="bench_out")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.limit = args.limit or [4]
+        args.gen_length = [64]
+    limits = args.limit or [32]
+    limits = limits * len(args.gen_length) if len(limits) == 1 else limits
+    shots = args.num_fewshot or [0 if g <= 256 else 8 for g in args.gen_length]
+    if len(shots) != len(args.gen_length):
+        raise UserError("--num-fewshot: give one value per --gen-length")
+    if len(limits) != len(args.gen_length):
+        raise UserError("--limit: give one value, or one per --gen-length")
+    args.limit, args.limits = limits[0], limits
+    model, tokenizer = load_model_or_exit(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Warm-up: the first forward passes of a process pay for allocation and kernel selection.
+    run_config(model, tokenizer, args.task, GenerationConfig(gen_length=args.gen_length[0], block_length=args.block_length),
+               argparse.Namespace(**{**vars(args), "limit": 1}), shots[0])
+
+    results: list[dict] = []
+    for gen_length, k, limit in zip(args.gen_length, shots, limits):
+        group_args = argparse.Namespace(**{**vars(args), "limit": limit})
+        for row in table_rows(gen_length, args.block_length, args.stop_at_eos, args.rows):
+            r = run_config(model, tokenizer, args.task, row.config, group_args, k)
+            results.append({"name": row.name, "group": f"{row.group}, {k}-shot", "config": row.config.to_dict(),
+                            "num_fewshot": k, **r})
+            print(f"  {results[-1]['group']:<22} {row.name:<40} acc {100 * r['accuracy']:5.1f}  "
+                  f"{r['tokens_per_second']:8.1f} tok/s  NFE {r['nfe_per_sample']:.1f}", flush=True)
+    for r in results:
+        base = next(b for b in results if b["group"] == r["group"] and b["name"].startswith("baseline"))
+        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base["tokens_per_second"] else 0.0
+
+    sweeps: dict[str, list[dict]] = {}
+    g0, k0 = args.gen_length[0], shots[0]
+    if args.sweeps:
+        thresholds = [0.5, 0.7, 0.9, 1.0] if args.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+        blocks = [b for b in ([8, 32] if args.quick else [4, 8, 16, 32, 64]) if g0 % b == 0]
+        sweeps["threshold"] = [
+            {"value": t, **run_config(model, tokenizer, args.task, GenerationConfig(
+                gen_length=g0, block_length=args.block_length, cache="dual", threshold=t, stop_at_eos=False), args, k0)}
+            for t in thresholds
+        ]
+        sweeps["block_length"] = [
+            {"value": b, **run_config(model, tokenizer, args.task, GenerationConfig(
+                gen_length=g0, block_length=b, cache="dual", threshold=0.9, stop_at_eos=False), args, k0)}
+            for b in blocks
+        ]
+    batch = {}
+    if args.batch_check:
+        cfg = GenerationConfig(gen_length=g0, block_length=args.block_length, cache="dual", threshold=0.9,
+                               stop_at_eos=False)
+        one = run_config(model, tokenizer, args.task, cfg, args, k0, batch_size=1)
+        eight = run_config(model, tokenizer, args.task, cfg, args, k0, batch_size=8)
+        batch = {"batch_1": one, "batch_8": eight,
+                 "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0}
+
+    lines = [f"fastdllm bench: task {args.task}, {'/'.join(map(str, limits))} samples per row, batch {args.batch_size}, "
+             f"device {model.device}", "", HEADER] + [fmt_row(r) for r in results]
+    for key, pts in sweeps.items():
+        lines += ["", f"{key} sweep (gen {g0}, {k0}-shot, DualCache):", "", f"| {key} | accuracy % | tokens/s | NFE/sample |",
+                  "|---|---|---|---|"]
+        lines += [f"| {p['value']} | {100 * p['accuracy']:.1f} | {p['tokens_per_second']:.1f} | {p['nfe_per_sample']:.1f} |"
+                  for p in pts]
+    if batch:
+        lines += ["", f"batch 8 vs batch 1 (full method, gen {g0}): {batch['batch_8']['tokens_per_second']:.1f} vs "
+                      f"{batch['batch_1']['tokens_per_second']:.1f} tokens/s = {batch['ratio']:.1f}x"]
+    table = "\n".join(lines)
+    print(table)
+    (out / "bench.md").write_text(table + "\n")
+    plot_files = plots(out, results, sweeps)
+    record = {
+        "command": "fastdllm bench " + " ".join(argv if argv is not None else []),
+        "settings": {k: v for k, v in vars(args).items()},
+        "environment": environment(model, model.device),
+        "rows": results,
+        "sweeps": sweeps,
+        "batch": batch,
+        "plots": plot_files,
+    }
+    (out / "bench.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"wrote {out / 'bench.md'}, {out / 'bench.json'} and {', '.join(plot_files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

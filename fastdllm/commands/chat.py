@@ -1,0 +1,66 @@
+"""`fastdllm chat`: a multi-turn conversation (`fastdllm.chat.ChatSession`)."""
+
+from __future__ import annotations
+
+import sys
+
+from ..chat import CHAT_EXAMPLES, ChatSession, _add_common, _parser, _with_max_new_tokens
+from ..cli_args import UserError, config_from_args, load_model_or_exit
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser(
+        "fastdllm chat",
+        "Multi-turn chat with a diffusion language model through its chat template (the embedded default "
+        "model unless --model). Reads one message per line from stdin, so it also works with piped input; "
+        "answers go to stdout, statistics to stderr.",
+        CHAT_EXAMPLES,
+    )
+    _add_common(p)
+    args = p.parse_args(argv)
+    config = _with_max_new_tokens(config_from_args(args), args.max_new_tokens)
+    if args.show_delay < 0:
+        raise UserError("--show-delay: must be >= 0")
+    model, tokenizer = load_model_or_exit(args)
+    session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop, keep=args.max_new_tokens)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("fastdllm chat: type a message; /reset to forget the conversation, /exit to quit.", file=sys.stderr)
+    while True:
+        try:
+            if interactive:
+                line = input(">>> ")
+            else:
+                line = sys.stdin.readline()
+                if not line:
+                    break
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd = line.split()[0].lower()
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                session.reset()
+                print("(conversation reset)", file=sys.stderr)
+            elif cmd == "/help":
+                print("/reset  forget the conversation    /exit  quit", file=sys.stderr)
+            else:
+                print(f"unknown command {cmd}; try /help", file=sys.stderr)
+            continue
+        dropped = session.dropped_turns
+        try:
+            answer = session.send(line, show=args.show, show_delay=args.show_delay)
+        except UserError as e:
+            print(f"fastdllm chat: error: {e}", file=sys.stderr)
+            continue
+        if session.dropped_turns > dropped:
+            print(f"(dropped {session.dropped_turns - dropped} old turn(s) to fit the context)", file=sys.stderr)
+        print(answer.completion.text)
+        sys.stdout.flush()
+        if not args.no_stats:
+            print(answer.stats_line(), file=sys.stderr)
+    return 0

@@ -1,0 +1,65 @@
+"""`fastdllm generate`: the answer to one prompt (`fastdllm.chat.run_prompt`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..chat import GENERATE_EXAMPLES, _add_common, _parser, _read_prompt, _with_max_new_tokens, run_prompt
+from ..cli_args import UserError, config_from_args, load_model_or_exit
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser(
+        "fastdllm generate",
+        "Generate the answer to one prompt with a diffusion language model (the embedded default model "
+        "unless --model). The prompt goes through the model's chat template unless --raw. The answer goes "
+        "to stdout, one line of statistics (tokens, NFE, tokens/step, tokens/s) to stderr.",
+        GENERATE_EXAMPLES,
+    )
+    p.add_argument("prompt", help='the prompt, or "-" to read it from stdin')
+    _add_common(p)
+    p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, tokens, nfe, tokens_per_step, tokens_per_second, config)")
+    args = p.parse_args(argv)
+    config = _with_max_new_tokens(config_from_args(args), args.max_new_tokens)
+    if args.show_delay < 0:
+        raise UserError("--show-delay: must be >= 0")
+    prompt = _read_prompt(args.prompt)
+    model, tokenizer = load_model_or_exit(args)
+
+    templated = not args.raw and bool(tokenizer.chat_template)
+    if templated:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}]
+        ids = tokenizer.encode_chat(messages)
+    else:
+        ids = tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt)
+    if not ids:
+        raise UserError("the prompt is empty after tokenisation")
+    answer = run_prompt(model, tokenizer, ids, config, stop=args.stop, show=args.show and not args.json,
+                        keep=args.max_new_tokens,
+                        show_delay=args.show_delay)
+    c, o = answer.completion, answer.output
+    if args.json:
+        record = {
+            "text": c.text,
+            "tokens": c.num_tokens,
+            "finish_reason": c.finish_reason,
+            "prompt_tokens": answer.prompt_tokens,
+            "nfe": o.nfe,
+            "tokens_per_step": round(answer.tokens_per_step, 4),
+            "tokens_per_second": round(c.num_tokens / o.wall_time if o.wall_time > 0 else 0.0, 2),
+            "wall_time": round(o.wall_time, 4),
+            "chat_template": templated,
+            "model": args.model or "default",
+            "config": config.to_dict(),
+        }
+        print(json.dumps(record, ensure_ascii=False))
+        return 0
+    print(c.text)
+    sys.stdout.flush()
+    if not args.no_stats:
+        print(answer.stats_line(), file=sys.stderr)
+    return 0
