@@ -234,6 +234,7 @@ def iter_generate(
             sync()
             forward_time += time.perf_counter() - t0
             nfe += 1
+            stats["nfe"] = nfe
             # Each row is charged the forward only when it needed it (as nfe_per_row): what it costs alone.
             queries, keys = policy.last_work
             for r, needed in zip(rows, has_mask.tolist()):
@@ -335,15 +336,17 @@ def generate(
 
 
 def stream_blocks(
-    model, input_ids, config: GenerationConfig | None = None, attention_mask=None, row_seeds=None
+    model, input_ids, config: GenerationConfig | None = None, attention_mask=None, row_seeds=None,
+    stats: dict | None = None,
 ) -> Iterator[tuple[int, list[list[int]], list[bool]]]:
     """Yield (block index, per-row token ids of that block, per-row finished) as soon as each
     block is final: inside a block tokens settle out of order, so a block is the unit a server
-    can stream. Rows that already finished get an empty list."""
+    can stream. Rows that already finished get an empty list. `stats["nfe"]` counts the forwards
+    so far (also when the caller stops early)."""
     config = config or GenerationConfig()
     blk = config.block_length
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds):
+        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats):
             if event.kind != "block":
                 continue
             b = event.block

@@ -523,3 +523,45 @@ def test_served_name_keeps_the_organisation():
 
     assert default_model_name("Dream-org/Dream-v0-Instruct-7B") == "Dream-org/Dream-v0-Instruct-7B"
     assert default_model_name(None) == "llada-arith"
+
+
+# ---- auth, limits, metrics, tokenizer routes ------------------------------------------------------------
+def test_api_key_is_required_when_set(loaded):
+    server = LiveServer(*loaded, api_key="s3cret")
+    try:
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            r = httpx.post(server.url + CHAT, json={"model": MODEL, "messages": MSG}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(server.url + "/health").status_code == 200  # open, for load balancers
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
+        assert client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=8).choices[0].message
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        server.stop()
+
+
+def test_a_huge_body_gets_413_and_the_server_keeps_serving(srv):
+    huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (10 * 1024 * 1024)}]})
+    r = srv.post(CHAT, huge)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    t0 = time.perf_counter()
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    assert time.perf_counter() - t0 < 2
+
+
+def test_metrics_version_and_tokenizer_routes(srv, loaded):
+    _, tok = loaded
+    assert srv.post(CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 8}).status_code == 200
+    text = httpx.get(srv.url + "/metrics").text
+    for name in ("fastdllm_requests_total", "fastdllm_generated_tokens_total", "fastdllm_forward_passes_total",
+                 "fastdllm_batch_rows_bucket", "fastdllm_queue_depth", "fastdllm_request_latency_seconds_bucket"):
+        assert name in text, name
+    assert 'route="/v1/chat/completions",status="200"' in text
+    assert httpx.get(srv.url + "/version").json()["version"] == fastdllm.__version__
+    r = srv.post("/tokenize", {"model": MODEL, "prompt": "Tom has 5 apples."}).json()
+    assert r["tokens"] == tok.encode("Tom has 5 apples.") and r["count"] == len(r["tokens"])
+    chat = srv.post("/tokenize", {"model": MODEL, "messages": MSG}).json()["tokens"]
+    assert chat == tok.encode_chat([m for m in MSG])
+    assert srv.post("/detokenize", {"model": MODEL, "tokens": r["tokens"]}).json()["prompt"] == "Tom has 5 apples."
+    assert srv.post("/detokenize", {"model": MODEL, "tokens": [10 ** 9]}).status_code == 400

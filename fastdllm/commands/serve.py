@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from ..generate import GenerationConfig
 from ..server.app import ServerSettings, create_app, default_model_name
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model ids clients may use, the first one reported (default: --model as given, or "
                         "llada-arith for the embedded model)")
+    s.add_argument("--api-key", default=os.environ.get("FASTDLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /version "
+                        "(default: $FASTDLLM_API_KEY; none: open)")
+    s.add_argument("--max-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
+                   help="larger request bodies get 413 (default %(default)s)")
     s.add_argument("--strict", action="store_true",
                    help="refuse request fields that are otherwise accepted and ignored (metadata, store, tools: [], "
                         "response_format text, ...)")
@@ -71,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model_or_exit(args)
     names = args.served_model_name or [default_model_name(args.model)]
     settings = ServerSettings(names[0], config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000,
-                              aliases=tuple(names[1:]), strict=args.strict)
+                              aliases=tuple(names[1:]), strict=args.strict, api_key=args.api_key,
+                              max_body_bytes=args.max_body_bytes)
     app = create_app(model, tokenizer, settings)
     import uvicorn
 

@@ -15,14 +15,18 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from ..generate import GenerationConfig
+from .guard import Guard
 from .incremental import ChoiceText
+from .metrics import ServerMetrics
 from .scheduler import Job, QueueFull, Scheduler
-from .schema import DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, _Common, validation_error
+from .schema import (DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                     TokenizeRequest, _Common, validation_error)
 
 log = logging.getLogger("fastdllm.server")
 
@@ -38,6 +42,8 @@ class ServerSettings:
     block_hook: Callable[[int], None] | None = None  # called by the worker after each block
     aliases: tuple[str, ...] = ()  # more ids clients may use for the model
     strict: bool = False  # refuse the fields that are otherwise accepted and ignored
+    api_key: str | None = None  # when set, every route but /health and /version needs "Bearer <key>"
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -215,6 +221,20 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                   description="OpenAI-compatible server for diffusion language models")
     app.state.server = server
     app.state.scheduler = server.scheduler
+    metrics = ServerMetrics(server.scheduler)
+    server.scheduler.batch_hook = metrics.on_batch
+    app.state.metrics = metrics
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        metrics.latency.labels(path).observe(time.perf_counter() - t0)
+        return response
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -241,6 +261,35 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": settings.model_name, **server.scheduler.snapshot()}
+
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        server.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give prompt or messages", param="prompt", code="invalid_value")
+        if req.messages is not None:
+            tokens = server.chat_prompt(ChatCompletionRequest(model=req.model, messages=req.messages))
+        else:
+            tokens = tokenizer.encode(req.prompt)
+        return {"count": len(tokens), "max_model_len": model.args.max_seq_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        server.check_model(req.model)
+        vocab = model.args.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"tokens: ids must be in [0, {vocab})", param="tokens", code="invalid_value")
+        return {"prompt": tokenizer.decode(req.tokens)}
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": server.created, "owned_by": "fastdllm",
@@ -345,6 +394,8 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             finally:
                 if not ended:
                     server.scheduler.cancel(job)
+            metrics.prompt_tokens.inc(prompt_tokens)
+            metrics.generated_tokens.inc(sum(ch.num_tokens for ch in choices))
             return JSONResponse({**meta, "object": endpoint.object, "system_fingerprint": None,
                                  "choices": [endpoint.choice(i, ch) for i, ch in enumerate(choices)],
                                  "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))},
@@ -394,6 +445,8 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                                 "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))})
                 yield "data: [DONE]\n\n"
                 done = True
+                metrics.prompt_tokens.inc(prompt_tokens)
+                metrics.generated_tokens.inc(sum(ch.num_tokens for ch in choices))
             finally:
                 if not done:  # the client went away (the response task was cancelled)
                     server.scheduler.cancel(job)

@@ -57,6 +57,7 @@ class Scheduler:
                  block_hook: Callable[[int], None] | None = None):
         self.model = model
         self.block_hook = block_hook  # called in the worker after each block (tests, diagnostics)
+        self.batch_hook: Callable[[int, int], None] | None = None  # (rows, forward passes) after each batch
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.batch_wait = batch_wait
@@ -172,8 +173,9 @@ class Scheduler:
             spans.append((start, start + job.rows))
             start += job.rows
         gen = None
+        run_stats: dict = {}
         try:
-            gen = stream_blocks(self.model, prompts, batch[0].config, row_seeds=seeds)
+            gen = stream_blocks(self.model, prompts, batch[0].config, row_seeds=seeds, stats=run_stats)
             for b, parts, finished in gen:
                 with self.cond:
                     self.stats["blocks"] += 1
@@ -191,6 +193,8 @@ class Scheduler:
                 job.post(("end",))
             with self.cond:
                 self.stats["completed"] += len(batch)
+            if self.batch_hook is not None:
+                self.batch_hook(len(prompts), run_stats.get("nfe", 0))
         except Exception as e:  # never let one bad batch kill the worker
             log.exception("generation failed")
             with self.cond:

@@ -203,3 +203,14 @@ class CompletionRequest(_Common):
             raise APIError(400, "suffix: not supported", param="suffix", code="unsupported_value")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: not supported (only 1)", param="best_of", code="unsupported_value")
+
+
+class TokenizeRequest(_Strict):
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str
+    tokens: list[int]
