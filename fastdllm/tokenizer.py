@@ -9,6 +9,7 @@ byte-level BPE files `vocab.json` + `merges.txt` + `added_tokens.json` (Dream), 
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
@@ -91,8 +92,41 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as plain text: special-token text in it ("<|eot_id|>", the mask token) is encoded
+        as the characters it is made of, never as the special token."""
+        if getattr(self, "_plain", None) is None:
+            self._plain = FastTokenizer.from_str(self.fast.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain.encode(text, add_special_tokens=False).ids
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        """The conversation rendered with the chat template and encoded. The template's own text is
+        encoded with its special tokens; each message's content as plain text (`encode_plain`), so
+        that what a user writes cannot forge a turn (`<|eot_id|><|start_header_id|>system...`) or
+        put a mask token into the prompt. A template that changes contents other than by
+        trimming them falls back to encoding the rendered text as a whole."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        marks = [f"\x00content{i}-{secrets.token_hex(8)}\x00" for i in range(len(messages))]
+        marked = self.apply_chat_template(
+            [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)],
+            add_generation_prompt)
+        parts, contents, rest = [], [], marked
+        for m, mark in zip(messages, marks):
+            if not isinstance(m.get("content"), str) or rest.count(mark) != 1:
+                if mark in marked:  # a content rendered more than once: no clean split
+                    return self.encode(text)
+                continue
+            head, rest = rest.split(mark)
+            parts.append(head)
+            contents.append(m["content"])
+        for form in (lambda c: c, str.strip):
+            if "".join(p + form(c) for p, c in zip(parts, contents)) + rest == text:
+                ids = []
+                for p, c in zip(parts, contents):
+                    ids += self.encode(p) + self.encode_plain(form(c))
+                return ids + self.encode(rest)
+        return self.encode(text)
 
     # ---- files ------------------------------------------------------------------------------
     def save(self, folder: str | Path) -> None:

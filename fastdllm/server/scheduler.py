@@ -174,6 +174,7 @@ class Scheduler:
             start += job.rows
         gen = None
         run_stats: dict = {}
+        posted = False
         try:
             gen = stream_blocks(self.model, prompts, batch[0].config, row_seeds=seeds, stats=run_stats)
             for b, parts, finished in gen:
@@ -182,6 +183,7 @@ class Scheduler:
                 for job, (lo, hi) in zip(batch, spans):
                     if job.wanted:
                         job.post(("block", b, parts[lo:hi], finished[lo:hi]))
+                        posted = True
                 if self.block_hook is not None:
                     self.block_hook(b)
                 if not any(job.wanted for job in batch):
@@ -196,6 +198,16 @@ class Scheduler:
             if self.batch_hook is not None:
                 self.batch_hook(len(prompts), run_stats.get("nfe", 0))
         except Exception as e:  # never let one bad batch kill the worker
+            if len(batch) > 1 and not posted:
+                # No request may fail another: decode each alone, so only the culprit gets the error.
+                log.warning("a batch of %d failed (%s: %s); retrying its requests one by one", len(batch),
+                            type(e).__name__, e)
+                if gen is not None:
+                    gen.close()
+                    gen = None
+                for job in batch:
+                    self._run([job])
+                return
             log.exception("generation failed")
             with self.cond:
                 self.stats["errors"] += len(batch)
