@@ -23,6 +23,7 @@ CONFIGS = {
     "vicinity+suffix32": dict(cache="dual", threshold=0.9, refresh="vicinity", suffix_window=32),
     "vicinity+suffix64": dict(cache="dual", threshold=0.9, refresh="vicinity", suffix_window=64),
     "vicinity4+suffix32": dict(cache="dual", threshold=0.9, refresh="vicinity", refresh_every=4, suffix_window=32),
+    "adaptive+suffix32": dict(cache="dual", threshold=0.9, refresh="adaptive", suffix_window=32),
 }
 
 

@@ -16,7 +16,14 @@ block-start forward recomputes is the policy's `refresh`:
   (its tokens just became final, and the current block and what follows it see them), against
   the cached K/V of everything before it; the prompt's K/V are computed once per generation, at
   the first block. `refresh_every` N adds a full refresh every N blocks (1: every block, which is
-  "full"). When rows finish and leave the batch, the cache rows of the others move with them.
+  "full"). When rows finish and leave the batch, the cache rows of the others move with them;
+- "adaptive": the vicinity refresh, then a test of whether it sufficed. The current block's
+  positions are all still masked, so their tokens did not change since their keys were cached:
+  any change of their last-layer keys, cached against recomputed now, is the effect of the
+  just-finished block's tokens through attention, the same effect that leaves the older prefix's
+  cached K/V stale. A row whose relative change exceeds `refresh_tol` gets a full forward at once
+  (its logits and cache replaced). The test is per row, so a row decodes the same in a batch as
+  alone.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class CachePolicy:
         self.model = model
         self.last_work: tuple[int, int] = (0, 0)
         self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
+        # A forward some rows needed on top of the step's: (batch indices, queries, keys), or None.
+        self.extra_work: tuple[list[int], int, int] | None = None
 
     def record(self) -> "CachePolicy":
         """Record every forward's (window start, window end, sequence length, block start, block end)
@@ -79,7 +88,7 @@ class NoCache(CachePolicy):
         return self.forward(seq, start, end)
 
 
-REFRESH = ("full", "vicinity")
+REFRESH = ("full", "vicinity", "adaptive")
 
 
 class PrefixCache(CachePolicy):
@@ -87,11 +96,12 @@ class PrefixCache(CachePolicy):
     # Whether later steps also reuse the suffix after the block (DualCache) or recompute it.
     reuse_suffix = False
 
-    def __init__(self, model, refresh: str = "full", refresh_every: int | None = None):
+    def __init__(self, model, refresh: str = "full", refresh_every: int | None = None, refresh_tol: float = 0.1):
         super().__init__(model)
         if refresh not in REFRESH:
             raise ValueError(f"refresh: must be one of {', '.join(REFRESH)} (got {refresh!r})")
-        self.refresh, self.refresh_every = refresh, refresh_every
+        self.refresh, self.refresh_every, self.refresh_tol = refresh, refresh_every, refresh_tol
+        self.drifts: list[float] = []  # the adaptive test's measurements (diagnostics)
         self._buffer: KVCache | None = None
         self.cache: KVCache | None = None
         self._rows: tuple[int, ...] | None = None
@@ -117,9 +127,36 @@ class PrefixCache(CachePolicy):
             self.cache = self._cache_for(bsz, length, seq.capacity or length)
             window = self.refresh_window(seq, start, end)
             self._rows = rows
+            if window is not None and self.refresh == "adaptive":
+                return self._adaptive(seq, start, end, window)
         else:
             window = (start, end if self.reuse_suffix else length)
         return self.forward(seq, start, end, window=window, cache=self.cache)
+
+
+    def _adaptive(self, seq, start, end, window):
+        probe = slice(start, min(end, seq.x.shape[1]))
+        before = self.cache.k[-1, :, :, probe].float().clone()
+        logits = self.forward(seq, start, end, window=window, cache=self.cache)
+        after = self.cache.k[-1, :, :, probe].float()
+        drift = ((after - before).flatten(1).norm(dim=-1) / before.flatten(1).norm(dim=-1).clamp_min(1e-12)).tolist()
+        self.drifts.extend(drift)
+        stale = [i for i, d in enumerate(drift) if d > self.refresh_tol]
+        if stale:
+            # A full forward for those rows alone, in a cache of their own, copied back: the other
+            # rows keep exactly what the vicinity refresh gave them.
+            idx = torch.tensor(stale, device=seq.x.device)
+            sub = SequenceView(seq.x[idx], seq.positions[idx], None if seq.key_mask is None else seq.key_mask[idx])
+            scratch = self.model.new_cache(len(stale), seq.x.shape[1])
+            full = self.model.logits_for(sub.x, start, end, cache=scratch, positions=sub.positions,
+                                         key_mask=sub.key_mask)
+            self.cache.k[:, idx] = scratch.k
+            self.cache.v[:, idx] = scratch.v
+            logits = logits.clone()
+            logits[idx] = full.to(logits.dtype)
+            length = seq.x.shape[1]
+            self.extra_work = (stale, length, length)
+        return logits
 
 
 class DualCache(PrefixCache):
@@ -135,4 +172,4 @@ def cache_policy(model, config) -> CachePolicy:
     cls = CACHE_POLICIES[config.cache]
     if cls is NoCache:
         return cls(model)
-    return cls(model, refresh=config.refresh, refresh_every=config.refresh_every)
+    return cls(model, refresh=config.refresh, refresh_every=config.refresh_every, refresh_tol=config.refresh_tol)

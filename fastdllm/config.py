@@ -71,6 +71,8 @@ class GenerationConfig:
     refresh: str = _opt("full", "str", "what a cache policy's block-start forward recomputes: "
                         + " | ".join(REFRESH) + " (vicinity: from the just-finished block on, after dInfer)")
     refresh_every: int | None = _opt(None, "optional int", "with refresh=vicinity: a full refresh every N blocks")
+    refresh_tol: float = _opt(0.1, "float", "with refresh=adaptive: the relative change of the just-finished "
+                              "block's keys above which a row is refreshed fully")
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
 
     def __post_init__(self) -> None:
@@ -209,6 +211,8 @@ class GenerationConfig:
         need(self.refresh in REFRESH, "refresh", f"must be one of {', '.join(REFRESH)}")
         need(self.refresh == "full" or self.cache != "none", "refresh",
              "needs a cache (cache=prefix or dual): without one every forward is full")
+        need(is_num(self.refresh_tol) and finite(self.refresh_tol) and self.refresh_tol >= 0, "refresh_tol",
+             "must be a finite number >= 0")
         if self.refresh_every is not None:
             need(is_int(self.refresh_every) and self.refresh_every >= 1, "refresh_every",
                  "must be a positive integer or None")

@@ -198,6 +198,7 @@ def iter_generate(
     unmask_step = torch.full((bsz, gen_len), -1, dtype=torch.long, device=device)
     row_nfe = torch.zeros(bsz, dtype=torch.long, device=device)  # steps each row took part in
     row_queries, row_attended = [0] * bsz, [0] * bsz  # work each row took part in
+    row_extra = [0] * bsz  # forwards beyond one per step (an adaptive refresh's full forward)
     step_log: list[tuple] = []  # (rows, tokens revealed per row, row had masks): lists built at the end
     finished = [False] * bsz
     nfe, forward_time = 0, 0.0
@@ -241,6 +242,14 @@ def iter_generate(
                 if needed:
                     row_queries[r] += queries
                     row_attended[r] += queries * keys
+            extra, policy.extra_work = getattr(policy, "extra_work", None), None
+            if extra is not None:  # a further forward for some rows (the adaptive refresh)
+                batch_rows, q, k = extra
+                nfe += 1
+                for i in batch_rows:
+                    row_queries[rows[i]] += q
+                    row_attended[rows[i]] += q * k
+                    row_extra[rows[i]] += 1
             # Rows whose block is already done draw no randomness: each row's stream must advance
             # exactly as when it is decoded alone, whatever the other rows still need.
             drawing = rows
@@ -277,7 +286,7 @@ def iter_generate(
         for r, c, alive in zip(rows_in_step, counts.tolist(), live.tolist()):
             if alive:
                 tokens_per_step[r].append(c)
-    stats.update(nfe=nfe, row_nfe=row_nfe.tolist(), tokens_per_step=tokens_per_step, unmask_step=unmask_step,
+    stats.update(nfe=nfe, row_nfe=[n + e for n, e in zip(row_nfe.tolist(), row_extra)], tokens_per_step=tokens_per_step, unmask_step=unmask_step,
                  forward_time=forward_time, finished=finished, forward_positions=row_queries,
                  attended_positions=row_attended)
     yield StepEvent("done", x[:, plen:], config.num_blocks - 1, [], finished=list(finished))

@@ -451,3 +451,25 @@ def test_vicinity_refresh_keeps_cache_rows_when_rows_finish(trained):
         alone = generate(model, [p], config=cfg)
         n = alone.num_tokens[0]
         assert together.sequences[i, :n].tolist() == alone.sequences[0, :n].tolist()
+
+
+def test_adaptive_refresh(trained, tiny_llada, tokenizer):
+    base = GenerationConfig(gen_length=32, block_length=8, threshold=0.3, stop_at_eos=False)
+    ref = generate(tiny_llada, prompts(tokenizer), config=base)
+    # tolerance 0: every row refreshes fully after the vicinity forward: Fast-dLLM's tokens
+    always = generate(tiny_llada, prompts(tokenizer), config=base.replace(refresh="adaptive", refresh_tol=0.0))
+    assert torch.equal(always.sequences, ref.sequences)
+    assert all(a > r for a, r in zip(always.nfe_per_row, ref.nfe_per_row))  # the extra forwards are counted
+    # an infinite tolerance never refreshes: the vicinity refresh's tokens
+    never = generate(tiny_llada, prompts(tokenizer), config=base.replace(refresh="adaptive", refresh_tol=1e9))
+    near = generate(tiny_llada, prompts(tokenizer), config=base.replace(refresh="vicinity"))
+    assert torch.equal(never.sequences, near.sequences) and never.forward_positions == near.forward_positions
+    # per row: a batch decodes as its rows alone
+    model, tok = trained
+    ps = arith_prompts(tok, 4)
+    cfg = GenerationConfig(gen_length=128, block_length=32, refresh="adaptive", refresh_tol=0.05, stop_at_eos=False)
+    together = generate(model, ps, config=cfg)
+    for i, p in enumerate(ps):
+        alone = generate(model, [p], config=cfg)
+        n = alone.num_tokens[0]
+        assert together.sequences[i, :n].tolist() == alone.sequences[0, :n].tolist()
