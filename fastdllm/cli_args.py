@@ -33,6 +33,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder or Hugging Face repo id (default: the embedded model)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the checkpoint's)")
+    p.add_argument("--revision", default=None, help="for a hub id: the branch, tag or commit (default: main)")
+    p.add_argument("--local-files-only", action="store_true", help="for a hub id: use the hub cache only, no network")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's; use 1 on a machine shared with other jobs)")
 
@@ -104,6 +106,7 @@ def load_model_or_exit(args: argparse.Namespace):
             raise UserError("--threads: must be a positive integer")
         torch.set_num_threads(args.threads)
     try:
-        return load(args.model, dtype=args.dtype, device=args.device)
+        return load(args.model, dtype=args.dtype, device=args.device, revision=getattr(args, "revision", None),
+                    local_files_only=getattr(args, "local_files_only", False))
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None

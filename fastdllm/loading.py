@@ -36,9 +36,12 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def resolve_model_path(path_or_repo_id: str | os.PathLike | None) -> Path:
+def resolve_model_path(path_or_repo_id: str | os.PathLike | None, revision: str | None = None,
+                       local_files_only: bool = False, token: str | bool | None = None) -> Path:
     """A local folder as is; the name of an embedded model; otherwise a hub repo id downloaded (or
-    found in the hub cache)."""
+    found in the hub cache) at `revision` (a branch, tag or commit; default the main branch).
+    `local_files_only` never goes to the network; `token` defaults to huggingface_hub's own
+    (HF_TOKEN or the stored login)."""
     if path_or_repo_id is None:
         return DEFAULT_MODEL_DIR
     path, text = Path(path_or_repo_id).expanduser(), str(path_or_repo_id)
@@ -52,7 +55,8 @@ def resolve_model_path(path_or_repo_id: str | os.PathLike | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS, revision=revision,
+                                      local_files_only=local_files_only, token=token))
     except Exception as e:  # network, auth, or unknown repo: say which id failed and why
         raise FileNotFoundError(
             f"model {text!r}: not a local folder, and downloading it from the Hugging Face hub failed "
@@ -132,13 +136,15 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
     return model.eval().requires_grad_(False)
 
 
-def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=None) -> tuple[Transformer, Tokenizer]:
+def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=None, *, revision: str | None = None,
+         local_files_only: bool = False, token: str | bool | None = None) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
 
     dtype: None (the checkpoint's `torch_dtype`), "float32"/"bfloat16" or a torch dtype.
     device: None (CUDA when available, else CPU), or any torch device string.
+    revision, local_files_only, token: for a hub id, as huggingface_hub takes them.
     """
-    folder = resolve_model_path(path_or_repo_id)
+    folder = resolve_model_path(path_or_repo_id, revision=revision, local_files_only=local_files_only, token=token)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if path_or_repo_id is None and not (folder / "config.json").is_file():

@@ -291,3 +291,27 @@ def test_bfloat16_forward_close_to_fp32(tiny_llada_dir):
     a, b = m32(x), m16(x).float()
     assert m16.dtype == torch.bfloat16
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+def test_hub_ids_pass_revision_local_files_only_and_token(monkeypatch, tiny_llada_dir):
+    import huggingface_hub
+
+    from fastdllm.loading import resolve_model_path
+
+    seen = {}
+
+    def fake_snapshot_download(**kw):
+        seen.update(kw)
+        return str(tiny_llada_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve_model_path("org/model", revision="v1.2", local_files_only=True, token="t") == tiny_llada_dir
+    assert (seen["repo_id"], seen["revision"], seen["local_files_only"], seen["token"]) == ("org/model", "v1.2", True, "t")
+    model, _ = fastdllm.load("org/model", revision="abc123", dtype="float32")
+    assert seen["revision"] == "abc123" and model.args.n_layers > 0
+
+
+def test_local_files_only_never_reaches_the_network(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no-such-org/no-such-model"):
+        fastdllm.load("no-such-org/no-such-model", local_files_only=True)
