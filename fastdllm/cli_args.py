@@ -96,6 +96,18 @@ def config_from_args(args: argparse.Namespace, **overrides) -> GenerationConfig:
         raise UserError(f"{flag(e.param)}: {e.detail}") from None
 
 
+def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, model) -> GenerationConfig:
+    """The checkpoint's own generation defaults (Dream's generation_config.json) for the decoding
+    flags the user did not give; none with a --preset, which says what to use."""
+    if getattr(args, "preset", None):
+        return config
+    given = {n: getattr(config, n) for n in getattr(args, "_explicit", ())}
+    try:
+        return GenerationConfig.for_model(model, config, **given)
+    except ConfigError as e:
+        raise UserError(f"{flag(e.param)}: {e.detail} (with the checkpoint's generation_config.json)") from None
+
+
 def load_model_or_exit(args: argparse.Namespace):
     import torch
 

@@ -102,6 +102,16 @@ class GenerationConfig:
     def default(cls, **overrides) -> "GenerationConfig":
         return cls(**overrides)
 
+    @classmethod
+    def for_model(cls, model, base: "GenerationConfig | None" = None, **overrides) -> "GenerationConfig":
+        """`base` (default: the defaults) with the checkpoint's own generation defaults (Dream's
+        generation_config.json: alg, eps, temperature, ...) in the fields `overrides` leave unset."""
+        names = getattr(getattr(model, "family", None), "GENERATION_DEFAULTS", ())
+        found = getattr(model, "generation_config", None) or {}
+        checkpoint = {k: found[k] for k in names if k in found}
+        base = base or cls()
+        return base.replace(**{**checkpoint, **overrides})
+
     def replace(self, **changes) -> "GenerationConfig":
         return replace(self, **changes)
 

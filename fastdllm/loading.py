@@ -160,6 +160,12 @@ def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=No
         )
     model = load_model(folder, dtype=dtype, device=device)
     model.stop_token_ids = sorted(set(tokenizer.stop_token_ids()) | {model.args.eos_token_id})
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            model.generation_config = json.loads(gen_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{gen_path}: not valid JSON ({e})") from None
     model.name_or_path = str(path_or_repo_id) if path_or_repo_id is not None else "fastdllm/llada-arith"
     return model, tokenizer
 
@@ -207,6 +213,10 @@ def save_pretrained(
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    writer = getattr(family, "generation_config", None)
+    if writer is not None:  # Dream's loader needs generation_config.json
+        gen = writer(model.args, getattr(model, "generation_config", None))
+        (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(folder)
     return folder

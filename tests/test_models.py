@@ -315,3 +315,27 @@ def test_local_files_only_never_reaches_the_network(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no-such-org/no-such-model"):
         fastdllm.load("no-such-org/no-such-model", local_files_only=True)
+
+
+def test_dream_generation_config_is_written_read_and_gives_the_defaults(tiny_dream, tiny_llada, tokenizer, tmp_path,
+                                                                        capsys):
+    from fastdllm import cli
+
+    dream_dir, llada_dir = tmp_path / "dream", tmp_path / "llada"
+    save_pretrained(tiny_llada, llada_dir, tokenizer, dtype=torch.float32)
+    assert not (llada_dir / "generation_config.json").exists()
+    tiny_dream.generation_config = {"alg": "entropy", "eps": 0.01}
+    try:
+        save_pretrained(tiny_dream, dream_dir, tokenizer, dtype=torch.float32)
+    finally:
+        tiny_dream.generation_config = {}
+    written = json.loads((dream_dir / "generation_config.json").read_text())
+    assert written["alg"] == "entropy" and written["eps"] == 0.01 and written["mask_token_id"] == tiny_dream.mask_token_id
+    model, _ = fastdllm.load(dream_dir, dtype="float32")
+    assert fastdllm.GenerationConfig.for_model(model).alg == "entropy"
+    assert fastdllm.GenerationConfig.for_model(model, alg="maskgit_plus").alg == "maskgit_plus"
+    # the CLI: the checkpoint's defaults for flags not given, the flags given win
+    for argv, alg in ((["--gen-length", "32"], "entropy"), (["--gen-length", "32", "--alg", "maskgit_plus"], "maskgit_plus")):
+        assert cli.main(["generate", "--model", str(dream_dir), "--json", "--raw", *argv, "hi"]) == 0
+        record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert record["config"]["alg"] == alg and record["config"]["eps"] == 0.01

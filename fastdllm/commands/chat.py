@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..chat import CHAT_EXAMPLES, ChatSession, _add_common, _parser, _with_max_new_tokens
-from ..cli_args import UserError, config_from_args, load_model_or_exit
+from ..cli_args import UserError, config_from_args, load_model_or_exit, with_model_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.show_delay < 0:
         raise UserError("--show-delay: must be >= 0")
     model, tokenizer = load_model_or_exit(args)
+    config = with_model_defaults(args, config, model)
     session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop, keep=args.max_new_tokens)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -60,7 +60,7 @@ def _init_distributed(args) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_args import UserError, config_from_args, load_model_or_exit
+    from ..cli_args import UserError, config_from_args, load_model_or_exit, with_model_defaults
 
     args = build_parser().parse_args(argv)
     try:
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rank, world = dist_info()
         model, tokenizer = load_model_or_exit(args)
+        config = with_model_defaults(args, config, model)
         try:
             results = evaluate(
                 model, tokenizer, task, limit=args.limit, num_fewshot=args.num_fewshot, config=config,

@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..chat import GENERATE_EXAMPLES, _add_common, _parser, _read_prompt, _with_max_new_tokens, run_prompt
-from ..cli_args import UserError, config_from_args, load_model_or_exit
+from ..cli_args import UserError, config_from_args, load_model_or_exit, with_model_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("--show-delay: must be >= 0")
     prompt = _read_prompt(args.prompt)
     model, tokenizer = load_model_or_exit(args)
+    config = with_model_defaults(args, config, model)
 
     templated = not args.raw and bool(tokenizer.chat_template)
     if templated:

@@ -37,7 +37,7 @@ _positive_int.__name__ = "positive integer"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit
+    from ..cli_args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit, with_model_defaults
 
     p = ArgumentParser(
         prog="fastdllm serve",
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_wait_ms < 0:
         raise UserError("--batch-wait-ms: must be >= 0")
     model, tokenizer = load_model_or_exit(args)
+    config = with_model_defaults(args, config, model)
     names = args.served_model_name or [default_model_name(args.model)]
     settings = ServerSettings(names[0], config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000,
                               aliases=tuple(names[1:]), strict=args.strict, api_key=args.api_key,

@@ -15,6 +15,7 @@ not token-identical with, the reference.
 from __future__ import annotations
 
 from .family import ConfigField, Family
+from .transformer import ModelArgs
 
 SHIFTED_LOGITS = True
 MODEL_TYPE = "dream"
@@ -99,3 +100,18 @@ REQUIRED = FAMILY.required
 args_from_config = FAMILY.args_from_config
 config_from_args = FAMILY.config_from_args
 weight_names = FAMILY.weight_names
+
+
+# generation_config.json: Dream's own loader refuses a folder without it. Its decoding fields that
+# name GenerationConfig fields become the checkpoint's defaults (`GenerationConfig.for_model`);
+# `steps` belongs to its max_new_tokens and is not carried over (ours defaults to gen_length).
+GENERATION_DEFAULTS = ("alg", "alg_temp", "eps", "temperature", "top_p", "top_k")
+
+
+def generation_config(args: ModelArgs, base: dict | None = None) -> dict:
+    """The generation_config.json a saved Dream checkpoint carries (Dream-v0's defaults)."""
+    cfg = {"alg": "origin", "alg_temp": None, "eps": 1e-3, "steps": 512, "max_new_tokens": 512,
+           "temperature": 0.0, "top_p": None, "top_k": None, "mask_token_id": args.mask_token_id,
+           "bos_token_id": args.eos_token_id, "eos_token_id": args.eos_token_id, "pad_token_id": args.eos_token_id}
+    cfg.update(base or {})
+    return cfg

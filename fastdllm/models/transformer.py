@@ -136,9 +136,10 @@ class Transformer(nn.Module):
     fields (`models/family.py`).
 
     Besides its weights a model knows its `family` (the module of `models/`: llada or dream),
-    the `config` its checkpoint was read from (or the fields a saved one should keep), where it
-    came from (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer:
-    tokens after which nothing matters)."""
+    the `config` its checkpoint was read from (or the fields a saved one should keep), its
+    `generation_config` (generation_config.json, where there is one), where it came from
+    (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer: tokens
+    after which nothing matters)."""
 
     def __init__(self, args: ModelArgs, family=None, config: dict | None = None, name_or_path: str | None = None,
                  stop_token_ids: list[int] | None = None):
@@ -147,6 +148,8 @@ class Transformer(nn.Module):
         self.family = family
         self.config: dict = dict(config or {})
         self.name_or_path = name_or_path
+        # The checkpoint's generation_config.json, where it has one (Dream's).
+        self.generation_config: dict = {}
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
