@@ -616,3 +616,57 @@ def test_a_failing_batch_is_retried_alone_and_only_the_culprit_fails(loaded):
 
     ends, errors = asyncio.run(scenario())
     assert ends == ["end", "error", "end"] and errors == 1  # one batch failed, then only the culprit
+
+
+@pytest.mark.slow
+def test_sigterm_answers_queued_requests_after_the_grace_period():
+    import signal
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = subprocess.Popen([sys.executable, "-m", "fastdllm", "serve", "--port", str(port), "--threads", "1",
+                             "--max-batch-size", "1", "--gen-length", "1024", "--threshold", "none", "--cache", "none",
+                             "--no-stop-at-eos", "--shutdown-grace", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(url), timeout=120)
+        results = {}
+
+        def ask(name):
+            try:
+                results[name] = httpx.post(url + COMP, json={"model": MODEL, "prompt": "Tom has", "max_tokens": 1024},
+                                           timeout=120)
+            except httpx.HTTPError as e:
+                results[name] = e
+
+        long_one = threading.Thread(target=ask, args=("long",))
+        long_one.start()
+        wait_for(lambda: httpx.get(url + "/health").json()["running"] == 1, timeout=30)
+        queued = threading.Thread(target=ask, args=("queued",))
+        queued.start()
+        wait_for(lambda: httpx.get(url + "/health").json()["queued"] == 1, timeout=30)
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        queued.join(30)
+        r = results["queued"]
+        assert isinstance(r, httpx.Response) and r.status_code == 503, r
+        assert r.json()["error"]["message"] == "the server is shutting down"
+        assert time.perf_counter() - t0 < 15
+        assert proc.wait(30) is not None
+        long_one.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _up(url) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

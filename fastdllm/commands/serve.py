@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 
 from ..generate import GenerationConfig
 from ..server.app import ServerSettings, create_app, default_model_name
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: $FASTDLLM_API_KEY; none: open)")
     s.add_argument("--max-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
                    help="larger request bodies get 413 (default %(default)s)")
+    s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long running work may finish before queued requests get a 503 "
+                        "(default %(default)s)")
     s.add_argument("--strict", action="store_true",
                    help="refuse request fields that are otherwise accepted and ignored (metadata, store, tools: [], "
                         "response_format text, ...)")
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     if not 0 < args.port < 65536:
         raise UserError(f"--port: must be in 1..65535 (got {args.port})")
+    if args.shutdown_grace < 0:
+        raise UserError("--shutdown-grace: must be >= 0")
     if args.batch_wait_ms < 0:
         raise UserError("--batch-wait-ms: must be >= 0")
     model, tokenizer = load_model_or_exit(args)
@@ -86,5 +92,34 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     print(f"fastdllm serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch_size}, "
           f"max queue {args.max_queue})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=args.shutdown_grace + 5),
+                             app.state.scheduler, args.shutdown_grace)
+    server.run()
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """On SIGTERM / SIGINT: stop accepting, let running work finish for `grace` seconds, then
+        answer every request still queued with a 503 error body (its client is not left waiting),
+        and stop."""
+
+        def __init__(self, config, scheduler, grace: float):
+            super().__init__(config)
+            self.scheduler, self.grace = scheduler, grace
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                timer = threading.Timer(self.grace, self.scheduler.close, kwargs={"timeout": 1.0})
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return GracefulServer
+
+
+def _GracefulServer(config, scheduler, grace):  # noqa: N802 - builds the uvicorn.Server subclass lazily
+    return _server_class()(config, scheduler, grace)
