@@ -670,3 +670,10 @@ def _up(url) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_prompt_too_long_for_any_context_is_refused_before_tokenising(srv):
+    t0 = time.perf_counter()
+    r = srv.post(CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200_000}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters" in r.json()["error"]["message"] and time.perf_counter() - t0 < 5

@@ -167,6 +167,10 @@ class ChatEndpoint:
         return [server.chat_prompt(req)]
 
     @staticmethod
+    def prompt_chars(req) -> int:
+        return sum(len(m.text()) for m in req.messages)
+
+    @staticmethod
     def choice(i, ch) -> dict:
         return {"index": i, "message": {"role": "assistant", "content": ch.text}, "logprobs": None,
                 "finish_reason": ch.finish_reason}
@@ -191,6 +195,11 @@ class CompletionEndpoint:
     @staticmethod
     def prompts(server, req):
         return server.completion_prompts(req)
+
+    @staticmethod
+    def prompt_chars(req) -> int:
+        p = req.prompt
+        return len(p) if isinstance(p, str) else sum(len(x) if isinstance(x, (str, list)) else 1 for x in p)
 
     @staticmethod
     def choice(i, ch) -> dict:
@@ -336,7 +345,14 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         headers = {"X-Fastdllm-Ignored": ", ".join(ignored)} if ignored else {}
         if ignored:
             log.info("request fields accepted and ignored: %s", ", ".join(ignored))
-        prompts = endpoint.prompts(server, req)
+        # A prompt of more characters than the context could hold tokens (~32 characters per token
+        # at most) is refused before tokenising; tokenising runs off the event loop.
+        chars, limit = endpoint.prompt_chars(req), 32 * model.args.max_seq_len
+        if chars > limit:
+            raise APIError(400, f"{endpoint.prompt_param}: {chars} characters cannot fit the model's context of "
+                           f"{model.args.max_seq_len} tokens", param=endpoint.prompt_param,
+                           code="context_length_exceeded")
+        prompts = await asyncio.to_thread(endpoint.prompts, server, req)
         config, keep = server.config_for(req, endpoint.max_tokens(req))
         server.check_context(prompts, config, endpoint.prompt_param)
         seed = server.base_seed(req)
