@@ -22,8 +22,10 @@ temperature, ...), e.g. `threshold=none` for the schedule. Without gen_length, e
 `max_gen_toks` is used (rounded up to a whole number of blocks). Each request's `until` strings
 cut the answer (`fastdllm.text.complete`); `--batch_size N` decodes N prompts together.
 
-Only `generate_until` is implemented: a masked diffusion model has no left-to-right
-log-likelihood, so `loglikelihood` tasks (multiple choice) raise NotImplementedError.
+`loglikelihood` (multiple choice) and `loglikelihood_rolling` (perplexity) use the Monte-Carlo
+ELBO of `fastdllm.likelihood`, as LLaDA's and Dream's reference wrappers do: model_args `mc_num`
+(samples per request, default 128), `mc_batch_size` (samples per forward, default 16, dividing
+mc_num) and `mc_seed` (default 0). It is a lower bound on the log-likelihood, not the exact value.
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ def make_model_class(LM, register=None):
 
     class FastDLLM(LM):
         def __init__(self, pretrained: str | None = None, device: str | None = None, dtype: str | None = None,
-                     batch_size: int | str | None = 1, max_batch_size: int | None = None, **kwargs):
+                     batch_size: int | str | None = 1, max_batch_size: int | None = None, mc_num: int | str = 128,
+                     mc_batch_size: int | str = 16, mc_seed: int | str = 0, **kwargs):
             super().__init__()
             from .loading import load
 
+            self.mc_num, self.mc_batch_size, self.mc_seed = int(mc_num), int(mc_batch_size), int(mc_seed)
+            if self.mc_num < 1 or self.mc_batch_size < 1 or self.mc_num % self.mc_batch_size:
+                raise ValueError(f"mc_num: must be a positive multiple of mc_batch_size (got {self.mc_num} and "
+                                 f"{self.mc_batch_size})")
             unknown = [k for k in kwargs if k not in GenerationConfig.field_names()]
             if unknown:
                 raise ValueError(f"fastdllm: unknown model_args {', '.join(sorted(unknown))}; use pretrained, "
@@ -78,14 +85,32 @@ def make_model_class(LM, register=None):
                 pass
 
         # -- the request types ------------------------------------------------------------
+        def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+            # As lm-eval's own models: encode the whole, so the boundary tokenises as in running text.
+            whole = self.tokenizer.encode(context + continuation)
+            prefix = self.tokenizer.encode(context)
+            if whole[:len(prefix)] != prefix:
+                return prefix, self.tokenizer.encode(continuation)
+            return prefix, whole[len(prefix):]
+
         def loglikelihood(self, requests):
-            raise NotImplementedError(
-                "fastdllm: loglikelihood is not available for masked diffusion models (no left-to-right "
-                "likelihood); use generation tasks (generate_until), e.g. gsm8k, minerva_math, humaneval, mbpp")
+            from .likelihood import elbo_loglikelihood, is_greedy
+
+            out = []
+            for req in requests:
+                prefix, target = self._split(*req.args[:2])
+                if not prefix:
+                    prefix = [self.model.args.eos_token_id]
+                ll = elbo_loglikelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, self.mc_seed)
+                out.append((ll, is_greedy(self.model, prefix, target)))
+            return out
 
         def loglikelihood_rolling(self, requests):
-            raise NotImplementedError(
-                "fastdllm: loglikelihood_rolling (perplexity) is not available for masked diffusion models")
+            from .likelihood import elbo_loglikelihood
+
+            eos = self.model.args.eos_token_id
+            return [elbo_loglikelihood(self.model, [eos], self.tokenizer.encode(req.args[0]), self.mc_num,
+                                       self.mc_batch_size, self.mc_seed) for req in requests]
 
         def _config_for(self, gen_kwargs: dict) -> GenerationConfig:
             changes: dict[str, Any] = {}

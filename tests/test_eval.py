@@ -269,8 +269,8 @@ def test_lm_eval_plugin_logic(tiny_llada_dir, tokenizer):
              batch_size="2")
     assert lm.base_config.threshold is None and lm.base_config.cache == "prefix" and lm.batch_size == 2
     assert lm._config_for({"max_gen_toks": 20}).gen_length == 32  # rounded up to whole blocks
-    with pytest.raises(NotImplementedError, match="loglikelihood"):
-        lm.loglikelihood([_Req("a", "b")])
+    with pytest.raises(ValueError, match="mc_num"):
+        cls(pretrained=str(tiny_llada_dir), mc_num=10, mc_batch_size=4)
     prompts = ["Question: Tom has 5 apples.\nAnswer:", "Question: Ann has 3 pens. She buys 2 more.\nAnswer:"]
     reqs = [_Req(p, {"until": ["Question:"], "max_gen_toks": 16}) for p in prompts]
     out = lm.generate_until(reqs, disable_tqdm=True)
@@ -292,3 +292,35 @@ def test_lm_eval_plugin_registers_with_lm_eval():
     from fastdllm import lm_eval_plugin
 
     assert get_model("fastdllm") is lm_eval_plugin.register()
+
+
+def test_elbo_loglikelihood_ranks_and_converges():
+    """On the embedded model: the right worked answer is far likelier than one with a wrong final
+    number, and the estimate's spread over seeds shrinks as mc_num grows."""
+    import statistics
+
+    import fastdllm
+    from fastdllm import lm_eval_plugin
+    from fastdllm.likelihood import elbo_loglikelihood
+    from fastdllm.tasks import arith
+
+    model, tok = fastdllm.load(dtype="float32")
+    p = arith.test_split()[0]
+    prefix = arith.prompt_ids(tok, p.question, [])
+    right = tok.encode(p.answer)
+    wrong = tok.encode(p.answer.replace(f"#### {p.value}", f"#### {p.value + 7}"))
+    assert right != wrong
+    few = [elbo_loglikelihood(model, prefix, right, mc_num=8, batch_size=8, seed=s) for s in range(4)]
+    many = [elbo_loglikelihood(model, prefix, right, mc_num=64, batch_size=16, seed=s) for s in range(4)]
+    bad = [elbo_loglikelihood(model, prefix, wrong, mc_num=64, batch_size=16, seed=s) for s in range(4)]
+    assert statistics.pstdev(many) < statistics.pstdev(few)
+    assert max(bad) < min(many)
+    assert elbo_loglikelihood(model, prefix, right, 16, 8, seed=3) == elbo_loglikelihood(model, prefix, right, 16, 8, seed=3)
+    with pytest.raises(ValueError, match="batch_size"):
+        elbo_loglikelihood(model, prefix, right, mc_num=10, batch_size=4)
+    # through the lm-eval model class: multiple choice picks the right answer
+    lm = lm_eval_plugin.make_model_class(_FakeLM)(mc_num=32, mc_batch_size=16)
+    question = "Question: " + p.question + "\nAnswer:"
+    (ll_right, _), (ll_wrong, _) = lm.loglikelihood([_Req(question, " " + p.answer), _Req(question, " " + tok.decode(wrong))])
+    assert ll_right > ll_wrong
+    assert len(lm.loglikelihood_rolling([_Req("Tom has 5 apples.")])) == 1
