@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from datetime import datetime
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
@@ -75,22 +76,34 @@ class Tokenizer:
             ids = ids.tolist()
         return self.fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def special_tokens_context(self) -> dict:
+        """The special tokens a chat template sees by name (bos_token, eos_token, pad_token,
+        unk_token, mask_token, ...), as transformers passes them."""
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        context = {n: self._token_str(n) for n in names if self._token_str(n) is not None}
+        context["pad_token"] = self.pad_token or context.get("pad_token")
+        return {k: v for k, v in context.items() if v is not None}
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                            documents=None, **template_kwargs) -> str:
+        """The conversation as the template renders it, exactly as transformers'
+        `apply_chat_template(tokenize=False)`: with transformers installed its own renderer, else
+        the same environment here (sandboxed jinja2 with trim_blocks, lstrip_blocks and loop
+        controls; `tojson` without key sorting or ASCII escaping; `raise_exception`,
+        `strftime_now`; the special tokens, `tools` and `documents` in the context)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        context = {**self.special_tokens_context(), **template_kwargs}
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+        except ImportError:
+            render_jinja_template = None
+        if render_jinja_template is not None:
+            rendered, _ = render_jinja_template(conversations=[messages], tools=tools, documents=documents,
+                                                chat_template=self.chat_template,
+                                                add_generation_prompt=add_generation_prompt, **context)
+            return rendered[0]
+        return render_template(self.chat_template, messages, add_generation_prompt, tools, documents, **context)
 
     def encode_plain(self, text: str) -> list[int]:
         """`text` as plain text: special-token text in it ("<|eot_id|>", the mask token) is encoded
@@ -135,6 +148,29 @@ class Tokenizer:
         (folder / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2, ensure_ascii=False) + "\n")
         special = {k: self.config[k] for k in ("bos_token", "eos_token", "pad_token") if k in self.config}
         (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def render_template(template: str, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                    documents=None, **context) -> str:
+    """A chat template rendered in transformers' environment, without transformers."""
+    import jinja2.ext
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template).render(messages=messages, tools=tools, documents=documents,
+                                            add_generation_prompt=add_generation_prompt, **context)
 
 
 def _read_json(path: Path) -> dict:
