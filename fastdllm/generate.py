@@ -199,7 +199,9 @@ def iter_generate(
     row_nfe = torch.zeros(bsz, dtype=torch.long, device=device)  # steps each row took part in
     row_queries, row_attended = [0] * bsz, [0] * bsz  # work each row took part in
     row_extra = [0] * bsz  # forwards beyond one per step (an adaptive refresh's full forward)
-    step_log: list[tuple] = []  # (rows, tokens revealed per row, row had masks): lists built at the end
+    # (rows, tokens revealed per row, row had masks, query and key positions of the step's forward):
+    # per-row lists and work are built at the end, so the step itself does no host-side bookkeeping.
+    step_log: list[tuple] = []
     finished = [False] * bsz
     nfe, forward_time = 0, 0.0
     stats = {} if stats is None else stats
@@ -236,12 +238,7 @@ def iter_generate(
             forward_time += time.perf_counter() - t0
             nfe += 1
             stats["nfe"] = nfe
-            # Each row is charged the forward only when it needed it (as nfe_per_row): what it costs alone.
             queries, keys = policy.last_work
-            for r, needed in zip(rows, has_mask.tolist()):
-                if needed:
-                    row_queries[r] += queries
-                    row_attended[r] += queries * keys
             extra, policy.extra_work = getattr(policy, "extra_work", None), None
             if extra is not None:  # a further forward for some rows (the adaptive refresh)
                 batch_rows, q, k = extra
@@ -266,7 +263,7 @@ def iter_generate(
             else:
                 region[idx] = torch.where(chosen, row_nfe[idx, None], region[idx])
                 row_nfe[idx] += has_mask
-            step_log.append((rows, chosen.sum(-1), has_mask))
+            step_log.append((rows, chosen.sum(-1), has_mask, queries, keys))
             step += 1
             if not all_rows:
                 x[idx, start:end] = block
@@ -282,13 +279,15 @@ def iter_generate(
         yield StepEvent("block", x[:, plen:], b, rows, finished=list(finished))
 
     tokens_per_step: list[list[int]] = [[] for _ in range(bsz)]
-    for rows_in_step, counts, live in step_log:
+    for rows_in_step, counts, live, queries, keys in step_log:
         for r, c, alive in zip(rows_in_step, counts.tolist(), live.tolist()):
-            if alive:
+            if alive:  # a row is charged a forward only when it needed it: what it costs alone
                 tokens_per_step[r].append(c)
-    stats.update(nfe=nfe, row_nfe=[n + e for n, e in zip(row_nfe.tolist(), row_extra)], tokens_per_step=tokens_per_step, unmask_step=unmask_step,
-                 forward_time=forward_time, finished=finished, forward_positions=row_queries,
-                 attended_positions=row_attended)
+                row_queries[r] += queries
+                row_attended[r] += queries * keys
+    stats.update(nfe=nfe, row_nfe=[n + e for n, e in zip(row_nfe.tolist(), row_extra)],
+                 tokens_per_step=tokens_per_step, unmask_step=unmask_step, forward_time=forward_time,
+                 finished=finished, forward_positions=row_queries, attended_positions=row_attended)
     yield StepEvent("done", x[:, plen:], config.num_blocks - 1, [], finished=list(finished))
 
 
