@@ -50,21 +50,20 @@ def _parser_for(name: str, kind: str):
     return parse
 
 
-class _Explicit:
-    """Records which decoding flags the user gave, so that a --preset fills only the others."""
+def _recording(action_cls):
+    """`action_cls` that also records its flag as given (`namespace._explicit`), so that a
+    --preset or the checkpoint's defaults fill only the flags the user did not give."""
 
-    def __call__(self, action_cls):
-        class Recording(action_cls):
-            def __call__(self, parser, namespace, values, option_string=None):
-                super().__call__(parser, namespace, values, option_string)
-                explicit = set(getattr(namespace, "_explicit", ()))
-                namespace._explicit = explicit | {self.dest}
+    class Recording(action_cls):
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            namespace._explicit = set(getattr(namespace, "_explicit", ())) | {self.dest}
 
-        return Recording
+    return Recording
 
 
-_StoreRecording = _Explicit()(argparse._StoreAction)
-_BoolRecording = _Explicit()(argparse.BooleanOptionalAction)
+_StoreRecording = _recording(argparse._StoreAction)
+_BoolRecording = _recording(argparse.BooleanOptionalAction)
 
 
 def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig | None = None) -> None:

@@ -52,7 +52,7 @@ def generate_text(model, tokenizer, prompt: str | Sequence[str] | None = None, *
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("prompt: a string or a non-empty list of strings")
         ids = [tokenizer.encode(t) for t in texts]
-    config = (config or GenerationConfig()).replace(**options) if options else (config or GenerationConfig())
+    config = (config or GenerationConfig()).replace(**options)
     if max_new_tokens is not None:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ConfigError("max_new_tokens", f"must be a positive integer (got {max_new_tokens!r})")

@@ -292,11 +292,3 @@ class UnmaskingStrategy:
     def new_rule(self) -> SelectionRule:
         """A fresh selection rule for one generation (rules keep per-block state)."""
         return self.make_rule()
-
-
-def selection_rule(config) -> SelectionRule:
-    return UnmaskingStrategy.from_config(config).new_rule()
-
-
-def needs_randomness(config) -> bool:
-    return UnmaskingStrategy.from_config(config).draws_randomness

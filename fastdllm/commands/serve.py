@@ -92,34 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     print(f"fastdllm serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch_size}, "
           f"max queue {args.max_queue})", flush=True)
-    server = _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                            timeout_graceful_shutdown=args.shutdown_grace + 5),
-                             app.state.scheduler, args.shutdown_grace)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_grace + 5)
+    server = uvicorn.Server(config)
+    exit_now = server.handle_exit
+
+    def handle_exit(sig, frame):
+        """On SIGTERM / SIGINT: stop accepting, let running work finish for --shutdown-grace
+        seconds, then answer every request still queued with a 503 error body, and stop."""
+        if not server.should_exit:
+            timer = threading.Timer(args.shutdown_grace, app.state.scheduler.close, kwargs={"timeout": 1.0})
+            timer.daemon = True
+            timer.start()
+        exit_now(sig, frame)
+
+    server.handle_exit = handle_exit
     server.run()
     return 0
-
-
-def _server_class():
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """On SIGTERM / SIGINT: stop accepting, let running work finish for `grace` seconds, then
-        answer every request still queued with a 503 error body (its client is not left waiting),
-        and stop."""
-
-        def __init__(self, config, scheduler, grace: float):
-            super().__init__(config)
-            self.scheduler, self.grace = scheduler, grace
-
-        def handle_exit(self, sig, frame):
-            if not self.should_exit:
-                timer = threading.Timer(self.grace, self.scheduler.close, kwargs={"timeout": 1.0})
-                timer.daemon = True
-                timer.start()
-            super().handle_exit(sig, frame)
-
-    return GracefulServer
-
-
-def _GracefulServer(config, scheduler, grace):  # noqa: N802 - builds the uvicorn.Server subclass lazily
-    return _server_class()(config, scheduler, grace)

@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from .box import (UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, current_plan, drive)
+from .box import UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, current_plan, drive, last_line
 from .judge import CodeCheck, free_names, judge, judge_many
 
 __all__ = ["CodeCheck", "SandboxConfig", "SandboxResult", "UID_BASE", "VERDICTS", "free_names", "judge",
@@ -54,13 +54,6 @@ __all__ = ["CodeCheck", "SandboxConfig", "SandboxResult", "UID_BASE", "VERDICTS"
 def protections() -> tuple[str, ...]:
     """The protections in force on this machine (probed on first use)."""
     return current_plan().protections()
-
-
-def _last_line(text: str) -> str:
-    for line in reversed(text.strip().splitlines()):
-        if line.strip():
-            return line.strip()[:300]
-    return ""
 
 
 def _run(source: str, config: SandboxConfig) -> SandboxResult:
@@ -93,9 +86,9 @@ def _run(source: str, config: SandboxConfig) -> SandboxResult:
     elif kind == "cpu":
         verdict, reason = "timeout", f"CPU time limit of {config.timeout:g}s exceeded"
     elif kind == "signal":
-        verdict, reason = "crashed", f"killed by {detail}" + (f" ({_last_line(stderr)})" if _last_line(stderr) else "")
+        verdict, reason = "crashed", f"killed by {detail}" + (f" ({last_line(stderr)})" if last_line(stderr) else "")
     elif rc != 0:
-        verdict, reason = "failed", _last_line(stderr) or f"exit status {rc}"
+        verdict, reason = "failed", last_line(stderr) or f"exit status {rc}"
     elif token.encode() not in bytes(marker):
         verdict, reason = "failed", "exited with status 0 before the end of the program (tests did not all run)"
     else:

@@ -111,6 +111,14 @@ class SandboxResult:
 VERDICTS = ("passed", "failed", "timeout", "crashed")
 
 
+def last_line(text: str) -> str:
+    """The last non-empty line of a program's output (a verdict's reason), bounded."""
+    for line in reversed(text.strip().splitlines()):
+        if line.strip():
+            return line.strip()[:300]
+    return ""
+
+
 # ---- the folders a program needs ---------------------------------------------------------------
 def interpreter_dirs() -> list[str]:
     """Folders the interpreter needs: its prefixes (stdlib, site-packages) and its binary's folder."""

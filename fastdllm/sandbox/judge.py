@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .box import Box, SandboxConfig, SandboxResult, current_plan, drive
+from .box import Box, SandboxConfig, SandboxResult, current_plan, drive, last_line
 
 _HERE = Path(__file__).resolve().parent
 _WIRE = (_HERE / "wire.py").read_text(encoding="utf-8")
@@ -82,13 +82,6 @@ def remote_names(tests: str, defined_by_reference: set[str]) -> tuple[str, ...]:
     return tuple(n for n in free_names(tests) if not hasattr(builtins, n) or n in defined_by_reference)
 
 
-def _last_line(text: str) -> str:
-    for line in reversed(text.strip().splitlines()):
-        if line.strip():
-            return line.strip()[:300]
-    return ""
-
-
 def judge(check: CodeCheck, config: SandboxConfig | None = None) -> SandboxResult:
     """The verdict on `check.solution` against `check.tests` (see the module docstring)."""
     config = config or SandboxConfig()
@@ -146,13 +139,13 @@ def _decide(config, wall_hit, tests_box, solution_box, verdict: bytes, test_err:
         outcome = None
     if kind == "signal" or outcome is None:
         return "crashed", f"the tests' process ended without a verdict ({detail or f'exit status {rc}'}; " \
-                          f"{_last_line(test_err)})"
+                          f"{last_line(test_err)})"
     if outcome.get("passed") is True and rc == 0:
         return "passed", ""
     reason = str(outcome.get("reason", ""))[:300]
     if outcome.get("solution_gone"):
         s_kind, s_detail, s_rc, _ = solution_box.ending()
-        last = _last_line(bytes(solution_box.err).decode("utf-8", errors="replace"))
+        last = last_line(bytes(solution_box.err).decode("utf-8", errors="replace"))
         if s_kind == "cpu":
             return "timeout", f"CPU time limit of {config.timeout:g}s exceeded by the solution"
         if s_kind == "signal":
