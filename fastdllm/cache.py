@@ -48,6 +48,19 @@ class KVCache:
         self.k[:, :n] = self.k.index_select(1, idx)
         self.v[:, :n] = self.v.index_select(1, idx)
 
+    def take_rows(self, rows: list[int]) -> "KVCache":
+        """A copy of rows `rows` (a cache a forward of those rows alone can write)."""
+        idx = torch.tensor(rows, device=self.k.device)
+        out = KVCache.__new__(KVCache)
+        out.k, out.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
+        return out
+
+    def put_rows(self, rows: list[int], part: "KVCache") -> None:
+        """Write `part` (from `take_rows(rows)`) back into rows `rows`."""
+        idx = torch.tensor(rows, device=self.k.device)
+        self.k.index_copy_(1, idx, part.k)
+        self.v.index_copy_(1, idx, part.v)
+
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 

@@ -16,7 +16,8 @@ block-start forward recomputes is the policy's `refresh`:
   (its tokens just became final, and the current block and what follows it see them), against
   the cached K/V of everything before it; the prompt's K/V are computed once per generation, at
   the first block. `refresh_every` N adds a full refresh every N blocks (1: every block, which is
-  "full"). When rows finish and leave the batch, the cache rows of the others move with them;
+  "full"). When rows leave or join the batch, the cache rows of the others move with them
+  (`relayout`); a row that joined gets a full forward at its first block, in a forward of its own;
 - "adaptive": the vicinity refresh, then a test of whether it sufficed. The current block's
   positions are all still masked, so their tokens did not change since their keys were cached:
   any change of their last-layer keys, cached against recomputed now, is the effect of the
@@ -37,30 +38,42 @@ from .cache import KVCache
 
 @dataclass
 class SequenceView:
-    """What a policy needs about the rows being decoded (a batch may shrink as rows finish)."""
+    """What a policy needs about the rows being decoded. Every row's current block sits at the same
+    columns; rows may be at different blocks of their own answers (a row that joined later)."""
 
     x: torch.Tensor  # (B, L) token ids (L: up to the end of the suffix window)
-    positions: torch.Tensor  # (B, L) RoPE positions (left padding aware)
+    positions: torch.Tensor  # (B, L) RoPE positions (padding aware)
     key_mask: torch.Tensor | None  # (B, 1, 1, L) True where attention may look, None: no padding
-    block: int = 0  # index of the current block
+    block: int = 0  # index of the current block (of the first row)
     block_length: int = 0
-    rows: tuple[int, ...] = ()  # the batch rows being decoded (finished rows leave)
-    capacity: int | None = None  # the whole sequence's length (L grows with a suffix window)
+    rows: tuple[int, ...] = ()  # the batch rows being decoded
+    capacity: int | None = None  # the whole layout's length (L grows with a suffix window)
+    row_blocks: tuple[int, ...] = ()  # each row's own block index ((): every row at `block`)
+
+    def blocks(self) -> tuple[int, ...]:
+        return self.row_blocks or (self.block,) * self.x.shape[0]
+
+    def take(self, rows: list[int]) -> "SequenceView":
+        """The view of some rows alone."""
+        idx = torch.tensor(rows, device=self.x.device)
+        blocks = self.blocks()
+        return SequenceView(self.x[idx], self.positions[idx], None if self.key_mask is None else self.key_mask[idx],
+                            block=blocks[rows[0]], block_length=self.block_length,
+                            rows=tuple(self.rows[i] for i in rows) if self.rows else (),
+                            capacity=self.capacity, row_blocks=tuple(blocks[i] for i in rows))
 
 
 class CachePolicy:
-    """Answers "the block's logits at this step" by a forward over some window of the sequence.
-    `forward` runs it and records the work (`last_work`: query and key positions per row), which
-    the loop counts for every row in the step."""
+    """Answers "the block's logits at this step" by forwards over some window of the sequence.
+    `forward` runs one and records its work in `work`: (the batch rows it served, None for all;
+    query positions; key positions), which the loop charges to those rows (`take_work`)."""
 
     name = "none"
 
     def __init__(self, model):
         self.model = model
-        self.last_work: tuple[int, int] = (0, 0)
+        self.work: list[tuple[list[int] | None, int, int]] = []
         self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
-        # A forward some rows needed on top of the step's: (batch indices, queries, keys), or None.
-        self.extra_work: tuple[list[int], int, int] | None = None
 
     def record(self) -> "CachePolicy":
         """Record every forward's (window start, window end, sequence length, block start, block end)
@@ -68,13 +81,21 @@ class CachePolicy:
         self.history = []
         return self
 
+    def take_work(self) -> list[tuple[list[int] | None, int, int]]:
+        work, self.work = self.work, []
+        return work
+
     def block_logits(self, seq: SequenceView, start: int, end: int, step_in_block: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, seq: SequenceView, start: int, end: int, window=None, cache=None) -> torch.Tensor:
+    def relayout(self, sources: list[int | None], shift: int, length: int) -> None:
+        """The decoding loop moved its rows: new row i is old row `sources[i]` (None: a row that just
+        joined) moved right by `shift` columns, in a layout of `length` columns."""
+
+    def forward(self, seq: SequenceView, start: int, end: int, window=None, cache=None, rows=None) -> torch.Tensor:
         length = seq.x.shape[1]
         ws, we = (0, length) if window is None else window
-        self.last_work = (we - ws, length)  # a window's queries attend over the whole sequence
+        self.work.append((rows, we - ws, length))  # a window's queries attend over the whole sequence
         if self.history is not None:
             self.history.append((ws, we, length, start, end))
         return self.model.logits_for(seq.x, start, end, window=window, cache=cache, positions=seq.positions,
@@ -104,58 +125,83 @@ class PrefixCache(CachePolicy):
         self.drifts: list[float] = []  # the adaptive test's measurements (diagnostics)
         self._buffer: KVCache | None = None
         self.cache: KVCache | None = None
-        self._rows: tuple[int, ...] | None = None
 
     def _cache_for(self, batch: int, length: int, capacity: int) -> KVCache:
-        # One allocation per generation; when finished rows drop out we use the leading rows.
+        # One allocation per layout; when finished rows drop out we use the leading rows.
         if self._buffer is None or self._buffer.batch < batch or self._buffer.length != capacity:
             self._buffer = self.model.new_cache(batch, capacity)
         return self._buffer.narrow(batch, length)
 
-    def refresh_window(self, seq: SequenceView, start: int, end: int) -> tuple[int, int] | None:
-        """What the block-start forward recomputes: None for the whole sequence."""
-        if self.refresh == "full" or seq.block == 0 or (self.refresh_every and seq.block % self.refresh_every == 0):
-            return None
-        return (max(0, start - seq.block_length), seq.x.shape[1])
+    def relayout(self, sources, shift, length):
+        old = self._buffer
+        if old is None or self.refresh == "full":
+            return  # every block-start forward rewrites the whole cache
+        if shift == 0 and length == old.length and None not in sources:
+            old.keep_rows(sources)  # rows left the batch: the others move to the front
+            return
+        # Rows joined (or the layout's width changed): a new buffer, the kept rows' K/V moved with them.
+        self._buffer = new = self.model.new_cache(len(sources), length)
+        width = min(old.length, length - shift)
+        for i, src in enumerate(sources):
+            if src is not None:
+                new.k[:, i, :, shift : shift + width] = old.k[:, src, :, :width]
+                new.v[:, i, :, shift : shift + width] = old.v[:, src, :, :width]
+
+    def needs_full_refresh(self, block: int) -> bool:
+        """Whether a row's block-start forward recomputes its whole sequence: always for "full"; for
+        a partial refresh at its first block (nothing is cached yet) and every `refresh_every`."""
+        return self.refresh == "full" or block == 0 or bool(self.refresh_every and block % self.refresh_every == 0)
 
     def block_logits(self, seq, start, end, step_in_block):
         bsz, length = seq.x.shape
-        if step_in_block == 0:
-            rows = tuple(seq.rows)
-            if self.refresh != "full" and self._rows is not None and rows != self._rows and self._buffer is not None:
-                self._buffer.keep_rows([self._rows.index(r) for r in rows])  # finished rows left the batch
-            self.cache = self._cache_for(bsz, length, seq.capacity or length)
-            window = self.refresh_window(seq, start, end)
-            self._rows = rows
-            if window is not None and self.refresh == "adaptive":
-                return self._adaptive(seq, start, end, window)
-        else:
+        if step_in_block > 0:
             window = (start, end if self.reuse_suffix else length)
-        return self.forward(seq, start, end, window=window, cache=self.cache)
+            return self.forward(seq, start, end, window=window, cache=self.cache)
+        self.cache = self._cache_for(bsz, length, seq.capacity or length)
+        full = [i for i, b in enumerate(seq.blocks()) if self.needs_full_refresh(b)]
+        if len(full) == bsz:
+            return self.forward(seq, start, end, cache=self.cache)
+        if not full:
+            return self._partial_refresh(seq, start, end, self.cache, None)
+        # Rows at different blocks (one joined this block, or is due a periodic full refresh): each
+        # group gets its own forward, on a copy of its cache rows written back after.
+        rest = [i for i in range(bsz) if i not in set(full)]
+        logits = None
+        for rows, run in ((rest, self._partial_refresh), (full, self._full_refresh)):
+            part = self.cache.take_rows(rows)
+            out = run(seq.take(rows), start, end, part, rows)
+            self.cache.put_rows(rows, part)
+            if logits is None:
+                logits = out.new_empty((bsz,) + tuple(out.shape[1:]))
+            logits[torch.tensor(rows, device=out.device)] = out
+        return logits
 
+    def _full_refresh(self, seq, start, end, cache, rows):
+        return self.forward(seq, start, end, cache=cache, rows=rows)
 
-    def _adaptive(self, seq, start, end, window):
+    def _partial_refresh(self, seq, start, end, cache, rows):
+        window = (max(0, start - seq.block_length), seq.x.shape[1])
+        if self.refresh == "adaptive":
+            return self._adaptive(seq, start, end, window, cache, rows)
+        return self.forward(seq, start, end, window=window, cache=cache, rows=rows)
+
+    def _adaptive(self, seq, start, end, window, cache, rows):
         probe = slice(start, min(end, seq.x.shape[1]))
-        before = self.cache.k[-1, :, :, probe].float().clone()
-        logits = self.forward(seq, start, end, window=window, cache=self.cache)
-        after = self.cache.k[-1, :, :, probe].float()
+        before = cache.k[-1, :, :, probe].float().clone()
+        logits = self.forward(seq, start, end, window=window, cache=cache, rows=rows)
+        after = cache.k[-1, :, :, probe].float()
         drift = ((after - before).flatten(1).norm(dim=-1) / before.flatten(1).norm(dim=-1).clamp_min(1e-12)).tolist()
         self.drifts.extend(drift)
         stale = [i for i, d in enumerate(drift) if d > self.refresh_tol]
         if stale:
             # A full forward for those rows alone, in a cache of their own, copied back: the other
             # rows keep exactly what the vicinity refresh gave them.
-            idx = torch.tensor(stale, device=seq.x.device)
-            sub = SequenceView(seq.x[idx], seq.positions[idx], None if seq.key_mask is None else seq.key_mask[idx])
-            scratch = self.model.new_cache(len(stale), seq.x.shape[1])
-            full = self.model.logits_for(sub.x, start, end, cache=scratch, positions=sub.positions,
-                                         key_mask=sub.key_mask)
-            self.cache.k[:, idx] = scratch.k
-            self.cache.v[:, idx] = scratch.v
+            part = cache.take_rows(stale)
+            full = self.forward(seq.take(stale), start, end, cache=part,
+                                rows=stale if rows is None else [rows[i] for i in stale])
+            cache.put_rows(stale, part)
             logits = logits.clone()
-            logits[idx] = full.to(logits.dtype)
-            length = seq.x.shape[1]
-            self.extra_work = (stale, length, length)
+            logits[torch.tensor(stale, device=logits.device)] = full.to(logits.dtype)
         return logits
 
 

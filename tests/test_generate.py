@@ -27,6 +27,7 @@ class _RefreshEveryStep:
     def block_logits(self, seq, start, end, step_in_block):
         if step_in_block > 0:
             super().block_logits(seq, start, end, 0)  # full forward: refresh every cached position
+            self.take_work()  # the anchor's own forward: not the policy's work
         return super().block_logits(seq, start, end, step_in_block)
 
 

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="most requests waiting; beyond it, 503 (default %(default)s)")
     s.add_argument("--batch-wait-ms", type=float, default=0.0,
                    help="wait up to this long for more requests before starting a batch (default 0)")
+    s.add_argument("--no-continuous-batching", dest="continuous", action="store_false",
+                   help="a request waits for the running batch to finish instead of joining it at the next "
+                        "block boundary")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_generation_args(p, GenerationConfig())
     args = p.parse_args(argv)
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.served_model_name or [default_model_name(args.model)]
     settings = ServerSettings(names[0], config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000,
                               aliases=tuple(names[1:]), strict=args.strict, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes)
+                              max_body_bytes=args.max_body_bytes, continuous=args.continuous)
     app = create_app(model, tokenizer, settings)
     import uvicorn
 

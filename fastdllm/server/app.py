@@ -44,6 +44,7 @@ class ServerSettings:
     strict: bool = False  # refuse the fields that are otherwise accepted and ignored
     api_key: str | None = None  # when set, every route but /health and /version needs "Bearer <key>"
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    continuous: bool = True  # requests join the running batch at its next block boundary
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -64,7 +65,7 @@ class Server:
     def __init__(self, model, tokenizer, settings: ServerSettings):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.scheduler = Scheduler(model, settings.max_batch_size, settings.max_queue, settings.batch_wait,
-                                   settings.block_hook)
+                                   settings.block_hook, continuous=settings.continuous)
         self.created = int(time.time())
 
     # -- request -> rows and config

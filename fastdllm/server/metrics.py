@@ -17,9 +17,9 @@ class ServerMetrics:
                                  ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("fastdllm_prompt_tokens", "Prompt tokens of answered requests", registry=r)
         self.generated_tokens = Counter("fastdllm_generated_tokens", "Generated tokens (up to a stop)", registry=r)
-        self.batch_rows = Histogram("fastdllm_batch_rows", "Rows decoded together per batch", buckets=BATCH_BUCKETS,
+        self.batch_rows = Histogram("fastdllm_batch_rows", "Rows decoded together, per block", buckets=BATCH_BUCKETS,
                                     registry=r)
-        self.nfe = Counter("fastdllm_forward_passes", "Model forward passes (NFE) of all batches", registry=r)
+        self.nfe = Counter("fastdllm_forward_passes", "Model forward passes (NFE)", registry=r)
         queue = Gauge("fastdllm_queue_depth", "Jobs waiting for the inference worker", registry=r)
         queue.set_function(lambda: scheduler.snapshot()["queued"])
         running = Gauge("fastdllm_running_requests", "Jobs in the batch being decoded", registry=r)

@@ -11,7 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..generate import GenerationConfig, stream_blocks
+from ..decoder import BlockDecoder, join_key
+from ..generate import GenerationConfig
 from .schema import APIError
 
 log = logging.getLogger("fastdllm.server")
@@ -34,6 +35,7 @@ class Job:
     cancelled: bool = False  # the client went away
     satisfied: bool = False  # the consumer needs no more blocks (every choice final)
     started: bool = False
+    blocks_posted: int = 0  # blocks sent so far (a job decoded again alone does not send them twice)
 
     @property
     def rows(self) -> int:
@@ -51,11 +53,17 @@ class Job:
 
 
 class Scheduler:
-    """One bounded FIFO queue of jobs, served by one inference thread that batches equal configs."""
+    """One bounded FIFO queue of jobs, served by one inference thread that batches them.
+
+    Jobs whose configs differ at most in the answer's length (`decoder.join_key`) decode together.
+    With `continuous` (the default), a job that arrives while a batch runs joins it at the next
+    block boundary, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
+    without, it waits for the batch to finish."""
 
     def __init__(self, model, max_batch_size: int = 8, max_queue: int = 64, batch_wait: float = 0.0,
-                 block_hook: Callable[[int], None] | None = None):
+                 block_hook: Callable[[int], None] | None = None, continuous: bool = True):
         self.model = model
+        self.continuous = continuous
         self.block_hook = block_hook  # called in the worker after each block (tests, diagnostics)
         self.batch_hook: Callable[[int, int], None] | None = None  # (rows, forward passes) after each batch
         self.max_batch_size = max_batch_size
@@ -67,7 +75,7 @@ class Scheduler:
         self.closing = False
         self.running_jobs = 0
         self.stats = dict(requests=0, rejected=0, completed=0, cancelled=0, errors=0, batches=0, batched_requests=0,
-                          max_batch_rows=0, max_batch_requests=0, rows=0, blocks=0, stopped_early=0)
+                          max_batch_rows=0, max_batch_requests=0, rows=0, blocks=0, stopped_early=0, joined=0)
         self.thread = threading.Thread(target=self._loop, name="fastdllm-inference", daemon=True)
         self.thread.start()
 
@@ -120,6 +128,7 @@ class Scheduler:
 
     # -- the inference thread
     def _take_batch(self) -> list[Job] | None:
+        """The jobs a new batch starts with (None: the server is closing)."""
         with self.cond:
             while not self.closing and (self.paused or not self.pending):
                 self.cond.wait()
@@ -135,25 +144,24 @@ class Scheduler:
                 if self.closing or not self.pending:
                     return None if self.closing else []
             first = self.pending.popleft()
-            batch, rows = [first], first.rows
-            for job in list(self.pending):
-                if rows >= self.max_batch_size:
-                    break
-                if job.config == first.config and rows + job.rows <= self.max_batch_size:
-                    self.pending.remove(job)
-                    batch.append(job)
-                    rows += job.rows
-            for job in batch:
-                job.started = True
-            self.running_jobs = len(batch)
-            s = self.stats
-            s["batches"] += 1
-            s["rows"] += rows
-            s["max_batch_rows"] = max(s["max_batch_rows"], rows)
-            s["max_batch_requests"] = max(s["max_batch_requests"], len(batch))
-            if len(batch) > 1:
-                s["batched_requests"] += len(batch)
-            return batch
+            return [first] + self._compatible(lambda c: join_key(c) == join_key(first.config), first.rows, skip=True)
+
+    def _compatible(self, fits, rows: int, skip: bool = False) -> list[Job]:
+        """Queued jobs that can decode with the batch, in queue order, up to max_batch_size rows.
+        With `skip` (a batch starting) the whole queue is looked through; otherwise (joining a
+        running batch) it stops at the first job that cannot join: that job waits for the batch to
+        drain, and no later one overtakes it. Call with the lock held."""
+        taken = []
+        for job in list(self.pending):
+            if rows >= self.max_batch_size or self.paused:
+                break
+            if fits(job.config) and rows + job.rows <= self.max_batch_size:
+                self.pending.remove(job)
+                taken.append(job)
+                rows += job.rows
+            elif not skip:
+                break
+        return taken
 
     def _loop(self) -> None:
         while True:
@@ -165,55 +173,108 @@ class Scheduler:
                 with self.cond:
                     self.running_jobs = 0
 
-    def _run(self, batch: list[Job]) -> None:
-        prompts = [p for job in batch for p in job.prompts]
-        seeds = [s for job in batch for s in job.seeds]
-        spans, start = [], 0
-        for job in batch:
-            spans.append((start, start + job.rows))
-            start += job.rows
-        gen = None
-        run_stats: dict = {}
-        posted = False
+    def _run(self, jobs: list[Job], alone: bool = False) -> None:
+        """Decode `jobs` and, unless `alone`, every compatible job that arrives while they run: it
+        joins at the next block boundary (continuous batching)."""
+        decoder = BlockDecoder(self.model, jobs[0].config)
+        running: dict[Job, list] = {}
+        together = 0  # jobs that shared this batch
+
+        def admit(new: list[Job]) -> None:
+            nonlocal together
+            for job in new:
+                job.started = True
+                try:
+                    running[job] = decoder.add(job.prompts, row_seeds=job.seeds, config=job.config,
+                                               tags=[job] * job.rows)
+                except Exception as e:  # a request the loop refuses fails alone
+                    self._fail([job], e, log_it=False)
+                    continue
+                together += 1
+                with self.cond:
+                    self.stats["rows"] += job.rows
+                    self.stats["joined"] += bool(decoder.rows)
+                    # Jobs that shared a batch: the first one counts when a second arrives.
+                    self.stats["batched_requests"] += 2 if together == 2 else int(together > 2)
+
+        if not alone:
+            with self.cond:
+                self.stats["batches"] += 1
+        admit(jobs)
         try:
-            gen = stream_blocks(self.model, prompts, batch[0].config, row_seeds=seeds, stats=run_stats)
-            for b, parts, finished in gen:
+            while running:
+                rows = sum(len(r) for r in running.values())
+                with self.cond:
+                    s = self.stats
+                    self.running_jobs = len(running)
+                    s["max_batch_rows"] = max(s["max_batch_rows"], rows)
+                    s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
+                nfe = decoder.nfe
+                try:
+                    for _ in decoder.run_block():
+                        pass
+                except Exception as e:
+                    self._recover(list(running), e, alone)
+                    return
                 with self.cond:
                     self.stats["blocks"] += 1
-                for job, (lo, hi) in zip(batch, spans):
-                    if job.wanted:
-                        job.post(("block", b, parts[lo:hi], finished[lo:hi]))
-                        posted = True
+                if self.batch_hook is not None:
+                    self.batch_hook(rows, decoder.nfe - nfe)
+                for job in self._post_blocks(decoder, running):
+                    del running[job]
                 if self.block_hook is not None:
-                    self.block_hook(b)
-                if not any(job.wanted for job in batch):
-                    if b < batch[0].config.num_blocks - 1 and not all(finished):
-                        with self.cond:
-                            self.stats["stopped_early"] += 1
-                    break
-            for job in batch:
-                job.post(("end",))
-            with self.cond:
-                self.stats["completed"] += len(batch)
-            if self.batch_hook is not None:
-                self.batch_hook(len(prompts), run_stats.get("nfe", 0))
+                    self.block_hook(max(b for _, b, _ in decoder.last_blocks))
+                for job in [j for j in running if not j.wanted]:  # nobody waits for its blocks
+                    decoder.drop(running.pop(job))
+                    job.post(("end",))
+                    with self.cond:
+                        self.stats["stopped_early"] += 1
+                if self.continuous and not alone:
+                    with self.cond:
+                        joining = [] if self.closing else \
+                            self._compatible(decoder.accepts, sum(len(r) for r in running.values()))
+                    admit(joining)
         except Exception as e:  # never let one bad batch kill the worker
-            if len(batch) > 1 and not posted:
-                # No request may fail another: decode each alone, so only the culprit gets the error.
-                log.warning("a batch of %d failed (%s: %s); retrying its requests one by one", len(batch),
-                            type(e).__name__, e)
-                if gen is not None:
-                    gen.close()
-                    gen = None
-                for job in batch:
-                    self._run([job])
-                return
-            log.exception("generation failed")
-            with self.cond:
-                self.stats["errors"] += len(batch)
-            err = APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
-            for job in batch:
-                job.post(("error", err))
-        finally:
-            if gen is not None:
-                gen.close()
+            self._fail(list(running), e)
+
+    def _post_blocks(self, decoder: BlockDecoder, running: dict) -> list[Job]:
+        """Send each job the block its rows just decoded; returns the jobs that are complete."""
+        decoded = {id(r): (b, ids) for r, b, ids in decoder.last_blocks}
+        complete = []
+        for job, rows in running.items():
+            mine = [decoded.get(id(r)) for r in rows]
+            b = next(m[0] for m in mine if m is not None) if any(m is not None for m in mine) else None
+            if b is None:
+                continue
+            if job.wanted and b >= job.blocks_posted:
+                job.post(("block", b, [[] if m is None else m[1] for m in mine], [r.finished for r in rows]))
+                job.blocks_posted = b + 1
+            if all(r.done for r in rows):
+                job.post(("end",))
+                with self.cond:
+                    self.stats["completed"] += 1
+                complete.append(job)
+        return complete
+
+    def _recover(self, jobs: list[Job], error: Exception, alone: bool) -> None:
+        """A batched step failed. No request may fail another: each job is decoded again alone (its
+        blocks already sent are not sent twice), so only the culprit gets the error."""
+        if alone:
+            self._fail(jobs, error)
+            return
+        log.warning("a batch of %d requests failed (%s: %s); retrying them one by one", len(jobs),
+                    type(error).__name__, error)
+        for job in jobs:
+            self._run([job], alone=True)
+
+    def _fail(self, jobs: list[Job], error: Exception, log_it: bool = True) -> None:
+        if log_it:
+            log.exception("generation failed", exc_info=error)
+        with self.cond:
+            self.stats["errors"] += len(jobs)
+        if isinstance(error, ValueError):
+            err = APIError(400, str(error), "invalid_request_error")
+        else:
+            err = APIError(500, f"generation failed: {type(error).__name__}: {error}", "server_error")
+        for job in jobs:
+            job.post(("error", err))

@@ -1,0 +1,362 @@
+"""The decoding loop: a batch of rows decoded block by block, which rows join and leave at block
+boundaries.
+
+Every row's answer region (its `gen_length` positions after its prompt) starts as all [MASK] and is
+decoded in blocks of `block_length`, left to right. Inside a block, each step asks the *cache
+policy* (`cache_policies.py`) for the block's logits and the *unmasking policy* (`unmasking.py`)
+which masked positions to reveal, until the block has no masks left. Then the next block starts (and
+a caching policy refreshes its cache). Positions after the current block are never revealed.
+
+The layout: the rows sit in one (B, L) tensor so that every row's current block occupies the same
+columns [start, start + block_length). A row's prompt and finished blocks lie to the left of it
+(left-padded), its masked rest to the right (right-padded when rows have less of their answers left
+than others). Padding is masked out of attention and RoPE positions count only real tokens, so a
+row sees what it would see alone. When every row starts together the layout is the plain left-padded
+batch. A row that joins later (`add` while the batch runs) is laid out at the next block boundary:
+its first block lines up with the others' current ones (the running rows move right if its prompt
+is longer, their cached K/V with them) and from then on it decodes in step with them. Rows that are
+done (a stop token in a finished block, or their last block) leave after each block.
+
+Rows may join when their configs differ at most in the answer's length: the decoding fields, block
+length and steps per block are the batch's (`join_key`); under a step schedule whose steps per
+block are not all equal (steps not a multiple of the number of blocks) rows must start together.
+A row decodes in a batch as alone: its own schedule, threshold and random stream (a row whose block
+is done draws nothing while others finish theirs), its own refresh decisions (a row that just joined
+gets a full forward at its first block while the others refresh their vicinity). Rows of equal
+layout decode bit-identically in float32 whatever else is in the batch. Padding changes how
+attention's sums are split and rounded (a padded row's logits move by ~1e-5 in float32, ~1e-2 in
+bfloat16), so a near-tied token can then differ.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache_policies import CachePolicy, NoCache, SequenceView, cache_policy
+from .config import GenerationConfig
+from .models.transformer import positions_from_mask
+from .unmasking import UnmaskingStrategy
+
+
+def join_key(config: GenerationConfig):
+    """What must be equal for rows to decode in one batch: the config but the answer's length
+    (and, with a step schedule, the total steps, when every block has the same number of steps)."""
+    if config.threshold is not None or config.factor is not None:  # parallel rules ignore steps
+        return config.replace(gen_length=config.block_length, steps=None)
+    per_block = set(config.steps_per_block())
+    if len(per_block) == 1:
+        return config.replace(gen_length=config.block_length, steps=per_block.pop())
+    return config
+
+
+@dataclass(eq=False)
+class Row:
+    """One prompt being decoded, with what it cost (as decoded alone)."""
+
+    prompt: torch.Tensor  # (P,) token ids
+    config: GenerationConfig  # its gen_length and steps; the decoding fields are the batch's
+    generator: torch.Generator | None
+    tag: object = None  # the caller's handle (the server's job)
+    block: int = 0  # the block it decodes next
+    finished: bool = False  # stopped at a stop token
+    answer: torch.Tensor | None = None  # (gen_length,) once it left the batch (EOS-filled after a stop)
+    unmask_step: torch.Tensor | None = None  # (gen_length,) the row's step revealing each position
+    nfe: int = 0  # forwards it took part in
+    tokens_per_step: list[int] = field(default_factory=list)
+    forward_positions: int = 0  # query positions of those forwards
+    attended_positions: int = 0  # query x key positions
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
+    def done(self) -> bool:
+        return self.answer is not None
+
+
+def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
+    """Left-pad a list of prompts (or check a padded tensor); returns ids (B, P) and mask (B, P)."""
+    pad_id = model.args.eos_token_id
+    vocab = model.args.vocab_size
+    if input_ids is None or isinstance(input_ids, (str, bytes)) or (
+            isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], str)):
+        raise ValueError("input_ids: generate() takes token ids (a list of ints, a list of lists, or a tensor); "
+                         "for text use fastdllm.generate_text(model, tokenizer, text)")
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected (batch, length), got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+            raise ValueError(f"input_ids: token ids must be integers, got a {input_ids.dtype} tensor")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+        ids = input_ids.to(model.device, torch.long)
+        if attention_mask is None:
+            mask = torch.ones_like(ids, dtype=torch.bool)
+        else:
+            mask = attention_mask.to(model.device).bool()
+            if mask.shape != ids.shape:
+                raise ValueError("attention_mask: must have the shape of input_ids")
+            if not mask[:, -1].all() or (mask[:, 1:].long() < mask[:, :-1].long()).any():
+                raise ValueError("attention_mask: prompts must be left-padded (ones at the end of every row)")
+    else:
+        input_ids = list(input_ids)
+        if not input_ids:
+            raise ValueError("input_ids: empty batch")
+        rows = [input_ids] if not isinstance(input_ids[0], (list, tuple, torch.Tensor)) else \
+            [list(r.tolist() if isinstance(r, torch.Tensor) else r) for r in input_ids]
+        for r in rows:
+            for t in r:
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise ValueError(f"input_ids: token ids must be integers, got {t!r} ({type(t).__name__})")
+                if not 0 <= t < vocab:
+                    raise ValueError(f"input_ids: token id {t} is outside the vocabulary [0, {vocab})")
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if r:
+                ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+                mask[i, width - len(r) :] = True
+        ids, mask = ids.to(model.device), mask.to(model.device)
+    if ids.shape[1] == 0 or (mask.sum(-1) == 0).any():
+        raise ValueError("input_ids: empty prompt (every row needs at least one token)")
+    if ((ids == model.mask_token_id) & mask).any():
+        raise ValueError(f"input_ids: a prompt contains the mask token (id {model.mask_token_id})")
+    if ids.shape[1] + config.gen_length > model.args.max_seq_len:
+        raise ValueError(
+            f"gen_length: prompt ({ids.shape[1]} tokens) + gen_length ({config.gen_length}) exceeds the "
+            f"model's max_sequence_length ({model.args.max_seq_len})"
+        )
+    return ids, mask
+
+
+def row_generators(config: GenerationConfig, batch: int, row_seeds, device) -> list[torch.Generator]:
+    if row_seeds is not None:
+        if len(row_seeds) != batch:
+            raise ValueError(f"row_seeds: need one seed per row ({batch}), got {len(row_seeds)}")
+        seeds = list(row_seeds)
+    else:
+        base = config.seed if config.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        seeds = [base + i for i in range(batch)]
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
+class BlockDecoder:
+    """The loop. `add` rows (they join at the next block boundary), then `run_block` decodes one
+    block of every row; `rows` are the rows in the batch, `left` those that left after the last
+    block and `last_blocks` what each row of it decoded.
+
+    `cache` (a CachePolicy) and `strategy` (an UnmaskingStrategy) override the policies that
+    `config.cache` and the config's unmasking fields name: a new policy plugs in here."""
+
+    def __init__(self, model, config: GenerationConfig, cache: CachePolicy | None = None,
+                 strategy: UnmaskingStrategy | None = None):
+        self.model, self.config = model, config
+        self.key = join_key(config)
+        self.policy = cache if cache is not None else cache_policy(model, config)
+        if strategy is None:
+            cached = not isinstance(self.policy, NoCache)
+            family = getattr(getattr(model, "family", None), "MODEL_TYPE", None)
+            strategy = UnmaskingStrategy.from_config(config, family, cached)
+        self.strategy = strategy
+        self.rule = strategy.new_rule()
+        self.device = model.device
+        self.mask_id = model.mask_token_id
+        self.stop_ids = torch.tensor(sorted(set(model.stop_token_ids)), device=self.device)
+        self.rows: list[Row] = []
+        self.joining: list[Row] = []
+        self.left: list[Row] = []
+        self.last_blocks: list[tuple[Row, int, list[int]]] = []
+        self.nfe, self.forward_time = 0, 0.0
+        self.start = 0  # the column of every row's current block
+        self.x = self.valid = self.step_of = self.row_nfe = None
+
+    # -- rows in
+    def accepts(self, config: GenerationConfig) -> bool:
+        """Whether rows of `config` can join this batch now."""
+        if join_key(config) != self.key:
+            return False
+        schedule_varies = self.key == self.config and len(set(self.config.steps_per_block())) > 1
+        return not (schedule_varies and any(r.block > 0 for r in self.rows))
+
+    def add(self, input_ids, attention_mask=None, row_seeds=None, config: GenerationConfig | None = None,
+            tags=None) -> list[Row]:
+        """Rows that join at the next block boundary (validated now: a bad prompt is refused here,
+        alone). `config` may differ from the batch's in gen_length only (see `join_key`)."""
+        config = config or self.config
+        if not self.accepts(config):
+            raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
+        ids, mask = prepare_inputs(self.model, input_ids, attention_mask, config)
+        gens = row_generators(config, ids.shape[0], row_seeds, self.device) if self.strategy.draws_randomness \
+            else [None] * ids.shape[0]
+        tags = [None] * ids.shape[0] if tags is None else list(tags)
+        rows = [Row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
+        self.joining.extend(rows)
+        return rows
+
+    def drop(self, rows: list[Row]) -> None:
+        """Rows that stop now (their caller no longer wants them): they leave before the next block."""
+        gone = set(map(id, rows))
+        self.joining = [r for r in self.joining if id(r) not in gone]
+        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.rows or self.joining)
+
+    def current_block(self) -> torch.Tensor:
+        """(B, block_length) the rows' current blocks (a view)."""
+        return self.x[:, self.start : self.start + self.config.block_length]
+
+    # -- layout
+    def _admit(self) -> None:
+        new, self.joining = self.joining, []
+        blk, old = self.config.block_length, self.rows
+        old_start = self.start if old else 0
+        start = max([old_start] + [len(r.prompt) for r in new])
+        shift = start - old_start
+        remaining = [r.config.gen_length - r.block * blk for r in old] + [r.config.gen_length for r in new]
+        bsz, length = len(old) + len(new), start + max(remaining)
+        x = torch.full((bsz, length), self.model.args.eos_token_id, dtype=torch.long, device=self.device)
+        valid = torch.zeros((bsz, length), dtype=torch.bool, device=self.device)
+        step_of = torch.full((bsz, length), -1, dtype=torch.long, device=self.device)
+        if old:
+            width = self.x.shape[1]
+            x[: len(old), shift : shift + width] = self.x
+            valid[: len(old), shift : shift + width] = self.valid
+            step_of[: len(old), shift : shift + width] = self.step_of
+        for j, r in enumerate(new):
+            i, p = len(old) + j, len(r.prompt)
+            x[i, start - p : start] = r.prompt
+            x[i, start : start + r.config.gen_length] = self.mask_id
+            valid[i, start - p : start + r.config.gen_length] = True
+        self.row_nfe = torch.cat([self.row_nfe, torch.zeros(len(new), dtype=torch.long, device=self.device)]) \
+            if old else torch.zeros(bsz, dtype=torch.long, device=self.device)
+        self.policy.relayout(list(range(len(old))) + [None] * len(new), shift, length)
+        self.rows, self.start = old + new, start
+        self._set(x, valid, step_of)
+
+    def _set(self, x, valid, step_of) -> None:
+        self.x, self.valid, self.step_of = x, valid, step_of
+        self.positions = positions_from_mask(valid, *valid.shape, self.device)
+        self.key_mask = None if bool(valid.all()) else valid[:, None, None, :]
+        self.generators = [r.generator for r in self.rows]
+
+    def _keep(self, keep: list[int]) -> None:
+        """Rows `keep` stay; the layout loses the columns no remaining row needs on the right."""
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.x = self.valid = self.step_of = self.row_nfe = None
+            return
+        blk = self.config.block_length
+        length = self.start + max(r.config.gen_length - r.block * blk for r in self.rows)
+        idx = torch.tensor(keep, device=self.device)
+        self.row_nfe = self.row_nfe[idx]
+        self.policy.relayout(keep, 0, length)
+        self._set(self.x[idx, :length], self.valid[idx, :length], self.step_of[idx, :length])
+
+    # -- one block
+    def run_block(self):
+        """Decode the current block of every row (rows that joined are laid out first), yielding
+        the step's `chosen` (B, block_length) after every step. After it: `last_blocks`, `left`."""
+        if self.joining:
+            self._admit()
+        cfg, blk = self.config, self.config.block_length
+        rows = self.rows
+        bsz, length = self.x.shape
+        start, end = self.start, self.start + blk
+        blocks = tuple(r.block for r in rows)
+        steps = rows[0].config.steps_per_block()[blocks[0]]
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        # A suffix window: forwards see the sequence only up to `cut` (the masked tail after it
+        # is not part of any forward until the window reaches it).
+        cut = length if cfg.suffix_window is None else min(length, end + cfg.suffix_window)
+        km = self.key_mask
+        seq = SequenceView(self.x[:, :cut], self.positions[:, :cut], None if km is None else km[..., :cut],
+                           block=blocks[0], block_length=blk, rows=tuple(range(bsz)), capacity=length,
+                           row_blocks=blocks)
+        block = self.x[:, start:end]  # a view: writes go straight into the layout
+        generators = self.generators if self.strategy.draws_randomness else None
+        everyone = list(range(bsz))
+        self.rule.begin_block(block == self.mask_id, steps, generators, everyone)
+        # (tokens revealed per row, row had masks, the step's forwards): charged to the rows at the
+        # block's end, so a step does no host-side bookkeeping.
+        log: list[tuple] = []
+        step = 0
+        while True:
+            masked = block == self.mask_id
+            has_mask = masked.any(-1)
+            if not bool(has_mask.any()):
+                break
+            sync()
+            t0 = time.perf_counter()
+            logits = self.policy.block_logits(seq, start, end, step)
+            sync()
+            self.forward_time += time.perf_counter() - t0
+            work = self.policy.take_work()
+            self.nfe += len(work)
+            # Rows whose block is already done draw no randomness: each row's stream must advance
+            # exactly as when it is decoded alone, whatever the other rows still need.
+            drawing = everyone
+            if generators is not None and not bool(has_mask.all()):
+                drawing = [i if m else None for i, m in zip(everyone, has_mask.tolist())]
+            tokens, conf = self.strategy.propose(logits, generators, drawing)
+            chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
+            block[chosen] = tokens[chosen]
+            region = self.step_of[:, start:end]  # the row's step index of each revealed position
+            region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
+            self.row_nfe += has_mask
+            log.append((chosen.sum(-1), has_mask, work))
+            step += 1
+            yield chosen
+        self._charge(log)
+        done = block.tolist()
+        hit = torch.isin(block, self.stop_ids).any(-1).tolist() if cfg.stop_at_eos else [False] * bsz
+        self.last_blocks, self.left, keep = [], [], []
+        for i, r in enumerate(rows):
+            self.last_blocks.append((r, r.block, done[i]))
+            r.block += 1
+            r.finished = hit[i]
+            if hit[i] or r.block == r.num_blocks:
+                self._leave(i, r)
+            else:
+                keep.append(i)
+        self.start = end
+        if len(keep) < bsz:
+            self._keep(keep)
+
+    def _charge(self, log) -> None:
+        """Per row: the tokens of each step it took part in and the work of every forward that
+        served it while it had masks (what it costs alone)."""
+        if not log:
+            return
+        counts = torch.stack([c for c, _, _ in log]).tolist()
+        live = torch.stack([h for _, h, _ in log]).tolist()
+        for s, (_, _, work) in enumerate(log):
+            for i, r in enumerate(self.rows):
+                if live[s][i]:
+                    r.tokens_per_step.append(counts[s][i])
+            for served, queries, keys in work:
+                for i in (range(len(self.rows)) if served is None else served):
+                    if live[s][i]:
+                        r = self.rows[i]
+                        r.nfe += 1
+                        r.forward_positions += queries
+                        r.attended_positions += queries * keys
+
+    def _leave(self, i: int, r: Row) -> None:
+        blk, n = self.config.block_length, r.config.gen_length
+        first = self.start - (r.block - 1) * blk  # the row's answer starts here
+        r.answer = self.x[i, first : first + n].clone()
+        r.unmask_step = self.step_of[i, first : first + n].clone()
+        if r.finished:
+            r.answer[r.block * blk :] = self.model.args.eos_token_id
+        self.left.append(r)

@@ -1,0 +1,224 @@
+"""Continuous batching: rows join a running batch at a block boundary and decode as they would alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm import GenerationConfig, generate
+from fastdllm.decoder import BlockDecoder, join_key
+from fastdllm.tasks import arith
+from fastdllm.tasks.arith import prompt_ids
+
+
+@pytest.fixture(scope="module", params=["llada-arith", "dream-arith"])
+def fp32(request):
+    model, tok = fastdllm.load(request.param, device="cpu", dtype=torch.float32)
+    return model, tok
+
+
+def questions(tok, n, shots=0):
+    pool = arith.fewshot_pool()
+    return [prompt_ids(tok, p.question, pool[: shots + i % 2]) for i, p in enumerate(arith.test_split()[:n])]
+
+
+def config_for(base: GenerationConfig, gen_length: int) -> GenerationConfig:
+    """`base` for another answer length, with as many steps per block."""
+    steps = None if base.steps is None else base.steps_per_block()[0] * gen_length // base.block_length
+    return base.replace(gen_length=gen_length, steps=steps)
+
+
+def run_with_joins(model, arrivals, base: GenerationConfig, seeds):
+    """`arrivals`: {block boundary: [(prompt, gen_length)]}; every row decoded by one BlockDecoder,
+    later rows added while the earlier ones run. Returns each row's answer, in arrival order."""
+    decoder = BlockDecoder(model, base)
+    rows, boundary = [], 0
+    while decoder.active or any(k >= boundary for k in arrivals):
+        for prompt, gen in arrivals.get(boundary, []):
+            cfg = config_for(base, gen)
+            rows += decoder.add([prompt], row_seeds=[seeds[len(rows)]], config=cfg)
+        if decoder.active:
+            for _ in decoder.run_block():
+                pass
+        boundary += 1
+    return rows
+
+
+CONFIGS = {
+    "fast-dllm": GenerationConfig.fast_dllm().replace(block_length=16, stop_at_eos=False),
+    "prefix": GenerationConfig(block_length=16, threshold=0.9, cache="prefix", stop_at_eos=False),
+    "no-cache-schedule": GenerationConfig(block_length=16, steps=128, threshold=None, cache="none", stop_at_eos=False),
+    "vicinity": GenerationConfig(block_length=16, threshold=0.9, cache="dual", suffix_window=16, refresh="vicinity",
+                                 refresh_every=3, stop_at_eos=False),
+    "adaptive": GenerationConfig(block_length=16, threshold=0.9, cache="dual", suffix_window=16, refresh="adaptive",
+                                 refresh_tol=0.02, stop_at_eos=False),
+    "sampled-stop": GenerationConfig(block_length=16, threshold=0.9, cache="dual", temperature=0.7),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "no-cache-schedule" else n
+                                  for n in CONFIGS])
+def test_rows_that_join_decode_as_alone(fp32, name):
+    """A long row runs; a short one joins at block 1 and one with a longer prompt (the running rows
+    move right) at block 2: every answer is token-identical to the row decoded alone (float32)."""
+    model, tok = fp32
+    ps = questions(tok, 3)
+    long_prompt = prompt_ids(tok, arith.test_split()[5].question, arith.fewshot_pool()[:2])
+    assert len(long_prompt) > max(len(p) for p in ps) + 32
+    base = CONFIGS[name]
+    arrivals = {0: [(ps[0], 96), (ps[1], 64)], 1: [(ps[2], 32)], 2: [(long_prompt, 48)]}
+    seeds = [11, 12, 13, 14]
+    rows = run_with_joins(model, arrivals, base, seeds)
+    alone = [(p, g) for k in sorted(arrivals) for p, g in arrivals[k]]
+    for r, (p, g), seed in zip(rows, alone, seeds):
+        ref = generate(model, [p], config_for(base, g).replace(seed=seed))
+        assert torch.equal(r.answer, ref.sequences[0]), (name, g)
+        assert r.nfe == ref.nfe_per_row[0] and r.tokens_per_step == ref.tokens_per_step[0]
+        assert torch.equal(r.unmask_step, ref.unmask_step[0])
+
+
+def test_join_key_and_accepts():
+    base = GenerationConfig(threshold=0.9)
+    assert join_key(base) == join_key(base.replace(gen_length=64))  # only the length differs
+    assert join_key(base) != join_key(base.replace(block_length=16))
+    assert join_key(base) != join_key(base.replace(threshold=0.8))
+    sched = GenerationConfig(gen_length=64, block_length=32, steps=64, threshold=None)  # 32 steps per block
+    assert join_key(sched) == join_key(sched.replace(gen_length=128, steps=128))
+    assert join_key(sched) != join_key(sched.replace(gen_length=128, steps=64))  # 16 per block
+
+
+def test_rows_that_cannot_join_are_refused(tiny_llada, tokenizer):
+    decoder = BlockDecoder(tiny_llada, GenerationConfig(gen_length=64, block_length=32, threshold=0.9))
+    decoder.add([tokenizer.encode("Hi")])
+    with pytest.raises(ValueError, match="config"):
+        decoder.add([tokenizer.encode("Hi")], config=GenerationConfig(gen_length=64, block_length=16, threshold=0.9))
+    # Uneven steps per block (3 steps over 2 blocks): rows must start together.
+    uneven = GenerationConfig(gen_length=64, block_length=32, steps=3, threshold=None)
+    d = BlockDecoder(tiny_llada, uneven)
+    d.add([tokenizer.encode("Hi")])
+    assert d.accepts(uneven)
+    for _ in d.run_block():
+        pass
+    assert not d.accepts(uneven)
+
+
+def test_dropped_rows_leave_and_the_others_continue(fp32):
+    model, tok = fp32
+    ps = questions(tok, 2)
+    base = GenerationConfig.fast_dllm().replace(gen_length=64, block_length=16, stop_at_eos=False)
+    decoder = BlockDecoder(model, base)
+    a, b = decoder.add(ps, row_seeds=[0, 1])
+    for _ in decoder.run_block():
+        pass
+    decoder.drop([a])
+    while decoder.active:
+        for _ in decoder.run_block():
+            pass
+    assert not a.done and b.done
+    assert torch.equal(b.answer, generate(model, [ps[1]], base).sequences[0])
+
+
+# ---- the server's scheduler ------------------------------------------------------------------------
+def _collect(job, timeout=120):
+    async def run():
+        items = []
+        while True:
+            item = await asyncio.wait_for(job.events.get(), timeout)
+            items.append(item)
+            if item[0] in ("end", "error"):
+                return items
+    return run()
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_a_short_request_joins_a_long_one(fp32, continuous):
+    """A long job decodes slowly; a short one arrives after its first block. With continuous batching
+    the short one joins and ends first, and both answers are as alone; without, it waits."""
+    from fastdllm.server import Job, Scheduler
+
+    model, tok = fp32
+    ps = questions(tok, 2)
+    base = GenerationConfig.fast_dllm().replace(block_length=16, stop_at_eos=False, seed=None)
+    order: list[str] = []
+    first_block = threading.Event()
+
+    def slow(b):
+        first_block.set()
+        threading.Event().wait(0.05)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(model, max_batch_size=4, block_hook=slow, continuous=continuous)
+        long_job = Job([ps[0]], [7], base.replace(gen_length=128), loop)
+        short_job = Job([ps[1]], [8], base.replace(gen_length=32), loop)
+        sched.submit(long_job)
+        await asyncio.to_thread(first_block.wait, 60)
+        sched.submit(short_job)
+
+        async def track(name, job):
+            items = await _collect(job)
+            order.append(name)
+            return items
+
+        got = await asyncio.gather(track("long", long_job), track("short", short_job))
+        stats = sched.snapshot()
+        sched.close()
+        return got, stats
+
+    (long_items, short_items), stats = asyncio.run(scenario())
+    assert order == (["short", "long"] if continuous else ["long", "short"])
+    assert stats["joined"] == (1 if continuous else 0)
+    for items, prompt, gen, seed in ((long_items, ps[0], 128, 7), (short_items, ps[1], 32, 8)):
+        assert items[-1] == ("end",)
+        ids = [t for item in items if item[0] == "block" for t in item[2][0]]
+        ref = generate(model, [prompt], base.replace(gen_length=gen, seed=seed))
+        assert ids == ref.sequences[0].tolist()
+
+
+def test_a_failing_step_fails_only_its_culprit(fp32, monkeypatch):
+    """A forward fails whenever a certain row is in the batch: that row joined a running job, so the
+    batch fails after blocks were already sent. The running job is decoded again alone (no block
+    sent twice) and ends as alone; only the culprit gets the error."""
+    from fastdllm.server import Job, Scheduler
+
+    model, tok = fp32
+    ps = questions(tok, 2)
+    base = GenerationConfig.fast_dllm().replace(block_length=16, stop_at_eos=False, seed=None)
+    ref = generate(model, [ps[0]], base.replace(gen_length=64, seed=1))
+    # A token in neither the good prompt nor its answer marks the culprit's row.
+    mark = next(t for t in range(100, model.args.vocab_size)
+                if t not in ps[0] + ref.sequences[0].tolist() and t not in model.stop_token_ids)
+    poison = [mark] + ps[1]
+    real = model.logits_for
+
+    def flaky(x, *a, **kw):
+        if bool((x == mark).any()):
+            raise RuntimeError("the kernel failed")
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(model, "logits_for", flaky)
+    first_block = threading.Event()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(model, max_batch_size=4, block_hook=lambda b: first_block.set())
+        good = Job([ps[0]], [1], base.replace(gen_length=64), loop)
+        bad = Job([poison], [2], base.replace(gen_length=32), loop)
+        sched.submit(good)
+        await asyncio.to_thread(first_block.wait, 60)
+        sched.submit(bad)
+        got = await asyncio.gather(_collect(good), _collect(bad))
+        stats = sched.snapshot()
+        sched.close()
+        return got, stats
+
+    (good_items, bad_items), stats = asyncio.run(scenario())
+    assert bad_items[-1][0] == "error" and stats["errors"] == 1
+    assert good_items[-1] == ("end",)
+    blocks = [item[1] for item in good_items if item[0] == "block"]
+    assert blocks == [0, 1, 2, 3]  # each block once
+    assert [t for item in good_items if item[0] == "block" for t in item[2][0]] == ref.sequences[0].tolist()
