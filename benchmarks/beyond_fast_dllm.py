@@ -4,7 +4,8 @@
 
 Each configuration is evaluated with `fastdllm.evaluate` (bf16, batch 16, stop-at-EOS on) on the
 same held-out arith problems; printed: accuracy, tokens/s, NFE per sample, forward positions and
-attended positions per generated token. `--configs` picks some (names below).
+attended positions per generated token. `--configs` picks some (names below). A compiled row first
+decodes three batches untimed (torch.compile compiles then: the full forward and the windows).
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ import json
 
 import torch
 
+# Every row names each policy field, so that the rows do not move with GenerationConfig's defaults.
+FAST_DLLM = dict(cache="dual", threshold=0.9, suffix_window=None, refresh="full", refresh_every=None)
 CONFIGS = {
-    "fast-dllm": dict(cache="dual", threshold=0.9),
-    "suffix32": dict(cache="dual", threshold=0.9, suffix_window=32),
-    "suffix64": dict(cache="dual", threshold=0.9, suffix_window=64),
-    "suffix128": dict(cache="dual", threshold=0.9, suffix_window=128),
-    "vicinity": dict(cache="dual", threshold=0.9, refresh="vicinity"),
-    "vicinity+suffix32": dict(cache="dual", threshold=0.9, refresh="vicinity", suffix_window=32),
-    "vicinity+suffix64": dict(cache="dual", threshold=0.9, refresh="vicinity", suffix_window=64),
-    "vicinity4+suffix32": dict(cache="dual", threshold=0.9, refresh="vicinity", refresh_every=4, suffix_window=32),
-    "adaptive+suffix32": dict(cache="dual", threshold=0.9, refresh="adaptive", suffix_window=32),
+    "baseline": dict(FAST_DLLM, cache="none", threshold=None),  # one token per step (steps = gen_length)
+    "fast-dllm": FAST_DLLM,
+    "suffix32": dict(FAST_DLLM, suffix_window=32),
+    "suffix64": dict(FAST_DLLM, suffix_window=64),
+    "suffix128": dict(FAST_DLLM, suffix_window=128),
+    "vicinity": dict(FAST_DLLM, refresh="vicinity"),
+    "vicinity+suffix32": dict(FAST_DLLM, refresh="vicinity", suffix_window=32),
+    "vicinity+suffix64": dict(FAST_DLLM, refresh="vicinity", suffix_window=64),
+    "vicinity4+suffix32": dict(FAST_DLLM, refresh="vicinity", refresh_every=4, suffix_window=32),
+    "adaptive+suffix32": dict(FAST_DLLM, refresh="adaptive", suffix_window=32),
+    "fast-dllm+compile": dict(FAST_DLLM, compile=True),
+    "vicinity+suffix32+compile": dict(FAST_DLLM, refresh="vicinity", suffix_window=32, compile=True),
 }
 
 
@@ -47,6 +53,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     for name in args.configs:
         cfg = fastdllm.GenerationConfig(gen_length=args.gen_length, **CONFIGS[name])
+        if cfg.compile:
+            evaluate(model, tok, "arith", limit=48, num_fewshot=args.num_fewshot, config=cfg, batch_size=16)
         r = evaluate(model, tok, "arith", limit=args.limit, num_fewshot=args.num_fewshot, config=cfg, batch_size=16)
         row = {"name": name, "config": cfg.to_dict(), **{k: r[k] for k in (
             "accuracy", "tokens_per_second", "nfe_per_sample", "positions_per_token", "attended_per_token",

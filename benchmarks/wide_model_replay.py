@@ -20,11 +20,13 @@ import time
 
 import torch
 
+# Every row names each policy field, so that the rows do not move with GenerationConfig's defaults.
+FAST_DLLM = dict(cache="dual", threshold=0.9, suffix_window=None, refresh="full", refresh_every=None)
 CONFIGS = {
-    "fast-dllm": dict(cache="dual", threshold=0.9),
-    "suffix64": dict(cache="dual", threshold=0.9, suffix_window=64),
-    "beyond": dict(cache="dual", threshold=0.9, suffix_window=64, refresh="vicinity"),
-    "beyond32": dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity"),
+    "fast-dllm": FAST_DLLM,
+    "suffix64": dict(FAST_DLLM, suffix_window=64),
+    "beyond": dict(FAST_DLLM, suffix_window=64, refresh="vicinity"),
+    "beyond32": dict(FAST_DLLM, suffix_window=32, refresh="vicinity"),  # the default
 }
 
 

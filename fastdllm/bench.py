@@ -47,6 +47,8 @@ TABLE_ROWS = [
     ("vicinity", "Fast-dLLM +vicinity refresh (after dInfer)", dict(cache="dual", threshold=0.9, refresh="vicinity")),
     ("beyond", "Fast-dLLM +suffix window 64 +vicinity refresh",
      dict(cache="dual", threshold=0.9, suffix_window=64, refresh="vicinity")),
+    ("default", "default (Fast-dLLM +suffix window 32 +vicinity refresh)",
+     dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity")),
 ]
 ROW_KEYS = [key for key, _, _ in TABLE_ROWS]
 
@@ -54,14 +56,17 @@ ROW_KEYS = [key for key, _, _ in TABLE_ROWS]
 def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None) -> list[Row]:
     """The rows to run; `keys` picks some (the baseline always runs: speed-ups are relative to it)."""
     g = f"gen {gen_length}"
-    base = dict(gen_length=gen_length, block_length=block_length, steps=gen_length, stop_at_eos=False)
+    # The rows name their policies in full: they do not move with GenerationConfig's defaults.
+    base = dict(gen_length=gen_length, block_length=block_length, steps=gen_length, stop_at_eos=False,
+                suffix_window=None, refresh="full", refresh_every=None)
     rows = [row for row in TABLE_ROWS if keys is None or row[0] in keys or row[0] == "baseline"]
     out = []
     if stop_at_eos in ("off", "both"):
         out += [Row(name, GenerationConfig(**base, **kw), g) for _, name, kw in rows]
     if stop_at_eos in ("on", "both"):
         # "both": only the baseline and the full method are repeated with stop-at-EOS
-        picked = rows if stop_at_eos == "on" else [row for row in rows if row[0] in ("baseline", "full", "beyond")]
+        picked = rows if stop_at_eos == "on" else [row for row in rows
+                                                       if row[0] in ("baseline", "full", "beyond", "default")]
         out += [Row(name + " [stop@eos]", GenerationConfig(**{**base, "stop_at_eos": True}, **kw), g + " stop@eos")
                 for _, name, kw in picked]
     return out

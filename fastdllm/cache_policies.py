@@ -70,8 +70,9 @@ class CachePolicy:
 
     name = "none"
 
-    def __init__(self, model):
+    def __init__(self, model, compiled: bool = False):
         self.model = model
+        self.compiled = compiled  # forwards through the model's torch.compile'd layers
         self.work: list[tuple[list[int] | None, int, int]] = []
         self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
 
@@ -98,8 +99,11 @@ class CachePolicy:
         self.work.append((rows, we - ws, length))  # a window's queries attend over the whole sequence
         if self.history is not None:
             self.history.append((ws, we, length, start, end))
+        key_mask = seq.key_mask
+        if self.compiled and key_mask is None:  # one compiled graph for padded and unpadded batches
+            key_mask = torch.ones((seq.x.shape[0], 1, 1, length), dtype=torch.bool, device=seq.x.device)
         return self.model.logits_for(seq.x, start, end, window=window, cache=cache, positions=seq.positions,
-                                     key_mask=seq.key_mask)
+                                     key_mask=key_mask, compiled=self.compiled)
 
 
 class NoCache(CachePolicy):
@@ -117,8 +121,9 @@ class PrefixCache(CachePolicy):
     # Whether later steps also reuse the suffix after the block (DualCache) or recompute it.
     reuse_suffix = False
 
-    def __init__(self, model, refresh: str = "full", refresh_every: int | None = None, refresh_tol: float = 0.1):
-        super().__init__(model)
+    def __init__(self, model, refresh: str = "full", refresh_every: int | None = None, refresh_tol: float = 0.1,
+                 compiled: bool = False):
+        super().__init__(model, compiled)
         if refresh not in REFRESH:
             raise ValueError(f"refresh: must be one of {', '.join(REFRESH)} (got {refresh!r})")
         self.refresh, self.refresh_every, self.refresh_tol = refresh, refresh_every, refresh_tol
@@ -217,5 +222,6 @@ def cache_policy(model, config) -> CachePolicy:
     """The policy a config names, with its refresh settings."""
     cls = CACHE_POLICIES[config.cache]
     if cls is NoCache:
-        return cls(model)
-    return cls(model, refresh=config.refresh, refresh_every=config.refresh_every, refresh_tol=config.refresh_tol)
+        return cls(model, compiled=config.compile)
+    return cls(model, refresh=config.refresh, refresh_every=config.refresh_every, refresh_tol=config.refresh_tol,
+               compiled=config.compile)

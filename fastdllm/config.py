@@ -38,9 +38,14 @@ class GenerationConfig:
     """Decoding settings, named as in the LLaDA / Fast-dLLM / Dream reference code. Immutable:
     change one with `config.replace(name=value)`, which validates again.
 
-    The defaults are Fast-dLLM's full method: DualCache with threshold-0.9 parallel decoding,
-    gen_length 256 in blocks of 32. The LLaDA baseline is `threshold=None, cache='none'`
-    (one token per step when steps == gen_length). Parallel decoding: `threshold` (unmask all
+    The defaults go past Fast-dLLM: its full method (DualCache with threshold-0.9 parallel
+    decoding, gen_length 256 in blocks of 32) with a suffix window of 32 (forwards see one block
+    of the masked tail, after DPad) and the vicinity refresh (a block-start forward recomputes from
+    the just-finished block on, after dInfer): the fastest combination measured within a point of
+    the baseline's accuracy on the embedded model (docs/results/beyond/). Fast-dLLM exactly as
+    published is `GenerationConfig.fast_dllm()`, LLaDA's baseline (no cache, one token per step)
+    `GenerationConfig.baseline()`. Without a cache (`cache='none'`) every forward is full and
+    `refresh` has no effect. Parallel decoding: `threshold` (unmask all
     positions at or above it) or `factor` (Fast-dLLM's factor rule; takes precedence over
     threshold). With neither, each block follows a fixed schedule of `steps` spread over the
     blocks: LLaDA's linear schedule, or Dream's timestep schedule when `alg` is set.
@@ -65,23 +70,27 @@ class GenerationConfig:
     top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False)
     top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)")
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token")
-    suffix_window: int | None = _opt(None, "optional int",
+    suffix_window: int | None = _opt(32, "optional int",
                                      "forwards see only this many positions after the current block (after "
                                      "DPad); 'none': the whole answer region")
-    refresh: str = _opt("full", "str", "what a cache policy's block-start forward recomputes: "
+    refresh: str = _opt("vicinity", "str", "what a cache policy's block-start forward recomputes: "
                         + " | ".join(REFRESH) + " (vicinity: from the just-finished block on, after dInfer)")
     refresh_every: int | None = _opt(None, "optional int", "with refresh=vicinity: a full refresh every N blocks")
     refresh_tol: float = _opt(0.1, "float", "with refresh=adaptive: the relative change of the just-finished "
                               "block's keys above which a row is refreshed fully")
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
+    compile: bool = _opt(False, "bool", "run the model's layers through torch.compile (the first generation "
+                         "compiles, ~30 s on a CPU; the same tokens)", server=False)
 
     def __post_init__(self) -> None:
         self.validate()
 
     @classmethod
     def baseline(cls, **overrides) -> "GenerationConfig":
-        """LLaDA's semi-autoregressive baseline: no cache, one token per step."""
-        return cls(**{"threshold": None, "cache": "none", **overrides})
+        """LLaDA's semi-autoregressive baseline: no cache, one token per step, every forward over
+        the whole sequence."""
+        return cls(**{"threshold": None, "factor": None, "cache": "none", "suffix_window": None, "refresh": "full",
+                      "refresh_every": None, **overrides})
 
     @classmethod
     def fast_dllm(cls, **overrides) -> "GenerationConfig":
@@ -100,6 +109,7 @@ class GenerationConfig:
 
     @classmethod
     def default(cls, **overrides) -> "GenerationConfig":
+        """The defaults: Fast-dLLM with a suffix window of 32 and the vicinity refresh."""
         return cls(**overrides)
 
     @classmethod
@@ -219,8 +229,6 @@ class GenerationConfig:
             need(is_int(self.suffix_window) and self.suffix_window >= 0, "suffix_window",
                  "must be a non-negative integer or None")
         need(self.refresh in REFRESH, "refresh", f"must be one of {', '.join(REFRESH)}")
-        need(self.refresh == "full" or self.cache != "none", "refresh",
-             "needs a cache (cache=prefix or dual): without one every forward is full")
         need(is_num(self.refresh_tol) and finite(self.refresh_tol) and self.refresh_tol >= 0, "refresh_tol",
              "must be a finite number >= 0")
         if self.refresh_every is not None:
@@ -228,6 +236,7 @@ class GenerationConfig:
                  "must be a positive integer or None")
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")
+        need(isinstance(self.compile, bool), "compile", "must be true or false")
 
 
 # --preset NAME -> the GenerationConfig classmethod that builds it.

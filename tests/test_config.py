@@ -15,7 +15,7 @@ from fastdllm.config import ConfigError
 BAD = {
     "gen_length": 0, "block_length": 7, "steps": 1000, "temperature": -1, "remasking": "x", "threshold": 1.5,
     "factor": 0, "cache": "x", "alg": "x", "alg_temp": -1, "eps": 1, "top_p": 0, "top_k": 0, "stop_at_eos": "yes",
-    "seed": 1.5, "suffix_window": -1, "refresh": "sometimes", "refresh_every": 0, "refresh_tol": -1,
+    "seed": 1.5, "suffix_window": -1, "refresh": "sometimes", "refresh_every": 0, "refresh_tol": -1, "compile": 1,
 }
 
 
@@ -31,10 +31,15 @@ def test_invalid_value_is_a_config_error_naming_the_field(name):
     assert str(info.value).startswith(f"{name}: ")
 
 
-def test_refresh_needs_a_cache():
-    with pytest.raises(ConfigError) as info:
-        GenerationConfig(cache="none", refresh="vicinity")
-    assert info.value.param == "refresh"
+def test_the_defaults_and_the_presets():
+    d = GenerationConfig()
+    assert (d.cache, d.threshold, d.suffix_window, d.refresh) == ("dual", 0.9, 32, "vicinity")
+    f = GenerationConfig.fast_dllm()
+    assert (f.cache, f.threshold, f.suffix_window, f.refresh, f.gen_length, f.block_length) == \
+        ("dual", 0.9, None, "full", 256, 32)
+    b = GenerationConfig.baseline()
+    assert (b.cache, b.threshold, b.suffix_window, b.refresh) == ("none", None, None, "full")
+    assert GenerationConfig(cache="none", threshold=None).refresh == "vicinity"  # no effect without a cache
 
 
 def test_config_is_immutable_and_replace_validates():

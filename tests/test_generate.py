@@ -65,7 +65,7 @@ def test_stale_caches_run_fewer_full_forwards(tiny_llada, tokenizer):
 
     tiny_llada.logits_for = spy
     try:
-        out = generate(tiny_llada, prompts(tokenizer), config=GenerationConfig(gen_length=32, block_length=8,
+        out = generate(tiny_llada, prompts(tokenizer), config=GenerationConfig.fast_dllm(gen_length=32, block_length=8,
                                                                               threshold=None, cache="dual"))
     finally:
         del tiny_llada.logits_for
@@ -375,17 +375,17 @@ def test_work_accounting_on_hand_checkable_cases(tiny_llada, tokenizer):
     assert out.attended_positions == [gen * length * length]
     assert out.positions_per_token == gen * length / out.num_tokens[0]
     # DualCache, one token per step: per block one full forward, then block-sized windows
-    out = generate(tiny_llada, prompt, config=GenerationConfig(threshold=None, cache="dual", **base))
+    out = generate(tiny_llada, prompt, config=GenerationConfig.fast_dllm(threshold=None, cache="dual", **base))
     per_block = blk  # steps per block
     assert out.forward_positions == [(gen // blk) * (length + (per_block - 1) * blk)]
     # prefix cache: the window runs from the block to the end of the sequence
-    out = generate(tiny_llada, prompt, config=GenerationConfig(threshold=None, cache="prefix", **base))
+    out = generate(tiny_llada, prompt, config=GenerationConfig.fast_dllm(threshold=None, cache="prefix", **base))
     expected = sum(length + (per_block - 1) * (length - (plen + b * blk)) for b in range(gen // blk))
     assert out.forward_positions == [expected]
 
 
 def test_work_is_charged_per_row_as_alone(tiny_llada, tokenizer):
-    cfg = GenerationConfig(gen_length=32, block_length=8, threshold=0.5, stop_at_eos=False)
+    cfg = GenerationConfig.fast_dllm(gen_length=32, block_length=8, threshold=0.5, stop_at_eos=False)
     rows = prompts(tokenizer)[:3]
     together = generate(tiny_llada, rows, config=cfg)
     for i, p in enumerate(rows):
@@ -400,7 +400,7 @@ def test_work_is_charged_per_row_as_alone(tiny_llada, tokenizer):
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 def test_conservative_settings_are_token_identical_to_fast_dllm(arch, cache, request, tokenizer):
     model = request.getfixturevalue(arch)
-    base = GenerationConfig(gen_length=32, block_length=8, threshold=0.3, cache=cache, stop_at_eos=False)
+    base = GenerationConfig.fast_dllm(gen_length=32, block_length=8, threshold=0.3, cache=cache, stop_at_eos=False)
     ref = generate(model, prompts(tokenizer), config=base)
     variants = [base.replace(suffix_window=32), base.replace(suffix_window=1000)]
     if cache != "none":
@@ -414,7 +414,7 @@ def test_conservative_settings_are_token_identical_to_fast_dllm(arch, cache, req
 @pytest.mark.parametrize("overrides", [dict(suffix_window=8), dict(refresh="vicinity"),
                                        dict(refresh="vicinity", suffix_window=4, cache="prefix")])
 def test_new_policies_batch_equals_single(tiny_llada, tokenizer, overrides):
-    cfg = GenerationConfig(gen_length=32, block_length=8, threshold=0.3, stop_at_eos=False, **overrides)
+    cfg = GenerationConfig.fast_dllm(gen_length=32, block_length=8, threshold=0.3, stop_at_eos=False, **overrides)
     a, b = tokenizer.encode("Tom has 5 apples and 3 pears."), tokenizer.encode("Mia has 4 cats.")
     same_length = [a[:len(b)], b] if len(a) >= len(b) else [a, b[:len(a)]]
     together = generate(tiny_llada, same_length, config=cfg)
@@ -425,7 +425,7 @@ def test_new_policies_batch_equals_single(tiny_llada, tokenizer, overrides):
 
 
 def test_new_policies_compute_less(tiny_llada, tokenizer):
-    base = GenerationConfig(gen_length=64, block_length=8, threshold=None, cache="dual", stop_at_eos=False)
+    base = GenerationConfig.fast_dllm(gen_length=64, block_length=8, threshold=None, cache="dual", stop_at_eos=False)
     ps = prompts(tokenizer)[:1]
     plen, length = len(ps[0]), len(ps[0]) + 64
     full = generate(tiny_llada, ps, config=base)
@@ -445,7 +445,7 @@ def test_vicinity_refresh_keeps_cache_rows_when_rows_finish(trained):
     them, so each row still decodes as alone."""
     model, tok = trained
     ps = arith_prompts(tok, 4)
-    cfg = GenerationConfig(gen_length=128, block_length=32, refresh="vicinity")
+    cfg = GenerationConfig.fast_dllm(gen_length=128, block_length=32, refresh="vicinity")
     together = generate(model, ps, config=cfg)
     assert len(set(together.nfe_per_row)) > 1  # rows finished at different blocks
     for i, p in enumerate(ps):
@@ -455,7 +455,7 @@ def test_vicinity_refresh_keeps_cache_rows_when_rows_finish(trained):
 
 
 def test_adaptive_refresh(trained, tiny_llada, tokenizer):
-    base = GenerationConfig(gen_length=32, block_length=8, threshold=0.3, stop_at_eos=False)
+    base = GenerationConfig.fast_dllm(gen_length=32, block_length=8, threshold=0.3, stop_at_eos=False)
     ref = generate(tiny_llada, prompts(tokenizer), config=base)
     # tolerance 0: every row refreshes fully after the vicinity forward: Fast-dLLM's tokens
     always = generate(tiny_llada, prompts(tokenizer), config=base.replace(refresh="adaptive", refresh_tol=0.0))
@@ -468,9 +468,26 @@ def test_adaptive_refresh(trained, tiny_llada, tokenizer):
     # per row: a batch decodes as its rows alone
     model, tok = trained
     ps = arith_prompts(tok, 4)
-    cfg = GenerationConfig(gen_length=128, block_length=32, refresh="adaptive", refresh_tol=0.05, stop_at_eos=False)
+    cfg = GenerationConfig.fast_dllm(gen_length=128, block_length=32, refresh="adaptive", refresh_tol=0.05, stop_at_eos=False)
     together = generate(model, ps, config=cfg)
     for i, p in enumerate(ps):
         alone = generate(model, [p], config=cfg)
         n = alone.num_tokens[0]
         assert together.sequences[i, :n].tolist() == alone.sequences[0, :n].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [
+    dict(cache="dual", threshold=0.5),
+    dict(cache="prefix", threshold=0.5, suffix_window=8, refresh="vicinity"),
+    dict(cache="none", threshold=None),
+])
+def test_compiled_layers_decode_the_same_tokens(tiny_llada, tokenizer, policy):
+    """compile=True runs the layers through torch.compile (dynamic shapes): the same tokens as eager,
+    for windows of every width, padded rows and a second answer length without recompiling."""
+    base = GenerationConfig(gen_length=32, block_length=8, stop_at_eos=False, **policy)
+    for cfg in (base, base.replace(gen_length=48)):
+        eager = generate(tiny_llada, prompts(tokenizer), cfg)
+        compiled = generate(tiny_llada, prompts(tokenizer), cfg.replace(compile=True))
+        assert torch.equal(compiled.sequences, eager.sequences)
+        assert compiled.nfe_per_row == eager.nfe_per_row

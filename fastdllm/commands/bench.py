@@ -78,19 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         thresholds = [0.5, 0.7, 0.9, 1.0] if args.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
         blocks = [b for b in ([8, 32] if args.quick else [4, 8, 16, 32, 64]) if g0 % b == 0]
         sweeps["threshold"] = [
-            {"value": t, **run_config(model, tokenizer, args.task, GenerationConfig(
-                gen_length=g0, block_length=args.block_length, cache="dual", threshold=t, stop_at_eos=False), args, k0)}
+            {"value": t, **run_config(model, tokenizer, args.task, GenerationConfig.fast_dllm(
+                gen_length=g0, block_length=args.block_length, threshold=t, stop_at_eos=False), args, k0)}
             for t in thresholds
         ]
         sweeps["block_length"] = [
-            {"value": b, **run_config(model, tokenizer, args.task, GenerationConfig(
-                gen_length=g0, block_length=b, cache="dual", threshold=0.9, stop_at_eos=False), args, k0)}
+            {"value": b, **run_config(model, tokenizer, args.task, GenerationConfig.fast_dllm(
+                gen_length=g0, block_length=b, stop_at_eos=False), args, k0)}
             for b in blocks
         ]
     batch = {}
     if args.batch_check:
-        cfg = GenerationConfig(gen_length=g0, block_length=args.block_length, cache="dual", threshold=0.9,
-                               stop_at_eos=False)
+        cfg = GenerationConfig.fast_dllm(gen_length=g0, block_length=args.block_length, stop_at_eos=False)
         one = run_config(model, tokenizer, args.task, cfg, args, k0, batch_size=1)
         eight = run_config(model, tokenizer, args.task, cfg, args, k0, batch_size=8)
         batch = {"batch_1": one, "batch_8": eight,

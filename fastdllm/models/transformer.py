@@ -139,7 +139,13 @@ class Transformer(nn.Module):
     the `config` its checkpoint was read from (or the fields a saved one should keep), its
     `generation_config` (generation_config.json, where there is one), where it came from
     (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer: tokens
-    after which nothing matters)."""
+    after which nothing matters).
+
+    `compiled=True` in `hidden` / `logits_for` runs each layer through `torch.compile` (inductor,
+    dynamic shapes: two graphs, full forwards and windows over a cache, serve every window width,
+    batch size and cache length; the first calls compile them, for seconds to a minute on a CPU).
+    In float32 the tokens are those of the eager layers (tested); in bfloat16 fused kernels round
+    differently, which can flip a near-tied token."""
 
     def __init__(self, args: ModelArgs, family=None, config: dict | None = None, name_or_path: str | None = None,
                  stop_token_ids: list[int] | None = None):
@@ -156,6 +162,7 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.setup_rope()
         self.stop_token_ids: list[int] = list(stop_token_ids) if stop_token_ids else [args.eos_token_id]
+        self._compiled_layers: list | None = None  # built on first use (not modules: no second state_dict)
 
     def setup_rope(self, device=None) -> None:
         if device is None:
@@ -183,7 +190,13 @@ class Transformer(nn.Module):
         return KVCache(a.n_layers, batch, a.n_kv_heads, length, a.head_dim, dtype=self.dtype, device=self.device)
 
     # ---- forward passes -------------------------------------------------------------------
-    def hidden(self, tokens, positions, key_mask=None, cache: KVCache | None = None, window_start: int = 0):
+    def compiled_layers(self) -> list:
+        if self._compiled_layers is None:
+            self._compiled_layers = [torch.compile(layer, dynamic=True) for layer in self.layers]
+        return self._compiled_layers
+
+    def hidden(self, tokens, positions, key_mask=None, cache: KVCache | None = None, window_start: int = 0,
+               compiled: bool = False):
         """Final-norm hidden states of a window of tokens (B, T) at absolute `positions` (B, T).
 
         `key_mask` (B, 1, 1, S) is True where a key may be attended; S is T without a cache or the
@@ -192,7 +205,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.compiled_layers() if compiled else self.layers):
             x = layer(x, cos, sin, key_mask, None if cache is None else cache.layer(i), window_start)
         return self.norm(x)
 
@@ -217,6 +230,7 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
+        compiled: bool = False,
     ) -> torch.Tensor:
         """Logits (B, end-start, V) in which row j predicts token `start + j`, for every family.
 
@@ -237,5 +251,5 @@ class Transformer(nn.Module):
             raise ValueError("a partial window needs a KV cache filled by a full forward")
         if positions is None:
             positions = positions_from_mask(None, bsz, length, x.device)
-        h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws)
+        h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws, compiled=compiled)
         return self.head(h[:, start - shift - ws : end - shift - ws])
