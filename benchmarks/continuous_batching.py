@@ -7,7 +7,7 @@ without, it waits for the long one to finish. Both modes replay the same arrival
 one process. Reported: p50 / p95 of the short requests' latency (submit to last block), the long
 request's latency, and whether every answer equals the request decoded alone.
 
-    python benchmarks/continuous_batching.py --rounds 3
+    python benchmarks/continuous_batching.py --rounds 3 [--preset default|fast-dllm] [--out DIR]
 """
 
 from __future__ import annotations
@@ -78,12 +78,13 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=12, help="short requests per run")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each mode, alternating")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--preset", default="default", choices=["default", "fast-dllm"], help="decoding settings")
     ap.add_argument("--out", default="docs/results/continuous")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = fastdllm.load(device="cpu")
     # stop_at_eos off: the embedded model answers in ~30 tokens; the long request must be long.
-    base = GenerationConfig.fast_dllm().replace(stop_at_eos=False, seed=None)
+    base = GenerationConfig.preset(args.preset, stop_at_eos=False, seed=None)
     pool = arith.fewshot_pool()
     long_prompt = prompt_ids(tok, arith.test_split()[0].question, pool[:8])
     shorts = [prompt_ids(tok, p.question, []) for p in arith.test_split()[1 : 1 + args.requests]]
@@ -112,9 +113,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(long=args.long, short=args.short, requests=args.requests, rounds=args.rounds, threads=args.threads,
-                long_alone_s=long_alone_s, dtype=str(model.dtype), config="fast-dllm, stop_at_eos off")
+                long_alone_s=long_alone_s, dtype=str(model.dtype), config=f"{args.preset}, stop_at_eos off")
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"Long request {args.long} tokens (8-shot prompt, {long_alone_s:.2f} s alone), {args.requests} short "
+    lines = [f"Preset {args.preset} (stop-at-EOS off). Long request {args.long} tokens (8-shot prompt, {long_alone_s:.2f} s alone), {args.requests} short "
              f"requests of {args.short} tokens arriving evenly over 80% of that, {args.rounds} runs per mode, "
              f"{model.dtype}, {args.threads} thread(s).", "",
              "| continuous batching | short p50 (s) | short p95 (s) | long request (s) | joined | answers as alone |",

@@ -62,12 +62,12 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None) 
     rows = [row for row in TABLE_ROWS if keys is None or row[0] in keys or row[0] == "baseline"]
     out = []
     if stop_at_eos in ("off", "both"):
-        out += [Row(name, GenerationConfig(**base, **kw), g) for _, name, kw in rows]
+        out += [Row(name, GenerationConfig(**{**base, **kw}), g) for _, name, kw in rows]
     if stop_at_eos in ("on", "both"):
         # "both": only the baseline and the full method are repeated with stop-at-EOS
         picked = rows if stop_at_eos == "on" else [row for row in rows
                                                        if row[0] in ("baseline", "full", "beyond", "default")]
-        out += [Row(name + " [stop@eos]", GenerationConfig(**{**base, "stop_at_eos": True}, **kw), g + " stop@eos")
+        out += [Row(name + " [stop@eos]", GenerationConfig(**{**base, **kw, "stop_at_eos": True}), g + " stop@eos")
                 for _, name, kw in picked]
     return out
 

@@ -40,6 +40,15 @@ class KVCache:
         view.k, view.v = self.k[:, :batch, :, :length], self.v[:, :batch, :, :length]
         return view
 
+    def columns_from(self, first: int) -> "KVCache":
+        """A view of positions [first, length) (no copy): a forward of rows that all pad the
+        columns before `first` leaves them out."""
+        if first == 0:
+            return self
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:, :, :, first:], self.v[:, :, :, first:]
+        return view
+
     def keep_rows(self, rows: list[int]) -> None:
         """Move rows `rows` (in this order) to the front, in place: when finished rows leave the
         batch, the cached K/V of the remaining ones stay usable."""

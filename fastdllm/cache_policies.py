@@ -62,6 +62,22 @@ class SequenceView:
                             rows=tuple(self.rows[i] for i in rows) if self.rows else (),
                             capacity=self.capacity, row_blocks=tuple(blocks[i] for i in rows))
 
+    def leading_padding(self) -> int:
+        """How many leading columns every row pads (a row that joined a batch with a longer prompt)."""
+        if self.key_mask is None:
+            return 0
+        return int(self.key_mask[:, 0, 0, :].any(0).long().argmax())
+
+    def from_column(self, first: int) -> "SequenceView":
+        """The same rows without columns [0, first) (padding for all of them): positions are
+        absolute, so the forward is the same with fewer masked keys."""
+        if first == 0:
+            return self
+        return SequenceView(self.x[:, first:], self.positions[:, first:], self.key_mask[..., first:],
+                            block=self.block, block_length=self.block_length, rows=self.rows,
+                            capacity=None if self.capacity is None else self.capacity - first,
+                            row_blocks=self.row_blocks)
+
 
 class CachePolicy:
     """Answers "the block's logits at this step" by forwards over some window of the sequence.
@@ -91,7 +107,8 @@ class CachePolicy:
 
     def relayout(self, sources: list[int | None], shift: int, length: int) -> None:
         """The decoding loop moved its rows: new row i is old row `sources[i]` (None: a row that just
-        joined) moved right by `shift` columns, in a layout of `length` columns."""
+        joined) moved right by `shift` columns (left, when negative), in a layout of `length`
+        columns."""
 
     def forward(self, seq: SequenceView, start: int, end: int, window=None, cache=None, rows=None) -> torch.Tensor:
         length = seq.x.shape[1]
@@ -145,12 +162,14 @@ class PrefixCache(CachePolicy):
             old.keep_rows(sources)  # rows left the batch: the others move to the front
             return
         # Rows joined (or the layout's width changed): a new buffer, the kept rows' K/V moved with them.
+        # (A negative shift: columns that every row padded were dropped on the left.)
         self._buffer = new = self.model.new_cache(len(sources), length)
-        width = min(old.length, length - shift)
+        src_lo, dst_lo = max(0, -shift), max(0, shift)
+        width = min(old.length - src_lo, length - dst_lo)
         for i, src in enumerate(sources):
             if src is not None:
-                new.k[:, i, :, shift : shift + width] = old.k[:, src, :, :width]
-                new.v[:, i, :, shift : shift + width] = old.v[:, src, :, :width]
+                new.k[:, i, :, dst_lo : dst_lo + width] = old.k[:, src, :, src_lo : src_lo + width]
+                new.v[:, i, :, dst_lo : dst_lo + width] = old.v[:, src, :, src_lo : src_lo + width]
 
     def needs_full_refresh(self, block: int) -> bool:
         """Whether a row's block-start forward recomputes its whole sequence: always for "full"; for
@@ -170,11 +189,14 @@ class PrefixCache(CachePolicy):
             return self._partial_refresh(seq, start, end, self.cache, None)
         # Rows at different blocks (one joined this block, or is due a periodic full refresh): each
         # group gets its own forward, on a copy of its cache rows written back after.
+        # A group leaves out the leading columns all its rows pad (rows that joined with a shorter
+        # prompt than the running ones').
         rest = [i for i in range(bsz) if i not in set(full)]
         logits = None
         for rows, run in ((rest, self._partial_refresh), (full, self._full_refresh)):
-            part = self.cache.take_rows(rows)
-            out = run(seq.take(rows), start, end, part, rows)
+            part, sub = self.cache.take_rows(rows), seq.take(rows)
+            first = sub.leading_padding()
+            out = run(sub.from_column(first), start - first, end - first, part.columns_from(first), rows)
             self.cache.put_rows(rows, part)
             if logits is None:
                 logits = out.new_empty((bsz,) + tuple(out.shape[1:]))

@@ -251,7 +251,8 @@ class BlockDecoder:
         self.generators = [r.generator for r in self.rows]
 
     def _keep(self, keep: list[int]) -> None:
-        """Rows `keep` stay; the layout loses the columns no remaining row needs on the right."""
+        """Rows `keep` stay; the layout loses the columns no remaining row needs (padding of every
+        one of them on the left, and on the right)."""
         self.rows = [self.rows[i] for i in keep]
         if not self.rows:
             self.x = self.valid = self.step_of = self.row_nfe = None
@@ -259,9 +260,12 @@ class BlockDecoder:
         blk = self.config.block_length
         length = self.start + max(r.config.gen_length - r.block * blk for r in self.rows)
         idx = torch.tensor(keep, device=self.device)
+        valid = self.valid[idx, :length]
+        first = int(valid.any(0).long().argmax())  # columns every remaining row pads on the left
         self.row_nfe = self.row_nfe[idx]
-        self.policy.relayout(keep, 0, length)
-        self._set(self.x[idx, :length], self.valid[idx, :length], self.step_of[idx, :length])
+        self.policy.relayout(keep, -first, length - first)
+        self.start -= first
+        self._set(self.x[idx, first:length], valid[:, first:], self.step_of[idx, first:length])
 
     # -- one block
     def run_block(self):

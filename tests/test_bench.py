@@ -6,7 +6,7 @@ import pytest
 
 import json
 
-from fastdllm import bench
+from fastdllm import GenerationConfig, bench
 
 FIGURES = {"accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step", "latency_s", "speedup",
            "outside_forward", "config", "num_samples", "positions_per_token", "attended_per_token"}
@@ -20,9 +20,13 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     assert "+parallel +dual cache (Fast-dLLM)" in table and "| baseline |" in table
     record = json.loads((out / "bench.json").read_text())
     rows = record["rows"]
-    # the paper's seven rows and the three beyond it, then baseline, Fast-dLLM and the combined
-    # policies with stop-at-EOS
-    assert len(rows) == len(bench.TABLE_ROWS) + 3 and len(bench.TABLE_ROWS) == 10
+    # the paper's seven rows, the three beyond it and the default, then baseline, Fast-dLLM, the
+    # combined policies and the default with stop-at-EOS
+    assert len(rows) == len(bench.TABLE_ROWS) + 4 and len(bench.TABLE_ROWS) == 11
+    default = next(r for r in rows if r["name"].startswith("default (") and "stop@eos" not in r["name"])
+    d = GenerationConfig()
+    assert [default["config"][k] for k in ("cache", "threshold", "suffix_window", "refresh")] == \
+        [d.cache, d.threshold, d.suffix_window, d.refresh]
     for r in rows:
         assert FIGURES <= set(r), FIGURES - set(r)
         if r["name"].startswith("baseline"):

@@ -75,7 +75,8 @@ def assert_weights_are_the_files(model, folder):
 @pytest.fixture(scope="module")
 def baseline(loaded):
     model, tok = loaded
-    return heldout_accuracy(model, tok, HELDOUT_N, threshold=None, cache="none", steps=GEN["gen_length"], **GEN)
+    return heldout_accuracy(model, tok, HELDOUT_N, threshold=None, cache="none", suffix_window=None,
+                            steps=GEN["gen_length"], **GEN)
 
 
 @pytest.mark.slow
@@ -86,14 +87,19 @@ def test_baseline_decoding_solves_held_out_problems(baseline):
 @pytest.mark.slow
 def test_threshold_09_halves_forward_passes_at_little_cost(loaded, baseline):
     model, tok = loaded
-    fast = heldout_accuracy(model, tok, HELDOUT_N, threshold=0.9, cache="dual", **GEN)
+    fast = heldout_accuracy(model, tok, HELDOUT_N, threshold=0.9, cache="dual", suffix_window=None, refresh="full",
+                            **GEN)
     assert fast["nfe_per_sample"] <= baseline["nfe_per_sample"] / 2, (fast, baseline)
     assert fast["accuracy"] >= baseline["accuracy"] - MAX_LOSS_AT_THRESHOLD_09, (fast, baseline)
+    default = heldout_accuracy(model, tok, HELDOUT_N, **GEN)  # the defaults: also a suffix window, vicinity refresh
+    assert default["nfe_per_sample"] <= baseline["nfe_per_sample"] / 2, (default, baseline)
+    assert default["accuracy"] >= baseline["accuracy"] - MAX_LOSS_AT_THRESHOLD_09, (default, baseline)
 
 
 @pytest.mark.slow
 def test_cli_generate_prints_a_correct_worked_answer():
-    # The default settings (bf16, DualCache + threshold 0.9, gen 256) and the bare question as the
+    # The default settings (bf16, DualCache + threshold 0.9 + suffix window 32 + vicinity refresh,
+    # gen 256) and the bare question as the
     # user message, as the README's first command runs it.
     problem = arith.test_split()[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -129,9 +135,11 @@ def test_dream_twin_solves_held_out_problems_with_its_own_decoding():
     torch.set_num_threads(2)
     try:
         model, tok = fastdllm.load("dream-arith", dtype="float32")
-        baseline = heldout_accuracy(model, tok, HELDOUT_N, threshold=None, cache="none", alg="entropy",
+        baseline = heldout_accuracy(model, tok, HELDOUT_N, threshold=None, cache="none", suffix_window=None,
+                                    alg="entropy",
                                     steps=GEN["gen_length"], **GEN)
-        fast = heldout_accuracy(model, tok, HELDOUT_N, threshold=0.9, cache="dual", alg="entropy", **GEN)
+        fast = heldout_accuracy(model, tok, HELDOUT_N, threshold=0.9, cache="dual", suffix_window=None, refresh="full",
+                                alg="entropy", **GEN)
     finally:
         torch.set_num_threads(threads)
     assert baseline["accuracy"] >= DREAM_BASELINE_FLOOR, baseline

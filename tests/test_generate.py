@@ -77,7 +77,7 @@ def test_stale_caches_run_fewer_full_forwards(tiny_llada, tokenizer):
 
 # ---- threshold / factor / schedules ---------------------------------------------------------------
 def test_unreachable_threshold_is_the_one_token_baseline(tiny_llada, tokenizer):
-    base = dict(gen_length=32, block_length=8, cache="none", stop_at_eos=False)
+    base = dict(gen_length=32, block_length=8, cache="none", suffix_window=None, stop_at_eos=False)
     thr = generate(tiny_llada, prompts(tokenizer), config=GenerationConfig(threshold=1.0, **base))
     ref = generate(tiny_llada, prompts(tokenizer), config=GenerationConfig(threshold=None, steps=32, **base))
     assert torch.equal(thr.sequences, ref.sequences)
@@ -234,7 +234,7 @@ def arith_prompts(tokenizer, n):
     return [prompt_ids(tokenizer, p.question, []) for p in arith.test_split()[:n]]
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(cache="none", threshold=None, steps=64),
+@pytest.mark.parametrize("overrides", [dict(), dict(cache="none", threshold=None, suffix_window=None, steps=64),
                                        dict(suffix_window=32), dict(refresh="vicinity"),
                                        dict(refresh="vicinity", suffix_window=16, refresh_every=3)])
 def test_stop_at_eos_gives_the_full_length_text(trained, overrides):

@@ -629,7 +629,7 @@ def test_sigterm_answers_queued_requests_after_the_grace_period():
     port = s.getsockname()[1]
     s.close()
     proc = subprocess.Popen([sys.executable, "-m", "fastdllm", "serve", "--port", str(port), "--threads", "1",
-                             "--max-batch-size", "1", "--gen-length", "1024", "--threshold", "none", "--cache", "none",
+                             "--max-batch-size", "1", "--preset", "baseline", "--gen-length", "1024",
                              "--no-stop-at-eos", "--shutdown-grace", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
