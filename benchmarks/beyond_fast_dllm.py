@@ -24,6 +24,8 @@ CONFIGS = {
     "suffix64": dict(FAST_DLLM, suffix_window=64),
     "suffix128": dict(FAST_DLLM, suffix_window=128),
     "vicinity": dict(FAST_DLLM, refresh="vicinity"),
+    "vicinity+suffix8": dict(FAST_DLLM, refresh="vicinity", suffix_window=8),
+    "vicinity+suffix16": dict(FAST_DLLM, refresh="vicinity", suffix_window=16),
     "vicinity+suffix32": dict(FAST_DLLM, refresh="vicinity", suffix_window=32),
     "vicinity+suffix64": dict(FAST_DLLM, refresh="vicinity", suffix_window=64),
     "vicinity4+suffix32": dict(FAST_DLLM, refresh="vicinity", refresh_every=4, suffix_window=32),

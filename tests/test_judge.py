@@ -154,13 +154,20 @@ leftover_processes = sandbox_processes
 
 
 @pytest.mark.parametrize("task_name", ["humaneval", "mbpp"])
-def test_no_attack_is_ever_passed(task_name):
+def test_no_attack_is_ever_passed(task_name, tmp_path):
     task = get_task(task_name)
     docs = sample_docs(task_name)
     items = [(d, a) for a in ATTACKS for d in docs]
-    with task.scorer(workers=2) as scorer:
-        scores = scorer.score([d for d, _ in items], [solution_for(task_name, d, a) for d, a in items])
-        controls = scorer.score(docs, [gold(task_name, d) for d in docs])  # the same docs can pass
+    # A file this process holds open for writing: an attack that reached the host's /proc/*/fd
+    # (the forged verdict tries every fd of every process) would overwrite it.
+    canary_path = tmp_path / "canary.log"
+    with open(canary_path, "w") as canary:
+        canary.write("untouched\n")
+        canary.flush()
+        with task.scorer(workers=2) as scorer:
+            scores = scorer.score([d for d, _ in items], [solution_for(task_name, d, a) for d, a in items])
+            controls = scorer.score(docs, [gold(task_name, d) for d in docs])  # the same docs can pass
+    assert canary_path.read_text() == "untouched\n"
     passed = [(d.id, a) for (d, a), s in zip(items, scores) if s.correct or s.verdict == "passed"]
     assert passed == []
     assert [s.verdict for s in controls] == ["passed"] * len(docs), [(s.verdict, s.reason) for s in controls]

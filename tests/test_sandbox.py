@@ -51,6 +51,35 @@ def test_protections_recorded():
         assert "unprivileged_user" in PROTECTIONS  # root can always setuid
 
 
+def test_an_interpreter_in_a_virtual_environment_under_tmp_is_confined_alike(tmp_path):
+    """A venv's interpreter (here under /tmp, over which the sandbox mounts its own /tmp) runs
+    programs with every protection the base interpreter gets, not a weaker fallback."""
+    import venv
+
+    env = tmp_path / "venv"
+    venv.create(env, system_site_packages=True, with_pip=False, symlinks=True)
+    code = ("from fastdllm import sandbox\nr = sandbox.run_program('import os; print(os.getuid())')\n"
+            "print(list(sandbox.protections()))\nprint(r.verdict)")
+    out = subprocess.run([str(env / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines = out.stdout.strip().splitlines()
+    assert lines and lines[-1] == "passed", out.stderr[-2000:]
+    assert lines[-2] == str(list(PROTECTIONS))
+
+
+def test_no_unconfined_fallback_unless_asked(monkeypatch):
+    """When no confinement works, untrusted code is not run (rlimits alone only on request)."""
+    from fastdllm.sandbox import box
+
+    monkeypatch.setattr(box, "_plan", None)
+    monkeypatch.setattr(box, "probe", lambda plan: (plan, "") if plan == box.Plan() else (None, "refused here"))
+    monkeypatch.delenv(box.UNCONFINED_ENV, raising=False)
+    with pytest.raises(box.SandboxUnavailable, match="refused here.*FASTDLLM_SANDBOX_UNCONFINED=1"):
+        box.current_plan()
+    monkeypatch.setenv(box.UNCONFINED_ENV, "1")
+    assert box.current_plan() == box.Plan()
+
+
 def test_verdicts_failed_and_passed():
     assert run("assert 1 + 1 == 2").verdict == "passed"
     r = run("assert 1 + 1 == 3, 'bad sum'")

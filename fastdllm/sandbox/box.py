@@ -10,6 +10,7 @@ process group at the wall-clock backstop, kills every process of the run's uid a
 
 from __future__ import annotations
 
+import logging
 import marshal
 import math
 import os
@@ -33,6 +34,8 @@ PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # fastdllm/: its data mu
 # pids are unique, so concurrent runs of different processes (torchrun ranks) never share one.
 UID_BASE = 1_000_000_000
 _PID_MAX = 1 << 22
+
+log = logging.getLogger("fastdllm.sandbox")
 
 
 @dataclass(frozen=True)
@@ -354,28 +357,45 @@ def drive(boxes: list[Box], wall: float, extra: dict[int, tuple[bytearray, int]]
 
 
 # ---- what the system permits -------------------------------------------------------------------
+UNCONFINED_ENV = "FASTDLLM_SANDBOX_UNCONFINED"  # "1": run programs with rlimits only, where nothing more works
+
+
+class SandboxUnavailable(RuntimeError):
+    """No confinement could be set up here; untrusted code is not run."""
+
+
 def candidate_plans() -> list[Plan]:
+    """The confinement levels to try, strongest first. A plan that runs programs as the caller's
+    own user with no namespace at all (rlimits only) is tried only when `FASTDLLM_SANDBOX_UNCONFINED=1`
+    says so: as root it would run untrusted code as root."""
     if os.geteuid() == 0:
         full = Plan(drop_user=True, new_net=True, new_root=True, pid_ns=True,
                     seccomp=platform.machine() in ("x86_64", "aarch64"))
-        return [full, replace(full, seccomp=False), replace(full, pid_ns=False, seccomp=False),
-                Plan(drop_user=True, new_net=True), Plan(drop_user=True), Plan()]
-    return [Plan(user_namespace=True, new_net=True), Plan()]
+        plans = [full, replace(full, seccomp=False), replace(full, pid_ns=False, seccomp=False),
+                 Plan(drop_user=True, new_net=True), Plan(drop_user=True)]
+    else:
+        plans = [Plan(user_namespace=True, new_net=True)]
+    if os.environ.get(UNCONFINED_ENV) == "1":
+        plans.append(Plan())
+    return plans
 
 
-def probe(plan: Plan) -> Plan | None:
-    """Run a tiny program under `plan`: the plan (with what it found, e.g. its own /proc) if it
-    ran, else None."""
+def probe(plan: Plan) -> tuple[Plan | None, str]:
+    """Run a tiny program under `plan`: (the plan, with what it found, e.g. its own /proc; or None
+    if it did not run, and why)."""
     try:
         box = Box({"probe.py": "import os, socket\nprint(os.getuid())\n"}, ["probe.py"],
                   SandboxConfig(timeout=20.0), plan, site=False)
-    except OSError:
-        return None
+    except OSError as e:
+        return None, f"{type(e).__name__}: {e}"
     try:
         drive([box], 30.0)
         kind, _, rc, _ = box.ending()
         ok = kind is None and rc == 0 and bytes(box.out).strip().isdigit()
-        return replace(plan, own_proc=bool(box.status().get("own_proc"))) if ok else None
+        if ok:
+            return replace(plan, own_proc=bool(box.status().get("own_proc"))), ""
+        why = box.status().get("error") or last_line(bytes(box.err).decode(errors="replace")) or f"exit {rc}"
+        return None, why
     finally:
         box.finish()
 
@@ -385,15 +405,24 @@ _plan_lock = threading.Lock()
 
 
 def current_plan() -> Plan:
+    """The strongest plan that runs here (probed once). Weaker plans are logged with why the
+    stronger ones failed; when none runs, SandboxUnavailable."""
     global _plan
     with _plan_lock:
         if _plan is None:
+            failures = []
             for plan in candidate_plans():
-                found = probe(plan)
+                found, why = probe(plan)
                 if found is not None:
+                    if failures:
+                        log.warning("sandbox: weaker confinement (%s); stronger plans failed: %s",
+                                    ", ".join(found.protections()), "; ".join(failures))
                     _plan = found
                     break
+                failures.append(f"{plan}: {why}")
             else:
-                _plan = Plan()
+                raise SandboxUnavailable(
+                    "no confinement works on this machine, so untrusted code is not run (" + "; ".join(failures)
+                    + f"). To run it with resource limits only, set {UNCONFINED_ENV}=1.")
         return _plan
 

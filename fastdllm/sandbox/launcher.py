@@ -118,6 +118,11 @@ def _build_root(spec):
     root = spec["root_dir"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    size = f"size={spec['tmpfs_mb']}m"
+    # /tmp first: a bound folder inside it (an interpreter in a virtual environment under /tmp)
+    # stays visible on top of it.
+    os.makedirs(root + "/tmp", exist_ok=True)
+    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
     for path in spec["binds"]:
         _bind(root, path)
     for name in ("null", "zero", "full", "random", "urandom"):
@@ -125,7 +130,6 @@ def _build_root(spec):
     for path in spec["hide"]:  # e.g. the package's own data, where it lies inside a bound folder
         if os.path.isdir(root + path):
             _mount("tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=755")
-    size = f"size={spec['tmpfs_mb']}m"
     uid = spec["uid"]
     os.makedirs(root + "/sandbox", exist_ok=True)
     _mount("tmpfs", root + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=700,{size}")
@@ -137,8 +141,6 @@ def _build_root(spec):
             os.chown(os.path.join(root, "sandbox", name), uid, uid)
     if uid is not None:
         os.chown(root + "/sandbox", uid, uid)
-    os.makedirs(root + "/tmp", exist_ok=True)
-    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
     own_proc = False
     if spec["pid"]:
         os.makedirs(root + "/proc", exist_ok=True)
@@ -192,8 +194,9 @@ def _seccomp_filter():
 
 
 def _exec_program(spec, status_fd):
-    keep = set(spec["keep_fds"]) | {0, 1, 2}
-    os.close(status_fd)
+    # The status pipe stays open (closed by exec) so that a failure before exec is reported.
+    keep = set(spec["keep_fds"]) | {0, 1, 2, status_fd}
+    os.set_inheritable(status_fd, False)
     for fd in spec["keep_fds"]:
         os.set_inheritable(fd, True)
     high = max(keep) + 1
