@@ -30,6 +30,10 @@ size-limited tmpfs that vanish with it, its own /proc, a seccomp filter allowing
 IP sockets. Not root: a user + network namespace where permitted, which leaves files of our user
 writable: run as root (a container) for the full set.
 
+The strongest of these that runs here is probed once; a weaker one is logged with why the stronger
+failed. Where none runs, `SandboxUnavailable` says why and no untrusted code runs: resource limits
+alone (no namespace, no other user) only with `FASTDLLM_SANDBOX_UNCONFINED=1`.
+
 Verdicts: "passed", "failed" (an exception, a failed assert, a non-zero exit; the reason is the
 last line), "timeout" (the CPU limit, or the wall-clock backstop), "crashed" (killed by a signal,
 or could not start).
@@ -44,11 +48,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from .box import UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, current_plan, drive, last_line
+from .box import (UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, SandboxUnavailable, current_plan, drive,
+                  last_line)
 from .judge import CodeCheck, free_names, judge, judge_many
 
 __all__ = ["CodeCheck", "SandboxConfig", "SandboxResult", "UID_BASE", "VERDICTS", "free_names", "judge",
-           "judge_many", "protections", "run_many", "run_program"]
+           "judge_many", "protections", "run_many", "run_program", "SandboxUnavailable"]
 
 
 def protections() -> tuple[str, ...]:
