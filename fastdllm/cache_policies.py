@@ -116,11 +116,8 @@ class CachePolicy:
         self.work.append((rows, we - ws, length))  # a window's queries attend over the whole sequence
         if self.history is not None:
             self.history.append((ws, we, length, start, end))
-        key_mask = seq.key_mask
-        if self.compiled and key_mask is None:  # one compiled graph for padded and unpadded batches
-            key_mask = torch.ones((seq.x.shape[0], 1, 1, length), dtype=torch.bool, device=seq.x.device)
         return self.model.logits_for(seq.x, start, end, window=window, cache=cache, positions=seq.positions,
-                                     key_mask=key_mask, compiled=self.compiled)
+                                     key_mask=seq.key_mask, compiled=self.compiled)
 
 
 class NoCache(CachePolicy):

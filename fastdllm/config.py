@@ -79,8 +79,8 @@ class GenerationConfig:
     refresh_tol: float = _opt(0.1, "float", "with refresh=adaptive: the relative change of the just-finished "
                               "block's keys above which a row is refreshed fully")
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
-    compile: bool = _opt(False, "bool", "run the model's layers through torch.compile (the first generation "
-                         "compiles, ~30 s on a CPU; the same tokens)", server=False)
+    compile: bool = _opt(False, "bool", "run the dense math of the model's layers through torch.compile (the "
+                         "first use compiles: eval and serve do it before timing or serving)", server=False)
 
     def __post_init__(self) -> None:
         self.validate()

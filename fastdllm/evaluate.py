@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import __version__
-from .generate import GenerationConfig, generate
+from .generate import GenerationConfig, generate, warm_up
 from .tasks import Task, get_task, has_chat_template
 from .text import complete
 
@@ -149,6 +149,7 @@ def evaluate(
     # Longest prompts first: batches of similar length waste less padding.
     order = sorted(mine, key=lambda d: (-len(prompts[d.index]), d.index))
 
+    warm_up(model, config)  # with compile: compiled now, so that the timings below exclude it
     bar = _progress(len(docs), progress and rank == 0, f"{task.name}")
     records: list[dict] = []
     gen_time = score_time = forward_time = 0.0

@@ -181,6 +181,20 @@ def generate(
     )
 
 
+def warm_up(model, config: GenerationConfig) -> float:
+    """With `config.compile`, compile before anything is timed or served: one row alone and two of
+    different lengths (padding), over two blocks (full forwards and windows over the cache).
+    Returns the seconds it took (0 without compile)."""
+    if not config.compile:
+        return 0.0
+    t0 = time.perf_counter()
+    pad = model.args.eos_token_id
+    cfg = config.replace(gen_length=2 * config.block_length, steps=None, stop_at_eos=False, seed=0)
+    for ids in ([[pad] * 3], [[pad] * 3, [pad] * 5]):
+        generate(model, ids, cfg)
+    return time.perf_counter() - t0
+
+
 def stream_blocks(
     model, input_ids, config: GenerationConfig | None = None, attention_mask=None, row_seeds=None,
     stats: dict | None = None,

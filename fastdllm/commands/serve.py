@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(names[0], config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000,
                               aliases=tuple(names[1:]), strict=args.strict, api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes, continuous=args.continuous)
+    if config.compile:  # compiled before the first request, not during it
+        from ..generate import warm_up
+
+        print("fastdllm serve: compiling the model's layers ...", flush=True)
+        print(f"fastdllm serve: compiled in {warm_up(model, config):.1f} s", flush=True)
     app = create_app(model, tokenizer, settings)
     import uvicorn
 

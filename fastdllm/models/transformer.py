@@ -85,18 +85,26 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x, cos, sin, key_mask, layer_cache, window_start: int) -> torch.Tensor:
+    def project(self, x, cos, sin):
+        """q, k, v (B, heads, T, head_dim) of a window, RoPE applied."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if layer_cache is not None:  # attend over the whole cached sequence, this window fresh
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q, k, v, key_mask, layer_cache, window_start: int) -> torch.Tensor:
+        """Attention over the window's K/V, or over the whole cached sequence with this window's
+        K/V written into the cache; (B, T, heads * head_dim), before the output projection."""
+        if layer_cache is not None:
             k, v = layer_cache.update(window_start, k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=key_mask, enable_gqa=self.n_kv_heads != self.n_heads
         )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    def forward(self, x, cos, sin, key_mask, layer_cache, window_start: int) -> torch.Tensor:
+        return self.wo(self.attend(*self.project(x, cos, sin), key_mask, layer_cache, window_start))
 
 
 class FeedForward(nn.Module):
@@ -118,8 +126,19 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, key_mask, layer_cache, window_start):
-        x = x + self.attention(self.attention_norm(x), cos, sin, key_mask, layer_cache, window_start)
+    def forward(self, x, cos, sin, key_mask, layer_cache, window_start, dense=None):
+        """`dense`: (before, after), compiled versions of `before_attention` / `after_attention`."""
+        before, after = dense or (self.before_attention, self.after_attention)
+        q, k, v = before(x, cos, sin)
+        return after(x, self.attention.attend(q, k, v, key_mask, layer_cache, window_start))
+
+    # The dense math on either side of attention (what `torch.compile` fuses); the attention itself,
+    # which writes the cache in place, stays eager.
+    def before_attention(self, x, cos, sin):
+        return self.attention.project(self.attention_norm(x), cos, sin)
+
+    def after_attention(self, x, attended):
+        x = x + self.attention.wo(attended)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -141,10 +160,11 @@ class Transformer(nn.Module):
     (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer: tokens
     after which nothing matters).
 
-    `compiled=True` in `hidden` / `logits_for` runs each layer through `torch.compile` (inductor,
-    dynamic shapes: two graphs, full forwards and windows over a cache, serve every window width,
-    batch size and cache length; the first calls compile them, for seconds to a minute on a CPU).
-    In float32 the tokens are those of the eager layers (tested); in bfloat16 fused kernels round
+    `compiled=True` in `hidden` / `logits_for` runs each layer's dense math (norms, projections,
+    RoPE, the MLP) through `torch.compile` (inductor, dynamic shapes: any window width, batch size
+    and cache length); attention, which writes the cache in place, stays eager, so the cache's
+    views and masks cause no recompilation. The first calls compile (seconds on a CPU; `generate.
+    warm_up`). In float32 the tokens are the eager ones (tested); in bfloat16 fused kernels round
     differently, which can flip a near-tied token."""
 
     def __init__(self, args: ModelArgs, family=None, config: dict | None = None, name_or_path: str | None = None,
@@ -191,8 +211,10 @@ class Transformer(nn.Module):
 
     # ---- forward passes -------------------------------------------------------------------
     def compiled_layers(self) -> list:
+        """Per layer, the dense math before and after attention through torch.compile."""
         if self._compiled_layers is None:
-            self._compiled_layers = [torch.compile(layer, dynamic=True) for layer in self.layers]
+            self._compiled_layers = [(torch.compile(layer.before_attention, dynamic=True),
+                                      torch.compile(layer.after_attention, dynamic=True)) for layer in self.layers]
         return self._compiled_layers
 
     def hidden(self, tokens, positions, key_mask=None, cache: KVCache | None = None, window_start: int = 0,
@@ -205,8 +227,9 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        for i, layer in enumerate(self.compiled_layers() if compiled else self.layers):
-            x = layer(x, cos, sin, key_mask, None if cache is None else cache.layer(i), window_start)
+        dense = self.compiled_layers() if compiled else [None] * len(self.layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, key_mask, None if cache is None else cache.layer(i), window_start, dense[i])
         return self.norm(x)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
