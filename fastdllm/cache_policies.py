@@ -46,7 +46,6 @@ class SequenceView:
     key_mask: torch.Tensor | None  # (B, 1, 1, L) True where attention may look, None: no padding
     block: int = 0  # index of the current block (of the first row)
     block_length: int = 0
-    rows: tuple[int, ...] = ()  # the batch rows being decoded
     capacity: int | None = None  # the whole layout's length (L grows with a suffix window)
     row_blocks: tuple[int, ...] = ()  # each row's own block index ((): every row at `block`)
 
@@ -59,7 +58,6 @@ class SequenceView:
         blocks = self.blocks()
         return SequenceView(self.x[idx], self.positions[idx], None if self.key_mask is None else self.key_mask[idx],
                             block=blocks[rows[0]], block_length=self.block_length,
-                            rows=tuple(self.rows[i] for i in rows) if self.rows else (),
                             capacity=self.capacity, row_blocks=tuple(blocks[i] for i in rows))
 
     def leading_padding(self) -> int:
@@ -74,7 +72,7 @@ class SequenceView:
         if first == 0:
             return self
         return SequenceView(self.x[:, first:], self.positions[:, first:], self.key_mask[..., first:],
-                            block=self.block, block_length=self.block_length, rows=self.rows,
+                            block=self.block, block_length=self.block_length,
                             capacity=None if self.capacity is None else self.capacity - first,
                             row_blocks=self.row_blocks)
 

@@ -285,7 +285,7 @@ class BlockDecoder:
         cut = length if cfg.suffix_window is None else min(length, end + cfg.suffix_window)
         km = self.key_mask
         seq = SequenceView(self.x[:, :cut], self.positions[:, :cut], None if km is None else km[..., :cut],
-                           block=blocks[0], block_length=blk, rows=tuple(range(bsz)), capacity=length,
+                           block=blocks[0], block_length=blk, capacity=length,
                            row_blocks=blocks)
         block = self.x[:, start:end]  # a view: writes go straight into the layout
         generators = self.generators if self.strategy.draws_randomness else None

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from fastdllm import GenerationConfig
 from fastdllm.cli_args import add_generation_args, config_from_args, UserError
@@ -31,7 +32,7 @@ def test_invalid_value_is_a_config_error_naming_the_field(name):
     assert str(info.value).startswith(f"{name}: ")
 
 
-def test_the_defaults_and_the_presets():
+def test_the_defaults_and_the_presets(tiny_llada, tokenizer):
     d = GenerationConfig()
     assert (d.cache, d.threshold, d.suffix_window, d.refresh) == ("dual", 0.9, 32, "vicinity")
     f = GenerationConfig.fast_dllm()
@@ -39,7 +40,14 @@ def test_the_defaults_and_the_presets():
         ("dual", 0.9, None, "full", 256, 32)
     b = GenerationConfig.baseline()
     assert (b.cache, b.threshold, b.suffix_window, b.refresh) == ("none", None, None, "full")
-    assert GenerationConfig(cache="none", threshold=None).refresh == "vicinity"  # no effect without a cache
+    # Without a cache every forward is full: the default refresh is accepted and changes nothing.
+    no_cache = GenerationConfig(cache="none", threshold=None, gen_length=16, block_length=8, stop_at_eos=False)
+    assert no_cache.refresh == "vicinity"
+    from fastdllm import generate
+
+    ids = [tokenizer.encode("Tom has 5 apples.")]
+    assert torch.equal(generate(tiny_llada, ids, no_cache).sequences,
+                       generate(tiny_llada, ids, no_cache.replace(refresh="full")).sequences)
 
 
 def test_config_is_immutable_and_replace_validates():

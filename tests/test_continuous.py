@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -148,7 +149,7 @@ def test_a_short_request_joins_a_long_one(fp32, continuous):
 
     def slow(b):
         first_block.set()
-        threading.Event().wait(0.05)
+        time.sleep(0.05)
 
     async def scenario():
         loop = asyncio.get_running_loop()

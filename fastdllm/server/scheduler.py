@@ -34,7 +34,6 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # the client went away
     satisfied: bool = False  # the consumer needs no more blocks (every choice final)
-    started: bool = False
     blocks_posted: int = 0  # blocks sent so far (a job decoded again alone does not send them twice)
 
     @property
@@ -183,7 +182,6 @@ class Scheduler:
         def admit(new: list[Job]) -> None:
             nonlocal together
             for job in new:
-                job.started = True
                 try:
                     running[job] = decoder.add(job.prompts, row_seeds=job.seeds, config=job.config,
                                                tags=[job] * job.rows)
@@ -243,9 +241,10 @@ class Scheduler:
         complete = []
         for job, rows in running.items():
             mine = [decoded.get(id(r)) for r in rows]
-            b = next(m[0] for m in mine if m is not None) if any(m is not None for m in mine) else None
-            if b is None:
+            found = [m for m in mine if m is not None]
+            if not found:  # every row of the job left earlier
                 continue
+            b = found[0][0]  # a job's rows joined together: one block index
             if job.wanted and b >= job.blocks_posted:
                 job.post(("block", b, [[] if m is None else m[1] for m in mine], [r.finished for r in rows]))
                 job.blocks_posted = b + 1
