@@ -267,3 +267,82 @@ def test_mbpp_gold_passes_on_a_loaded_machine():
             p.wait()
     failed = [(d.id, s.verdict, s.reason) for d, s in zip(docs, scores) if not s.correct]
     assert failed == []
+
+
+# ---- what passes under the benchmarks' own harness passes here ------------------------------------
+STDLIB_VALUES = {
+    "fraction": ("from fractions import Fraction\ndef f(): return Fraction(15, 2)",
+                 "from fractions import Fraction\nv = f()\nassert v == 7.5 and v == Fraction(15, 2) "
+                 "and type(v) is Fraction"),
+    "decimal": ("from decimal import Decimal\ndef f(): return Decimal('0.1') + Decimal('0.2')",
+                "from decimal import Decimal\nv = f()\nassert v == Decimal('0.3') and type(v) is Decimal "
+                "and str(v) == '0.3'"),
+    "complex": ("def f(): return complex(1, -2.5)", "assert f() == 1 - 2.5j"),
+    "ordered_dict": ("from collections import OrderedDict\ndef f(): return OrderedDict([('b', 1), ('a', 2)])",
+                     "from collections import OrderedDict\nv = f()\nassert v == OrderedDict([('b', 1), ('a', 2)])"
+                     "\nassert v != OrderedDict([('a', 2), ('b', 1)]) and list(v) == ['b', 'a']"),
+    "defaultdict": ("from collections import defaultdict\ndef f():\n    d = defaultdict(list)\n    d['x'].append(1)\n"
+                    "    return d",
+                    "v = f()\nassert v == {'x': [1]} and v['y'] == [] and type(v).__name__ == 'defaultdict'"),
+    "counter": ("from collections import Counter\ndef f(): return Counter('abca')",
+                "from collections import Counter\nv = f()\nassert v == Counter({'a': 2, 'b': 1, 'c': 1}) "
+                "and v.most_common(1) == [('a', 2)] and v['z'] == 0"),
+    "deque": ("from collections import deque\ndef f(): return deque([1, 2, 3], maxlen=3)",
+              "from collections import deque\nv = f()\nassert v == deque([1, 2, 3]) and v.maxlen == 3"),
+    "named_tuple": ("from collections import namedtuple\nP = namedtuple('P', 'x y')\ndef f(): return P(1, 2)",
+                    "assert f() == (1, 2)"),
+    "datetime": ("import datetime as dt\ndef f(): return dt.datetime(2024, 2, 29, 13, 5, 7, 12, "
+                 "tzinfo=dt.timezone(dt.timedelta(hours=-3)))",
+                 "import datetime as dt\nv = f()\nassert v == dt.datetime(2024, 2, 29, 16, 5, 7, 12, "
+                 "tzinfo=dt.timezone.utc) and v.utcoffset() == dt.timedelta(hours=-3)"),
+    "date": ("import datetime as dt\ndef f(): return dt.date(1999, 12, 31)",
+             "import datetime as dt\nassert f() == dt.date(1999, 12, 31) and type(f()) is dt.date"),
+    "time": ("import datetime as dt\ndef f(): return dt.time(23, 59, 1, 5)",
+             "import datetime as dt\nassert f() == dt.time(23, 59, 1, 5)"),
+    "timedelta": ("import datetime as dt\ndef f(): return dt.timedelta(days=-1, seconds=5, microseconds=3)",
+                  "import datetime as dt\nassert f() == dt.timedelta(days=-1, seconds=5, microseconds=3)"),
+    "range": ("def f(): return range(2, 11, 3)", "assert f() == range(2, 11, 3) and list(f()) == [2, 5, 8, 11][:3]"),
+}
+
+
+@pytest.mark.parametrize("name", list(STDLIB_VALUES))
+def test_standard_library_values_cross_as_themselves(name):
+    solution, tests = STDLIB_VALUES[name]
+    r = judge(CodeCheck(solution, tests, remote=("f",)))
+    assert r.verdict == "passed", r
+    # equal values are equal (a stand-in that is never equal would pass this and fail the above)
+    wrong = judge(CodeCheck(solution, tests + "\nassert f() != f()", remote=("f",)))
+    assert wrong.verdict == "failed", wrong
+
+
+def test_humaneval_45_with_a_fraction_passes():
+    task = get_task("humaneval")
+    doc = next(d for d in task.load() if d.id.endswith("/45"))
+    with task.scorer(workers=1) as scorer:
+        (score,) = scorer.score([doc], ["    from fractions import Fraction\n    return Fraction(a) * h / 2\n"])
+    assert score.verdict == "passed", score
+
+
+def test_an_oversize_reply_is_the_solution_gone_not_an_exception_the_tests_can_swallow():
+    solution = "def f(): return 'x' * (40 * 1024 * 1024)"
+    tests = "try:\n    f()\nexcept Exception:\n    pass\n"
+    r = judge(CodeCheck(solution, tests, remote=("f",)))
+    assert r.verdict != "passed" and "message too large" in r.reason, r
+
+
+def test_a_reply_naming_a_global_is_malformed():
+    solution = "import wire\ndef f(): return wire.GlobalRef('f')"
+    r = judge(CodeCheck(solution, "assert f()", remote=("f",)))
+    assert r.verdict != "passed" and "malformed reply" in r.reason, r
+
+
+@pytest.mark.parametrize("solution", [
+    "def f(x): return 1\nraise SystemExit(3)",  # exits before answering
+    "import os\ndef f(x):\n    os._exit(5)",  # exits in the call
+    "def f(x):\n    import sys\n    sys.stdout.flush()\n    raise KeyboardInterrupt",  # a call that raises
+    "def f(x) return 1",  # does not compile
+])
+def test_the_same_answer_gets_the_same_verdict_and_reason_every_run(solution):
+    tests = "assert f(1) == 1\nassert f(2) == 1\n"
+    seen = {(r.verdict, r.reason) for r in (judge(CodeCheck(solution, tests, remote=("f",))) for _ in range(6))}
+    assert len(seen) == 1 and next(iter(seen))[0] in ("failed", "crashed"), seen

@@ -490,3 +490,95 @@ def test_an_installed_package_folder_is_hidden_inside_the_bound_interpreter(monk
     monkeypatch.setattr(box, "PACKAGE_DIR", stand_in)
     r = run(f"import os\nprint(sorted(os.listdir({stand_in!r})))")
     assert r.verdict == "passed" and r.stdout.strip() == "[]", r
+
+
+# ---- one box, one uid, limits for the box as a whole --------------------------------------------
+needs_box_limits = pytest.mark.skipif("box_limits" not in PROTECTIONS,
+                                      reason="control groups are not writable here (limits hold per process)")
+needs_seccomp = pytest.mark.skipif("no_keyring_or_namespaces" not in PROTECTIONS, reason="no seccomp here")
+
+
+def test_a_uid_is_never_handed_out_while_a_box_holds_it():
+    from fastdllm.sandbox.box import UidPool, own_uids
+
+    pool = UidPool()
+    taken = pool.acquire(len(own_uids()) - 1)
+    last = pool.acquire()
+    assert len(set(taken + last)) == len(own_uids()) and set(taken + last) <= set(own_uids())
+    got = []
+    waiter = __import__("threading").Thread(target=lambda: got.extend(pool.acquire(2)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and got == []  # nothing free: it waits rather than share a live uid
+    pool.release(taken[0])
+    waiter.join(0.3)
+    assert waiter.is_alive()  # one free, two asked for at once
+    pool.release(last[0])
+    waiter.join(5)
+    assert sorted(got) == sorted([taken[0], last[0]])
+
+
+@needs_user
+def test_a_long_box_survives_more_boxes_than_there_are_uid_slots(monkeypatch):
+    """A box that runs while more boxes than the uid range holds start and end beside it is not
+    killed by their cleanup (each kills by its own box, never by a uid another box holds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastdllm.sandbox import box
+
+    monkeypatch.setattr(box, "UIDS_PER_PROCESS", 3)
+    monkeypatch.setattr(box, "UIDS", box.UidPool())
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(run_program, "import time\ntime.sleep(2.5)\nprint('done')", timeout=5.0)
+        time.sleep(0.3)
+        shorts = [run("print(1)") for _ in range(7)]
+        r = long.result()
+    assert [s.verdict for s in shorts] == ["passed"] * 7
+    assert r.verdict == "passed" and r.stdout == "done\n", r
+
+
+@needs_box_limits
+def test_forked_children_share_the_box_memory_limit():
+    code = ("import os, time\nfor i in range(6):\n    if os.fork() == 0:\n        b = bytearray(300 * 1024 * 1024)\n"
+            "        for j in range(0, len(b), 4096):\n            b[j] = 1\n        time.sleep(3)\n        os._exit(0)\n"
+            "for i in range(6):\n    os.wait()\n")
+    r = run_program(code, timeout=10.0, memory_mb=1024)
+    assert r.verdict == "crashed" and "memory limit of 1024 MB" in r.reason, r
+    alone = run_program(code.replace("range(6)", "range(2)"), timeout=10.0, memory_mb=1024)
+    assert alone.verdict == "passed", alone  # 600 MB in two children fits
+    host_alive()
+
+
+@needs_box_limits
+def test_forked_children_share_the_box_cpu_budget():
+    code = "import os\nfor i in range(3):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass\n"
+    r = run_program(code, timeout=2.0, wall_timeout=30.0)
+    assert r.verdict == "timeout" and "CPU time limit of 2s" in r.reason, r
+    assert 2.0 <= r.cpu_time < 3.5, r.cpu_time  # the four processes' CPU together
+    time.sleep(0.2)
+    assert leftover_processes() == []
+
+
+@needs_box_limits
+def test_a_box_holds_its_process_limit_together():
+    code = ("import os, time\nn = 0\nfor i in range(40):\n    try:\n        if os.fork() == 0:\n            time.sleep(2)\n"
+            "            os._exit(0)\n        n += 1\n    except OSError:\n        break\nprint(n)\n")
+    r = run_program(code, timeout=5.0, max_processes=8)
+    assert r.verdict == "passed" and 0 < int(r.stdout) < 8, r
+
+
+@needs_seccomp
+def test_no_kernel_keys_and_no_new_namespaces():
+    """A key would outlive the box (a channel to a later one); a user namespace is attack surface
+    judged code never needs."""
+    import platform
+
+    add_key = {"x86_64": 248, "aarch64": 217}[platform.machine()]
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"rc = libc.syscall({add_key}, b'user', b'k', b'secret', 6, -3)\nprint(rc, ctypes.get_errno())\n"
+            "for flag in (0x10000000, 0x40000000, 0x00020000):\n"
+            "    print(libc.unshare(flag), ctypes.get_errno())\n"
+            "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nprint(os.waitpid(pid, 0)[1])\n")
+    r = run(code)
+    assert r.verdict == "passed", r
+    assert r.stdout.split("\n")[:5] == ["-1 1", "-1 1", "-1 1", "-1 1", "0"], r.stdout

@@ -22,13 +22,18 @@ environment, resource limits (CPU time, address space, file size, open files, no
 stdin from /dev/null, stdout/stderr kept up to a bound, `PR_SET_NO_NEW_PRIVS`. The CPU limit
 decides "timeout"; a generous wall clock is only a backstop for programs that wait.
 
-as root (full set where the kernel permits): its own uid per run (processes bounded by
-RLIMIT_NPROC, killed by uid afterwards, unconditionally), new network, IPC, UTS, mount and PID
-namespaces, a minimal read-only root (system folders, the interpreter; no /run, no host sockets,
-no world-writable host folder, not this package or its data), its folder and /tmp on
-size-limited tmpfs that vanish with it, its own /proc, a seccomp filter allowing only Unix and
-IP sockets. Not root: a user + network namespace where permitted, which leaves files of our user
-writable: run as root (a container) for the full set.
+as root (full set where the kernel permits): its own uid per run, held by no other live box
+(processes bounded by RLIMIT_NPROC, killed by uid afterwards, unconditionally), new network,
+IPC, UTS, mount and PID namespaces, a minimal read-only root (system folders, the interpreter; no
+/run, no host sockets, no world-writable host folder, not this package or its data), its folder
+and /tmp on size-limited tmpfs that vanish with it, its own /proc, a seccomp filter allowing only
+Unix and IP sockets and refusing the kernel keyrings and new namespaces. Not root: a user +
+network namespace where permitted, which leaves files of our user writable: run as root (a
+container) for the full set.
+
+where control groups are writable (`box_limits`): memory, processes and CPU time are limited for
+the box's processes together (`sandbox.cgroup`), so an answer that forks cannot multiply its
+budget, and "every process of the box" is exactly the group's members.
 
 The strongest of these that runs here is probed once; a weaker one is logged with why the stronger
 failed. Where none runs, `SandboxUnavailable` says why and no untrusted code runs: resource limits
@@ -49,7 +54,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from .box import (UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, SandboxUnavailable, current_plan, drive,
-                  last_line)
+                  last_line, memory_reason)
 from .judge import CodeCheck, free_names, judge, judge_many
 
 __all__ = ["CodeCheck", "SandboxConfig", "SandboxResult", "UID_BASE", "VERDICTS", "free_names", "judge",
@@ -90,6 +95,8 @@ def _run(source: str, config: SandboxConfig) -> SandboxResult:
         verdict, reason = "crashed", f"could not start: {detail}"
     elif kind == "cpu":
         verdict, reason = "timeout", f"CPU time limit of {config.timeout:g}s exceeded"
+    elif kind == "memory":
+        verdict, reason = "crashed", memory_reason(config)
     elif kind == "signal":
         verdict, reason = "crashed", f"killed by {detail}" + (f" ({last_line(stderr)})" if last_line(stderr) else "")
     elif rc != 0:

@@ -3,9 +3,10 @@ and the plan of confinements this machine permits, probed once.
 
 A box starts `launcher.py` in a fresh interpreter, which confines and execs the program (see its
 docstring for the order). The host side here writes the program's files into a private folder,
-reads the program's stdout and stderr (bounded), and the launcher's status line, kills the whole
-process group at the wall-clock backstop, kills every process of the run's uid afterwards
-(whatever is left; unconditionally), and removes the folder.
+reads the program's stdout and stderr (bounded), and the launcher's status line, stops the box at
+its CPU budget (counted over all its processes where a control group holds the box) or at the
+wall-clock backstop, afterwards kills every process of the box (its control group's members, and
+every process of its uid: a uid belongs to one live box only), and removes the folder.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import cgroup
+
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # fastdllm/: its data must stay unseen
 
-# User ids for the runs: UID_BASE + (pid of this process) * 256 + (run counter mod 256). Live
-# pids are unique, so concurrent runs of different processes (torchrun ranks) never share one.
+# User ids for the runs: UID_BASE + (pid of this process) * 256 + a slot that no live box of this
+# process holds (`UidPool`). Live pids are unique, so concurrent runs of different processes
+# (torchrun ranks) never share one either.
 UID_BASE = 1_000_000_000
 _PID_MAX = 1 << 22
+UIDS_PER_PROCESS = 256
 
 log = logging.getLogger("fastdllm.sandbox")
 
@@ -49,8 +54,8 @@ class SandboxConfig:
 
     timeout: float = 10.0
     wall_timeout: float | None = None
-    memory_mb: int = 2048  # RLIMIT_AS
-    max_processes: int = 32  # RLIMIT_NPROC (processes + threads of the run's user)
+    memory_mb: int = 2048  # the box's memory (its control group) and each process's RLIMIT_AS
+    max_processes: int = 32  # processes + threads of the box (its control group; else RLIMIT_NPROC of its uid)
     max_file_mb: int = 16  # RLIMIT_FSIZE
     max_open_files: int = 128  # RLIMIT_NOFILE
     max_output_bytes: int = 64 * 1024  # kept per stream
@@ -76,6 +81,7 @@ class Plan:
     seccomp: bool = False
     user_namespace: bool = False  # not root: a user namespace, to be allowed a network namespace
     own_proc: bool = False
+    box_limits: bool = False  # a control group per box: memory, processes and CPU of all its processes
 
     def protections(self) -> tuple[str, ...]:
         names = ["isolated_interpreter", "own_session", "scrubbed_env", "rlimits", "cpu_timeout", "wall_backstop",
@@ -84,7 +90,8 @@ class Plan:
             (self.drop_user, "unprivileged_user"), (self.drop_user, "kill_by_uid"), (self.new_net, "no_network"),
             (self.new_root, "read_only_root"), (self.new_root, "size_limited_dirs"),
             (self.new_root, "private_ipc_uts"), (self.pid_ns, "pid_namespace"), (self.own_proc, "own_proc"),
-            (self.seccomp, "socket_filter"),
+            (self.seccomp, "socket_filter"), (self.seccomp, "no_keyring_or_namespaces"),
+            (self.box_limits, "box_limits"),
         ]
         return tuple(names + [name for on, name in flags if on])
 
@@ -112,6 +119,10 @@ class SandboxResult:
 
 
 VERDICTS = ("passed", "failed", "timeout", "crashed")
+
+
+def memory_reason(config: SandboxConfig) -> str:
+    return f"memory limit of {config.memory_mb} MB exceeded (by the box's processes together)"
 
 
 def last_line(text: str) -> str:
@@ -145,22 +156,44 @@ def root_binds() -> list[str]:
 
 
 # ---- processes ---------------------------------------------------------------------------------
-_counter = 0
-_counter_lock = threading.Lock()
+class UidPool:
+    """The uids of this process's runs. A uid is handed out only while no live box holds it, so
+    killing by uid never reaches another box; a caller that needs several (the judge's two
+    boxes) takes them at once, so that many concurrent callers cannot each hold one and wait."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._pid, self._free = None, []
+
+    def _slots(self) -> list[int]:
+        if self._pid != os.getpid():  # a forked child starts with its own range
+            self._pid = os.getpid()
+            start = UID_BASE + (self._pid % _PID_MAX) * UIDS_PER_PROCESS
+            self._free = list(range(start, start + UIDS_PER_PROCESS))
+        return self._free
+
+    def acquire(self, n: int = 1) -> list[int]:
+        with self._cond:
+            while len(self._slots()) < n:
+                self._cond.wait()
+            free = self._slots()
+            taken, free[:] = free[:n], free[n:]
+            return taken
+
+    def release(self, uid: int) -> None:
+        with self._cond:
+            if uid in own_uids():
+                self._slots().insert(0, uid)
+                self._cond.notify_all()
 
 
-def _next_uid() -> int:
-    global _counter
-    with _counter_lock:
-        _counter += 1
-        n = _counter
-    return UID_BASE + (os.getpid() % _PID_MAX) * 256 + n % 256
+UIDS = UidPool()
 
 
 def own_uids() -> range:
     """The uids this process's runs use (see UID_BASE)."""
-    start = UID_BASE + (os.getpid() % _PID_MAX) * 256
-    return range(start, start + 256)
+    start = UID_BASE + (os.getpid() % _PID_MAX) * UIDS_PER_PROCESS
+    return range(start, start + UIDS_PER_PROCESS)
 
 
 def kill_uid(uid: int) -> None:
@@ -187,16 +220,33 @@ class Box:
     """One program in the sandbox. `files` are written into its folder (cwd and HOME); `argv`
     follows the interpreter (`python -I -B`, and `-S` when `site` is false: no site-packages,
     for our own trusted programs, which need only the standard library and start ~4x faster);
-    `pass_fds` stay open in the program."""
+    `pass_fds` stay open in the program. `uid`: one taken from `UIDS` for this box (it is
+    released in `finish`); by default the box takes its own."""
 
     def __init__(self, files: dict[str, str], argv: list[str], config: SandboxConfig, plan: Plan,
-                 pass_fds: tuple[int, ...] = (), site: bool = True):
+                 pass_fds: tuple[int, ...] = (), site: bool = True, uid: int | None = None):
         self.config, self.plan = config, plan
-        self.host = os.path.realpath(tempfile.mkdtemp(prefix="fastdllm-sandbox-"))
-        self.uid = _next_uid() if plan.drop_user else None
+        self.uid = (uid if uid is not None else UIDS.acquire()[0]) if plan.drop_user else None
         self.proc: subprocess.Popen | None = None
+        self.group: cgroup.BoxGroup | None = None
         self.out, self.err, self.status_line = bytearray(), bytearray(), bytearray()
         self.truncated = False
+        self.cpu_exceeded = False  # the host stopped the box at its CPU budget
+        self.memory_exceeded = False  # the kernel stopped a process of the box at its memory limit
+        self.final_cpu: float | None = None  # CPU seconds of all its processes (with a control group)
+        self.status_r = -1
+        self.started = time.perf_counter()
+        self.host = os.path.realpath(tempfile.mkdtemp(prefix="fastdllm-sandbox-"))
+        try:
+            self._start(files, argv, pass_fds, site)
+        except BaseException:
+            self.finish()
+            raise
+
+    def _start(self, files, argv, pass_fds, site) -> None:
+        config, plan = self.config, self.plan
+        if plan.box_limits:
+            self.group = cgroup.BoxGroup.create(config.memory_mb * 1024 * 1024, config.max_processes + 2)
         files_dir = os.path.join(self.host, "files")
         os.mkdir(files_dir, 0o700)
         for name, text in files.items():
@@ -221,6 +271,7 @@ class Box:
             "new_root": plan.new_root, "pid": plan.pid_ns, "seccomp": plan.seccomp,
             "root_dir": os.path.join(self.host, "root"), "files_dir": files_dir, "binds": root_binds(),
             "hide": [PACKAGE_DIR], "tmpfs_mb": config.tmpfs_mb, "rlimits": self._rlimits(),
+            "cgroup_procs": self.group.procs_files if self.group is not None else [],
         }
         self.started = time.perf_counter()
         try:
@@ -242,7 +293,7 @@ class Box:
             (resource.RLIMIT_NOFILE, c.max_open_files, c.max_open_files),
             (resource.RLIMIT_CORE, 0, 0),
         ]
-        if self.plan.drop_user:
+        if self.plan.drop_user:  # the uid is the box's own, so this too counts the box's processes
             limits.append((resource.RLIMIT_NPROC, c.max_processes, c.max_processes))
         return limits
 
@@ -260,8 +311,27 @@ class Box:
             return {}
         return st if isinstance(st, dict) else {}
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time of all the box's processes so far (None without a control group)."""
+        return self.group.cpu_seconds() if self.group is not None else None
+
+    def enforce_limits(self) -> None:
+        """Stop the box once its processes together have spent its CPU budget, or once the kernel
+        had to kill one of them at the box's memory limit (the box is over its budget, whichever
+        process the kernel chose)."""
+        if self.group is None or self.cpu_exceeded or self.memory_exceeded:
+            return
+        if self.group.cpu_seconds() > self.config.cpu_seconds:
+            self.cpu_exceeded = True
+        elif self.group.out_of_memory():
+            self.memory_exceeded = True
+        else:
+            return
+        self.group.kill()
+
     def finish(self) -> None:
-        """Kill whatever is left (the launcher's group, then the run's uid) and clean up."""
+        """Kill every process of the box (the launcher's process group, the control group's
+        members, the box's uid) and clean up."""
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -270,25 +340,41 @@ class Box:
             self.proc.wait()
             for stream in (self.proc.stdout, self.proc.stderr):
                 stream.close()
+            self.proc = None
+        if self.group is not None:
+            self.group.kill()
         if self.uid is not None:
             kill_uid(self.uid)
-        try:
+        if self.group is not None:
+            self.memory_exceeded = self.memory_exceeded or self.group.out_of_memory()
+            self.final_cpu = self.group.cpu_seconds()
+            self.group.remove()
+            self.group = None
+        if self.uid is not None:
+            UIDS.release(self.uid)
+            self.uid = None
+        if self.status_r >= 0:
             os.close(self.status_r)
-        except OSError:
-            pass
+            self.status_r = -1
         shutil.rmtree(self.host, ignore_errors=True)
 
     def ending(self) -> tuple[str | None, str, int | None, float | None]:
         """(signal-or-error kind, detail, exit code, cpu seconds) of the program, from the status
-        line: kind is None for a normal exit, "cpu" for the CPU limit, "signal" for another
-        signal, "start" when it could not start."""
+        line and the box's control group (call after `finish`): kind is None for a normal exit,
+        "cpu" for the CPU limit, "memory" for the box's memory limit, "signal" for another
+        signal, "start" when it could not start. CPU seconds are those of all the box's
+        processes where a control group counted them."""
         st = self.status()
+        if self.cpu_exceeded:
+            return "cpu", "", None, self.final_cpu
+        if self.memory_exceeded:
+            return "memory", "", None, self.final_cpu
         if "error" in st:
             return "start", str(st["error"]), None, None
         if "status" not in st:
             return "start", "the launcher reported no status", None, None
         rc = os.waitstatus_to_exitcode(int(st["status"]))
-        cpu = float(st.get("cpu", 0.0))
+        cpu = self.final_cpu if self.final_cpu is not None else float(st.get("cpu", 0.0))
         if rc < 0:
             sig = -rc
             if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= self.config.cpu_seconds):
@@ -330,7 +416,10 @@ def drive(boxes: list[Box], wall: float, extra: dict[int, tuple[bytearray, int]]
                 exited_at = now
             if exited_at is not None and now - exited_at > 0.2:
                 break
-            for key, _ in sel.select(timeout=min(deadline - now, 0.05 if exited_at else 0.5)):
+            for b in boxes:
+                b.enforce_limits()
+            poll = 0.05 if exited_at else (0.1 if any(b.group is not None for b in boxes) else 0.5)
+            for key, _ in sel.select(timeout=min(deadline - now, poll)):
                 try:
                     chunk = os.read(key.fd, 65536)
                 except BlockingIOError:
@@ -353,7 +442,7 @@ def drive(boxes: list[Box], wall: float, extra: dict[int, tuple[bytearray, int]]
     finally:
         sel.close()
         for b in boxes:
-            b.truncated = any(fd in truncated for fd in (b.proc.stdout.fileno(), b.proc.stderr.fileno()))
+            b.truncated = b.truncated or any(fd in truncated for fd in (b.proc.stdout.fileno(), b.proc.stderr.fileno()))
 
 
 # ---- what the system permits -------------------------------------------------------------------
@@ -367,14 +456,20 @@ class SandboxUnavailable(RuntimeError):
 def candidate_plans() -> list[Plan]:
     """The confinement levels to try, strongest first. A plan that runs programs as the caller's
     own user with no namespace at all (rlimits only) is tried only when `FASTDLLM_SANDBOX_UNCONFINED=1`
-    says so: as root it would run untrusted code as root."""
+    says so: as root it would run untrusted code as root. Limits per box (a control group) come
+    with every plan where the machine lets us make control groups; elsewhere limits hold per
+    process only (logged)."""
+    limits = cgroup.available()
+    if not limits:
+        log.warning("sandbox: no writable control groups here: memory and CPU limits hold per process, "
+                    "not for a box's processes together")
     if os.geteuid() == 0:
         full = Plan(drop_user=True, new_net=True, new_root=True, pid_ns=True,
-                    seccomp=platform.machine() in ("x86_64", "aarch64"))
+                    seccomp=platform.machine() in ("x86_64", "aarch64"), box_limits=limits)
         plans = [full, replace(full, seccomp=False), replace(full, pid_ns=False, seccomp=False),
-                 Plan(drop_user=True, new_net=True), Plan(drop_user=True)]
+                 Plan(drop_user=True, new_net=True, box_limits=limits), Plan(drop_user=True, box_limits=limits)]
     else:
-        plans = [Plan(user_namespace=True, new_net=True)]
+        plans = [Plan(user_namespace=True, new_net=True, box_limits=limits)]
     if os.environ.get(UNCONFINED_ENV) == "1":
         plans.append(Plan())
     return plans

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .box import Box, SandboxConfig, SandboxResult, current_plan, drive, last_line
+from .box import UIDS, Box, SandboxConfig, SandboxResult, current_plan, drive, last_line, memory_reason
 
 _HERE = Path(__file__).resolve().parent
 _WIRE = (_HERE / "wire.py").read_text(encoding="utf-8")
@@ -91,28 +91,37 @@ def judge(check: CodeCheck, config: SandboxConfig | None = None) -> SandboxResul
     verdict_r, verdict_w = os.pipe()
     verdict = bytearray()
     boxes: list[Box] = []
+    # both uids at once: concurrent judges that each held one and waited for another could stall
+    uids = UIDS.acquire(2) if plan.drop_user else [None, None]
     t0 = time.perf_counter()
     try:
         solution_box = Box({"solution_side.py": _SOLUTION_SIDE, "wire.py": _WIRE, "solution.py": check.solution,
                             "setup.py": check.setup},
                            ["solution_side.py", str(req_r), str(resp_w)], config, plan, pass_fds=(req_r, resp_w),
-                           site=False)
+                           site=False, uid=uids.pop(0))
         boxes.append(solution_box)
         tests_box = Box({"tests_side.py": _TESTS_SIDE, "wire.py": _WIRE, "prelude.py": check.prelude,
                          "tests.py": check.tests, "remote.json": json.dumps(list(check.remote))},
                         ["tests_side.py", str(req_w), str(resp_r), str(verdict_w)], config, plan,
-                        pass_fds=(req_w, resp_r, verdict_w), site=False)
+                        pass_fds=(req_w, resp_r, verdict_w), site=False, uid=uids.pop(0))
         boxes.append(tests_box)
         for fd in (req_r, resp_w, req_w, resp_r, verdict_w):
             os.close(fd)
         req_r = resp_w = req_w = resp_r = verdict_w = -1
         wall_hit = drive(boxes, config.wall_seconds, extra={verdict_r: (verdict, 1 << 16)}, primary=[tests_box])
+        if not wall_hit and _solution_gone(verdict):
+            # The tests saw the solution's process stop: let it end by itself (its launcher
+            # reports how), so that the reason never depends on how soon our cleanup kills it.
+            wall_hit = drive([solution_box], config.wall_seconds)
     except OSError as e:
         return SandboxResult("crashed", f"could not start: {e}", None, "", "", time.perf_counter() - t0,
                              plan.protections())
     finally:
         for b in boxes:
             b.finish()
+        for uid in uids:  # taken for a box that was never made
+            if uid is not None:
+                UIDS.release(uid)
         for fd in (req_r, resp_w, req_w, resp_r, verdict_w, verdict_r):
             if fd >= 0:
                 os.close(fd)
@@ -125,6 +134,19 @@ def judge(check: CodeCheck, config: SandboxConfig | None = None) -> SandboxResul
                          solution_box.truncated or tests_box.truncated, cpu)
 
 
+def _outcome(verdict: bytes) -> dict | None:
+    try:
+        outcome = json.loads(verdict.splitlines()[0])
+    except (ValueError, IndexError):
+        return None
+    return outcome if isinstance(outcome, dict) else None
+
+
+def _solution_gone(verdict: bytes) -> bool:
+    outcome = _outcome(verdict)
+    return bool(outcome and outcome.get("solution_gone"))
+
+
 def _decide(config, wall_hit, tests_box, solution_box, verdict: bytes, test_err: str) -> tuple[str, str]:
     if wall_hit:
         return "timeout", f"wall-clock backstop of {config.wall_seconds:g}s exceeded"
@@ -133,10 +155,9 @@ def _decide(config, wall_hit, tests_box, solution_box, verdict: bytes, test_err:
         return "crashed", f"could not start the tests: {detail}"
     if kind == "cpu":
         return "timeout", f"CPU time limit of {config.timeout:g}s exceeded by the tests"
-    try:
-        outcome = json.loads(verdict.splitlines()[0])
-    except (ValueError, IndexError):
-        outcome = None
+    if kind == "memory":
+        return "crashed", memory_reason(config) + " in the tests"
+    outcome = _outcome(verdict)
     if kind == "signal" or outcome is None:
         return "crashed", f"the tests' process ended without a verdict ({detail or f'exit status {rc}'}; " \
                           f"{last_line(test_err)})"
@@ -148,6 +169,8 @@ def _decide(config, wall_hit, tests_box, solution_box, verdict: bytes, test_err:
         last = last_line(bytes(solution_box.err).decode("utf-8", errors="replace"))
         if s_kind == "cpu":
             return "timeout", f"CPU time limit of {config.timeout:g}s exceeded by the solution"
+        if s_kind == "memory":
+            return "crashed", memory_reason(config) + " in the solution"
         if s_kind == "signal":
             return "crashed", f"the solution was killed by {s_detail}" + (f" ({last})" if last else "")
         if s_kind is None:

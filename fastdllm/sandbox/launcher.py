@@ -16,11 +16,14 @@ confinements to set up; in order:
    world-writable host folder, no project data, no other process's /proc;
 4. init forks the program: resource limits, the run's own unprivileged uid and gid, no
    supplementary groups, `PR_SET_NO_NEW_PRIVS` (setuid binaries gain nothing), a seccomp filter
-   that allows only Unix and IP sockets and no io_uring, every other descriptor closed, then exec;
+   (only Unix and IP sockets, no io_uring, no kernel keyrings, no new namespaces), every other
+   descriptor closed, then exec;
 5. init reaps until the program exits, then writes its wait status and CPU time (a marshalled
    dict) to the status descriptor, which the program never holds, and exits.
 
-Any failure before the exec is reported on the status descriptor as `{"error": ...}`. Only
+Before all of this the launcher joins the box's control groups, where the host made them, so
+that every process of the box counts against its memory, process and CPU limits together. Any
+failure before the exec is reported on the status descriptor as `{"error": ...}`. Only
 built-in modules and ctypes are imported, so that it starts in a few milliseconds.
 """
 
@@ -41,13 +44,19 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 
-# Per architecture: audit arch, socket, socketpair, io_uring_setup, pivot_root syscall numbers.
+# Per architecture: the audit arch, and the numbers of the syscalls the filter looks at.
 ARCHES = {
-    "x86_64": (0xC000003E, 41, 53, 425, 155),
-    "aarch64": (0xC00000B7, 198, 199, 425, 41),
+    "x86_64": {"audit": 0xC000003E, "socket": 41, "socketpair": 53, "io_uring_setup": 425, "pivot_root": 155,
+               "add_key": 248, "request_key": 249, "keyctl": 250, "unshare": 272, "setns": 308, "clone": 56,
+               "clone3": 435},
+    "aarch64": {"audit": 0xC00000B7, "socket": 198, "socketpair": 199, "io_uring_setup": 425, "pivot_root": 41,
+                "add_key": 217, "request_key": 218, "keyctl": 219, "unshare": 97, "setns": 268, "clone": 220,
+                "clone3": 435},
 }
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
-EAFNOSUPPORT, ENOSYS = 97, 38
+EPERM, EAFNOSUPPORT, ENOSYS = 1, 97, 38
+# clone flags that make a namespace: NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -104,7 +113,7 @@ def _pivot(root):
     os.chdir(root)
     if arch is not None:
         libc.syscall.restype = ctypes.c_long
-        _check(libc.syscall(ctypes.c_long(arch[4]), b".", b".oldroot"), "pivot_root")
+        _check(libc.syscall(ctypes.c_long(arch["pivot_root"]), b".", b".oldroot"), "pivot_root")
         os.chdir("/")
         _check(libc.umount2(b"/.oldroot", MNT_DETACH), "umount old root")
         os.rmdir("/.oldroot")
@@ -158,33 +167,50 @@ def _build_root(spec):
 def _seccomp_filter():
     """A BPF program: kill on a foreign syscall ABI; socket/socketpair only for AF_UNIX, AF_INET,
     AF_INET6 (no AF_VSOCK, AF_NETLINK, AF_PACKET, ...); io_uring_setup refused (its requests can
-    open sockets past the filter); everything else allowed."""
-    arch = ARCHES[os.uname().machine]
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    open sockets past the filter); the kernel keyrings refused (add_key, request_key, keyctl: a
+    key outlives the box and would be a channel to a later one); no new namespaces (unshare,
+    setns, clone with a CLONE_NEW* flag: judged code never needs them, and a user namespace is
+    attack surface); clone3, whose flags the filter cannot read, answers ENOSYS so that the C
+    library falls back to clone; everything else allowed."""
+    nr = ARCHES[os.uname().machine]
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
     allow, kill = 0x7FFF0000, 0x80000000
     errno = lambda e: 0x00050000 | e  # noqa: E731
+    # (label, code, true-label, false-label, k); labels become (forward) jump offsets below
     prog = [
-        (ld, 0, 0, 4),                       # 0: A = arch
-        (jeq, 1, 0, arch[0]),                # 1: native -> 3
-        (ret, 0, 0, kill),                   # 2
-        (ld, 0, 0, 0),                       # 3: A = nr
-        (jge, 11, 0, 0x40000000),            # 4: x32 ABI -> kill (16)
-        (jeq, 3, 0, arch[1]),                # 5: socket -> 9
-        (jeq, 2, 0, arch[2]),                # 6: socketpair -> 9
-        (jeq, 7, 0, arch[3]),                # 7: io_uring_setup -> 15
-        (ret, 0, 0, allow),                  # 8
-        (ld, 0, 0, 16),                      # 9: A = args[0] (family, low word)
-        (jeq, 3, 0, AF_UNIX),                # 10 -> 14
-        (jeq, 2, 0, AF_INET),                # 11 -> 14
-        (jeq, 1, 0, AF_INET6),               # 12 -> 14
-        (ret, 0, 0, errno(EAFNOSUPPORT)),    # 13
-        (ret, 0, 0, allow),                  # 14
-        (ret, 0, 0, errno(ENOSYS)),          # 15
-        (ret, 0, 0, kill),                   # 16
+        (None, ld, None, None, 4),                         # A = arch
+        (None, jeq, "nr", None, nr["audit"]),
+        (None, ret, None, None, kill),
+        ("nr", ld, None, None, 0),                         # A = syscall number
+        (None, 0x35, "kill", None, 0x40000000),            # x32 ABI
+        (None, jeq, "family", None, nr["socket"]),
+        (None, jeq, "family", None, nr["socketpair"]),
+        (None, jeq, "nosys", None, nr["io_uring_setup"]),
+        (None, jeq, "nosys", None, nr["clone3"]),
+        (None, jeq, "eperm", None, nr["add_key"]),
+        (None, jeq, "eperm", None, nr["request_key"]),
+        (None, jeq, "eperm", None, nr["keyctl"]),
+        (None, jeq, "eperm", None, nr["unshare"]),
+        (None, jeq, "eperm", None, nr["setns"]),
+        (None, jeq, "clone", None, nr["clone"]),
+        (None, ret, None, None, allow),
+        ("family", ld, None, None, 16),                    # A = args[0] (family, low word)
+        (None, jeq, "allow", None, AF_UNIX),
+        (None, jeq, "allow", None, AF_INET),
+        (None, jeq, "allow", None, AF_INET6),
+        (None, ret, None, None, errno(EAFNOSUPPORT)),
+        ("clone", ld, None, None, 16),                     # A = args[0] (flags, low word)
+        (None, jset, "eperm", "allow", CLONE_NEW_ANY),
+        ("eperm", ret, None, None, errno(EPERM)),
+        ("nosys", ret, None, None, errno(ENOSYS)),
+        ("kill", ret, None, None, kill),
+        ("allow", ret, None, None, allow),
     ]
+    where = {label: i for i, (label, *_rest) in enumerate(prog) if label}
+    jump = lambda i, label: 0 if label is None else where[label] - i - 1  # noqa: E731
     # struct sock_filter {u16 code; u8 jt; u8 jf; u32 k;}, native byte order
-    raw = b"".join(code.to_bytes(2, sys.byteorder) + bytes([jt, jf]) + k.to_bytes(4, sys.byteorder)
-                   for code, jt, jf, k in prog)
+    raw = b"".join(code.to_bytes(2, sys.byteorder) + bytes([jump(i, jt), jump(i, jf)]) + k.to_bytes(4, sys.byteorder)
+                   for i, (_, code, jt, jf, k) in enumerate(prog))
     buf = ctypes.create_string_buffer(raw)
 
     class SockFprog(ctypes.Structure):
@@ -257,6 +283,9 @@ def main():
     spec = marshal.loads(bytes.fromhex(sys.argv[1]))
     status_fd = spec["status_fd"]
     try:
+        for path in spec["cgroup_procs"]:  # first: every process of the box is a member from its start
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
         flags = 0
         if spec["user_ns"]:
             flags |= CLONE_NEWUSER | CLONE_NEWNET

@@ -24,10 +24,17 @@ class SolutionFailed(BaseException):
     """A call into the solution did not return a value."""
 
 
+def _no_global(name):
+    """A reply names one of the solution's globals: no value the tests may see (it would be a
+    truthy stand-in), so the reply is malformed."""
+    raise wire.WireError(f"a reply may not name the solution's global {str(name)[:50]!r}")
+
+
 class Remote:
     def __init__(self, req_fd, resp_fd):
         self.req_fd, self.reader = req_fd, wire.LineReader(resp_fd)
-        self.gone = None  # why the solution's process stopped answering
+        self.gone = None  # why no more calls can be made (it stopped answering, or sent garbage)
+        self.stopped = False  # its process stopped answering
 
     def _request(self, msg):
         if self.gone:
@@ -35,18 +42,18 @@ class Remote:
         try:
             wire.write_all(self.req_fd, wire.dumps(msg))
             line = self.reader.read()
-        except OSError:
-            line = None
-        if line is None:
-            self.gone = "the solution's process stopped answering"
-            raise SolutionFailed(self.gone)
-        try:
+            if line is None:
+                self.gone, self.stopped = "the solution's process stopped answering", True
+                raise SolutionFailed(self.gone)
             reply = wire.loads(line)
             if type(reply) is dict and "error" in reply:
                 raise SolutionFailed(f"the solution raised {str(reply['error'])[:300]}")
             if type(reply) is not dict or "ok" not in reply:
                 raise wire.WireError("reply without a value")
-            return wire.decode(reply["ok"], make_handle=lambda i: wire.Handle(i, self))
+            return wire.decode(reply["ok"], make_handle=lambda i: wire.Handle(i, self), make_global=_no_global)
+        except OSError:
+            self.gone, self.stopped = "the solution's process stopped answering", True
+            raise SolutionFailed(self.gone) from None
         except wire.WireError as e:
             self.gone = f"the solution's process sent a malformed reply ({e})"
             raise SolutionFailed(self.gone) from None
@@ -107,7 +114,7 @@ def main():
         outcome["reason"] = str(e)
     except BaseException as e:  # noqa: BLE001 - any failure of the tests is the verdict
         outcome["reason"] = _last_line(e)
-    outcome["solution_gone"] = remote.gone is not None
+    outcome["solution_gone"] = remote.stopped
     os.close(req_fd)
     wire.write_all(verdict_fd, json.dumps(outcome).encode() + b"\n")
 

@@ -1,10 +1,15 @@
 """Values as data: how arguments and return values cross between the judge's two processes.
 
 A value is encoded as JSON, every node a list `[tag, payload...]`, so that the decoder can build
-nothing but plain built-in values: None, bool, int, float, complex, str, bytes, list, tuple,
-set, frozenset, dict, and a list iterator (for a returned generator or map). Types are kept
-exactly (a tuple stays a tuple, 1 and 1.0 and True stay apart, float bits are exact through
-`float.hex`, ints of any size through hex).
+nothing but plain values of the built-in types (None, bool, int, float, complex, str, bytes,
+bytearray, list, tuple, set, frozenset, dict, range, and a list iterator for a returned generator
+or map) and the standard library's value types that benchmark code returns and compares:
+`fractions.Fraction`, `decimal.Decimal`, `collections` (OrderedDict, defaultdict with a built-in
+factory, Counter, deque), and `datetime` (date, time, datetime, timedelta; a time zone arrives as
+its fixed offset). Types are kept exactly (a tuple stays a tuple, 1 and 1.0 and True stay apart,
+float bits are exact through `float.hex`, ints of any size through hex); a named tuple arrives as
+a plain tuple, which compares as the original would with a tuple. So what passes under the
+benchmarks' own harness passes here, and what fails there fails here.
 
 Two tags name things that stay in the solution's process: `["h", n]` (a handle to an object
 that is not plain data, e.g. an instance of the solution's class) and `["g", name]` (one of the
@@ -21,6 +26,10 @@ on anything else.
 from __future__ import annotations
 
 import base64
+import collections
+import datetime
+import decimal
+import fractions
 import json
 
 MAX_MESSAGE_BYTES = 32 * 1024 * 1024
@@ -28,6 +37,10 @@ MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 
 class WireError(Exception):
     """A message that is not a well-formed encoded value."""
+
+
+# defaultdict factories that cross by name (any other factory arrives as None)
+_FACTORIES = {f.__name__: f for f in (int, float, complex, str, bytes, bool, list, tuple, dict, set, frozenset)}
 
 
 # ---- encoding (either side; the solution's side is not trusted, so nothing relies on it) --------
@@ -60,6 +73,20 @@ def _enc(v, handles, depth):
         return ["s", str.__str__(v)]
     if isinstance(v, (bytes, bytearray)):
         return ["y", base64.b64encode(bytes(v)).decode("ascii"), isinstance(v, bytearray)]
+    if isinstance(v, fractions.Fraction):
+        return ["Q", hex(int.__index__(v.numerator)), hex(int.__index__(v.denominator))]
+    if isinstance(v, decimal.Decimal):
+        return ["D", decimal.Decimal.__str__(v)]
+    if isinstance(v, datetime.datetime):
+        return ["dT", datetime.datetime.isoformat(v), v.fold]
+    if isinstance(v, datetime.date):
+        return ["da", datetime.date.isoformat(v)]
+    if isinstance(v, datetime.time):
+        return ["tm", datetime.time.isoformat(v), v.fold]
+    if isinstance(v, datetime.timedelta):
+        return ["td", v.days, v.seconds, v.microseconds]
+    if isinstance(v, range):
+        return ["r", hex(v.start), hex(v.stop), hex(v.step)]
     if isinstance(v, tuple):
         return ["t", [_enc(x, handles, d) for x in tuple.__iter__(v)]]
     if isinstance(v, list):
@@ -68,8 +95,19 @@ def _enc(v, handles, depth):
         return ["F", [_enc(x, handles, d) for x in frozenset.__iter__(v)]]
     if isinstance(v, set):
         return ["S", [_enc(x, handles, d) for x in set.__iter__(v)]]
+    if isinstance(v, collections.deque):
+        return ["dq", [_enc(x, handles, d) for x in collections.deque.__iter__(v)], v.maxlen]
     if isinstance(v, dict):
-        return ["d", [[_enc(k, handles, d), _enc(x, handles, d)] for k, x in dict.items(v)]]
+        pairs = [[_enc(k, handles, d), _enc(x, handles, d)] for k, x in dict.items(v)]
+        if isinstance(v, collections.Counter):
+            return ["C", pairs]
+        if isinstance(v, collections.OrderedDict):
+            return ["od", pairs]
+        if isinstance(v, collections.defaultdict):
+            factory = v.default_factory
+            name = factory.__name__ if any(factory is f for f in _FACTORIES.values()) else None
+            return ["dd", pairs, name]
+        return ["d", pairs]
     item = getattr(type(v), "item", None)  # numpy scalars: their Python value
     if callable(item) and getattr(type(v), "__module__", "") == "numpy":
         return _enc(item(v), handles, d)
@@ -195,9 +233,13 @@ def _dec(t, mh, depth):
             return {"l": list, "t": tuple, "S": set, "F": frozenset, "it": lambda xs: iter(list(xs))}[tag](items)
         except TypeError:
             raise WireError("unhashable set member") from None
-    if tag == "d":
-        _need(len(rest) == 1 and type(rest[0]) is list, "bad dict")
-        out = {}
+    if tag in ("d", "od", "C", "dd"):
+        _need(len(rest) == (2 if tag == "dd" else 1) and type(rest[0]) is list, "bad dict")
+        if tag == "dd":
+            _need(rest[1] is None or rest[1] in _FACTORIES, "bad defaultdict factory")
+            out = collections.defaultdict(None if rest[1] is None else _FACTORIES[rest[1]])
+        else:
+            out = {"d": dict, "od": collections.OrderedDict, "C": collections.Counter}[tag]()
         for pair in rest[0]:
             _need(type(pair) is list and len(pair) == 2, "bad dict item")
             k = _dec(pair[0], mh, depth + 1)
@@ -206,6 +248,36 @@ def _dec(t, mh, depth):
             except TypeError:
                 raise WireError("unhashable dict key") from None
         return out
+    if tag == "dq":
+        _need(len(rest) == 2 and (rest[1] is None or (type(rest[1]) is int and rest[1] >= 0)), "bad deque")
+        return collections.deque(_items(rest[0], mh, depth), rest[1])
+    if tag in ("Q", "r"):
+        _need(len(rest) == (2 if tag == "Q" else 3) and all(type(x) is str for x in rest), "bad number")
+        try:
+            parts = [int(x, 16) for x in rest]
+            return fractions.Fraction(*parts) if tag == "Q" else range(*parts)
+        except (ValueError, ZeroDivisionError):
+            raise WireError("bad number") from None
+    if tag == "D":
+        _need(len(rest) == 1 and type(rest[0]) is str and len(rest[0]) <= 10_000, "bad decimal")
+        try:
+            return decimal.Decimal(rest[0])
+        except (decimal.InvalidOperation, ValueError):
+            raise WireError("bad decimal") from None
+    if tag in ("dT", "da", "tm"):
+        _need(len(rest) == (1 if tag == "da" else 2) and type(rest[0]) is str and len(rest[0]) <= 64, "bad date")
+        cls = {"dT": datetime.datetime, "da": datetime.date, "tm": datetime.time}[tag]
+        try:
+            value = cls.fromisoformat(rest[0])
+            return value if tag == "da" else value.replace(fold=rest[1])
+        except (ValueError, TypeError):
+            raise WireError("bad date") from None
+    if tag == "td":
+        _need(len(rest) == 3 and all(type(x) is int for x in rest), "bad timedelta")
+        try:
+            return datetime.timedelta(days=rest[0], seconds=rest[1], microseconds=rest[2])
+        except OverflowError:
+            raise WireError("bad timedelta") from None
     if tag == "h":
         _need(len(rest) == 1 and type(rest[0]) is int, "bad handle")
         return mh[0](rest[0])
