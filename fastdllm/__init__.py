@@ -8,24 +8,32 @@
     print(fastdllm.generate_text(model, tokenizer, messages=[{"role": "user", "content": "..."}]).text)
 """
 
-from .config import ConfigError
-from .generate import GenerationConfig, GenerationOutput, StepEvent, generate, iter_generate, stream_blocks
-from .loading import DEFAULT_MODEL_DIR, load, save_pretrained
-from .textgen import TextOutput, generate_text
+from importlib import import_module
+
+from .config import ConfigError, GenerationConfig
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError",
-    "GenerationConfig",
-    "TextOutput",
-    "generate_text",
-    "GenerationOutput",
-    "StepEvent",
-    "generate",
-    "iter_generate",
-    "stream_blocks",
-    "load",
-    "save_pretrained",
-    "DEFAULT_MODEL_DIR",
-]
+# The engine's names load on first use, so that the torch-free parts (the config, the sandbox
+# that judged programs run in) import without torch.
+_LAZY = {
+    "GenerationOutput": "generation", "StepEvent": "generation", "generate": "generation",
+    "iter_generate": "generation", "stream_blocks": "generation",
+    "DEFAULT_MODEL_DIR": "loading", "load": "loading", "save_pretrained": "loading",
+    "TextOutput": "textgen", "generate_text": "textgen",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["ConfigError", "GenerationConfig", *_LAZY]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .generate import GenerationConfig
+from .config import GenerationConfig
 
 
 @dataclass

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import config
 from .cache import KVCache
+from .config import REFRESH
 
 
 @dataclass
@@ -123,9 +125,6 @@ class NoCache(CachePolicy):
 
     def block_logits(self, seq, start, end, step_in_block):
         return self.forward(seq, start, end)
-
-
-REFRESH = ("full", "vicinity", "adaptive")
 
 
 class PrefixCache(CachePolicy):
@@ -233,6 +232,7 @@ class DualCache(PrefixCache):
 
 
 CACHE_POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (NoCache, PrefixCache, DualCache)}
+assert tuple(CACHE_POLICIES) == config.CACHE_POLICIES
 
 
 def cache_policy(model, config) -> CachePolicy:

@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 
 from .cli_args import ArgumentParser, UserError, add_generation_args, add_model_args
-from .generate import GenerationConfig, GenerationOutput, generate
+from .config import GenerationConfig
+from .generation import GenerationOutput, generate
 from .text import Completion, complete
 
 GENERATE_EXAMPLES = """examples:

@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .cache_policies import CACHE_POLICIES, REFRESH
-from .unmasking import DREAM_ALGS
-
+# The names each policy family answers to; the engine's registries (cache_policies, unmasking)
+# implement exactly these. Declared here, with no import of the engine, so that reading and
+# validating a config needs no torch.
+CACHE_POLICIES = ("none", "prefix", "dual")
+REFRESH = ("full", "vicinity", "adaptive")
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 REMASKING = ("low_confidence", "random")
 MIN_TEMPERATURE = 1e-3  # below it, dividing float32 logits overflows
 NONE_WORDS = ("none", "off", "null")

@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import __version__
-from .generate import GenerationConfig, generate, warm_up
+from .config import GenerationConfig
+from .generation import generate, warm_up
 from .tasks import Task, get_task, has_chat_template
 from .text import complete
 

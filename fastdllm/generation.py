@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .cache_policies import CachePolicy
-from .config import ConfigError, GenerationConfig  # noqa: F401 - re-exported: their old home
-from .decoder import BlockDecoder, prepare_inputs  # noqa: F401 - prepare_inputs: its old home
+from .config import GenerationConfig
+from .decoder import BlockDecoder
 from .unmasking import UnmaskingStrategy
 
 @dataclass

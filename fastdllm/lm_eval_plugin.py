@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .generate import GenerationConfig
+from .config import GenerationConfig
 
 MODEL_NAME = "fastdllm"
 _REGISTERED: dict[str, Any] = {}
@@ -125,7 +125,7 @@ def make_model_class(LM, register=None):
             return self.base_config.replace(**changes) if changes else self.base_config
 
         def generate_until(self, requests, disable_tqdm: bool = False):
-            from .generate import generate
+            from .generation import generate
             from .text import complete
 
             stop_ids = list(getattr(self.model, "stop_token_ids", None) or self.tokenizer.stop_token_ids())

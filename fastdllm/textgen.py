@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .config import ConfigError, GenerationConfig
-from .generate import generate
+from .generation import generate
 from .text import complete
 
 

@@ -307,7 +307,7 @@ def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
     """Accuracy and NFE on the first `n` held-out arith problems, through `fastdllm.evaluate`
     (the one arith evaluator), 0-shot, batches of 16."""
     from .evaluate import evaluate  # lazy: the engine and the harness sit above this module
-    from .generate import GenerationConfig
+    from .config import GenerationConfig
 
     t0, was_training = time.time(), model.training
     model.eval()

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+from .config import DREAM_ALGS
 NEG_INF = float("-inf")
 
 

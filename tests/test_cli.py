@@ -20,7 +20,8 @@ from rich.console import Console
 import fastdllm
 from fastdllm import cli
 from fastdllm.chat import ChatSession
-from fastdllm.generate import GenerationConfig, generate
+from fastdllm.config import GenerationConfig
+from fastdllm.generation import generate
 from fastdllm.live_view import MASK_GLYPH, STYLE_NEW, LiveView, render_canvas
 
 from .conftest import REPO

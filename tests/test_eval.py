@@ -15,7 +15,7 @@ import pytest
 
 from fastdllm import cli
 from fastdllm.evaluate import evaluate, summarize
-from fastdllm.generate import GenerationConfig
+from fastdllm.config import GenerationConfig
 from fastdllm.tasks import DATA_DIR, DataError, UnknownTaskError, get_task, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -276,7 +276,7 @@ def test_lm_eval_plugin_logic(tiny_llada_dir, tokenizer):
     out = lm.generate_until(reqs, disable_tqdm=True)
     assert len(out) == 2 and all(isinstance(o, str) and "Question:" not in o for o in out)
     # the same as our engine on each prompt alone
-    from fastdllm.generate import generate
+    from fastdllm.generation import generate
     from fastdllm.text import complete
 
     for p, o in zip(prompts, out):

@@ -17,7 +17,8 @@ import torch
 import uvicorn
 
 import fastdllm
-from fastdllm.generate import GenerationConfig, generate
+from fastdllm.config import GenerationConfig
+from fastdllm.generation import generate
 from fastdllm.server import ChoiceText, ServerSettings, create_app
 from fastdllm.text import complete
 
@@ -381,6 +382,12 @@ BAD_REQUESTS = [
     (COMP, {"model": MODEL, "prompt": ["a", "b", "c"], "n": 20}, 400, "n"),
     (COMP, {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed"),
     (COMP, {"model": MODEL, "prompt": "hi", "max_tokens": 3000}, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": "\udfff\ud800"}, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": ["fine", "x\ud800"]}, 400, "prompt"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a\udfff"}]}, 400, "messages[0].content"),
+    (CHAT, {"model": MODEL, "messages": MSG, "stop": ["\ud800"]}, 400, "stop"),
+    ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),
     ("/v1/nothing", {"model": MODEL}, 404, None),
 ]
 
@@ -677,3 +684,37 @@ def test_a_prompt_too_long_for_any_context_is_refused_before_tokenising(srv):
     r = srv.post(CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 200_000}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "characters" in r.json()["error"]["message"] and time.perf_counter() - t0 < 5
+
+
+def test_clients_that_go_away_leave_no_traceback(srv):
+    """A client leaving early (mid-stream, before the answer, or mid-body) is ordinary: the log
+    gets no traceback and the server keeps serving."""
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler, loggers = Keep(), [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn", "fastdllm", "")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "Tom has 5 apples.", "max_tokens": 64})
+        for _ in range(3):
+            with httpx.stream("POST", srv.url + CHAT, timeout=60,
+                              json={"model": MODEL, "messages": MSG, "max_tokens": 64, "stream": True}) as r:
+                next(r.iter_lines())
+            for extra in (0, 50):  # the whole body, then a body cut short
+                s = socket.create_connection(("127.0.0.1", srv.port))
+                s.sendall(f"POST {COMP} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body) + extra}\r\n\r\n{body}".encode())
+                s.close()
+        wait_for(lambda: srv.health()["running"] == 0 and srv.health()["queued"] == 0)
+        time.sleep(0.5)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.exc_info or r.levelno >= logging.ERROR] == []
+    assert srv.client.completions.create(model=MODEL, prompt="Tom has 5 apples.", max_tokens=32).choices

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 
-from ..generate import GenerationConfig
+from ..config import GenerationConfig
 from ..server.app import ServerSettings, create_app, default_model_name
 
 log = logging.getLogger("fastdllm.server")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                               aliases=tuple(names[1:]), strict=args.strict, api_key=args.api_key,
                               max_body_bytes=args.max_body_bytes, continuous=args.continuous)
     if config.compile:  # compiled before the first request, not during it
-        from ..generate import warm_up
+        from ..generation import warm_up
 
         print("fastdllm serve: compiling the model's layers ...", flush=True)
         print(f"fastdllm serve: compiled in {warm_up(model, config):.1f} s", flush=True)

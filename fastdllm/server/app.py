@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
-from ..generate import GenerationConfig
+from ..config import GenerationConfig
 from .guard import Guard
 from .incremental import ChoiceText
 from .metrics import ServerMetrics
@@ -220,6 +220,32 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class RequestMetrics:
+    """ASGI middleware: counts each request by route and status and times it to its last byte
+    (a stream's last chunk too). Plain ASGI, so that a client that goes away early is ordinary:
+    nothing raises into the log on its behalf."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [500]
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            path = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
+
+
 def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
     server = Server(model, tokenizer, settings)
 
@@ -236,15 +262,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
     app.state.metrics = metrics
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        metrics.latency.labels(path).observe(time.perf_counter() - t0)
-        return response
+    app.add_middleware(RequestMetrics, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..decoder import BlockDecoder, join_key
-from ..generate import GenerationConfig
+from ..config import GenerationConfig
 from .schema import APIError
 
 log = logging.getLogger("fastdllm.server")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from ..config import GenerationConfig
 
@@ -73,12 +73,36 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"unknown field {param!r}{hint}", param=param, code="unknown_field")
     if kind == "missing":
         return APIError(400, f"{param}: required field is missing", param=param, code="missing_field")
-    return APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param, code="invalid_value")
+    msg = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
 # ---- request bodies ----------------------------------------------------------------------------
+def _check_unicode(value) -> None:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which is no character: no tokenizer
+    takes it, so it is refused as an invalid value of its field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid Unicode text (a lone surrogate at character {e.start})") from None
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_unicode(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value):
+        _check_unicode(value)
+        return value
 
 
 class ContentPart(_Strict):
