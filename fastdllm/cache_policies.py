@@ -10,7 +10,7 @@ block at this step". They differ only in the window they recompute (`Transformer
   the cached masked suffix (Fast-dLLM DualCache).
 
 The cache is refreshed when a new block starts, i.e. when the previous one completed. How much a
-block-start forward recomputes is the policy's `refresh`:
+block-start forward recomputes is the policy's refresh rule (a `RefreshRule`, named in `REFRESH_RULES`):
 - "full" (Fast-dLLM): the whole sequence;
 - "vicinity" (after dInfer's vicinity refresh): only from the just-finished block to the end
   (its tokens just became final, and the current block and what follows it see them), against
@@ -35,7 +35,6 @@ import torch
 
 from . import config
 from .cache import KVCache
-from .config import REFRESH
 
 
 @dataclass
@@ -92,6 +91,10 @@ class CachePolicy:
         self.work: list[tuple[list[int] | None, int, int]] = []
         self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
 
+    @classmethod
+    def from_config(cls, model, config) -> "CachePolicy":
+        return cls(model, compiled=config.compile)
+
     def record(self) -> "CachePolicy":
         """Record every forward's (window start, window end, sequence length, block start, block end)
         in `history`: the schedule a benchmark can replay on another model."""
@@ -127,20 +130,117 @@ class NoCache(CachePolicy):
         return self.forward(seq, start, end)
 
 
+# ---- refresh rules: what a block-start forward recomputes --------------------------------------
+class RefreshRule:
+    """How a caching policy's block-start forward refreshes the cache. `needs_full(block)`: whether
+    a row at `block` recomputes its whole sequence (it is then the plain full forward); the other
+    rows get `partial`, a forward over less of the sequence against their cached K/V.
+    `keeps_cache`: whether cached K/V outlive a block (then they move with rows that join or
+    leave the batch)."""
+
+    name = ""
+    keeps_cache = True
+
+    def __init__(self, every: int | None = None, tol: float = 0.1):
+        self.every, self.tol = every, tol
+
+    @classmethod
+    def from_config(cls, config) -> "RefreshRule":
+        return cls(every=config.refresh_every, tol=config.refresh_tol)
+
+    def needs_full(self, block: int) -> bool:
+        raise NotImplementedError
+
+    def partial(self, policy: "PrefixCache", seq: SequenceView, start: int, end: int, cache, rows) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FullRefresh(RefreshRule):
+    """Fast-dLLM: every block-start forward recomputes the whole sequence."""
+
+    name = "full"
+    keeps_cache = False
+
+    def needs_full(self, block):
+        return True
+
+
+class VicinityRefresh(RefreshRule):
+    """After dInfer: from the just-finished block to the end, against the cached K/V of the older
+    prefix; the whole sequence at a row's first block (nothing is cached yet) and every `every`
+    blocks."""
+
+    name = "vicinity"
+
+    def needs_full(self, block):
+        return block == 0 or bool(self.every and block % self.every == 0)
+
+    def partial(self, policy, seq, start, end, cache, rows):
+        window = (max(0, start - seq.block_length), seq.x.shape[1])
+        return policy.forward(seq, start, end, window=window, cache=cache, rows=rows)
+
+
+class AdaptiveRefresh(VicinityRefresh):
+    """The vicinity refresh, then a per-row test of whether it sufficed (see the module
+    docstring): a row whose current block's last-layer keys moved by more than `tol` (relative)
+    gets a full forward at once."""
+
+    name = "adaptive"
+
+    def partial(self, policy, seq, start, end, cache, rows):
+        probe = slice(start, min(end, seq.x.shape[1]))
+        before = cache.k[-1, :, :, probe].float().clone()
+        logits = super().partial(policy, seq, start, end, cache, rows)
+        after = cache.k[-1, :, :, probe].float()
+        drift = ((after - before).flatten(1).norm(dim=-1) / before.flatten(1).norm(dim=-1).clamp_min(1e-12)).tolist()
+        stale = [i for i, d in enumerate(drift) if d > self.tol]
+        if stale:
+            # A full forward for those rows alone, in a cache of their own, copied back: the other
+            # rows keep exactly what the vicinity refresh gave them.
+            part = cache.take_rows(stale)
+            full = policy.forward(seq.take(stale), start, end, cache=part,
+                                  rows=stale if rows is None else [rows[i] for i in stale])
+            cache.put_rows(stale, part)
+            logits = logits.clone()
+            logits[torch.tensor(stale, device=logits.device)] = full.to(logits.dtype)
+        return logits
+
+
+REFRESH_RULES: dict[str, type[RefreshRule]] = {r.name: r for r in (FullRefresh, VicinityRefresh, AdaptiveRefresh)}
+assert list(REFRESH_RULES) == config.REFRESH
+
+
+def register_refresh_rule(cls: type[RefreshRule]) -> type[RefreshRule]:
+    """Make `cls` a refresh rule that configs name by `cls.name` (usable as a class decorator)."""
+    REFRESH_RULES[cls.name] = cls
+    config.register_policy_name("refresh", cls.name)
+    return cls
+
+
+def _refresh_rule(refresh: "RefreshRule | str", every=None, tol=0.1) -> RefreshRule:
+    if isinstance(refresh, RefreshRule):
+        return refresh
+    if refresh not in REFRESH_RULES:
+        raise ValueError(f"refresh: must be one of {', '.join(REFRESH_RULES)} (got {refresh!r})")
+    return REFRESH_RULES[refresh](every=every, tol=tol)
+
+
+# ---- caching policies ---------------------------------------------------------------------------
 class PrefixCache(CachePolicy):
     name = "prefix"
     # Whether later steps also reuse the suffix after the block (DualCache) or recompute it.
     reuse_suffix = False
 
-    def __init__(self, model, refresh: str = "full", refresh_every: int | None = None, refresh_tol: float = 0.1,
-                 compiled: bool = False):
+    def __init__(self, model, refresh: RefreshRule | str = "full", refresh_every: int | None = None,
+                 refresh_tol: float = 0.1, compiled: bool = False):
         super().__init__(model, compiled)
-        if refresh not in REFRESH:
-            raise ValueError(f"refresh: must be one of {', '.join(REFRESH)} (got {refresh!r})")
-        self.refresh, self.refresh_every, self.refresh_tol = refresh, refresh_every, refresh_tol
-        self.drifts: list[float] = []  # the adaptive test's measurements (diagnostics)
+        self.refresh = _refresh_rule(refresh, refresh_every, refresh_tol)
         self._buffer: KVCache | None = None
         self.cache: KVCache | None = None
+
+    @classmethod
+    def from_config(cls, model, config) -> "PrefixCache":
+        return cls(model, refresh=REFRESH_RULES[config.refresh].from_config(config), compiled=config.compile)
 
     def _cache_for(self, batch: int, length: int, capacity: int) -> KVCache:
         # One allocation per layout; when finished rows drop out we use the leading rows.
@@ -150,7 +250,7 @@ class PrefixCache(CachePolicy):
 
     def relayout(self, sources, shift, length):
         old = self._buffer
-        if old is None or self.refresh == "full":
+        if old is None or not self.refresh.keeps_cache:
             return  # every block-start forward rewrites the whole cache
         if shift == 0 and length == old.length and None not in sources:
             old.keep_rows(sources)  # rows left the batch: the others move to the front
@@ -165,29 +265,24 @@ class PrefixCache(CachePolicy):
                 new.k[:, i, :, dst_lo : dst_lo + width] = old.k[:, src, :, src_lo : src_lo + width]
                 new.v[:, i, :, dst_lo : dst_lo + width] = old.v[:, src, :, src_lo : src_lo + width]
 
-    def needs_full_refresh(self, block: int) -> bool:
-        """Whether a row's block-start forward recomputes its whole sequence: always for "full"; for
-        a partial refresh at its first block (nothing is cached yet) and every `refresh_every`."""
-        return self.refresh == "full" or block == 0 or bool(self.refresh_every and block % self.refresh_every == 0)
-
     def block_logits(self, seq, start, end, step_in_block):
         bsz, length = seq.x.shape
         if step_in_block > 0:
             window = (start, end if self.reuse_suffix else length)
             return self.forward(seq, start, end, window=window, cache=self.cache)
         self.cache = self._cache_for(bsz, length, seq.capacity or length)
-        full = [i for i, b in enumerate(seq.blocks()) if self.needs_full_refresh(b)]
+        full = [i for i, b in enumerate(seq.blocks()) if self.refresh.needs_full(b)]
         if len(full) == bsz:
             return self.forward(seq, start, end, cache=self.cache)
         if not full:
-            return self._partial_refresh(seq, start, end, self.cache, None)
+            return self.refresh.partial(self, seq, start, end, self.cache, None)
         # Rows at different blocks (one joined this block, or is due a periodic full refresh): each
         # group gets its own forward, on a copy of its cache rows written back after.
         # A group leaves out the leading columns all its rows pad (rows that joined with a shorter
         # prompt than the running ones').
         rest = [i for i in range(bsz) if i not in set(full)]
         logits = None
-        for rows, run in ((rest, self._partial_refresh), (full, self._full_refresh)):
+        for rows, run in ((rest, self._partial), (full, self._full)):
             part, sub = self.cache.take_rows(rows), seq.take(rows)
             first = sub.leading_padding()
             out = run(sub.from_column(first), start - first, end - first, part.columns_from(first), rows)
@@ -197,33 +292,11 @@ class PrefixCache(CachePolicy):
             logits[torch.tensor(rows, device=out.device)] = out
         return logits
 
-    def _full_refresh(self, seq, start, end, cache, rows):
+    def _full(self, seq, start, end, cache, rows):
         return self.forward(seq, start, end, cache=cache, rows=rows)
 
-    def _partial_refresh(self, seq, start, end, cache, rows):
-        window = (max(0, start - seq.block_length), seq.x.shape[1])
-        if self.refresh == "adaptive":
-            return self._adaptive(seq, start, end, window, cache, rows)
-        return self.forward(seq, start, end, window=window, cache=cache, rows=rows)
-
-    def _adaptive(self, seq, start, end, window, cache, rows):
-        probe = slice(start, min(end, seq.x.shape[1]))
-        before = cache.k[-1, :, :, probe].float().clone()
-        logits = self.forward(seq, start, end, window=window, cache=cache, rows=rows)
-        after = cache.k[-1, :, :, probe].float()
-        drift = ((after - before).flatten(1).norm(dim=-1) / before.flatten(1).norm(dim=-1).clamp_min(1e-12)).tolist()
-        self.drifts.extend(drift)
-        stale = [i for i, d in enumerate(drift) if d > self.refresh_tol]
-        if stale:
-            # A full forward for those rows alone, in a cache of their own, copied back: the other
-            # rows keep exactly what the vicinity refresh gave them.
-            part = cache.take_rows(stale)
-            full = self.forward(seq.take(stale), start, end, cache=part,
-                                rows=stale if rows is None else [rows[i] for i in stale])
-            cache.put_rows(stale, part)
-            logits = logits.clone()
-            logits[torch.tensor(stale, device=logits.device)] = full.to(logits.dtype)
-        return logits
+    def _partial(self, seq, start, end, cache, rows):
+        return self.refresh.partial(self, seq, start, end, cache, rows)
 
 
 class DualCache(PrefixCache):
@@ -232,13 +305,17 @@ class DualCache(PrefixCache):
 
 
 CACHE_POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (NoCache, PrefixCache, DualCache)}
-assert tuple(CACHE_POLICIES) == config.CACHE_POLICIES
+assert list(CACHE_POLICIES) == config.CACHE_POLICIES
+
+
+def register_cache_policy(cls: type[CachePolicy]) -> type[CachePolicy]:
+    """Make `cls` a cache policy that configs name by `cls.name`; it is built by
+    `cls.from_config(model, config)`."""
+    CACHE_POLICIES[cls.name] = cls
+    config.register_policy_name("cache", cls.name)
+    return cls
 
 
 def cache_policy(model, config) -> CachePolicy:
-    """The policy a config names, with its refresh settings."""
-    cls = CACHE_POLICIES[config.cache]
-    if cls is NoCache:
-        return cls(model, compiled=config.compile)
-    return cls(model, refresh=config.refresh, refresh_every=config.refresh_every, refresh_tol=config.refresh_tol,
-               compiled=config.compile)
+    """The policy a config names, with its refresh rule."""
+    return CACHE_POLICIES[config.cache].from_config(model, config)

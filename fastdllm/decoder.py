@@ -35,16 +35,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache_policies import CachePolicy, NoCache, SequenceView, cache_policy
-from .config import GenerationConfig
+from .cache_policies import CachePolicy, SequenceView
+from .config import GenerationConfig, selection_rule_name
 from .models.transformer import positions_from_mask
-from .unmasking import UnmaskingStrategy
+from .policies import Policies, policies_for
+from .unmasking import SELECTION_RULES, UnmaskingStrategy
 
 
 def join_key(config: GenerationConfig):
     """What must be equal for rows to decode in one batch: the config but the answer's length
     (and, with a step schedule, the total steps, when every block has the same number of steps)."""
-    if config.threshold is not None or config.factor is not None:  # parallel rules ignore steps
+    if not SELECTION_RULES[selection_rule_name(config)].uses_steps:  # e.g. the parallel rules
         return config.replace(gen_length=config.block_length, steps=None)
     per_block = set(config.steps_per_block())
     if len(per_block) == 1:
@@ -152,19 +153,16 @@ class BlockDecoder:
     block of every row; `rows` are the rows in the batch, `left` those that left after the last
     block and `last_blocks` what each row of it decoded.
 
-    `cache` (a CachePolicy) and `strategy` (an UnmaskingStrategy) override the policies that
-    `config.cache` and the config's unmasking fields name: a new policy plugs in here."""
+    `policies` (see `fastdllm.policies`; default: those the config names, `policies_for`), or
+    `cache` / `strategy` alone, are the objects it decodes with: a new policy plugs in here."""
 
     def __init__(self, model, config: GenerationConfig, cache: CachePolicy | None = None,
-                 strategy: UnmaskingStrategy | None = None):
+                 strategy: UnmaskingStrategy | None = None, policies: Policies | None = None):
         self.model, self.config = model, config
         self.key = join_key(config)
-        self.policy = cache if cache is not None else cache_policy(model, config)
-        if strategy is None:
-            cached = not isinstance(self.policy, NoCache)
-            family = getattr(getattr(model, "family", None), "MODEL_TYPE", None)
-            strategy = UnmaskingStrategy.from_config(config, family, cached)
-        self.strategy = strategy
+        policies = policies or policies_for(model, config, cache, strategy)
+        self.policy, self.strategy = policies.cache, policies.strategy
+        strategy = self.strategy
         self.rule = strategy.new_rule()
         self.device = model.device
         self.mask_id = model.mask_token_id
@@ -267,65 +265,79 @@ class BlockDecoder:
         self.start -= first
         self._set(self.x[idx, first:length], valid[:, first:], self.step_of[idx, first:length])
 
-    # -- one block
+    # -- one block: start it, step until it has no masks, finish it
     def run_block(self):
         """Decode the current block of every row (rows that joined are laid out first), yielding
         the step's `chosen` (B, block_length) after every step. After it: `last_blocks`, `left`."""
-        if self.joining:
-            self._admit()
-        cfg, blk = self.config, self.config.block_length
-        rows = self.rows
-        bsz, length = self.x.shape
-        start, end = self.start, self.start + blk
-        blocks = tuple(r.block for r in rows)
-        steps = rows[0].config.steps_per_block()[blocks[0]]
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        # A suffix window: forwards see the sequence only up to `cut` (the masked tail after it
-        # is not part of any forward until the window reaches it).
-        cut = length if cfg.suffix_window is None else min(length, end + cfg.suffix_window)
-        km = self.key_mask
-        seq = SequenceView(self.x[:, :cut], self.positions[:, :cut], None if km is None else km[..., :cut],
-                           block=blocks[0], block_length=blk, capacity=length,
-                           row_blocks=blocks)
-        block = self.x[:, start:end]  # a view: writes go straight into the layout
-        generators = self.generators if self.strategy.draws_randomness else None
-        everyone = list(range(bsz))
-        self.rule.begin_block(block == self.mask_id, steps, generators, everyone)
+        seq, block, steps = self._start_block()
         # (tokens revealed per row, row had masks, the step's forwards): charged to the rows at the
         # block's end, so a step does no host-side bookkeeping.
         log: list[tuple] = []
-        step = 0
         while True:
             masked = block == self.mask_id
             has_mask = masked.any(-1)
             if not bool(has_mask.any()):
                 break
-            sync()
-            t0 = time.perf_counter()
-            logits = self.policy.block_logits(seq, start, end, step)
-            sync()
-            self.forward_time += time.perf_counter() - t0
-            work = self.policy.take_work()
-            self.nfe += len(work)
-            # Rows whose block is already done draw no randomness: each row's stream must advance
-            # exactly as when it is decoded alone, whatever the other rows still need.
-            drawing = everyone
-            if generators is not None and not bool(has_mask.all()):
-                drawing = [i if m else None for i, m in zip(everyone, has_mask.tolist())]
-            tokens, conf = self.strategy.propose(logits, generators, drawing)
-            chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
-            block[chosen] = tokens[chosen]
-            region = self.step_of[:, start:end]  # the row's step index of each revealed position
-            region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
-            self.row_nfe += has_mask
+            chosen, work = self._step(seq, block, masked, has_mask, len(log))
             log.append((chosen.sum(-1), has_mask, work))
-            step += 1
             yield chosen
         self._charge(log)
+        self._finish_block(block)
+
+    def _start_block(self) -> tuple[SequenceView, torch.Tensor, int]:
+        """Lay out the rows that joined, and set up the block: the view the forwards see, the
+        block itself (a view into the layout) and its steps; the selection rule starts the block."""
+        if self.joining:
+            self._admit()
+        cfg, blk, rows = self.config, self.config.block_length, self.rows
+        length = self.x.shape[1]
+        end = self.start + blk
+        blocks = tuple(r.block for r in rows)
+        # A suffix window: forwards see the sequence only up to `cut` (the masked tail after it
+        # is not part of any forward until the window reaches it).
+        cut = length if cfg.suffix_window is None else min(length, end + cfg.suffix_window)
+        km = self.key_mask
+        seq = SequenceView(self.x[:, :cut], self.positions[:, :cut], None if km is None else km[..., :cut],
+                           block=blocks[0], block_length=blk, capacity=length, row_blocks=blocks)
+        block = self.x[:, self.start:end]  # a view: writes go straight into the layout
+        steps = rows[0].config.steps_per_block()[blocks[0]]
+        self._drawing = self.generators if self.strategy.draws_randomness else None
+        self.rule.begin_block(block == self.mask_id, steps, self._drawing, list(range(len(rows))))
+        return seq, block, steps
+
+    def _step(self, seq, block, masked, has_mask, step: int):
+        """One step: the block's logits from the cache policy, proposals and the selection rule's
+        choice, written into the block. Returns (chosen, the forwards' work)."""
+        start, end = self.start, self.start + self.config.block_length
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        logits = self.policy.block_logits(seq, start, end, step)
+        sync()
+        self.forward_time += time.perf_counter() - t0
+        work = self.policy.take_work()
+        self.nfe += len(work)
+        # Rows whose block is already done draw no randomness: each row's stream must advance
+        # exactly as when it is decoded alone, whatever the other rows still need.
+        generators, everyone = self._drawing, list(range(block.shape[0]))
+        drawing = everyone
+        if generators is not None and not bool(has_mask.all()):
+            drawing = [i if m else None for i, m in zip(everyone, has_mask.tolist())]
+        tokens, conf = self.strategy.propose(logits, generators, drawing)
+        chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
+        block[chosen] = tokens[chosen]
+        region = self.step_of[:, start:end]  # the row's step index of each revealed position
+        region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
+        self.row_nfe += has_mask
+        return chosen, work
+
+    def _finish_block(self, block) -> None:
+        """Rows that hit a stop token or their last block leave; the others move to the next block."""
+        bsz, end = block.shape[0], self.start + self.config.block_length
         done = block.tolist()
-        hit = torch.isin(block, self.stop_ids).any(-1).tolist() if cfg.stop_at_eos else [False] * bsz
+        hit = torch.isin(block, self.stop_ids).any(-1).tolist() if self.config.stop_at_eos else [False] * bsz
         self.last_blocks, self.left, keep = [], [], []
-        for i, r in enumerate(rows):
+        for i, r in enumerate(self.rows):
             self.last_blocks.append((r, r.block, done[i]))
             r.block += 1
             r.finished = hit[i]

@@ -45,9 +45,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import __version__
+from .version import __version__
 from .config import GenerationConfig
 from .generation import generate, warm_up
+from .policies import PolicySource
 from .tasks import Task, get_task, has_chat_template
 from .text import complete
 
@@ -124,13 +125,15 @@ def evaluate(
     log_samples: str | os.PathLike | None = None,
     progress: bool = False,
     model_name: str | None = None,
+    policies: PolicySource = None,
 ) -> dict:
     """Evaluate `model` on `task`; returns the metrics (see the module docstring) with the
     per-sample records under "samples". Sharded over torch.distributed ranks when initialised
     (every rank returns the merged results; only rank 0 writes `log_samples`).
 
     workers: sandbox processes for code tasks; timeout: seconds per program (code tasks) or per
-    equivalence check (math500). Raises ValueError (UnknownTaskError, DataError) on bad input."""
+    equivalence check (math500); policies: the decoding policies (see `fastdllm.policies`; default:
+    the config's). Raises ValueError (UnknownTaskError, DataError) on bad input."""
     config = config or GenerationConfig()
     task = get_task(task)
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -160,7 +163,8 @@ def evaluate(
         for batch in _batches(order, batch_size):
             ids = [prompts[d.index] for d in batch]
             try:
-                out = generate(model, ids, config=config, row_seeds=[seed + d.index for d in batch])
+                out = generate(model, ids, config=config, row_seeds=[seed + d.index for d in batch],
+                               policies=policies)
             except ValueError as e:
                 raise ValueError(f"{batch[0].id}: {e}") from None
             gen_time += out.wall_time
@@ -276,37 +280,3 @@ def write_samples(records: Sequence[dict], path: str | os.PathLike) -> None:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
-
-def write_results(results: dict, path: str | os.PathLike) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = {k: v for k, v in results.items() if k != "samples"}
-    path.write_text(json.dumps(body, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def format_summary(results: dict) -> str:
-    r = results
-    label = "pass@1" if "pass@1" in r else "accuracy"
-    lines = [
-        f"task {r['task']}: {r['num_samples']} samples, {r['num_fewshot']}-shot, model {r['model']}",
-        f"  {label:<17} {r['accuracy']:.4f} ({r['correct']}/{r['num_samples']})",
-        f"  tokens/s          {r['tokens_per_second']:.1f} (generation only; {r['generated_tokens']} tokens in "
-        f"{r['generation_time_s']:.2f}s)",
-        f"  NFE/sample        {r['nfe_per_sample']:.2f}",
-        f"  positions/token   {r.get('positions_per_token', 0.0):.1f} computed, "
-        f"{r.get('attended_per_token', 0.0):.0f} attended",
-        f"  tokens/step       {r['tokens_per_step']:.2f}",
-        "  verdicts          " + ", ".join(f"{k} {v}" for k, v in sorted(r["verdicts"].items())),
-    ]
-    if r.get("world_size", 1) > 1:
-        lines.append(f"  ranks             {r['world_size']} (aggregate {r['aggregate_tokens_per_second']:.1f} tokens/s)")
-    if "sandbox_protections" in r:
-        lines.append(f"  sandbox           {', '.join(r['sandbox_protections'])}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`fastdllm eval` (kept here under its old name; the command lives in fastdllm.commands.eval)."""
-    from .commands.eval import main as command
-
-    return command(argv)

@@ -24,6 +24,7 @@ import torch
 from .cache_policies import CachePolicy
 from .config import GenerationConfig
 from .decoder import BlockDecoder
+from .policies import PolicySource, resolve
 from .unmasking import UnmaskingStrategy
 
 @dataclass
@@ -92,14 +93,17 @@ def iter_generate(
     stats: dict | None = None,
     cache: CachePolicy | None = None,
     strategy: UnmaskingStrategy | None = None,
+    policies: PolicySource = None,
 ) -> Iterator[StepEvent]:
     """The decoding loop (`decoder.BlockDecoder`) over one batch, as a generator of events.
     `generate` runs it to the end.
 
-    `cache` (a CachePolicy) and `strategy` (an UnmaskingStrategy) override the policies that
-    `config.cache` and the config's unmasking fields name: a new policy plugs in here."""
+    `policies` (a `Policies` bundle, or a callable (model, config) -> Policies), or `cache` (a
+    CachePolicy) / `strategy` (an UnmaskingStrategy) alone, replace the policies that the config
+    names: a new policy plugs in here."""
     config = config or GenerationConfig()
-    decoder = BlockDecoder(model, config, cache=cache, strategy=strategy)
+    bundle = resolve(policies, model, config) if policies is not None else None
+    decoder = BlockDecoder(model, config, cache=cache, strategy=strategy, policies=bundle)
     rows = decoder.add(input_ids, attention_mask, row_seeds)
     bsz, blk = len(rows), config.block_length
     slot = {id(r): i for i, r in enumerate(rows)}
@@ -145,12 +149,13 @@ def generate(
     row_seeds: Sequence[int] | None = None,
     cache: CachePolicy | None = None,
     strategy: UnmaskingStrategy | None = None,
+    policies: PolicySource = None,
 ) -> GenerationOutput:
     """Generate `config.gen_length` tokens after each prompt.
 
     input_ids: a (B, P) tensor (left-padded, with `attention_mask`), or a list of token-id lists
     of any lengths (padded here). `row_seeds` gives each row its own random stream (else
-    `config.seed` + row). `cache` and `strategy` plug in policy objects (see `iter_generate`).
+    `config.seed` + row). `policies`, `cache` and `strategy` plug in policy objects (see `iter_generate`).
     Returns the generated ids and the statistics of the run.
     """
     config = config or GenerationConfig()
@@ -158,7 +163,8 @@ def generate(
     t0 = time.perf_counter()
     last = None
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats, cache, strategy):
+        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats, cache, strategy,
+                                   policies):
             if on_step is not None and event.kind != "done":
                 on_step(event)
             last = event
@@ -197,16 +203,16 @@ def warm_up(model, config: GenerationConfig) -> float:
 
 def stream_blocks(
     model, input_ids, config: GenerationConfig | None = None, attention_mask=None, row_seeds=None,
-    stats: dict | None = None,
+    stats: dict | None = None, policies: PolicySource = None,
 ) -> Iterator[tuple[int, list[list[int]], list[bool]]]:
     """Yield (block index, per-row token ids of that block, per-row finished) as soon as each
     block is final: inside a block tokens settle out of order, so a block is the unit a server
     can stream. Rows that already finished get an empty list. `stats["nfe"]` counts the forwards
-    so far (also when the caller stops early)."""
+    so far (also when the caller stops early). `policies`: as for `iter_generate`."""
     config = config or GenerationConfig()
     blk = config.block_length
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats):
+        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats, policies=policies):
             if event.kind != "block":
                 continue
             b = event.block

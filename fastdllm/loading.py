@@ -136,6 +136,26 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+def check_device(device) -> torch.device:
+    """The device to load onto (None: CUDA when available, else CPU); a ValueError naming the
+    parameter for a device string torch does not know or a device this torch cannot use."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a device ({e})") from None
+    backend = getattr(torch, dev.type, None) if dev.type != "cpu" else None
+    if dev.type != "cpu":
+        available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
+        if not available:
+            raise ValueError(f"device: {dev.type} is not available in this torch build/machine (use cpu)")
+        count = backend.device_count() if hasattr(backend, "device_count") else 1
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device: {device} does not exist ({count} {dev.type} device(s))")
+    return dev
+
+
 def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=None, *, revision: str | None = None,
          local_files_only: bool = False, token: str | bool | None = None) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
@@ -144,9 +164,8 @@ def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=No
     device: None (CUDA when available, else CPU), or any torch device string.
     revision, local_files_only, token: for a hub id, as huggingface_hub takes them.
     """
+    device = check_device(device)
     folder = resolve_model_path(path_or_repo_id, revision=revision, local_files_only=local_files_only, token=token)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     if path_or_repo_id is None and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"the embedded default model is missing from the package ({folder})")
     config = read_config(folder)
@@ -213,7 +232,7 @@ def save_pretrained(
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    writer = getattr(family, "generation_config", None)
+    writer = family.generation_config
     if writer is not None:  # Dream's loader needs generation_config.json
         gen = writer(model.args, getattr(model, "generation_config", None))
         (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -1,12 +1,10 @@
 """Unmasking policies: given the current block's logits, which masked positions become tokens.
 
-An `UnmaskingStrategy` is one policy, built once from a config (`UnmaskingStrategy.from_config`
-reads the precedence factor > threshold > schedule in one place) and passed to the loop; a new
-policy is a new strategy (or SelectionRule subclass), not edits here. Two separate choices make
-a policy:
+An `UnmaskingStrategy` is one policy, built once from a config (`UnmaskingStrategy.from_config`)
+and passed to the loop. Two separate choices make it, each an object:
 
-1. **Proposal and confidence** (`propose`): the token proposed for each masked position and a
-   confidence score.
+1. **Proposal and confidence** (a `Proposal`: `LLaDAProposal` or `DreamProposal`): the token
+   proposed for each masked position and a confidence score.
    - LLaDA (`alg=None`): argmax of the logits, with Gumbel-max noise in float64 when
      temperature > 0; confidence = softmax probability of the proposed token
      (`remasking='low_confidence'`) or uniform noise (`remasking='random'`).
@@ -16,7 +14,10 @@ a policy:
      threshold), top-1 minus top-2 probability (topk_margin), or negative entropy (entropy).
      With a threshold or factor rule the confidence is always the token's probability, whatever
      `alg` says: those rules are defined on probabilities, as in Fast-dLLM's Dream code.
-2. **How many / which** (`select`):
+2. **How many / which** (a `SelectionRule`, registered by name in `SELECTION_RULES`; which one a
+   config means is `config.selection_rule_name`, the one statement of the precedence
+   unmasking > factor > threshold > schedule; a new rule is one class and
+   `register_selection_rule`):
    - `Threshold` (Fast-dLLM): every masked position with confidence >= threshold, and always at
      least the most confident one.
    - `Factor` (Fast-dLLM, Theorem 1): sort confidences c_1 >= c_2 >= ...; take the top n for the
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import DREAM_ALGS
+from . import config as config_names
 NEG_INF = float("-inf")
 
 
@@ -59,11 +60,6 @@ def _rows_rand(shape, generators, rows, dtype=torch.float32, device="cpu") -> to
         if r is not None:
             out[i] = torch.rand(shape, generator=generators[r], dtype=dtype, device=device)
     return out
-
-
-def propose(logits: torch.Tensor, config, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, confidence), each (B, T), for logits (B, T, V), under `config`'s strategy."""
-    return UnmaskingStrategy.from_config(config).propose(logits, generators, rows)
 
 
 def _propose_llada(logits, config, generators, rows):
@@ -137,7 +133,20 @@ def _top_k_mask(conf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 class SelectionRule:
-    """Decides which masked positions of a block to reveal at one step."""
+    """Decides which masked positions of a block to reveal at one step. `uses_steps`: whether it
+    follows the config's step schedule (rules that do not ignore `steps`); `draws_randomness`:
+    whether it needs each row's generator."""
+
+    name = ""
+    uses_steps = False
+
+    @classmethod
+    def from_config(cls, config) -> "SelectionRule":
+        return cls()
+
+    @staticmethod
+    def draws_randomness(config) -> bool:
+        return False
 
     def begin_block(self, masked: torch.Tensor, steps: int, generators, rows) -> None:
         """Called when a block starts; `masked` (B, T) is the block's mask pattern."""
@@ -147,8 +156,16 @@ class SelectionRule:
 
 
 class Threshold(SelectionRule):
+    name = "threshold"
+
     def __init__(self, threshold: float):
         self.threshold = threshold
+
+    @classmethod
+    def from_config(cls, config):
+        if config.threshold is None:
+            raise ValueError("threshold: the threshold rule needs a threshold")
+        return cls(config.threshold)
 
     def select(self, conf, masked, step, generators, rows):
         conf = conf.masked_fill(~masked, NEG_INF)
@@ -159,8 +176,16 @@ class Threshold(SelectionRule):
 
 
 class Factor(SelectionRule):
+    name = "factor"
+
     def __init__(self, factor: float):
         self.factor = factor
+
+    @classmethod
+    def from_config(cls, config):
+        if config.factor is None:
+            raise ValueError("factor: the factor rule needs a factor")
+        return cls(config.factor)
 
     def select(self, conf, masked, step, generators, rows):
         conf = conf.masked_fill(~masked, NEG_INF)
@@ -183,6 +208,9 @@ def linear_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 class LinearSchedule(SelectionRule):
+    name = "linear"
+    uses_steps = True
+
     def begin_block(self, masked, steps, generators, rows):
         self.counts = linear_schedule(masked.sum(-1), steps)
         self.steps = steps
@@ -193,8 +221,19 @@ class LinearSchedule(SelectionRule):
 
 
 class DreamSchedule(SelectionRule):
+    name = "dream_schedule"
+    uses_steps = True
+
     def __init__(self, alg: str, eps: float, alg_temp: float | None):
         self.alg, self.eps, self.alg_temp = alg, eps, alg_temp
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.alg or "maskgit_plus", config.eps, config.alg_temp)
+
+    @staticmethod
+    def draws_randomness(config) -> bool:
+        return config.alg == "origin" or bool(config.alg_temp)
 
     def begin_block(self, masked, steps, generators, rows):
         self.steps = steps
@@ -241,54 +280,92 @@ class FirstPositionAtBlockStart(SelectionRule):
         return torch.zeros_like(masked).scatter_(-1, first, True) & masked.any(-1, keepdim=True)
 
 
+SELECTION_RULES: dict[str, type[SelectionRule]] = {r.name: r for r in (Threshold, Factor, LinearSchedule,
+                                                                      DreamSchedule)}
+assert list(SELECTION_RULES) == config_names.SELECTION_RULES
+
+
+def register_selection_rule(cls: type[SelectionRule]) -> type[SelectionRule]:
+    """Make `cls` a selection rule that configs name by `cls.name` (`unmasking=...`); usable as a
+    class decorator."""
+    SELECTION_RULES[cls.name] = cls
+    config_names.register_policy_name("unmasking", cls.name)
+    return cls
+
+
+# ---- proposals -----------------------------------------------------------------------------------
+class Proposal:
+    """The token proposed at each position and its confidence, for logits (B, T, V)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def draws_randomness(self) -> bool:
+        return self.config.temperature > 0
+
+    def __call__(self, logits, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class LLaDAProposal(Proposal):
+    def draws_randomness(self) -> bool:
+        return self.config.temperature > 0 or self.config.remasking == "random"
+
+    def __call__(self, logits, generators, rows):
+        return _propose_llada(logits, self.config, generators, rows)
+
+
+class DreamProposal(Proposal):
+    """Dream's proposal; `score` is what the confidence is: "probability", "margin" or "entropy"."""
+
+    def __init__(self, config, score: str):
+        super().__init__(config)
+        self.score = score
+
+    def __call__(self, logits, generators, rows):
+        return _propose_dream(logits, self.config, generators, rows, self.score)
+
+
+def proposal_for(config, rule: type[SelectionRule]) -> Proposal:
+    """LLaDA's proposal without `alg`, Dream's with it. Only Dream's own schedule reads `alg` as
+    a score: the parallel rules (threshold, factor) compare probabilities (Fast-dLLM's Dream
+    "confidence_threshold"); a margin or a negative entropy is on another scale (an entropy score
+    is never >= 0.9, so every step would reveal one token)."""
+    if config.alg is None:
+        return LLaDAProposal(config)
+    score = "probability"
+    if rule.uses_steps:
+        score = {"topk_margin": "margin", "entropy": "entropy"}.get(config.alg, "probability")
+    return DreamProposal(config, score)
+
+
 class UnmaskingStrategy:
-    """One unmasking policy: how tokens and confidences are proposed, which rule selects the
-    positions to reveal, and whether it draws randomness (then each row gets a generator).
+    """One unmasking policy: a proposal (tokens and confidences), a factory of the selection
+    rule (rules keep per-block state, so each generation gets a fresh one), and whether it draws
+    randomness (then each row gets a generator)."""
 
-    `from_config(config, family, cached)`: for the Dream family decoding with a block cache
-    (`cached`), the reference's block start is followed (`FirstPositionAtBlockStart`), as
-    Fast-dLLM's Dream code does; pass another strategy to `generate` to decode otherwise."""
-
-    def __init__(self, config, make_rule, score: str, draws_randomness: bool):
-        self.config, self.make_rule, self.score, self.draws_randomness = config, make_rule, score, draws_randomness
+    def __init__(self, proposal: Proposal, make_rule, draws_randomness: bool):
+        self.proposal, self.make_rule, self.draws_randomness = proposal, make_rule, draws_randomness
 
     @classmethod
-    def from_config(cls, config, family: str | None = None, cached: bool = False) -> "UnmaskingStrategy":
-        strategy = cls._from_config(config)
-        if family == "dream" and cached:
-            inner = strategy.make_rule
-            strategy.make_rule = lambda: FirstPositionAtBlockStart(inner())  # noqa: E731
-        return strategy
-
-    @classmethod
-    def _from_config(cls, config) -> "UnmaskingStrategy":
-        parallel = config.factor is not None or config.threshold is not None
-        if config.factor is not None:
-            make_rule = lambda: Factor(config.factor)  # noqa: E731
-        elif config.threshold is not None:
-            make_rule = lambda: Threshold(config.threshold)  # noqa: E731
-        elif config.alg is None:
-            make_rule = LinearSchedule
-        else:
-            make_rule = lambda: DreamSchedule(config.alg, config.eps, config.alg_temp)  # noqa: E731
-        # Parallel decoding compares probabilities with the threshold / factor rule (Fast-dLLM's
-        # Dream "confidence_threshold"): a margin or a negative entropy is on another scale (an
-        # entropy score is never >= 0.9, so every step would reveal one token).
-        score = "probability"
-        if config.alg is not None and not parallel:
-            score = {"topk_margin": "margin", "entropy": "entropy"}.get(config.alg, "probability")
-        draws = (config.temperature > 0 or config.remasking == "random"
-                 or (config.alg == "origin" and not parallel) or bool(config.alg_temp))
-        return cls(config, make_rule, score, draws)
+    def from_config(cls, config) -> "UnmaskingStrategy":
+        rule = SELECTION_RULES[config_names.selection_rule_name(config)]
+        proposal = proposal_for(config, rule)
+        rule.from_config(config)  # a rule that cannot run under this config says so now
+        return cls(proposal, lambda: rule.from_config(config),
+                   proposal.draws_randomness() or rule.draws_randomness(config))
 
     def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator
         of batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
-        logits = logits.float()
-        if self.config.alg is None:
-            return _propose_llada(logits, self.config, generators, rows)
-        return _propose_dream(logits, self.config, generators, rows, self.score)
+        return self.proposal(logits.float(), generators, rows)
 
     def new_rule(self) -> SelectionRule:
-        """A fresh selection rule for one generation (rules keep per-block state)."""
+        """A fresh selection rule for one generation."""
         return self.make_rule()
+
+    def revealing_first_at_block_start(self) -> "UnmaskingStrategy":
+        """The same strategy whose block-start step reveals the block's first masked position
+        (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache)."""
+        inner = self.make_rule
+        return UnmaskingStrategy(self.proposal, lambda: FirstPositionAtBlockStart(inner()), self.draws_randomness)

@@ -52,7 +52,7 @@ def test_default_model_is_a_llada_checkpoint():
     assert set(REFERENCE_CONFIG) <= set(config)
     assert config["model_type"] == "llada" and config["max_sequence_length"] >= 2048
     model, _ = fastdllm.load()
-    assert model.name_or_path == "fastdllm/llada-arith" and model.family.MODEL_TYPE == "llada"
+    assert model.name_or_path == "fastdllm/llada-arith" and model.family.model_type == "llada"
     assert_weights_are_the_files(model, DEFAULT_MODEL_DIR)
 
 
@@ -125,7 +125,7 @@ def test_dream_twin_is_a_dream_checkpoint():
     assert set(dream_family.REFERENCE_CONFIG) <= set(config) and config["model_type"] == "Dream"
     by_name, _ = fastdllm.load("dream-arith")
     assert by_name.args.shifted_logits and by_name.args.qkv_bias and by_name.args.n_kv_heads < by_name.args.n_heads
-    assert by_name.family.MODEL_TYPE == "dream"
+    assert by_name.family.model_type == "dream"
     assert_weights_are_the_files(by_name, folder)
 
 

@@ -161,7 +161,8 @@ def test_dream_algorithms_follow_the_timestep_schedule(tiny_dream, tokenizer, al
 
 @pytest.mark.parametrize("alg", ["origin", "maskgit_plus", "topk_margin", "entropy"])
 def test_dream_threshold_compares_probabilities_for_every_alg(alg):
-    from fastdllm.unmasking import propose
+    def propose(logits, config, generators, rows):
+        return UnmaskingStrategy.from_config(config).propose(logits, generators, rows)
 
     logits = torch.randn(2, 6, 50) * 4
     probs = logits.softmax(-1)
@@ -234,7 +235,8 @@ def arith_prompts(tokenizer, n):
     return [prompt_ids(tokenizer, p.question, []) for p in arith.test_split()[:n]]
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(cache="none", threshold=None, suffix_window=None, steps=64),
+@pytest.mark.parametrize("overrides", [dict(), pytest.param(dict(cache="none", threshold=None, suffix_window=None,
+                                                                steps=64), marks=pytest.mark.slow),
                                        dict(suffix_window=32), dict(refresh="vicinity"),
                                        dict(refresh="vicinity", suffix_window=16, refresh_every=3)])
 def test_stop_at_eos_gives_the_full_length_text(trained, overrides):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from . import dream, llada
+from .family import Family
 from .transformer import ModelArgs, Transformer
 
-FAMILIES: dict[str, ModuleType] = {llada.MODEL_TYPE: llada, dream.MODEL_TYPE: dream}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llada.FAMILY, dream.FAMILY)}
 
 
-def family_of(config: dict, where: str = "config.json") -> ModuleType:
+def family_of(config: dict, where: str = "config.json") -> Family:
     model_type = str(config.get("model_type", "")).lower()
     if model_type not in FAMILIES:
         raise ValueError(
@@ -19,4 +18,4 @@ def family_of(config: dict, where: str = "config.json") -> ModuleType:
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "ModelArgs", "Transformer", "family_of", "llada", "dream"]
+__all__ = ["FAMILIES", "Family", "ModelArgs", "Transformer", "family_of", "llada", "dream"]

@@ -60,7 +60,25 @@ def _check(cfg: dict, where: str) -> None:
         raise ValueError(f"{where}: field rope_scaling={cfg['rope_scaling']!r} is not supported")
 
 
+# generation_config.json: Dream's own loader refuses a folder without it. Its decoding fields that
+# name GenerationConfig fields become the checkpoint's defaults (`GenerationConfig.for_model`);
+# `steps` belongs to its max_new_tokens and is not carried over (ours defaults to gen_length).
+GENERATION_DEFAULTS = ("alg", "alg_temp", "eps", "temperature", "top_p", "top_k")
+
+
+def generation_config(args: ModelArgs, base: dict | None = None) -> dict:
+    """The generation_config.json a saved Dream checkpoint carries (Dream-v0's defaults)."""
+    cfg = {"alg": "origin", "alg_temp": None, "eps": 1e-3, "steps": 512, "max_new_tokens": 512,
+           "temperature": 0.0, "top_p": None, "top_k": None, "mask_token_id": args.mask_token_id,
+           "bos_token_id": args.eos_token_id, "eos_token_id": args.eos_token_id, "pad_token_id": args.eos_token_id}
+    cfg.update(base or {})
+    return cfg
+
+
 FAMILY = Family(
+    generation_defaults=GENERATION_DEFAULTS,
+    generation_config=generation_config,
+    block_start_reveals_first=True,
     name="Dream",
     model_type=MODEL_TYPE,
     shifted_logits=SHIFTED_LOGITS,
@@ -96,22 +114,7 @@ FAMILY = Family(
     },
     qkv_bias_weights={"layers.{i}.attention.w{p}.bias": "model.layers.{i}.self_attn.{p}_proj.bias"},
 )
-REQUIRED = FAMILY.required
 args_from_config = FAMILY.args_from_config
 config_from_args = FAMILY.config_from_args
 weight_names = FAMILY.weight_names
 
-
-# generation_config.json: Dream's own loader refuses a folder without it. Its decoding fields that
-# name GenerationConfig fields become the checkpoint's defaults (`GenerationConfig.for_model`);
-# `steps` belongs to its max_new_tokens and is not carried over (ours defaults to gen_length).
-GENERATION_DEFAULTS = ("alg", "alg_temp", "eps", "temperature", "top_p", "top_k")
-
-
-def generation_config(args: ModelArgs, base: dict | None = None) -> dict:
-    """The generation_config.json a saved Dream checkpoint carries (Dream-v0's defaults)."""
-    cfg = {"alg": "origin", "alg_temp": None, "eps": 1e-3, "steps": 512, "max_new_tokens": 512,
-           "temperature": 0.0, "top_p": None, "top_k": None, "mask_token_id": args.mask_token_id,
-           "bos_token_id": args.eos_token_id, "eos_token_id": args.eos_token_id, "pad_token_id": args.eos_token_id}
-    cfg.update(base or {})
-    return cfg

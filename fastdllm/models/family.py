@@ -45,6 +45,13 @@ class Family:
     check: Callable[[dict, str], None] | None = None  # further checks of a config
     adjust: Callable[[dict, dict], None] | None = None  # (config, fields read) -> fix-ups in place
     derived: Callable[[ModelArgs], dict] | None = None  # extra keys a saved config writes
+    # generation_config.json: the decoding fields a checkpoint's own file sets as our defaults
+    # (`GenerationConfig.for_model`), and the file a saved checkpoint writes (None: none)
+    generation_defaults: tuple[str, ...] = ()
+    generation_config: Callable[[ModelArgs, dict | None], dict] | None = None
+    # The family's own decoding rule with a block cache: the block-start step (the one that
+    # refreshes the cache) reveals the block's first masked position (Fast-dLLM's Dream code).
+    block_start_reveals_first: bool = False
 
     # -- config.json -> ModelArgs
     def args_from_config(self, cfg: dict, where: str = "config.json") -> ModelArgs:

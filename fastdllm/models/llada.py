@@ -109,8 +109,6 @@ FAMILY = Family(
     },
     qkv_bias_weights={"layers.{i}.attention.w{p}.bias": "model.transformer.blocks.{i}.{p}_proj.bias"},
 )
-REQUIRED = FAMILY.required
-UNSUPPORTED = FAMILY.unsupported
 args_from_config = FAMILY.args_from_config
 config_from_args = FAMILY.config_from_args
 weight_names = FAMILY.weight_names

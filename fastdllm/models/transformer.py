@@ -154,7 +154,7 @@ class Transformer(nn.Module):
     """A bidirectional Llama-shaped transformer; the families differ only in names and config
     fields (`models/family.py`).
 
-    Besides its weights a model knows its `family` (the module of `models/`: llada or dream),
+    Besides its weights a model knows its `family` (a `models.family.Family`: LLaDA or Dream),
     the `config` its checkpoint was read from (or the fields a saved one should keep), its
     `generation_config` (generation_config.json, where there is one), where it came from
     (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer: tokens

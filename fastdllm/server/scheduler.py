@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..decoder import BlockDecoder, join_key
+from ..policies import PolicySource, resolve
 from ..config import GenerationConfig
 from .schema import APIError
 
@@ -60,8 +61,10 @@ class Scheduler:
     without, it waits for the batch to finish."""
 
     def __init__(self, model, max_batch_size: int = 8, max_queue: int = 64, batch_wait: float = 0.0,
-                 block_hook: Callable[[int], None] | None = None, continuous: bool = True):
+                 block_hook: Callable[[int], None] | None = None, continuous: bool = True,
+                 policies: PolicySource = None):
         self.model = model
+        self.policies = policies  # the decoding policies of every batch (default: each config's own)
         self.continuous = continuous
         self.block_hook = block_hook  # called in the worker after each block (tests, diagnostics)
         self.batch_hook: Callable[[int, int], None] | None = None  # (rows, forward passes) after each batch
@@ -175,7 +178,8 @@ class Scheduler:
     def _run(self, jobs: list[Job], alone: bool = False) -> None:
         """Decode `jobs` and, unless `alone`, every compatible job that arrives while they run: it
         joins at the next block boundary (continuous batching)."""
-        decoder = BlockDecoder(self.model, jobs[0].config)
+        config = jobs[0].config
+        decoder = BlockDecoder(self.model, config, policies=resolve(self.policies, self.model, config))
         running: dict[Job, list] = {}
         together = 0  # jobs that shared this batch
 

@@ -1,0 +1,103 @@
+"""The embedded models' recipe: their tokenizer (a byte-level BPE trained on the arith data), its
+special tokens and chat template, the model sizes, and a freshly initialised model of either
+family. `fastdllm.train` trains them; tests build tiny ones from here."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+from tokenizers import AddedToken, Tokenizer as FastTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from .models import FAMILIES, ModelArgs, Transformer
+from .tasks import arith
+from .tokenizer import Tokenizer
+
+SPECIAL_TOKENS = {
+    "bos": "<|startoftext|>",
+    "eos": "<|endoftext|>",
+    "eot": "<|eot_id|>",
+    "start_header": "<|start_header_id|>",
+    "end_header": "<|end_header_id|>",
+    "mask": "<|mdm_mask|>",
+}
+# LLaDA-Instruct's chat layout (Llama-3 headers), written as a jinja template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first %}{{ bos_token }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+# Sizes of the shipped models (see docs/model-card.md).
+PRESETS = {
+    "llada": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),
+    "dream": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=512),
+    "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
+}
+
+
+def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE trained on arith text: whole words and whole numbers 0..99 become single
+    tokens, anything else still encodes through the byte alphabet."""
+    r = random.Random(seed)
+    corpus = []
+    for _ in range(4000):
+        p = arith.make_problem(r)
+        corpus.append(arith.format_prompt(p.question, []) + " " + p.answer)
+    corpus += [" ".join(str(n) for n in range(100))] * 200
+    corpus += ["\n".join(arith.NAMES + ["After", "Then", "One", "With", "In", "Each", "Together", "The"])] * 200
+    corpus += ["Question: Answer: user assistant system"] * 50
+    fast = FastTokenizer(models.BPE())
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast.decoder = decoders.ByteLevel()
+    specials = list(SPECIAL_TOKENS.values())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(specials),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    fast.train_from_iterator(corpus, trainer)
+    fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    config = {
+        "bos_token": SPECIAL_TOKENS["bos"],
+        "eos_token": SPECIAL_TOKENS["eos"],
+        "pad_token": SPECIAL_TOKENS["eos"],
+        "mask_token": SPECIAL_TOKENS["mask"],
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    return Tokenizer(fast, config)
+
+
+def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2048, seed: int = 0) -> Transformer:
+    family = FAMILIES[arch]
+    vocab = 64 * math.ceil(tokenizer.vocab_size / 64)
+    args = ModelArgs(
+        **PRESETS[preset],
+        vocab_size=vocab,
+        max_seq_len=max_seq_len,
+        rope_theta=10000.0,
+        norm_eps=1e-5 if arch == "llada" else 1e-6,
+        qkv_bias=arch == "dream",
+        mask_token_id=tokenizer.token_to_id(SPECIAL_TOKENS["mask"]),
+        eos_token_id=tokenizer.eos_token_id,
+        shifted_logits=family.shifted_logits,
+    )
+    # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
+    ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
+    torch.manual_seed(seed)
+    model = Transformer(args, family=family, config={k: v for k, v in ids.items() if k in family.reference_config},
+                        stop_token_ids=tokenizer.stop_token_ids())
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+        elif name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+    return model

@@ -1,0 +1,51 @@
+"""The policies one generation decodes with, built in one place.
+
+`policies_for(model, config)` turns a config into the loop's two policy objects: the cache
+policy (`cache_policies`: which window each step recomputes, and its refresh rule) and the
+unmasking strategy (`unmasking`: the proposal and the selection rule), with the model family's own
+rules applied (Dream's block start with a cache). Callers that bring their own objects pass a
+`Policies` bundle, or a callable `(model, config) -> Policies`, wherever a config goes:
+`generate`, `iter_generate`, `stream_blocks`, `evaluate`, the server's scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from .cache_policies import CachePolicy, NoCache, cache_policy
+from .config import GenerationConfig
+from .unmasking import UnmaskingStrategy
+
+
+@dataclass
+class Policies:
+    cache: CachePolicy
+    strategy: UnmaskingStrategy
+
+
+PolicySource = Union[Policies, Callable[..., Policies], None]
+
+
+def policies_for(model, config: GenerationConfig, cache: CachePolicy | None = None,
+                 strategy: UnmaskingStrategy | None = None) -> Policies:
+    """The policies `config` names (either one replaced by the object given). The family's rule
+    applies to a strategy built from the config: a Dream model decoding with a block cache reveals
+    each block's first masked position at its block-start step, as Fast-dLLM's Dream code does."""
+    cache = cache if cache is not None else cache_policy(model, config)
+    if strategy is None:
+        strategy = UnmaskingStrategy.from_config(config)
+        family = getattr(model, "family", None)
+        if family is not None and family.block_start_reveals_first and not isinstance(cache, NoCache):
+            strategy = strategy.revealing_first_at_block_start()
+    return Policies(cache, strategy)
+
+
+def resolve(source: PolicySource, model, config: GenerationConfig) -> Policies:
+    """A bundle from what a caller passed: the bundle itself, a factory called with
+    (model, config), or None for the config's own policies."""
+    if source is None:
+        return policies_for(model, config)
+    if isinstance(source, Policies):
+        return source
+    return source(model, config)

@@ -1,0 +1,146 @@
+"""A new policy is one class and one registry entry: a refresh rule and a selection rule defined
+here, outside the package, run by name through every entry point (generate, stream_blocks,
+evaluate, the server's scheduler); and the policies the config names are built in one place."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm import GenerationConfig, evaluate as evaluate_module
+from fastdllm.cache_policies import REFRESH_RULES, VicinityRefresh, register_refresh_rule
+from fastdllm.config import ConfigError, selection_rule_name
+from fastdllm.policies import Policies, policies_for
+from fastdllm.tasks import arith
+from fastdllm.unmasking import (SELECTION_RULES, DreamSchedule, Factor, FirstPositionAtBlockStart, LinearSchedule,
+                                SelectionRule, Threshold, _top_k_mask, register_selection_rule)
+
+CONSULTED: list[int] = []
+
+
+class CountingVicinity(VicinityRefresh):
+    """The vicinity refresh, noting each block it is asked about."""
+
+    name = "test_counting_vicinity"
+
+    def needs_full(self, block):
+        CONSULTED.append(block)
+        return super().needs_full(block)
+
+
+class TwoLeftmost(SelectionRule):
+    """Reveals the two leftmost masked positions at every step, whatever the confidence."""
+
+    name = "test_two_leftmost"
+
+    def select(self, conf, masked, step, generators, rows):
+        left = torch.arange(masked.shape[1], 0, -1, device=masked.device).expand_as(masked).float()
+        return _top_k_mask(left.masked_fill(~masked, float("-inf")), torch.full((masked.shape[0],), 2, device=masked.device)) & masked
+
+
+register_refresh_rule(CountingVicinity)
+register_selection_rule(TwoLeftmost)
+TOY = GenerationConfig(gen_length=64, block_length=16, refresh=CountingVicinity.name, unmasking=TwoLeftmost.name,
+                       stop_at_eos=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fastdllm.load(dtype="float32")
+
+
+def check_toy(tokens_per_step, unmask_step):
+    assert all(n == 2 for n in tokens_per_step), tokens_per_step
+    assert unmask_step.tolist() == [i // 2 for i in range(64)]  # left to right, two at a time
+
+
+def test_the_toy_rules_run_through_generate_and_stream_blocks(model):
+    m, tok = model
+    ids = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:2]]
+    CONSULTED.clear()
+    out = fastdllm.generate(m, ids, config=TOY)
+    assert CONSULTED and set(CONSULTED) == {0, 1, 2, 3}
+    for row in range(2):
+        check_toy(out.tokens_per_step[row], out.unmask_step[row])
+    # the toy refresh rule decodes as the built-in vicinity refresh it extends
+    same = fastdllm.generate(m, ids, config=TOY.replace(refresh="vicinity"))
+    assert torch.equal(same.sequences, out.sequences)
+    CONSULTED.clear()
+    streamed = [b for _, b, _ in fastdllm.stream_blocks(m, ids, config=TOY)]
+    assert CONSULTED and [t for b in streamed for t in b[0]] == out.sequences[0].tolist()
+
+
+def test_the_toy_rules_run_through_evaluate(model):
+    m, tok = model
+    CONSULTED.clear()
+    r = evaluate_module.evaluate(m, tok, "arith", limit=3, config=TOY)
+    assert CONSULTED and r["tokens_per_step"] == 2.0 and r["nfe_per_sample"] == 32
+
+
+def test_the_toy_rules_run_through_the_servers_scheduler(model):
+    from fastdllm.server import Job, Scheduler
+
+    m, tok = model
+    ids = [arith.prompt_ids(tok, arith.test_split()[0].question, [])]
+    ref = fastdllm.generate(m, ids, config=TOY.replace(seed=3))
+
+    async def scenario():
+        sched = Scheduler(m)
+        job = Job(ids, [3], TOY, asyncio.get_running_loop())
+        sched.submit(job)
+        items = []
+        while not items or items[-1][0] not in ("end", "error"):
+            items.append(await asyncio.wait_for(job.events.get(), 120))
+        sched.close()
+        return items
+
+    CONSULTED.clear()
+    items = asyncio.run(scenario())
+    assert items[-1] == ("end",) and CONSULTED
+    assert [t for item in items if item[0] == "block" for t in item[2][0]] == ref.sequences[0].tolist()
+
+
+def test_a_bundle_of_policy_objects_is_accepted_everywhere(model):
+    m, tok = model
+    ids = [arith.prompt_ids(tok, arith.test_split()[1].question, [])]
+    cfg = GenerationConfig(gen_length=64, block_length=16, stop_at_eos=False)
+    ref = fastdllm.generate(m, ids, config=cfg)
+    made = []
+
+    def factory(model_, config):
+        made.append(config)
+        return policies_for(model_, config)
+
+    assert torch.equal(fastdllm.generate(m, ids, config=cfg, policies=factory).sequences, ref.sequences)
+    bundle = policies_for(m, cfg)
+    assert isinstance(bundle, Policies)
+    assert torch.equal(fastdllm.generate(m, ids, config=cfg, policies=bundle).sequences, ref.sequences)
+    streamed = [t for _, b, _ in fastdllm.stream_blocks(m, ids, config=cfg, policies=factory) for t in b[0]]
+    assert streamed == ref.sequences[0].tolist() and len(made) == 2
+
+
+def test_the_precedence_is_stated_once():
+    assert selection_rule_name(GenerationConfig(factor=1.0, threshold=0.9)) == "factor"
+    assert selection_rule_name(GenerationConfig(threshold=0.9)) == "threshold"
+    assert selection_rule_name(GenerationConfig(threshold=None)) == "linear"
+    assert selection_rule_name(GenerationConfig(threshold=None, alg="entropy")) == "dream_schedule"
+    assert selection_rule_name(GenerationConfig(unmasking="linear", threshold=0.9)) == "linear"
+    assert {n: type(SELECTION_RULES[n].from_config(GenerationConfig(factor=1.0, alg="origin"))) for n in
+            ("threshold", "factor", "linear", "dream_schedule")} == {
+        "threshold": Threshold, "factor": Factor, "linear": LinearSchedule, "dream_schedule": DreamSchedule}
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig(unmasking="no_such_rule")
+    assert info.value.param == "unmasking"
+    assert "test_counting_vicinity" in REFRESH_RULES
+
+
+def test_the_family_contributes_its_block_start_rule(model):
+    dream, _ = fastdllm.load("dream-arith", dtype="float32")
+    llada, _ = model
+    cached, uncached = GenerationConfig(), GenerationConfig(cache="none")
+    assert isinstance(policies_for(dream, cached).strategy.new_rule(), FirstPositionAtBlockStart)
+    assert not isinstance(policies_for(dream, uncached).strategy.new_rule(), FirstPositionAtBlockStart)
+    assert not isinstance(policies_for(llada, cached).strategy.new_rule(), FirstPositionAtBlockStart)
