@@ -12,7 +12,7 @@ from importlib import import_module
 
 from .config import ConfigError, GenerationConfig
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # The engine's names load on first use, so that the torch-free parts (the config, the sandbox
 # that judged programs run in) import without torch.

@@ -72,11 +72,13 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None) 
     return out
 
 
-def run_config(model, tokenizer, task, config, args, num_fewshot, batch_size=None) -> dict:
+def run_config(model, tokenizer, task: str, config, num_fewshot: int, limit: int | None, batch_size: int,
+               data_dir: str | None = None) -> dict:
+    """One bench row: `config` evaluated on `task`, its accuracy, speed and work."""
     from .evaluate import evaluate
 
-    m = evaluate(model, tokenizer, task, limit=args.limit, num_fewshot=num_fewshot, config=config,
-                 batch_size=batch_size or args.batch_size, data_dir=args.data_dir, progress=False)
+    m = evaluate(model, tokenizer, task, limit=limit, num_fewshot=num_fewshot, config=config,
+                 batch_size=batch_size, data_dir=data_dir, progress=False)
     n = m["num_samples"]
     fwd = m.get("forward_time_s")
     return {
@@ -177,10 +179,3 @@ def plots(out: Path, rows: list[dict], sweeps: dict) -> list[str]:
         files.append(name)
         plt.close(fig)
     return files
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`fastdllm bench` (kept here under its old name; the command lives in fastdllm.commands.bench)."""
-    from .commands.bench import main as command
-
-    return command(argv)

@@ -1,8 +1,8 @@
 """`fastdllm <command>`: the command-line entry point (also `python -m fastdllm <command>`).
 
 Each command lives in its own module of `fastdllm.commands` with a `main(argv)`; this file only
-dispatches (importing the command's module when it runs), and no module imports it. What the commands share (argument parser, model and decoding flags) is in
-`cli_args`.
+dispatches (importing the command's module when it runs), and no module imports it. What the
+commands share (argument parser, model and decoding flags) is in `commands/args.py`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from .cli_args import UserError
+from .commands.args import UserError
 
 COMMANDS = {
     "generate": ("fastdllm.commands.generate", "main", "generate text for one prompt"),

@@ -1,7 +1,7 @@
 """`GenerationConfig`: every decoding option, declared once.
 
 Each field carries its help text and its kind (how a string from a command line or a model_args
-string becomes a value). The CLI flags (`cli_args.add_generation_args`), the server's request
+string becomes a value). The CLI flags (`commands.args.add_generation_args`), the server's request
 fields and the lm-eval plugin's parsing are all generated from these declarations, and
 validation raises `ConfigError`, a `ValueError` that names the parameter in `.param`.
 """
@@ -11,12 +11,36 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-# The names each policy family answers to; the engine's registries (cache_policies, unmasking)
-# implement exactly these. Declared here, with no import of the engine, so that reading and
-# validating a config needs no torch.
-CACHE_POLICIES = ("none", "prefix", "dual")
-REFRESH = ("full", "vicinity", "adaptive")
+# The names a config may give each kind of policy. The engine's registries (cache_policies:
+# CACHE_POLICIES, REFRESH_RULES; unmasking: SELECTION_RULES) hold a class for each; their built-in
+# names are declared here, with no import of the engine, so that reading and validating a config
+# needs no torch, and `register_policy_name` adds the name of a policy registered later.
+CACHE_POLICIES = ["none", "prefix", "dual"]
+REFRESH = ["full", "vicinity", "adaptive"]
+SELECTION_RULES = ["threshold", "factor", "linear", "dream_schedule"]
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+_NAMES = {"cache": CACHE_POLICIES, "refresh": REFRESH, "unmasking": SELECTION_RULES}
+
+
+def register_policy_name(kind: str, name: str) -> None:
+    """Let configs name a policy of `kind` ("cache", "refresh" or "unmasking") that the engine's
+    registry of that kind now holds."""
+    names = _NAMES[kind]
+    if name not in names:
+        names.append(name)
+
+
+def selection_rule_name(config: "GenerationConfig") -> str:
+    """The selection rule a config means: `unmasking` when given; else `factor` when set (it takes
+    precedence), else `threshold`, else the step schedule (LLaDA's linear one; Dream's timesteps
+    when `alg` is set)."""
+    if config.unmasking is not None:
+        return config.unmasking
+    if config.factor is not None:
+        return "factor"
+    if config.threshold is not None:
+        return "threshold"
+    return "linear" if config.alg is None else "dream_schedule"
 REMASKING = ("low_confidence", "random")
 MIN_TEMPERATURE = 1e-3  # below it, dividing float32 logits overflows
 NONE_WORDS = ("none", "off", "null")
@@ -67,6 +91,8 @@ class GenerationConfig:
                                    "for the schedule")
     factor: float | None = _opt(None, "optional float", "factor-rule parallel decoding (takes precedence)")
     cache: str = _opt("dual", "str", "KV cache policy: " + " | ".join(CACHE_POLICIES))
+    unmasking: str | None = _opt(None, "optional str", "the selection rule by name: " + " | ".join(SELECTION_RULES)
+                                 + " (default: factor if set, else threshold, else the step schedule)")
     alg: str | None = _opt(None, "optional str", "Dream's confidence: " + " | ".join(DREAM_ALGS))
     alg_temp: float | None = _opt(None, "optional float", "Dream: sample positions with this temperature")
     eps: float = _opt(1e-3, "float", "Dream: the final timestep")
@@ -119,7 +145,8 @@ class GenerationConfig:
     def for_model(cls, model, base: "GenerationConfig | None" = None, **overrides) -> "GenerationConfig":
         """`base` (default: the defaults) with the checkpoint's own generation defaults (Dream's
         generation_config.json: alg, eps, temperature, ...) in the fields `overrides` leave unset."""
-        names = getattr(getattr(model, "family", None), "GENERATION_DEFAULTS", ())
+        family = getattr(model, "family", None)
+        names = family.generation_defaults if family is not None else ()
         found = getattr(model, "generation_config", None) or {}
         checkpoint = {k: found[k] for k in names if k in found}
         base = base or cls()
@@ -127,6 +154,21 @@ class GenerationConfig:
 
     def replace(self, **changes) -> "GenerationConfig":
         return replace(self, **changes)
+
+    def with_max_new_tokens(self, n: int, **changes) -> "GenerationConfig":
+        """This config (with `changes`) for answers of at most `n` tokens, as transformers'
+        `max_new_tokens` means: `gen_length` is `n` rounded up to whole blocks (the caller cuts the
+        answer back to `n`), and a fixed step schedule keeps its steps per token unless `changes`
+        set `steps`."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError("max_new_tokens", f"must be a positive integer (got {n!r})")
+        block = changes.get("block_length", self.block_length)
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            return self.replace(**changes)  # names block_length
+        gen_length = -(-n // block) * block
+        if "steps" not in changes and self.steps is not None:
+            changes["steps"] = min(gen_length, max(gen_length // block, round(self.steps * gen_length / self.gen_length)))
+        return self.replace(**{**changes, "gen_length": gen_length})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -216,6 +258,8 @@ class GenerationConfig:
         if self.factor is not None:
             need(is_num(self.factor) and self.factor > 0, "factor", "must be > 0 or None")
         need(self.cache in CACHE_POLICIES, "cache", f"must be one of {', '.join(CACHE_POLICIES)}")
+        need(self.unmasking is None or self.unmasking in SELECTION_RULES, "unmasking",
+             f"must be None or one of {', '.join(SELECTION_RULES)}")
         need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
         if self.alg_temp is not None:
             need(is_num(self.alg_temp) and finite(self.alg_temp) and self.alg_temp >= 0, "alg_temp",

@@ -114,14 +114,10 @@ def make_model_class(LM, register=None):
 
         def _config_for(self, gen_kwargs: dict) -> GenerationConfig:
             changes: dict[str, Any] = {}
-            if not self.fixed_gen_length and gen_kwargs.get("max_gen_toks"):
-                blk = self.base_config.block_length
-                want = int(gen_kwargs["max_gen_toks"])
-                changes["gen_length"] = max(blk, -(-want // blk) * blk)
-                if self.base_config.steps is not None:
-                    changes["steps"] = None
             if gen_kwargs.get("do_sample") and "temperature" not in self.gen_kwargs:
                 changes["temperature"] = float(gen_kwargs.get("temperature", 1.0) or 0.0)
+            if not self.fixed_gen_length and gen_kwargs.get("max_gen_toks"):
+                return self.base_config.with_max_new_tokens(int(gen_kwargs["max_gen_toks"]), **changes)
             return self.base_config.replace(**changes) if changes else self.base_config
 
         def generate_until(self, requests, disable_tqdm: bool = False):

@@ -12,11 +12,10 @@ text cut back to that many tokens, as the server does with `max_tokens`. Every o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .config import ConfigError, GenerationConfig
+from .config import GenerationConfig
 from .generation import generate
 from .text import complete
 
@@ -52,12 +51,9 @@ def generate_text(model, tokenizer, prompt: str | Sequence[str] | None = None, *
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("prompt: a string or a non-empty list of strings")
         ids = [tokenizer.encode(t) for t in texts]
-    config = (config or GenerationConfig()).replace(**options)
-    if max_new_tokens is not None:
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ConfigError("max_new_tokens", f"must be a positive integer (got {max_new_tokens!r})")
-        config = config.replace(gen_length=math.ceil(max_new_tokens / config.block_length) * config.block_length,
-                                steps=None)
+    config = config or GenerationConfig()
+    config = config.replace(**options) if max_new_tokens is None else config.with_max_new_tokens(max_new_tokens,
+                                                                                               **options)
     out = generate(model, ids, config=config)
     keep = max_new_tokens if max_new_tokens is not None else config.gen_length
     results = []

@@ -13,120 +13,31 @@ plus the optimizer moments (safetensors) and the step; data and masks are drawn 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from tokenizers import AddedToken, Tokenizer as FastTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .loading import load_model, save_pretrained
-from .models import FAMILIES, ModelArgs, Transformer
 from . import drills
+from .embedded import SPECIAL_TOKENS, build_tokenizer, new_model
+from .loading import load_model, save_pretrained
+from .models import Transformer
 from .tasks import arith
 from .tokenizer import Tokenizer, load_tokenizer
 
-SPECIAL_TOKENS = {
-    "bos": "<|startoftext|>",
-    "eos": "<|endoftext|>",
-    "eot": "<|eot_id|>",
-    "start_header": "<|start_header_id|>",
-    "end_header": "<|end_header_id|>",
-    "mask": "<|mdm_mask|>",
-}
-# LLaDA-Instruct's chat layout (Llama-3 headers), written as a jinja template.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first %}{{ bos_token }}{% endif %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
 MASK_EPS = 1e-3
-
-# Sizes of the shipped models (see docs/model-card.md).
-PRESETS = {
-    "llada": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),
-    "dream": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=512),
-    "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
-}
-
-
-# ---- tokenizer ---------------------------------------------------------------------------------
-def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE trained on arith text: whole words and whole numbers 0..99 become single
-    tokens, anything else still encodes through the byte alphabet."""
-    r = random.Random(seed)
-    corpus = []
-    for _ in range(4000):
-        p = arith.make_problem(r)
-        corpus.append(arith.format_prompt(p.question, []) + " " + p.answer)
-    corpus += [" ".join(str(n) for n in range(100))] * 200
-    corpus += ["\n".join(arith.NAMES + ["After", "Then", "One", "With", "In", "Each", "Together", "The"])] * 200
-    corpus += ["Question: Answer: user assistant system"] * 50
-    fast = FastTokenizer(models.BPE())
-    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    fast.decoder = decoders.ByteLevel()
-    specials = list(SPECIAL_TOKENS.values())
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(specials),
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    fast.train_from_iterator(corpus, trainer)
-    fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    config = {
-        "bos_token": SPECIAL_TOKENS["bos"],
-        "eos_token": SPECIAL_TOKENS["eos"],
-        "pad_token": SPECIAL_TOKENS["eos"],
-        "mask_token": SPECIAL_TOKENS["mask"],
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 2048,
-        "clean_up_tokenization_spaces": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    return Tokenizer(fast, config)
-
-
-def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2048, seed: int = 0) -> Transformer:
-    family = FAMILIES[arch]
-    vocab = 64 * math.ceil(tokenizer.vocab_size / 64)
-    args = ModelArgs(
-        **PRESETS[preset],
-        vocab_size=vocab,
-        max_seq_len=max_seq_len,
-        rope_theta=10000.0,
-        norm_eps=1e-5 if arch == "llada" else 1e-6,
-        qkv_bias=arch == "dream",
-        mask_token_id=tokenizer.token_to_id(SPECIAL_TOKENS["mask"]),
-        eos_token_id=tokenizer.eos_token_id,
-        shifted_logits=family.SHIFTED_LOGITS,
-    )
-    # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
-    ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
-    torch.manual_seed(seed)
-    model = Transformer(args, family=family, config={k: v for k, v in ids.items() if k in family.REFERENCE_CONFIG},
-                        stop_token_ids=tokenizer.stop_token_ids())
-    for name, p in model.named_parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
-        elif name.endswith("bias"):
-            torch.nn.init.zeros_(p)
-    return model
 
 
 # ---- data --------------------------------------------------------------------------------------
-prompt_ids = arith.prompt_ids  # the task builds its prompts; kept here under its old name
 
 
-# Share of 0-shot rows whose user message is the bare question (see prompt_ids).
+# Share of 0-shot rows whose user message is the bare question (see arith.prompt_ids).
 P_BARE_QUESTION = 0.3
 # Batch shapes: (probability of a k-shot prompt, [(cumulative probability, region lengths)]).
 # Each mix is one stage of the recipe in docs/model-card.md; why each stage's mix changed, and what
@@ -189,7 +100,7 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     while True:
         shots = [next(stream) for _ in range(k)]
         p = next(stream)
-        pids = prompt_ids(tokenizer, p.question, shots, bare=not drill and k == 0 and r.random() < P_BARE_QUESTION)
+        pids = arith.prompt_ids(tokenizer, p.question, shots, bare=not drill and k == 0 and r.random() < P_BARE_QUESTION)
         aids = tokenizer.encode(p.answer) + [eot]
         need = max(region, len(aids) + 1)
         rows.append((pids, aids, need))
@@ -320,7 +231,32 @@ def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
 
 
 # ---- main --------------------------------------------------------------------------------------
-def train(args: argparse.Namespace) -> Path:
+@dataclass(frozen=True)
+class TrainSettings:
+    """One training run (`fastdllm train-tiny` has a flag for each field)."""
+
+    out: str  # run folder: checkpoint/, final/, train_log.jsonl
+    arch: str = "llada"
+    preset: str | None = None  # model size (default: the arch's)
+    steps: int = 3600
+    lr: float = 2e-3
+    warmup: int = 100
+    decay_frac: float = 0.4
+    token_budget: int = 8192  # tokens per batch
+    data_mix: str = "v1"  # batch shapes (see DATA_MIXES)
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 0  # 0: torch's default
+    log_every: int = 10
+    save_every: int = 100
+    eval_every: int = 200
+    eval_n: int = 64
+    resume: bool = False  # continue from OUT/checkpoint if present
+    init_from: str | None = None  # start from this model folder's weights and tokenizer
+    command_line: str = ""  # recorded in the checkpoint's metadata
+
+
+def train(args: TrainSettings) -> Path:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,7 +267,7 @@ def train(args: argparse.Namespace) -> Path:
         tokenizer = load_tokenizer(args.init_from)
     else:
         tokenizer = build_tokenizer(seed=args.seed)
-    model = new_model(args.arch, args.preset, tokenizer, seed=args.seed).to(args.device)
+    model = new_model(args.arch, args.preset or args.arch, tokenizer, seed=args.seed).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     step = 0
     if args.resume and ckpt.is_dir():
@@ -344,7 +280,7 @@ def train(args: argparse.Namespace) -> Path:
     log = (out / "train_log.jsonl").open("a")
     model.train()
     t_start, tokens = time.time(), 0
-    meta = {"command": args.command_line, "arch": args.arch, "preset": args.preset, "seed": args.seed,
+    meta = {"command": args.command_line, "arch": args.arch, "preset": args.preset or args.arch, "seed": args.seed,
             "data_mix": args.data_mix}
     while step < args.steps:
         lr = lr_at(step, args.steps, args.lr, args.warmup, args.decay_frac)
@@ -380,10 +316,3 @@ def train(args: argparse.Namespace) -> Path:
     final = out / "final"
     save_pretrained(model, final, tokenizer, dtype=torch.bfloat16)
     return final
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`fastdllm train-tiny` (kept here under its old name; the command lives in fastdllm.commands.train_tiny)."""
-    from .commands.train_tiny import main as command
-
-    return command(argv)

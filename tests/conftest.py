@@ -7,7 +7,7 @@ import torch
 
 from fastdllm.loading import save_pretrained
 from fastdllm.models.transformer import ModelArgs
-from fastdllm.train import build_tokenizer, new_model
+from fastdllm.embedded import build_tokenizer, new_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -79,7 +79,7 @@ def test_decoding_keeps_added_tokens_that_are_not_special():
     from tokenizers import AddedToken, Tokenizer as FastTokenizer
 
     from fastdllm.tokenizer import Tokenizer
-    from fastdllm.train import build_tokenizer
+    from fastdllm.embedded import build_tokenizer
 
     base = build_tokenizer()
     fast = FastTokenizer.from_str(base.fast.to_str())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 import fastdllm
-from fastdllm import drills, train
+from fastdllm import drills, embedded, train
 from fastdllm.models import ModelArgs, Transformer
 from fastdllm.tasks import arith
 from fastdllm.tasks.scoring import extract_gsm8k_answer
@@ -174,7 +173,7 @@ def test_tail_mix_puts_more_batches_in_512_and_1024_token_regions(tokenizer):
 
 
 def _args(out, steps, resume=False):
-    return argparse.Namespace(
+    return train.TrainSettings(
         arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,
         token_budget=600, seed=0, device="cpu", threads=1, log_every=1, save_every=2, eval_every=0, eval_n=4,
         resume=resume, init_from=None, command_line="test", data_mix="v1",
@@ -199,7 +198,7 @@ def test_training_steps_resume_exactly(tmp_path):
 
 
 def test_sft_loss_masks_only_the_answer_region(tokenizer):
-    model = train.new_model("llada", "micro", tokenizer)
+    model = embedded.new_model("llada", "micro", tokenizer)
     ids, starts = train.make_batch(tokenizer, 0, 0, 600)
     seen = {}
     real_forward = model.forward
@@ -220,8 +219,8 @@ def test_sft_loss_masks_only_the_answer_region(tokenizer):
 def test_transplant_llada_weights_into_the_dream_twin(tokenizer):
     """GQA conversion: with key/value heads already equal within each group, the pooled Dream model
     computes exactly what the LLaDA model does (before Dream's shift, which training then learns)."""
-    llada = train.new_model("llada", "llada", tokenizer, seed=0)
-    dream = train.new_model("dream", "dream", tokenizer, seed=1)
+    llada = embedded.new_model("llada", "llada", tokenizer, seed=0)
+    dream = embedded.new_model("dream", "dream", tokenizer, seed=1)
     # (the families' RMSNorm eps differ, 1e-5 and 1e-6: equal here so that the outputs can be compared)
     dream = Transformer(ModelArgs(**{**dream.args.__dict__, "norm_eps": llada.args.norm_eps}))
     group = llada.args.n_heads // dream.args.n_kv_heads
@@ -236,4 +235,4 @@ def test_transplant_llada_weights_into_the_dream_twin(tokenizer):
     assert all(layer.attention.wq.bias.abs().sum() == 0 for layer in dream.layers)
     # sizes that cannot be transplanted are refused by name
     with pytest.raises(ValueError, match="init_from: the model sizes differ"):
-        train.transplant_weights(train.new_model("dream", "micro", tokenizer), llada)
+        train.transplant_weights(embedded.new_model("dream", "micro", tokenizer), llada)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..bench import HEADER, ROW_KEYS, environment, fmt_row, plots, run_config, table_rows
-from ..cli_args import UserError, add_model_args, load_model_or_exit
+from .args import UserError, add_model_args, load_model_or_exit
 from ..config import GenerationConfig
 
 
@@ -56,17 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     # Warm-up: the first forward passes of a process pay for allocation and kernel selection.
-    run_config(model, tokenizer, args.task, GenerationConfig(gen_length=args.gen_length[0], block_length=args.block_length),
-               argparse.Namespace(**{**vars(args), "limit": 1}), shots[0])
+    def row(config, num_fewshot, limit=args.limit, batch_size=args.batch_size):
+        return run_config(model, tokenizer, args.task, config, num_fewshot, limit, batch_size, args.data_dir)
+
+    row(GenerationConfig(gen_length=args.gen_length[0], block_length=args.block_length), shots[0], limit=1)
 
     results: list[dict] = []
     for gen_length, k, limit in zip(args.gen_length, shots, limits):
-        group_args = argparse.Namespace(**{**vars(args), "limit": limit})
-        for row in table_rows(gen_length, args.block_length, args.stop_at_eos, args.rows):
-            r = run_config(model, tokenizer, args.task, row.config, group_args, k)
-            results.append({"name": row.name, "group": f"{row.group}, {k}-shot", "config": row.config.to_dict(),
-                            "num_fewshot": k, **r})
-            print(f"  {results[-1]['group']:<22} {row.name:<40} acc {100 * r['accuracy']:5.1f}  "
+        for table_row in table_rows(gen_length, args.block_length, args.stop_at_eos, args.rows):
+            r = row(table_row.config, k, limit=limit)
+            results.append({"name": table_row.name, "group": f"{table_row.group}, {k}-shot",
+                            "config": table_row.config.to_dict(), "num_fewshot": k, **r})
+            print(f"  {results[-1]['group']:<22} {table_row.name:<40} acc {100 * r['accuracy']:5.1f}  "
                   f"{r['tokens_per_second']:8.1f} tok/s  NFE {r['nfe_per_sample']:.1f}", flush=True)
     for r in results:
         base = next(b for b in results if b["group"] == r["group"] and b["name"].startswith("baseline"))
@@ -78,20 +79,18 @@ def main(argv: list[str] | None = None) -> int:
         thresholds = [0.5, 0.7, 0.9, 1.0] if args.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
         blocks = [b for b in ([8, 32] if args.quick else [4, 8, 16, 32, 64]) if g0 % b == 0]
         sweeps["threshold"] = [
-            {"value": t, **run_config(model, tokenizer, args.task, GenerationConfig.fast_dllm(
-                gen_length=g0, block_length=args.block_length, threshold=t, stop_at_eos=False), args, k0)}
+            {"value": t, **row(GenerationConfig.fast_dllm(
+                gen_length=g0, block_length=args.block_length, threshold=t, stop_at_eos=False), k0)}
             for t in thresholds
         ]
         sweeps["block_length"] = [
-            {"value": b, **run_config(model, tokenizer, args.task, GenerationConfig.fast_dllm(
-                gen_length=g0, block_length=b, stop_at_eos=False), args, k0)}
+            {"value": b, **row(GenerationConfig.fast_dllm(gen_length=g0, block_length=b, stop_at_eos=False), k0)}
             for b in blocks
         ]
     batch = {}
     if args.batch_check:
         cfg = GenerationConfig.fast_dllm(gen_length=g0, block_length=args.block_length, stop_at_eos=False)
-        one = run_config(model, tokenizer, args.task, cfg, args, k0, batch_size=1)
-        eight = run_config(model, tokenizer, args.task, cfg, args, k0, batch_size=8)
+        one, eight = row(cfg, k0, batch_size=1), row(cfg, k0, batch_size=8)
         batch = {"batch_1": one, "batch_8": eight,
                  "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0}
 

@@ -4,26 +4,38 @@ from __future__ import annotations
 
 import sys
 
-from ..chat import CHAT_EXAMPLES, ChatSession, _add_common, _parser, _with_max_new_tokens
-from ..cli_args import UserError, config_from_args, load_model_or_exit, with_model_defaults
+from ..chat import ChatSession
+from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
+
+CHAT_EXAMPLES = """examples:
+  fastdllm chat
+  fastdllm chat --show --threshold 0.7
+  printf 'Tom has 5 apples. He buys 3 more. How many now?\\n/reset\\nhi\\n' | fastdllm chat
+
+commands inside the chat:
+  /reset   forget the conversation so far
+  /exit    quit (also /quit, or end of input: Ctrl-D)
+  /help    show these commands
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _parser(
+    p = parser(
         "fastdllm chat",
         "Multi-turn chat with a diffusion language model through its chat template (the embedded default "
         "model unless --model). Reads one message per line from stdin, so it also works with piped input; "
         "answers go to stdout, statistics to stderr.",
         CHAT_EXAMPLES,
     )
-    _add_common(p)
+    add_text_args(p)
     args = p.parse_args(argv)
-    config = _with_max_new_tokens(config_from_args(args), args.max_new_tokens)
-    if args.show_delay < 0:
-        raise UserError("--show-delay: must be >= 0")
+    config = text_config(args)
     model, tokenizer = load_model_or_exit(args)
     config = with_model_defaults(args, config, model)
-    session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop, keep=args.max_new_tokens)
+    try:
+        session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop, keep=args.max_new_tokens)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     interactive = sys.stdin.isatty()
     if interactive:
         print("fastdllm chat: type a message; /reset to forget the conversation, /exit to quit.", file=sys.stderr)
@@ -55,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         dropped = session.dropped_turns
         try:
             answer = session.send(line, show=args.show, show_delay=args.show_delay)
-        except UserError as e:
+        except ValueError as e:  # this turn cannot be answered (e.g. too long); the chat goes on
             print(f"fastdllm chat: error: {e}", file=sys.stderr)
             continue
         if session.dropped_turns > dropped:

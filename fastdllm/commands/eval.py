@@ -3,16 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
-from ..evaluate import DEFAULT_BATCH_SIZE, dist_info, evaluate, format_summary, write_results
+from ..evaluate import DEFAULT_BATCH_SIZE, dist_info, evaluate
 from ..tasks import DataError, UnknownTaskError, get_task, list_tasks
+
+
+def write_results(results: dict, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {k: v for k, v in results.items() if k != "samples"}
+    path.write_text(json.dumps(body, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def format_summary(results: dict) -> str:
+    r = results
+    label = "pass@1" if "pass@1" in r else "accuracy"
+    lines = [
+        f"task {r['task']}: {r['num_samples']} samples, {r['num_fewshot']}-shot, model {r['model']}",
+        f"  {label:<17} {r['accuracy']:.4f} ({r['correct']}/{r['num_samples']})",
+        f"  tokens/s          {r['tokens_per_second']:.1f} (generation only; {r['generated_tokens']} tokens in "
+        f"{r['generation_time_s']:.2f}s)",
+        f"  NFE/sample        {r['nfe_per_sample']:.2f}",
+        f"  positions/token   {r.get('positions_per_token', 0.0):.1f} computed, "
+        f"{r.get('attended_per_token', 0.0):.0f} attended",
+        f"  tokens/step       {r['tokens_per_step']:.2f}",
+        "  verdicts          " + ", ".join(f"{k} {v}" for k, v in sorted(r["verdicts"].items())),
+    ]
+    if r.get("world_size", 1) > 1:
+        lines.append(f"  ranks             {r['world_size']} (aggregate {r['aggregate_tokens_per_second']:.1f} tokens/s)")
+    if "sandbox_protections" in r:
+        lines.append(f"  sandbox           {', '.join(r['sandbox_protections'])}")
+    return "\n".join(lines)
 
 
 # ---- command line ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_args import add_generation_args, add_model_args
+    from .args import add_generation_args, add_model_args
 
     p = argparse.ArgumentParser(
         prog="fastdllm eval",
@@ -60,7 +90,7 @@ def _init_distributed(args) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_args import UserError, config_from_args, load_model_or_exit, with_model_defaults
+    from .args import UserError, config_from_args, load_model_or_exit, with_model_defaults
 
     args = build_parser().parse_args(argv)
     try:

@@ -5,12 +5,30 @@ from __future__ import annotations
 import json
 import sys
 
-from ..chat import GENERATE_EXAMPLES, _add_common, _parser, _read_prompt, _with_max_new_tokens, run_prompt
-from ..cli_args import UserError, config_from_args, load_model_or_exit, with_model_defaults
+from ..chat import run_prompt
+from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
+
+GENERATE_EXAMPLES = """examples:
+  fastdllm generate "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
+  fastdllm generate --show --show-delay 0.05 "Ann has 12 pencils. She gives 4 away. How many are left?"
+  fastdllm generate --threshold none --cache none --steps 64 --gen-length 64 "..."   # LLaDA baseline
+  fastdllm generate --json --seed 0 --temperature 0.7 "..."
+  echo "Mia has 3 books." | fastdllm generate -
+  fastdllm generate --raw "Question: 2 + 3 = ?\\nAnswer:"        # no chat template
+"""
+
+
+def read_prompt(arg: str) -> str:
+    text = sys.stdin.read() if arg == "-" else arg
+    if arg == "-":
+        text = text.rstrip("\n")
+    if not text.strip():
+        raise UserError("the prompt is empty")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _parser(
+    p = parser(
         "fastdllm generate",
         "Generate the answer to one prompt with a diffusion language model (the embedded default model "
         "unless --model). The prompt goes through the model's chat template unless --raw. The answer goes "
@@ -18,15 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         GENERATE_EXAMPLES,
     )
     p.add_argument("prompt", help='the prompt, or "-" to read it from stdin')
-    _add_common(p)
+    add_text_args(p)
     p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, nfe, tokens_per_step, tokens_per_second, config)")
     args = p.parse_args(argv)
-    config = _with_max_new_tokens(config_from_args(args), args.max_new_tokens)
-    if args.show_delay < 0:
-        raise UserError("--show-delay: must be >= 0")
-    prompt = _read_prompt(args.prompt)
+    config = text_config(args)
+    prompt = read_prompt(args.prompt)
     model, tokenizer = load_model_or_exit(args)
     config = with_model_defaults(args, config, model)
 
@@ -39,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         ids = tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt)
     if not ids:
         raise UserError("the prompt is empty after tokenisation")
-    answer = run_prompt(model, tokenizer, ids, config, stop=args.stop, show=args.show and not args.json,
-                        keep=args.max_new_tokens,
-                        show_delay=args.show_delay)
+    try:
+        answer = run_prompt(model, tokenizer, ids, config, stop=args.stop, show=args.show and not args.json,
+                            keep=args.max_new_tokens, show_delay=args.show_delay)
+    except ValueError as e:  # a prompt or config this model cannot take
+        raise UserError(str(e)) from None
     c, o = answer.completion, answer.output
     if args.json:
         record = {

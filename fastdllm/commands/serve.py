@@ -38,7 +38,7 @@ _positive_int.__name__ = "positive integer"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit, with_model_defaults
+    from .args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit, with_model_defaults
 
     p = ArgumentParser(
         prog="fastdllm serve",

@@ -49,12 +49,11 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
 
 from .box import (UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, SandboxUnavailable, current_plan, drive,
-                  last_line, memory_reason)
+                  last_line, map_in_order, memory_reason)
 from .judge import CodeCheck, free_names, judge, judge_many
 
 __all__ = ["CodeCheck", "SandboxConfig", "SandboxResult", "UID_BASE", "VERDICTS", "free_names", "judge",
@@ -120,21 +119,3 @@ def run_many(sources: Sequence[str], config: SandboxConfig | None = None, worker
     config = config or SandboxConfig()
     return map_in_order(lambda s: _run(s, config), sources, workers, on_result)
 
-
-def map_in_order(fn, items: Sequence, workers: int, on_result=None) -> list:
-    current_plan()  # probe once, before the threads
-    results: list = [None] * len(items)
-
-    def one(i: int) -> None:
-        results[i] = fn(items[i])
-        if on_result is not None:
-            on_result(i, results[i])
-
-    if workers <= 1 or len(items) <= 1:
-        for i in range(len(items)):
-            one(i)
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for f in [pool.submit(one, i) for i in range(len(items))]:
-                f.result()
-    return results

@@ -25,8 +25,10 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 from . import cgroup
 
@@ -521,3 +523,24 @@ def current_plan() -> Plan:
                     + f"). To run it with resource limits only, set {UNCONFINED_ENV}=1.")
         return _plan
 
+
+# ---- many programs -----------------------------------------------------------------------------
+def map_in_order(fn, items: Sequence, workers: int, on_result=None) -> list:
+    """`fn` over `items`, `workers` at a time in threads (the plan probed once, first); results
+    in input order, `on_result(index, result)` as each finishes."""
+    current_plan()  # probe once, before the threads
+    results: list = [None] * len(items)
+
+    def one(i: int) -> None:
+        results[i] = fn(items[i])
+        if on_result is not None:
+            on_result(i, results[i])
+
+    if workers <= 1 or len(items) <= 1:
+        for i in range(len(items)):
+            one(i)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for f in [pool.submit(one, i) for i in range(len(items))]:
+                f.result()
+    return results

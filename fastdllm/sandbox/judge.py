@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .box import UIDS, Box, SandboxConfig, SandboxResult, current_plan, drive, last_line, memory_reason
+from .box import UIDS, Box, SandboxConfig, SandboxResult, current_plan, drive, last_line, map_in_order, memory_reason
 
 _HERE = Path(__file__).resolve().parent
 _WIRE = (_HERE / "wire.py").read_text(encoding="utf-8")
@@ -183,7 +183,5 @@ def _decide(config, wall_hit, tests_box, solution_box, verdict: bytes, test_err:
 def judge_many(checks: Sequence[CodeCheck], config: SandboxConfig | None = None, workers: int = 2,
                on_result: Callable[[int, SandboxResult], None] | None = None) -> list[SandboxResult]:
     """`judge` over many checks, `workers` at a time; results in input order."""
-    from . import map_in_order
-
     config = config or SandboxConfig()
     return map_in_order(lambda c: judge(c, config), checks, workers, on_result)

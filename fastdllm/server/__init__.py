@@ -46,12 +46,5 @@ from .scheduler import Job, QueueFull, Scheduler
 from .schema import DLLM_FIELDS, MAX_N, MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChoiceText", "CompletionRequest", "DLLM_FIELDS", "Job", "MAX_N",
-           "MAX_STOP", "QueueFull", "Scheduler", "Server", "ServerSettings", "create_app", "default_model_name",
-           "main"]
+           "MAX_STOP", "QueueFull", "Scheduler", "Server", "ServerSettings", "create_app", "default_model_name"]
 
-
-def main(argv=None) -> int:
-    """`fastdllm serve` (kept here under its old name; the command lives in fastdllm.commands.serve)."""
-    from ..commands.serve import main as command
-
-    return command(argv)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import random
 import time
 import uuid
@@ -85,19 +84,11 @@ class Server:
         for name in ("temperature", "top_p"):
             if getattr(req, name) is not None:
                 overrides[name] = getattr(req, name)
-        block = overrides.get("block_length", base.block_length)
         keep = max_tokens if max_tokens is not None else base.gen_length
-        gen_length = base.gen_length
-        if isinstance(block, int) and not isinstance(block, bool) and block > 0:
-            gen_length = math.ceil(keep / block) * block
-        overrides["gen_length"] = gen_length
-        if "steps" not in overrides and base.steps is not None:
-            nb = gen_length // block if isinstance(block, int) and block > 0 else 1
-            overrides["steps"] = min(gen_length, max(nb, round(base.steps * gen_length / base.gen_length)))
         try:
-            config = base.replace(**overrides)
+            config = base.with_max_new_tokens(keep, **overrides)
         except ConfigError as e:
-            param = "max_tokens" if e.param == "gen_length" else e.param
+            param = "max_tokens" if e.param in ("gen_length", "max_new_tokens") else e.param
             raise APIError(400, f"{param}: {e.detail}", param=param, code="invalid_value") from None
         return config, keep
 
@@ -292,7 +283,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        from .. import __version__
+        from ..version import __version__
 
         return {"version": __version__}
 

@@ -1,281 +1,40 @@
-"""The evaluation tasks: a registry of name -> Task.
+"""The evaluation tasks: a registry of name -> Task (`get_task`).
 
 A Task knows its data (`load`), its prompts (`encode`, with the model's chat template when the
 tokenizer has one, plain text otherwise), the stop strings that end an answer, and how to score
 answers (`scorer()`: a context manager whose `score(docs, completions)` returns one `Score` per
 answer; code tasks run programs in `fastdllm.sandbox`, MATH checks run in a killable worker).
-
-Data files are gzip-compressed JSON Lines under `fastdllm/data/` (see its README.md for sources
-and licences); `data_dir` points at other copies with the same file names, `.jsonl.gz` or
-`.jsonl`. A missing file or a malformed line is a `DataError` naming the file (and line).
+What they share is in `base`; each task is one module; a new task is one class and one line of
+`TASKS`.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
-import zlib
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Sequence
+from importlib import import_module
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-TASK_NAMES = ("arith", "gsm8k", "humaneval", "math500", "mbpp")
+from .base import (DATA_DIR, DataError, Doc, Score, Task, UnknownTaskError, apply_limit, find_data_file,
+                   has_chat_template, read_jsonl, score_final_number)
 
+# name -> (module of this package, class); imported on first use
+TASKS = {"arith": ("arith", "ArithTask"), "gsm8k": ("gsm8k", "GSM8KTask"), "humaneval": ("humaneval", "HumanEvalTask"),
+         "math500": ("math500", "Math500Task"), "mbpp": ("mbpp", "MBPPTask")}
+_LOADED: dict[str, Task] = {}
 
-class DataError(ValueError):
-    """A missing or malformed data file (the message names it, and the line)."""
+__all__ = ["DATA_DIR", "DataError", "Doc", "Score", "TASKS", "Task", "UnknownTaskError", "apply_limit",
+           "find_data_file", "get_task", "has_chat_template", "list_tasks", "read_jsonl", "score_final_number"]
 
 
-class UnknownTaskError(ValueError):
-    pass
-
-
-@dataclass
-class Doc:
-    """One test item."""
-
-    id: str  # stable id, e.g. "gsm8k/12", "HumanEval/0", "mbpp/11"
-    index: int  # position in the task's (full) test list
-    data: dict  # the raw row
-    gold: str  # the reference answer, as logged
-
-
-@dataclass
-class Score:
-    correct: bool
-    verdict: str  # QA: correct | wrong | no_answer | timeout; code: the sandbox verdict
-    extracted: str | None  # the answer (or program) that was scored
-    reason: str = ""
-    extra: dict = field(default_factory=dict)
-
-
-# ---- data --------------------------------------------------------------------------------------
-def find_data_file(base: str, data_dir: str | Path | None = None) -> Path:
-    folder = Path(data_dir) if data_dir is not None else DATA_DIR
-    names = [base + ".jsonl.gz", base + ".jsonl"]
-    for name in names:
-        if (folder / name).is_file():
-            return folder / name
-    raise DataError(f"{folder / names[0]}: missing data file (also looked for {names[1]})")
-
-
-def read_jsonl(base: str, data_dir: str | Path | None = None, required: Sequence[str] = ()) -> list[dict]:
-    """Rows of `<data_dir>/<base>.jsonl.gz` (or `.jsonl`); every row must be a JSON object with
-    the `required` fields."""
-    path = find_data_file(base, data_dir)
-    rows = []
-    try:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                missing = [k for k in required if k not in row]
-                if missing:
-                    raise DataError(f"{path}:{lineno}: missing field {missing[0]!r}")
-                rows.append(row)
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot be read ({e})") from None
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    return rows
-
-
-def apply_limit(docs: list[Doc], limit: int | None) -> list[Doc]:
-    if limit is None:
-        return docs
-    if limit < 1:
-        raise ValueError(f"limit: must be a positive integer (got {limit})")
-    return docs[:limit]
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-# ---- the task interface ------------------------------------------------------------------------
-class _NullScorer:
-    """Scores answers in process (text tasks); a context manager like every scorer."""
-
-    def __init__(self, task: "Task"):
-        self.task = task
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self):
-        pass
-
-    def score(self, docs: Sequence[Doc], completions: Sequence[str]) -> list[Score]:
-        return [self.task.score_one(d, c) for d, c in zip(docs, completions)]
-
-
-class _CodeScorer(_NullScorer):
-    """Judges each answer against its tests in the sandbox (`sandbox.judge`: the tests and the
-    solution run in two processes that exchange only data), `workers` at a time."""
-
-    def __init__(self, task: "Task", workers: int, timeout: float | None):
-        from ..sandbox import SandboxConfig
-
-        super().__init__(task)
-        self.workers = max(1, int(workers))
-        self.config = SandboxConfig(timeout=timeout or task.default_timeout)
-
-    def score(self, docs, completions):
-        from ..sandbox import judge_many
-
-        checks = [self.task.build_check(d, c) for d, c in zip(docs, completions)]
-        results = judge_many(checks, self.config, workers=self.workers)
-        return [Score(r.passed, r.verdict, ch.solution, r.reason,
-                      {"duration": round(r.duration, 3), "cpu_time": r.to_dict()["cpu_time"]})
-                for ch, r in zip(checks, results)]
-
-
-class Task:
-    name: str = ""
-    default_num_fewshot: int = 0
-    max_num_fewshot: int = 0
-    is_code: bool = False
-    default_timeout: float = 10.0  # seconds per program (code tasks)
-    description: str = ""
-
-    # -- data
-    def load(self, data_dir=None, limit: int | None = None) -> list[Doc]:
-        raise NotImplementedError
-
-    def check_num_fewshot(self, k: int | None) -> int:
-        k = self.default_num_fewshot if k is None else k
-        if not isinstance(k, int) or not 0 <= k <= self.max_num_fewshot:
-            raise ValueError(f"num_fewshot: {self.name} takes 0..{self.max_num_fewshot} shots (got {k})")
-        return k
-
-    def fewshot(self, k: int, data_dir=None) -> list[Any]:
-        return []
-
-    # -- prompts
-    def prompt_text(self, doc: Doc, shots: list) -> str:
-        """The prompt as text: the user message for chat models, the whole prompt otherwise."""
-        raise NotImplementedError
-
-    def encode(self, tokenizer, doc: Doc, shots: list) -> list[int]:
-        text = self.prompt_text(doc, shots)
-        if has_chat_template(tokenizer):
-            return tokenizer.encode_chat([{"role": "user", "content": text}])
-        return tokenizer.encode(text)
-
-    def render(self, tokenizer, doc: Doc, shots: list) -> str:
-        """The prompt exactly as the model sees it (for logs)."""
-        text = self.prompt_text(doc, shots)
-        if has_chat_template(tokenizer):
-            return tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return text
-
-    def stop_strings(self, chat: bool) -> list[str]:
-        return []
-
-    # -- scoring
-    def score_one(self, doc: Doc, completion: str) -> Score:
-        raise NotImplementedError
-
-    def build_check(self, doc: Doc, completion: str):
-        """Code tasks: the `sandbox.CodeCheck` (solution, tests, and what joins them) to judge."""
-        raise NotImplementedError
-
-    def scorer(self, workers: int = 2, timeout: float | None = None):
-        if self.is_code:
-            return _CodeScorer(self, workers, timeout)
-        return _NullScorer(self)
-
-
-# ---- arith (the embedded model's task) ---------------------------------------------------------
-class ArithTask(Task):
-    """`fastdllm.tasks.arith`: 1000 GSM8K-like test problems, 0-shot by default (k-shot from
-    `arith.fewshot_exemplars`). Prompts are built exactly as in training (`arith.prompt_ids`:
-    `arith.format_prompt` in the chat template); scored like GSM8K."""
-
-    name = "arith"
-    default_num_fewshot = 0
-    description = "the embedded model's GSM8K-like word problems (generated, 1000 test items)"
-
-    @property
-    def max_num_fewshot(self) -> int:
-        from . import arith
-
-        return arith.FEWSHOT_POOL_SIZE
-
-    def load(self, data_dir=None, limit=None) -> list[Doc]:
-        from . import arith
-
-        docs = [Doc(f"arith/{i}", i, {"question": p.question, "answer": p.answer}, str(p.value))
-                for i, p in enumerate(arith.test_split())]
-        return apply_limit(docs, limit)
-
-    def fewshot(self, k: int, data_dir=None):
-        from . import arith
-
-        return arith.fewshot_exemplars(k)
-
-    def prompt_text(self, doc, shots):
-        from . import arith
-
-        return arith.format_prompt(doc.data["question"], shots)
-
-    def encode(self, tokenizer, doc, shots):
-        from . import arith
-
-        if has_chat_template(tokenizer):
-            return arith.prompt_ids(tokenizer, doc.data["question"], shots)
-        return tokenizer.encode(self.prompt_text(doc, shots))
-
-    def stop_strings(self, chat):
-        return ["Question:"]
-
-    def score_one(self, doc, completion):
-        return score_final_number(doc, completion)
-
-
-def score_final_number(doc: Doc, completion: str) -> Score:
-    """GSM8K-style scoring (gsm8k, arith): the number after '####' (else the last number), normalised,
-    against the normalised gold number."""
-    from .scoring import extract_gsm8k_answer, normalize_number
-
-    got = extract_gsm8k_answer(completion)
-    if got is None:
-        return Score(False, "no_answer", None)
-    ok = got == normalize_number(doc.gold)
-    return Score(ok, "correct" if ok else "wrong", got)
-
-
-# ---- registry ----------------------------------------------------------------------------------
-_TASKS: dict[str, Task] = {}
-
-
-def get_task(name: str) -> Task:
-    if not _TASKS:
-        from .gsm8k import GSM8KTask
-        from .humaneval import HumanEvalTask
-        from .math500 import Math500Task
-        from .mbpp import MBPPTask
-
-        for t in (ArithTask(), GSM8KTask(), HumanEvalTask(), Math500Task(), MBPPTask()):
-            _TASKS[t.name] = t
+def get_task(name: str | Task) -> Task:
     if isinstance(name, Task):
         return name
     key = str(name).lower()
-    if key not in _TASKS:
-        raise UnknownTaskError(f"unknown task {name!r}; choose from {', '.join(TASK_NAMES)}")
-    return _TASKS[key]
+    if key not in TASKS:
+        raise UnknownTaskError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
+    if key not in _LOADED:
+        module, cls = TASKS[key]
+        _LOADED[key] = getattr(import_module(f".{module}", __name__), cls)()
+    return _LOADED[key]
 
 
 def list_tasks() -> list[str]:
-    return list(TASK_NAMES)
+    return list(TASKS)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .base import Doc, Task, apply_limit, has_chat_template, score_final_number
+
 MAX_VALUE = 50
 TEST_SEED = 1_000_003
 FEWSHOT_SEED = 2_000_003
@@ -244,3 +246,40 @@ def fewshot_exemplars(k: int) -> list[Problem]:
     if not 0 <= k <= FEWSHOT_POOL_SIZE:
         raise ValueError(f"num_fewshot: must be in 0..{FEWSHOT_POOL_SIZE}, got {k}")
     return fewshot_pool()[:k]
+
+
+# ---- the task ---------------------------------------------------------------------------------
+class ArithTask(Task):
+    """1000 GSM8K-like test problems of the generator above, 0-shot by default (k-shot from
+    `fewshot_exemplars`). Prompts are built exactly as in training (`prompt_ids`:
+    `format_prompt` in the chat template); scored like GSM8K."""
+
+    name = "arith"
+    default_num_fewshot = 0
+    description = "the embedded model's GSM8K-like word problems (generated, 1000 test items)"
+
+    @property
+    def max_num_fewshot(self) -> int:
+        return FEWSHOT_POOL_SIZE
+
+    def load(self, data_dir=None, limit=None) -> list[Doc]:
+        docs = [Doc(f"arith/{i}", i, {"question": p.question, "answer": p.answer}, str(p.value))
+                for i, p in enumerate(test_split())]
+        return apply_limit(docs, limit)
+
+    def fewshot(self, k: int, data_dir=None):
+        return fewshot_exemplars(k)
+
+    def prompt_text(self, doc, shots):
+        return format_prompt(doc.data["question"], shots)
+
+    def encode(self, tokenizer, doc, shots):
+        if has_chat_template(tokenizer):
+            return prompt_ids(tokenizer, doc.data["question"], shots)
+        return tokenizer.encode(self.prompt_text(doc, shots))
+
+    def stop_strings(self, chat):
+        return ["Question:"]
+
+    def score_one(self, doc, completion):
+        return score_final_number(doc, completion)

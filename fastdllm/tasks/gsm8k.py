@@ -20,7 +20,7 @@ starting another exemplar) or at the first stop token.
 
 from __future__ import annotations
 
-from . import Doc, Task, apply_limit, read_jsonl, score_final_number
+from .base import Doc, Task, apply_limit, read_jsonl, score_final_number
 from .scoring import normalize_number
 
 MAX_SHOTS = 8

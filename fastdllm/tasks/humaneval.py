@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from . import Doc, Task, apply_limit, read_jsonl
+from .base import Doc, Task, apply_limit, has_chat_template, read_jsonl
 from .scoring import cut_at_stops, extract_fenced_code
 
 STOP_SEQUENCES = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
@@ -71,16 +71,12 @@ class HumanEvalTask(Task):
         return doc.data["prompt"]
 
     def encode(self, tokenizer, doc, shots):
-        from . import has_chat_template
-
         if has_chat_template(tokenizer):
             content = CHAT_INSTRUCTION.format(prompt=doc.data["prompt"])
             return tokenizer.encode_chat([{"role": "user", "content": content}])
         return tokenizer.encode(doc.data["prompt"])
 
     def render(self, tokenizer, doc, shots):
-        from . import has_chat_template
-
         if has_chat_template(tokenizer):
             content = CHAT_INSTRUCTION.format(prompt=doc.data["prompt"])
             return tokenizer.apply_chat_template([{"role": "user", "content": content}])

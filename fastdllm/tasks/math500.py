@@ -23,7 +23,7 @@ takes longer than `timeout` (default 5 s) is killed and counts as wrong.
 
 from __future__ import annotations
 
-from . import Doc, Score, Task, apply_limit, read_jsonl
+from .base import Doc, Score, Task, apply_limit, read_jsonl
 from .scoring import MathChecker, extract_math_answer, math_backend
 
 EXEMPLARS = [

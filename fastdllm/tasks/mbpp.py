@@ -29,7 +29,7 @@ holds.
 
 from __future__ import annotations
 
-from . import DataError, Doc, Task, apply_limit, read_jsonl
+from .base import DataError, Doc, Task, apply_limit, read_jsonl
 from .scoring import cut_at_stops, extract_fenced_code
 
 TEST_IDS = range(11, 511)

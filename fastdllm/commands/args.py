@@ -1,12 +1,12 @@
 """What the commands share: the argument parser that reports mistakes in one line, the model
-flags, and the decoding flags, generated from `GenerationConfig`'s declarations (one flag per
-field, the field's name with dashes)."""
+flags, the decoding flags, generated from `GenerationConfig`'s declarations (one flag per
+field, the field's name with dashes), and the text flags of `generate` and `chat`."""
 
 from __future__ import annotations
 
 import argparse
 
-from .config import PRESETS, ConfigError, GenerationConfig
+from ..config import PRESETS, ConfigError, GenerationConfig
 
 
 class UserError(Exception):
@@ -110,7 +110,7 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
 def load_model_or_exit(args: argparse.Namespace):
     import torch
 
-    from .loading import load
+    from ..loading import load
 
     if getattr(args, "threads", None):
         if args.threads < 1:
@@ -121,3 +121,34 @@ def load_model_or_exit(args: argparse.Namespace):
                     local_files_only=getattr(args, "local_files_only", False))
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
+
+
+def add_text_args(p: argparse.ArgumentParser) -> None:
+    """The model, decoding and output flags of `generate` and `chat`."""
+    add_model_args(p)
+    add_generation_args(p, GenerationConfig())
+    out = p.add_argument_group("output")
+    out.add_argument("--show", action="store_true",
+                     help="draw the canvas live while it denoises (only when stdout is a terminal)")
+    out.add_argument("--show-delay", type=float, default=0.0, metavar="SECONDS",
+                     help="pause after each drawn step, to watch a fast model (default 0)")
+    out.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                     help="at most N tokens: decodes ceil(N / block length) blocks and cuts the answer to N tokens "
+                          "(instead of --gen-length)")
+    out.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="cut the answer at this string (repeatable)")
+    out.add_argument("--system", default=None, help="a system message put before the conversation")
+    out.add_argument("--no-stats", action="store_true", help="do not print the statistics line")
+
+
+def text_config(args: argparse.Namespace) -> GenerationConfig:
+    """The decoding flags of `generate` / `chat`, with --max-new-tokens (GenerationConfig.with_max_new_tokens)."""
+    if args.show_delay < 0:
+        raise UserError("--show-delay: must be >= 0")
+    config = config_from_args(args)
+    if args.max_new_tokens is None:
+        return config
+    try:
+        return config.with_max_new_tokens(args.max_new_tokens)
+    except ConfigError as e:
+        raise UserError(f"{flag(e.param)}: {e.detail}") from None
