@@ -260,6 +260,8 @@ class GenerationConfig:
         need(self.cache in CACHE_POLICIES, "cache", f"must be one of {', '.join(CACHE_POLICIES)}")
         need(self.unmasking is None or self.unmasking in SELECTION_RULES, "unmasking",
              f"must be None or one of {', '.join(SELECTION_RULES)}")
+        for rule in ("threshold", "factor"):  # the rule named needs its parameter
+            need(self.unmasking != rule or getattr(self, rule) is not None, rule, f"unmasking={rule} needs a {rule}")
         need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
         if self.alg_temp is not None:
             need(is_num(self.alg_temp) and finite(self.alg_temp) and self.alg_temp >= 0, "alg_temp",

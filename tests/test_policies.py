@@ -134,6 +134,9 @@ def test_the_precedence_is_stated_once():
     with pytest.raises(ConfigError) as info:
         GenerationConfig(unmasking="no_such_rule")
     assert info.value.param == "unmasking"
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig(unmasking="factor")  # no factor given
+    assert info.value.param == "factor"
     assert "test_counting_vicinity" in REFRESH_RULES
 
 
