@@ -12,7 +12,7 @@ from importlib import import_module
 
 from .config import ConfigError, GenerationConfig
 
-from .version import __version__
+from .version import __version__  # noqa: F401 - the package's version
 
 # The engine's names load on first use, so that the torch-free parts (the config, the sandbox
 # that judged programs run in) import without torch.

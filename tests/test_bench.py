@@ -49,6 +49,7 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     assert baseline["positions_per_token"] > full["positions_per_token"] > 0
 
 
+@pytest.mark.slow
 def test_rows_pick_table_rows_and_keep_the_baseline(tmp_path):
     out = tmp_path / "bench"
     argv = ["--quick", "--limit", "1", "--rows", "full", "--no-sweeps", "--no-batch-check", "--out", str(out)]

@@ -68,6 +68,7 @@ def test_values_that_would_make_nans_are_rejected(kw, param):
     assert info.value.param == param
 
 
+@pytest.mark.slow  # two subprocess end-to-end runs
 def test_cli_version_and_broken_pipe():
     r = subprocess.run([sys.executable, "-m", "fastdllm", "--version"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and r.stdout.strip() == f"fastdllm {fastdllm.__version__}"
