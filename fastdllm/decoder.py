@@ -162,8 +162,7 @@ class BlockDecoder:
         self.key = join_key(config)
         policies = policies or policies_for(model, config, cache, strategy)
         self.policy, self.strategy = policies.cache, policies.strategy
-        strategy = self.strategy
-        self.rule = strategy.new_rule()
+        self.rule = self.strategy.new_rule()
         self.device = model.device
         self.mask_id = model.mask_token_id
         self.stop_ids = torch.tensor(sorted(set(model.stop_token_ids)), device=self.device)
@@ -269,7 +268,7 @@ class BlockDecoder:
     def run_block(self):
         """Decode the current block of every row (rows that joined are laid out first), yielding
         the step's `chosen` (B, block_length) after every step. After it: `last_blocks`, `left`."""
-        seq, block, steps = self._start_block()
+        seq, block = self._start_block()
         # (tokens revealed per row, row had masks, the step's forwards): charged to the rows at the
         # block's end, so a step does no host-side bookkeeping.
         log: list[tuple] = []
@@ -284,9 +283,9 @@ class BlockDecoder:
         self._charge(log)
         self._finish_block(block)
 
-    def _start_block(self) -> tuple[SequenceView, torch.Tensor, int]:
-        """Lay out the rows that joined, and set up the block: the view the forwards see, the
-        block itself (a view into the layout) and its steps; the selection rule starts the block."""
+    def _start_block(self) -> tuple[SequenceView, torch.Tensor]:
+        """Lay out the rows that joined, and set up the block: the view the forwards see and the
+        block itself (a view into the layout); the selection rule starts the block."""
         if self.joining:
             self._admit()
         cfg, blk, rows = self.config, self.config.block_length, self.rows
@@ -303,7 +302,7 @@ class BlockDecoder:
         steps = rows[0].config.steps_per_block()[blocks[0]]
         self._drawing = self.generators if self.strategy.draws_randomness else None
         self.rule.begin_block(block == self.mask_id, steps, self._drawing, list(range(len(rows))))
-        return seq, block, steps
+        return seq, block
 
     def _step(self, seq, block, masked, has_mask, step: int):
         """One step: the block's logits from the cache policy, proposals and the selection rule's

@@ -351,7 +351,6 @@ class UnmaskingStrategy:
     def from_config(cls, config) -> "UnmaskingStrategy":
         rule = SELECTION_RULES[config_names.selection_rule_name(config)]
         proposal = proposal_for(config, rule)
-        rule.from_config(config)  # a rule that cannot run under this config says so now
         return cls(proposal, lambda: rule.from_config(config),
                    proposal.draws_randomness() or rule.draws_randomness(config))
 
