@@ -26,6 +26,12 @@ gets a full forward at its first block while the others refresh their vicinity).
 layout decode bit-identically in float32 whatever else is in the batch. Padding changes how
 attention's sums are split and rounded (a padded row's logits move by ~1e-5 in float32, ~1e-2 in
 bfloat16), so a near-tied token can then differ.
+
+A block ends at the step that reveals its last mask. *Deliberate difference*: Fast-dLLM's cached
+loops (prefix and DualCache) always run at least one cached forward after the block-start forward,
+so when that forward already completes the block they spend one more that reveals nothing; we do
+not, so our NFE there is theirs less one per such block, with the same tokens
+(`tests/test_reference.py` runs the reference's own code to check both).
 """
 
 from __future__ import annotations

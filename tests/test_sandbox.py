@@ -567,6 +567,100 @@ def test_a_box_holds_its_process_limit_together():
     assert r.verdict == "passed" and 0 < int(r.stdout) < 8, r
 
 
+# Without a control group: the launcher's process tree, read from /proc, and per-process shares.
+# (The weaker plans are those `candidate_plans` falls back to; one may not run on a given machine.)
+WITHOUT_GROUP = {
+    "own PID namespace": {"box_limits": False},
+    "own root, no PID namespace": {"box_limits": False, "pid_ns": False, "seccomp": False},
+    "host root": {"box_limits": False, "pid_ns": False, "new_root": False, "seccomp": False},
+}
+
+
+@pytest.fixture(params=list(WITHOUT_GROUP))
+def without_group(request, monkeypatch):
+    from dataclasses import replace
+
+    from fastdllm.sandbox.box import probe
+
+    plan, why = probe(replace(sandbox.current_plan(), **WITHOUT_GROUP[request.param]))
+    if plan is None:
+        pytest.skip(f"this plan does not run on this machine: {why}")
+    monkeypatch.setattr(sandbox, "current_plan", lambda: plan)
+    return plan
+
+
+@needs_user
+def test_without_a_control_group_forked_children_stay_within_the_box_memory(without_group):
+    """Six children asking 200 MB each against 1024 MB: the box's uid may hold 4 processes of
+    256 MB, so fewer children get their memory and the box never holds more than its budget."""
+    code = ("import os, time\ngot = 0\nfor i in range(6):\n    try:\n        pid = os.fork()\n    except OSError:\n"
+            "        break\n    if pid == 0:\n        try:\n            b = bytearray(200 * 1024 * 1024)\n"
+            "            for j in range(0, len(b), 4096):\n                b[j] = 1\n        except MemoryError:\n"
+            "            os._exit(1)\n        time.sleep(1.5)\n        os._exit(0)\n"
+            "results = []\nwhile True:\n    try:\n        results.append(os.wait()[1] == 0)\n    except ChildProcessError:\n"
+            "        break\nprint(sum(results) * 200)\n")
+    r = run_program(code, timeout=10.0, memory_mb=1024)
+    assert r.verdict in ("passed", "crashed"), r
+    if r.verdict == "passed":
+        assert 0 < int(r.stdout) <= 1024, r.stdout
+    else:
+        assert "memory limit of 1024 MB" in r.reason, r
+    one = run_program("b = bytearray(200 * 1024 * 1024)\nprint(len(b) >> 20)\n", timeout=10.0, memory_mb=1024)
+    assert one.verdict == "passed" and one.stdout == "200\n", one
+    host_alive()
+
+
+def test_without_a_control_group_forked_children_share_the_box_cpu_budget(without_group):
+    code = "import os\nfor i in range(3):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass\n"
+    r = run_program(code, timeout=2.0, wall_timeout=30.0)
+    assert r.verdict == "timeout" and "CPU time limit of 2s" in r.reason, r
+    assert 2.0 <= r.cpu_time < 3.5, r.cpu_time  # the four processes' CPU together
+    time.sleep(0.2)
+    assert leftover_processes() == []
+
+
+def test_without_a_control_group_an_orphan_is_counted_and_ended(without_group):
+    """A grandchild whose parent ended (re-parented to the launcher, not to the host's init)
+    spins beside the program: its CPU counts for the box, and it does not outlive the run."""
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True:\n"
+            "            pass\n    os._exit(0)\nos.wait()\nt = time.time()\nwhile time.time() - t < 1.5:\n    time.sleep(0.05)\n")
+    r = run_program(code, timeout=5.0, wall_timeout=30.0)
+    assert r.verdict == "passed", r
+    assert r.cpu_time >= 1.0, r.cpu_time  # the program itself only slept
+    time.sleep(0.2)
+    assert leftover_processes() == []
+
+
+def test_a_process_tree_sums_the_cpu_and_memory_of_every_descendant():
+    """The meter of a box without a control group, on a host process tree: a parent whose two
+    children each hold 100 MB and spin, one of them through an orphaned grandchild."""
+    from fastdllm.sandbox.tree import ProcessTree
+
+    code = ("import ctypes, os, time\nctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # a subreaper, as the launcher is\n"
+            "def work():\n    b = bytearray(100 << 20)\n    for j in range(0, len(b), 4096):\n"
+            "        b[j] = 1\n    t = time.process_time()\n    while time.process_time() - t < 5:\n        pass\n"
+            "if os.fork() == 0:\n    work()\nif os.fork() == 0:\n    if os.fork() == 0:\n        work()\n    os._exit(0)\n"
+            "time.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        tree = ProcessTree(proc.pid, memory_bytes=150 << 20)
+        time.sleep(1.5)
+        first = tree.cpu_seconds()
+        time.sleep(1.0)
+        second = tree.cpu_seconds()
+        assert tree.out_of_memory()  # 200 MB in two processes, one of them an orphan
+        assert second - first > 0.5, (first, second)  # both spinners counted (2 cores shared)
+        assert ProcessTree(proc.pid, memory_bytes=400 << 20).cpu_seconds() > 0
+        tree.kill()
+        time.sleep(0.2)
+        from fastdllm.sandbox.launcher import descendants
+
+        assert not [p for p, st in descendants(proc.pid).items() if st[1] != b"Z"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @needs_seccomp
 def test_no_kernel_keys_and_no_new_namespaces():
     """A key would outlive the box (a channel to a later one); a user namespace is attack surface

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import cgroup
+from .tree import ProcessTree
 
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # fastdllm/: its data must stay unseen
@@ -56,8 +57,11 @@ class SandboxConfig:
 
     timeout: float = 10.0
     wall_timeout: float | None = None
-    memory_mb: int = 2048  # the box's memory (its control group) and each process's RLIMIT_AS
-    max_processes: int = 32  # processes + threads of the box (its control group; else RLIMIT_NPROC of its uid)
+    memory_mb: int = 2048  # the box's memory, all its processes together
+    max_processes: int = 32  # processes + threads of the box (its control group)
+    # Without a control group the memory is split: at most this many processes + threads (RLIMIT_NPROC
+    # of the box's uid), each with memory_mb / processes_without_group of address space (RLIMIT_AS).
+    processes_without_group: int = 4
     max_file_mb: int = 16  # RLIMIT_FSIZE
     max_open_files: int = 128  # RLIMIT_NOFILE
     max_output_bytes: int = 64 * 1024  # kept per stream
@@ -185,7 +189,7 @@ class UidPool:
     def release(self, uid: int) -> None:
         with self._cond:
             if uid in own_uids():
-                self._slots().insert(0, uid)
+                self._slots().append(uid)  # the least recently used goes out first
                 self._cond.notify_all()
 
 
@@ -199,23 +203,38 @@ def own_uids() -> range:
 
 
 def kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid`: a forked helper takes the uid and calls kill(-1), which
-    reaches every process the caller may signal, i.e. those of its own uid. A process with a
-    pending SIGKILL cannot complete a fork, so a fork bomb cannot outrun it; twice for safety."""
-    pid = os.fork()
-    if pid == 0:  # child: only system calls, then _exit
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            for _ in range(2):
-                try:
-                    os.kill(-1, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+    """SIGKILL every process of `uid` and wait until none is left (a zombie too: it holds a place
+    in the uid's process limit until reaped, which the next box of this uid would find taken). A
+    forked helper takes the uid and calls kill(-1), which reaches every process the caller may
+    signal but itself, i.e. those of its own uid. A process with a pending SIGKILL cannot
+    complete a fork, so a fork bomb cannot outrun it."""
+    for _ in range(200):
+        pid = os.fork()
+        if pid == 0:  # child: only system calls, then _exit
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        if not uid_processes(uid):
+            return
+        time.sleep(0.005)
+
+
+def uid_processes(uid: int) -> list[int]:
+    """The processes of `uid`, zombies included (/proc/PID belongs to its process's uid)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    found.append(int(name))
+            except OSError:
+                pass
+    return found
 
 
 class Box:
@@ -231,11 +250,12 @@ class Box:
         self.uid = (uid if uid is not None else UIDS.acquire()[0]) if plan.drop_user else None
         self.proc: subprocess.Popen | None = None
         self.group: cgroup.BoxGroup | None = None
+        self.tree: ProcessTree | None = None  # where there is no control group
         self.out, self.err, self.status_line = bytearray(), bytearray(), bytearray()
         self.truncated = False
         self.cpu_exceeded = False  # the host stopped the box at its CPU budget
         self.memory_exceeded = False  # the kernel stopped a process of the box at its memory limit
-        self.final_cpu: float | None = None  # CPU seconds of all its processes (with a control group)
+        self.final_cpu: float | None = None  # CPU seconds of all its processes, as its meter counted them
         self.status_r = -1
         self.started = time.perf_counter()
         self.host = os.path.realpath(tempfile.mkdtemp(prefix="fastdllm-sandbox-"))
@@ -285,18 +305,27 @@ class Box:
             )
         finally:
             os.close(status_w)
+        if self.group is None:
+            self.tree = ProcessTree(self.proc.pid, config.memory_mb * 1024 * 1024)
 
     def _rlimits(self) -> list[tuple[int, int, int]]:
+        """Each process's own limits. With a control group the box's memory and process count
+        hold together and each process may take all of it; without one, the box's uid may hold
+        `processes_without_group` processes of a share each, so the product stays within the
+        budget (without a uid of its own, processes cannot be counted by the kernel: the host's
+        sum of resident memory over the box's processes then holds the total)."""
         c, mb = self.config, 1024 * 1024
+        processes = c.max_processes if self.plan.box_limits else c.processes_without_group
+        memory = c.memory_mb * mb if self.plan.box_limits else c.memory_mb * mb // processes
         limits = [
             (resource.RLIMIT_CPU, c.cpu_seconds, c.cpu_seconds + 1),  # SIGXCPU, then SIGKILL
-            (resource.RLIMIT_AS, c.memory_mb * mb, c.memory_mb * mb),
+            (resource.RLIMIT_AS, memory, memory),
             (resource.RLIMIT_FSIZE, c.max_file_mb * mb, c.max_file_mb * mb),
             (resource.RLIMIT_NOFILE, c.max_open_files, c.max_open_files),
             (resource.RLIMIT_CORE, 0, 0),
         ]
         if self.plan.drop_user:  # the uid is the box's own, so this too counts the box's processes
-            limits.append((resource.RLIMIT_NPROC, c.max_processes, c.max_processes))
+            limits.append((resource.RLIMIT_NPROC, processes, processes))
         return limits
 
     def readers(self) -> dict[int, tuple[bytearray, int]]:
@@ -313,27 +342,33 @@ class Box:
             return {}
         return st if isinstance(st, dict) else {}
 
-    def cpu_seconds(self) -> float | None:
-        """CPU time of all the box's processes so far (None without a control group)."""
-        return self.group.cpu_seconds() if self.group is not None else None
+    @property
+    def meter(self) -> "cgroup.BoxGroup | ProcessTree | None":
+        """What counts the box's processes together: its control group, else its process tree."""
+        return self.group if self.group is not None else self.tree
 
     def enforce_limits(self) -> None:
-        """Stop the box once its processes together have spent its CPU budget, or once the kernel
-        had to kill one of them at the box's memory limit (the box is over its budget, whichever
-        process the kernel chose)."""
-        if self.group is None or self.cpu_exceeded or self.memory_exceeded:
+        """Stop the box once its processes together have spent its CPU budget, or once its memory
+        limit was hit (the kernel killed one of them at the control group's limit, or their
+        resident memory summed above it): the box is over its budget, whichever process did it."""
+        meter = self.meter
+        if meter is None or self.cpu_exceeded or self.memory_exceeded:
             return
-        if self.group.cpu_seconds() > self.config.cpu_seconds:
+        if meter.cpu_seconds() > self.config.cpu_seconds:
             self.cpu_exceeded = True
-        elif self.group.out_of_memory():
+        elif meter.out_of_memory():
             self.memory_exceeded = True
         else:
             return
-        self.group.kill()
+        meter.kill()
 
     def finish(self) -> None:
-        """Kill every process of the box (the launcher's process group, the control group's
-        members, the box's uid) and clean up."""
+        """Kill every process of the box (its process tree while the launcher still holds it, the
+        launcher's process group, the control group's members, the box's uid) and clean up."""
+        if self.tree is not None and self.proc is not None:
+            self.tree.kill()
+            self.final_cpu = self.tree.cpu_seconds()
+            self.memory_exceeded = self.memory_exceeded or self.tree.out_of_memory()
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -364,8 +399,7 @@ class Box:
         """(signal-or-error kind, detail, exit code, cpu seconds) of the program, from the status
         line and the box's control group (call after `finish`): kind is None for a normal exit,
         "cpu" for the CPU limit, "memory" for the box's memory limit, "signal" for another
-        signal, "start" when it could not start. CPU seconds are those of all the box's
-        processes where a control group counted them."""
+        signal, "start" when it could not start. CPU seconds are those of all the box's processes."""
         st = self.status()
         if self.cpu_exceeded:
             return "cpu", "", None, self.final_cpu
@@ -376,7 +410,7 @@ class Box:
         if "status" not in st:
             return "start", "the launcher reported no status", None, None
         rc = os.waitstatus_to_exitcode(int(st["status"]))
-        cpu = self.final_cpu if self.final_cpu is not None else float(st.get("cpu", 0.0))
+        cpu = max(self.final_cpu or 0.0, float(st.get("cpu", 0.0)))
         if rc < 0:
             sig = -rc
             if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= self.config.cpu_seconds):
@@ -420,7 +454,7 @@ def drive(boxes: list[Box], wall: float, extra: dict[int, tuple[bytearray, int]]
                 break
             for b in boxes:
                 b.enforce_limits()
-            poll = 0.05 if exited_at else (0.1 if any(b.group is not None for b in boxes) else 0.5)
+            poll = 0.05 if exited_at else 0.1
             for key, _ in sel.select(timeout=min(deadline - now, poll)):
                 try:
                     chunk = os.read(key.fd, 65536)
@@ -459,12 +493,13 @@ def candidate_plans() -> list[Plan]:
     """The confinement levels to try, strongest first. A plan that runs programs as the caller's
     own user with no namespace at all (rlimits only) is tried only when `FASTDLLM_SANDBOX_UNCONFINED=1`
     says so: as root it would run untrusted code as root. Limits per box (a control group) come
-    with every plan where the machine lets us make control groups; elsewhere limits hold per
-    process only (logged)."""
+    with every plan where the machine lets us make control groups; elsewhere the box's process
+    tree is metered instead (logged)."""
     limits = cgroup.available()
     if not limits:
-        log.warning("sandbox: no writable control groups here: memory and CPU limits hold per process, "
-                    "not for a box's processes together")
+        log.warning("sandbox: no writable control groups here: a box's CPU and memory are summed over its "
+                    "process tree while it runs, and its memory is split between at most %d processes",
+                    SandboxConfig.processes_without_group)
     if os.geteuid() == 0:
         full = Plan(drop_user=True, new_net=True, new_root=True, pid_ns=True,
                     seccomp=platform.machine() in ("x86_64", "aarch64"), box_limits=limits)

@@ -10,8 +10,9 @@ the box at its budget. Killing "every process of the box" is then exact: the gro
 Both kernel interfaces are handled: cgroup v2 (one unified tree, with the memory, pids and cpu
 controllers delegated to our own group's children) and cgroup v1 (a `memory`, a `pids` and a
 `cpuacct` hierarchy). Groups are made under the caller's own group, so any limit above us still
-holds. Where neither is writable, `available()` says so and boxes fall back to per-process limits
-(`protections()` then has no "box_limits").
+holds. Where neither is writable, `available()` says so and boxes fall back to their process
+tree (`tree.py`: CPU and resident memory summed over the launcher's descendants, the memory split
+between a few processes of the box's uid); `protections()` then has no "box_limits".
 """
 
 from __future__ import annotations

@@ -18,8 +18,10 @@ confinements to set up; in order:
    supplementary groups, `PR_SET_NO_NEW_PRIVS` (setuid binaries gain nothing), a seccomp filter
    (only Unix and IP sockets, no io_uring, no kernel keyrings, no new namespaces), every other
    descriptor closed, then exec;
-5. init reaps until the program exits, then writes its wait status and CPU time (a marshalled
-   dict) to the status descriptor, which the program never holds, and exits.
+5. init reaps until the program exits, ends whatever it left running (without a PID namespace,
+   init is a child subreaper, so every process the program started is still its descendant),
+   then writes the wait status and the CPU time of all the box's processes (a marshalled dict) to
+   the status descriptor, which the program never holds, and exits.
 
 Before all of this the launcher joins the box's control groups, where the host made them, so
 that every process of the box counts against its memory, process and CPU limits together. Any
@@ -42,7 +44,7 @@ CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_CHILD_SUBREAPER = 38, 22, 2, 36
 
 # Per architecture: the audit arch, and the numbers of the syscalls the filter looks at.
 ARCHES = {
@@ -79,6 +81,56 @@ def _write(path, text):
         os.write(fd, text.encode())
     finally:
         os.close(fd)
+
+
+# ---- the box's processes, where no PID namespace holds them ---------------------------------------
+def proc_stat(pid):
+    """(parent pid, state, CPU ticks of the process and of its reaped children, resident pages)
+    from /proc, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(b")") + 2:].split()  # the name, in parentheses, may hold anything
+    return int(fields[1]), fields[0], sum(int(x) for x in fields[11:15]), int(fields[21])
+
+
+def descendants(root):
+    """{pid: proc_stat} of every descendant of `root`, from one pass over /proc. The launcher is
+    a child subreaper, so a process whose parent ended is still found under it."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = proc_stat(int(name))
+            if st is not None:
+                children.setdefault(st[0], []).append((int(name), st))
+    found, todo = {}, [root]
+    while todo:
+        for pid, st in children.get(todo.pop(), ()):
+            found[pid] = st
+            todo.append(pid)
+    return found
+
+
+def kill_descendants(root, reap):
+    """SIGKILL the descendants of `root` until none is left (a process with a pending SIGKILL
+    cannot complete a fork); `reap`: we are their subreaper and wait for them."""
+    for _ in range(1000):
+        live = [pid for pid, st in descendants(root).items() if st[1] != b"Z"]
+        for pid in live:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        while reap:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not live:
+            return
 
 
 # ---- the new root ----------------------------------------------------------------------------------
@@ -258,7 +310,12 @@ def _report(fd, obj):
 
 
 def _init(spec, status_fd):
-    """Set up the root, start the program, reap until it exits, report its status."""
+    """Set up the root, start the program, reap until it exits, end what it left running, report
+    its status and the CPU time of every process of the box that ended."""
+    own_namespace = spec["pid"] and not spec["user_ns"]  # we are its PID 1: the kernel ends the rest
+    if not own_namespace:  # orphans are re-parented to us, not to the host's init
+        libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child_subreaper")
     own_proc = _build_root(spec) if spec["new_root"] else False
     child = os.fork()
     if child == 0:
@@ -269,12 +326,15 @@ def _init(spec, status_fd):
         os._exit(70)
     while True:
         try:
-            pid, status, usage = os.wait4(-1, 0)
+            pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
-            pid, status, usage = child, 0, None
+            pid, status = child, 0
         if pid == child:
             break
-    cpu = (usage.ru_utime + usage.ru_stime) if usage is not None else 0.0
+    if not own_namespace and os.path.isdir("/proc/self"):  # else its own uid lets the host end them
+        kill_descendants(os.getpid(), reap=True)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = usage.ru_utime + usage.ru_stime
     _report(status_fd, {"status": status, "cpu": cpu, "own_proc": own_proc})
     os._exit(0)
 
