@@ -144,13 +144,16 @@ class GenerationConfig:
     @classmethod
     def for_model(cls, model, base: "GenerationConfig | None" = None, **overrides) -> "GenerationConfig":
         """`base` (default: the defaults) with the checkpoint's own generation defaults (Dream's
-        generation_config.json: alg, eps, temperature, ...) in the fields `overrides` leave unset."""
+        generation_config.json: alg, eps, temperature, ...) and what its family needs (a
+        block-causal model's block length and exact cache, `Family.decoding_defaults`) in the
+        fields `overrides` leave unset."""
         family = getattr(model, "family", None)
         names = family.generation_defaults if family is not None else ()
         found = getattr(model, "generation_config", None) or {}
         checkpoint = {k: found[k] for k in names if k in found}
+        needed = family.decoding_defaults(model.args) if family is not None else {}
         base = base or cls()
-        return base.replace(**{**checkpoint, **overrides})
+        return base.replace(**{**needed, **checkpoint, **overrides})
 
     def replace(self, **changes) -> "GenerationConfig":
         return replace(self, **changes)

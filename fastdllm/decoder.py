@@ -63,8 +63,8 @@ def join_key(config: GenerationConfig):
 class Row:
     """One prompt being decoded, with what it cost (as decoded alone)."""
 
-    prompt: torch.Tensor  # (P,) token ids
-    config: GenerationConfig  # its gen_length and steps; the decoding fields are the batch's
+    prompt: torch.Tensor  # (P,) token ids before its decoding region
+    config: GenerationConfig  # its region's length (gen_length) and steps; the decoding fields are the batch's
     generator: torch.Generator | None
     tag: object = None  # the caller's handle (the server's job)
     block: int = 0  # the block it decodes next
@@ -75,10 +75,24 @@ class Row:
     tokens_per_step: list[int] = field(default_factory=list)
     forward_positions: int = 0  # query positions of those forwards
     attended_positions: int = 0  # query x key positions
+    # A block-causal model's blocks lie at fixed positions (p // block_size), so a prompt that ends
+    # inside one shares it with the answer's first tokens: those `lead` prompt tokens open the
+    # row's decoding region, already revealed, and the region is one block longer than the answer
+    # (`asked` tokens), as the references decode to the end of the block holding the last one.
+    lead: int = 0
+    asked: int = 0
+    lead_tokens: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
         return self.config.num_blocks
+
+    def answer_span(self, block: int, block_length: int) -> tuple[int, int, int, int]:
+        """Where block `block` of the region lies in the answer: (answer from, to, block from, to),
+        clipped to the answer's `asked` positions."""
+        lo, hi = block * block_length - self.lead, (block + 1) * block_length - self.lead
+        a_lo, a_hi = max(0, lo), min(self.asked, hi)
+        return a_lo, max(a_lo, a_hi), a_lo - lo, max(a_lo, a_hi) - lo
 
     @property
     def done(self) -> bool:
@@ -165,6 +179,9 @@ class BlockDecoder:
     def __init__(self, model, config: GenerationConfig, cache: CachePolicy | None = None,
                  strategy: UnmaskingStrategy | None = None, policies: Policies | None = None):
         self.model, self.config = model, config
+        if model.args.block_size and config.block_length != model.args.block_size:
+            raise ValueError(f"block_length: must be {model.args.block_size} for this model, whose attention is "
+                             f"block-causal in blocks of {model.args.block_size} (got {config.block_length})")
         self.key = join_key(config)
         policies = policies or policies_for(model, config, cache, strategy)
         self.policy, self.strategy = policies.cache, policies.strategy
@@ -199,9 +216,19 @@ class BlockDecoder:
         gens = row_generators(config, ids.shape[0], row_seeds, self.device) if self.strategy.draws_randomness \
             else [None] * ids.shape[0]
         tags = [None] * ids.shape[0] if tags is None else list(tags)
-        rows = [Row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
+        rows = [self._row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
         self.joining.extend(rows)
         return rows
+
+    def _row(self, prompt, config, generator, tag) -> Row:
+        blk = self.config.block_length
+        lead = len(prompt) % blk if self.model.args.block_size else 0
+        if not lead:
+            return Row(prompt, config, generator, tag, asked=config.gen_length)
+        region = config.replace(gen_length=config.gen_length + blk,
+                                steps=None if config.steps is None else config.steps + config.steps // config.num_blocks)
+        return Row(prompt[:-lead], region, generator, tag, lead=lead, asked=config.gen_length,
+                   lead_tokens=prompt[-lead:])
 
     def drop(self, rows: list[Row]) -> None:
         """Rows that stop now (their caller no longer wants them): they leave before the next block."""
@@ -240,6 +267,8 @@ class BlockDecoder:
             i, p = len(old) + j, len(r.prompt)
             x[i, start - p : start] = r.prompt
             x[i, start : start + r.config.gen_length] = self.mask_id
+            if r.lead:
+                x[i, start : start + r.lead] = r.lead_tokens
             valid[i, start - p : start + r.config.gen_length] = True
         self.row_nfe = torch.cat([self.row_nfe, torch.zeros(len(new), dtype=torch.long, device=self.device)]) \
             if old else torch.zeros(bsz, dtype=torch.long, device=self.device)
@@ -340,10 +369,13 @@ class BlockDecoder:
         """Rows that hit a stop token or their last block leave; the others move to the next block."""
         bsz, end = block.shape[0], self.start + self.config.block_length
         done = block.tolist()
-        hit = torch.isin(block, self.stop_ids).any(-1).tolist() if self.config.stop_at_eos else [False] * bsz
+        revealed = self.step_of[:, self.start : end] >= 0  # not a prompt token that opens the region
+        hit = (torch.isin(block, self.stop_ids) & revealed).any(-1).tolist() if self.config.stop_at_eos \
+            else [False] * bsz
         self.last_blocks, self.left, keep = [], [], []
         for i, r in enumerate(self.rows):
-            self.last_blocks.append((r, r.block, done[i]))
+            _, _, b_lo, b_hi = r.answer_span(r.block, self.config.block_length)
+            self.last_blocks.append((r, r.block, done[i][b_lo:b_hi]))
             r.block += 1
             r.finished = hit[i]
             if hit[i] or r.block == r.num_blocks:
@@ -374,10 +406,10 @@ class BlockDecoder:
                         r.attended_positions += queries * keys
 
     def _leave(self, i: int, r: Row) -> None:
-        blk, n = self.config.block_length, r.config.gen_length
-        first = self.start - (r.block - 1) * blk  # the row's answer starts here
+        blk, n = self.config.block_length, r.asked
+        first = self.start - (r.block - 1) * blk + r.lead  # the row's answer starts here
         r.answer = self.x[i, first : first + n].clone()
         r.unmask_step = self.step_of[i, first : first + n].clone()
         if r.finished:
-            r.answer[r.block * blk :] = self.model.args.eos_token_id
+            r.answer[r.block * blk - r.lead :] = self.model.args.eos_token_id
         self.left.append(r)

@@ -76,20 +76,25 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
     return Tokenizer(fast, config)
 
 
-def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2048, seed: int = 0) -> Transformer:
+def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2048, seed: int = 0,
+              **overrides) -> Transformer:
+    """A freshly initialised model of family `arch` (a model_type) and size `preset`; `overrides`
+    are ModelArgs fields (a block-diffusion family's `block_size`, say)."""
     family = FAMILIES[arch]
     vocab = 64 * math.ceil(tokenizer.vocab_size / 64)
-    args = ModelArgs(
+    fields = dict(
         **PRESETS[preset],
         vocab_size=vocab,
         max_seq_len=max_seq_len,
         rope_theta=10000.0,
         norm_eps=1e-5 if arch == "llada" else 1e-6,
-        qkv_bias=arch == "dream",
         mask_token_id=tokenizer.token_to_id(SPECIAL_TOKENS["mask"]),
         eos_token_id=tokenizer.eos_token_id,
         shifted_logits=family.shifted_logits,
     )
+    if "block_size" in family.fields:
+        fields["block_size"] = family.args_from_config(family.reference_config).block_size
+    args = ModelArgs(**{**fields, **family.fixed, **overrides})
     # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
     ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
     torch.manual_seed(seed)

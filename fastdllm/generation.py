@@ -115,9 +115,15 @@ def iter_generate(
         batch = decoder.rows + decoder.joining  # the rows this block decodes
         b, live = batch[0].block, [slot[id(r)] for r in batch]
         idx = None if len(live) == bsz else torch.tensor(live, device=model.device)
+        leads = any(r.lead for r in batch)
         for chosen in decoder.run_block():
             stats["nfe"] = decoder.nfe
-            if idx is None:
+            if leads:  # rows whose region opens with prompt tokens: their own place in the answer
+                current = decoder.current_block()
+                for i, r in enumerate(batch):
+                    a_lo, a_hi, b_lo, b_hi = r.answer_span(b, blk)
+                    canvas[slot[id(r)], a_lo:a_hi] = current[i, b_lo:b_hi]
+            elif idx is None:
                 canvas[:, b * blk : (b + 1) * blk] = decoder.current_block()
             else:
                 canvas[idx, b * blk : (b + 1) * blk] = decoder.current_block()

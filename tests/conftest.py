@@ -95,6 +95,17 @@ def tiny_dream(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_sdar(tokenizer):
+    # an explicit head_dim unlike dim // n_heads, as Qwen3's
+    return random_model("sdar", tokenizer, seed=3, n_heads=4, n_kv_heads=2, head_size=16, block_size=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_v2(tokenizer):
+    return random_model("fast_dllm_qwen", tokenizer, seed=4, n_heads=4, n_kv_heads=2, block_size=8)
+
+
+@pytest.fixture(scope="session")
 def tiny_llada_dir(tmp_path_factory, tiny_llada, tokenizer):
     return save_pretrained(tiny_llada, tmp_path_factory.mktemp("llada"), tokenizer, dtype=torch.float32,
                            max_shard_bytes=20_000)

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from . import dream, llada
+from . import dream, fast_dllm_v2, llada, sdar
 from .family import Family
 from .transformer import ModelArgs, Transformer
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llada.FAMILY, dream.FAMILY)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llada.FAMILY, dream.FAMILY, fast_dllm_v2.FAMILY, sdar.FAMILY)}
 
 
 def family_of(config: dict, where: str = "config.json") -> Family:
     model_type = str(config.get("model_type", "")).lower()
     if model_type not in FAMILIES:
         raise ValueError(
-            f"{where}: unknown model_type {config.get('model_type')!r}; supported: {', '.join(sorted(FAMILIES))}"
+            f"{where}: unknown model_type {config.get('model_type')!r}; the families we know: "
+            + ", ".join(f"{f.name} ({f.model_type})" for f in FAMILIES.values())
         )
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "Family", "ModelArgs", "Transformer", "family_of", "llada", "dream"]
+__all__ = ["FAMILIES", "Family", "ModelArgs", "Transformer", "family_of", "llada", "dream", "fast_dllm_v2", "sdar"]

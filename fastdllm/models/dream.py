@@ -14,7 +14,8 @@ not token-identical with, the reference.
 
 from __future__ import annotations
 
-from .family import ConfigField, Family
+from . import qwen
+from .family import Family
 from .transformer import ModelArgs
 
 SHIFTED_LOGITS = True
@@ -55,11 +56,6 @@ REFERENCE_CONFIG = {
 DEFAULT_MASK_TOKEN_ID = 151666
 
 
-def _check(cfg: dict, where: str) -> None:
-    if cfg.get("rope_scaling"):
-        raise ValueError(f"{where}: field rope_scaling={cfg['rope_scaling']!r} is not supported")
-
-
 # generation_config.json: Dream's own loader refuses a folder without it. Its decoding fields that
 # name GenerationConfig fields become the checkpoint's defaults (`GenerationConfig.for_model`);
 # `steps` belongs to its max_new_tokens and is not carried over (ours defaults to gen_length).
@@ -83,36 +79,14 @@ FAMILY = Family(
     model_type=MODEL_TYPE,
     shifted_logits=SHIFTED_LOGITS,
     reference_config=REFERENCE_CONFIG,
-    required=("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"),
-    fields={
-        "dim": ConfigField(("hidden_size",)),
-        "n_layers": ConfigField(("num_hidden_layers",), write=("num_hidden_layers", "max_window_layers")),
-        "n_heads": ConfigField(("num_attention_heads",)),
-        "n_kv_heads": ConfigField(("num_key_value_heads",), default=lambda v: v["n_heads"]),
-        "hidden_dim": ConfigField(("intermediate_size",)),
-        "vocab_size": ConfigField(("vocab_size",)),
-        "max_seq_len": ConfigField(("max_position_embeddings",), default=4096),
-        "rope_theta": ConfigField(("rope_theta",), float, 10000.0),
-        "norm_eps": ConfigField(("rms_norm_eps",), float, 1e-6),
-        "tie_embeddings": ConfigField(("tie_word_embeddings",), bool, False),
-        "mask_token_id": ConfigField(("mask_token_id",), default=DEFAULT_MASK_TOKEN_ID),
-        "eos_token_id": ConfigField(("eos_token_id",), default=151643),
-    },
+    required=qwen.REQUIRED,
+    fields=qwen.config_fields(DEFAULT_MASK_TOKEN_ID),
     unsupported={"hidden_act": "silu"},
-    check=_check,
+    check=qwen.check_no_rope_scaling,
     fixed={"qkv_bias": True},  # Qwen2: q/k/v always have biases
-    top_weights={"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"},
-    layer_weights={
-        "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-        "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-        "layers.{i}.attention.w{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
-        "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-        "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-        "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-        "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    },
-    qkv_bias_weights={"layers.{i}.attention.w{p}.bias": "model.layers.{i}.self_attn.{p}_proj.bias"},
+    top_weights=qwen.TOP_WEIGHTS,
+    layer_weights=qwen.LAYER_WEIGHTS,
+    qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
 )
 args_from_config = FAMILY.args_from_config
 config_from_args = FAMILY.config_from_args

@@ -53,6 +53,17 @@ class Family:
     # refreshes the cache) reveals the block's first masked position (Fast-dLLM's Dream code).
     block_start_reveals_first: bool = False
 
+    def decoding_defaults(self, args: ModelArgs) -> dict:
+        """Decoding fields a model of this family needs unless told otherwise. A block-causal model
+        decodes in its attention blocks, and its cache is exact with the cheapest windows: each
+        block's first step recomputes the just-finished block (committing its final K/V) with the
+        current one, later steps the current block alone, and nothing after it is ever part of a
+        forward (no later block is visible to it)."""
+        if not args.block_size:
+            return {}
+        return {"block_length": args.block_size, "cache": "dual", "refresh": "vicinity", "refresh_every": None,
+                "suffix_window": 0}
+
     # -- config.json -> ModelArgs
     def args_from_config(self, cfg: dict, where: str = "config.json") -> ModelArgs:
         missing = [k for k in self.required if k not in cfg]

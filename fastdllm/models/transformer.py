@@ -1,10 +1,12 @@
-"""The shared bidirectional transformer behind every model family (gpt-fast style).
+"""The shared transformer behind every model family (gpt-fast style).
 
-LLaDA and Dream are both Llama-shaped: pre-norm RMSNorm blocks, rotary position
-embeddings, multi-head (optionally grouped-query) attention with *no* causal mask,
-and a SwiGLU MLP. The family files (`llada.py`, `dream.py`) only translate their
-checkpoint's config fields and weight names into `ModelArgs` and the module names
-used here, and say whether the logits are shifted.
+Every family is Llama-shaped: pre-norm RMSNorm blocks, rotary position embeddings, multi-head
+(optionally grouped-query) attention and a SwiGLU MLP; Qwen3-based ones (SDAR) add a per-head
+RMSNorm of q and k before RoPE. Attention is bidirectional over the whole sequence (LLaDA, Dream)
+or *block-causal* (`block_size` > 0: Fast-dLLM v2, SDAR): the position at RoPE index p belongs to
+block p // block_size and attends to every key of its own block and of earlier blocks, none
+after. The family files only translate their checkpoint's config fields and weight names into
+`ModelArgs` and the module names used here, and say whether the logits are shifted.
 
 The one forward that decoding needs is `Transformer.logits_for`: compute a window
 [ws, we) of the sequence, optionally against a KV cache holding everything else,
@@ -39,11 +41,14 @@ class ModelArgs:
     eos_token_id: int = 0
     # The logit at i-1 predicts token i (Dream, initialised from an autoregressive model).
     shifted_logits: bool = False
+    head_size: int = 0  # the width of one head where a config sets it (Qwen3); 0: dim // n_heads
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    block_size: int = 0  # block-causal attention in blocks of this many positions; 0: bidirectional
     extra: dict = field(default_factory=dict)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
 
 class RMSNorm(nn.Module):
@@ -84,12 +89,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
     def project(self, x, cos, sin):
         """q, k, v (B, heads, T, head_dim) of a window, RoPE applied."""
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -140,6 +151,14 @@ class TransformerBlock(nn.Module):
     def after_attention(self, x, attended):
         x = x + self.attention.wo(attended)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, block_size: int,
+                      key_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, 1, T, S) True where a query (RoPE position, (B, T)) may attend a key ((B, S)): the key's
+    block is not after the query's; and-ed with `key_mask` (B, 1, 1, S) (padding)."""
+    allowed = (key_positions // block_size)[:, None, None, :] <= (query_positions // block_size)[:, None, :, None]
+    return allowed if key_mask is None else allowed & key_mask
 
 
 def positions_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
@@ -241,6 +260,8 @@ class Transformer(nn.Module):
         bsz, length = input_ids.shape
         positions = positions_from_mask(attention_mask, bsz, length, input_ids.device)
         key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        if self.args.block_size:
+            key_mask = block_causal_mask(positions, positions, self.args.block_size, key_mask)
         return self.head(self.hidden(input_ids, positions, key_mask))
 
     def logits_for(
@@ -274,5 +295,7 @@ class Transformer(nn.Module):
             raise ValueError("a partial window needs a KV cache filled by a full forward")
         if positions is None:
             positions = positions_from_mask(None, bsz, length, x.device)
+        if self.args.block_size:  # the keys are the whole sequence: the window's, or the cache's
+            key_mask = block_causal_mask(positions[:, ws:we], positions, self.args.block_size, key_mask)
         h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws, compiled=compiled)
         return self.head(h[:, start - shift - ws : end - shift - ws])

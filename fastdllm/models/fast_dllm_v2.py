@@ -1,0 +1,69 @@
+"""Fast-dLLM v2 (Efficient-Large-Model/Fast_dLLM_v2_7B, _1.5B): Qwen2.5 adapted to block
+diffusion by the Fast-dLLM authors.
+
+Qwen2: q/k/v biases. Attention is block-causal in blocks of `bd_size` (32): a block attends to every
+earlier block and bidirectionally to itself, so the cache is exact. The prediction stays shifted as
+in the autoregressive model it came from: the output at position j-1 predicts token j, so the
+first token of a block is predicted by the last position of the previous one, once that block is
+final (the reference reveals it with the forward that commits the finished block; our loop does
+it at the block's first step, `block_start_reveals_first`).
+"""
+
+from __future__ import annotations
+
+from . import qwen
+from .family import ConfigField, Family
+
+MODEL_TYPE = "fast_dllm_qwen"  # "Fast_dLLM_Qwen" in config.json (matched without case)
+MASK_TOKEN_ID = 151665  # |<MASK>|, added to the Qwen2.5 vocabulary
+
+# Qwen2.5-7B-Instruct's config.json with the fields Fast-dLLM v2's conversion adds (model_type,
+# architectures, auto_map, bd_size).
+REFERENCE_CONFIG = {
+    "architectures": ["Fast_dLLM_QwenForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+        "AutoModel": "modeling.Fast_dLLM_QwenModel",
+        "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM",
+    },
+    "attention_dropout": 0.0,
+    "bd_size": 32,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 28,
+    "model_type": "Fast_dLLM_Qwen",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+
+FAMILY = Family(
+    name="Fast-dLLM v2",
+    model_type=MODEL_TYPE,
+    shifted_logits=True,
+    reference_config=REFERENCE_CONFIG,
+    required=qwen.REQUIRED,
+    fields=qwen.config_fields(MASK_TOKEN_ID, default_eos_token_id=151645,
+                              block_size=ConfigField(("bd_size",), default=32)),
+    unsupported={"hidden_act": "silu"},
+    check=qwen.check_no_rope_scaling,
+    fixed={"qkv_bias": True},
+    top_weights=qwen.TOP_WEIGHTS,
+    layer_weights=qwen.LAYER_WEIGHTS,
+    qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
+    block_start_reveals_first=True,
+)

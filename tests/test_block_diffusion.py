@@ -1,0 +1,172 @@
+"""Block-diffusion families (SDAR / TraDo on the Qwen3 layout, Fast-dLLM v2 on Qwen2): their real
+checkpoint layouts, block-causal attention checked against a forward written here from the
+weights alone, the exact cache, and decoding through the one loop."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fastdllm
+from fastdllm import GenerationConfig, generate
+from fastdllm.loading import save_pretrained
+
+FAMILIES = ["tiny_sdar", "tiny_v2"]
+
+
+def reference_forward(folder, ids: torch.Tensor) -> torch.Tensor:
+    """Logits (T, V) of one unpadded sequence, from config.json and the safetensors alone: Qwen2 /
+    Qwen3 blocks, RoPE by rotate-half, and the block-causal rule key block <= query block."""
+    cfg = json.loads((folder / "config.json").read_text())
+    w = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        w.update(load_file(str(f)))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    block = cfg.get("block_size") or cfg.get("bd_size")
+    eps = cfg["rms_norm_eps"]
+    t = ids.shape[0]
+    pos = torch.arange(t)
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.outer(pos.float(), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+
+    def rms(v, weight):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def rope(v):  # (T, H, D)
+        half = v.shape[-1] // 2
+        return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
+
+    def linear(v, name):
+        out = v @ w[name + ".weight"].T
+        return out + w[name + ".bias"] if name + ".bias" in w else out
+
+    allowed = (pos[None, :] // block) <= (pos[:, None] // block)  # (query, key)
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = linear(h, p + "self_attn.q_proj").view(t, heads, hd)
+        k = linear(h, p + "self_attn.k_proj").view(t, kv_heads, hd)
+        v = linear(h, p + "self_attn.v_proj").view(t, kv_heads, hd)
+        if p + "self_attn.q_norm.weight" in w:
+            q, k = rms(q, w[p + "self_attn.q_norm.weight"]), rms(k, w[p + "self_attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+        att = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        x = x + linear(torch.einsum("hqk,khd->qhd", att, v).reshape(t, heads * hd), p + "self_attn.o_proj")
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = linear(h, p + "mlp.gate_proj"), linear(h, p + "mlp.up_proj")
+        x = x + linear(torch.nn.functional.silu(gate) * up, p + "mlp.down_proj")
+    x = rms(x, w["model.norm.weight"])
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return x @ head.T
+
+
+def sample_ids(model, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.args.vocab_size, (length,), generator=g)
+    ids[ids == model.mask_token_id] = 0
+    ids[length // 2 :: 3] = model.mask_token_id  # masked positions, as decoding has them
+    return ids
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_real_layout_loads_and_its_logits_equal_a_block_causal_forward(name, request, tokenizer, tmp_path):
+    model = request.getfixturevalue(name)
+    folder = save_pretrained(model, tmp_path / name, tokenizer, dtype=torch.float32, max_shard_bytes=40_000)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == model.family.reference_config["model_type"] and "auto_map" in cfg
+    assert len(list(folder.glob("model-*.safetensors"))) > 1  # sharded, with an index
+    loaded, _ = fastdllm.load(str(folder))
+    assert loaded.family is model.family and loaded.args.block_size == model.args.block_size
+    ids = sample_ids(model, 23)  # ends inside a block
+    ours = loaded(ids[None])[0]
+    ref = reference_forward(folder, ids)
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_block_causal_forward_ignores_everything_after_the_querys_block(name, request):
+    model = request.getfixturevalue(name)
+    b = model.args.block_size
+    ids = sample_ids(model, 5 * b)
+    full = model(ids[None])[0]
+    changed = ids.clone()
+    changed[3 * b :] = (changed[3 * b :] + 7) % model.args.vocab_size
+    other = model(changed[None])[0]
+    assert torch.equal(full[: 3 * b], other[: 3 * b])
+    assert not torch.allclose(full[3 * b :], other[3 * b :])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cached_windows_equal_a_full_block_causal_forward(name, request):
+    """The exact cache: the first forward fills the cache up to a block's end; a later block's
+    first step recomputes the just-finished block with the current one, later steps the current
+    block alone, each against the cache, and each equals a full forward of the sequence then."""
+    model = request.getfixturevalue(name)
+    b, shift = model.args.block_size, int(model.args.shifted_logits)
+    x = sample_ids(model, 6 * b)[None].clone()
+    x[0, 2 * b :] = model.mask_token_id
+    cache = model.new_cache(1, 6 * b)
+    model.logits_for(x[:, : 3 * b], 2 * b, 3 * b, cache=cache.narrow(1, 3 * b))
+    x[0, 2 * b : 3 * b] = torch.arange(b) + 5  # block 2 decoded
+    for step in range(3):
+        if step:
+            x[0, 3 * b + step] = 40 + step  # a token revealed in block 3
+        window = (2 * b, 4 * b) if step == 0 else (3 * b, 4 * b)
+        got = model.logits_for(x[:, : 4 * b], 3 * b, 4 * b, window=window, cache=cache.narrow(1, 4 * b))
+        want = model(x)[:, 3 * b - shift : 4 * b - shift]
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (step, (got - want).abs().max())
+
+
+def test_sdar_decoding_is_the_same_with_the_exact_cache_and_without_any(tiny_sdar, tokenizer):
+    prompts = [tokenizer.encode("Question: 3 + 4 = ?"), tokenizer.encode("Question: what is 12 + 30?\nAnswer:")]
+    assert len({len(p) % 4 for p in prompts}) == 2  # prompts ending at different places in a block
+    base = dict(gen_length=16, block_length=4, stop_at_eos=False)
+    for rule in (dict(threshold=None), dict(threshold=0.3)):
+        exact = GenerationConfig.for_model(tiny_sdar, GenerationConfig(**base, **rule), temperature=0.0)
+        assert (exact.block_length, exact.cache, exact.suffix_window) == (4, "dual", 0)
+        none = exact.replace(cache="none", suffix_window=None, refresh="full")
+        a, n = generate(tiny_sdar, prompts, config=exact), generate(tiny_sdar, prompts, config=none)
+        assert torch.equal(a.sequences, n.sequences) and a.nfe == n.nfe, rule
+        assert a.forward_positions[0] < n.forward_positions[0]  # windows, not the whole sequence
+        for i, p in enumerate(prompts):  # a row decodes in a batch as alone
+            alone = generate(tiny_sdar, [p], config=exact)
+            assert torch.equal(alone.sequences[0], a.sequences[i])
+
+
+def test_a_prompt_ending_inside_a_block_shares_it_with_the_answer(tiny_sdar, tokenizer):
+    prompt = next(p for p in (tokenizer.encode(t) for t in ("Question: 3 + 4 = ?", "Question: what is 12 + 30?\nAnswer:",
+                                                             "What is 5 + 6?")) if len(p) % 4)
+    lead = len(prompt) % 4
+    config = GenerationConfig.for_model(tiny_sdar, GenerationConfig(gen_length=8, block_length=4, threshold=None, stop_at_eos=False),
+                                        temperature=0.0)
+    out = generate(tiny_sdar, [prompt], config=config)
+    assert out.sequences.shape == (1, 8) and (out.sequences != tiny_sdar.mask_token_id).all()
+    # the first block had 4 - lead masks (one per step), then whole blocks; the answer is cut at 8
+    assert out.tokens_per_step[0] == [1] * (8 + 4 - lead)
+    # one token per step, the most confident: the first step's choice is the argmax over the first
+    # block's masked positions of a full forward of the prompt with them masked
+    first_block = torch.tensor(prompt + [tiny_sdar.mask_token_id] * (4 - lead))
+    probs = tiny_sdar(first_block[None])[0, len(prompt):].softmax(-1)
+    j = int(probs.max(-1).values.argmax())
+    assert out.unmask_step[0, j] == 0 and out.sequences[0, j] == probs[j].argmax()
+
+
+def test_a_block_causal_model_decodes_in_its_own_blocks(tiny_sdar, tokenizer):
+    with pytest.raises(ValueError, match="block_length"):
+        generate(tiny_sdar, [tokenizer.encode("hi")], config=GenerationConfig(gen_length=32, block_length=32))
+
+
+def test_an_unknown_model_type_names_the_families_we_know(tmp_path, tiny_sdar, tokenizer):
+    folder = save_pretrained(tiny_sdar, tmp_path / "x", tokenizer, extra_config={"model_type": "mystery"})
+    with pytest.raises(ValueError) as e:
+        fastdllm.load(str(folder))
+    assert "mystery" in str(e.value) and "SDAR (sdar)" in str(e.value) and "Fast-dLLM v2" in str(e.value)
