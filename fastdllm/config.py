@@ -17,7 +17,7 @@ from typing import Any
 # needs no torch, and `register_policy_name` adds the name of a policy registered later.
 CACHE_POLICIES = ["none", "prefix", "dual"]
 REFRESH = ["full", "vicinity", "adaptive"]
-SELECTION_RULES = ["threshold", "factor", "linear", "dream_schedule"]
+SELECTION_RULES = ["threshold", "factor", "linear", "dream_schedule", "quota"]
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 _NAMES = {"cache": CACHE_POLICIES, "refresh": REFRESH, "unmasking": SELECTION_RULES}
 
@@ -99,6 +99,9 @@ class GenerationConfig:
     top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False)
     top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)")
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token")
+    sub_block_length: int | None = _opt(None, "optional int",
+                                        "reveal a block's positions sub-block by sub-block, left to right "
+                                        "(Fast-dLLM v2's small blocks)")
     suffix_window: int | None = _opt(32, "optional int",
                                      "forwards see only this many positions after the current block (after "
                                      "DPad); 'none': the whole answer region")
@@ -277,6 +280,10 @@ class GenerationConfig:
         if self.top_k is not None:
             need(is_int(self.top_k) and self.top_k >= 1, "top_k", "must be a positive integer or None")
         need(isinstance(self.stop_at_eos, bool), "stop_at_eos", "must be true or false")
+        if self.sub_block_length is not None:
+            need(is_int(self.sub_block_length) and self.sub_block_length >= 1
+                 and is_int(self.block_length) and self.block_length % self.sub_block_length == 0,
+                 "sub_block_length", f"must be a positive integer dividing block_length={self.block_length}, or None")
         if self.suffix_window is not None:
             need(is_int(self.suffix_window) and self.suffix_window >= 0, "suffix_window",
                  "must be a non-negative integer or None")

@@ -36,6 +36,7 @@ CHAT_TEMPLATE = (
 PRESETS = {
     "llada": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),
     "dream": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=512),
+    "sdar": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),  # llada's: its weights transplant
     "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
 }
 

@@ -30,13 +30,18 @@ PolicySource = Union[Policies, Callable[..., Policies], None]
 def policies_for(model, config: GenerationConfig, cache: CachePolicy | None = None,
                  strategy: UnmaskingStrategy | None = None) -> Policies:
     """The policies `config` names (either one replaced by the object given). The family's rule
-    applies to a strategy built from the config: a Dream model decoding with a block cache reveals
-    each block's first masked position at its block-start step, as Fast-dLLM's Dream code does."""
+    applies to a strategy built from the config: a Dream model decoding with a block cache, and a
+    Fast-dLLM v2 model always, reveal each block's first position at its block-start step, as
+    their reference code does; `sub_block_length` reveals blocks sub-block by sub-block."""
     cache = cache if cache is not None else cache_policy(model, config)
     if strategy is None:
         strategy = UnmaskingStrategy.from_config(config)
+        if config.sub_block_length is not None:
+            strategy = strategy.in_sub_blocks(config.sub_block_length)
         family = getattr(model, "family", None)
-        if family is not None and family.block_start_reveals_first and not isinstance(cache, NoCache):
+        # Dream's rule belongs to its cached loops; a block-causal family's (Fast-dLLM v2's) to every loop
+        if family is not None and family.block_start_reveals_first and (
+                model.args.block_size or not isinstance(cache, NoCache)):
             strategy = strategy.revealing_first_at_block_start()
     return Policies(cache, strategy)
 

@@ -137,6 +137,35 @@ def sft_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: t
     return (token_loss * weights).sum() / bsz
 
 
+def block_diffusion_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor,
+                         gen: torch.Generator) -> torch.Tensor:
+    """The block-diffusion objective (BD3-LM's, as SDAR and Fast-dLLM v2 train): the noisy sequence
+    and the clean one side by side, 2T positions with the same RoPE positions. A noisy position of
+    block b attends to the noisy positions of its own block and to the clean positions of earlier
+    blocks; a clean position attends block-causally to the clean ones. So every block learns to
+    be denoised from a clean past, as decoding sees it, in one forward. Masking and weighting are
+    `sft_loss`'s (the answer region at a ratio t ~ U(0, 1) per row, stratified, 1/t-weighted)."""
+    if model.args.shifted_logits:
+        raise ValueError("arch: block-diffusion training of a shifted model is not implemented")
+    bsz, total = ids.shape
+    pos = torch.arange(total, device=ids.device).expand(bsz, total)
+    region = pos >= starts[:, None]
+    t = (torch.randperm(bsz, generator=gen) + torch.rand(bsz, generator=gen)) / bsz
+    p_mask = ((1 - MASK_EPS) * t + MASK_EPS).to(ids.device)
+    masked = region & (torch.rand(bsz, total, generator=gen).to(ids.device) < p_mask[:, None])
+    noisy = torch.where(masked, torch.full_like(ids, model.mask_token_id), ids)
+    block = torch.arange(total, device=ids.device) // model.args.block_size
+    qb, kb = block[:, None], block[None, :]
+    allowed = torch.cat([torch.cat([qb == kb, kb < qb], 1),  # noisy queries: own block noisy, past clean
+                         torch.cat([torch.zeros_like(qb == kb), kb <= qb], 1)], 0)  # clean: block-causal
+    h = model.hidden(torch.cat([noisy, ids], 1), torch.cat([pos, pos], 1), allowed[None, None])
+    logits = model.head(h[:, :total])
+    token_loss = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
+    region_len = (total - starts).float()
+    weights = (1.0 / p_mask[:, None] / region_len[:, None]).expand(bsz, total)[masked]
+    return (token_loss * weights).sum() / bsz
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int, decay_frac: float) -> float:
     """Warmup, hold, then a cosine decay over the last `decay_frac` of training (the decay phase
     was worth ~25 points of accuracy in our prototypes)."""
@@ -190,8 +219,9 @@ def transplant_weights(model: Transformer, source: Transformer) -> None:
     Every tensor is copied by name. Where the target has fewer key/value heads, each group of source
     heads that will share one is mean-pooled into it (the GQA "uptraining" conversion of Ainslie et
     al., 2023; query head i reads key/value head i // group, as SDPA's enable_gqa does); biases the
-    source lacks are set to zero. What does not carry over is the Dream twin's shifted prediction:
-    that is what its training then has to learn.
+    source lacks are set to zero, q/k norms to one. What does not carry over is the Dream twin's
+    shifted prediction, or the block-diffusion twin's q/k norms and block-causal attention: that
+    is what their training then has to learn.
     """
     if model.args.dim != source.args.dim or model.args.n_layers != source.args.n_layers:
         raise ValueError("init_from: the model sizes differ (dim and n_layers must match)")
@@ -200,9 +230,12 @@ def transplant_weights(model: Transformer, source: Transformer) -> None:
     with torch.no_grad():
         for name, param in model.state_dict().items():
             if name not in src:
-                if not name.endswith("bias"):
+                if name.endswith("bias"):
+                    param.zero_()  # a bias the source lacks: zero keeps the source's function
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.fill_(1.0)  # a q/k norm the source lacks (Qwen3): its own init, learnt in training
+                else:
                     raise ValueError(f"init_from: the source has no weight {name}")
-                param.zero_()  # a bias the source lacks: zero keeps the source's function
                 continue
             w = src[name]
             if w.shape != param.shape and name.endswith(("wk.weight", "wv.weight")):
@@ -223,8 +256,8 @@ def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
     t0, was_training = time.time(), model.training
     model.eval()
     try:
-        r = evaluate(model, tokenizer, "arith", limit=n, num_fewshot=0, config=GenerationConfig(**config),
-                     batch_size=16)
+        config = GenerationConfig.for_model(model, GenerationConfig(**config), **config)  # what its family needs
+        r = evaluate(model, tokenizer, "arith", limit=n, num_fewshot=0, config=config, batch_size=16)
     finally:
         model.train(was_training)
     return {"accuracy": r["accuracy"], "nfe_per_sample": r["nfe_per_sample"], "eval_seconds": time.time() - t0}
@@ -288,7 +321,8 @@ def train(args: TrainSettings) -> Path:
             g["lr"] = lr
         ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget, args.data_mix)
         gen = torch.Generator().manual_seed(args.seed * 7919 + step)
-        loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen)
+        objective = block_diffusion_loss if model.args.block_size else sft_loss
+        loss = objective(model, ids.to(args.device), starts.to(args.device), gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -305,8 +339,8 @@ def train(args: TrainSettings) -> Path:
             save_checkpoint(out, model, tokenizer, opt, step, meta)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             try:
-                acc = heldout_accuracy(model, tokenizer, args.eval_n, gen_length=128, block_length=32,
-                                       cache="dual", threshold=0.9)
+                acc = heldout_accuracy(model, tokenizer, args.eval_n, gen_length=128, threshold=0.9,
+                                       **({} if model.args.block_size else {"block_length": 32, "cache": "dual"}))
             except Exception as e:  # the engine may be absent in a partial install: log, keep training
                 acc = {"eval_error": f"{type(e).__name__}: {e}"}
             rec = {"step": step, "heldout": acc, "elapsed_s": round(time.time() - t_start, 1)}

@@ -27,6 +27,9 @@ and passed to the loop. Two separate choices make it, each an object:
      exactly the ranks that pass, as the paper's rule says.
    - `LinearSchedule` (LLaDA): step i of a block unmasks the k_i most confident positions, the
      block's masks split evenly over its steps, the remainder going to the first steps.
+   - `Quota` (SDAR): step i's quota is the block length split over the block's steps; every
+     masked position strictly above the threshold if they fill the quota, else the quota's
+     top-k; confidences from the unfiltered probabilities (`QuotaProposal`).
    - `DreamSchedule` (Dream): timesteps linspace(1, eps, steps + 1); step i unmasks
      int(n_masked * (1 - s / t)) positions (all of them at the last step), by top-k confidence or,
      with `alg_temp` > 0, sampled from softmax(confidence / alg_temp). With alg='origin' each
@@ -262,10 +265,46 @@ class DreamSchedule(SelectionRule):
         return chosen & masked
 
 
+class Quota(SelectionRule):
+    """SDAR's `block_diffusion_generate` ("low_confidence_dynamic"; "static" without a threshold):
+    step i of a block has a quota k_i, the *block length* (not its masks) split evenly over the
+    block's steps, the remainder to the first ones. With a threshold, every masked position whose
+    confidence is strictly above it is revealed if there are at least k_i of them; otherwise (and
+    without a threshold) the k_i most confident (fewer if fewer are masked). The confidence is
+    the probability of the proposed token before top-k / top-p filtering (`QuotaProposal`)."""
+
+    name = "quota"
+    uses_steps = True
+
+    def __init__(self, threshold: float | None):
+        self.threshold = threshold
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.threshold)
+
+    def begin_block(self, masked, steps, generators, rows):
+        length = torch.full((masked.shape[0],), masked.shape[-1], dtype=torch.long, device=masked.device)
+        self.counts, self.steps = linear_schedule(length, steps), steps
+
+    def select(self, conf, masked, step, generators, rows):
+        k = self.counts[:, step] if step < self.steps else masked.sum(-1)
+        k = torch.minimum(k, masked.sum(-1))
+        conf = conf.masked_fill(~masked, NEG_INF)
+        chosen = _top_k_mask(conf, k)
+        if self.threshold is not None:
+            high = masked & (conf > self.threshold)
+            chosen = torch.where((high.sum(-1) >= k).unsqueeze(-1), high, chosen)
+        return chosen & masked
+
+
 class FirstPositionAtBlockStart(SelectionRule):
-    """Fast-dLLM's Dream with a block cache: the block-start forward (the one that refreshes the
-    cache) reveals exactly the block's first masked position, whatever the rule; the rule decides
-    the cached steps after it (a schedule counts the block-start step as its step 0)."""
+    """The block-start step reveals exactly the block's first position, whatever the rule; the
+    rule decides the steps after it (a schedule counts the block-start step as its step 0).
+    Fast-dLLM's Dream with a block cache does this; so does Fast-dLLM v2 always: its first token
+    of a block is the argmax of the previous block's last logit, read by the forward that commits
+    that block. A row whose block opens with prompt tokens (`decoder.Row.lead`) has no such
+    token to reveal: the rule decides its block-start step too."""
 
     def __init__(self, inner: SelectionRule):
         self.inner = inner
@@ -276,12 +315,36 @@ class FirstPositionAtBlockStart(SelectionRule):
     def select(self, conf, masked, step, generators, rows):
         if step > 0:
             return self.inner.select(conf, masked, step, generators, rows)
-        first = masked.long().argmax(-1, keepdim=True)  # leftmost masked position
-        return torch.zeros_like(masked).scatter_(-1, first, True) & masked.any(-1, keepdim=True)
+        first = torch.zeros_like(masked)
+        first[:, 0] = True
+        opens = masked[:, :1]
+        if bool(opens.all()):  # the inner rule is not asked (it draws nothing at this step)
+            return first & masked
+        return torch.where(opens, first, self.inner.select(conf, masked, step, generators, rows)) & masked
+
+
+class SubBlocks(SelectionRule):
+    """Fast-dLLM v2's small blocks: a block's positions are revealed sub-block by sub-block, left
+    to right; the inner rule chooses among the masked positions of the first sub-block that still
+    has any (its "always the most confident one" then applies within that sub-block)."""
+
+    def __init__(self, inner: SelectionRule, size: int):
+        self.inner, self.size = inner, size
+
+    def begin_block(self, masked, steps, generators, rows):
+        self.inner.begin_block(masked, steps, generators, rows)
+
+    def select(self, conf, masked, step, generators, rows):
+        bsz, length = masked.shape
+        sub = masked.view(bsz, length // self.size, self.size).any(-1)  # (B, sub-blocks) with masks
+        current = sub.long().argmax(-1, keepdim=True)  # the first such sub-block
+        index = torch.arange(length, device=masked.device) // self.size
+        here = masked & (index[None, :] == current)
+        return self.inner.select(conf, here, step, generators, rows) & here
 
 
 SELECTION_RULES: dict[str, type[SelectionRule]] = {r.name: r for r in (Threshold, Factor, LinearSchedule,
-                                                                      DreamSchedule)}
+                                                                      DreamSchedule, Quota)}
 assert list(SELECTION_RULES) == config_names.SELECTION_RULES
 
 
@@ -326,11 +389,33 @@ class DreamProposal(Proposal):
         return _propose_dream(logits, self.config, generators, rows, self.score)
 
 
+class QuotaProposal(Proposal):
+    """SDAR's sampling: logits / temperature; the token sampled from them after top-k / top-p
+    filtering (greedy at temperature 0), its confidence read from the unfiltered softmax."""
+
+    def __call__(self, logits, generators, rows):
+        c = self.config
+        if c.temperature > 0:
+            logits = logits / c.temperature
+        probs = logits.softmax(-1)
+        if c.temperature > 0:
+            sampling = _filter_top_p_top_k(logits, c.top_p, c.top_k).softmax(-1)
+            tokens = torch.stack(
+                [sampling[i].argmax(-1) if r is None
+                 else torch.multinomial(sampling[i], 1, generator=generators[r]).squeeze(-1)
+                 for i, r in enumerate(rows)])
+        else:
+            tokens = probs.argmax(-1)
+        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def proposal_for(config, rule: type[SelectionRule]) -> Proposal:
     """LLaDA's proposal without `alg`, Dream's with it. Only Dream's own schedule reads `alg` as
     a score: the parallel rules (threshold, factor) compare probabilities (Fast-dLLM's Dream
     "confidence_threshold"); a margin or a negative entropy is on another scale (an entropy score
     is never >= 0.9, so every step would reveal one token)."""
+    if rule is Quota:
+        return QuotaProposal(config)
     if config.alg is None:
         return LLaDAProposal(config)
     score = "probability"
@@ -362,6 +447,11 @@ class UnmaskingStrategy:
     def new_rule(self) -> SelectionRule:
         """A fresh selection rule for one generation."""
         return self.make_rule()
+
+    def in_sub_blocks(self, size: int) -> "UnmaskingStrategy":
+        """The same strategy, revealing each block sub-block by sub-block (`SubBlocks`)."""
+        inner = self.make_rule
+        return UnmaskingStrategy(self.proposal, lambda: SubBlocks(inner(), size), self.draws_randomness)
 
     def revealing_first_at_block_start(self) -> "UnmaskingStrategy":
         """The same strategy whose block-start step reveals the block's first masked position

@@ -170,3 +170,62 @@ def test_an_unknown_model_type_names_the_families_we_know(tmp_path, tiny_sdar, t
     with pytest.raises(ValueError) as e:
         fastdllm.load(str(folder))
     assert "mystery" in str(e.value) and "SDAR (sdar)" in str(e.value) and "Fast-dLLM v2" in str(e.value)
+
+
+# ---- the references' decoding rules, on hand-checkable cases ----------------------------------------
+def test_sdar_quota_rule():
+    from fastdllm.unmasking import Quota
+
+    conf = torch.tensor([[0.95, 0.2, 0.91, 0.3], [0.95, 0.2, 0.9, 0.3]], dtype=torch.float64)
+    masked = torch.ones(2, 4, dtype=torch.bool)
+    rule = Quota(0.9)
+    rule.begin_block(masked, 2, None, [0, 1])  # the quota: 4 positions over 2 steps, 2 each
+    chosen = rule.select(conf, masked, 0, None, [0, 1])
+    # row 0: two above 0.9 fill the quota; row 1: 0.9 is not above it, so the top-2 instead
+    assert chosen.tolist() == [[True, False, True, False], [True, False, True, False]]
+    strict = Quota(0.92)
+    strict.begin_block(masked[:1], 2, None, [0])
+    assert strict.select(conf[:1], masked[:1], 0, None, [0]).tolist() == [[True, False, True, False]]  # 1 < quota
+    many = Quota(0.1)
+    many.begin_block(masked[:1], 2, None, [0])
+    assert many.select(conf[:1], masked[:1], 0, None, [0]).tolist() == [[True, True, True, True]]  # all above
+    # a block that opens with prompt tokens: the quota is still the block length's share
+    lead = torch.tensor([[False, False, True, True]])
+    static = Quota(None)
+    static.begin_block(lead, 4, None, [0])
+    assert static.select(conf[:1], lead, 0, None, [0]).tolist() == [[False, False, True, False]]
+
+
+def test_fast_dllm_v2_rules_sub_blocks_and_the_first_position():
+    from fastdllm.unmasking import FirstPositionAtBlockStart, SubBlocks, Threshold
+
+    conf = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.99, 0.99, 0.99, 0.99]])
+    masked = torch.ones(1, 8, dtype=torch.bool)
+    rule = FirstPositionAtBlockStart(SubBlocks(Threshold(0.9), 4))
+    rule.begin_block(masked, 8, None, [0])
+    assert rule.select(conf, masked, 0, None, [0]).tolist() == [[True] + [False] * 7]  # the block's first token
+    masked[0, 0] = False
+    # then the first sub-block only: its most confident, although the second's are all above 0.9
+    assert rule.select(conf, masked, 1, None, [0]).tolist() == [[False, False, False, True] + [False] * 4]
+    masked[0, :4] = False
+    assert rule.select(conf, masked, 2, None, [0]).tolist() == [[False] * 4 + [True] * 4]
+    # a block opening with prompt tokens has no first token to reveal: the rule decides
+    lead = torch.tensor([[False, False, True, True, True, True, True, True]])
+    rule.begin_block(lead, 8, None, [0])
+    assert rule.select(conf, lead, 0, None, [0]).tolist() == [[False, False, False, True] + [False] * 4]
+
+
+def test_fast_dllm_v2_decoding_is_the_same_with_the_exact_cache_and_without_any(tiny_v2, tokenizer):
+    prompts = [tokenizer.encode("Question: 3 + 4 = ?"), tokenizer.encode("Question: what is 12 + 30?\nAnswer:"),
+               tokenizer.encode("Question: 1 + 1")]
+    exact = GenerationConfig.for_model(tiny_v2, GenerationConfig(gen_length=32, threshold=0.3, stop_at_eos=False))
+    assert (exact.block_length, exact.sub_block_length, exact.suffix_window) == (8, 8, 0)
+    none = exact.replace(cache="none", suffix_window=None, refresh="full")
+    a, n = generate(tiny_v2, prompts, config=exact), generate(tiny_v2, prompts, config=none)
+    assert torch.equal(a.sequences, n.sequences) and a.nfe == n.nfe
+    for i, p in enumerate(prompts):
+        alone = generate(tiny_v2, [p], config=exact)
+        assert torch.equal(alone.sequences[0], a.sequences[i])
+        first_steps = alone.tokens_per_step[0]
+        if len(p) % 8 == 0:  # every block starts with its first token alone
+            assert first_steps[0] == 1

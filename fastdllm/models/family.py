@@ -52,6 +52,8 @@ class Family:
     # The family's own decoding rule with a block cache: the block-start step (the one that
     # refreshes the cache) reveals the block's first masked position (Fast-dLLM's Dream code).
     block_start_reveals_first: bool = False
+    # Decoding fields the family's own reference uses unless told otherwise (SDAR's selection rule).
+    decoding: dict[str, Any] = field(default_factory=dict)
 
     def decoding_defaults(self, args: ModelArgs) -> dict:
         """Decoding fields a model of this family needs unless told otherwise. A block-causal model
@@ -60,9 +62,9 @@ class Family:
         current one, later steps the current block alone, and nothing after it is ever part of a
         forward (no later block is visible to it)."""
         if not args.block_size:
-            return {}
+            return dict(self.decoding)
         return {"block_length": args.block_size, "cache": "dual", "refresh": "vicinity", "refresh_every": None,
-                "suffix_window": 0}
+                "suffix_window": 0, **self.decoding}
 
     # -- config.json -> ModelArgs
     def args_from_config(self, cfg: dict, where: str = "config.json") -> ModelArgs:

@@ -66,4 +66,5 @@ FAMILY = Family(
     layer_weights=qwen.LAYER_WEIGHTS,
     qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
     block_start_reveals_first=True,
+    decoding={"sub_block_length": 8},  # batch_sample's small_block_size
 )

@@ -97,4 +97,5 @@ FAMILY = Family(
     qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
     generation_defaults=GENERATION_DEFAULTS,
     generation_config=generation_config,
+    decoding={"unmasking": "quota"},  # its block_diffusion_generate's rule
 )

@@ -287,9 +287,12 @@ class Transformer(nn.Module):
         bsz, length = x.shape
         ws, we = (0, length) if window is None else window
         shift = 1 if self.args.shifted_logits else 0
+        # Position 0 has no position before it: its row is its own output (as Fast-dLLM v2 pads the
+        # shift), read only where a region opens with the prompt's first token, which is never masked.
+        first = start == 0 and shift
         if shift and start - shift < ws:
-            ws = start - shift  # Dream: the logit for `start` comes from position start-1
-        if ws < 0 or not (ws <= start - shift and end - shift <= we <= length):
+            ws = max(0, start - shift)  # Dream: the logit for `start` comes from position start-1
+        if ws < 0 or not (ws <= start - shift + first and end - shift <= we <= length):
             raise ValueError(f"window {(ws, we)} does not cover logits for [{start}, {end})")
         if cache is None and (ws, we) != (0, length):
             raise ValueError("a partial window needs a KV cache filled by a full forward")
@@ -298,4 +301,6 @@ class Transformer(nn.Module):
         if self.args.block_size:  # the keys are the whole sequence: the window's, or the cache's
             key_mask = block_causal_mask(positions[:, ws:we], positions, self.args.block_size, key_mask)
         h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws, compiled=compiled)
+        if first:
+            return self.head(torch.cat([h[:, :1], h[:, : end - shift]], 1))
         return self.head(h[:, start - shift - ws : end - shift - ws])
