@@ -50,25 +50,45 @@ TABLE_ROWS = [
     ("default", "default (Fast-dLLM +suffix window 32 +vicinity refresh)",
      dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity")),
 ]
-ROW_KEYS = [key for key, _, _ in TABLE_ROWS]
+# A block-diffusion model (block-causal attention) decodes in its own blocks and its cache is exact:
+# the rows are its one-token-per-step baseline, the exact cache, parallel decoding, and both (its
+# family's own decoding, `Family.decoding_defaults`).
+NO_CACHE = dict(cache="none", suffix_window=None, refresh="full")
+BLOCK_DIFFUSION_ROWS = [
+    ("baseline", "baseline (no cache, one token per step)", dict(NO_CACHE, threshold=None)),
+    ("exact", "+exact block cache", dict(threshold=None)),
+    ("parallel", "+parallel (threshold 0.9)", dict(NO_CACHE, threshold=0.9)),
+    ("full", "+parallel +exact block cache", dict(threshold=0.9)),
+]
+ROW_KEYS = [key for key, _, _ in TABLE_ROWS] + [key for key, _, _ in BLOCK_DIFFUSION_ROWS
+                                               if key not in {k for k, _, _ in TABLE_ROWS}]
 
 
-def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None) -> list[Row]:
-    """The rows to run; `keys` picks some (the baseline always runs: speed-ups are relative to it)."""
+def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None, model=None) -> list[Row]:
+    """The rows to run; `keys` picks some (the baseline always runs: speed-ups are relative to it).
+    For a block-diffusion `model`, its own rows in its own blocks (`block_length` is ignored)."""
     g = f"gen {gen_length}"
+    block_causal = model is not None and model.args.block_size
     # The rows name their policies in full: they do not move with GenerationConfig's defaults.
     base = dict(gen_length=gen_length, block_length=block_length, steps=gen_length, stop_at_eos=False,
                 suffix_window=None, refresh="full", refresh_every=None)
-    rows = [row for row in TABLE_ROWS if keys is None or row[0] in keys or row[0] == "baseline"]
+    table = BLOCK_DIFFUSION_ROWS if block_causal else TABLE_ROWS
+
+    def config(**kw):
+        if block_causal:  # what the family needs (its block, its exact cache), then the row's settings
+            return GenerationConfig.for_model(model, GenerationConfig(gen_length=gen_length, steps=gen_length),
+                                              checkpoint_defaults=False, **kw)
+        return GenerationConfig(**{**base, **kw})
+
+    rows = [row for row in table if keys is None or row[0] in keys or row[0] == "baseline"]
     out = []
     if stop_at_eos in ("off", "both"):
-        out += [Row(name, GenerationConfig(**{**base, **kw}), g) for _, name, kw in rows]
+        out += [Row(name, config(**kw, stop_at_eos=False), g) for _, name, kw in rows]
     if stop_at_eos in ("on", "both"):
         # "both": only the baseline and the full method are repeated with stop-at-EOS
         picked = rows if stop_at_eos == "on" else [row for row in rows
                                                        if row[0] in ("baseline", "full", "beyond", "default")]
-        out += [Row(name + " [stop@eos]", GenerationConfig(**{**base, **kw, "stop_at_eos": True}), g + " stop@eos")
-                for _, name, kw in picked]
+        out += [Row(name + " [stop@eos]", config(**kw, stop_at_eos=True), g + " stop@eos") for _, name, kw in picked]
     return out
 
 

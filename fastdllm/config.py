@@ -145,17 +145,21 @@ class GenerationConfig:
         return cls(**overrides)
 
     @classmethod
-    def for_model(cls, model, base: "GenerationConfig | None" = None, **overrides) -> "GenerationConfig":
+    def for_model(cls, model, base: "GenerationConfig | None" = None, checkpoint_defaults: bool = True,
+                  **overrides) -> "GenerationConfig":
         """`base` (default: the defaults) with the checkpoint's own generation defaults (Dream's
         generation_config.json: alg, eps, temperature, ...) and what its family needs (a
         block-causal model's block length and exact cache, `Family.decoding_defaults`) in the
-        fields `overrides` leave unset."""
+        fields `overrides` leave unset. `checkpoint_defaults=False`: only what the family needs
+        (what `generate` and friends use when given no config)."""
         family = getattr(model, "family", None)
-        names = family.generation_defaults if family is not None else ()
+        names = family.generation_defaults if family is not None and checkpoint_defaults else ()
         found = getattr(model, "generation_config", None) or {}
         checkpoint = {k: found[k] for k in names if k in found}
         needed = family.decoding_defaults(model.args) if family is not None else {}
         base = base or cls()
+        if "unmasking" in needed and ({"unmasking", "factor"} & set(overrides) or base.factor is not None):
+            del needed["unmasking"]  # a rule the caller chose wins over the family's
         return base.replace(**{**needed, **checkpoint, **overrides})
 
     def replace(self, **changes) -> "GenerationConfig":

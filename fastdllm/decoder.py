@@ -358,6 +358,16 @@ class BlockDecoder:
         if generators is not None and not bool(has_mask.all()):
             drawing = [i if m else None for i, m in zip(everyone, has_mask.tolist())]
         tokens, conf = self.strategy.propose(logits, generators, drawing)
+        proposed_mask = tokens == self.mask_id
+        if bool(proposed_mask.any()):
+            # A model may rank [MASK] first (an untrained one does): revealing it would leave the
+            # position masked for ever. Those positions get the best other token instead; the
+            # references would loop or keep the mask there, and no other position changes.
+            logits = logits.clone()
+            logits[..., self.mask_id] = float("-inf")
+            others, others_conf = self.strategy.propose(logits, generators, drawing)
+            tokens = torch.where(proposed_mask, others, tokens)
+            conf = torch.where(proposed_mask, others_conf, conf)
         chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
         block[chosen] = tokens[chosen]
         region = self.step_of[:, start:end]  # the row's step index of each revealed position

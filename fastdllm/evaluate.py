@@ -134,7 +134,7 @@ def evaluate(
     workers: sandbox processes for code tasks; timeout: seconds per program (code tasks) or per
     equivalence check (math500); policies: the decoding policies (see `fastdllm.policies`; default:
     the config's). Raises ValueError (UnknownTaskError, DataError) on bad input."""
-    config = config or GenerationConfig()
+    config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     task = get_task(task)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: must be a positive integer (got {batch_size!r})")

@@ -101,7 +101,7 @@ def iter_generate(
     `policies` (a `Policies` bundle, or a callable (model, config) -> Policies), or `cache` (a
     CachePolicy) / `strategy` (an UnmaskingStrategy) alone, replace the policies that the config
     names: a new policy plugs in here."""
-    config = config or GenerationConfig()
+    config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     bundle = resolve(policies, model, config) if policies is not None else None
     decoder = BlockDecoder(model, config, cache=cache, strategy=strategy, policies=bundle)
     rows = decoder.add(input_ids, attention_mask, row_seeds)
@@ -164,7 +164,7 @@ def generate(
     `config.seed` + row). `policies`, `cache` and `strategy` plug in policy objects (see `iter_generate`).
     Returns the generated ids and the statistics of the run.
     """
-    config = config or GenerationConfig()
+    config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     stats: dict = {}
     t0 = time.perf_counter()
     last = None
@@ -215,7 +215,7 @@ def stream_blocks(
     block is final: inside a block tokens settle out of order, so a block is the unit a server
     can stream. Rows that already finished get an empty list. `stats["nfe"]` counts the forwards
     so far (also when the caller stops early). `policies`: as for `iter_generate`."""
-    config = config or GenerationConfig()
+    config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     blk = config.block_length
     with torch.inference_mode():
         for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats, policies=policies):

@@ -35,10 +35,10 @@ def policies_for(model, config: GenerationConfig, cache: CachePolicy | None = No
     their reference code does; `sub_block_length` reveals blocks sub-block by sub-block."""
     cache = cache if cache is not None else cache_policy(model, config)
     if strategy is None:
-        strategy = UnmaskingStrategy.from_config(config)
+        family = getattr(model, "family", None)
+        strategy = UnmaskingStrategy.from_config(config, getattr(family, "proposal", None))
         if config.sub_block_length is not None:
             strategy = strategy.in_sub_blocks(config.sub_block_length)
-        family = getattr(model, "family", None)
         # Dream's rule belongs to its cached loops; a block-causal family's (Fast-dLLM v2's) to every loop
         if family is not None and family.block_start_reveals_first and (
                 model.args.block_size or not isinstance(cache, NoCache)):

@@ -51,7 +51,7 @@ def generate_text(model, tokenizer, prompt: str | Sequence[str] | None = None, *
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("prompt: a string or a non-empty list of strings")
         ids = [tokenizer.encode(t) for t in texts]
-    config = config or GenerationConfig()
+    config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     config = config.replace(**options) if max_new_tokens is None else config.with_max_new_tokens(max_new_tokens,
                                                                                                **options)
     out = generate(model, ids, config=config)

@@ -29,7 +29,7 @@ and passed to the loop. Two separate choices make it, each an object:
      block's masks split evenly over its steps, the remainder going to the first steps.
    - `Quota` (SDAR): step i's quota is the block length split over the block's steps; every
      masked position strictly above the threshold if they fill the quota, else the quota's
-     top-k; confidences from the unfiltered probabilities (`QuotaProposal`).
+     top-k; with SDAR's models, confidences from the unfiltered probabilities (`SDARProposal`).
    - `DreamSchedule` (Dream): timesteps linspace(1, eps, steps + 1); step i unmasks
      int(n_masked * (1 - s / t)) positions (all of them at the last step), by top-k confidence or,
      with `alg_temp` > 0, sampled from softmax(confidence / alg_temp). With alg='origin' each
@@ -271,7 +271,8 @@ class Quota(SelectionRule):
     block's steps, the remainder to the first ones. With a threshold, every masked position whose
     confidence is strictly above it is revealed if there are at least k_i of them; otherwise (and
     without a threshold) the k_i most confident (fewer if fewer are masked). The confidence is
-    the probability of the proposed token before top-k / top-p filtering (`QuotaProposal`)."""
+    the probability of the proposed token before top-k / top-p filtering (`SDARProposal`, SDAR's
+    family proposal)."""
 
     name = "quota"
     uses_steps = True
@@ -389,7 +390,7 @@ class DreamProposal(Proposal):
         return _propose_dream(logits, self.config, generators, rows, self.score)
 
 
-class QuotaProposal(Proposal):
+class SDARProposal(Proposal):
     """SDAR's sampling: logits / temperature; the token sampled from them after top-k / top-p
     filtering (greedy at temperature 0), its confidence read from the unfiltered softmax."""
 
@@ -409,13 +410,46 @@ class QuotaProposal(Proposal):
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def proposal_for(config, rule: type[SelectionRule]) -> Proposal:
+class FastDLLMv2Proposal(Proposal):
+    """Fast-dLLM v2's `sample_with_top_p`: greedy at temperature 0, with the softmax's probability
+    as the confidence; else the token sampled from softmax(logits / temperature) after top-p
+    truncation (renormalised), with its probability there as the confidence. In the model's dtype,
+    as the reference computes it (bfloat16 for the released models)."""
+
+    model_dtype = True
+
+    def __call__(self, logits, generators, rows):
+        c = self.config
+        if c.temperature <= 0:
+            probs = logits.softmax(-1)
+            tokens = probs.argmax(-1)
+        else:
+            probs = (logits / c.temperature).softmax(-1)
+            if c.top_p is not None and c.top_p < 1.0:
+                ordered, order = probs.sort(-1, descending=True)
+                drop = ordered.cumsum(-1) > c.top_p
+                drop[..., 1:] = drop[..., :-1].clone()
+                drop[..., 0] = False
+                probs = probs.masked_fill(drop.scatter(-1, order, drop), 0.0)
+                probs = probs / probs.sum(-1, keepdim=True)
+            tokens = torch.stack(
+                [probs[i].argmax(-1) if r is None
+                 else torch.multinomial(probs[i].float(), 1, generator=generators[r]).squeeze(-1)
+                 for i, r in enumerate(rows)])
+        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# A family's own proposal, by the name its declaration gives (`Family.proposal`).
+PROPOSALS: dict[str, type[Proposal]] = {"sdar": SDARProposal, "fast_dllm_v2": FastDLLMv2Proposal}
+
+
+def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None = None) -> Proposal:
     """LLaDA's proposal without `alg`, Dream's with it. Only Dream's own schedule reads `alg` as
     a score: the parallel rules (threshold, factor) compare probabilities (Fast-dLLM's Dream
     "confidence_threshold"); a margin or a negative entropy is on another scale (an entropy score
     is never >= 0.9, so every step would reveal one token)."""
-    if rule is Quota:
-        return QuotaProposal(config)
+    if family_proposal is not None:
+        return PROPOSALS[family_proposal](config)
     if config.alg is None:
         return LLaDAProposal(config)
     score = "probability"
@@ -433,16 +467,18 @@ class UnmaskingStrategy:
         self.proposal, self.make_rule, self.draws_randomness = proposal, make_rule, draws_randomness
 
     @classmethod
-    def from_config(cls, config) -> "UnmaskingStrategy":
+    def from_config(cls, config, family_proposal: str | None = None) -> "UnmaskingStrategy":
+        """`family_proposal`: the model family's own proposal (`PROPOSALS`), where it has one."""
         rule = SELECTION_RULES[config_names.selection_rule_name(config)]
-        proposal = proposal_for(config, rule)
+        proposal = proposal_for(config, rule, family_proposal)
         return cls(proposal, lambda: rule.from_config(config),
                    proposal.draws_randomness() or rule.draws_randomness(config))
 
     def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator
         of batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
-        return self.proposal(logits.float(), generators, rows)
+        return self.proposal(logits if getattr(self.proposal, "model_dtype", False) else logits.float(),
+                             generators, rows)
 
     def new_rule(self) -> SelectionRule:
         """A fresh selection rule for one generation."""

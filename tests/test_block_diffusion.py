@@ -229,3 +229,25 @@ def test_fast_dllm_v2_decoding_is_the_same_with_the_exact_cache_and_without_any(
         first_steps = alone.tokens_per_step[0]
         if len(p) % 8 == 0:  # every block starts with its first token alone
             assert first_steps[0] == 1
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_block_diffusion_rows_that_join_decode_as_alone(name, request, tokenizer):
+    """Continuous batching: rows join at block boundaries (prompts ending at different places in a
+    block, a longer prompt moving the running rows right) and decode token-identically as alone."""
+    from .test_continuous import config_for, run_with_joins
+
+    model = request.getfixturevalue(name)
+    b = model.args.block_size
+    texts = ["Question: 3 + 4 = ?", "Question: what is 12 + 30?\nAnswer:", "Question: 1 + 1",
+             "Question: Tom has 5 apples and buys 3 more. How many apples does he have now?\nAnswer:"]
+    ps = [tokenizer.encode(t) for t in texts]
+    assert len({len(p) % b for p in ps}) > 1
+    base = GenerationConfig.for_model(model, GenerationConfig(threshold=0.3, stop_at_eos=False))
+    arrivals = {0: [(ps[0], 6 * b), (ps[1], 4 * b)], 1: [(ps[2], 2 * b)], 2: [(ps[3], 3 * b)]}
+    rows = run_with_joins(model, arrivals, base, [1, 2, 3, 4])
+    alone = [(p, g) for k in sorted(arrivals) for p, g in arrivals[k]]
+    for r, (p, g) in zip(rows, alone):
+        ref = generate(model, [p], config_for(base, g))
+        assert torch.equal(r.answer, ref.sequences[0]), g
+        assert r.nfe == ref.nfe_per_row[0] and r.tokens_per_step == ref.tokens_per_step[0]

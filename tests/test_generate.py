@@ -493,3 +493,17 @@ def test_compiled_layers_decode_the_same_tokens(tiny_llada, tokenizer, policy):
         compiled = generate(tiny_llada, prompts(tokenizer), cfg.replace(compile=True))
         assert torch.equal(compiled.sequences, eager.sequences)
         assert compiled.nfe_per_row == eager.nfe_per_row
+
+
+def test_a_model_that_ranks_the_mask_first_still_reveals_every_position(tiny_llada, tokenizer, monkeypatch):
+    head = tiny_llada.head
+
+    def mask_first(h):
+        out = head(h)
+        out[..., tiny_llada.mask_token_id] += 1e4
+        return out
+
+    monkeypatch.setattr(tiny_llada, "head", mask_first)
+    config = GenerationConfig(gen_length=16, block_length=8, threshold=None, cache="none", stop_at_eos=False)
+    out = generate(tiny_llada, prompts(tokenizer)[:1], config=config)
+    assert not (out.sequences == tiny_llada.mask_token_id).any() and out.nfe == 16

@@ -1,8 +1,14 @@
-"""Token-for-token agreement with NVlabs/Fast-dLLM's `llada/generate.py`, run by the reference's
-own code (its loops and its modeling file) in its own interpreter, on the embedded LLaDA saved in
-the real layout. Set FASTDLLM_REFERENCE to a checkout of NVlabs/Fast-dLLM and
-FASTDLLM_REFERENCE_PYTHON to an interpreter with what it pins (transformers==4.49.0, einops, torch);
-without them the test is skipped."""
+"""Token-for-token agreement with the references, each run by its own code (its loops and its
+modeling file) in its own interpreter, on our checkpoints saved in the real layout:
+
+- NVlabs/Fast-dLLM's `llada/generate.py` on the embedded LLaDA: set FASTDLLM_REFERENCE to a
+  checkout and FASTDLLM_REFERENCE_PYTHON to an interpreter with what it pins (transformers==4.49.0,
+  einops, torch);
+- JetAstra/SDAR's evaluation routine (`block_diffusion_generate`) with its modeling file, on
+  block-diffusion checkpoints in SDAR's layout: set FASTDLLM_SDAR_REFERENCE to a checkout and
+  FASTDLLM_SDAR_PYTHON to an interpreter with transformers==4.52.4, einops and torch.
+
+Without them the tests are skipped."""
 
 from __future__ import annotations
 
@@ -24,14 +30,24 @@ CHECKOUT = os.environ.get("FASTDLLM_REFERENCE")
 PYTHON = os.environ.get("FASTDLLM_REFERENCE_PYTHON")
 RUNNER = Path(__file__).parent / "reference" / "fast_dllm_llada.py"
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+SDAR_CHECKOUT = os.environ.get("FASTDLLM_SDAR_REFERENCE")
+SDAR_PYTHON = os.environ.get("FASTDLLM_SDAR_PYTHON")
+SDAR_RUNNER = Path(__file__).parent / "reference" / "sdar_bd3.py"
+SDAR_MODEL_FILES = Path("training", "model", "SDAR-4B-Chat")
+
+pytestmark = pytest.mark.slow
+needs_fast_dllm = pytest.mark.skipif(
     not (CHECKOUT and PYTHON and Path(CHECKOUT, "llada", "generate.py").exists()),
-    reason="set FASTDLLM_REFERENCE (a NVlabs/Fast-dLLM checkout) and FASTDLLM_REFERENCE_PYTHON")]
+    reason="set FASTDLLM_REFERENCE (a NVlabs/Fast-dLLM checkout) and FASTDLLM_REFERENCE_PYTHON")
+needs_sdar = pytest.mark.skipif(
+    not (SDAR_CHECKOUT and SDAR_PYTHON and Path(SDAR_CHECKOUT, SDAR_MODEL_FILES, "modeling_sdar.py").exists()),
+    reason="set FASTDLLM_SDAR_REFERENCE (a JetAstra/SDAR checkout) and FASTDLLM_SDAR_PYTHON")
 
 CONFIGS = [dict(gen_length=gen, block_length=32, steps=steps, cache=cache, threshold=threshold)
            for gen, steps in ((64, 64), (128, 64)) for cache in ("none", "prefix", "dual") for threshold in (None, 0.9)]
 
 
+@needs_fast_dllm
 def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
     model, tok = fastdllm.load()
     folder = save_pretrained(model, tmp_path / "llada", tok, dtype=torch.float32)
@@ -55,3 +71,61 @@ def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
             blocks = ours.unmask_step[0].view(-1, c["block_length"])
             finished_at_start = sum(len(set(b.tolist())) == 1 for b in blocks) if c["cache"] != "none" else 0
             assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)
+
+
+SDAR_CONFIGS = [dict(gen_length=g, steps_per_block=s, threshold=t)
+                for g in (32, 64) for s in (4, 2) for t in (None, 0.9, 0.5)]
+
+
+def sdar_models():
+    from fastdllm.loading import EMBEDDED_MODELS
+
+    return ["tiny_sdar"] + [name for name in EMBEDDED_MODELS if name.startswith("sdar")]
+
+
+@needs_sdar
+@pytest.mark.parametrize("name", sdar_models())
+def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, tmp_path):
+    """Greedy, with the quota rule (static and with thresholds), prompts ending anywhere in a block,
+    up to and including the first stop token (the reference leaves what follows masked)."""
+    if name.startswith("tiny"):
+        model, tok = request.getfixturevalue(name), tokenizer
+    else:
+        model, tok = fastdllm.load(name, dtype=torch.float32)
+    folder = save_pretrained(model, tmp_path / "sdar", tok, dtype=torch.float32)
+    for f in ("configuration_sdar.py", "modeling_sdar.py"):
+        shutil.copy(Path(SDAR_CHECKOUT, SDAR_MODEL_FILES, f), folder / f)
+    # its training loss needs triton; decoding never calls it
+    (folder / "fused_linear_diffusion_cross_entropy.py").write_text("class FusedLinearDiffusionCrossEntropyLoss:\n"
+                                                                   "    pass\n")
+    task = get_task("arith")
+    prompts = [task.encode(tok, doc, []) for doc in task.load(limit=4)]
+    blk = model.args.block_size
+    configs = [dict(c, block_length=blk) for c in SDAR_CONFIGS]
+    stop = sorted(model.stop_token_ids)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mask_id": model.mask_token_id, "stop": stop, "prompts": prompts, "configs": configs}))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent / "reference" / "cpu_shims"))
+    out = subprocess.run([SDAR_PYTHON, str(SDAR_RUNNER), SDAR_CHECKOUT, str(folder), str(job)], capture_output=True,
+                         text=True, timeout=1800, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+
+    def upto_stop(tokens):
+        for k, t in enumerate(tokens):
+            if t in stop:
+                return tokens[: k + 1]
+        return tokens
+
+    parallel = 0
+    for c in configs:
+        steps = c["gen_length"] // blk * c["steps_per_block"]
+        config = GenerationConfig.for_model(model, GenerationConfig(gen_length=c["gen_length"], steps=steps,
+                                                                    threshold=c["threshold"]), temperature=0.0)
+        for prompt in prompts:
+            ours = fastdllm.generate(model, [prompt], config=config)
+            ref = next(theirs)["tokens"][: c["gen_length"]]
+            assert upto_stop(ours.sequences[0].tolist()) == upto_stop(ref), (c, prompt)
+            parallel += max(ours.tokens_per_step[0]) > 1
+    if not name.startswith("tiny"):  # a trained model: the thresholds did reveal several tokens at once
+        assert parallel > 0

@@ -97,9 +97,19 @@ def config_from_args(args: argparse.Namespace, **overrides) -> GenerationConfig:
 
 def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, model) -> GenerationConfig:
     """The checkpoint's own generation defaults (Dream's generation_config.json) for the decoding
-    flags the user did not give; none with a --preset, which says what to use."""
+    flags the user did not give; none with a --preset, which says what to use, but for what the
+    model's family needs (a block-diffusion model's block length, and its exact cache where the
+    preset has a cache)."""
     if getattr(args, "preset", None):
-        return config
+        family = getattr(model, "family", None)
+        needed = family.decoding_defaults(model.args) if family is not None else {}
+        if config.cache == "none":
+            needed = {k: v for k, v in needed.items() if k not in ("cache", "refresh", "refresh_every", "suffix_window")}
+        explicit = set(getattr(args, "_explicit", ()))
+        try:
+            return config.replace(**{k: v for k, v in needed.items() if k not in explicit})
+        except ConfigError as e:
+            raise UserError(f"{flag(e.param)}: {e.detail} (for this model)") from None
     given = {n: getattr(config, n) for n in getattr(args, "_explicit", ())}
     try:
         return GenerationConfig.for_model(model, config, **given)

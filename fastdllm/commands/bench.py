@@ -59,11 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     def row(config, num_fewshot, limit=args.limit, batch_size=args.batch_size):
         return run_config(model, tokenizer, args.task, config, num_fewshot, limit, batch_size, args.data_dir)
 
-    row(GenerationConfig(gen_length=args.gen_length[0], block_length=args.block_length), shots[0], limit=1)
+    block_causal = bool(model.args.block_size)
+    block_length = model.args.block_size if block_causal else args.block_length
+
+    def method(**kw):  # the full method (Fast-dLLM's; a block-diffusion model's own), with changes
+        if block_causal:
+            return GenerationConfig.for_model(model, GenerationConfig(**kw), checkpoint_defaults=False)
+        return GenerationConfig.fast_dllm(block_length=block_length, **kw)
+
+    row(method(gen_length=args.gen_length[0]), shots[0], limit=1)
 
     results: list[dict] = []
     for gen_length, k, limit in zip(args.gen_length, shots, limits):
-        for table_row in table_rows(gen_length, args.block_length, args.stop_at_eos, args.rows):
+        for table_row in table_rows(gen_length, block_length, args.stop_at_eos, args.rows, model=model):
             r = row(table_row.config, k, limit=limit)
             results.append({"name": table_row.name, "group": f"{table_row.group}, {k}-shot",
                             "config": table_row.config.to_dict(), "num_fewshot": k, **r})
@@ -79,17 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         thresholds = [0.5, 0.7, 0.9, 1.0] if args.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
         blocks = [b for b in ([8, 32] if args.quick else [4, 8, 16, 32, 64]) if g0 % b == 0]
         sweeps["threshold"] = [
-            {"value": t, **row(GenerationConfig.fast_dllm(
-                gen_length=g0, block_length=args.block_length, threshold=t, stop_at_eos=False), k0)}
-            for t in thresholds
+            {"value": t, **row(method(gen_length=g0, threshold=t, stop_at_eos=False), k0)} for t in thresholds
         ]
-        sweeps["block_length"] = [
-            {"value": b, **row(GenerationConfig.fast_dllm(gen_length=g0, block_length=b, stop_at_eos=False), k0)}
-            for b in blocks
-        ]
+        if not block_causal:  # a block-diffusion model's block is its attention's
+            sweeps["block_length"] = [
+                {"value": b, **row(GenerationConfig.fast_dllm(gen_length=g0, block_length=b, stop_at_eos=False), k0)}
+                for b in blocks
+            ]
     batch = {}
     if args.batch_check:
-        cfg = GenerationConfig.fast_dllm(gen_length=g0, block_length=args.block_length, stop_at_eos=False)
+        cfg = method(gen_length=g0, stop_at_eos=False)
         one, eight = row(cfg, k0, batch_size=1), row(cfg, k0, batch_size=8)
         batch = {"batch_1": one, "batch_8": eight,
                  "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0}
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"fastdllm bench: task {args.task}, {'/'.join(map(str, limits))} samples per row, batch {args.batch_size}, "
              f"device {model.device}", "", HEADER] + [fmt_row(r) for r in results]
     for key, pts in sweeps.items():
-        lines += ["", f"{key} sweep (gen {g0}, {k0}-shot, DualCache):", "", f"| {key} | accuracy % | tokens/s | NFE/sample |",
+        lines += ["", f"{key} sweep (gen {g0}, {k0}-shot, the full method):", "", f"| {key} | accuracy % | tokens/s | NFE/sample |",
                   "|---|---|---|---|"]
         lines += [f"| {p['value']} | {100 * p['accuracy']:.1f} | {p['tokens_per_second']:.1f} | {p['nfe_per_sample']:.1f} |"
                   for p in pts]

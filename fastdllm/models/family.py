@@ -54,6 +54,9 @@ class Family:
     block_start_reveals_first: bool = False
     # Decoding fields the family's own reference uses unless told otherwise (SDAR's selection rule).
     decoding: dict[str, Any] = field(default_factory=dict)
+    # Its reference's own way of proposing tokens and confidences (`unmasking.PROPOSALS`); None:
+    # LLaDA's, or Dream's with `alg`.
+    proposal: str | None = None
 
     def decoding_defaults(self, args: ModelArgs) -> dict:
         """Decoding fields a model of this family needs unless told otherwise. A block-causal model

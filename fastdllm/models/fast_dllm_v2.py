@@ -7,6 +7,16 @@ in the autoregressive model it came from: the output at position j-1 predicts to
 first token of a block is predicted by the last position of the previous one, once that block is
 final (the reference reveals it with the forward that commits the finished block; our loop does
 it at the block's first step, `block_start_reveals_first`).
+
+Decoding follows `batch_sample`, its evaluation path: sub-blocks of 8 revealed left to right
+(`sub_block_length`), in each step every masked position of the current sub-block above the
+threshold and always the most confident one (first index on ties), the confidence computed in the
+model's dtype (`unmasking.FastDLLMv2Proposal`), a row done after the block in which it revealed a
+stop token. *Deliberate differences*: a confidence exactly equal to the threshold passes here (the
+threshold rule's >=) and not there (>); and a prompt of exactly one block (32 tokens), which
+`batch_sample` skips (its prefill needs more than one block) and then fails on when that row
+finishes in its first block, decodes here as any other prompt whose length is a multiple of the
+block: its first block's first token from the prompt's last logit.
 """
 
 from __future__ import annotations
@@ -67,4 +77,5 @@ FAMILY = Family(
     qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
     block_start_reveals_first=True,
     decoding={"sub_block_length": 8},  # batch_sample's small_block_size
+    proposal="fast_dllm_v2",
 )

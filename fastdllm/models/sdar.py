@@ -98,4 +98,5 @@ FAMILY = Family(
     generation_defaults=GENERATION_DEFAULTS,
     generation_config=generation_config,
     decoding={"unmasking": "quota"},  # its block_diffusion_generate's rule
+    proposal="sdar",
 )
