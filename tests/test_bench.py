@@ -59,3 +59,21 @@ def test_rows_pick_table_rows_and_keep_the_baseline(tmp_path):
                                          "baseline [stop@eos]", "+parallel +dual cache (Fast-dLLM) [stop@eos]"]
     assert bench.table_rows(64, 32, "off", ["dual"])[1].config.cache == "dual"
     assert len(bench.table_rows(64, 32, "on", ["factor"])) == 2
+
+
+@pytest.mark.slow
+def test_a_block_diffusion_bench_runs_its_own_rows_in_its_own_blocks(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["--quick", "--model", "sdar-arith", "--limit", "2", "--stop-at-eos", "off", "--no-batch-check",
+            "--out", str(out)]
+    assert bench_main(argv) == 0
+    record = json.loads((out / "bench.json").read_text())
+    rows = {r["name"]: r for r in record["rows"]}
+    assert list(rows) == [name for _, name, _ in bench.BLOCK_DIFFUSION_ROWS]
+    assert all(r["config"]["block_length"] == 4 for r in rows.values())
+    baseline, exact = rows["baseline (no cache, one token per step)"], rows["+exact block cache"]
+    assert exact["nfe_per_sample"] == baseline["nfe_per_sample"]  # the same steps, smaller forwards
+    assert exact["positions_per_token"] < baseline["positions_per_token"] / 5
+    assert set(record["sweeps"]) == {"threshold"}  # its block is its attention's: no block sweep
+    for name in record["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
