@@ -6,7 +6,11 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   einops, torch);
 - JetAstra/SDAR's evaluation routine (`block_diffusion_generate`) with its modeling file, on
   block-diffusion checkpoints in SDAR's layout: set FASTDLLM_SDAR_REFERENCE to a checkout and
-  FASTDLLM_SDAR_PYTHON to an interpreter with transformers==4.52.4, einops and torch.
+  FASTDLLM_SDAR_PYTHON to an interpreter with transformers==4.52.4, einops and torch;
+- Fast-dLLM v2's `batch_sample` with the modeling file its checkpoints ship, on a tiny checkpoint
+  in its layout: set FASTDLLM_V2_REFERENCE to a folder holding `generation_functions.py` (NVlabs/
+  Fast-dLLM's v2/), `modeling.py` and `configuration.py` (a Fast_dLLM_v2 checkpoint's), and
+  FASTDLLM_V2_PYTHON to an interpreter with transformers==4.53.1, einops and torch.
 
 Without them the tests are skipped."""
 
@@ -34,6 +38,10 @@ SDAR_CHECKOUT = os.environ.get("FASTDLLM_SDAR_REFERENCE")
 SDAR_PYTHON = os.environ.get("FASTDLLM_SDAR_PYTHON")
 SDAR_RUNNER = Path(__file__).parent / "reference" / "sdar_bd3.py"
 SDAR_MODEL_FILES = Path("training", "model", "SDAR-4B-Chat")
+
+V2_REFERENCE = os.environ.get("FASTDLLM_V2_REFERENCE")
+V2_PYTHON = os.environ.get("FASTDLLM_V2_PYTHON")
+V2_RUNNER = Path(__file__).parent / "reference" / "fast_dllm_v2.py"
 
 pytestmark = pytest.mark.slow
 needs_fast_dllm = pytest.mark.skipif(
@@ -129,3 +137,47 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
             parallel += max(ours.tokens_per_step[0]) > 1
     if not name.startswith("tiny"):  # a trained model: the thresholds did reveal several tokens at once
         assert parallel > 0
+
+
+needs_v2 = pytest.mark.skipif(
+    not (V2_REFERENCE and V2_PYTHON and all(Path(V2_REFERENCE, f).exists() for f in (
+        "generation_functions.py", "modeling.py", "configuration.py"))),
+    reason="set FASTDLLM_V2_REFERENCE (v2's generation_functions.py with a checkpoint's modeling files) "
+           "and FASTDLLM_V2_PYTHON")
+
+
+@needs_v2
+def test_fast_dllm_v2_decodes_as_its_own_batch_sample(tiny_v2, tokenizer, tmp_path):
+    """Greedy, thresholds from one-at-a-time to many, sub-blocks of the block and of half of it,
+    prompts ending anywhere in a block and on a block boundary (the first token of the next block
+    from the prompt's last logit). Not a prompt of exactly one block: batch_sample skips its
+    prefill and decodes something else (a defect of the reference; see models/fast_dllm_v2.py)."""
+    model = tiny_v2
+    blk = model.args.block_size
+    folder = save_pretrained(model, tmp_path / "v2", tokenizer, dtype=torch.float32)
+    stop = tokenizer.token_to_id("<|eot_id|>")
+    texts = ["Question: 3 + 4 = ? Answer: the sum", "Question: what is 12 + 30?\nAnswer:", "Question: 1 + 1",
+             "Question: Tom has 5 apples and buys 3 more. How many apples does he",
+             "Question: Tom has 5 apples and buys 3 more. How many apples does he have now?\nAnswer:"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    assert len(prompts[3]) % blk == 0 and len(prompts[3]) > blk and all(len(p) != blk for p in prompts)
+    configs = [dict(gen_length=32, threshold=t, sub_block_length=s) for t in (0.9, 0.3, 0.05) for s in (blk, blk // 2)]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mask_id": model.mask_token_id, "stop": stop, "pad": tokenizer.eos_token_id,
+                               "block_length": blk, "prompts": prompts, "configs": configs}))
+    out = subprocess.run([V2_PYTHON, str(V2_RUNNER), V2_REFERENCE, str(folder), str(job)], capture_output=True,
+                         text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    for c in configs:
+        config = GenerationConfig.for_model(model, GenerationConfig(gen_length=c["gen_length"], threshold=c["threshold"],
+                                                                    stop_at_eos=False),
+                                            sub_block_length=c["sub_block_length"])
+        for prompt in prompts:
+            ref = next(theirs)["tokens"]
+            ours = fastdllm.generate(model, [prompt], config=config).sequences[0].tolist()
+            # the reference decodes to the block boundary after prompt + gen_length - (its lead)
+            n = min(len(ref), len(ours))
+            if stop in ref[:n]:
+                n = ref.index(stop) + 1
+            assert ours[:n] == ref[:n], (c, len(prompt))
