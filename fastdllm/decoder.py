@@ -76,12 +76,15 @@ class Row:
     forward_positions: int = 0  # query positions of those forwards
     attended_positions: int = 0  # query x key positions
     # A block-causal model's blocks lie at fixed positions (p // block_size), so a prompt that ends
-    # inside one shares it with the answer's first tokens: those `lead` prompt tokens open the
-    # row's decoding region, already revealed, and the region is one block longer than the answer
-    # (`asked` tokens), as the references decode to the end of the block holding the last one.
-    lead: int = 0
+    # inside one shares it with the answer's first tokens: those prompt tokens (`lead_tokens`) open
+    # the row's decoding region, already revealed, and the region is one block longer than the
+    # answer (`asked` tokens), as the references decode to the end of the block holding the last one.
     asked: int = 0
     lead_tokens: torch.Tensor | None = None
+
+    @property
+    def lead(self) -> int:
+        return 0 if self.lead_tokens is None else len(self.lead_tokens)
 
     @property
     def num_blocks(self) -> int:
@@ -227,8 +230,7 @@ class BlockDecoder:
             return Row(prompt, config, generator, tag, asked=config.gen_length)
         region = config.replace(gen_length=config.gen_length + blk,
                                 steps=None if config.steps is None else config.steps + config.steps // config.num_blocks)
-        return Row(prompt[:-lead], region, generator, tag, lead=lead, asked=config.gen_length,
-                   lead_tokens=prompt[-lead:])
+        return Row(prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:])
 
     def drop(self, rows: list[Row]) -> None:
         """Rows that stop now (their caller no longer wants them): they leave before the next block."""

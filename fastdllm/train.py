@@ -118,52 +118,48 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
 
 
 def sft_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """LLaDA's SFT objective: the answer region masked at a ratio t per row, the masked tokens'
+    cross-entropy weighted 1/t and normalised by the region length. A block-causal model sees the
+    noisy sequence beside the clean one (`block_diffusion_logits`)."""
     bsz, total = ids.shape
-    pos = torch.arange(total).expand(bsz, total)
+    pos = torch.arange(total, device=ids.device).expand(bsz, total)
     region = pos >= starts[:, None]
     # t ~ U(0, 1) for every row, stratified across the batch (one row per interval of width 1/B, in
     # random order): each row's t is still uniform, so the objective is LLaDA's, but a batch never
     # draws all-small or all-large ratios, which lowers the variance of the 1/t-weighted loss.
     t = (torch.randperm(bsz, generator=gen) + torch.rand(bsz, generator=gen)) / bsz
-    p_mask = (1 - MASK_EPS) * t + MASK_EPS
-    masked = region & (torch.rand(bsz, total, generator=gen) < p_mask[:, None])
-    noisy = torch.where(masked, torch.full_like(ids, model.mask_token_id), ids)
-    logits = model(noisy)
-    if model.args.shifted_logits:  # output at i-1 predicts token i
-        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-    token_loss = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
-    region_len = (total - starts).float()
-    weights = (1.0 / p_mask[:, None] / region_len[:, None]).expand(bsz, total)[masked]
-    return (token_loss * weights).sum() / bsz
-
-
-def block_diffusion_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor,
-                         gen: torch.Generator) -> torch.Tensor:
-    """The block-diffusion objective (BD3-LM's, as SDAR and Fast-dLLM v2 train): the noisy sequence
-    and the clean one side by side, 2T positions with the same RoPE positions. A noisy position of
-    block b attends to the noisy positions of its own block and to the clean positions of earlier
-    blocks; a clean position attends block-causally to the clean ones. So every block learns to
-    be denoised from a clean past, as decoding sees it, in one forward. Masking and weighting are
-    `sft_loss`'s (the answer region at a ratio t ~ U(0, 1) per row, stratified, 1/t-weighted)."""
-    if model.args.shifted_logits:
-        raise ValueError("arch: block-diffusion training of a shifted model is not implemented")
-    bsz, total = ids.shape
-    pos = torch.arange(total, device=ids.device).expand(bsz, total)
-    region = pos >= starts[:, None]
-    t = (torch.randperm(bsz, generator=gen) + torch.rand(bsz, generator=gen)) / bsz
     p_mask = ((1 - MASK_EPS) * t + MASK_EPS).to(ids.device)
     masked = region & (torch.rand(bsz, total, generator=gen).to(ids.device) < p_mask[:, None])
     noisy = torch.where(masked, torch.full_like(ids, model.mask_token_id), ids)
-    block = torch.arange(total, device=ids.device) // model.args.block_size
-    qb, kb = block[:, None], block[None, :]
-    allowed = torch.cat([torch.cat([qb == kb, kb < qb], 1),  # noisy queries: own block noisy, past clean
-                         torch.cat([torch.zeros_like(qb == kb), kb <= qb], 1)], 0)  # clean: block-causal
-    h = model.hidden(torch.cat([noisy, ids], 1), torch.cat([pos, pos], 1), allowed[None, None])
-    logits = model.head(h[:, :total])
+    if model.args.block_size:
+        logits = block_diffusion_logits(model, noisy, ids, pos)
+    else:
+        logits = model(noisy)
+        if model.args.shifted_logits:  # output at i-1 predicts token i
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
     token_loss = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
     region_len = (total - starts).float()
     weights = (1.0 / p_mask[:, None] / region_len[:, None]).expand(bsz, total)[masked]
     return (token_loss * weights).sum() / bsz
+
+
+def block_diffusion_logits(model: Transformer, noisy: torch.Tensor, clean: torch.Tensor,
+                           pos: torch.Tensor) -> torch.Tensor:
+    """The block-diffusion objective's forward (BD3-LM's, as SDAR and Fast-dLLM v2 train): the noisy
+    sequence and the clean one side by side, 2T positions with the same RoPE positions. A noisy
+    position of block b attends to the noisy positions of its own block and to the clean positions
+    of earlier blocks; a clean position attends block-causally to the clean ones. So every block
+    learns to be denoised from a clean past, as decoding sees it, in one forward. Returns the noisy
+    half's logits."""
+    if model.args.shifted_logits:
+        raise ValueError("arch: block-diffusion training of a shifted model is not implemented")
+    total = noisy.shape[1]
+    block = torch.arange(total, device=noisy.device) // model.args.block_size
+    qb, kb = block[:, None], block[None, :]
+    allowed = torch.cat([torch.cat([qb == kb, kb < qb], 1),  # noisy queries: own block noisy, past clean
+                         torch.cat([torch.zeros_like(qb == kb), kb <= qb], 1)], 0)  # clean: block-causal
+    h = model.hidden(torch.cat([noisy, clean], 1), torch.cat([pos, pos], 1), allowed[None, None])
+    return model.head(h[:, :total])
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, decay_frac: float) -> float:
@@ -321,8 +317,7 @@ def train(args: TrainSettings) -> Path:
             g["lr"] = lr
         ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget, args.data_mix)
         gen = torch.Generator().manual_seed(args.seed * 7919 + step)
-        objective = block_diffusion_loss if model.args.block_size else sft_loss
-        loss = objective(model, ids.to(args.device), starts.to(args.device), gen)
+        loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -95,16 +95,21 @@ def _filter_top_p_top_k(logits, top_p, top_k):
     return logits
 
 
+def _sample_rows(probs, generators, rows) -> torch.Tensor:
+    """A token per position from `probs` (B, T, V), each row with its own generator; a row without
+    one (None: nothing to reveal, it draws nothing) takes the argmax."""
+    return torch.stack([probs[i].argmax(-1) if r is None
+                        else torch.multinomial(probs[i].float(), 1, generator=generators[r]).squeeze(-1)
+                        for i, r in enumerate(rows)])
+
+
 def _propose_dream(logits, config, generators, rows, score):
     if config.temperature > 0:
         logits = logits / config.temperature
     logits = _filter_top_p_top_k(logits, config.top_p, config.top_k)
     probs = logits.softmax(-1)
     if config.temperature > 0:
-        tokens = torch.stack(
-            [probs[i].argmax(-1) if r is None else torch.multinomial(probs[i], 1, generator=generators[r]).squeeze(-1)
-             for i, r in enumerate(rows)]
-        )
+        tokens = _sample_rows(probs, generators, rows)
         conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     else:
         conf, tokens = probs.max(-1)
@@ -359,7 +364,10 @@ def register_selection_rule(cls: type[SelectionRule]) -> type[SelectionRule]:
 
 # ---- proposals -----------------------------------------------------------------------------------
 class Proposal:
-    """The token proposed at each position and its confidence, for logits (B, T, V)."""
+    """The token proposed at each position and its confidence, for logits (B, T, V) in float32, or
+    in the model's dtype where `model_dtype` (a reference that computes them so)."""
+
+    model_dtype = False
 
     def __init__(self, config):
         self.config = config
@@ -400,11 +408,7 @@ class SDARProposal(Proposal):
             logits = logits / c.temperature
         probs = logits.softmax(-1)
         if c.temperature > 0:
-            sampling = _filter_top_p_top_k(logits, c.top_p, c.top_k).softmax(-1)
-            tokens = torch.stack(
-                [sampling[i].argmax(-1) if r is None
-                 else torch.multinomial(sampling[i], 1, generator=generators[r]).squeeze(-1)
-                 for i, r in enumerate(rows)])
+            tokens = _sample_rows(_filter_top_p_top_k(logits, c.top_p, c.top_k).softmax(-1), generators, rows)
         else:
             tokens = probs.argmax(-1)
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -423,19 +427,9 @@ class FastDLLMv2Proposal(Proposal):
         if c.temperature <= 0:
             probs = logits.softmax(-1)
             tokens = probs.argmax(-1)
-        else:
-            probs = (logits / c.temperature).softmax(-1)
-            if c.top_p is not None and c.top_p < 1.0:
-                ordered, order = probs.sort(-1, descending=True)
-                drop = ordered.cumsum(-1) > c.top_p
-                drop[..., 1:] = drop[..., :-1].clone()
-                drop[..., 0] = False
-                probs = probs.masked_fill(drop.scatter(-1, order, drop), 0.0)
-                probs = probs / probs.sum(-1, keepdim=True)
-            tokens = torch.stack(
-                [probs[i].argmax(-1) if r is None
-                 else torch.multinomial(probs[i].float(), 1, generator=generators[r]).squeeze(-1)
-                 for i, r in enumerate(rows)])
+        else:  # top-p truncated and renormalised: softmax over the logits that survive
+            probs = _filter_top_p_top_k(logits / c.temperature, c.top_p, None).softmax(-1)
+            tokens = _sample_rows(probs, generators, rows)
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -477,8 +471,7 @@ class UnmaskingStrategy:
     def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator
         of batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
-        return self.proposal(logits if getattr(self.proposal, "model_dtype", False) else logits.float(),
-                             generators, rows)
+        return self.proposal(logits if self.proposal.model_dtype else logits.float(), generators, rows)
 
     def new_rule(self) -> SelectionRule:
         """A fresh selection rule for one generation."""
@@ -490,7 +483,7 @@ class UnmaskingStrategy:
         return UnmaskingStrategy(self.proposal, lambda: SubBlocks(inner(), size), self.draws_randomness)
 
     def revealing_first_at_block_start(self) -> "UnmaskingStrategy":
-        """The same strategy whose block-start step reveals the block's first masked position
-        (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache)."""
+        """The same strategy whose block-start step reveals the block's first position
+        (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache, Fast-dLLM v2)."""
         inner = self.make_rule
         return UnmaskingStrategy(self.proposal, lambda: FirstPositionAtBlockStart(inner()), self.draws_randomness)

@@ -216,6 +216,26 @@ def test_sft_loss_masks_only_the_answer_region(tokenizer):
     assert (noisy == model.mask_token_id).any() and torch.isfinite(loss)
 
 
+def test_block_diffusion_training_denoises_each_block_from_a_clean_past_only(tokenizer):
+    """The noisy half's logits at block b depend on the clean tokens of blocks before b, never on
+    those of b or later (they would give the answer away), and equal decoding's view: a
+    block-causal forward of the clean past followed by the noisy block."""
+    model = embedded.new_model("sdar", "micro", tokenizer, block_size=4).eval()
+    clean = torch.randint(0, 700, (1, 16))
+    noisy = clean.clone()
+    noisy[0, 8:12] = model.mask_token_id
+    pos = torch.arange(16)[None]
+    logits = train.block_diffusion_logits(model, noisy, clean, pos)
+    later = clean.clone()
+    later[0, 8:] = (later[0, 8:] + 1) % 700  # block 2 (the noisy one) and after, in the clean half
+    assert torch.allclose(train.block_diffusion_logits(model, noisy, later, pos)[0, 8:12], logits[0, 8:12])
+    earlier = clean.clone()
+    earlier[0, 0] = (earlier[0, 0] + 1) % 700
+    assert not torch.allclose(train.block_diffusion_logits(model, noisy, earlier, pos)[0, 8:12], logits[0, 8:12])
+    as_decoded = model(torch.cat([clean[:, :8], noisy[:, 8:12]], 1))[0, 8:12]
+    assert torch.allclose(logits[0, 8:12], as_decoded, atol=1e-5)
+
+
 def test_transplant_llada_weights_into_the_dream_twin(tokenizer):
     """GQA conversion: with key/value heads already equal within each group, the pooled Dream model
     computes exactly what the LLaDA model does (before Dream's shift, which training then learns)."""

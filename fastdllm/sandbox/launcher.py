@@ -121,7 +121,7 @@ def kill_descendants(root, reap):
         for pid in live:
             try:
                 os.kill(pid, 9)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):  # gone, or not ours to signal
                 pass
         while reap:
             try:

@@ -13,9 +13,8 @@ per process, so the sum errs on the side of the limit. Both are read when the ho
 from __future__ import annotations
 
 import os
-import signal
 
-from .launcher import descendants, proc_stat
+from .launcher import descendants, kill_descendants, proc_stat
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -52,12 +51,4 @@ class ProcessTree:
     def kill(self) -> None:
         """SIGKILL every descendant of the launcher until none is left (the launcher is killed by
         its process group)."""
-        for _ in range(1000):
-            live = [pid for pid, st in descendants(self.root).items() if st[1] != b"Z"]
-            if not live:
-                return
-            for pid in live:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        kill_descendants(self.root, reap=False)
