@@ -126,6 +126,7 @@ def evaluate(
     progress: bool = False,
     model_name: str | None = None,
     policies: PolicySource = None,
+    chat_template: bool | None = None,
 ) -> dict:
     """Evaluate `model` on `task`; returns the metrics (see the module docstring) with the
     per-sample records under "samples". Sharded over torch.distributed ranks when initialised
@@ -133,7 +134,8 @@ def evaluate(
 
     workers: sandbox processes for code tasks; timeout: seconds per program (code tasks) or per
     equivalence check (math500); policies: the decoding policies (see `fastdllm.policies`; default:
-    the config's). Raises ValueError (UnknownTaskError, DataError) on bad input."""
+    the config's); chat_template: prompts through the tokenizer's chat template (default: when it has
+    one) or, with False, as the task's plain text (`Question: ...\nAnswer:`). Raises ValueError (UnknownTaskError, DataError) on bad input."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     task = get_task(task)
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -141,7 +143,9 @@ def evaluate(
     k = task.check_num_fewshot(num_fewshot)
     docs = task.load(data_dir, limit)
     shots = task.fewshot(k, data_dir)
-    chat = has_chat_template(tokenizer)
+    chat = has_chat_template(tokenizer) if chat_template is None else bool(chat_template)
+    if chat and not has_chat_template(tokenizer):
+        raise ValueError("chat_template: the tokenizer has no chat template")
     stops = task.stop_strings(chat)
     stop_ids = list(getattr(model, "stop_token_ids", None) or tokenizer.stop_token_ids())
     rank, world = dist_info()
@@ -149,7 +153,7 @@ def evaluate(
     seed = config.seed if config.seed is not None else 0
 
     mine = docs[rank::world]
-    prompts = {d.index: task.encode(tokenizer, d, shots) for d in mine}
+    prompts = {d.index: task.encode(tokenizer, d, shots, chat) for d in mine}
     # Longest prompts first: batches of similar length waste less padding.
     order = sorted(mine, key=lambda d: (-len(prompts[d.index]), d.index))
 
@@ -178,7 +182,7 @@ def evaluate(
                 records.append({
                     "index": doc.index,
                     "id": doc.id,
-                    "prompt": task.render(tokenizer, doc, shots),
+                    "prompt": task.render(tokenizer, doc, shots, chat),
                     "output": comp.text,
                     "extracted": sc.extracted,
                     "gold": doc.gold,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from . import drills
+from . import drills, train_data
 from .embedded import SPECIAL_TOKENS, build_tokenizer, new_model
 from .loading import load_model, save_pretrained
 from .models import Transformer
@@ -75,6 +75,8 @@ DRILLS["shots"] = DRILLS["story"]
 # shots with 55% of word problems in 512/1024-token regions and 35% of batches drills
 DATA_MIXES["tail"] = (0.4, [(0.2, [64]), (0.3, [96, 128]), (0.45, [256]), (1.0, [512, 1024])])
 DRILLS["tail"] = (0.35, "fact", False, 0.5)
+# every prompt format and source of `fastdllm.train_data` (rows drawn per row, not per batch)
+DATA_MIXES["talk"] = (0.0, [(0.45, [64]), (0.65, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
 # The fewest exemplars a few-shot batch draws, per mix (default 1; the most is always 8).
 MIN_SHOTS = {"shots": 4, "tail": 4}
 
@@ -88,7 +90,10 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     u = r.random()
     region = r.choice(next(lengths for cum, lengths in regions if u < cum))
     drill = mix in DRILLS and r.random() < DRILLS[mix][0]  # other mixes draw nothing here
-    if drill:
+    if mix == "talk":
+        streams = train_data.talk_streams(r)
+        rows_of = lambda: train_data.talk_row(r, tokenizer, region, streams)  # noqa: E731
+    elif drill:
         k, region = 0, 64
         _, weighting, restate, p_sentence = DRILLS[mix]
         # Mixes without sentence drills draw no extra random number, so their batches stay as before.
@@ -96,12 +101,15 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
         stream = iter(lambda: drills.drill_problem(r, weighting=weighting, restate=restate, phrasing=phrasing), None)
     else:
         stream = arith.train_stream(r.randrange(1 << 30))
+    if mix != "talk":
+        def rows_of():
+            shots = [next(stream) for _ in range(k)]
+            p = next(stream)
+            bare = not drill and k == 0 and r.random() < P_BARE_QUESTION
+            return arith.prompt_ids(tokenizer, p.question, shots, bare=bare), tokenizer.encode(p.answer) + [eot]
     rows = []
     while True:
-        shots = [next(stream) for _ in range(k)]
-        p = next(stream)
-        pids = arith.prompt_ids(tokenizer, p.question, shots, bare=not drill and k == 0 and r.random() < P_BARE_QUESTION)
-        aids = tokenizer.encode(p.answer) + [eot]
+        pids, aids = rows_of()
         need = max(region, len(aids) + 1)
         rows.append((pids, aids, need))
         longest = max(len(a) for a, _, _ in rows) + max(n for *_, n in rows)

@@ -32,10 +32,12 @@ def run_cli(*args, timeout=600, env_extra=None):
 # ---- data and bad input ------------------------------------------------------------------------
 def test_bundled_data_sizes():
     assert {p.name for p in DATA_DIR.glob("*.gz")} == {
-        "gsm8k_test.jsonl.gz", "gsm8k_train.jsonl.gz", "HumanEval.jsonl.gz", "mbpp.jsonl.gz", "math500_test.jsonl.gz"}
+        "gsm8k_test.jsonl.gz", "gsm8k_train.jsonl.gz", "HumanEval.jsonl.gz", "mbpp.jsonl.gz", "math500_test.jsonl.gz",
+        "gsm8k_train_easy.jsonl.gz", "docstrings.jsonl.gz"}
     assert (DATA_DIR / "README.md").is_file()
     assert len(read_jsonl("gsm8k_train")) == 8
-    for name, n in (("gsm8k", 1319), ("math500", 500), ("humaneval", 164), ("mbpp", 500), ("arith", 1000)):
+    for name, n in (("gsm8k", 1319), ("math500", 500), ("humaneval", 164), ("mbpp", 500), ("arith", 1000),
+                    ("everyday", 500), ("everyday-probe", 32)):
         assert len(get_task(name).load()) == n
 
 
@@ -131,6 +133,11 @@ def test_prompt_formats(tokenizer):
 
     assert gsm.encode(Plain(), doc, []) == [len(gsm.prompt_text(doc, []))]
     assert he.stop_strings(chat=False)[0] == "\ndef " and he.stop_strings(chat=True) == []
+    # a chat model's prompts as plain text, on request
+    arith_task = get_task("arith")
+    adoc = arith_task.load(limit=1)[0]
+    assert arith_task.encode(tokenizer, adoc, [], chat=False) == tokenizer.encode(f"Question: {adoc.data['question']}\nAnswer:")
+    assert he.encode(tokenizer, hdoc, [], chat=False) == tokenizer.encode(hdoc.data["prompt"])
 
 
 # ---- metrics and the Python API ----------------------------------------------------------------

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="sandbox processes for humaneval / mbpp (default %(default)s)")
     p.add_argument("--timeout", type=float, default=None,
                    help="CPU seconds per program (code tasks, default 10) or wall seconds per MATH check (default 5)")
+    p.add_argument("--no-chat-template", dest="chat_template", action="store_false", default=None,
+                   help="send each prompt as plain text (`Question: ...\\nAnswer:`), not through the model's chat template")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (it is shown when stderr is a terminal)")
     add_model_args(p)
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, tokenizer, task, limit=args.limit, num_fewshot=args.num_fewshot, config=config,
                 batch_size=args.batch_size, data_dir=args.data_dir, workers=args.workers, timeout=args.timeout,
                 log_samples=args.log_samples, progress=args.progress and sys.stderr.isatty(),
-                model_name=args.model or getattr(model, "name_or_path", None),
+                model_name=args.model or getattr(model, "name_or_path", None), chat_template=args.chat_template,
             )
         except (UnknownTaskError, DataError) as e:
             raise UserError(str(e)) from None

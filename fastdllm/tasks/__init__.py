@@ -17,7 +17,8 @@ from .base import (DATA_DIR, DataError, Doc, Score, Task, UnknownTaskError, appl
 
 # name -> (module of this package, class); imported on first use
 TASKS = {"arith": ("arith", "ArithTask"), "gsm8k": ("gsm8k", "GSM8KTask"), "humaneval": ("humaneval", "HumanEvalTask"),
-         "math500": ("math500", "Math500Task"), "mbpp": ("mbpp", "MBPPTask")}
+         "math500": ("math500", "Math500Task"), "mbpp": ("mbpp", "MBPPTask"),
+         "everyday": ("everyday", "EverydayTask"), "everyday-probe": ("everyday", "EverydayProbeTask")}
 _LOADED: dict[str, Task] = {}
 
 __all__ = ["DATA_DIR", "DataError", "Doc", "Score", "TASKS", "Task", "UnknownTaskError", "apply_limit",

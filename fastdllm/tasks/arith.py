@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .base import Doc, Task, apply_limit, has_chat_template, score_final_number
+from .base import Doc, Task, apply_limit, score_final_number
 
 MAX_VALUE = 50
 TEST_SEED = 1_000_003
@@ -251,8 +251,8 @@ def fewshot_exemplars(k: int) -> list[Problem]:
 # ---- the task ---------------------------------------------------------------------------------
 class ArithTask(Task):
     """1000 GSM8K-like test problems of the generator above, 0-shot by default (k-shot from
-    `fewshot_exemplars`). Prompts are built exactly as in training (`prompt_ids`:
-    `format_prompt` in the chat template); scored like GSM8K."""
+    `fewshot_exemplars`). Prompts are built exactly as in training: `format_prompt`, in the chat
+    template (`prompt_ids`) or as plain text; scored like GSM8K."""
 
     name = "arith"
     default_num_fewshot = 0
@@ -272,11 +272,6 @@ class ArithTask(Task):
 
     def prompt_text(self, doc, shots):
         return format_prompt(doc.data["question"], shots)
-
-    def encode(self, tokenizer, doc, shots):
-        if has_chat_template(tokenizer):
-            return prompt_ids(tokenizer, doc.data["question"], shots)
-        return tokenizer.encode(self.prompt_text(doc, shots))
 
     def stop_strings(self, chat):
         return ["Question:"]

@@ -162,18 +162,26 @@ class Task:
         """The prompt as text: the user message for chat models, the whole prompt otherwise."""
         raise NotImplementedError
 
-    def encode(self, tokenizer, doc: Doc, shots: list) -> list[int]:
-        text = self.prompt_text(doc, shots)
-        if has_chat_template(tokenizer):
-            return tokenizer.encode_chat([{"role": "user", "content": text}])
-        return tokenizer.encode(text)
+    def chat_content(self, doc: Doc, shots: list) -> str:
+        """The user message when the prompt goes through the chat template."""
+        return self.prompt_text(doc, shots)
 
-    def render(self, tokenizer, doc: Doc, shots: list) -> str:
+    def plain_text(self, doc: Doc, shots: list) -> str:
+        """The whole prompt when it goes without a chat template."""
+        return self.prompt_text(doc, shots)
+
+    def encode(self, tokenizer, doc: Doc, shots: list, chat: bool | None = None) -> list[int]:
+        """The prompt's ids: through the chat template (`chat`; default: when the tokenizer has
+        one), else as plain text."""
+        if has_chat_template(tokenizer) if chat is None else chat:
+            return tokenizer.encode_chat([{"role": "user", "content": self.chat_content(doc, shots)}])
+        return tokenizer.encode(self.plain_text(doc, shots))
+
+    def render(self, tokenizer, doc: Doc, shots: list, chat: bool | None = None) -> str:
         """The prompt exactly as the model sees it (for logs)."""
-        text = self.prompt_text(doc, shots)
-        if has_chat_template(tokenizer):
-            return tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return text
+        if has_chat_template(tokenizer) if chat is None else chat:
+            return tokenizer.apply_chat_template([{"role": "user", "content": self.chat_content(doc, shots)}])
+        return self.plain_text(doc, shots)
 
     def stop_strings(self, chat: bool) -> list[str]:
         return []

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from .base import Doc, Task, apply_limit, has_chat_template, read_jsonl
+from .base import Doc, Task, apply_limit, read_jsonl
 from .scoring import cut_at_stops, extract_fenced_code
 
 STOP_SEQUENCES = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
@@ -70,17 +70,8 @@ class HumanEvalTask(Task):
     def prompt_text(self, doc, shots):
         return doc.data["prompt"]
 
-    def encode(self, tokenizer, doc, shots):
-        if has_chat_template(tokenizer):
-            content = CHAT_INSTRUCTION.format(prompt=doc.data["prompt"])
-            return tokenizer.encode_chat([{"role": "user", "content": content}])
-        return tokenizer.encode(doc.data["prompt"])
-
-    def render(self, tokenizer, doc, shots):
-        if has_chat_template(tokenizer):
-            content = CHAT_INSTRUCTION.format(prompt=doc.data["prompt"])
-            return tokenizer.apply_chat_template([{"role": "user", "content": content}])
-        return doc.data["prompt"]
+    def chat_content(self, doc, shots):
+        return CHAT_INSTRUCTION.format(prompt=doc.data["prompt"])
 
     def stop_strings(self, chat):
         # A chat model answers with a whole function in a fence: "\ndef " would cut it.

@@ -1,0 +1,121 @@
+"""Training rows of the `talk` mix: everyday questions, the `arith` stories, easy GSM8K problems,
+arithmetic drills and general text, in every prompt format a user sends.
+
+Prompt formats (what the model card documents):
+- chat: the question as the user message of the chat template; the answer, then `<|eot_id|>`.
+  A share of rows are two-turn conversations (an earlier question and its answer before).
+- plain: no template, as `/v1/completions`, `generate_text` and lm-eval's default path send it:
+  "Question: ...\\nAnswer:" or the bare question; the answer follows after a space and ends with
+  the end-of-text token.
+- text: general prose (Python's standard-library docstrings, PSF licence, `fastdllm/data/`) as a
+  plain prefix and its continuation, so that the model meets text it cannot predict with
+  certainty and its confidence there looks like a real dLLM's.
+
+Every row is (prompt ids, answer ids); `fastdllm.train.make_batch` lays rows into a batch.
+Nothing here draws from a test split: `everyday` and `arith` stream their training problems,
+GSM8K's rows are from its train split, and the docstrings of HELD_OUT_MODULES are left out.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import random
+import re
+
+from . import drills
+from .tasks import arith, everyday
+from .tasks.base import DATA_DIR
+
+# Sources of a row and their shares.
+SOURCES = {"everyday": 0.45, "arith": 0.18, "gsm8k": 0.1, "drill": 0.12, "text": 0.15}
+# Within a question row: the prompt format's shares.
+FORMATS = {"chat": 0.5, "chat2": 0.12, "plain": 0.26, "plain-bare": 0.12}
+# Docstrings of these modules are never trained on (the general-text measurements read them).
+HELD_OUT_MODULES = frozenset({"statistics", "difflib", "textwrap", "calendar", "heapq", "zipfile", "wave",
+                              "trace", "smtplib", "fractions"})
+
+
+@functools.cache
+def gsm8k_easy() -> tuple[arith.Problem, ...]:
+    """GSM8K train rows with at most three steps and whole numbers up to 100; the calculator
+    annotations (<<48/2=24>>) are dropped from the answers."""
+    with gzip.open(DATA_DIR / "gsm8k_train_easy.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    out = []
+    for row in rows:
+        answer = re.sub(r"<<[^>]*>>", "", row["answer"])
+        value = int(answer.rsplit("####", 1)[1].strip().replace(",", ""))
+        out.append(arith.Problem(row["question"], answer, value))
+    return tuple(out)
+
+
+@functools.cache
+def docstrings(held_out: bool = False) -> tuple[str, ...]:
+    with gzip.open(DATA_DIR / "docstrings.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    held = {row["text"] for row in rows if row["module"] in HELD_OUT_MODULES}
+    if held_out:
+        return tuple(dict.fromkeys(row["text"] for row in rows if row["text"] in held))
+    # a paragraph that two modules share (io's classes, re-exported) stays held out
+    return tuple(dict.fromkeys(row["text"] for row in rows if row["text"] not in held))
+
+
+def _draw(r: random.Random, shares: dict[str, float]) -> str:
+    u, acc = r.random(), 0.0
+    for name, share in shares.items():
+        acc += share
+        if u < acc:
+            return name
+    return name
+
+
+def text_split(r: random.Random, tokenizer, text: str, room: int) -> tuple[list[int], list[int]]:
+    """A paragraph as a plain prefix (its first 20-50% of words) and a continuation of at most
+    `room` tokens that ends at a word boundary."""
+    words = text.split()
+    cut = max(1, int(len(words) * r.uniform(0.2, 0.5)))
+    prompt = tokenizer.encode(" ".join(words[:cut]))
+    rest, ids = words[cut:], []
+    for word in rest:
+        more = tokenizer.encode(" " + word)
+        if len(ids) + len(more) > room:
+            break
+        ids += more
+    return prompt, ids
+
+
+def talk_row(r: random.Random, tokenizer, region: int, streams: dict) -> tuple[list[int], list[int]]:
+    """One row: (prompt ids, answer ids including its end token)."""
+    eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
+    source = _draw(r, SOURCES)
+    if source == "text":
+        prompt, ids = text_split(r, tokenizer, r.choice(docstrings()), region - 1)
+        return prompt, ids + [eos]
+    if source == "drill":
+        p = drills.drill_problem(r, weighting="fact", restate=False, phrasing=r.choice(["equation", "sentence"]))
+        return arith.prompt_ids(tokenizer, p.question, [], bare=True), tokenizer.encode(p.answer) + [eot]
+    if source == "gsm8k":
+        p = r.choice(gsm8k_easy())
+    else:
+        p = next(streams[source])
+    form = _draw(r, FORMATS)
+    if form.startswith("plain"):
+        text = p.question if form == "plain-bare" else f"Question: {p.question}\nAnswer:"
+        return tokenizer.encode(text), tokenizer.encode(" " + p.answer) + [eos]
+    messages = []
+    if form == "chat2":
+        earlier = next(streams["everyday"])
+        messages += [{"role": "user", "content": earlier.question}, {"role": "assistant", "content": earlier.answer}]
+    content = p.question
+    if source == "arith" and r.random() < 0.5:  # the evaluation's "Question: ...\nAnswer:", 0- to 8-shot
+        k = r.randint(1, 8) if r.random() < 0.2 else 0
+        content = arith.format_prompt(p.question, [next(streams["arith"]) for _ in range(k)])
+    messages.append({"role": "user", "content": content})
+    return tokenizer.encode_chat(messages), tokenizer.encode(p.answer) + [eot]
+
+
+def talk_streams(r: random.Random) -> dict:
+    return {"everyday": everyday.train_stream(r.randrange(1 << 30)),
+            "arith": arith.train_stream(r.randrange(1 << 30))}
