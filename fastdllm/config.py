@@ -102,6 +102,11 @@ class GenerationConfig:
     sub_block_length: int | None = _opt(None, "optional int",
                                         "reveal a block's positions sub-block by sub-block, left to right "
                                         "(Fast-dLLM v2's small blocks)")
+    editing_threshold: float | None = _opt(None, "optional float",
+                                           "token-to-token editing (LLaDA2.1): a revealed token of the current "
+                                           "block is rewritten when the model's new token differs and is more "
+                                           "confident than this; 'none': no editing")
+    max_post_steps: int = _opt(16, "int", "with editing: at most this many steps of a block after its last mask")
     suffix_window: int | None = _opt(32, "optional int",
                                      "forwards see only this many positions after the current block (after "
                                      "DPad); 'none': the whole answer region")
@@ -288,6 +293,11 @@ class GenerationConfig:
             need(is_int(self.sub_block_length) and self.sub_block_length >= 1
                  and is_int(self.block_length) and self.block_length % self.sub_block_length == 0,
                  "sub_block_length", f"must be a positive integer dividing block_length={self.block_length}, or None")
+        if self.editing_threshold is not None:
+            need(is_num(self.editing_threshold) and 0 <= self.editing_threshold <= 1, "editing_threshold",
+                 "must be in [0, 1] or None")
+        need(is_int(self.max_post_steps) and self.max_post_steps >= 0, "max_post_steps",
+             "must be a non-negative integer")
         if self.suffix_window is not None:
             need(is_int(self.suffix_window) and self.suffix_window >= 0, "suffix_window",
                  "must be a non-negative integer or None")

@@ -72,7 +72,8 @@ class Row:
     answer: torch.Tensor | None = None  # (gen_length,) once it left the batch (EOS-filled after a stop)
     unmask_step: torch.Tensor | None = None  # (gen_length,) the row's step revealing each position
     nfe: int = 0  # forwards it took part in
-    tokens_per_step: list[int] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)  # positions revealed (edits not counted)
+    edits: int = 0  # revealed tokens rewritten by token editing
     forward_positions: int = 0  # query positions of those forwards
     attended_positions: int = 0  # query x key positions
     # A block-causal model's blocks lie at fixed positions (p // block_size), so a prompt that ends
@@ -306,17 +307,29 @@ class BlockDecoder:
         """Decode the current block of every row (rows that joined are laid out first), yielding
         the step's `chosen` (B, block_length) after every step. After it: `last_blocks`, `left`."""
         seq, block = self._start_block()
-        # (tokens revealed per row, row had masks, the step's forwards): charged to the rows at the
-        # block's end, so a step does no host-side bookkeeping.
+        # (tokens revealed per row, row took part, the step's forwards, tokens edited per row):
+        # charged to the rows at the block's end, so a step does no host-side bookkeeping.
         log: list[tuple] = []
+        editing = self.strategy.editing
+        if editing is not None:  # a row's block ends at its first post-mask step that edits nothing
+            post = torch.zeros(block.shape[0], dtype=torch.long, device=self.device)
+            alive = torch.ones(block.shape[0], dtype=torch.bool, device=self.device)
         while True:
             masked = block == self.mask_id
             has_mask = masked.any(-1)
-            if not bool(has_mask.any()):
+            if editing is None:
+                live = has_mask
+            else:
+                post += ~has_mask & alive
+                alive &= has_mask | (post <= editing.max_post_steps)
+                live = alive.clone()
+            if not bool(live.any()):
                 break
-            chosen, work = self._step(seq, block, masked, has_mask, len(log))
-            log.append((chosen.sum(-1), has_mask, work))
-            yield chosen
+            chosen, edited, work = self._step(seq, block, masked, live, len(log))
+            if editing is not None:
+                alive &= has_mask | edited.any(-1)
+            log.append((chosen.sum(-1), live, work, edited.sum(-1)))
+            yield chosen | edited
         self._charge(log)
         self._finish_block(block)
 
@@ -341,9 +354,10 @@ class BlockDecoder:
         self.rule.begin_block(block == self.mask_id, steps, self._drawing, list(range(len(rows))))
         return seq, block
 
-    def _step(self, seq, block, masked, has_mask, step: int):
+    def _step(self, seq, block, masked, live, step: int):
         """One step: the block's logits from the cache policy, proposals and the selection rule's
-        choice, written into the block. Returns (chosen, the forwards' work)."""
+        choice (and the editing rule's, where there is one), written into the block. `live`: the
+        rows taking part. Returns (chosen, edited, the forwards' work)."""
         start, end = self.start, self.start + self.config.block_length
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
@@ -357,8 +371,8 @@ class BlockDecoder:
         # exactly as when it is decoded alone, whatever the other rows still need.
         generators, everyone = self._drawing, list(range(block.shape[0]))
         drawing = everyone
-        if generators is not None and not bool(has_mask.all()):
-            drawing = [i if m else None for i, m in zip(everyone, has_mask.tolist())]
+        if generators is not None and not bool(live.all()):
+            drawing = [i if m else None for i, m in zip(everyone, live.tolist())]
         tokens, conf = self.strategy.propose(logits, generators, drawing)
         proposed_mask = tokens == self.mask_id
         if bool(proposed_mask.any()):
@@ -371,11 +385,14 @@ class BlockDecoder:
             tokens = torch.where(proposed_mask, others, tokens)
             conf = torch.where(proposed_mask, others_conf, conf)
         chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
-        block[chosen] = tokens[chosen]
         region = self.step_of[:, start:end]  # the row's step index of each revealed position
+        edited = torch.zeros_like(chosen)
+        if self.strategy.editing is not None:  # revealed earlier by decoding: not masked, not a prompt token
+            edited = self.strategy.editing.select(tokens, conf, block, (region >= 0) & ~masked & live[:, None])
+        block[chosen | edited] = tokens[chosen | edited]
         region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
-        self.row_nfe += has_mask
-        return chosen, work
+        self.row_nfe += live
+        return chosen, edited, work
 
     def _finish_block(self, block) -> None:
         """Rows that hit a stop token or their last block leave; the others move to the next block."""
@@ -403,9 +420,12 @@ class BlockDecoder:
         served it while it had masks (what it costs alone)."""
         if not log:
             return
-        counts = torch.stack([c for c, _, _ in log]).tolist()
-        live = torch.stack([h for _, h, _ in log]).tolist()
-        for s, (_, _, work) in enumerate(log):
+        counts = torch.stack([c for c, _, _, _ in log]).tolist()
+        live = torch.stack([h for _, h, _, _ in log]).tolist()
+        edits = torch.stack([e for *_, e in log]).sum(0).tolist()
+        for i, r in enumerate(self.rows):
+            r.edits += edits[i]
+        for s, (_, _, work, _) in enumerate(log):
             for i, r in enumerate(self.rows):
                 if live[s][i]:
                     r.tokens_per_step.append(counts[s][i])

@@ -39,6 +39,10 @@ PRESETS = {
     "sdar": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),  # llada's: its weights transplant
     "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
 }
+# A mixture-of-experts family's routing at small sizes: LLaDA2's structure (a dense first layer,
+# one shared expert, top-2 of 8 experts in 4 groups of which 2 are kept, half-rotary heads).
+MOE_LAYOUT = dict(n_experts=8, n_active_experts=2, n_shared_experts=1, first_dense_layers=1, n_expert_groups=4,
+                  active_expert_groups=2, routed_scaling=2.5)
 
 
 def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
@@ -95,6 +99,10 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
     )
     if "block_size" in family.fields:
         fields["block_size"] = family.args_from_config(family.reference_config).block_size
+    if "n_experts" in family.fields:
+        head = fields["dim"] // fields["n_heads"]
+        fields.update(MOE_LAYOUT, moe_hidden_dim=fields["hidden_dim"] // 2, head_size=head, rope_dim=head // 2,
+                      qk_norm=True)
     args = ModelArgs(**{**fields, **family.fixed, **overrides})
     # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
     ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
@@ -102,7 +110,7 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
     model = Transformer(args, family=family, config={k: v for k, v in ids.items() if k in family.reference_config},
                         stop_token_ids=tokenizer.stop_token_ids())
     for name, p in model.named_parameters():
-        if p.dim() == 2:
+        if p.dim() >= 2:  # matrices, and the experts' stacks of them
             torch.nn.init.normal_(p, std=0.02)
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)

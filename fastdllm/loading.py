@@ -110,24 +110,42 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
     where = str(folder / "config.json")
     model = build_model(config, where)
     dtype = resolve_dtype(dtype) or DTYPES.get(str(config.get("torch_dtype")), torch.float32)
-    names = model.family.weight_names(model.args)  # ours -> theirs
-    ours_by_theirs = {v: k for k, v in names.items()}
+    names = model.family.weight_names(model.args)  # ours -> theirs (a tuple: one tensor per expert)
+    ours_by_theirs: dict[str, tuple[str, int | None]] = {}
+    for ours, theirs in names.items():
+        if isinstance(theirs, tuple):
+            ours_by_theirs.update({t: (ours, e) for e, t in enumerate(theirs)})
+        else:
+            ours_by_theirs[theirs] = (ours, None)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    state = {}
+    state, filled = {}, {}
     for f in weight_files(folder):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for theirs in sf.keys():
                 if theirs not in ours_by_theirs:
                     continue  # e.g. rotary caches some exporters write; nothing we need
-                ours = ours_by_theirs[theirs]
+                ours, expert = ours_by_theirs[theirs]
+                want = tuple(expected[ours]) if expert is None else tuple(expected[ours][1:])
                 tensor = sf.get_tensor(theirs)
-                if tuple(tensor.shape) != tuple(expected[ours]):
+                if tuple(tensor.shape) != want:
                     raise ValueError(
                         f"{f.name}: tensor {theirs} has shape {tuple(tensor.shape)}, "
-                        f"but {folder.name}/config.json implies {tuple(expected[ours])}"
+                        f"but {folder.name}/config.json implies {want}"
                     )
-                state[ours] = tensor.to(device=device, dtype=dtype)
-    missing = [names[k] for k in expected if k not in state]
+                if expert is None:
+                    state[ours] = tensor.to(device=device, dtype=dtype)
+                    continue
+                if ours not in state:  # the experts' stack, filled one expert at a time
+                    state[ours] = torch.empty(expected[ours], dtype=dtype, device=device)
+                    filled[ours] = set()
+                state[ours][expert].copy_(tensor)
+                filled[ours].add(expert)
+    for ours, got in filled.items():
+        lost = [names[ours][e] for e in range(len(names[ours])) if e not in got]
+        if lost:
+            raise ValueError(f"{folder}: weights missing from the safetensors files: {', '.join(lost[:5])}"
+                             + (f" (+{len(lost) - 5} more)" if len(lost) > 5 else ""))
+    missing = [names[k] if isinstance(names[k], str) else names[k][0] for k in expected if k not in state]
     if missing:
         raise ValueError(f"{folder}: weights missing from the safetensors files: {', '.join(missing[:5])}"
                          + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
@@ -209,7 +227,13 @@ def save_pretrained(
     config.update(extra_config or {})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = family.weight_names(model.args)
-    tensors = {names[k]: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    tensors = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().to("cpu", dtype)
+        if isinstance(names[k], tuple):  # stacked experts: one tensor each
+            tensors.update({theirs: v[e].clone() for e, theirs in enumerate(names[k])})
+        else:
+            tensors[names[k]] = v.contiguous()
     for stale in list(folder.glob("*.safetensors")) + list(folder.glob("model.safetensors.index.json")):
         stale.unlink()
     meta = {"format": "pt"}

@@ -433,8 +433,30 @@ class FastDLLMv2Proposal(Proposal):
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+class LLaDA2Proposal(Proposal):
+    """LLaDA2's `_sample_with_temperature_topk_topp`: logits divided by the temperature (unless it
+    is 0 or 1), top-k then top-p filtered, the token drawn from their softmax, its probability
+    there the confidence. *Deliberate difference*: the published LLaDA2.0 sampler draws with
+    `multinomial` even at temperature 0, so its "greedy" default samples from softmax(logits);
+    here temperature 0 is greedy (the argmax and its softmax probability; deterministic, as
+    LLaDA2.1's own sampler does it), and the published draws are temperature=1."""
+
+    def __call__(self, logits, generators, rows):
+        c = self.config
+        if c.temperature <= 0:
+            probs = logits.softmax(-1)
+            tokens = probs.argmax(-1)
+        else:
+            if c.temperature != 1:
+                logits = logits / c.temperature
+            probs = _filter_top_p_top_k(logits, c.top_p, c.top_k).softmax(-1)
+            tokens = _sample_rows(probs, generators, rows)
+        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 # A family's own proposal, by the name its declaration gives (`Family.proposal`).
-PROPOSALS: dict[str, type[Proposal]] = {"sdar": SDARProposal, "fast_dllm_v2": FastDLLMv2Proposal}
+PROPOSALS: dict[str, type[Proposal]] = {"sdar": SDARProposal, "fast_dllm_v2": FastDLLMv2Proposal,
+                                        "llada2": LLaDA2Proposal}
 
 
 def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None = None) -> Proposal:
@@ -452,13 +474,37 @@ def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None 
     return DreamProposal(config, score)
 
 
+class Editing:
+    """LLaDA2.1's token-to-token editing. In every step, besides revealing masked positions, an
+    already revealed position of the current block (never a prompt token) takes the step's
+    proposed token when that token differs from the one there and its confidence is strictly
+    above `threshold`. A block then ends not at its last mask but at the first step after it that
+    edits nothing, or after `max_post_steps` such steps (each row on its own). Its quality mode is
+    threshold 0.7 with editing 0.5, its speed mode threshold 0.5 with editing 0.0 (any change is
+    taken: the edits repair what the low threshold got wrong)."""
+
+    def __init__(self, threshold: float, max_post_steps: int):
+        self.threshold, self.max_post_steps = threshold, max_post_steps
+
+    @classmethod
+    def from_config(cls, config) -> "Editing | None":
+        if config.editing_threshold is None:
+            return None
+        return cls(config.editing_threshold, config.max_post_steps)
+
+    def select(self, tokens, conf, current, editable) -> torch.Tensor:
+        """(B, T) True where the proposal rewrites a revealed token."""
+        return editable & (tokens != current) & (conf > self.threshold)
+
+
 class UnmaskingStrategy:
     """One unmasking policy: a proposal (tokens and confidences), a factory of the selection
-    rule (rules keep per-block state, so each generation gets a fresh one), and whether it draws
-    randomness (then each row gets a generator)."""
+    rule (rules keep per-block state, so each generation gets a fresh one), whether it draws
+    randomness (then each row gets a generator), and its token editing (`Editing`, or None)."""
 
-    def __init__(self, proposal: Proposal, make_rule, draws_randomness: bool):
+    def __init__(self, proposal: Proposal, make_rule, draws_randomness: bool, editing: Editing | None = None):
         self.proposal, self.make_rule, self.draws_randomness = proposal, make_rule, draws_randomness
+        self.editing = editing
 
     @classmethod
     def from_config(cls, config, family_proposal: str | None = None) -> "UnmaskingStrategy":
@@ -466,7 +512,7 @@ class UnmaskingStrategy:
         rule = SELECTION_RULES[config_names.selection_rule_name(config)]
         proposal = proposal_for(config, rule, family_proposal)
         return cls(proposal, lambda: rule.from_config(config),
-                   proposal.draws_randomness() or rule.draws_randomness(config))
+                   proposal.draws_randomness() or rule.draws_randomness(config), Editing.from_config(config))
 
     def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator
@@ -480,10 +526,11 @@ class UnmaskingStrategy:
     def in_sub_blocks(self, size: int) -> "UnmaskingStrategy":
         """The same strategy, revealing each block sub-block by sub-block (`SubBlocks`)."""
         inner = self.make_rule
-        return UnmaskingStrategy(self.proposal, lambda: SubBlocks(inner(), size), self.draws_randomness)
+        return UnmaskingStrategy(self.proposal, lambda: SubBlocks(inner(), size), self.draws_randomness, self.editing)
 
     def revealing_first_at_block_start(self) -> "UnmaskingStrategy":
         """The same strategy whose block-start step reveals the block's first position
         (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache, Fast-dLLM v2)."""
         inner = self.make_rule
-        return UnmaskingStrategy(self.proposal, lambda: FirstPositionAtBlockStart(inner()), self.draws_randomness)
+        return UnmaskingStrategy(self.proposal, lambda: FirstPositionAtBlockStart(inner()), self.draws_randomness,
+                                 self.editing)

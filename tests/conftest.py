@@ -71,7 +71,7 @@ def random_model(arch: str, tokenizer, seed: int = 0, **overrides):
 
         model = Transformer(args, family=fam, stop_token_ids=tokenizer.stop_token_ids())
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 torch.nn.init.normal_(p, std=0.02)
     # Norm weights and biases away from their init values, so a mix-up cannot go unnoticed.
     with torch.no_grad():
@@ -80,6 +80,9 @@ def random_model(arch: str, tokenizer, seed: int = 0, **overrides):
                 p.add_(torch.randn_like(p) * 0.1)
             else:
                 p.mul_(8.0)  # larger weights: sharper distributions, a stricter parity check
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # a router bias that changes which experts are chosen
+                b.copy_(torch.randn_like(b) * 0.3)
     assert model.stop_token_ids == tokenizer.stop_token_ids()
     return model.eval().requires_grad_(False)
 
@@ -103,6 +106,12 @@ def tiny_sdar(tokenizer):
 @pytest.fixture(scope="session")
 def tiny_v2(tokenizer):
     return random_model("fast_dllm_qwen", tokenizer, seed=4, n_heads=4, n_kv_heads=2, block_size=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_llada2(tokenizer):
+    # head_dim 16 of which 8 rotate; every row of the experts' matrices 16-byte aligned
+    return random_model("llada2_moe", tokenizer, seed=5, n_heads=2, n_kv_heads=1, block_size=8)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,11 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
 - Fast-dLLM v2's `batch_sample` with the modeling file its checkpoints ship, on a tiny checkpoint
   in its layout: set FASTDLLM_V2_REFERENCE to a folder holding `generation_functions.py` (NVlabs/
   Fast-dLLM's v2/), `modeling.py` and `configuration.py` (a Fast_dLLM_v2 checkpoint's), and
-  FASTDLLM_V2_PYTHON to an interpreter with transformers==4.53.1, einops and torch.
+  FASTDLLM_V2_PYTHON to an interpreter with transformers==4.53.1, einops and torch;
+- LLaDA2.0's modeling file and `generate` (as the LLaDA2.0 checkpoints ship them) on a tiny
+  mixture-of-experts checkpoint in their layout: set FASTDLLM_LLADA2_REFERENCE to a folder holding
+  `modeling_llada2_moe.py` and `configuration_llada2_moe.py`, and FASTDLLM_LLADA2_PYTHON to an
+  interpreter with transformers==4.57.1 and torch.
 
 Without them the tests are skipped."""
 
@@ -42,6 +46,11 @@ SDAR_MODEL_FILES = Path("training", "model", "SDAR-4B-Chat")
 V2_REFERENCE = os.environ.get("FASTDLLM_V2_REFERENCE")
 V2_PYTHON = os.environ.get("FASTDLLM_V2_PYTHON")
 V2_RUNNER = Path(__file__).parent / "reference" / "fast_dllm_v2.py"
+
+LLADA2_REFERENCE = os.environ.get("FASTDLLM_LLADA2_REFERENCE")
+LLADA2_PYTHON = os.environ.get("FASTDLLM_LLADA2_PYTHON")
+LLADA2_RUNNER = Path(__file__).parent / "reference" / "llada2_moe.py"
+LLADA2_FILES = ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
 
 pytestmark = pytest.mark.slow
 needs_fast_dllm = pytest.mark.skipif(
@@ -186,3 +195,54 @@ def test_fast_dllm_v2_decodes_as_its_own_batch_sample(tiny_v2, tokenizer, tmp_pa
                 n = ref.index(stop) + 1
             assert ours[:n] == ref[:n], (c, len(prompt))
     assert parallel > 0  # the thresholds did reveal several tokens at once
+
+
+@pytest.mark.skipif(not (LLADA2_REFERENCE and LLADA2_PYTHON and Path(LLADA2_REFERENCE, LLADA2_FILES[1]).exists()),
+                    reason="set FASTDLLM_LLADA2_REFERENCE (a folder with LLaDA2's modeling files) and FASTDLLM_LLADA2_PYTHON")
+def test_llada2_logits_and_decoding_equal_its_published_code(tiny_llada2, tokenizer, tmp_path):
+    """Logits of whole sequences (masked positions among them) under the block-causal mask, and the
+    published generate (quota rule, threshold, stop after the block holding EOS) with its greedy
+    sampler against our loop with the exact cache: prompts ending anywhere in a block and on a
+    boundary, one token per step and several."""
+    model = tiny_llada2
+    blk = model.args.block_size
+    folder = save_pretrained(model, tmp_path / "llada2", tokenizer, dtype=torch.float32)
+    for name in LLADA2_FILES:
+        shutil.copy(Path(LLADA2_REFERENCE, name), folder / name)
+    eos = model.args.eos_token_id
+    texts = ["Question: 3 + 4 = ? Answer: the sum", "Question: what is 2 + 2?", "Question: 1 + 1 =",
+             "Question: Tom has 5 apples and buys 3 more. How many apples does he"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    assert any(len(p) % blk == 0 for p in prompts) and len({len(p) % blk for p in prompts}) > 2
+    sequences = []
+    for i, p in enumerate(prompts):
+        seq = p + [model.mask_token_id] * (3 * blk - len(p) % blk)
+        seq[len(p) + 2 :: 3] = [tokenizer.encode(" 7")[0]] * len(seq[len(p) + 2 :: 3])
+        sequences.append(seq)
+    # a random model is confident only at a few thousandths: those thresholds reveal several at once
+    configs = [dict(gen_length=3 * blk, steps=s, threshold=t) for s in (blk, blk // 2) for t in (0.95, 0.01, 0.004)]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mask_id": model.mask_token_id, "eos_id": eos, "block_length": blk,
+                               "logits": sequences, "prompts": prompts, "configs": configs}))
+    out = subprocess.run([LLADA2_PYTHON, str(LLADA2_RUNNER), str(folder), str(job)], capture_output=True, text=True,
+                         timeout=1800)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for seq, theirs in zip(sequences, result["logits"]):
+        assert torch.allclose(model(torch.tensor([seq]))[0], torch.tensor(theirs), atol=1e-4, rtol=1e-4)
+    runs, parallel = iter(result["runs"]), 0
+    model.stop_token_ids = [eos]  # the published loop stops at EOS only
+    try:
+        for c in configs:
+            config = GenerationConfig.for_model(model, GenerationConfig(
+                gen_length=c["gen_length"], block_length=blk, steps=c["steps"] * c["gen_length"] // blk,
+                threshold=c["threshold"]))
+            for prompt in prompts:
+                ref = next(runs)["tokens"]
+                got = fastdllm.generate(model, [prompt], config=config)
+                parallel += max(got.tokens_per_step[0]) > 1
+                assert got.sequences[0].tolist()[: len(ref)] == ref, (c, len(prompt))
+                assert len(ref) == c["gen_length"] or ref[-1] == eos
+    finally:
+        model.stop_token_ids = tokenizer.stop_token_ids()
+    assert parallel > 0

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from . import dream, fast_dllm_v2, llada, sdar
+from . import dream, fast_dllm_v2, llada, llada2, sdar
 from .family import Family
 from .transformer import ModelArgs, Transformer
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llada.FAMILY, dream.FAMILY, fast_dllm_v2.FAMILY, sdar.FAMILY)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llada.FAMILY, dream.FAMILY, fast_dllm_v2.FAMILY, sdar.FAMILY,
+                                                             llada2.FAMILY)}
 
 
 def family_of(config: dict, where: str = "config.json") -> Family:
@@ -19,4 +20,4 @@ def family_of(config: dict, where: str = "config.json") -> Family:
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "Family", "ModelArgs", "Transformer", "family_of", "llada", "dream", "fast_dllm_v2", "sdar"]
+__all__ = ["FAMILIES", "Family", "ModelArgs", "Transformer", "family_of", "llada", "dream", "fast_dllm_v2", "llada2", "sdar"]

@@ -2,7 +2,8 @@
 
 A family is a field map (which config.json keys give each `ModelArgs` field, and which keys a
 saved config writes), the settings it cannot run, and weight-name templates (ours -> theirs, per
-layer with `{i}`, q/k/v with `{p}`). Reading a config, writing one and naming the weights are the
+layer with `{i}`, q/k/v with `{p}`; a mixture-of-experts layer's stacked expert weights with
+`{e}`, one checkpoint tensor per expert). Reading a config, writing one and naming the weights are the
 same three functions for every family, so a new family is a short file of declarations.
 """
 
@@ -40,6 +41,10 @@ class Family:
     top_weights: dict[str, str]  # ours -> theirs, outside the layers (output.weight only when untied)
     layer_weights: dict[str, str]  # ours -> theirs for layer {i}; "{p}" stands for q, k and v
     qkv_bias_weights: dict[str, str] = field(default_factory=dict)  # when args.qkv_bias
+    # A mixture-of-experts layer's MLP names (instead of the "layers.{i}.feed_forward." entries of
+    # layer_weights); "{e}" in a checkpoint name: one tensor per expert, stacked on our side.
+    moe_weights: dict[str, str] = field(default_factory=dict)
+    shared_expert_weights: dict[str, str] = field(default_factory=dict)  # when args.n_shared_experts
     unsupported: dict[str, Any] = field(default_factory=dict)  # config key -> the only value we run
     fixed: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields the family fixes
     check: Callable[[dict, str], None] | None = None  # further checks of a config
@@ -102,17 +107,25 @@ class Family:
         return cfg
 
     # -- weight names
-    def weight_names(self, args: ModelArgs) -> dict[str, str]:
-        """Our parameter name -> the checkpoint's."""
-        names = {k: v for k, v in self.top_weights.items() if k != "output.weight" or not args.tie_embeddings}
+    def weight_names(self, args: ModelArgs) -> dict[str, str | tuple[str, ...]]:
+        """Our parameter name -> the checkpoint's (a tuple for a stacked expert weight: the
+        checkpoint's tensor of each expert, in order)."""
+        names: dict[str, str | tuple[str, ...]] = {
+            k: v for k, v in self.top_weights.items() if k != "output.weight" or not args.tie_embeddings}
         per_layer = dict(self.layer_weights)
         if args.qkv_bias:
             per_layer.update(self.qkv_bias_weights)
+        moe_layer = {k: v for k, v in per_layer.items() if not k.startswith("layers.{i}.feed_forward.")}
+        moe_layer.update(self.moe_weights)
+        if args.n_shared_experts:
+            moe_layer.update(self.shared_expert_weights)
         for i in range(args.n_layers):
-            for ours, theirs in per_layer.items():
+            for ours, theirs in (moe_layer if args.is_moe_layer(i) else per_layer).items():
                 if "{p}" in ours:
                     for p in "qkv":
                         names[ours.format(i=i, p=p)] = theirs.format(i=i, p=p)
+                elif "{e}" in theirs:
+                    names[ours.format(i=i)] = tuple(theirs.format(i=i, e=e) for e in range(args.n_experts))
                 else:
                     names[ours.format(i=i)] = theirs.format(i=i)
         return names

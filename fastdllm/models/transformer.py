@@ -2,7 +2,9 @@
 
 Every family is Llama-shaped: pre-norm RMSNorm blocks, rotary position embeddings, multi-head
 (optionally grouped-query) attention and a SwiGLU MLP; Qwen3-based ones (SDAR) add a per-head
-RMSNorm of q and k before RoPE. Attention is bidirectional over the whole sequence (LLaDA, Dream)
+RMSNorm of q and k before RoPE; LLaDA2's (BailingMoeV2) fuse q/k/v into one projection, rotate
+only the first part of each head (partial rotary) and replace the MLP of all but the first layers
+by a mixture of experts (`moe.MoEFeedForward`). Attention is bidirectional over the whole sequence (LLaDA, Dream)
 or *block-causal* (`block_size` > 0: Fast-dLLM v2, SDAR): the position at RoPE index p belongs to
 block p // block_size and attends to every key of its own block and of earlier blocks, none
 after. The family files only translate their checkpoint's config fields and weight names into
@@ -44,11 +46,32 @@ class ModelArgs:
     head_size: int = 0  # the width of one head where a config sets it (Qwen3); 0: dim // n_heads
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     block_size: int = 0  # block-causal attention in blocks of this many positions; 0: bidirectional
+    fused_qkv: bool = False  # one q/k/v projection (LLaDA2's query_key_value), split by heads
+    rope_dim: int = 0  # RoPE rotates the first rope_dim dims of each head (partial rotary); 0: all
+    # A mixture of experts in every layer from `first_dense_layers` on (0 experts: dense MLPs only).
+    n_experts: int = 0
+    n_active_experts: int = 0  # experts per token (top-k)
+    moe_hidden_dim: int = 0  # SwiGLU width of one expert
+    n_shared_experts: int = 0  # always-on experts (one MLP of n_shared_experts * moe_hidden_dim)
+    first_dense_layers: int = 0
+    router_score: str = "sigmoid"  # expert scores from the router logits: "sigmoid" or "softmax"
+    router_bias: bool = False  # a per-expert bias added to the scores for selection only
+    n_expert_groups: int = 1  # group-limited routing: experts in groups, the best groups kept
+    active_expert_groups: int = 1
+    normalize_expert_weights: bool = True  # chosen experts' scores divided by their sum
+    routed_scaling: float = 1.0  # the routed experts' weights times this
     extra: dict = field(default_factory=dict)
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and i >= self.first_dense_layers
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +97,11 @@ def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, D) in fp32 (LLaDA's rope_full_precision).
+    # x: (B, H, T, D); cos/sin: (B or 1, 1, T, R) in fp32 (LLaDA's rope_full_precision). With R < D
+    # (partial rotary) the first R dims rotate and the rest pass through.
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -85,9 +112,12 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        if args.fused_qkv:
+            self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
+        else:
+            self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+            self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+            self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
@@ -96,12 +126,16 @@ class Attention(nn.Module):
     def project(self, x, cos, sin):
         """q, k, v (B, heads, T, head_dim) of a window, RoPE applied."""
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "wqkv"):  # heads in the order q..., k..., v...
+            q, k, v = self.wqkv(x).view(bsz, seqlen, -1, self.head_dim).split(
+                [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        else:
+            q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
+            k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+            v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q, k, v, key_mask, layer_cache, window_start: int) -> torch.Tensor:
@@ -119,23 +153,29 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden_dim: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+        hidden_dim = hidden_dim or args.hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, args.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        if args.is_moe_layer(index):
+            from .moe import MoEFeedForward  # the experts' module imports this one
+
+            self.feed_forward = MoEFeedForward(args)
+        else:
+            self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, key_mask, layer_cache, window_start, dense=None):
         """`dense`: (before, after), compiled versions of `before_attention` / `after_attention`."""
@@ -196,7 +236,7 @@ class Transformer(nn.Module):
         # The checkpoint's generation_config.json, where it has one (Dream's).
         self.generation_config: dict = {}
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.setup_rope()
@@ -208,7 +248,7 @@ class Transformer(nn.Module):
             device = self.tok_embeddings.weight.device
             if device.type == "meta":
                 device = torch.device("cpu")
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device)
+        cos, sin = rope_tables(self.args.rotary_dim, self.args.max_seq_len, self.args.rope_theta, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -1,0 +1,97 @@
+"""A mixture of SwiGLU experts with a router, computed without a Python loop over experts.
+
+Routing (LLaDA2's BailingMoeV2 router, DeepSeek-V3's scheme; LLaDA-MoE's with softmax scores):
+the router's logits in float32; scores = sigmoid (or softmax) of them; the experts are *chosen*
+by the scores plus a per-expert bias (`router_bias`), within the best `active_expert_groups`
+of `n_expert_groups` groups (a group's score is the sum of its two best scores), top
+`n_active_experts`; their *weights* are the un-biased scores of the chosen experts, divided by
+their sum (`normalize_expert_weights`, with more than one expert) and times `routed_scaling`.
+The weighted sum of the experts' outputs is taken in float32 and cast back, then the shared
+experts' MLP is added.
+
+Expert compute: the (token, expert) pairs are sorted by expert and each expert's tokens go
+through one grouped matrix multiply (`torch.nn.functional.grouped_mm`, jagged groups given by
+offsets computed on the device), so a forward never waits on the host for routing (no `.item()`,
+`.tolist()`, `nonzero` or data-dependent shapes). Where grouped_mm cannot run (CUDA without
+bfloat16, or widths whose rows are not 16-byte aligned) each pair gathers its expert's weights
+and the pairs go through one batched matmul: the same arithmetic, more memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .transformer import FeedForward, ModelArgs
+
+
+def route(logits: torch.Tensor, args: ModelArgs, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen experts (N, k) and their weights (N, k, float32) from router logits (N, E) in float32."""
+    scores = torch.sigmoid(logits) if args.router_score == "sigmoid" else logits.softmax(-1)
+    choice = scores if bias is None else scores + bias.float()
+    n, e = choice.shape
+    if args.n_expert_groups > 1:
+        groups = choice.view(n, args.n_expert_groups, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)
+        keep = group_scores.topk(args.active_expert_groups, dim=-1, sorted=False).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(e // args.n_expert_groups, dim=1), float("-inf"))
+    chosen = choice.topk(args.n_active_experts, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if args.normalize_expert_weights and args.n_active_experts > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return chosen, weights * args.routed_scaling
+
+
+def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0
+               for w in weights)
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor,
+                  grouped: bool) -> torch.Tensor:
+    """Row r of `x` (sorted by expert) times expert `experts[r]`'s weight (E, out, in), transposed."""
+    if grouped:
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    return torch.bmm(weight[experts], x.unsqueeze(-1)).squeeze(-1)
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        e, h, d = args.n_experts, args.moe_hidden_dim, args.dim
+        self.router = nn.Linear(d, e, bias=False)
+        if args.router_bias:
+            self.register_buffer("expert_bias", torch.zeros(e))
+        self.w1 = nn.Parameter(torch.empty(e, h, d))  # gate, per expert (out, in) as nn.Linear stores it
+        self.w3 = nn.Parameter(torch.empty(e, h, d))  # up
+        self.w2 = nn.Parameter(torch.empty(e, d, h))  # down
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.kaiming_uniform_(w.view(-1, w.shape[-1]), a=5 ** 0.5)
+        self.shared = FeedForward(args, h * args.n_shared_experts) if args.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat_x = x.reshape(-1, shape[-1])
+        logits = F.linear(flat_x.float(), self.router.weight.float())
+        chosen, weights = route(logits, self.args, getattr(self, "expert_bias", None))
+        k = chosen.shape[1]
+        pairs = chosen.reshape(-1)
+        order = pairs.argsort(stable=True)
+        experts = pairs[order]
+        xs = flat_x[order // k]
+        counts = torch.zeros(self.args.n_experts, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        grouped = _grouped_mm_ok(xs, self.w1, self.w2)
+        h = F.silu(expert_linear(xs, self.w1, offsets, experts, grouped)) * expert_linear(xs, self.w3, offsets, experts,
+                                                                                          grouped)
+        ys = expert_linear(h, self.w2, offsets, experts, grouped)
+        out = torch.empty_like(ys)
+        out[order] = ys
+        y = (out.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(shape)
+        return y if self.shared is None else y + self.shared(x)
