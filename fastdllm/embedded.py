@@ -40,8 +40,9 @@ PRESETS = {
     "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
 }
 # A mixture-of-experts family's routing at small sizes: LLaDA2's structure (a dense first layer,
-# one shared expert, top-2 of 8 experts in 4 groups of which 2 are kept, half-rotary heads).
-MOE_LAYOUT = dict(n_experts=8, n_active_experts=2, n_shared_experts=1, first_dense_layers=1, n_expert_groups=4,
+# one shared expert, top-2 of 8 experts in 4 groups of which 2 are kept); a family's `fixed`
+# fields win (LLaDA-MoE routes without groups).
+MOE_LAYOUT = dict(n_experts=8, n_active_experts=2, first_dense_layers=1, n_expert_groups=4,
                   active_expert_groups=2, routed_scaling=2.5)
 
 
@@ -101,8 +102,9 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
         fields["block_size"] = family.args_from_config(family.reference_config).block_size
     if "n_experts" in family.fields:
         head = fields["dim"] // fields["n_heads"]
-        fields.update(MOE_LAYOUT, moe_hidden_dim=fields["hidden_dim"] // 2, head_size=head, rope_dim=head // 2,
-                      qk_norm=True)
+        rotary = float(family.reference_config.get("partial_rotary_factor", 1.0))  # LLaDA2 rotates half a head
+        fields.update(MOE_LAYOUT, moe_hidden_dim=fields["hidden_dim"] // 2, shared_expert_hidden_dim=fields["hidden_dim"] // 2,
+                      head_size=head, rope_dim=int(head * rotary), qk_norm=True)
     args = ModelArgs(**{**fields, **family.fixed, **overrides})
     # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
     ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}

@@ -115,6 +115,11 @@ def tiny_llada2(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_llada_moe(tokenizer):
+    return random_model("lladamoe", tokenizer, seed=6, router_bias=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_llada_dir(tmp_path_factory, tiny_llada, tokenizer):
     return save_pretrained(tiny_llada, tmp_path_factory.mktemp("llada"), tokenizer, dtype=torch.float32,
                            max_shard_bytes=20_000)

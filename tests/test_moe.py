@@ -83,6 +83,55 @@ def files_forward(folder, ids: torch.Tensor) -> torch.Tensor:
     return rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
 
+def olmoe_files_forward(folder, ids: torch.Tensor) -> torch.Tensor:
+    """LLaDA-MoE's logits (T, V) from its files alone: bidirectional attention, q/k norm per head
+    before RoPE, then per token the softmax router's top-k experts weighted by their (biased,
+    unnormalised) scores, plus the shared expert."""
+    cfg = json.loads((folder / "config.json").read_text())
+    w = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        w.update(load_file(str(f)))
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, eps, t = cfg["hidden_size"] // heads, cfg["rms_norm_eps"], ids.shape[0]
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.outer(torch.arange(t).float(), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+
+    def rms(v, weight):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def rope(v):
+        return v * cos + torch.cat([-v[..., hd // 2:], v[..., : hd // 2]], -1) * sin
+
+    def mlp(v, p):
+        return (torch.nn.functional.silu(v @ w[p + "gate_proj.weight"].T) * (v @ w[p + "up_proj.weight"].T)) \
+            @ w[p + "down_proj.weight"].T
+
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(t, heads, hd), w[p + "self_attn.q_norm.weight"])
+        k = rms((h @ w[p + "self_attn.k_proj.weight"].T).view(t, kv, hd), w[p + "self_attn.k_norm.weight"])
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).view(t, kv, hd)
+        q, k = rope(q), rope(k).repeat_interleave(heads // kv, 1)
+        att = (torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)).softmax(-1)
+        x = x + torch.einsum("hqk,khd->qhd", att, v.repeat_interleave(heads // kv, 1)).reshape(t, -1) \
+            @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        if not cfg["moe_layer_freq"][i]:
+            x = x + mlp(h, p + "mlp.")
+            continue
+        out = mlp(h, p + "shared_expert.")
+        for j in range(t):
+            scores = (h[j] @ w[p + "mlp.gate.weight"].T).softmax(-1) + w.get(p + "mlp.expert_bias", 0)
+            top = scores.topk(cfg["num_experts_per_tok"])
+            for e, wt in zip(top.indices.tolist(), top.values):
+                out[j] = out[j] + wt * mlp(h[j], p + f"mlp.experts.{e}.")
+        x = x + out
+    return rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+
 def masked_ids(model, length: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.args.vocab_size, (length,), generator=g)
@@ -107,6 +156,32 @@ def test_the_llada2_layout_loads_and_its_logits_equal_a_forward_from_its_files(t
     with torch.no_grad():
         model.layers[1].feed_forward.expert_bias.zero_()
     assert not torch.allclose(model(ids[None])[0], ours, atol=1e-3)
+
+
+def test_the_llada_moe_layout_loads_as_its_own_family_and_its_logits_equal_a_forward_from_its_files(
+        tiny_llada_moe, tokenizer, tmp_path):
+    folder = save_pretrained(tiny_llada_moe, tmp_path / "lladamoe", tokenizer, dtype=torch.float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "llada" and cfg["moe_layer_freq"] == [0, 1]  # as LLaDA-MoE's checkpoints say
+    model, _ = fastdllm.load(folder, dtype="float32")
+    assert model.family.name == "LLaDA-MoE" and not model.args.block_size
+    ids = masked_ids(model, 40)
+    assert torch.allclose(model(ids[None])[0], olmoe_files_forward(folder, ids), atol=1e-4, rtol=1e-4)
+    (folder / "config.json").write_text(json.dumps({**cfg, "moe_layer_freq": [1, 0]}))
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        fastdllm.load(folder)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_llada_moe_decodes_through_every_cache_policy_and_in_a_batch_as_alone(cache, tiny_llada_moe, tokenizer):
+    prompts = [tokenizer.encode("Question: 3 + 4 = ?"), tokenizer.encode("Question: what is 12 + 30?\nAnswer:")]
+    for rule in (dict(threshold=None, steps=16), dict(threshold=0.02), dict(factor=1.0)):
+        config = GenerationConfig(gen_length=32, block_length=16, cache=cache, stop_at_eos=False, **rule)
+        both = generate(tiny_llada_moe, prompts, config=config)
+        assert (both.sequences != tiny_llada_moe.mask_token_id).all()
+        for i, p in enumerate(prompts):
+            alone = generate(tiny_llada_moe, [p], config=config)
+            assert torch.equal(alone.sequences[0], both.sequences[i]), (cache, rule)
 
 
 def test_routing_keeps_the_best_groups_and_weighs_by_unbiased_scores():
@@ -161,12 +236,14 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_moe_forward_never_waits_on_the_host(tiny_llada2):
-    x = masked_ids(tiny_llada2, 20)[None].repeat(3, 1)
-    cache = tiny_llada2.new_cache(3, 24)
+@pytest.mark.parametrize("name", ["tiny_llada2", "tiny_llada_moe"])
+def test_a_moe_forward_never_waits_on_the_host(name, request):
+    model = request.getfixturevalue(name)
+    x = masked_ids(model, 20)[None].repeat(3, 1)
+    cache = model.new_cache(3, 24)
     with HostSyncs() as syncs:
-        tiny_llada2.logits_for(x, 16, 20, cache=cache.narrow(3, 20))
-        tiny_llada2.logits_for(x, 16, 20, window=(16, 20), cache=cache.narrow(3, 20))
+        model.logits_for(x, 16, 20, cache=cache.narrow(3, 20))
+        model.logits_for(x, 16, 20, window=(16, 20), cache=cache.narrow(3, 20))
     assert syncs.count == 0, syncs.ops
     # the counter sees a sync where there is one
     with HostSyncs() as syncs:

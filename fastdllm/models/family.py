@@ -44,7 +44,7 @@ class Family:
     # A mixture-of-experts layer's MLP names (instead of the "layers.{i}.feed_forward." entries of
     # layer_weights); "{e}" in a checkpoint name: one tensor per expert, stacked on our side.
     moe_weights: dict[str, str] = field(default_factory=dict)
-    shared_expert_weights: dict[str, str] = field(default_factory=dict)  # when args.n_shared_experts
+    shared_expert_weights: dict[str, str] = field(default_factory=dict)  # when args.shared_expert_hidden_dim
     unsupported: dict[str, Any] = field(default_factory=dict)  # config key -> the only value we run
     fixed: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields the family fixes
     check: Callable[[dict, str], None] | None = None  # further checks of a config
@@ -117,10 +117,12 @@ class Family:
             per_layer.update(self.qkv_bias_weights)
         moe_layer = {k: v for k, v in per_layer.items() if not k.startswith("layers.{i}.feed_forward.")}
         moe_layer.update(self.moe_weights)
-        if args.n_shared_experts:
+        if args.shared_expert_hidden_dim:
             moe_layer.update(self.shared_expert_weights)
         for i in range(args.n_layers):
             for ours, theirs in (moe_layer if args.is_moe_layer(i) else per_layer).items():
+                if ours.endswith("expert_bias") and not args.router_bias:
+                    continue
                 if "{p}" in ours:
                     for p in "qkv":
                         names[ours.format(i=i, p=p)] = theirs.format(i=i, p=p)

@@ -102,6 +102,7 @@ def _adjust(cfg: dict, values: dict) -> None:
     values["qk_norm"] = bool(cfg.get("use_qk_norm", True))
     values["qkv_bias"] = bool(cfg.get("use_qkv_bias", False))
     values["rope_dim"] = int(values["head_size"] * float(cfg.get("partial_rotary_factor", 0.5)))
+    values["shared_expert_hidden_dim"] *= values["moe_hidden_dim"]  # num_shared_experts experts in one MLP
     if values["n_experts"] % values["n_expert_groups"]:
         raise ValueError(f"num_experts: {values['n_experts']} experts do not split into n_group="
                          f"{values['n_expert_groups']} groups")
@@ -109,7 +110,8 @@ def _adjust(cfg: dict, values: dict) -> None:
 
 def _derived(args: ModelArgs) -> dict:
     return {"partial_rotary_factor": args.rotary_dim / args.head_dim, "use_qk_norm": args.qk_norm,
-            "use_qkv_bias": args.qkv_bias, "pad_token_id": args.eos_token_id}
+            "use_qkv_bias": args.qkv_bias, "pad_token_id": args.eos_token_id,
+            "num_shared_experts": args.shared_expert_hidden_dim // args.moe_hidden_dim}
 
 
 FIELDS = {
@@ -130,7 +132,7 @@ FIELDS = {
     "n_experts": ConfigField(("num_experts",)),
     "n_active_experts": ConfigField(("num_experts_per_tok",)),
     "moe_hidden_dim": ConfigField(("moe_intermediate_size",)),
-    "n_shared_experts": ConfigField(("num_shared_experts",), default=0),
+    "shared_expert_hidden_dim": ConfigField(("num_shared_experts",), default=0, write=()),  # times moe_hidden_dim: _adjust
     "first_dense_layers": ConfigField(("first_k_dense_replace",), default=0),
     "n_expert_groups": ConfigField(("n_group",), default=8),
     "active_expert_groups": ConfigField(("topk_group",), default=4),

@@ -1,13 +1,15 @@
 """A mixture of SwiGLU experts with a router, computed without a Python loop over experts.
 
-Routing (LLaDA2's BailingMoeV2 router, DeepSeek-V3's scheme; LLaDA-MoE's with softmax scores):
-the router's logits in float32; scores = sigmoid (or softmax) of them; the experts are *chosen*
-by the scores plus a per-expert bias (`router_bias`), within the best `active_expert_groups`
-of `n_expert_groups` groups (a group's score is the sum of its two best scores), top
-`n_active_experts`; their *weights* are the un-biased scores of the chosen experts, divided by
-their sum (`normalize_expert_weights`, with more than one expert) and times `routed_scaling`.
-The weighted sum of the experts' outputs is taken in float32 and cast back, then the shared
-experts' MLP is added.
+Routing, LLaDA2's (BailingMoeV2, DeepSeek-V3's scheme): the router's logits from float32
+inputs; scores = their sigmoid; the experts are *chosen* by the scores plus a per-expert bias
+(`router_bias`), within the best `active_expert_groups` of `n_expert_groups` groups (a group's
+score is the sum of its two best scores), top `n_active_experts`; their *weights* are the
+un-biased scores of the chosen experts, divided by their sum (`normalize_expert_weights`, with
+more than one expert) and times `routed_scaling`; the weighted sum of the experts' outputs is
+taken in float32 and cast back. LLaDA-MoE's (OLMoE's): logits in the model's dtype
+(`router_in_float32=False`), scores = their softmax in float32, top-k of them (with the bias,
+where enabled, in the weights too: `bias_in_weights`), not normalised, and the weighted sum in
+the model's dtype (`combine_in_float32=False`). Then the shared experts' MLP is added.
 
 Expert compute: the (token, expert) pairs are sorted by expert and each expert's tokens go
 through one grouped matrix multiply (`torch.nn.functional.grouped_mm`, jagged groups given by
@@ -38,7 +40,7 @@ def route(logits: torch.Tensor, args: ModelArgs, bias: torch.Tensor | None) -> t
         kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = choice.masked_fill(~kept.repeat_interleave(e // args.n_expert_groups, dim=1), float("-inf"))
     chosen = choice.topk(args.n_active_experts, dim=-1).indices
-    weights = scores.gather(1, chosen)
+    weights = (choice if args.bias_in_weights else scores).gather(1, chosen)
     if args.normalize_expert_weights and args.n_active_experts > 1:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return chosen, weights * args.routed_scaling
@@ -72,12 +74,15 @@ class MoEFeedForward(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, d, h))  # down
         for w in (self.w1, self.w3, self.w2):
             nn.init.kaiming_uniform_(w.view(-1, w.shape[-1]), a=5 ** 0.5)
-        self.shared = FeedForward(args, h * args.n_shared_experts) if args.n_shared_experts else None
+        self.shared = FeedForward(args, args.shared_expert_hidden_dim) if args.shared_expert_hidden_dim else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat_x = x.reshape(-1, shape[-1])
-        logits = F.linear(flat_x.float(), self.router.weight.float())
+        if self.args.router_in_float32:
+            logits = F.linear(flat_x.float(), self.router.weight.float())
+        else:
+            logits = self.router(flat_x).float()
         chosen, weights = route(logits, self.args, getattr(self, "expert_bias", None))
         k = chosen.shape[1]
         pairs = chosen.reshape(-1)
@@ -93,5 +98,8 @@ class MoEFeedForward(nn.Module):
         ys = expert_linear(h, self.w2, offsets, experts, grouped)
         out = torch.empty_like(ys)
         out[order] = ys
-        y = (out.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(shape)
+        if self.args.combine_in_float32:
+            y = (out.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(shape)
+        else:
+            y = (out.view(-1, k, shape[-1]) * weights.to(x.dtype).unsqueeze(-1)).sum(1).view(shape)
         return y if self.shared is None else y + self.shared(x)

@@ -52,14 +52,17 @@ class ModelArgs:
     n_experts: int = 0
     n_active_experts: int = 0  # experts per token (top-k)
     moe_hidden_dim: int = 0  # SwiGLU width of one expert
-    n_shared_experts: int = 0  # always-on experts (one MLP of n_shared_experts * moe_hidden_dim)
+    shared_expert_hidden_dim: int = 0  # the always-on (shared) experts' SwiGLU width; 0: none
     first_dense_layers: int = 0
     router_score: str = "sigmoid"  # expert scores from the router logits: "sigmoid" or "softmax"
-    router_bias: bool = False  # a per-expert bias added to the scores for selection only
+    router_in_float32: bool = True  # router logits from float32 inputs (else in the model's dtype)
+    router_bias: bool = False  # a per-expert bias added to the scores to choose the experts
+    bias_in_weights: bool = False  # the chosen experts' weights include that bias (LLaDA-MoE)
     n_expert_groups: int = 1  # group-limited routing: experts in groups, the best groups kept
     active_expert_groups: int = 1
     normalize_expert_weights: bool = True  # chosen experts' scores divided by their sum
     routed_scaling: float = 1.0  # the routed experts' weights times this
+    combine_in_float32: bool = True  # the weighted sum of the experts' outputs in float32 (else model dtype)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -2,7 +2,8 @@
 ship, `modeling_llada2_moe.py`, with `configuration_llada2_moe.py`, copied into the checkpoint
 folder) in an interpreter with a transformers that file imports (4.57). argv: the checkpoint
 folder, a JSON file of {"mask_id", "eos_id", "logits": [ids...], "prompts", "configs"}; prints
-{"logits": [[...]], "runs": [{"tokens"}]}.
+{"logits": [[...]], "runs": [{"tokens", "seconds", "forwards"}]} (also the benchmarks' runner:
+benchmarks/moe_llada2.py).
 
 Logits: one forward of each sequence under the block-causal mask `generate` builds. Runs: the
 published `generate` loop with its sampler replaced by the greedy one (the argmax and its softmax
@@ -11,12 +12,14 @@ sampler can reproduce token for token. The model runs in float32, so generate's 
 (0 / -inf, exact in either dtype) is handed to it as float32."""
 import json
 import sys
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
 
 folder, job = sys.argv[1:3]
 spec = json.load(open(job))
+torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
 block = spec["block_length"]
 
@@ -31,10 +34,14 @@ type(model)._sample_with_temperature_topk_topp = greedy
 forward = model.forward
 
 
+forwards = [0]
+
+
 def float32_mask_forward(*args, attention_mask=None, **kwargs):
     # generate builds its 0/-inf mask in bfloat16 (the released dtype); these runs are float32
     if attention_mask is not None:
         attention_mask = attention_mask.float()
+    forwards[0] += 1
     return forward(*args, attention_mask=attention_mask, **kwargs)
 
 
@@ -50,8 +57,9 @@ with torch.no_grad():
         out["logits"].append(logits[0].tolist())
     for c in spec["configs"]:
         for prompt in spec["prompts"]:
+            forwards[0], t0 = 0, time.perf_counter()
             x = model.generate(inputs=torch.tensor([prompt]), temperature=0.0, block_length=block,
                                steps=c["steps"], gen_length=c["gen_length"], threshold=c["threshold"],
                                eos_id=spec["eos_id"], mask_id=spec["mask_id"])
-            out["runs"].append({"tokens": x[0].tolist()})
+            out["runs"].append({"tokens": x[0].tolist(), "seconds": time.perf_counter() - t0, "forwards": forwards[0]})
 print(json.dumps(out))
