@@ -38,6 +38,10 @@ PRESETS = {
     "dream": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=512),
     "sdar": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),  # llada's: its weights transplant
     "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
+    # llada's sizes with a shared expert of its MLP's width (so its weights upcycle: `train.
+    # transplant_weights`) and eight small routed experts, two per token; no q/k norms
+    "lladamoe": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512, moe_hidden_dim=32,
+                     shared_expert_hidden_dim=512, qk_norm=False),
 }
 # A mixture-of-experts family's routing at small sizes: LLaDA2's structure (a dense first layer,
 # one shared expert, top-2 of 8 experts in 4 groups of which 2 are kept); a family's `fixed`
@@ -93,7 +97,7 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
         vocab_size=vocab,
         max_seq_len=max_seq_len,
         rope_theta=10000.0,
-        norm_eps=1e-5 if arch == "llada" else 1e-6,
+        norm_eps=family.args_from_config(family.reference_config).norm_eps,
         mask_token_id=tokenizer.token_to_id(SPECIAL_TOKENS["mask"]),
         eos_token_id=tokenizer.eos_token_id,
         shifted_logits=family.shifted_logits,
@@ -103,8 +107,9 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
     if "n_experts" in family.fields:
         head = fields["dim"] // fields["n_heads"]
         rotary = float(family.reference_config.get("partial_rotary_factor", 1.0))  # LLaDA2 rotates half a head
-        fields.update(MOE_LAYOUT, moe_hidden_dim=fields["hidden_dim"] // 2, shared_expert_hidden_dim=fields["hidden_dim"] // 2,
+        layout = dict(MOE_LAYOUT, moe_hidden_dim=fields["hidden_dim"] // 2, shared_expert_hidden_dim=fields["hidden_dim"] // 2,
                       head_size=head, rope_dim=int(head * rotary), qk_norm=True)
+        fields = {**layout, **fields}  # the preset's own choices win
     args = ModelArgs(**{**fields, **family.fixed, **overrides})
     # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
     ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}

@@ -223,16 +223,32 @@ def transplant_weights(model: Transformer, source: Transformer) -> None:
     Every tensor is copied by name. Where the target has fewer key/value heads, each group of source
     heads that will share one is mean-pooled into it (the GQA "uptraining" conversion of Ainslie et
     al., 2023; query head i reads key/value head i // group, as SDPA's enable_gqa does); biases the
-    source lacks are set to zero, q/k norms to one. What does not carry over is the Dream twin's
-    shifted prediction, or the block-diffusion twin's q/k norms and block-causal attention: that
-    is what their training then has to learn.
+    source lacks are set to zero, q/k norms to one; a dense source's MLPs become a mixture-of-experts
+    target's shared experts (sparse upcycling, Komatsuzaki et al., 2023; its routed experts add
+    nothing until trained). What does not carry over is the Dream twin's shifted prediction, the
+    block-diffusion twin's q/k norms and block-causal attention, or the experts' routing: that is
+    what their training then has to learn.
     """
     if model.args.dim != source.args.dim or model.args.n_layers != source.args.n_layers:
         raise ValueError("init_from: the model sizes differ (dim and n_layers must match)")
-    src = source.state_dict()
+    src = dict(source.state_dict())
+    upcycled = set()
+    if model.args.n_experts and not source.args.n_experts:
+        # Sparse upcycling: a dense layer's MLP becomes the shared expert; the routed experts start
+        # with a zero output projection, so the model computes exactly the source's function and
+        # training grows the experts from there.
+        for i in range(model.args.n_layers):
+            if model.args.is_moe_layer(i):
+                for w in ("w1", "w2", "w3"):
+                    src[f"layers.{i}.feed_forward.shared.{w}.weight"] = src[f"layers.{i}.feed_forward.{w}.weight"]
+                upcycled |= {f"layers.{i}.feed_forward.{w}" for w in ("w1", "w2", "w3", "router.weight")}
     head_dim = model.args.head_dim
     with torch.no_grad():
         for name, param in model.state_dict().items():
+            if name in upcycled:
+                if name.endswith("w2"):
+                    param.zero_()
+                continue  # the routed experts and the router keep their fresh initialisation
             if name not in src:
                 if name.endswith("bias"):
                     param.zero_()  # a bias the source lacks: zero keeps the source's function

@@ -21,7 +21,7 @@ LAYERS = [
                 "fastdllm.generation",
                 "fastdllm.likelihood"]),
     ("text front ends", ["fastdllm.textgen", "fastdllm.chat", "fastdllm.tasks", "fastdllm.embedded",
-                         "fastdllm.drills", "fastdllm.server.incremental"]),
+                         "fastdllm.drills", "fastdllm.train_data", "fastdllm.server.incremental"]),
     ("serving, evaluation, bench, training", ["fastdllm.server", "fastdllm.evaluate", "fastdllm.bench",
                                               "fastdllm.train", "fastdllm.lm_eval_plugin"]),
     ("commands and the package's front door", ["fastdllm.commands", "fastdllm.cli", "fastdllm.__main__",

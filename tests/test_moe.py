@@ -378,3 +378,20 @@ def test_editing_settings_are_checked():
         GenerationConfig(editing_threshold=1.5)
     with pytest.raises(ConfigError, match="max_post_steps"):
         GenerationConfig(max_post_steps=-1)
+
+
+def test_upcycling_a_dense_model_keeps_its_function_and_training_grows_the_experts(tiny_llada, tokenizer):
+    from fastdllm import train
+    from fastdllm.embedded import new_model
+
+    moe = new_model("lladamoe", "micro", tokenizer, shared_expert_hidden_dim=tiny_llada.args.hidden_dim, qk_norm=False)
+    train.transplant_weights(moe, tiny_llada)
+    ids = masked_ids(tiny_llada, 30)[None]
+    with torch.no_grad():
+        assert torch.equal(moe.eval()(ids), tiny_llada(ids))
+    moe.train()
+    batch, starts = train.make_batch(tokenizer, 0, 0, 2048, "talk")
+    loss = train.sft_loss(moe, batch, starts, torch.Generator().manual_seed(0))
+    loss.backward()
+    layer = moe.layers[1].feed_forward
+    assert layer.w2.grad.abs().sum() > 0 and layer.router.weight.grad is not None

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .transformer import FeedForward, ModelArgs
+from .args import ModelArgs
+from .mlp import FeedForward
 
 
 def route(logits: torch.Tensor, args: ModelArgs, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,10 +55,15 @@ def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor,
-                  grouped: bool) -> torch.Tensor:
-    """Row r of `x` (sorted by expert) times expert `experts[r]`'s weight (E, out, in), transposed."""
+                  grouped: bool | None) -> torch.Tensor:
+    """Row r of `x` (sorted by expert) times expert `experts[r]`'s weight (E, out, in), transposed.
+    grouped: one grouped matmul (True), one batched matmul of gathered weights (False), or, for
+    training (None: grouped_mm has no backward here), a slice per expert (a host sync per call)."""
     if grouped:
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    if grouped is None:
+        bounds = [0] + offsets.tolist()
+        return torch.cat([x[a:b] @ weight[e].T for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
     return torch.bmm(weight[experts], x.unsqueeze(-1)).squeeze(-1)
 
 
@@ -92,7 +98,7 @@ class MoEFeedForward(nn.Module):
         counts = torch.zeros(self.args.n_experts, dtype=torch.int32, device=x.device)
         counts.index_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))
         offsets = counts.cumsum(0, dtype=torch.int32)
-        grouped = _grouped_mm_ok(xs, self.w1, self.w2)
+        grouped = None if torch.is_grad_enabled() and self.w1.requires_grad else _grouped_mm_ok(xs, self.w1, self.w2)
         h = F.silu(expert_linear(xs, self.w1, offsets, experts, grouped)) * expert_linear(xs, self.w3, offsets, experts,
                                                                                           grouped)
         ys = expert_linear(h, self.w2, offsets, experts, grouped)
