@@ -1,6 +1,7 @@
 """The embedded models on everyday questions, plain prompts, the old test set and general text.
 
-    python benchmarks/everyday_twins.py [--models llada-arith dream-arith] [--limit 200] [--threads 2] [--out FILE]
+    python benchmarks/everyday_twins.py [--models llada-arith dream-arith] [--limit 200] [--baseline-limit 100]
+        [--presets baseline fast-dllm default] [--threads 2] [--out FILE]
 
 Accuracy rows (`fastdllm.evaluate`, bf16, batch 16, 0-shot, gen length 256; presets baseline,
 fast-dllm and default): `everyday` (500 held-out questions, test phrasings and entities) with
@@ -35,9 +36,10 @@ PRESETS = ["baseline", "fast-dllm", "default"]
 def accuracy_rows(name, model, tok, args):
     rows = []
     for task, chat in ACCURACY_ROWS:
-        for preset in PRESETS:
+        for preset in args.presets:
             config = GenerationConfig.for_model(model, GenerationConfig.preset(preset, gen_length=args.gen_length))
-            m = evaluate(model, tok, task, limit=args.limit, config=config, batch_size=args.batch_size,
+            limit = args.baseline_limit if preset == "baseline" else args.limit
+            m = evaluate(model, tok, task, limit=limit, config=config, batch_size=args.batch_size,
                          chat_template=chat)
             row = {"model": name, "task": task, "prompt": "chat" if chat else "plain", "preset": preset,
                    **{k: m[k] for k in ("accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step",
@@ -84,6 +86,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["llada-arith", "dream-arith"])
     p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--baseline-limit", type=int, default=100, help="problems per baseline row (it is ~50x slower)")
+    p.add_argument("--presets", nargs="+", default=PRESETS)
     p.add_argument("--texts", type=int, default=32, help="held-out docstring paragraphs")
     p.add_argument("--gen-length", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)

@@ -98,7 +98,8 @@ def time_shares(model: Transformer, prefix: int = 256, block: int = 32, reps: in
 
 def load_time(tmp: Path, tokenizer) -> dict:
     model = model_of(dict(SMALL, n_experts=64, n_active_experts=8, n_expert_groups=8, active_expert_groups=4), 8, 1,
-                     896, torch.bfloat16)
+                     896, torch.bfloat16, mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"),
+                     eos_token_id=tokenizer.eos_token_id)
     folder = save_pretrained(model, tmp / "experts64", tokenizer, dtype=torch.bfloat16, max_shard_bytes=20_000_000)
     tensors = sum(1 for _ in folder.glob("*.safetensors"))
     t0 = time.perf_counter()

@@ -65,12 +65,13 @@ def assert_weights_are_the_files(model, folder):
     raw = {}
     for f in sorted(folder.glob("*.safetensors")):
         raw.update(load_file(str(f)))
-    names = model.family.weight_names(model.args)  # ours -> theirs
-    assert set(raw) == set(names.values())
+    names = model.family.weight_names(model.args)  # ours -> theirs (a tuple: one tensor per expert)
+    assert set(raw) == {t for v in names.values() for t in (v if isinstance(v, tuple) else (v,))}
     state = model.state_dict()
     assert set(names) == {k for k in state if not k.startswith("rope_")}
     for ours, theirs in names.items():
-        assert torch.equal(state[ours], raw[theirs].to(state[ours].dtype)), ours
+        want = torch.stack([raw[t] for t in theirs]) if isinstance(theirs, tuple) else raw[theirs]
+        assert torch.equal(state[ours], want.to(state[ours].dtype)), ours
 
 
 @pytest.fixture(scope="module")
