@@ -12,7 +12,7 @@ loop against the published generate on the same checkpoint.
    experts = the grouped matmuls; the rest of the forward is attention, norms and the head.
 2. Loading a checkpoint with 64 experts per layer (sharded safetensors, one tensor per expert).
 3. Our loop (exact block cache) against the published `generate` (the whole window at every step)
-   on a small random checkpoint in the real layout, float32, batch 1, gen length 256, block 32,
+   on random checkpoints in the real layout (small: dim 256, 4 layers; wide: dim 1024, 2 layers), float32, batch 1, gen length 256, block 32,
    32 steps per block, threshold 0.95, greedy: tokens/s, forwards, tokens per forward. Needs the
    published modeling files and an interpreter with the transformers they import.
 """
@@ -40,6 +40,10 @@ from fastdllm.models.transformer import ModelArgs
 MINI = dict(dim=2048, n_heads=16, n_kv_heads=4, head_size=128, rope_dim=64, hidden_dim=5120, n_experts=256,
             n_active_experts=8, moe_hidden_dim=512, shared_expert_hidden_dim=512, n_expert_groups=8, active_expert_groups=4,
             routed_scaling=2.5)
+# wider: each forward is compute, not per-op overhead (the published loop's whole windows cost more)
+WIDE = dict(dim=1024, n_heads=8, n_kv_heads=2, head_size=128, rope_dim=64, hidden_dim=2048, n_experts=16,
+            n_active_experts=4, moe_hidden_dim=512, shared_expert_hidden_dim=512, n_expert_groups=4,
+            active_expert_groups=2, routed_scaling=2.5)
 SMALL = dict(dim=256, n_heads=4, n_kv_heads=2, head_size=64, rope_dim=32, hidden_dim=512, n_experts=16,
              n_active_experts=4, moe_hidden_dim=128, shared_expert_hidden_dim=128, n_expert_groups=4, active_expert_groups=2,
              routed_scaling=2.5)
@@ -110,10 +114,10 @@ def load_time(tmp: Path, tokenizer) -> dict:
             "bytes": sum(p.numel() * 2 for p in model.parameters())}
 
 
-def against_published(tmp: Path, tokenizer, python: str, files: str) -> dict:
+def against_published(tmp: Path, tokenizer, python: str, files: str, sizes: dict = SMALL, layers: int = 4) -> dict:
     import shutil
 
-    model = model_of(SMALL, 4, 1, 832, torch.float32, mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"),
+    model = model_of(sizes, layers, 1, 832, torch.float32, mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"),
                      eos_token_id=tokenizer.eos_token_id)
     folder = save_pretrained(model, tmp / "small", tokenizer, dtype=torch.float32)
     for name in ("configuration_llada2_moe.py", "modeling_llada2_moe.py"):
@@ -166,11 +170,12 @@ def main() -> None:
         print(f"load: {r['checkpoint_tensors']} tensors ({r['experts_per_layer']} experts x {r['layers']} layers, "
               f"{r['bytes'] / 1e6:.0f} MB, {r['shards']} shards) in {r['load_s']:.2f} s", flush=True)
         if args.reference_python and args.reference_files:
-            r = results["against_published"] = against_published(Path(tmp), tokenizer, args.reference_python,
-                                                                  args.reference_files)
-            print(f"published generate: {r['published']['seconds']:.2f} s, {r['published']['forwards']} forwards; "
-                  f"ours: {r['ours']['seconds']:.2f} s, {r['ours']['forwards']} forwards; same tokens "
-                  f"{r['same_tokens']}; x{r['speedup']:.1f}", flush=True)
+            for key, sizes, layers in (("small", SMALL, 4), ("wide", WIDE, 2)):
+                r = results[f"against_published_{key}"] = against_published(
+                    Path(tmp) / key, tokenizer, args.reference_python, args.reference_files, sizes, layers)
+                print(f"{key}: published generate {r['published']['seconds']:.2f} s, {r['published']['forwards']} "
+                      f"forwards; ours {r['ours']['seconds']:.2f} s, {r['ours']['forwards']} forwards; same tokens "
+                      f"{r['same_tokens']}; x{r['speedup']:.1f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results}, indent=1) + "\n")
 
