@@ -77,6 +77,7 @@ DATA_MIXES["tail"] = (0.4, [(0.2, [64]), (0.3, [96, 128]), (0.45, [256]), (1.0, 
 DRILLS["tail"] = (0.35, "fact", False, 0.5)
 # every prompt format and source of `fastdllm.train_data` (rows drawn per row, not per batch)
 DATA_MIXES["talk"] = (0.0, [(0.45, [64]), (0.65, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
+DATA_MIXES["talk-arith"] = DATA_MIXES["talk"]  # the same shapes; the arith stories a larger share
 # The fewest exemplars a few-shot batch draws, per mix (default 1; the most is always 8).
 MIN_SHOTS = {"shots": 4, "tail": 4}
 
@@ -90,9 +91,9 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     u = r.random()
     region = r.choice(next(lengths for cum, lengths in regions if u < cum))
     drill = mix in DRILLS and r.random() < DRILLS[mix][0]  # other mixes draw nothing here
-    if mix == "talk":
-        streams = train_data.talk_streams(r)
-        rows_of = lambda: train_data.talk_row(r, tokenizer, region, streams)  # noqa: E731
+    if mix in train_data.MIX_SOURCES:
+        streams, sources = train_data.talk_streams(r), train_data.MIX_SOURCES[mix]
+        rows_of = lambda: train_data.talk_row(r, tokenizer, region, streams, sources)  # noqa: E731
     elif drill:
         k, region = 0, 64
         _, weighting, restate, p_sentence = DRILLS[mix]
@@ -101,7 +102,7 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
         stream = iter(lambda: drills.drill_problem(r, weighting=weighting, restate=restate, phrasing=phrasing), None)
     else:
         stream = arith.train_stream(r.randrange(1 << 30))
-    if mix != "talk":
+    if mix not in train_data.MIX_SOURCES:
         def rows_of():
             shots = [next(stream) for _ in range(k)]
             p = next(stream)

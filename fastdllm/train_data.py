@@ -28,8 +28,11 @@ from . import drills
 from .tasks import arith, everyday
 from .tasks.base import DATA_DIR
 
-# Sources of a row and their shares.
+# Sources of a row and their shares, per mix ("talk-arith": the arith stories' share raised so
+# that the old task is kept while the new one is learnt).
 SOURCES = {"everyday": 0.45, "arith": 0.18, "gsm8k": 0.1, "drill": 0.12, "text": 0.15}
+MIX_SOURCES = {"talk": SOURCES,
+               "talk-arith": {"everyday": 0.35, "arith": 0.35, "gsm8k": 0.05, "drill": 0.15, "text": 0.1}}
 # Within a question row: the prompt format's shares.
 FORMATS = {"chat": 0.5, "chat2": 0.12, "plain": 0.26, "plain-bare": 0.12}
 # Docstrings of these modules are never trained on (the general-text measurements read them).
@@ -86,10 +89,12 @@ def text_split(r: random.Random, tokenizer, text: str, room: int) -> tuple[list[
     return prompt, ids
 
 
-def talk_row(r: random.Random, tokenizer, region: int, streams: dict) -> tuple[list[int], list[int]]:
-    """One row: (prompt ids, answer ids including its end token)."""
+def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
+             sources: dict[str, float] | None = None) -> tuple[list[int], list[int]]:
+    """One row: (prompt ids, answer ids including its end token); `sources`: the shares of its
+    sources (default `SOURCES`)."""
     eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
-    source = _draw(r, SOURCES)
+    source = _draw(r, sources or SOURCES)
     if source == "text":
         prompt, ids = text_split(r, tokenizer, r.choice(docstrings()), region - 1)
         return prompt, ids + [eos]
