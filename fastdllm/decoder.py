@@ -73,7 +73,6 @@ class Row:
     unmask_step: torch.Tensor | None = None  # (gen_length,) the row's step revealing each position
     nfe: int = 0  # forwards it took part in
     tokens_per_step: list[int] = field(default_factory=list)  # positions revealed (edits not counted)
-    edits: int = 0  # revealed tokens rewritten by token editing
     forward_positions: int = 0  # query positions of those forwards
     attended_positions: int = 0  # query x key positions
     # A block-causal model's blocks lie at fixed positions (p // block_size), so a prompt that ends
@@ -307,8 +306,8 @@ class BlockDecoder:
         """Decode the current block of every row (rows that joined are laid out first), yielding
         the step's `chosen` (B, block_length) after every step. After it: `last_blocks`, `left`."""
         seq, block = self._start_block()
-        # (tokens revealed per row, row took part, the step's forwards, tokens edited per row):
-        # charged to the rows at the block's end, so a step does no host-side bookkeeping.
+        # (tokens revealed per row, row took part, the step's forwards): charged to the rows at the
+        # block's end, so a step does no host-side bookkeeping.
         log: list[tuple] = []
         editing = self.strategy.editing
         if editing is not None:  # a row's block ends at its first post-mask step that edits nothing
@@ -326,10 +325,12 @@ class BlockDecoder:
             if not bool(live.any()):
                 break
             chosen, edited, work = self._step(seq, block, masked, live, len(log))
-            if editing is not None:
+            log.append((chosen.sum(-1), live, work))
+            if edited is None:
+                yield chosen
+            else:
                 alive &= has_mask | edited.any(-1)
-            log.append((chosen.sum(-1), live, work, edited.sum(-1)))
-            yield chosen | edited
+                yield chosen | edited
         self._charge(log)
         self._finish_block(block)
 
@@ -357,7 +358,7 @@ class BlockDecoder:
     def _step(self, seq, block, masked, live, step: int):
         """One step: the block's logits from the cache policy, proposals and the selection rule's
         choice (and the editing rule's, where there is one), written into the block. `live`: the
-        rows taking part. Returns (chosen, edited, the forwards' work)."""
+        rows taking part. Returns (chosen, edited (None without editing), the forwards' work)."""
         start, end = self.start, self.start + self.config.block_length
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
@@ -386,10 +387,11 @@ class BlockDecoder:
             conf = torch.where(proposed_mask, others_conf, conf)
         chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
         region = self.step_of[:, start:end]  # the row's step index of each revealed position
-        edited = torch.zeros_like(chosen)
+        edited = None
         if self.strategy.editing is not None:  # revealed earlier by decoding: not masked, not a prompt token
             edited = self.strategy.editing.select(tokens, conf, block, (region >= 0) & ~masked & live[:, None])
-        block[chosen | edited] = tokens[chosen | edited]
+            block[edited] = tokens[edited]
+        block[chosen] = tokens[chosen]
         region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
         self.row_nfe += live
         return chosen, edited, work
@@ -420,12 +422,9 @@ class BlockDecoder:
         served it while it had masks (what it costs alone)."""
         if not log:
             return
-        counts = torch.stack([c for c, _, _, _ in log]).tolist()
-        live = torch.stack([h for _, h, _, _ in log]).tolist()
-        edits = torch.stack([e for *_, e in log]).sum(0).tolist()
-        for i, r in enumerate(self.rows):
-            r.edits += edits[i]
-        for s, (_, _, work, _) in enumerate(log):
+        counts = torch.stack([c for c, _, _ in log]).tolist()
+        live = torch.stack([h for _, h, _ in log]).tolist()
+        for s, (_, _, work) in enumerate(log):
             for i, r in enumerate(self.rows):
                 if live[s][i]:
                     r.tokens_per_step.append(counts[s][i])

@@ -45,6 +45,7 @@ class Family:
     # layer_weights); "{e}" in a checkpoint name: one tensor per expert, stacked on our side.
     moe_weights: dict[str, str] = field(default_factory=dict)
     shared_expert_weights: dict[str, str] = field(default_factory=dict)  # when args.shared_expert_hidden_dim
+    router_bias_weights: dict[str, str] = field(default_factory=dict)  # when args.router_bias
     unsupported: dict[str, Any] = field(default_factory=dict)  # config key -> the only value we run
     fixed: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields the family fixes
     check: Callable[[dict, str], None] | None = None  # further checks of a config
@@ -119,10 +120,10 @@ class Family:
         moe_layer.update(self.moe_weights)
         if args.shared_expert_hidden_dim:
             moe_layer.update(self.shared_expert_weights)
+        if args.router_bias:
+            moe_layer.update(self.router_bias_weights)
         for i in range(args.n_layers):
             for ours, theirs in (moe_layer if args.is_moe_layer(i) else per_layer).items():
-                if ours.endswith("expert_bias") and not args.router_bias:
-                    continue
                 if "{p}" in ours:
                     for p in "qkv":
                         names[ours.format(i=i, p=p)] = theirs.format(i=i, p=p)

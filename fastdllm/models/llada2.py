@@ -152,7 +152,6 @@ LAYER_WEIGHTS = {
 }
 MOE_WEIGHTS = {
     "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
-    "layers.{i}.feed_forward.expert_bias": "model.layers.{i}.mlp.gate.expert_bias",
     "layers.{i}.feed_forward.w1": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
     "layers.{i}.feed_forward.w3": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
     "layers.{i}.feed_forward.w2": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
@@ -180,6 +179,7 @@ FAMILY = Family(
     qkv_bias_weights={"layers.{i}.attention.wqkv.bias": "model.layers.{i}.attention.query_key_value.bias"},
     moe_weights=MOE_WEIGHTS,
     shared_expert_weights=SHARED_EXPERT_WEIGHTS,
+    router_bias_weights={"layers.{i}.feed_forward.expert_bias": "model.layers.{i}.mlp.gate.expert_bias"},
     # The published generate's rule. Its default threshold (0.95) is not imposed: a threshold the
     # caller leaves at the engine's default (0.9) stays.
     decoding={"unmasking": "quota"},

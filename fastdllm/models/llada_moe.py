@@ -150,11 +150,11 @@ FAMILY = Family(
     },
     moe_weights={
         "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
-        "layers.{i}.feed_forward.expert_bias": "model.layers.{i}.mlp.expert_bias",
         "layers.{i}.feed_forward.w1": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
         "layers.{i}.feed_forward.w3": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
         "layers.{i}.feed_forward.w2": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
     },
+    router_bias_weights={"layers.{i}.feed_forward.expert_bias": "model.layers.{i}.mlp.expert_bias"},
     shared_expert_weights={
         "layers.{i}.feed_forward.shared.w1.weight": "model.layers.{i}.shared_expert.gate_proj.weight",
         "layers.{i}.feed_forward.shared.w3.weight": "model.layers.{i}.shared_expert.up_proj.weight",
