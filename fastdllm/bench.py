@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .config import GenerationConfig
+from .quant import weight_bytes
 
 
 @dataclass
@@ -112,6 +113,7 @@ def run_config(model, tokenizer, task: str, config, num_fewshot: int, limit: int
         "outside_forward": None if fwd is None else 1 - fwd / m["generation_time_s"],
         "generated_tokens": m["generated_tokens"],
         "num_samples": n,
+        "kv_cache_bytes": m.get("kv_cache_bytes", 0),
     }
 
 
@@ -119,12 +121,13 @@ def fmt_row(r: dict) -> str:
     outside = "" if r.get("outside_forward") is None else f"{100 * r['outside_forward']:.1f}%"
     return (f"| {r['group']} | {r['name']} | {100 * r['accuracy']:.1f} | {r['tokens_per_second']:.1f} | "
             f"{r['speedup']:.1f}x | {r['nfe_per_sample']:.1f} | {r['tokens_per_step']:.2f} | "
-            f"{r['positions_per_token']:.1f} | {r['attended_per_token']:.0f} | {r['latency_s']:.2f} | {outside} |")
+            f"{r['positions_per_token']:.1f} | {r['attended_per_token']:.0f} | {r['latency_s']:.2f} | {outside} | "
+            f"{r.get('kv_cache_bytes', 0) / 2**20:.2f} |")
 
 
 HEADER = ("| setting | configuration | accuracy % | tokens/s | speed-up | NFE/sample | tokens/step | "
-          "positions/token | attended/token | latency s | outside fwd |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "positions/token | attended/token | latency s | outside fwd | KV cache MiB |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def environment(model, device) -> dict:
@@ -138,6 +141,8 @@ def environment(model, device) -> dict:
         "model": getattr(model, "name_or_path", None),
         "params_millions": round(sum(p.numel() for p in model.parameters()) / 1e6, 3),
         "dtype": str(model.dtype),
+        "quantization": getattr(model, "quantization", None),
+        **weight_bytes(model),
     }
     if str(device).startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(device)

@@ -90,6 +90,7 @@ class CachePolicy:
         self.compiled = compiled  # forwards through the model's torch.compile'd layers
         self.work: list[tuple[list[int] | None, int, int]] = []
         self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
+        self.peak_cache_bytes = 0  # the largest KV cache this policy held at once (memory accounting)
 
     @classmethod
     def from_config(cls, model, config) -> "CachePolicy":
@@ -245,7 +246,9 @@ class PrefixCache(CachePolicy):
     def _cache_for(self, batch: int, length: int, capacity: int) -> KVCache:
         # One allocation per layout; when finished rows drop out we use the leading rows.
         if self._buffer is None or self._buffer.batch < batch or self._buffer.length != capacity:
+            self._buffer = None  # freed before its successor is allocated
             self._buffer = self.model.new_cache(batch, capacity)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self._buffer.nbytes())
         return self._buffer.narrow(batch, length)
 
     def relayout(self, sources, shift, length):
@@ -258,6 +261,8 @@ class PrefixCache(CachePolicy):
         # Rows joined (or the layout's width changed): a new buffer, the kept rows' K/V moved with them.
         # (A negative shift: columns that every row padded were dropped on the left.)
         self._buffer = new = self.model.new_cache(len(sources), length)
+        # Both buffers are alive while the kept rows move over.
+        self.peak_cache_bytes = max(self.peak_cache_bytes, old.nbytes() + new.nbytes())
         src_lo, dst_lo = max(0, -shift), max(0, shift)
         width = min(old.length - src_lo, length - dst_lo)
         for i, src in enumerate(sources):

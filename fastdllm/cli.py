@@ -19,6 +19,7 @@ COMMANDS = {
     "serve": ("fastdllm.commands.serve", "main", "OpenAI-compatible HTTP server"),
     "eval": ("fastdllm.commands.eval", "main", "accuracy and tokens/s on gsm8k, math500, humaneval, mbpp, arith"),
     "bench": ("fastdllm.commands.bench", "main", "the Fast-dLLM tables on your machine: baseline vs cache vs parallel"),
+    "quantize": ("fastdllm.commands.quantize", "main", "write a weight-only int8 / int4 checkpoint"),
     "train-tiny": ("fastdllm.commands.train_tiny", "main", "train the embedded default model from a seed"),
 }
 

@@ -49,6 +49,7 @@ from .version import __version__
 from .config import GenerationConfig
 from .generation import generate, warm_up
 from .policies import PolicySource
+from .quant import weight_bytes
 from .tasks import Task, get_task, has_chat_template
 from .text import complete
 
@@ -161,7 +162,7 @@ def evaluate(
     bar = _progress(len(docs), progress and rank == 0, f"{task.name}")
     records: list[dict] = []
     gen_time = score_time = forward_time = 0.0
-    n_tokens = n_correct = n_done = 0
+    n_tokens = n_correct = n_done = kv_bytes = 0
     t_start = time.perf_counter()
     with task.scorer(workers=workers, timeout=timeout) as scorer:
         for batch in _batches(order, batch_size):
@@ -173,6 +174,7 @@ def evaluate(
                 raise ValueError(f"{batch[0].id}: {e}") from None
             gen_time += out.wall_time
             forward_time += out.forward_time
+            kv_bytes = max(kv_bytes, out.kv_cache_bytes)
             completions = [complete(tokenizer, out.sequences[i], stop_ids, stop=stops) for i in range(len(batch))]
             t0 = time.perf_counter()
             scores = scorer.score(batch, [c.text for c in completions])
@@ -211,7 +213,7 @@ def evaluate(
         bar.close()
 
     timing = {"rank": rank, "generation_time_s": gen_time, "forward_time_s": forward_time, "scoring_time_s": score_time,
-              "total_time_s": time.perf_counter() - t_start}
+              "total_time_s": time.perf_counter() - t_start, "kv_cache_bytes": kv_bytes}
     all_records = _gather(records, group)
     timings = _gather([timing], group)
     all_records.sort(key=lambda r: r["index"])
@@ -226,6 +228,9 @@ def evaluate(
         "batch_size": batch_size,
         "world_size": world,
         "config": config.to_dict(),
+        # memory: the weights as they sit in memory, and the largest KV cache a batch held
+        **(weight_bytes(model) if hasattr(model, "named_modules") else {}),
+        "quantization": getattr(model, "quantization", None),
         "data_dir": str(data_dir) if data_dir is not None else "fastdllm/data (bundled)",
         "fastdllm_version": __version__,
     })
@@ -273,6 +278,7 @@ def summarize(records: Sequence[dict], timings: Sequence[dict] = ()) -> dict:
         "forward_time_s": sum(t.get("forward_time_s", 0.0) for t in timings),
         "scoring_time_s": sum(t["scoring_time_s"] for t in timings),
         "wall_time_s": max((t["total_time_s"] for t in timings), default=0.0),
+        "kv_cache_bytes": max((t.get("kv_cache_bytes", 0) for t in timings), default=0),
         "verdicts": verdicts,
     }
 

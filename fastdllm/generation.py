@@ -42,6 +42,7 @@ class GenerationOutput:
     # and query x key positions attended (the attention's cost).
     forward_positions: list[int] = field(default_factory=list)
     attended_positions: list[int] = field(default_factory=list)
+    kv_cache_bytes: int = 0  # the most KV cache memory the run held at once (0 without a cache)
 
     @property
     def tokens_per_second(self) -> float:
@@ -135,7 +136,8 @@ def iter_generate(
     stats.update(nfe=decoder.nfe, row_nfe=[r.nfe for r in rows], tokens_per_step=[r.tokens_per_step for r in rows],
                  unmask_step=torch.stack([r.unmask_step for r in rows]), forward_time=decoder.forward_time,
                  finished=[r.finished for r in rows], forward_positions=[r.forward_positions for r in rows],
-                 attended_positions=[r.attended_positions for r in rows])
+                 attended_positions=[r.attended_positions for r in rows],
+                 kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0))
     yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=[r.finished for r in rows])
 
 
@@ -190,6 +192,7 @@ def generate(
         config=config,
         forward_positions=stats["forward_positions"],
         attended_positions=stats["attended_positions"],
+        kv_cache_bytes=stats["kv_cache_bytes"],
     )
 
 

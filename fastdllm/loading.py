@@ -104,52 +104,98 @@ def build_model(config: dict, where: str = "config.json", device="meta") -> Tran
     return model
 
 
+class CheckpointTensors:
+    """The tensors of a checkpoint's safetensors files by name, each file opened once."""
+
+    def __init__(self, files: list[Path]):
+        self._handles, self._file = {}, {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+            self._handles[f] = handle
+            self._file.update({name: f for name in handle.keys()})
+
+    def names(self) -> set[str]:
+        return set(self._file)
+
+    def has(self, name: str) -> bool:
+        return name in self._file
+
+    def file(self, name: str) -> Path:
+        return self._file[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file:
+            raise ValueError(f"tensor {name} is missing from the safetensors files")
+        return self._handles[self._file[name]].get_tensor(name)
+
+
 def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
+    """The model of a checkpoint folder; a quantized checkpoint (compressed-tensors, GPTQ:
+    `quant.formats`) loads its quantized layers as `QuantizedLinear`s (a quantized routed expert
+    is dequantized into its stack)."""
+    from .quant import install
+    from .quant.formats import decode, is_quantized, read_quant_format
+
     folder = Path(folder)
     config = read_config(folder)
     where = str(folder / "config.json")
     model = build_model(config, where)
+    fmt = read_quant_format(folder, config)
     dtype = resolve_dtype(dtype) or DTYPES.get(str(config.get("torch_dtype")), torch.float32)
     names = model.family.weight_names(model.args)  # ours -> theirs (a tuple: one tensor per expert)
-    ours_by_theirs: dict[str, tuple[str, int | None]] = {}
-    for ours, theirs in names.items():
-        if isinstance(theirs, tuple):
-            ours_by_theirs.update({t: (ours, e) for e, t in enumerate(theirs)})
-        else:
-            ours_by_theirs[theirs] = (ours, None)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    state, filled = {}, {}
-    for f in weight_files(folder):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for theirs in sf.keys():
-                if theirs not in ours_by_theirs:
-                    continue  # e.g. rotary caches some exporters write; nothing we need
-                ours, expert = ours_by_theirs[theirs]
-                want = tuple(expected[ours]) if expert is None else tuple(expected[ours][1:])
-                tensor = sf.get_tensor(theirs)
-                if tuple(tensor.shape) != want:
-                    raise ValueError(
-                        f"{f.name}: tensor {theirs} has shape {tuple(tensor.shape)}, "
-                        f"but {folder.name}/config.json implies {want}"
-                    )
-                if expert is None:
-                    state[ours] = tensor.to(device=device, dtype=dtype)
-                    continue
-                if ours not in state:  # the experts' stack, filled one expert at a time
-                    state[ours] = torch.empty(expected[ours], dtype=dtype, device=device)
-                    filled[ours] = set()
-                state[ours][expert].copy_(tensor)
-                filled[ours].add(expert)
-    for ours, got in filled.items():
-        lost = [names[ours][e] for e in range(len(names[ours])) if e not in got]
-        if lost:
-            raise ValueError(f"{folder}: weights missing from the safetensors files: {', '.join(lost[:5])}"
-                             + (f" (+{len(lost) - 5} more)" if len(lost) > 5 else ""))
-    missing = [names[k] if isinstance(names[k], str) else names[k][0] for k in expected if k not in state]
+    tensors = CheckpointTensors(weight_files(folder))
+    present = tensors.names()
+
+    def quantized(theirs: str) -> bool:
+        return fmt is not None and theirs.endswith(".weight") and is_quantized(fmt, present, theirs[: -len(".weight")])
+
+    def read(theirs: str, want: tuple) -> torch.Tensor:
+        if quantized(theirs):
+            qw = decode(fmt, tensors.get, theirs[: -len(".weight")], tensors.has)
+            if qw.shape != want:
+                raise ValueError(f"{theirs}: quantized weight of shape {qw.shape}, but {where} implies {want}")
+            return qw
+        tensor = tensors.get(theirs)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{tensors.file(theirs).name}: tensor {theirs} has shape {tuple(tensor.shape)}, "
+                             f"but {folder.name}/config.json implies {want}")
+        return tensor
+
+    state, layers, missing = {}, {}, []
+    for ours, theirs in names.items():
+        if isinstance(theirs, tuple):  # the experts' stack, filled one expert at a time
+            lost = [t for t in theirs if t not in present and not quantized(t)]
+            if lost:
+                missing += lost
+                continue
+            stack = torch.empty(expected[ours], dtype=dtype, device=device)
+            for e, name in enumerate(theirs):
+                w = read(name, tuple(expected[ours][1:]))
+                stack[e].copy_(w if isinstance(w, torch.Tensor) else w.dequantize(dtype))
+            state[ours] = stack
+        elif theirs in present or quantized(theirs):
+            w = read(theirs, tuple(expected[ours]))
+            if isinstance(w, torch.Tensor):
+                state[ours] = w.to(device=device, dtype=dtype)
+            else:
+                w.scale = w.scale.to(dtype)
+                layers[ours[: -len(".weight")]] = w.to(device)
+        else:
+            missing.append(theirs)
     if missing:
         raise ValueError(f"{folder}: weights missing from the safetensors files: {', '.join(missing[:5])}"
                          + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
-    model.load_state_dict(state, strict=True, assign=True)
+    if layers:  # the quantized layers replace their linear ones, with the checkpoint's biases
+        biases = {name: state.pop(f"{name}.bias", None) for name in layers}
+        install(model, layers, device=torch.device(device), dtype=dtype, biases=biases)
+        model.quantization.update(format=fmt.method)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    held = {f"{name}." for name in layers}
+    lost = [k for k in result.missing_keys if not k.startswith(tuple(held))]
+    if lost or result.unexpected_keys:
+        raise ValueError(f"{folder}: weights do not match the model: missing {lost[:5]}, unexpected "
+                         f"{result.unexpected_keys[:5]}")
     model.setup_rope(torch.device(device))
     return model.eval().requires_grad_(False)
 
@@ -174,15 +220,27 @@ def check_device(device) -> torch.device:
     return dev
 
 
+QUANTIZE = {"int8": 8, "int4": 4}
+
+
 def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=None, *, revision: str | None = None,
-         local_files_only: bool = False, token: str | bool | None = None) -> tuple[Transformer, Tokenizer]:
+         local_files_only: bool = False, token: str | bool | None = None, quantize: str | None = None,
+         group_size: int | None = None, quantize_head: bool = False) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
 
     dtype: None (the checkpoint's `torch_dtype`), "float32"/"bfloat16" or a torch dtype.
     device: None (CUDA when available, else CPU), or any torch device string.
     revision, local_files_only, token: for a hub id, as huggingface_hub takes them.
+    quantize: None, "int8" (per output channel) or "int4" (groups of `group_size` input columns,
+    default 128 or the largest of 64 / 32 that fits the model): weight-only quantization of the
+    linear layers at load (`fastdllm.quant`); `quantize_head` includes the output head. A checkpoint
+    that is already quantized (compressed-tensors, GPTQ) loads quantized without it.
     """
     device = check_device(device)
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(QUANTIZE)}")
+    if quantize is None and (group_size is not None or quantize_head):
+        raise ValueError(f"{'group_size' if group_size is not None else 'quantize_head'}: only with quantize")
     folder = resolve_model_path(path_or_repo_id, revision=revision, local_files_only=local_files_only, token=token)
     if path_or_repo_id is None and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"the embedded default model is missing from the package ({folder})")
@@ -195,7 +253,16 @@ def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=No
             f"{folder / 'config.json'}: mask_token_id {mask_id} is not a token of the tokenizer "
             f"(vocabulary of {tokenizer.vocab_size})"
         )
-    model = load_model(folder, dtype=dtype, device=device)
+    model = load_model(folder, dtype=dtype, device="cpu" if quantize else device)
+    if quantize:
+        from .quant import install, quantize_weights
+
+        if model.quantization is not None:
+            raise ValueError(f"quantize: {folder} is already quantized ({model.quantization['format']}, "
+                             f"{model.quantization['bits'][0]}-bit); load it without quantize")
+        install(model, quantize_weights(model, QUANTIZE[quantize], group_size, quantize_head), device=device)
+        model.to(device)
+        model.setup_rope(device)
     model.stop_token_ids = sorted(set(tokenizer.stop_token_ids()) | {model.args.eos_token_id})
     gen_path = folder / "generation_config.json"
     if gen_path.is_file():
@@ -215,9 +282,23 @@ def save_pretrained(
     dtype=None,
     max_shard_bytes: int | None = None,
     extra_config: dict | None = None,
+    quantized: dict | None = None,
+    quant_format: str = "compressed-tensors",
 ) -> Path:
     """Write `model` in its family's real layout: config.json, safetensors (sharded with an index
-    when larger than `max_shard_bytes`), and the tokenizer files."""
+    when larger than `max_shard_bytes`), and the tokenizer files.
+
+    `quantized` (our layer name -> `quant.QuantizedWeight`, from `quant.quantize_weights`) writes
+    those layers quantized in `quant_format` ("compressed-tensors" or "gptq") with its
+    `quantization_config` (`quantize_checkpoint` does this from a full-precision checkpoint)."""
+    from .quant import QuantizedLinear
+    from .quant.formats import encode, quantization_config
+
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        raise ValueError("save_pretrained: this model's layers are quantized in memory; write a quantized "
+                         "checkpoint from the full-precision one (fastdllm.quant.quantize_checkpoint, "
+                         "`fastdllm quantize`)")
+    quantized = quantized or {}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     family = model.family
@@ -225,10 +306,30 @@ def save_pretrained(
     config = family.config_from_args(model.args, getattr(model, "config", None))
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config.update(extra_config or {})
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     names = family.weight_names(model.args)
+    if quantized:
+        bits = {qw.bits for qw in quantized.values()}
+        # One group size for the checkpoint (None: per output channel); a layer whose input width
+        # is the group size has one group per channel either way.
+        sizes = {qw.group_size for qw in quantized.values()}
+        group = None if all(qw.per_channel for qw in quantized.values()) else min(sizes)
+        if len(bits) != 1 or any(qw.group_size != group and not (group is None and qw.per_channel)
+                                 for qw in quantized.values()):
+            raise ValueError("quantized: one bit width and one group size for the whole checkpoint")
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        ignore = sorted(names[f"{n}.weight"].removesuffix(".weight") for n in linears
+                        if n not in quantized and isinstance(names.get(f"{n}.weight"), str))
+        config["quantization_config"] = quantization_config(quant_format, bits.pop(), group, ignore)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {}
+    for layer, qw in quantized.items():
+        prefix = names[f"{layer}.weight"].removesuffix(".weight")
+        qw = qw.to("cpu")
+        qw.scale = qw.scale.to(dtype)
+        tensors.update(encode(quant_format, qw, prefix))
     for k, v in model.state_dict().items():
+        if k.removesuffix(".weight") in quantized:
+            continue
         v = v.detach().to("cpu", dtype)
         if isinstance(names[k], tuple):  # stacked experts: one tensor each
             tensors.update({theirs: v[e].clone() for e, theirs in enumerate(names[k])})
@@ -263,3 +364,22 @@ def save_pretrained(
     if tokenizer is not None:
         tokenizer.save(folder)
     return folder
+
+
+def quantize_checkpoint(src: str | os.PathLike | None, dst: str | os.PathLike, bits: int, *,
+                        group_size: int | None = None, quant_format: str = "compressed-tensors",
+                        quantize_head: bool = False, dtype=None, max_shard_bytes: int | None = None) -> Path:
+    """Write the checkpoint at `src` (a folder, hub id or embedded name) to `dst` with its linear
+    layers quantized to `bits` (8 or 4) in `quant_format`: loading `dst` gives the same model, and
+    the same logits, as `load(src, quantize=...)` with these settings."""
+    from .quant import quantize_weights
+    from .quant.formats import FORMATS
+
+    if quant_format not in FORMATS:
+        raise ValueError(f"format: {quant_format!r} is not one of {', '.join(FORMATS)}")
+    model, tokenizer = load(src, dtype=dtype, device="cpu")
+    if model.quantization is not None:
+        raise ValueError(f"{src}: already quantized ({model.quantization['format']})")
+    weights = quantize_weights(model, bits, group_size, quantize_head)
+    return save_pretrained(model, dst, tokenizer, quantized=weights, quant_format=quant_format,
+                           max_shard_bytes=max_shard_bytes)

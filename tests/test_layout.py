@@ -16,7 +16,7 @@ LAYERS = [
                       "fastdllm.tasks.scoring", "fastdllm.sandbox", "fastdllm.live_view", "fastdllm.server.guard",
                       "fastdllm.server.metrics", "fastdllm.server.schema"]),
     ("cache", ["fastdllm.cache"]),
-    ("models", ["fastdllm.models", "fastdllm.loading"]),
+    ("models", ["fastdllm.models", "fastdllm.quant", "fastdllm.loading"]),
     ("engine", ["fastdllm.cache_policies", "fastdllm.unmasking", "fastdllm.policies", "fastdllm.decoder",
                 "fastdllm.generation",
                 "fastdllm.likelihood"]),

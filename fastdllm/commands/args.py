@@ -35,6 +35,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the checkpoint's)")
     p.add_argument("--revision", default=None, help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--local-files-only", action="store_true", help="for a hub id: use the hub cache only, no network")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the linear layers at load (int8 per channel, int4 in groups)")
+    p.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="int4 group size: 32, 64, 128 or 256 (default 128, or the largest that fits the model)")
+    p.add_argument("--quantize-head", action="store_true", help="quantize the output head too")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's; use 1 on a machine shared with other jobs)")
 
@@ -128,7 +133,8 @@ def load_model_or_exit(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     try:
         return load(args.model, dtype=args.dtype, device=args.device, revision=getattr(args, "revision", None),
-                    local_files_only=getattr(args, "local_files_only", False))
+                    local_files_only=getattr(args, "local_files_only", False), quantize=getattr(args, "quantize", None),
+                    group_size=getattr(args, "group_size", None), quantize_head=getattr(args, "quantize_head", False))
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
 

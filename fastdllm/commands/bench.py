@@ -101,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         batch = {"batch_1": one, "batch_8": eight,
                  "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0}
 
+    env = environment(model, model.device)
+    q = env["quantization"]
     lines = [f"fastdllm bench: task {args.task}, {'/'.join(map(str, limits))} samples per row, batch {args.batch_size}, "
-             f"device {model.device}", "", HEADER] + [fmt_row(r) for r in results]
+             f"device {model.device}; weights {env['weight_bytes'] / 2**20:.2f} MiB resident (linear layers "
+             f"{env['linear_weight_bytes'] / 2**20:.2f} MiB{', ' + str(q['bits'][0]) + '-bit' if q else ''})", "", HEADER] + [fmt_row(r) for r in results]
     for key, pts in sweeps.items():
         lines += ["", f"{key} sweep (gen {g0}, {k0}-shot, the full method):", "", f"| {key} | accuracy % | tokens/s | NFE/sample |",
                   "|---|---|---|---|"]
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "fastdllm bench " + " ".join(argv if argv is not None else []),
         "settings": {k: v for k, v in vars(args).items()},
-        "environment": environment(model, model.device),
+        "environment": env,
         "rows": results,
         "sweeps": sweeps,
         "batch": batch,

@@ -19,6 +19,15 @@ def write_results(results: dict, path: str | os.PathLike) -> None:
     path.write_text(json.dumps(body, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def memory_line(r: dict) -> str:
+    """Weights resident (and the linear layers' share) and the largest KV cache, in MiB."""
+    mib = 2**20
+    q = r.get("quantization")
+    kind = f"{q['bits'][0]}-bit linear layers" if q else "linear layers"
+    return (f"weights {r.get('weight_bytes', 0) / mib:.2f} MiB ({kind} {r.get('linear_weight_bytes', 0) / mib:.2f}), "
+            f"KV cache {r.get('kv_cache_bytes', 0) / mib:.2f} MiB")
+
+
 def format_summary(results: dict) -> str:
     r = results
     label = "pass@1" if "pass@1" in r else "accuracy"
@@ -31,6 +40,7 @@ def format_summary(results: dict) -> str:
         f"  positions/token   {r.get('positions_per_token', 0.0):.1f} computed, "
         f"{r.get('attended_per_token', 0.0):.0f} attended",
         f"  tokens/step       {r['tokens_per_step']:.2f}",
+        f"  memory            {memory_line(r)}",
         "  verdicts          " + ", ".join(f"{k} {v}" for k, v in sorted(r["verdicts"].items())),
     ]
     if r.get("world_size", 1) > 1:

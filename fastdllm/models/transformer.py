@@ -174,6 +174,9 @@ class Transformer(nn.Module):
         self.name_or_path = name_or_path
         # The checkpoint's generation_config.json, where it has one (Dream's).
         self.generation_config: dict = {}
+        # Weight-only quantization of the linear layers (`quant.describe`: bits, group size,
+        # kernels, checkpoint format), None when the weights are in the model's dtype.
+        self.quantization: dict | None = None
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -231,8 +234,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h, weight)
+        return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Plain full forward: logits (B, L, V) with the family's native meaning (shifted for Dream)."""

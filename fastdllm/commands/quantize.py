@@ -1,0 +1,45 @@
+"""`fastdllm quantize SRC DST --bits 8|4`: write a weight-only quantized checkpoint once, so that
+loading it is fast and small (`fastdllm.loading.quantize_checkpoint`)."""
+
+from __future__ import annotations
+
+from .args import UserError, parser
+
+EPILOG = """examples:
+  fastdllm quantize GSAI-ML/LLaDA-8B-Instruct llada-8b-w4 --bits 4
+  fastdllm quantize llada-arith llada-arith-w8 --bits 8 --format gptq
+  fastdllm eval --task arith --model llada-arith-w8
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..quant.formats import FORMATS
+
+    p = parser("fastdllm quantize", __doc__.split("\n\n")[0], EPILOG)
+    p.add_argument("src", help="checkpoint folder, hub id or embedded model name")
+    p.add_argument("dst", help="folder to write")
+    p.add_argument("--bits", type=int, required=True, choices=[8, 4])
+    p.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="columns per scale for int4 (32, 64, 128, 256; default 128 or the largest that fits); "
+                        "int8 is per output channel unless given")
+    p.add_argument("--format", default="compressed-tensors", choices=list(FORMATS),
+                   help="checkpoint layout (default compressed-tensors: what vLLM and llm-compressor use)")
+    p.add_argument("--quantize-head", action="store_true", help="quantize the output head too")
+    p.add_argument("--dtype", default=None, help="dtype of the scales and unquantized weights (default the checkpoint's)")
+    p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="shard the safetensors files")
+    args = p.parse_args(argv)
+    from ..loading import load
+    from ..loading import quantize_checkpoint
+    from ..quant import weight_bytes
+
+    try:
+        dst = quantize_checkpoint(args.src, args.dst, args.bits, group_size=args.group_size, quant_format=args.format,
+                                  quantize_head=args.quantize_head, dtype=args.dtype, max_shard_bytes=args.max_shard_size)
+        model, _ = load(dst, device="cpu")
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    q = model.quantization
+    size = weight_bytes(model)["weight_bytes"]
+    print(f"wrote {dst}: {q['layers']} layers {q['bits'][0]}-bit ({args.format}, group size {q['group_size']}), "
+          f"weights {size / 2**20:.1f} MiB resident")
+    return 0
