@@ -185,6 +185,15 @@ class GenerationConfig:
             changes["steps"] = min(gen_length, max(gen_length // block, round(self.steps * gen_length / self.gen_length)))
         return self.replace(**{**changes, "gen_length": gen_length})
 
+    def with_options(self, **fields) -> "GenerationConfig":
+        """This config with `fields` changed, transformers' keywords accepted as `generate(...,
+        max_new_tokens=64, do_sample=False)` takes them (`from_transformers_names`)."""
+        n = fields.pop("max_new_tokens", None)
+        if fields.get("do_sample") is True and "temperature" not in fields and self.temperature > 0:
+            fields["temperature"] = self.temperature
+        mapped = from_transformers_names(fields)
+        return self.replace(**mapped) if n is None else self.with_max_new_tokens(n, **mapped)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -314,3 +323,71 @@ class GenerationConfig:
 
 # --preset NAME -> the GenerationConfig classmethod that builds it.
 PRESETS = {"default": "default", "fast-dllm": "fast_dllm", "baseline": "baseline"}
+
+
+# ---- transformers' names -------------------------------------------------------------------------
+# transformers' GenerationConfig / generate() keywords that have a meaning for diffusion decoding,
+# and those that do not (a ConfigError that names the field and says what to use).
+TRANSFORMERS_REFUSED = {
+    "max_length": "a dLLM's answer region is fixed before decoding starts: use max_new_tokens (or gen_length)",
+    "min_length": "use gen_length", "min_new_tokens": "use gen_length",
+    "num_beams": "diffusion decoding has no beam search",
+    "repetition_penalty": "not supported by diffusion decoding (every position is decoded at once)",
+    "no_repeat_ngram_size": "not supported by diffusion decoding",
+    "num_return_sequences": "pass it to fastdllm.generate(..., num_return_sequences=N), which repeats each prompt",
+    "eos_token_id": "stop tokens come from the model and tokenizer (model.stop_token_ids)",
+    "pad_token_id": "padding comes from the tokenizer; pass an attention_mask for left-padded input",
+}
+
+
+def from_transformers_names(fields: dict) -> dict:
+    """`fields` with transformers' keywords mapped onto ours: `max_new_tokens=n` (gen_length n
+    rounded up to whole blocks, as `GenerationConfig.with_max_new_tokens`; text front ends cut the
+    answer back to n), `do_sample=False` (temperature 0: greedy) / `do_sample=True` (temperature
+    1.0, transformers' default, unless a temperature > 0 is given). Keywords with no meaning
+    here raise a ConfigError naming them."""
+    fields = dict(fields)
+    for name, why in TRANSFORMERS_REFUSED.items():
+        if name in fields:
+            raise ConfigError(name, why)
+    if "do_sample" in fields:
+        sample = fields.pop("do_sample")
+        if not isinstance(sample, bool):
+            raise ConfigError("do_sample", f"must be true or false (got {sample!r})")
+        temperature = fields.get("temperature")
+        if not sample:
+            if temperature not in (None, 0, 0.0):
+                raise ConfigError("do_sample", f"do_sample=False decodes greedily; it contradicts temperature={temperature}")
+            fields["temperature"] = 0.0
+        elif temperature in (None, 0, 0.0):
+            if temperature is not None:
+                raise ConfigError("do_sample", "do_sample=True needs a temperature > 0")
+            fields["temperature"] = 1.0
+    if "max_new_tokens" in fields:
+        n = fields.pop("max_new_tokens")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError("max_new_tokens", f"must be a positive integer (got {n!r})")
+        if "gen_length" in fields:
+            raise ConfigError("max_new_tokens", "give max_new_tokens or gen_length, not both")
+        block = fields.get("block_length", GenerationConfig.block_length)
+        if isinstance(block, int) and not isinstance(block, bool) and block >= 1:
+            fields["gen_length"] = -(-n // block) * block
+    return fields
+
+
+_dataclass_init = GenerationConfig.__init__
+
+
+def _init(self, *args, **kwargs):
+    try:
+        _dataclass_init(self, *args, **from_transformers_names(kwargs))
+    except TypeError as e:  # an unknown keyword: name it as every other mistake is named
+        unknown = [k for k in kwargs if k not in GenerationConfig.__dataclass_fields__]
+        if not unknown:
+            raise
+        raise ConfigError(unknown[0], f"is not a decoding option (see GenerationConfig.field_names())") from None
+
+
+_init.__doc__ = _dataclass_init.__doc__
+_init.__wrapped__ = _dataclass_init
+GenerationConfig.__init__ = _init

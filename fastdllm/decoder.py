@@ -81,6 +81,9 @@ class Row:
     # answer (`asked` tokens), as the references decode to the end of the block holding the last one.
     asked: int = 0
     lead_tokens: torch.Tensor | None = None
+    # A grammar its answer must follow (`constraints.GrammarConstraint`): it amends every step's
+    # choice so the answer is revealed left to right, each token checked.
+    constraint: object = None
 
     @property
     def lead(self) -> int:
@@ -209,9 +212,10 @@ class BlockDecoder:
         return not (schedule_varies and any(r.block > 0 for r in self.rows))
 
     def add(self, input_ids, attention_mask=None, row_seeds=None, config: GenerationConfig | None = None,
-            tags=None) -> list[Row]:
+            tags=None, constraints=None) -> list[Row]:
         """Rows that join at the next block boundary (validated now: a bad prompt is refused here,
-        alone). `config` may differ from the batch's in gen_length only (see `join_key`)."""
+        alone). `config` may differ from the batch's in gen_length only (see `join_key`).
+        `constraints`: per row, None or the grammar its answer follows (`constraints.py`)."""
         config = config or self.config
         if not self.accepts(config):
             raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
@@ -220,6 +224,13 @@ class BlockDecoder:
             else [None] * ids.shape[0]
         tags = [None] * ids.shape[0] if tags is None else list(tags)
         rows = [self._row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
+        if constraints is not None:
+            if len(constraints) != len(rows):
+                raise ValueError(f"constraints: {len(constraints)} given for {len(rows)} rows")
+            for r, c in zip(rows, constraints):
+                if c is not None and r.lead:
+                    raise ValueError("constraints: a prompt ending inside a block-causal block is not supported yet")
+                r.constraint = c
         self.joining.extend(rows)
         return rows
 
@@ -386,10 +397,18 @@ class BlockDecoder:
             tokens = torch.where(proposed_mask, others, tokens)
             conf = torch.where(proposed_mask, others_conf, conf)
         chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
+        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
+        if constrained:  # the grammar's say: left to right, every revealed token accepted
+            for i in constrained:
+                if bool(live[i]):
+                    self.rows[i].constraint.amend(logits[i], tokens[i], chosen[i], masked[i])
         region = self.step_of[:, start:end]  # the row's step index of each revealed position
         edited = None
         if self.strategy.editing is not None:  # revealed earlier by decoding: not masked, not a prompt token
-            edited = self.strategy.editing.select(tokens, conf, block, (region >= 0) & ~masked & live[:, None])
+            editable = (region >= 0) & ~masked & live[:, None]
+            if constrained:  # a checked token is never rewritten
+                editable[constrained] = False
+            edited = self.strategy.editing.select(tokens, conf, block, editable)
             block[edited] = tokens[edited]
         block[chosen] = tokens[chosen]
         region.copy_(torch.where(chosen, self.row_nfe[:, None], region))

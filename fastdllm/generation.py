@@ -95,6 +95,7 @@ def iter_generate(
     cache: CachePolicy | None = None,
     strategy: UnmaskingStrategy | None = None,
     policies: PolicySource = None,
+    constraints: Sequence | None = None,
 ) -> Iterator[StepEvent]:
     """The decoding loop (`decoder.BlockDecoder`) over one batch, as a generator of events.
     `generate` runs it to the end.
@@ -105,7 +106,7 @@ def iter_generate(
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     bundle = resolve(policies, model, config) if policies is not None else None
     decoder = BlockDecoder(model, config, cache=cache, strategy=strategy, policies=bundle)
-    rows = decoder.add(input_ids, attention_mask, row_seeds)
+    rows = decoder.add(input_ids, attention_mask, row_seeds, constraints=constraints)
     bsz, blk = len(rows), config.block_length
     slot = {id(r): i for i, r in enumerate(rows)}
     # The answers as the caller sees them: (B, gen_length), the mask id where still masked.
@@ -158,21 +159,45 @@ def generate(
     cache: CachePolicy | None = None,
     strategy: UnmaskingStrategy | None = None,
     policies: PolicySource = None,
+    num_return_sequences: int = 1,
+    constraints: Sequence | None = None,
+    **options,
 ) -> GenerationOutput:
     """Generate `config.gen_length` tokens after each prompt.
 
     input_ids: a (B, P) tensor (left-padded, with `attention_mask`), or a list of token-id lists
     of any lengths (padded here). `row_seeds` gives each row its own random stream (else
     `config.seed` + row). `policies`, `cache` and `strategy` plug in policy objects (see `iter_generate`).
+    `options`: decoding fields that change `config` (`gen_length=128`), transformers' keywords
+    included (`max_new_tokens=64` also cuts the sequences to 64 tokens; `do_sample`;
+    `GenerationConfig.with_options`). `constraints`: per row, None or a `constraints.GrammarConstraint`
+    its answer must follow (JSON, a schema, a regex). `num_return_sequences`: each prompt decoded that many times,
+    its copies next to each other, each with its own random stream (as transformers orders them).
     Returns the generated ids and the statistics of the run.
     """
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
+    cut = options.get("max_new_tokens")
+    if options:
+        config = config.with_options(**options)
+    if not isinstance(num_return_sequences, int) or isinstance(num_return_sequences, bool) or num_return_sequences < 1:
+        raise ValueError(f"num_return_sequences: must be a positive integer (got {num_return_sequences!r})")
+    if num_return_sequences > 1:
+        k = num_return_sequences
+        if constraints is not None:
+            raise ValueError("constraints: give one per row instead of num_return_sequences (a constraint holds its row's state)")
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.repeat_interleave(k, 0)
+            attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(k, 0)
+        else:
+            input_ids = [list(ids) for ids in input_ids for _ in range(k)]
+        if row_seeds is not None:
+            row_seeds = [s * k + j for s in row_seeds for j in range(k)]
     stats: dict = {}
     t0 = time.perf_counter()
     last = None
     with torch.inference_mode():
         for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats, cache, strategy,
-                                   policies):
+                                   policies, constraints):
             if on_step is not None and event.kind != "done":
                 on_step(event)
             last = event
@@ -180,12 +205,15 @@ def generate(
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     sequences = last.canvas.clone()
+    unmask_step = stats["unmask_step"]
+    if cut is not None:
+        sequences, unmask_step = sequences[:, :cut].clone(), unmask_step[:, :cut]
     return GenerationOutput(
         sequences=sequences,
         nfe=stats["nfe"],
         nfe_per_row=stats["row_nfe"],
         tokens_per_step=stats["tokens_per_step"],
-        unmask_step=stats["unmask_step"],
+        unmask_step=unmask_step,
         num_tokens=count_until_stop(sequences, model.stop_token_ids),
         wall_time=wall,
         forward_time=stats["forward_time"],

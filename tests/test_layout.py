@@ -17,7 +17,7 @@ LAYERS = [
                       "fastdllm.server.metrics", "fastdllm.server.schema"]),
     ("cache", ["fastdllm.cache"]),
     ("models", ["fastdllm.models", "fastdllm.quant", "fastdllm.loading"]),
-    ("engine", ["fastdllm.cache_policies", "fastdllm.unmasking", "fastdllm.policies", "fastdllm.decoder",
+    ("engine", ["fastdllm.cache_policies", "fastdllm.unmasking", "fastdllm.constraints", "fastdllm.policies", "fastdllm.decoder",
                 "fastdllm.generation",
                 "fastdllm.likelihood"]),
     ("text front ends", ["fastdllm.textgen", "fastdllm.chat", "fastdllm.tasks", "fastdllm.embedded",

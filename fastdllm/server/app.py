@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from ..config import GenerationConfig
+from ..constraints import response_format_constraint
 from .guard import Guard
 from .incremental import ChoiceText
 from .metrics import ServerMetrics
@@ -323,8 +324,8 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         server.check_model(model_id)
         return model_card(model_id)
 
-    async def submit(prompts, seeds, config) -> Job:
-        job = Job(prompts, seeds, config, asyncio.get_running_loop())
+    async def submit(prompts, seeds, config, constraints=None) -> Job:
+        job = Job(prompts, seeds, config, asyncio.get_running_loop(), constraints=constraints)
         try:
             server.scheduler.submit(job)
         except QueueFull as e:
@@ -375,7 +376,14 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         stop = req.stop_list()
         choices = [ChoiceText(tokenizer, model.stop_token_ids, stop, keep) for _ in rows]
         prompt_tokens = sum(len(p) for p in prompts)
-        job = await submit(rows, seeds, config)
+        constraints = None
+        if getattr(req, "response_format", None) not in (None, {"type": "text"}):
+            try:  # one grammar state per row
+                constraints = [response_format_constraint(req.response_format, tokenizer, model.stop_token_ids)
+                               for _ in rows]
+            except ValueError as e:
+                raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+        job = await submit(rows, seeds, config, constraints)
         meta = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}",
                 "created": int(time.time()), "model": settings.model_name}
         last_block = config.num_blocks - 1

@@ -36,6 +36,8 @@ class Job:
     cancelled: bool = False  # the client went away
     satisfied: bool = False  # the consumer needs no more blocks (every choice final)
     blocks_posted: int = 0  # blocks sent so far (a job decoded again alone does not send them twice)
+    # Per row, the grammar its answer follows (`constraints.py`; response_format), or None.
+    constraints: list | None = None
 
     @property
     def rows(self) -> int:
@@ -188,7 +190,7 @@ class Scheduler:
             for job in new:
                 try:
                     running[job] = decoder.add(job.prompts, row_seeds=job.seeds, config=job.config,
-                                               tags=[job] * job.rows)
+                                               tags=[job] * job.rows, constraints=job.constraints)
                 except Exception as e:  # a request the loop refuses fails alone
                     self._fail([job], e, log_it=False)
                     continue
@@ -268,6 +270,9 @@ class Scheduler:
         log.warning("a batch of %d requests failed (%s: %s); retrying them one by one", len(jobs),
                     type(error).__name__, error)
         for job in jobs:
+            for constraint in job.constraints or ():
+                if constraint is not None:
+                    constraint.reset()  # its grammar starts over with the answer
             self._run([job], alone=True)
 
     def _fail(self, jobs: list[Job], error: Exception, log_it: bool = True) -> None:

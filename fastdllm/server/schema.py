@@ -161,7 +161,8 @@ class _Common(_DecodingFields):
 
     def ignored_fields(self) -> list[str]:
         """The fields given that have no effect here (see IGNORABLE)."""
-        given = [n for n in IGNORABLE if n in self.model_fields_set]
+        given = [n for n in IGNORABLE if n in self.model_fields_set
+                 and not (n == "response_format" and self.response_format not in (None, {"type": "text"}))]
         if self.stream_options is not None and not self.stream:
             given.append("stream_options")
         return given
@@ -180,9 +181,16 @@ class _Common(_DecodingFields):
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice: tool calling is not supported", param="tool_choice",
                            code="unsupported_value")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, 'response_format: only {"type": "text"} is supported (no JSON mode or schema)',
-                           param="response_format", code="unsupported_value")
+        if self.response_format is not None:
+            kind = self.response_format.get("type")
+            if kind not in ("text", "json_object", "json_schema"):
+                raise APIError(400, f"response_format: type must be text, json_object or json_schema (got {kind!r})",
+                               param="response_format", code="invalid_value")
+            spec = self.response_format.get("json_schema")
+            if kind == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("name"), str)
+                                              and isinstance(spec.get("schema", {}), dict)):
+                raise APIError(400, "response_format: json_schema must be an object with a name and a schema object",
+                               param="response_format", code="invalid_value")
         if self.logit_bias:
             raise APIError(400, "logit_bias: not supported (only empty)", param="logit_bias",
                            code="unsupported_value")

@@ -1,0 +1,137 @@
+"""Grammar-constrained decoding (JSON, schemas, regexes) in the one decoding loop, through the
+Python API and the server's response_format; and transformers' keywords in the config and generate."""
+
+import json
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm import ConfigError, GenerationConfig, generate
+from fastdllm.constraints import GrammarConstraint, response_format_constraint
+
+Q = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["steps", "answer"],
+          "properties": {"steps": {"type": "string", "maxLength": 40},
+                         "answer": {"type": "integer", "minimum": 0, "maximum": 1000}}}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return fastdllm.load(dtype="float32")
+
+
+def answer(tok, seq) -> str:
+    return tok.decode(seq, skip_special_tokens=True)
+
+
+def check_schema(obj):
+    assert set(obj) == {"steps", "answer"}
+    assert isinstance(obj["steps"], str) and len(obj["steps"]) <= 40
+    assert isinstance(obj["answer"], int) and 0 <= obj["answer"] <= 1000
+
+
+@pytest.mark.parametrize("threshold", [0.9, None])
+def test_json_schema_output_is_valid_and_other_rows_are_untouched(loaded, threshold):
+    model, tok = loaded
+    ids = tok.encode_chat([{"role": "user", "content": Q}])
+    cfg = GenerationConfig(gen_length=64, threshold=threshold)
+    constraint = GrammarConstraint.json(tok, model.stop_token_ids, SCHEMA)
+    out = generate(model, [ids, ids], cfg, constraints=[constraint, None])
+    check_schema(json.loads(answer(tok, out.sequences[0])))
+    alone = generate(model, [ids], cfg)
+    assert torch.equal(out.sequences[1], alone.sequences[0])
+    # left to right: each position revealed no earlier than the one before it
+    steps = out.unmask_step[0][: len(constraint.consumed)]
+    assert bool((steps[1:] >= steps[:-1]).all())
+    assert constraint.finished
+
+
+def test_parallel_candidates_are_kept_where_the_grammar_accepts_them(loaded):
+    model, tok = loaded
+    ids = tok.encode_chat([{"role": "user", "content": Q}])
+    constraint = GrammarConstraint.json(tok, model.stop_token_ids, SCHEMA)
+    out = generate(model, [ids], GenerationConfig(gen_length=64, threshold=0.9), constraints=[constraint])
+    per_step = out.tokens_per_step[0]
+    assert max(per_step[:-1]) > 1  # before the final fill with stop tokens
+    assert out.nfe < len(constraint.consumed)
+
+
+def test_json_object_and_regex(loaded):
+    model, tok = loaded
+    ids = tok.encode_chat([{"role": "user", "content": Q}])
+    c = GrammarConstraint.regex(tok, model.stop_token_ids, r"[0-9]{1,3} apples")
+    out = generate(model, [ids], GenerationConfig(gen_length=32), constraints=[c])
+    text = answer(tok, out.sequences[0])
+    assert text.split(" ")[1] == "apples" and text.split(" ")[0].isdigit() and len(text.split(" ")[0]) <= 3
+    obj = response_format_constraint({"type": "json_object"}, tok, model.stop_token_ids)
+    out = generate(model, [ids], GenerationConfig(gen_length=64), constraints=[obj])
+    assert answer(tok, out.sequences[0]).startswith("{")
+    assert response_format_constraint({"type": "text"}, tok, model.stop_token_ids) is None
+    with pytest.raises(ValueError, match="response_format"):
+        response_format_constraint({"type": "yaml"}, tok, model.stop_token_ids)
+    with pytest.raises(ValueError, match="constraints"):
+        generate(model, [ids], GenerationConfig(gen_length=32), constraints=[c, c])
+
+
+def test_server_response_format(loaded):
+    from .test_server import LiveServer
+
+    server = LiveServer(*loaded)
+    try:
+        msg = [{"role": "user", "content": Q}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "result", "schema": SCHEMA, "strict": True}}
+        r = server.client.chat.completions.create(model="llada-arith", messages=msg, max_tokens=64, response_format=fmt)
+        check_schema(json.loads(r.choices[0].message.content))
+        assert "x-fastdllm-ignored" not in server.post("/v1/chat/completions", {
+            "model": "llada-arith", "messages": msg, "max_tokens": 64, "response_format": fmt}).headers
+        bad = server.post("/v1/chat/completions", {"model": "llada-arith", "messages": msg,
+                                                   "response_format": {"type": "json_schema", "json_schema": {}}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+        bad = server.post("/v1/chat/completions", {"model": "llada-arith", "messages": msg,
+                                                   "response_format": {"type": "yaml"}})
+        assert bad.status_code == 400
+        assert server.health()["status"] == "ok"
+    finally:
+        server.stop()
+
+
+# ---- transformers' keywords --------------------------------------------------------------------
+def test_transformers_keywords_map_onto_ours():
+    assert GenerationConfig(max_new_tokens=40).gen_length == 64
+    assert GenerationConfig(max_new_tokens=40, block_length=8).gen_length == 40
+    assert GenerationConfig(do_sample=False).temperature == 0.0
+    assert GenerationConfig(do_sample=True).temperature == 1.0
+    assert GenerationConfig(do_sample=True, temperature=0.7).temperature == 0.7
+    assert GenerationConfig(temperature=0.5).with_options(do_sample=True).temperature == 0.5
+    assert GenerationConfig().with_options(max_new_tokens=20, threshold=0.5).gen_length == 32
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(max_length=100), "max_length"), (dict(num_beams=4), "num_beams"),
+    (dict(num_return_sequences=2), "num_return_sequences"), (dict(repetition_penalty=1.1), "repetition_penalty"),
+    (dict(do_sample=True, temperature=0.0), "do_sample"), (dict(do_sample="yes"), "do_sample"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=8, gen_length=64), "max_new_tokens"),
+    (dict(bogus=1), "bogus"),
+])
+def test_keywords_without_a_meaning_here_name_themselves(kw, param):
+    with pytest.raises(ConfigError) as e:
+        GenerationConfig(**kw)
+    assert e.value.param == param
+
+
+def test_generate_takes_transformers_keywords(loaded):
+    model, tok = loaded
+    ids = tok.encode_chat([{"role": "user", "content": Q}])
+    out = generate(model, [ids], max_new_tokens=20, do_sample=False)
+    assert out.sequences.shape == (1, 20) and out.unmask_step.shape == (1, 20)
+    full = generate(model, [ids], GenerationConfig(gen_length=32))
+    assert torch.equal(out.sequences[0], full.sequences[0, :20])
+    many = generate(model, [ids, ids[:-2]], num_return_sequences=3, gen_length=32, temperature=1.0, seed=0)
+    assert many.sequences.shape == (6, 32)
+    tensor_in = generate(model, torch.tensor([ids]), num_return_sequences=2, gen_length=32)
+    assert torch.equal(tensor_in.sequences[0], tensor_in.sequences[1])  # greedy: the copies agree
+    with pytest.raises(ConfigError, match="max_length"):
+        generate(model, [ids], max_length=50)
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        generate(model, [ids], num_return_sequences=0)
