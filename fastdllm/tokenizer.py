@@ -113,17 +113,17 @@ class Tokenizer:
             self._plain.encode_special_tokens = True
         return self._plain.encode(text, add_special_tokens=False).ids
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> list[int]:
         """The conversation rendered with the chat template and encoded. The template's own text is
         encoded with its special tokens; each message's content as plain text (`encode_plain`), so
         that what a user writes cannot forge a turn (`<|eot_id|><|start_header_id|>system...`) or
         put a mask token into the prompt. A template that changes contents other than by
         trimming them falls back to encoding the rendered text as a whole."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
         marks = [f"\x00content{i}-{secrets.token_hex(8)}\x00" for i in range(len(messages))]
         marked = self.apply_chat_template(
             [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)],
-            add_generation_prompt)
+            add_generation_prompt, tools=tools)
         parts, contents, rest = [], [], marked
         for m, mark in zip(messages, marks):
             if not isinstance(m.get("content"), str) or rest.count(mark) != 1:

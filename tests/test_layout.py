@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fastdllm"
 # Lowest first. A module belongs to the first layer with a prefix that names it or its package
 # ("fastdllm", the package's own __init__, names itself only: a new module must be placed here).
 LAYERS = [
-    ("declarations", ["fastdllm.config", "fastdllm.version", "fastdllm.tokenizer", "fastdllm.text",
+    ("declarations", ["fastdllm.config", "fastdllm.version", "fastdllm.tokenizer", "fastdllm.text", "fastdllm.tool_calls",
                       "fastdllm.tasks.scoring", "fastdllm.sandbox", "fastdllm.live_view", "fastdllm.server.guard",
                       "fastdllm.server.metrics", "fastdllm.server.schema"]),
     ("cache", ["fastdllm.cache"]),

@@ -367,8 +367,7 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": MSG, "gen_length": 64}, 400, "gen_length"),
     (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True}, 400, "logprobs"),
     (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 1.0}, 400, "presence_penalty"),
-    (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools"),
+    (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
     (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
      "response_format"),
     (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"5": 10}}, 400, "logit_bias"),
@@ -718,3 +717,37 @@ def test_clients_that_go_away_leave_no_traceback(srv):
             lg.removeHandler(handler)
     assert [r.getMessage() for r in records if r.exc_info or r.levelno >= logging.ERROR] == []
     assert srv.client.completions.create(model=MODEL, prompt="Tom has 5 apples.", max_tokens=32).choices
+
+
+def test_metrics_time_streams_to_their_end_with_vllm_names(loaded):
+    server = LiveServer(*loaded)
+    try:
+        # a stream of several blocks, delayed per block, so its end is well after its headers
+        server.scheduler.block_hook = lambda _: time.sleep(0.15)
+        stream = server.client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=96, stream=True,
+                                                       extra_body={"stop_at_eos": False})
+        t0 = time.perf_counter()
+        chunks = list(stream)
+        took = time.perf_counter() - t0
+        assert chunks
+        text = httpx.get(server.url + "/metrics").text
+
+        def value(name, labels=""):
+            line = next(x for x in text.splitlines() if x.startswith(name + labels + " ") or
+                        (x.startswith(name + "{") and labels in x))
+            return float(line.rsplit(" ", 1)[1])
+
+        route = '{route="/v1/chat/completions"}'
+        assert value("fastdllm_request_latency_seconds_sum", route) >= 0.25  # every block, not the headers
+        label = f'model_name="{MODEL}"'
+        assert value("vllm:e2e_request_latency_seconds_sum", label) >= 0.25
+        assert value("vllm:e2e_request_latency_seconds_count", label) == 1
+        ttft = value("vllm:time_to_first_token_seconds_sum", label)
+        assert 0 < ttft < value("vllm:e2e_request_latency_seconds_sum", label)
+        assert value("fastdllm_time_per_block_seconds_count", label) >= 1
+        assert value("vllm:generation_tokens_total", label) > 0 and value("vllm:prompt_tokens_total", label) > 0
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            assert value(name, label) >= 0
+        assert took < 30
+    finally:
+        server.stop()

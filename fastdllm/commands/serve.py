@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-continuous-batching", dest="continuous", action="store_false",
                    help="a request waits for the running batch to finish instead of joining it at the next "
                         "block boundary")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls are read from answers (default: the format the model's chat template teaches)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_generation_args(p, GenerationConfig())
     args = p.parse_args(argv)
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.served_model_name or [default_model_name(args.model)]
     settings = ServerSettings(names[0], config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000,
                               aliases=tuple(names[1:]), strict=args.strict, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes, continuous=args.continuous)
+                              max_body_bytes=args.max_body_bytes, continuous=args.continuous,
+                              tool_call_parser=args.tool_call_parser)
     if config.compile:  # compiled before the first request, not during it
         from ..generation import warm_up
 

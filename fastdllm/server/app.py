@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from ..config import GenerationConfig
-from ..constraints import response_format_constraint
+from .. import tool_calls
+from ..constraints import GrammarConstraint, response_format_constraint
 from .guard import Guard
 from .incremental import ChoiceText
 from .metrics import ServerMetrics
@@ -45,6 +46,7 @@ class ServerSettings:
     api_key: str | None = None  # when set, every route but /health and /version needs "Bearer <key>"
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     continuous: bool = True  # requests join the running batch at its next block boundary
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json" (None: the one the chat template teaches)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -114,10 +116,13 @@ class Server:
         if not self.tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages",
                            code="no_chat_template")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        messages = tool_calls.template_messages([m.for_template() for m in req.messages])
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        if tools and not tool_calls.template_reads_tools(self.tokenizer.chat_template):
+            messages = [tool_calls.tools_system_message(tools), *messages]  # the template would drop them
+            tools = None
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_chat(messages, tools=tools)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise APIError(400, f"messages: the chat template rejected them ({e})", param="messages",
                            code="invalid_value") from None
@@ -164,13 +169,20 @@ class ChatEndpoint:
         return sum(len(m.text()) for m in req.messages)
 
     @staticmethod
-    def choice(i, ch) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": ch.text}, "logprobs": None,
-                "finish_reason": ch.finish_reason}
+    def choice(i, ch, calls=None) -> dict:
+        """`calls`: (content, OpenAI tool_calls) when the answer called tools."""
+        message = {"role": "assistant", "content": ch.text}
+        finish = ch.finish_reason
+        if calls:
+            message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+            finish = "tool_calls"
+        return {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
 
     @staticmethod
-    def chunk_choice(i, delta, finish, role=False) -> dict:
+    def chunk_choice(i, delta, finish, role=False, calls=None) -> dict:
         d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+        if calls:
+            d = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
         return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
 
 
@@ -223,19 +235,26 @@ class RequestMetrics:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        t0, status = time.perf_counter(), [500]
+        t0, status, done = time.perf_counter(), [500], [False]
+
+        def record():
+            if not done[0]:
+                done[0] = True
+                path = getattr(scope.get("route"), "path", "unmatched")
+                self.metrics.requests.labels(path, str(status[0])).inc()
+                self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
 
         async def send_counted(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()  # the last byte: a stream's end, not its headers
 
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            path = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(path, str(status[0])).inc()
-            self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
+            record()
 
 
 def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
@@ -249,7 +268,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                   description="OpenAI-compatible server for diffusion language models")
     app.state.server = server
     app.state.scheduler = server.scheduler
-    metrics = ServerMetrics(server.scheduler)
+    metrics = ServerMetrics(server.scheduler, settings.model_name)
     server.scheduler.batch_hook = metrics.on_batch
     app.state.metrics = metrics
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
@@ -350,6 +369,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                 return
 
     async def run(endpoint, req, request: Request):
+        arrival = time.perf_counter()
         server.check_model(req.model)
         req.check_unsupported(settings.strict)
         ignored = req.ignored_fields()
@@ -377,7 +397,19 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         choices = [ChoiceText(tokenizer, model.stop_token_ids, stop, keep) for _ in rows]
         prompt_tokens = sum(len(p) for p in prompts)
         constraints = None
-        if getattr(req, "response_format", None) not in (None, {"type": "text"}):
+        tool_mode = None  # "auto": calls parsed from the answer; "forced": the answer is the calls
+        if getattr(req, "tools", None) and req.tool_choice != "none":
+            if endpoint is not ChatEndpoint:
+                raise APIError(400, "tools: only for /v1/chat/completions", param="tools", code="invalid_value")
+            tool_mode = "auto" if req.tool_choice in (None, "auto") else "forced"
+        if tool_mode == "forced":
+            schema = tool_calls.forced_schema(req.tools, req.tool_choice)
+            try:
+                constraints = [GrammarConstraint.json(tokenizer, model.stop_token_ids, schema, what="tools")
+                               for _ in rows]
+            except ValueError as e:
+                raise APIError(400, str(e), param="tools", code="invalid_value") from None
+        elif getattr(req, "response_format", None) not in (None, {"type": "text"}):
             try:  # one grammar state per row
                 constraints = [response_format_constraint(req.response_format, tokenizer, model.stop_token_ids)
                                for _ in rows]
@@ -388,8 +420,13 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                 "created": int(time.time()), "model": settings.model_name}
         last_block = config.num_blocks - 1
 
+        last_block_at = [None]
+
         def on_block(item) -> list[tuple[int, str, bool]]:
             """Feed a block to every choice: [(index, new text, became final)]."""
+            now = time.perf_counter()
+            metrics.on_block(arrival, last_block_at[0], now)
+            last_block_at[0] = now
             out = []
             _, b, parts, finished = item
             for i, ch in enumerate(choices):
@@ -400,6 +437,19 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             if all(ch.final for ch in choices):
                 job.satisfied = True
             return out
+
+        parse = tool_calls.PARSERS[settings.tool_call_parser or tool_calls.parser_for_template(tokenizer.chat_template)]
+
+        def calls_of(ch) -> tuple[str | None, list[dict]] | None:
+            """(content, OpenAI tool_calls) of a finished choice that called tools, else None."""
+            if tool_mode is None:
+                return None
+            if tool_mode == "forced":
+                found = tool_calls.forced_calls(ch.text, req.tool_choice)
+                content = None
+            else:
+                content, found = parse(ch.text)
+            return (content, tool_calls.openai_calls(found)) if found else None
 
         def finish_all() -> list[tuple[int, str, bool]]:
             out = []
@@ -428,10 +478,10 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             finally:
                 if not ended:
                     server.scheduler.cancel(job)
-            metrics.prompt_tokens.inc(prompt_tokens)
-            metrics.generated_tokens.inc(sum(ch.num_tokens for ch in choices))
+            metrics.on_done(prompt_tokens, sum(ch.num_tokens for ch in choices), time.perf_counter() - arrival)
             return JSONResponse({**meta, "object": endpoint.object, "system_fingerprint": None,
-                                 "choices": [endpoint.choice(i, ch) for i, ch in enumerate(choices)],
+                                 "choices": [endpoint.choice(i, ch, calls_of(ch)) if tool_mode else
+                                             endpoint.choice(i, ch) for i, ch in enumerate(choices)],
                                  "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))},
                                 headers=headers)
 
@@ -448,6 +498,21 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         def render(updates) -> list[str]:
             out = []
             for i, delta, became_final in updates:
+                if tool_mode:  # a tool-calling answer is sent whole once final: calls or text
+                    if became_final:
+                        calls = calls_of(choices[i])
+                        if calls is None:
+                            if choices[i].text:
+                                out.append(chunk(i, choices[i].text, None))
+                            out.append(chunk(i, None, choices[i].finish_reason))
+                            continue
+                        if calls[0]:
+                            out.append(chunk(i, calls[0], None))
+                        c = endpoint.chunk_choice(i, None, None, calls=calls[1])
+                        out.append(_sse({**meta, "object": obj, "system_fingerprint": None, "choices": [c],
+                                         **({"usage": None} if include_usage else {})}))
+                        out.append(chunk(i, None, "tool_calls"))
+                    continue
                 if delta:
                     out.append(chunk(i, delta, None))
                 if became_final:
@@ -479,8 +544,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                                 "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))})
                 yield "data: [DONE]\n\n"
                 done = True
-                metrics.prompt_tokens.inc(prompt_tokens)
-                metrics.generated_tokens.inc(sum(ch.num_tokens for ch in choices))
+                metrics.on_done(prompt_tokens, sum(ch.num_tokens for ch in choices), time.perf_counter() - arrival)
             finally:
                 if not done:  # the client went away (the response task was cancelled)
                     server.scheduler.cancel(job)

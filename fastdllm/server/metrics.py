@@ -1,4 +1,11 @@
-"""Prometheus metrics of one server (`GET /metrics`), in a registry of its own."""
+"""Prometheus metrics of one server (`GET /metrics`), in a registry of its own.
+
+Besides fastdllm's own series, the ones whose meaning is vLLM's carry vLLM's names and its
+`model_name` label (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:time_to_first_token_seconds`,
+`vllm:e2e_request_latency_seconds`), so dashboards built for vLLM read this server unchanged. A
+diffusion model's first output is its first finished block: time to first token is the time to
+that block, and `fastdllm_time_per_block_seconds` the time between a request's blocks."""
 
 from __future__ import annotations
 
@@ -9,8 +16,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ServerMetrics:
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, model_name: str = "model"):
         self.registry = r = CollectorRegistry()
+        self.model_name = model_name
         self.requests = Counter("fastdllm_requests", "Requests answered, by route and HTTP status",
                                 ["route", "status"], registry=r)
         self.latency = Histogram("fastdllm_request_latency_seconds", "Time from request to the last byte",
@@ -24,6 +32,35 @@ class ServerMetrics:
         queue.set_function(lambda: scheduler.snapshot()["queued"])
         running = Gauge("fastdllm_running_requests", "Jobs in the batch being decoded", registry=r)
         running.set_function(lambda: scheduler.snapshot()["running"])
+        label = ["model_name"]
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Generation requests: arrival to the last byte",
+                             label, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to the first finished block",
+                              label, buckets=LATENCY_BUCKETS, registry=r)
+        self.block_time = Histogram("fastdllm_time_per_block_seconds", "Time between a request's finished blocks",
+                                    label, buckets=LATENCY_BUCKETS, registry=r)
+        self.vllm_prompt = Counter("vllm:prompt_tokens", "Prompt tokens of answered requests", label, registry=r)
+        self.vllm_generation = Counter("vllm:generation_tokens", "Generated tokens (up to a stop)", label, registry=r)
+        vllm_running = Gauge("vllm:num_requests_running", "Requests being decoded", label, registry=r)
+        vllm_running.labels(model_name).set_function(lambda: scheduler.snapshot()["running"])
+        vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for the inference worker", label,
+                             registry=r)
+        vllm_waiting.labels(model_name).set_function(lambda: scheduler.snapshot()["queued"])
+
+    def on_block(self, arrival: float, previous: float | None, now: float) -> None:
+        """A request's block became final at `now` (its previous one at `previous`)."""
+        if previous is None:
+            self.ttft.labels(self.model_name).observe(now - arrival)
+        else:
+            self.block_time.labels(self.model_name).observe(now - previous)
+
+    def on_done(self, prompt_tokens: int, generated_tokens: int, seconds: float) -> None:
+        """A generation request answered in full, `seconds` after it arrived."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated_tokens.inc(generated_tokens)
+        self.vllm_prompt.labels(self.model_name).inc(prompt_tokens)
+        self.vllm_generation.labels(self.model_name).inc(generated_tokens)
+        self.e2e.labels(self.model_name).observe(seconds)
 
     def on_batch(self, rows: int, nfe: int) -> None:
         self.batch_rows.observe(rows)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ..config import GenerationConfig
 
@@ -111,14 +111,30 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant message with tool_calls may omit it)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as a chat template takes it (`tool_calls.template_messages` finishes it)."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": None if self.content is None else self.text(), "name": self.name,
+                "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
 
 
 class StreamOptions(_Strict):
@@ -161,8 +177,12 @@ class _Common(_DecodingFields):
 
     def ignored_fields(self) -> list[str]:
         """The fields given that have no effect here (see IGNORABLE)."""
-        given = [n for n in IGNORABLE if n in self.model_fields_set
-                 and not (n == "response_format" and self.response_format not in (None, {"type": "text"}))]
+        meaningful = set()
+        if self.response_format not in (None, {"type": "text"}):
+            meaningful.add("response_format")
+        if self.tools:  # with tools, both tools and tool_choice change the answer
+            meaningful |= {"tools", "tool_choice"}
+        given = [n for n in IGNORABLE if n in self.model_fields_set and n not in meaningful]
         if self.stream_options is not None and not self.stream:
             given.append("stream_options")
         return given
@@ -176,11 +196,17 @@ class _Common(_DecodingFields):
                     raise APIError(400, "stream_options: only allowed with stream: true", param=name,
                                    code="invalid_value")
                 raise APIError(400, f"unknown field {name!r}", param=name, code="unknown_field")
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported", param="tools", code="unsupported_value")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice: tool calling is not supported", param="tool_choice",
-                           code="unsupported_value")
+        from ..tool_calls import check_tools
+
+        try:
+            check_tools(self.tools or [], self.tool_choice)
+        except ValueError as e:
+            param = str(e).split(":", 1)[0].split("[", 1)[0]
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
+        if self.tools and self.tool_choice not in (None, "none", "auto") \
+                and self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format: cannot be combined with tool_choice required or a named tool "
+                           "(each constrains the whole answer)", param="response_format", code="invalid_value")
         if self.response_format is not None:
             kind = self.response_format.get("type")
             if kind not in ("text", "json_object", "json_schema"):
