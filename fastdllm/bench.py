@@ -149,6 +149,58 @@ def environment(model, device) -> dict:
     return env
 
 
+def pareto(points: list[tuple[float, float]], higher_x_better: bool = True) -> list[int]:
+    """Indices of the points no other point beats on both axes (higher accuracy, and higher x or
+    lower x), ordered along x: the frontier a reader chooses on."""
+    sign = 1 if higher_x_better else -1
+    order = sorted(range(len(points)), key=lambda i: (-sign * points[i][0], -points[i][1]))
+    front, best = [], float("-inf")
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def scatter_plot(path: Path, rows: list[dict], x_of, x_label: str, title: str, higher_x_better: bool,
+                 reference_line: float | None = None):
+    """One point per row, each configuration a marker and colour named in a legend beside the
+    axes (so no label sits on another), the Pareto frontier drawn through the points it keeps,
+    the baseline and the default marked; returns the figure (closed by the caller)."""
+    import matplotlib.pyplot as plt
+
+    markers = "osD^vP*Xh<>p8"
+    cmap = plt.get_cmap("tab20")
+    fig = plt.figure(figsize=(11, 5.2))
+    ax = fig.add_axes([0.07, 0.11, 0.46, 0.8])
+    pts = [(max(x_of(r), 1e-3), 100 * r["accuracy"]) for r in rows]
+    front = pareto(pts, higher_x_better)
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-", color="0.6", linewidth=1.2,
+            zorder=1, label="Pareto frontier")
+    for k, (r, (x, y)) in enumerate(zip(rows, pts)):
+        name = r["name"]
+        special = name.startswith("baseline") or name.startswith("default")
+        ax.scatter(x, y, s=90 if special else 45, marker="s" if name.startswith("baseline") else
+                   "*" if name.startswith("default") else markers[k % len(markers)],
+                   color=cmap(k % 20), edgecolor="black" if special else "none", linewidth=0.8, zorder=3,
+                   label=f"{name} ({r['group']})")
+    if reference_line is not None:
+        ax.axvline(reference_line, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    ax.set_xlim(min(xs) / 1.25, max(xs) * 1.25)
+    pad = max(1.0, (max(ys) - min(ys)) * 0.1)
+    ax.set_ylim(min(ys) - pad, max(ys) + pad)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("accuracy %")
+    ax.set_title(title)
+    ax.grid(True, which="major", linestyle=":", linewidth=0.5)
+    fig.legend(*ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(0.55, 0.5), fontsize=6.5,
+               frameon=False, handlelength=1.2, borderaxespad=0.0)
+    fig.savefig(path, dpi=130)
+    return fig
+
+
 def plots(out: Path, rows: list[dict], sweeps: dict) -> list[str]:
     import matplotlib
 
@@ -156,33 +208,17 @@ def plots(out: Path, rows: list[dict], sweeps: dict) -> list[str]:
     import matplotlib.pyplot as plt
 
     files = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        ax.scatter(r["tokens_per_second"], 100 * r["accuracy"], s=30)
-        ax.annotate(f"{r['name']} ({r['group']})", (r["tokens_per_second"], 100 * r["accuracy"]), fontsize=6)
-    ax.set_xscale("log")
-    ax.set_xlabel("tokens/s (log)")
-    ax.set_ylabel("accuracy %")
-    ax.set_title("accuracy vs throughput")
-    fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_speed.png", dpi=130)
+    fig = scatter_plot(out / "accuracy_vs_speed.png", rows, lambda r: r["tokens_per_second"], "tokens/s (log)",
+                       "accuracy vs throughput (square: baseline, star: default)", higher_x_better=True)
+    plt.close(fig)
     files.append("accuracy_vs_speed.png")
-    plt.close(fig)
     # The same against work: positions computed per generated token (1 = the autoregressive limit).
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        x = max(r.get("positions_per_token") or 0.0, 1e-3)
-        ax.scatter(x, 100 * r["accuracy"], s=30)
-        ax.annotate(f"{r['name']} ({r['group']})", (x, 100 * r["accuracy"]), fontsize=6)
-    ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_xlabel("forward positions per generated token (log; 1 = autoregressive)")
-    ax.set_ylabel("accuracy %")
-    ax.set_title("accuracy vs work")
-    fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_work.png", dpi=130)
-    files.append("accuracy_vs_work.png")
+    fig = scatter_plot(out / "accuracy_vs_work.png", rows, lambda r: r.get("positions_per_token") or 0.0,
+                       "forward positions per generated token (log; 1 = autoregressive)",
+                       "accuracy vs work (square: baseline, star: default)", higher_x_better=False,
+                       reference_line=1.0)
     plt.close(fig)
+    files.append("accuracy_vs_work.png")
     for key, label in (("threshold", "threshold"), ("block_length", "block length")):
         pts = sweeps.get(key) or []
         if not pts:

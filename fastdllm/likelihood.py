@@ -56,3 +56,44 @@ def is_greedy(model, prefix: list[int], target: list[int]) -> bool:
     x = torch.tensor([prefix + [model.mask_token_id] * len(target)], dtype=torch.long, device=model.device)
     logits = model.logits_for(x, len(prefix), len(prefix) + len(target))
     return logits[0].argmax(-1).tolist() == list(target)
+
+
+@torch.inference_mode()
+def prefix_logprobs(model, ids: list[int], top: int = 1, extra: int = 0, batch_size: int = 16):
+    """Per position j of `ids` (and `extra` positions after them): log p(token j | tokens before j)
+    with every later position masked, and the `top` most likely tokens there as (id, logprob).
+
+    This is the chain rule in left-to-right order: summed over any span [c, L) it scores the span
+    given everything before it, whatever c is, which is what a caller that does not say where its
+    continuation starts needs (lm-eval's `local-completions` asks the server so: echo + logprobs).
+    The ELBO (`elbo_loglikelihood`) needs the split and averages over random maskings; this needs
+    neither and is deterministic, at one forward per position. Position 0 has no context and gets
+    None (as OpenAI's API reports it); an `extra` position's token is the argmax (max_tokens=1).
+    Returns (token ids, [logprob or None], [[(id, logprob)] or None])."""
+    if not ids:
+        raise ValueError("prompt: empty")
+    if extra not in (0, 1):
+        raise ValueError(f"extra: 0 or 1 generated positions (got {extra})")
+    n = len(ids) + extra
+    seq = torch.tensor(list(ids) + [model.mask_token_id] * extra, dtype=torch.long)
+    first = 1
+    tokens, logprobs, tops = list(ids), [None], [None]
+    positions = list(range(first, n))
+    for lo in range(0, len(positions), batch_size):
+        chunk = positions[lo : lo + batch_size]
+        x = seq.repeat(len(chunk), 1)
+        for r, j in enumerate(chunk):
+            x[r, j:] = model.mask_token_id
+        # the head over this chunk's positions only: row r needs position chunk[r]
+        logits = model.logits_for(x.to(model.device), chunk[0], chunk[-1] + 1).float().log_softmax(-1)
+        for r, j in enumerate(chunk):
+            row = logits[r, j - chunk[0]]
+            if j >= len(ids):  # a generated position: its argmax
+                tok = int(row.argmax())
+                tokens.append(tok)
+                seq[j] = tok
+            tok = tokens[j]
+            logprobs.append(float(row[tok]))
+            values, idx = row.topk(max(1, top))
+            tops.append(list(zip(idx.tolist(), values.tolist())))
+    return tokens, logprobs, tops

@@ -87,10 +87,10 @@ def make_model_class(LM, register=None):
         # -- the request types ------------------------------------------------------------
         def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
             # As lm-eval's own models: encode the whole, so the boundary tokenises as in running text.
-            whole = self.tokenizer.encode(context + continuation)
-            prefix = self.tokenizer.encode(context)
+            whole = self.tokenizer.encode(context + continuation, add_special_tokens=False)
+            prefix = self.tokenizer.encode(context, add_special_tokens=False)
             if whole[:len(prefix)] != prefix:
-                return prefix, self.tokenizer.encode(continuation)
+                return prefix, self.tokenizer.encode(continuation, add_special_tokens=False)
             return prefix, whole[len(prefix):]
 
         def loglikelihood(self, requests):
@@ -109,7 +109,7 @@ def make_model_class(LM, register=None):
             from .likelihood import elbo_loglikelihood
 
             eos = self.model.args.eos_token_id
-            return [elbo_loglikelihood(self.model, [eos], self.tokenizer.encode(req.args[0]), self.mc_num,
+            return [elbo_loglikelihood(self.model, [eos], self.tokenizer.encode(req.args[0], add_special_tokens=False), self.mc_num,
                                        self.mc_batch_size, self.mc_seed) for req in requests]
 
         def _config_for(self, gen_kwargs: dict) -> GenerationConfig:
@@ -148,7 +148,7 @@ def make_model_class(LM, register=None):
                 until = list(key[1])
                 for start in range(0, len(idxs), self.batch_size):
                     chunk = idxs[start : start + self.batch_size]
-                    prompts = [self.tokenizer.encode(requests[i].args[0]) for i in chunk]
+                    prompts = [self.tokenizer.encode(requests[i].args[0], add_special_tokens=False) for i in chunk]
                     out = generate(self.model, prompts, config=config, row_seeds=[(config.seed or 0) + i for i in chunk])
                     for row, i in enumerate(chunk):
                         text = complete(self.tokenizer, out.sequences[row], stop_ids, stop=until).text
@@ -162,7 +162,7 @@ def make_model_class(LM, register=None):
 
         # -- chat templates -----------------------------------------------------------------
         def apply_chat_template(self, chat_history, add_generation_prompt=True):
-            return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.render_chat(chat_history, add_generation_prompt=add_generation_prompt)
 
         @property
         def tokenizer_name(self) -> str:

@@ -33,6 +33,9 @@ class Tokenizer:
         self.fast = fast
         self.config = tokenizer_config or {}
         self.chat_template: str | None = self.config.get("chat_template")
+        # Chat templates through transformers' own apply_chat_template when it is installed; False:
+        # always here (what a machine without transformers does).
+        self.use_transformers = True
         self.bos_token = self._token_str("bos_token")
         self.eos_token = self._token_str("eos_token")
         self.pad_token = self._token_str("pad_token") or self.eos_token
@@ -68,7 +71,9 @@ class Tokenizer:
         return sorted({i for i in ids if i is not None})
 
     # ---- text <-> ids -----------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As transformers' `encode`: the tokenizer's own special tokens (its post-processor's BOS,
+        where it has one) added unless `add_special_tokens=False`."""
         return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -84,26 +89,119 @@ class Tokenizer:
         context["pad_token"] = self.pad_token or context.get("pad_token")
         return {k: v for k, v in context.items() if v is not None}
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None,
-                            documents=None, **template_kwargs) -> str:
-        """The conversation as the template renders it, exactly as transformers'
-        `apply_chat_template(tokenize=False)`: with transformers installed its own renderer, else
-        the same environment here (sandboxed jinja2 with trim_blocks, lstrip_blocks and loop
-        controls; `tojson` without key sorting or ASCII escaping; `raise_exception`,
-        `strftime_now`; the special tokens, `tools` and `documents` in the context)."""
-        if not self.chat_template:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, documents=None,
+                    **template_kwargs) -> str:
+        """The conversation as the template renders it (the engine's own call: the generation prompt
+        on by default), through `apply_chat_template(tokenize=False)`."""
+        return self.apply_chat_template(messages, tools=tools, documents=documents, tokenize=False,
+                                        add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template: str | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = True, return_tensors: str | None = None, return_dict: bool = True,
+                            **template_kwargs):
+        """transformers' `apply_chat_template` (v5): the same signature, defaults and results (a string
+        with `tokenize=False`; else a dict of `input_ids` and `attention_mask`, or the ids alone with
+        `return_dict=False`, tensors with `return_tensors="pt"`; a list of conversations gives one
+        result each).
+        With transformers installed this is its own method on a `PreTrainedTokenizerFast` over this
+        tokenizer (its message preprocessing included); without it, the same steps here: None-valued
+        keys dropped, a message's reasoning under `reasoning_content` and `thinking` as well, the
+        template rendered in transformers' environment (`render_template`), then encoded without
+        special tokens."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        hf = self.transformers_tokenizer()
+        if hf is not None:
+            return hf.apply_chat_template(conversation, tools=tools, documents=documents, chat_template=template,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, tokenize=tokenize,
+                                          return_tensors=return_tensors, return_dict=return_dict, **template_kwargs)
+        batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
         context = {**self.special_tokens_context(), **template_kwargs}
-        try:
-            from transformers.utils.chat_template_utils import render_jinja_template
-        except ImportError:
-            render_jinja_template = None
-        if render_jinja_template is not None:
-            rendered, _ = render_jinja_template(conversations=[messages], tools=tools, documents=documents,
-                                                chat_template=self.chat_template,
-                                                add_generation_prompt=add_generation_prompt, **context)
-            return rendered[0]
-        return render_template(self.chat_template, messages, add_generation_prompt, tools, documents, **context)
+        texts = []
+        for chat in (conversation if batched else [conversation]):
+            chat = normalize_messages(chat)
+            if not continue_final_message:
+                texts.append(render_template(template, chat, add_generation_prompt, tools, documents, **context))
+                continue
+            final = chat[-1].get("content")
+            if not isinstance(final, str):
+                raise ValueError("continue_final_message is set but the final message has no content to continue")
+            tag = "CONTINUE_FINAL_MESSAGE_TAG "
+            chat[-1] = {**chat[-1], "content": final + tag}
+            text = render_template(template, chat, False, tools, documents, **context)
+            if final.strip() not in text or tag.strip() not in text:
+                raise ValueError("continue_final_message is set but the final message does not appear in the chat "
+                                 "after applying the chat template")
+            at = text.rindex(tag.strip())
+            # a template that trims the message trimmed the tag's space too: cut its trailing space
+            texts.append(text[:at] if text[at : at + len(tag)] == tag else text[:at].rstrip())
+        if not tokenize:
+            return texts if batched else texts[0]
+        ids = [self.fast.encode(t, add_special_tokens=False).ids for t in texts]
+        out = ids if batched else ids[0]
+        if return_tensors == "pt":
+            import torch
+
+            out = torch.tensor(ids)
+        elif return_tensors is not None:
+            raise ValueError(f"return_tensors: only 'pt' is supported here (got {return_tensors!r})")
+        if return_dict:
+            mask = [[1] * len(x) for x in ids]
+            if return_tensors == "pt":
+                import torch
+
+                mask = torch.tensor(mask)
+            return {"input_ids": out, "attention_mask": mask if batched or return_tensors else mask[0]}
+        return out
+
+    def transformers_tokenizer(self):
+        """A transformers `PreTrainedTokenizerFast` over this tokenizer (None without transformers, or
+        with `use_transformers` off)."""
+        if not self.use_transformers:
+            return None
+        if getattr(self, "_hf", None) is None:
+            try:
+                from transformers import PreTrainedTokenizerFast
+            except ImportError:
+                return None
+            self._hf = PreTrainedTokenizerFast(tokenizer_object=FastTokenizer.from_str(self.fast.to_str()),
+                                               chat_template=self.chat_template, **self.special_tokens_context())
+        return self._hf
+
+    def __call__(self, text, add_special_tokens: bool = True, return_tensors: str | None = None,
+                 padding: bool = False, return_attention_mask: bool = True):
+        """transformers' `tokenizer(text)`: {"input_ids", "attention_mask"} for a string or a list of
+        them (`padding=True` pads a batch to its longest, on `padding_side` from the tokenizer's
+        config, default right; `return_tensors="pt"` for tensors, which a ragged batch needs padding for)."""
+        batched = isinstance(text, (list, tuple))
+        ids = [self.encode(t, add_special_tokens=add_special_tokens) for t in (text if batched else [text])]
+        mask = [[1] * len(x) for x in ids]
+        if padding and batched:
+            longest, pad = max(map(len, ids)), self.pad_token_id if self.pad_token_id is not None else 0
+            left = self.config.get("padding_side", "right") == "left"
+            for i, x in enumerate(ids):
+                fill = longest - len(x)
+                ids[i] = [pad] * fill + x if left else x + [pad] * fill
+                mask[i] = [0] * fill + mask[i] if left else mask[i] + [0] * fill
+        if return_tensors == "pt":
+            import torch
+
+            if len({len(x) for x in ids}) > 1:
+                raise ValueError("return_tensors: a batch of different lengths needs padding=True")
+            ids, mask = torch.tensor(ids), torch.tensor(mask)
+        elif return_tensors is not None:
+            raise ValueError(f"return_tensors: only 'pt' is supported here (got {return_tensors!r})")
+        elif not batched:
+            ids, mask = ids[0], mask[0]
+        out = {"input_ids": ids}
+        if return_attention_mask:
+            out["attention_mask"] = mask
+        return out
 
     def encode_plain(self, text: str) -> list[int]:
         """`text` as plain text: special-token text in it ("<|eot_id|>", the mask token) is encoded
@@ -119,16 +217,16 @@ class Tokenizer:
         that what a user writes cannot forge a turn (`<|eot_id|><|start_header_id|>system...`) or
         put a mask token into the prompt. A template that changes contents other than by
         trimming them falls back to encoding the rendered text as a whole."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
+        text = self.render_chat(messages, add_generation_prompt, tools=tools)
         marks = [f"\x00content{i}-{secrets.token_hex(8)}\x00" for i in range(len(messages))]
-        marked = self.apply_chat_template(
+        marked = self.render_chat(
             [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)],
             add_generation_prompt, tools=tools)
         parts, contents, rest = [], [], marked
         for m, mark in zip(messages, marks):
             if not isinstance(m.get("content"), str) or rest.count(mark) != 1:
                 if mark in marked:  # a content rendered more than once: no clean split
-                    return self.encode(text)
+                    return self.encode(text, add_special_tokens=False)
                 continue
             head, rest = rest.split(mark)
             parts.append(head)
@@ -137,9 +235,9 @@ class Tokenizer:
             if "".join(p + form(c) for p, c in zip(parts, contents)) + rest == text:
                 ids = []
                 for p, c in zip(parts, contents):
-                    ids += self.encode(p) + self.encode_plain(form(c))
-                return ids + self.encode(rest)
-        return self.encode(text)
+                    ids += self.encode(p, add_special_tokens=False) + self.encode_plain(form(c))
+                return ids + self.encode(rest, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)
 
     # ---- files ------------------------------------------------------------------------------
     def save(self, folder: str | Path) -> None:
@@ -150,12 +248,53 @@ class Tokenizer:
         (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Messages as transformers hands them to a template: None-valued keys dropped, and a
+    reasoning given under any of its names also under `reasoning_content` and `thinking`."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in dict(m).items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+def _generation_tag():
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationTag(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it):
+        renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationTag
+
+
+GenerationTag = _generation_tag()
+
+
 def render_template(template: str, messages: list[dict], add_generation_prompt: bool = True, tools=None,
                     documents=None, **context) -> str:
     """A chat template rendered in transformers' environment, without transformers."""
     import jinja2.ext
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, GenerationTag])
 
     def raise_exception(message):
         raise TemplateError(message)
@@ -169,6 +308,8 @@ def render_template(template: str, messages: list[dict], add_generation_prompt: 
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = dict
+    env.globals["namespace"] = jinja2.utils.Namespace
     return env.from_string(template).render(messages=messages, tools=tools, documents=documents,
                                             add_generation_prompt=add_generation_prompt, **context)
 

@@ -107,7 +107,7 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
             shots = [next(stream) for _ in range(k)]
             p = next(stream)
             bare = not drill and k == 0 and r.random() < P_BARE_QUESTION
-            return arith.prompt_ids(tokenizer, p.question, shots, bare=bare), tokenizer.encode(p.answer) + [eot]
+            return arith.prompt_ids(tokenizer, p.question, shots, bare=bare), tokenizer.encode(p.answer, add_special_tokens=False) + [eot]
     rows = []
     while True:
         pids, aids = rows_of()

@@ -79,10 +79,10 @@ def text_split(r: random.Random, tokenizer, text: str, room: int) -> tuple[list[
     `room` tokens that ends at a word boundary."""
     words = text.split()
     cut = max(1, int(len(words) * r.uniform(0.2, 0.5)))
-    prompt = tokenizer.encode(" ".join(words[:cut]))
+    prompt = tokenizer.encode(" ".join(words[:cut]), add_special_tokens=False)
     rest, ids = words[cut:], []
     for word in rest:
-        more = tokenizer.encode(" " + word)
+        more = tokenizer.encode(" " + word, add_special_tokens=False)
         if len(ids) + len(more) > room:
             break
         ids += more
@@ -100,7 +100,7 @@ def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
         return prompt, ids + [eos]
     if source == "drill":
         p = drills.drill_problem(r, weighting="fact", restate=False, phrasing=r.choice(["equation", "sentence"]))
-        return arith.prompt_ids(tokenizer, p.question, [], bare=True), tokenizer.encode(p.answer) + [eot]
+        return arith.prompt_ids(tokenizer, p.question, [], bare=True), tokenizer.encode(p.answer, add_special_tokens=False) + [eot]
     if source == "gsm8k":
         p = r.choice(gsm8k_easy())
     else:
@@ -108,7 +108,7 @@ def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
     form = _draw(r, FORMATS)
     if form.startswith("plain"):
         text = p.question if form == "plain-bare" else f"Question: {p.question}\nAnswer:"
-        return tokenizer.encode(text), tokenizer.encode(" " + p.answer) + [eos]
+        return tokenizer.encode(text, add_special_tokens=False), tokenizer.encode(" " + p.answer, add_special_tokens=False) + [eos]
     messages = []
     if form == "chat2":
         earlier = next(streams["everyday"])
@@ -118,7 +118,7 @@ def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
         k = r.randint(1, 8) if r.random() < 0.2 else 0
         content = arith.format_prompt(p.question, [next(streams["arith"]) for _ in range(k)])
     messages.append({"role": "user", "content": content})
-    return tokenizer.encode_chat(messages), tokenizer.encode(p.answer) + [eot]
+    return tokenizer.encode_chat(messages), tokenizer.encode(p.answer, add_special_tokens=False) + [eot]
 
 
 def talk_streams(r: random.Random) -> dict:

@@ -77,3 +77,52 @@ def test_a_block_diffusion_bench_runs_its_own_rows_in_its_own_blocks(tmp_path):
     assert set(record["sweeps"]) == {"threshold"}  # its block is its attention's: no block sweep
     for name in record["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_keep_every_label_readable(tmp_path):
+    """Fifteen rows, most at one accuracy and close speeds (what gen 256 gives): after drawing,
+    no two pieces of text overlap, every one is inside the canvas, the axes keep a fair share of
+    it, and the frontier keeps exactly the undominated rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fastdllm.bench import TABLE_ROWS, pareto, scatter_plot
+
+    names = [name for _, name, _ in TABLE_ROWS] + ["baseline [stop@eos]", "+parallel +dual cache (Fast-dLLM) [stop@eos]",
+                                                   "default (Fast-dLLM +suffix window 32 +vicinity refresh) [stop@eos]",
+                                                   "Fast-dLLM +suffix window 64 +vicinity refresh [stop@eos]"]
+    rows = [{"name": n, "group": "gen 256, 0-shot", "accuracy": 1.0 if i else 0.96,
+             "tokens_per_second": 30.0 * (1 + i * 0.07), "positions_per_token": 400 / (1 + i)}
+            for i, n in enumerate(names)]
+    fig = scatter_plot(tmp_path / "p.png", rows, lambda r: r["tokens_per_second"], "tokens/s", "t", True)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    canvas, axes = fig.bbox, fig.axes[0]
+    frame = axes.get_window_extent(renderer)
+
+    def drawn(t) -> bool:  # the tick labels of ticks outside the view exist but are not drawn
+        box = t.get_window_extent(renderer)
+        if t in axes.xaxis.get_ticklabels(which="both"):
+            return frame.x0 - 1 <= (box.x0 + box.x1) / 2 <= frame.x1 + 1
+        if t in axes.yaxis.get_ticklabels(which="both"):
+            return frame.y0 - 1 <= (box.y0 + box.y1) / 2 <= frame.y1 + 1
+        return True
+
+    texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip() and drawn(t)]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    for t, b in zip(texts, boxes):
+        assert b.x0 >= canvas.x0 - 1 and b.x1 <= canvas.x1 + 1 and b.y0 >= canvas.y0 - 1 and b.y1 <= canvas.y1 + 1, \
+            t.get_text()
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            assert not boxes[i].overlaps(boxes[j]), (texts[i].get_text(), texts[j].get_text())
+    legend_labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert all(any(n in label for label in legend_labels) for n in names)
+    ax = fig.axes[0].get_window_extent(renderer)
+    assert ax.width * ax.height >= 0.3 * canvas.width * canvas.height
+    # the frontier: the fastest of the 100% rows, and the slower, less accurate baseline is not dominated by it
+    front = pareto([(r["tokens_per_second"], r["accuracy"]) for r in rows])
+    assert front == [len(rows) - 1]
+    assert pareto([(1, 0.5), (2, 0.4), (3, 0.9)]) == [2]
+    assert pareto([(1, 0.9), (2, 0.5), (3, 0.4)]) == [0, 1, 2]
+    assert pareto([(5, 0.9), (1, 0.5)], higher_x_better=False) == [1, 0]

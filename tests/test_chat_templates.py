@@ -66,8 +66,76 @@ def test_the_embedded_templates_and_ids_match_transformers():
         for messages in CONVERSATIONS:
             text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             assert render_template(tok.chat_template, messages, True, **tok.special_tokens_context()) == text
-            assert tok.apply_chat_template(messages) == text
+            assert tok.render_chat(messages) == text
             assert tok.encode_chat(messages) == hf.encode(text, add_special_tokens=False)
+
+
+# What transformers' apply_chat_template does beyond rendering: its defaults (no generation prompt,
+# tokenized), tensors and dicts, None-valued keys dropped, reasoning under its other names, the
+# {% generation %} tag, continuing the final message, batches.
+REASONING = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content is defined %}[{{ m.reasoning_content }}]"
+             "{% endif %}{% if m.thinking is defined %}<{{ m.thinking }}>{% endif %}"
+             "{% if m.content is defined %}{{ m.content }}{% else %}(no content){% endif %}\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant:{% endif %}")
+GENERATION = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A: {{ m.content }}"
+              "{% endgeneration %}{% else %}U: {{ m.content }}{% endif %}\n{% endfor %}")
+PARITY_CASES = [
+    (REASONING, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "reasoning": "think"}], {}),
+    (REASONING, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "thinking": "t"}], {}),
+    (GENERATION, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], {}),
+    (LOOP_CONTROLS, CONVERSATIONS[1], {"add_generation_prompt": True}),
+    (TOOLS, CONVERSATIONS[0], {"tools": TOOL_LIST}),
+    (LLAMA, CONVERSATIONS[1][:3], {"continue_final_message": True}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PARITY_CASES)))
+@pytest.mark.parametrize("returns", [dict(tokenize=False), dict(), dict(return_tensors="pt"),
+                                     dict(return_dict=False), dict(return_dict=False, return_tensors="pt")])
+def test_apply_chat_template_matches_transformers_with_and_without_it(case, returns):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    import fastdllm
+
+    template, messages, kwargs = PARITY_CASES[case]
+    _, tok = fastdllm.load()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.fast, **tok.special_tokens_context())
+    theirs = hf.apply_chat_template(messages, chat_template=template, **kwargs, **returns)
+    for use in (True, False):
+        tok.use_transformers = use
+        ours = tok.apply_chat_template(messages, chat_template=template, **kwargs, **returns)
+        if isinstance(theirs, (str, list)):
+            assert ours == theirs
+        elif isinstance(theirs, torch.Tensor):
+            assert torch.equal(ours, theirs)
+        else:
+            assert set(ours) == set(theirs) and all(
+                torch.equal(ours[k], theirs[k]) if isinstance(theirs[k], torch.Tensor) else ours[k] == list(theirs[k])
+                for k in theirs)
+    tok.use_transformers = True
+
+
+def test_apply_chat_template_batches_and_the_tokenizer_call():
+    transformers = pytest.importorskip("transformers")
+    import fastdllm
+
+    _, tok = fastdllm.load()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.fast, **tok.special_tokens_context())
+    hf.chat_template = tok.chat_template
+    tok.use_transformers = False
+    try:
+        assert tok.apply_chat_template(CONVERSATIONS, tokenize=False) == hf.apply_chat_template(CONVERSATIONS, tokenize=False)
+        assert tok.apply_chat_template(CONVERSATIONS, return_dict=False) == \
+            hf.apply_chat_template(CONVERSATIONS, return_dict=False)
+    finally:
+        tok.use_transformers = True
+    for text in ("Tom has 5 apples.", ["a b", "Tom has 5 apples."]):
+        ours, theirs = tok(text), hf(text)
+        assert ours["input_ids"] == theirs["input_ids"] and ours["attention_mask"] == theirs["attention_mask"]
+    assert tok.encode("Tom has 5 apples.") == hf.encode("Tom has 5 apples.")
+    padded = tok(["a", "a b c"], padding=True, return_tensors="pt")
+    assert padded["input_ids"].shape == (2, padded["input_ids"].shape[1]) and padded["attention_mask"][0, -1] == 0
 
 
 def test_tojson_keeps_key_order_and_non_ascii():

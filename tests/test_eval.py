@@ -128,7 +128,7 @@ def test_prompt_formats(tokenizer):
     class Plain:
         chat_template = None
 
-        def encode(self, text):
+        def encode(self, text, add_special_tokens=True):
             return [len(text)]
 
     assert gsm.encode(Plain(), doc, []) == [len(gsm.prompt_text(doc, []))]

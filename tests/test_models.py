@@ -212,7 +212,7 @@ def test_dream_tokenizer_from_vocab_and_merges(tmp_path, tokenizer, tiny_dream):
     text = "Ann has 12 pencils.\nShe gives 3 to Tom!"
     assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode(" 12")) >= 2 and len(tokenizer.encode(" 12")) == 1  # Qwen2 splits digits
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    prompt = tok.render_chat([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.encode("<|im_end|>") == [added["<|im_end|>"]]
     assert added["<|im_end|>"] in model.stop_token_ids and added["<|endoftext|>"] in model.stop_token_ids

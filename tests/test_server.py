@@ -377,7 +377,7 @@ BAD_REQUESTS = [
     (COMP, {"model": MODEL, "prompt": 5}, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": ""}, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
-    (COMP, {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    (COMP, {"model": MODEL, "prompt": "hi", "echo": True}, 400, "logprobs"),  # echo scores: logprobs needed
     (COMP, {"model": MODEL, "prompt": ["a", "b", "c"], "n": 20}, 400, "n"),
     (COMP, {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed"),
     (COMP, {"model": MODEL, "prompt": "hi", "max_tokens": 3000}, 400, "prompt"),
@@ -751,3 +751,38 @@ def test_metrics_time_streams_to_their_end_with_vllm_names(loaded):
         assert took < 30
     finally:
         server.stop()
+
+
+def test_echo_logprobs_score_prompts_as_lm_eval_reads_them(srv, loaded):
+    """lm-eval's local-completions asks {prompt: token ids, echo, logprobs: 1, max_tokens: 1} and sums
+    token_logprobs[ctxlen:-1]; is_greedy compares each with the best of top_logprobs."""
+    from fastdllm.likelihood import prefix_logprobs
+
+    model, tok = loaded
+    context = tok.encode("Question: Tom has 5 apples. He buys 3 more. How many apples does he have?\nAnswer:",
+                         add_special_tokens=False)
+    good, bad = tok.encode(" 8", add_special_tokens=False), tok.encode(" 93 cows", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": [context + good, context + bad], "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0}
+    r = srv.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    scores = []
+    for choice, cont in zip(out["choices"], (good, bad)):
+        lp = choice["logprobs"]
+        n = len(context) + len(cont)
+        assert len(lp["token_logprobs"]) == n + 1 and lp["token_logprobs"][0] is None
+        assert len(lp["top_logprobs"]) == n + 1 and len(lp["tokens"]) == n + 1
+        part = lp["token_logprobs"][len(context):-1]
+        scores.append(sum(part))
+        toks, lps, _ = prefix_logprobs(model, context + cont, top=1, extra=1)
+        assert part == pytest.approx(lps[len(context):-1], abs=1e-5)
+    assert scores[0] > scores[1]  # the right answer is the likelier continuation
+    through_client = srv.client.completions.create(model=MODEL, prompt=[context + good], echo=True, logprobs=1,
+                                                   max_tokens=1)
+    assert through_client.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        out["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    for extra, param in [({"logprobs": None}, "logprobs"), ({"max_tokens": 8}, "max_tokens"),
+                         ({"stream": True}, "echo")]:
+        bad_req = srv.post("/v1/completions", {**body, **extra})
+        assert bad_req.status_code == 400 and bad_req.json()["error"]["param"] == param, bad_req.text

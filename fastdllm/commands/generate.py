@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             {"role": "user", "content": prompt}]
         ids = tokenizer.encode_chat(messages)
     else:
-        ids = tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt)
+        ids = tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt, add_special_tokens=False)
     if not ids:
         raise UserError("the prompt is empty after tokenisation")
     try:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import random
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from ..config import ConfigError
 from ..config import GenerationConfig
 from .. import tool_calls
 from ..constraints import GrammarConstraint, response_format_constraint
+from ..likelihood import prefix_logprobs
 from .guard import Guard
 from .incremental import ChoiceText
 from .metrics import ServerMetrics
@@ -66,6 +68,7 @@ class Server:
 
     def __init__(self, model, tokenizer, settings: ServerSettings):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.scoring_lock = threading.Lock()  # scoring forwards run one request at a time, off the event loop
         self.scheduler = Scheduler(model, settings.max_batch_size, settings.max_queue, settings.batch_wait,
                                    settings.block_hook, continuous=settings.continuous)
         self.created = int(time.time())
@@ -130,11 +133,11 @@ class Server:
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
         if isinstance(p, str):
-            prompts = [self.tokenizer.encode(p)]
+            prompts = [self.tokenizer.encode(p, add_special_tokens=False)]
         elif not p:
             raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
         elif isinstance(p[0], str):
-            prompts = [self.tokenizer.encode(s) for s in p]
+            prompts = [self.tokenizer.encode(s, add_special_tokens=False) for s in p]
         elif isinstance(p[0], int):
             prompts = [list(p)]
         else:
@@ -319,7 +322,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         if req.messages is not None:
             tokens = server.chat_prompt(ChatCompletionRequest(model=req.model, messages=req.messages))
         else:
-            tokens = tokenizer.encode(req.prompt)
+            tokens = tokenizer.encode(req.prompt, add_special_tokens=False)
         return {"count": len(tokens), "max_model_len": model.args.max_seq_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -558,6 +561,42 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        if req.echo:
+            return await score(req)
         return await run(CompletionEndpoint, req, request)
+
+    async def score(req: CompletionRequest):
+        """echo + logprobs: each prompt token's log-probability given the tokens before it (the later
+        ones masked; `likelihood.prefix_logprobs`), and with max_tokens 1 the next token, in
+        OpenAI's completions `logprobs` layout, as lm-eval's local-completions reads it."""
+        arrival = time.perf_counter()
+        server.check_model(req.model)
+        req.check_unsupported(settings.strict)
+        prompts = await asyncio.to_thread(server.completion_prompts, req)
+        extra = req.max_tokens or 0
+        for p in prompts:
+            if len(p) + extra > model.args.max_seq_len:
+                raise APIError(400, f"prompt: {len(p)} tokens exceed the model's context of {model.args.max_seq_len}",
+                               param="prompt", code="context_length_exceeded")
+
+        def compute():
+            with server.scoring_lock:
+                return [prefix_logprobs(model, p, top=max(1, req.logprobs), extra=extra) for p in prompts]
+
+        results = await asyncio.to_thread(compute)
+        choices = []
+        for i, (toks, lps, tops) in enumerate(results):
+            pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in toks]
+            offsets = [sum(len(x) for x in pieces[:k]) for k in range(len(pieces))]
+            top = [None if t is None else {tokenizer.decode([a], skip_special_tokens=False): b
+                                           for a, b in t[: req.logprobs]} for t in tops]
+            choices.append({"index": i, "text": "".join(pieces), "finish_reason": "length",
+                            "logprobs": {"tokens": pieces, "token_logprobs": lps, "top_logprobs": top,
+                                         "text_offset": offsets}})
+        prompt_tokens = sum(len(p) for p in prompts)
+        metrics.on_done(prompt_tokens, extra * len(prompts), time.perf_counter() - arrival)
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+                             "created": int(time.time()), "model": settings.model_name, "system_fingerprint": None,
+                             "choices": choices, "usage": _usage(prompt_tokens, extra * len(prompts))})
 
     return app

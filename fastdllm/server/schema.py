@@ -225,8 +225,9 @@ class _Common(_DecodingFields):
             if value not in (None, 0, 0.0):
                 raise APIError(400, f"{name}: not supported by diffusion decoding (only 0)", param=name,
                                code="unsupported_value")
-        if self.logprobs not in (None, False):
-            raise APIError(400, "logprobs: not supported", param="logprobs", code="unsupported_value")
+        if self.logprobs not in (None, False) and not getattr(self, "echo", False):
+            raise APIError(400, "logprobs: only for scoring a prompt (/v1/completions with echo: true)",
+                           param="logprobs", code="unsupported_value")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings", param="stop", code="invalid_value")
 
@@ -255,8 +256,15 @@ class CompletionRequest(_Common):
 
     def check_unsupported(self, strict: bool = False) -> None:
         super().check_unsupported(strict)
-        if self.echo:
-            raise APIError(400, "echo: not supported", param="echo", code="unsupported_value")
+        if self.echo:  # scoring the prompt (lm-eval's local-completions): log-probabilities, no decoding
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
+                raise APIError(400, "logprobs: with echo, an integer 0-20 (the top tokens reported per position)",
+                               param="logprobs", code="invalid_value")
+            if self.max_tokens not in (None, 0, 1):
+                raise APIError(400, "max_tokens: with echo, 0 or 1 (echo scores the prompt, it does not decode)",
+                               param="max_tokens", code="invalid_value")
+            if self.stream or self.n != 1:
+                raise APIError(400, "echo: not with stream or n > 1", param="echo", code="invalid_value")
         if self.suffix:
             raise APIError(400, "suffix: not supported", param="suffix", code="unsupported_value")
         if self.best_of not in (None, 1):

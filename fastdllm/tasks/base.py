@@ -175,12 +175,12 @@ class Task:
         one), else as plain text."""
         if has_chat_template(tokenizer) if chat is None else chat:
             return tokenizer.encode_chat([{"role": "user", "content": self.chat_content(doc, shots)}])
-        return tokenizer.encode(self.plain_text(doc, shots))
+        return tokenizer.encode(self.plain_text(doc, shots), add_special_tokens=False)
 
     def render(self, tokenizer, doc: Doc, shots: list, chat: bool | None = None) -> str:
         """The prompt exactly as the model sees it (for logs)."""
         if has_chat_template(tokenizer) if chat is None else chat:
-            return tokenizer.apply_chat_template([{"role": "user", "content": self.chat_content(doc, shots)}])
+            return tokenizer.render_chat([{"role": "user", "content": self.chat_content(doc, shots)}])
         return self.plain_text(doc, shots)
 
     def stop_strings(self, chat: bool) -> list[str]:
