@@ -169,25 +169,33 @@ def scatter_plot(path: Path, rows: list[dict], x_of, x_label: str, title: str, h
     the baseline and the default marked; returns the figure (closed by the caller)."""
     import matplotlib.pyplot as plt
 
-    markers = "osD^vP*Xh<>p8"
+    markers = "oD^vPXh<>p8d"  # the square and the star are the baseline's and the default's
     cmap = plt.get_cmap("tab20")
-    fig = plt.figure(figsize=(11, 5.2))
-    ax = fig.add_axes([0.07, 0.11, 0.46, 0.8])
+    labels = [f"{r['name']} ({r['group']})" for r in rows]
+    # the axes keep 5.5 inches; the legend beside them gets what its longest label needs
+    legend_in = 0.6 + 0.052 * max(len(t) for t in labels)
+    width = 6.3 + legend_in
+    fig = plt.figure(figsize=(width, 5.2))
+    ax = fig.add_axes([0.75 / width, 0.11, 5.4 / width, 0.8])
     pts = [(max(x_of(r), 1e-3), 100 * r["accuracy"]) for r in rows]
     front = pareto(pts, higher_x_better)
-    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-", color="0.6", linewidth=1.2,
-            zorder=1, label="Pareto frontier")
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-", color="0.55", linewidth=1.2,
+            zorder=1)
+    ax.scatter([pts[i][0] for i in front], [pts[i][1] for i in front], s=260, facecolor="none", edgecolor="0.55",
+               linewidth=1.2, zorder=2, label="on the Pareto frontier")
     for k, (r, (x, y)) in enumerate(zip(rows, pts)):
         name = r["name"]
         special = name.startswith("baseline") or name.startswith("default")
         ax.scatter(x, y, s=90 if special else 45, marker="s" if name.startswith("baseline") else
                    "*" if name.startswith("default") else markers[k % len(markers)],
                    color=cmap(k % 20), edgecolor="black" if special else "none", linewidth=0.8, zorder=3,
-                   label=f"{name} ({r['group']})")
+                   label=labels[k])
     if reference_line is not None:
         ax.axvline(reference_line, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log")
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    if reference_line is not None:  # the limit the reader compares with stays in view
+        xs.append(reference_line)
     ax.set_xlim(min(xs) / 1.25, max(xs) * 1.25)
     pad = max(1.0, (max(ys) - min(ys)) * 0.1)
     ax.set_ylim(min(ys) - pad, max(ys) + pad)
@@ -195,7 +203,7 @@ def scatter_plot(path: Path, rows: list[dict], x_of, x_label: str, title: str, h
     ax.set_ylabel("accuracy %")
     ax.set_title(title)
     ax.grid(True, which="major", linestyle=":", linewidth=0.5)
-    fig.legend(*ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(0.55, 0.5), fontsize=6.5,
+    fig.legend(*ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(6.4 / width, 0.5), fontsize=6.5, markerscale=0.7,
                frameon=False, handlelength=1.2, borderaxespad=0.0)
     fig.savefig(path, dpi=130)
     return fig

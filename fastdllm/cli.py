@@ -30,6 +30,7 @@ EXAMPLES = """examples:
   fastdllm serve --port 8000
   fastdllm eval --task arith --limit 200
   fastdllm bench --quick
+  fastdllm quantize llada-arith llada-arith-w4 --bits 4
 """
 
 

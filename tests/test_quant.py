@@ -178,6 +178,7 @@ def test_every_cache_policy_runs_on_a_quantized_model(embedded, cache):
     assert (out.kv_cache_bytes > 0) == (cache != "none")
 
 
+@pytest.mark.slow
 def test_compiled_layers_run_the_quantized_kernels(embedded):
     model, tok = embedded["int8"]
     ids = tok.encode_chat(PROMPT)
@@ -199,7 +200,9 @@ def test_quantize_at_load_errors():
 
 
 # ---- quantized checkpoints ---------------------------------------------------------------------
-FAMILY_FIXTURES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe"]
+# Two families in the default suite (full attention, and block-causal MoE); every family in the slow set.
+FAMILY_FIXTURES = ["tiny_llada", "tiny_llada2"] + [pytest.param(f, marks=pytest.mark.slow) for f in
+                                                   ("tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada_moe")]
 
 
 @pytest.mark.parametrize("fixture", FAMILY_FIXTURES)

@@ -58,12 +58,13 @@ class QuantizedLinear(nn.Module):
     """y = x W^T (+ b) with W held as a `QuantizedWeight` in the buffers its kernel needs
     (`kernel`: "int8", "int4-cpu" or "dequantize").
 
-    PyTorch's int8 kernel is fast for a few rows (a 4096 x 4096 layer on one CPU thread: 1.5 ms
-    for one row against 4.0 ms in bf16) and slow for many (132 ms for 256 rows against 41 ms), and
-    a diffusion model's forwards carry a block of positions per row of the batch; so above
-    `DEQUANTIZE_ABOVE_ROWS` rows an int8 layer dequantizes its weight (46 ms at that size) and runs
-    one dense matmul. The int4 CPU kernel's weight layout is its own, with no cheap way back to a
-    dense weight, so int4 layers always use the kernel (14 ms for 32 rows against 7.5 in bf16)."""
+    PyTorch's int8 kernel is fast for a few rows (a 4096 x 4096 layer on one CPU thread: 1.7 ms
+    for one row against 4.2 ms in bf16) and slow for many (142 ms for 256 rows against 42 ms;
+    `benchmarks/quantized_kernels.py`), and a diffusion model's forwards carry a block of positions
+    per row of the batch; so above `DEQUANTIZE_ABOVE_ROWS` rows an int8 layer dequantizes its
+    weight and runs one dense matmul (87 ms for those 256 rows). The int4 CPU kernel's weight layout
+    is its own, with no cheap way back to a dense weight, so int4 layers always use the kernel
+    (15 ms for 32 rows against 8.3 ms in bf16)."""
 
     DEQUANTIZE_ABOVE_ROWS = 128
 
