@@ -154,12 +154,16 @@ def _decode_ct(fmt, get, prefix, has) -> QuantizedWeight:
         zero = zero.reshape(out_f, -1)
         if not zero.any():
             zero = None
-    order = None
-    if has(f"{prefix}.weight_g_idx"):
-        order = _order_from_groups(get(f"{prefix}.weight_g_idx"), group_size, prefix)
-        if order is not None:
-            values = values[:, order]
-    return QuantizedWeight(values.contiguous(), scale.contiguous(), zero, bits, group_size, order)
+    return _weight(values, scale, zero, bits, group_size, get, has, f"{prefix}.weight_g_idx", prefix)
+
+
+def _weight(values, scale, zero, bits, group_size, get, has, g_idx_name: str, where: str) -> QuantizedWeight:
+    """The decoded layer, its columns put in group order when the checkpoint's g_idx shuffles them."""
+    order = _order_from_groups(get(g_idx_name), group_size, where) if has(g_idx_name) else None
+    if order is not None:
+        values = values[:, order]
+    return QuantizedWeight(values.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(),
+                           bits, group_size, order)
 
 
 def _order_from_groups(g_idx: torch.Tensor, group_size: int, where: str) -> torch.Tensor | None:
@@ -193,13 +197,7 @@ def _decode_gptq(fmt, get, prefix, has) -> QuantizedWeight:
     zero = zero.t().to(torch.int8)
     if not zero.any():
         zero = None
-    order = None
-    if has(f"{prefix}.g_idx"):
-        order = _order_from_groups(get(f"{prefix}.g_idx"), group_size, prefix)
-        if order is not None:
-            values = values[:, order]
-    return QuantizedWeight(values.contiguous(), scales.t().contiguous(), None if zero is None else zero.contiguous(),
-                           bits, group_size, order)
+    return _weight(values, scales.t(), zero, bits, group_size, get, has, f"{prefix}.g_idx", prefix)
 
 
 # ---- writing ---------------------------------------------------------------------------------------
