@@ -93,6 +93,11 @@ class Row:
     def num_blocks(self) -> int:
         return self.config.num_blocks
 
+    @property
+    def prompt_positions(self) -> int:
+        """Its prompt's length: the work of one prefill (an autoregressive model's share of the prompt)."""
+        return len(self.prompt) + self.lead
+
     def answer_span(self, block: int, block_length: int) -> tuple[int, int, int, int]:
         """Where block `block` of the region lies in the answer: (answer from, to, block from, to),
         clipped to the answer's `asked` positions."""

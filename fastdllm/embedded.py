@@ -40,7 +40,7 @@ PRESETS = {
     "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
     # llada's sizes with a shared expert of its MLP's width (so its weights upcycle: `train.
     # transplant_weights`) and eight small routed experts, two per token; no q/k norms
-    "lladamoe": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512, moe_hidden_dim=32,
+    "lladamoe": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512, moe_hidden_dim=64,
                      shared_expert_hidden_dim=512, qk_norm=False),
 }
 # A mixture-of-experts family's routing at small sizes: LLaDA2's structure (a dense first layer,

@@ -22,7 +22,8 @@ Metrics (the same definitions in the results JSON, the per-sample log and the pr
   divides by the slowest rank's generation time instead (the throughput of the whole run);
 - positions_per_token / attended_per_token: query positions computed (and query x key positions
   attended) by all of a sample's forwards, per generated token (counted as tokens/s counts
-  them), summed over samples: the work against the autoregressive limit of ~1 position per token;
+  them), summed over samples; decode_positions_per_token leaves out one prefill of each prompt:
+  the work against the autoregressive limit of 1 position per token;
 - nfe_per_sample: model forward passes a sample needed (`nfe_per_row`, what it costs alone),
   averaged over samples;
 - tokens_per_step: answer positions revealed per denoising step, summed over samples and divided
@@ -196,6 +197,7 @@ def evaluate(
                     "nfe": int(out.nfe_per_row[i]),
                     "forward_positions": int(out.forward_positions[i]),
                     "attended_positions": int(out.attended_positions[i]),
+                    "prompt_positions": int(out.prompt_positions[i]),
                     "revealed": int(sum(steps)),
                     "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 0.0,
                     "time_s": round(out.wall_time / len(batch), 5),
@@ -269,6 +271,9 @@ def summarize(records: Sequence[dict], timings: Sequence[dict] = ()) -> dict:
         "nfe_per_sample": steps / n if n else 0.0,
         # work per generated token, hardware-independent (~1 position for autoregressive decoding)
         "positions_per_token": sum(r.get("forward_positions", 0) for r in records) / tokens if tokens else 0.0,
+        # the same beyond one prefill of each prompt (1 is the autoregressive limit)
+        "decode_positions_per_token": (sum(r.get("forward_positions", 0) - r.get("prompt_positions", 0) for r in records)
+                                       / tokens if tokens else 0.0),
         "attended_per_token": sum(r.get("attended_positions", 0) for r in records) / tokens if tokens else 0.0,
         "tokens_per_step": sum(r["revealed"] for r in records) / steps if steps else 0.0,
         "generated_tokens": tokens,

@@ -42,6 +42,7 @@ class GenerationOutput:
     # and query x key positions attended (the attention's cost).
     forward_positions: list[int] = field(default_factory=list)
     attended_positions: list[int] = field(default_factory=list)
+    prompt_positions: list[int] = field(default_factory=list)  # per row: its prompt's length
     kv_cache_bytes: int = 0  # the most KV cache memory the run held at once (0 without a cache)
 
     @property
@@ -53,6 +54,14 @@ class GenerationOutput:
         """Query positions computed per generated token (tokens up to the first stop, as
         tokens/s counts them): ~1 for autoregressive decoding after the prompt."""
         return sum(self.forward_positions) / max(1, sum(self.num_tokens))
+
+    @property
+    def decode_positions_per_token(self) -> float:
+        """Query positions per generated token beyond one prefill of each prompt: 1 is the
+        autoregressive limit (a prompt's positions once, then one per token). Counts the windows as
+        computed, so in a batch it includes the left padding of shorter prompts."""
+        extra = sum(self.forward_positions) - sum(self.prompt_positions)
+        return extra / max(1, sum(self.num_tokens))
 
     @property
     def attended_per_token(self) -> float:
@@ -138,6 +147,7 @@ def iter_generate(
                  unmask_step=torch.stack([r.unmask_step for r in rows]), forward_time=decoder.forward_time,
                  finished=[r.finished for r in rows], forward_positions=[r.forward_positions for r in rows],
                  attended_positions=[r.attended_positions for r in rows],
+                 prompt_positions=[r.prompt_positions for r in rows],
                  kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0))
     yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=[r.finished for r in rows])
 
@@ -220,6 +230,7 @@ def generate(
         config=config,
         forward_positions=stats["forward_positions"],
         attended_positions=stats["attended_positions"],
+        prompt_positions=stats["prompt_positions"],
         kv_cache_bytes=stats["kv_cache_bytes"],
     )
 

@@ -114,10 +114,12 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
         hf = self.transformers_tokenizer()
         if hf is not None:
+            # transformers 4.x refuses return_dict=True beside tokenize=False (5.x ignores it there)
             return hf.apply_chat_template(conversation, tools=tools, documents=documents, chat_template=template,
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message, tokenize=tokenize,
-                                          return_tensors=return_tensors, return_dict=return_dict, **template_kwargs)
+                                          return_tensors=return_tensors, return_dict=return_dict and tokenize,
+                                          **template_kwargs)
         batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt are not compatible")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,6 +268,32 @@ def transplant_weights(model: Transformer, source: Transformer) -> None:
             param.copy_(w)
 
 
+TRAINABLE = ("all", "experts")
+
+
+def trainable_parameters(model: Transformer, which: str) -> list[torch.nn.Parameter]:
+    """The parameters a run updates; the rest are frozen (requires_grad False).
+
+    "experts" trains a mixture's routed experts and routers only: upcycled from a finished dense
+    model (`transplant_weights`), whose function the shared experts and attention keep exactly, the
+    routed experts are then the only place new data can go, so they have to matter, and what the
+    dense model knew is not unlearnt (the failure of fine-tuning the whole small model on new data,
+    docs/training-notes.md)."""
+    if which not in TRAINABLE:
+        raise ValueError(f"trainable: {which!r} is not one of {', '.join(TRAINABLE)}")
+    if which == "all":
+        return list(model.parameters())
+    if not model.args.n_experts:
+        raise ValueError("trainable: 'experts' needs a mixture-of-experts arch (it has no routed experts)")
+    routed = re.compile(r"layers\.\d+\.feed_forward\.(w1|w2|w3|router\.weight)$")
+    chosen = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(bool(routed.match(name)))
+        if p.requires_grad:
+            chosen.append(p)
+    return chosen
+
+
 # ---- evaluation during training ----------------------------------------------------------------
 def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
     """Accuracy and NFE on the first `n` held-out arith problems, through `fastdllm.evaluate`
@@ -307,6 +334,7 @@ class TrainSettings:
     eval_n: int = 64
     resume: bool = False  # continue from OUT/checkpoint if present
     init_from: str | None = None  # start from this model folder's weights and tokenizer
+    trainable: str = "all"  # "experts": only the routed experts and their routers learn (see trainable_parameters)
     command_line: str = ""  # recorded in the checkpoint's metadata
 
 
@@ -322,7 +350,8 @@ def train(args: TrainSettings) -> Path:
     else:
         tokenizer = build_tokenizer(seed=args.seed)
     model = new_model(args.arch, args.preset or args.arch, tokenizer, seed=args.seed).to(args.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    params = trainable_parameters(model, args.trainable)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     step = 0
     if args.resume and ckpt.is_dir():
         step = load_checkpoint(ckpt, model, opt)
@@ -345,7 +374,7 @@ def train(args: TrainSettings) -> Path:
         loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         tokens += ids.numel()

@@ -251,3 +251,20 @@ def test_block_diffusion_rows_that_join_decode_as_alone(name, request, tokenizer
         ref = generate(model, [p], config_for(base, g))
         assert torch.equal(r.answer, ref.sequences[0]), g
         assert r.nfe == ref.nfe_per_row[0] and r.tokens_per_step == ref.tokens_per_step[0]
+
+
+def test_the_exact_cache_computes_the_prompt_once_and_each_block_twice(tiny_sdar, tokenizer):
+    """Work on a hand-checkable case, one token per step: the first forward is the prompt with the
+    first block; every later block's first step recomputes the just-finished block (its commit)
+    beside the current one; the other steps forward the current block alone."""
+    prompt = tokenizer.encode("Question: 3 + 4 = ?", add_special_tokens=False)
+    prompt = prompt[: len(prompt) - len(prompt) % 4]  # ends on a block boundary: no shared block
+    gen, b = 16, 4
+    config = GenerationConfig.for_model(tiny_sdar, GenerationConfig(gen_length=gen, block_length=b, threshold=None,
+                                                                    stop_at_eos=False), temperature=0.0)
+    out = generate(tiny_sdar, [prompt], config=config)
+    blocks = gen // b
+    assert out.nfe == gen and out.prompt_positions == [len(prompt)]
+    expected = (len(prompt) + b) + (b - 1) * b + (blocks - 1) * (2 * b + (b - 1) * b)
+    assert out.forward_positions == [expected]
+    assert out.decode_positions_per_token == (expected - len(prompt)) / out.num_tokens[0]

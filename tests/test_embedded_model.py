@@ -170,6 +170,7 @@ def test_sdar_twin_is_an_sdar_checkpoint():
     assert_weights_are_the_files(by_name, folder)
 
 
+@pytest.mark.slow
 def test_sdar_twin_solves_held_out_problems_with_its_exact_cache():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -301,6 +301,7 @@ def test_lm_eval_plugin_registers_with_lm_eval():
     assert get_model("fastdllm") is lm_eval_plugin.register()
 
 
+@pytest.mark.slow
 def test_elbo_loglikelihood_ranks_and_converges():
     """On the embedded model: the right worked answer is far likelier than one with a wrong final
     number, and the estimate's spread over seeds shrinks as mc_num grows."""

@@ -44,6 +44,7 @@ def test_everyday_test_split_is_fixed_correct_and_worked():
     assert {1, 2, 3, 4} <= steps  # one- to four-step problems (the chain also states its start)
 
 
+@pytest.mark.slow
 def test_everyday_is_held_out_in_wording_and_entities():
     test = everyday.test_split()
     train_problems = list(itertools.islice(everyday.train_stream(0), 20000))

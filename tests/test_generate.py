@@ -376,6 +376,8 @@ def test_work_accounting_on_hand_checkable_cases(tiny_llada, tokenizer):
     assert out.nfe == gen and out.forward_positions == [gen * length]
     assert out.attended_positions == [gen * length * length]
     assert out.positions_per_token == gen * length / out.num_tokens[0]
+    assert out.prompt_positions == [plen]
+    assert out.decode_positions_per_token == (gen * length - plen) / out.num_tokens[0]
     # DualCache, one token per step: per block one full forward, then block-sized windows
     out = generate(tiny_llada, prompt, config=GenerationConfig.fast_dllm(threshold=None, cache="dual", **base))
     per_block = blk  # steps per block

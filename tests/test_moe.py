@@ -395,3 +395,27 @@ def test_upcycling_a_dense_model_keeps_its_function_and_training_grows_the_exper
     loss.backward()
     layer = moe.layers[1].feed_forward
     assert layer.w2.grad.abs().sum() > 0 and layer.router.weight.grad is not None
+
+
+def test_training_only_the_experts_leaves_the_dense_model_as_it_was(tiny_llada, tokenizer):
+    from fastdllm import train
+    from fastdllm.embedded import new_model
+
+    moe = new_model("lladamoe", "micro", tokenizer, shared_expert_hidden_dim=tiny_llada.args.hidden_dim, qk_norm=False)
+    train.transplant_weights(moe, tiny_llada)
+    params = train.trainable_parameters(moe, "experts")
+    names = {n for n, p in moe.named_parameters() if p.requires_grad}
+    assert names and all(".feed_forward." in n and ".shared." not in n for n in names)
+    assert {n.rsplit(".", 1)[-1] for n in names} == {"w1", "w2", "w3", "weight"}  # the router's weight
+    before = {n: p.detach().clone() for n, p in moe.named_parameters()}
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    batch, starts = train.make_batch(tokenizer, 0, 0, 2048, "talk")
+    moe.train()
+    train.sft_loss(moe, batch, starts, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+    for n, p in moe.named_parameters():
+        assert torch.equal(p, before[n]) != (n in names), n  # the experts moved, nothing else did
+    with pytest.raises(ValueError, match="trainable"):
+        train.trainable_parameters(tiny_llada, "experts")
+    with pytest.raises(ValueError, match="trainable"):
+        train.trainable_parameters(moe, "heads")

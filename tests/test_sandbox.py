@@ -152,6 +152,7 @@ def test_memory_bomb_is_contained(code):
     host_alive()
 
 
+@pytest.mark.slow
 def test_huge_output_is_bounded():
     r = run_program("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout=1.5, max_output_bytes=10_000)
     assert r.verdict == "timeout" and r.truncated
@@ -537,6 +538,7 @@ def test_a_long_box_survives_more_boxes_than_there_are_uid_slots(monkeypatch):
     assert r.verdict == "passed" and r.stdout == "done\n", r
 
 
+@pytest.mark.slow
 @needs_box_limits
 def test_forked_children_share_the_box_memory_limit():
     code = ("import os, time\nfor i in range(6):\n    if os.fork() == 0:\n        b = bytearray(300 * 1024 * 1024)\n"

@@ -37,7 +37,8 @@ def format_summary(results: dict) -> str:
         f"  tokens/s          {r['tokens_per_second']:.1f} (generation only; {r['generated_tokens']} tokens in "
         f"{r['generation_time_s']:.2f}s)",
         f"  NFE/sample        {r['nfe_per_sample']:.2f}",
-        f"  positions/token   {r.get('positions_per_token', 0.0):.1f} computed, "
+        f"  positions/token   {r.get('positions_per_token', 0.0):.1f} computed "
+        f"({r.get('decode_positions_per_token', 0.0):.2f} after one prefill of the prompt), "
         f"{r.get('attended_per_token', 0.0):.0f} attended",
         f"  tokens/step       {r['tokens_per_step']:.2f}",
         f"  memory            {memory_line(r)}",

@@ -8,13 +8,14 @@ import sys
 
 from ..models import FAMILIES
 from ..embedded import PRESETS
-from ..train import DATA_MIXES, TrainSettings, train
+from ..train import DATA_MIXES, TRAINABLE, TrainSettings, train
 
-CHOICES = {"arch": sorted(FAMILIES), "preset": sorted(PRESETS), "data_mix": sorted(DATA_MIXES)}
+CHOICES = {"arch": sorted(FAMILIES), "preset": sorted(PRESETS), "data_mix": sorted(DATA_MIXES), "trainable": list(TRAINABLE)}
 HELP = {"out": "run folder: checkpoint/, final/, train_log.jsonl", "preset": "model size (default: the arch's)",
         "token_budget": "tokens per batch", "data_mix": "batch shapes (see DATA_MIXES)",
         "resume": "continue from OUT/checkpoint if present",
-        "init_from": "start from this model folder's weights and tokenizer"}
+        "init_from": "start from this model folder's weights and tokenizer",
+        "trainable": "experts: only a mixture's routed experts and routers learn"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
