@@ -99,6 +99,8 @@ class GenerationConfig:
     top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False)
     top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)")
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token")
+    eos_early_stop: bool = _opt(False, "bool", "stop a row inside a block as soon as it holds a stop token with "
+                                "every position before it revealed (LLaDA2's eos_early_stop; needs stop_at_eos)")
     sub_block_length: int | None = _opt(None, "optional int",
                                         "reveal a block's positions sub-block by sub-block, left to right "
                                         "(Fast-dLLM v2's small blocks)")
@@ -298,6 +300,8 @@ class GenerationConfig:
         if self.top_k is not None:
             need(is_int(self.top_k) and self.top_k >= 1, "top_k", "must be a positive integer or None")
         need(isinstance(self.stop_at_eos, bool), "stop_at_eos", "must be true or false")
+        need(isinstance(self.eos_early_stop, bool), "eos_early_stop", "must be true or false")
+        need(self.stop_at_eos or not self.eos_early_stop, "eos_early_stop", "needs stop_at_eos")
         if self.sub_block_length is not None:
             need(is_int(self.sub_block_length) and self.sub_block_length >= 1
                  and is_int(self.block_length) and self.block_length % self.sub_block_length == 0,

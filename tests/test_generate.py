@@ -254,6 +254,28 @@ def test_stop_at_eos_gives_the_full_length_text(trained, overrides):
     assert stopped.nfe_per_row == [sum(1 for _ in t) for t in stopped.tokens_per_step]
 
 
+def test_eos_early_stop_ends_a_block_at_its_stop_token_with_the_same_answer(trained):
+    """LLaDA2's eos_early_stop: once a stop token is revealed with every position before it, the row
+    stops inside the block; the answer is the same as stopping after the block, in no more steps
+    (this model reveals the EOS tail first, so it saves none here: tests/test_moe.py shows the saving)."""
+    model, tok = trained
+    ps = arith_prompts(tok, 4)
+    cfg = GenerationConfig(gen_length=64, block_length=32, threshold=None, cache="none", suffix_window=None,
+                           refresh="full")  # one token per step: the block's tail is revealed one by one
+    after_block = generate(model, ps, config=cfg)
+    early = generate(model, ps, config=cfg.replace(eos_early_stop=True))
+    for i in range(len(ps)):
+        n = after_block.num_tokens[i]
+        assert early.num_tokens[i] == n and torch.equal(early.sequences[i, :n], after_block.sequences[i, :n])
+        assert set(early.sequences[i, n:].tolist()) <= {model.args.eos_token_id, *model.stop_token_ids}  # no mask left
+        assert early.nfe_per_row[i] <= after_block.nfe_per_row[i]
+    for i, p in enumerate(ps):  # a row stops in a batch as alone
+        alone = generate(model, [p], config=cfg.replace(eos_early_stop=True))
+        assert torch.equal(alone.sequences[0], early.sequences[i]) and alone.nfe_per_row == [early.nfe_per_row[i]]
+    with pytest.raises(ValueError, match="eos_early_stop"):
+        GenerationConfig(eos_early_stop=True, stop_at_eos=False)
+
+
 def test_step_record_is_consistent(trained):
     model, tok = trained
     out = generate(model, arith_prompts(tok, 4), config=GenerationConfig(gen_length=64, block_length=32))

@@ -419,3 +419,30 @@ def test_training_only_the_experts_leaves_the_dense_model_as_it_was(tiny_llada, 
         train.trainable_parameters(tiny_llada, "experts")
     with pytest.raises(ValueError, match="trainable"):
         train.trainable_parameters(moe, "heads")
+
+
+def test_eos_early_stop_ends_the_row_inside_its_block(tiny_llada, tokenizer):
+    """LLaDA2.0's eos_early_stop on a scripted model: a stop token revealed behind a masked position
+    does not stop the row; once every position before it is revealed the row stops in that step, its
+    block's other masks EOS, and the answer is the one stopping after the block gives."""
+    v, eos = tiny_llada.args.vocab_size, tiny_llada.args.eos_token_id
+    A, B, D = 10, 12, 15
+    script = [peaked(v, [(A, .95), (B, .3), (eos, .95), (D, .2)]),   # reveals A and EOS, B still masked
+              peaked(v, [(A, .9), (B, .95), (eos, .9), (D, .3)]),    # reveals B: nothing masked before EOS
+              peaked(v, [(A, .9), (B, .9), (eos, .9), (D, .95)])]    # (without early stop) reveals D
+    prompt = tokenizer.encode("Question: 1 + 1")
+    base = GenerationConfig(gen_length=8, block_length=4, steps=8, threshold=0.9, unmasking="quota", cache="none",
+                            suffix_window=None, refresh="full")
+
+    def run(**changes):
+        config = base.replace(**changes)
+        policies = Policies(Scripted(tiny_llada, script), UnmaskingStrategy.from_config(config))
+        return generate(tiny_llada, [prompt], config=config, policies=policies)
+
+    after_block = run()
+    assert after_block.sequences[0, :4].tolist() == [A, B, eos, D] and after_block.nfe == 3
+    early = run(eos_early_stop=True)
+    assert early.sequences[0].tolist() == [A, B] + [eos] * 6 and early.nfe == 2
+    assert early.num_tokens == after_block.num_tokens == [2]
+    edited = run(eos_early_stop=True, editing_threshold=0.5)  # a row that stopped edits no more
+    assert edited.sequences[0].tolist() == [A, B] + [eos] * 6 and edited.nfe == 2
