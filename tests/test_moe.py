@@ -446,3 +446,16 @@ def test_eos_early_stop_ends_the_row_inside_its_block(tiny_llada, tokenizer):
     assert early.num_tokens == after_block.num_tokens == [2]
     edited = run(eos_early_stop=True, editing_threshold=0.5)  # a row that stopped edits no more
     assert edited.sequences[0].tolist() == [A, B] + [eos] * 6 and edited.nfe == 2
+
+
+def test_a_llada_moe_checkpoint_without_qk_norms_saves_and_loads(tokenizer, tmp_path):
+    from fastdllm.embedded import new_model
+    from fastdllm.loading import load_model, save_pretrained
+
+    moe = new_model("lladamoe", "micro", tokenizer, qk_norm=False).eval()
+    folder = save_pretrained(moe, tmp_path / "m", tokenizer, dtype=torch.float32)
+    back = load_model(folder, dtype=torch.float32)
+    assert not back.args.qk_norm
+    ids = masked_ids(moe, 20)[None]
+    with torch.no_grad():
+        assert torch.equal(back(ids), moe(ids))

@@ -114,6 +114,8 @@ class Family:
         names: dict[str, str | tuple[str, ...]] = {
             k: v for k, v in self.top_weights.items() if k != "output.weight" or not args.tie_embeddings}
         per_layer = dict(self.layer_weights)
+        if not args.qk_norm:  # a layout whose config turns its q/k norms off (LLaDA-MoE's qk_layernorm)
+            per_layer = {k: v for k, v in per_layer.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
         if args.qkv_bias:
             per_layer.update(self.qkv_bias_weights)
         moe_layer = {k: v for k, v in per_layer.items() if not k.startswith("layers.{i}.feed_forward.")}
