@@ -11,8 +11,9 @@ import torch
 from tokenizers import AddedToken, Tokenizer as FastTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from . import train_data
 from .models import FAMILIES, ModelArgs, Transformer
-from .tasks import arith
+from .tasks import arith, everyday
 from .tokenizer import Tokenizer
 
 SPECIAL_TOKENS = {
@@ -37,6 +38,8 @@ PRESETS = {
     "llada": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),
     "dream": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=512),
     "sdar": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512),  # llada's: its weights transplant
+    # a larger model for the `talk` mix (trained from scratch with a BPE of the talk corpus)
+    "talk": dict(dim=256, n_layers=8, n_heads=8, n_kv_heads=8, hidden_dim=704),
     "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
     # llada's sizes with a shared expert of its MLP's width (so its weights upcycle: `train.
     # transplant_weights`) and eight small routed experts, two per token; no q/k norms
@@ -50,17 +53,31 @@ MOE_LAYOUT = dict(n_experts=8, n_active_experts=2, first_dense_layers=1, n_exper
                   active_expert_groups=2, routed_scaling=2.5)
 
 
-def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE trained on arith text: whole words and whole numbers 0..99 become single
-    tokens, anything else still encodes through the byte alphabet."""
+TOKENIZER_CORPORA = ("arith", "talk")
+
+
+def build_tokenizer(vocab_size: int = 1024, seed: int = 0, corpus: str = "arith") -> Tokenizer:
+    """A byte-level BPE trained on arith text (`corpus="arith"`, the shipped models') or on the
+    `talk` mix's sources (everyday questions, GSM8K train rows, docstrings: their words then become
+    single tokens instead of splitting into bytes): whole words and whole numbers 0..99 become
+    single tokens, anything else still encodes through the byte alphabet."""
+    if corpus not in TOKENIZER_CORPORA:
+        raise ValueError(f"corpus must be one of {TOKENIZER_CORPORA}, got {corpus!r}")
     r = random.Random(seed)
-    corpus = []
+    texts = []
     for _ in range(4000):
         p = arith.make_problem(r)
-        corpus.append(arith.format_prompt(p.question, []) + " " + p.answer)
-    corpus += [" ".join(str(n) for n in range(100))] * 200
-    corpus += ["\n".join(arith.NAMES + ["After", "Then", "One", "With", "In", "Each", "Together", "The"])] * 200
-    corpus += ["Question: Answer: user assistant system"] * 50
+        texts.append(arith.format_prompt(p.question, []) + " " + p.answer)
+    if corpus == "talk":
+        stream = everyday.train_stream(seed)
+        for _ in range(12000):
+            p = next(stream)
+            texts.append(f"Question: {p.question}\nAnswer: {p.answer}")
+        texts += [f"{p.question} {p.answer}" for p in train_data.gsm8k_easy()]
+        texts += list(train_data.docstrings())
+    texts += [" ".join(str(n) for n in range(100))] * 200
+    texts += ["\n".join(arith.NAMES + ["After", "Then", "One", "With", "In", "Each", "Together", "The"])] * 200
+    texts += ["Question: Answer: user assistant system"] * 50
     fast = FastTokenizer(models.BPE())
     fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     fast.decoder = decoders.ByteLevel()
@@ -71,7 +88,7 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    fast.train_from_iterator(corpus, trainer)
+    fast.train_from_iterator(texts, trainer)
     fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     config = {
         "bos_token": SPECIAL_TOKENS["bos"],

@@ -334,6 +334,8 @@ class TrainSettings:
     eval_n: int = 64
     resume: bool = False  # continue from OUT/checkpoint if present
     init_from: str | None = None  # start from this model folder's weights and tokenizer
+    tokenizer_corpus: str = "arith"  # what a fresh run's BPE is trained on (embedded.TOKENIZER_CORPORA)
+    vocab_size: int = 1024  # a fresh run's BPE vocabulary, special tokens included
     trainable: str = "all"  # "experts": only the routed experts and their routers learn (see trainable_parameters)
     command_line: str = ""  # recorded in the checkpoint's metadata
 
@@ -348,7 +350,7 @@ def train(args: TrainSettings) -> Path:
     elif args.init_from:
         tokenizer = load_tokenizer(args.init_from)
     else:
-        tokenizer = build_tokenizer(seed=args.seed)
+        tokenizer = build_tokenizer(args.vocab_size, seed=args.seed, corpus=args.tokenizer_corpus)
     model = new_model(args.arch, args.preset or args.arch, tokenizer, seed=args.seed).to(args.device)
     params = trainable_parameters(model, args.trainable)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)

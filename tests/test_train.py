@@ -256,3 +256,21 @@ def test_transplant_llada_weights_into_the_dream_twin(tokenizer):
     # sizes that cannot be transplanted are refused by name
     with pytest.raises(ValueError, match="init_from: the model sizes differ"):
         train.transplant_weights(embedded.new_model("dream", "micro", tokenizer), llada)
+
+
+def test_talk_tokenizer_makes_everyday_words_single_tokens():
+    """A fresh run's BPE trained on the talk corpus: the words of everyday questions and docstrings
+    that the arith BPE spells out in pieces become whole tokens; every text still round-trips."""
+    from fastdllm import train_data
+    from fastdllm.tasks import everyday
+
+    arith_bpe = embedded.build_tokenizer()
+    talk_bpe = embedded.build_tokenizer(2048, corpus="talk")
+    assert talk_bpe.vocab_size == 2048 and talk_bpe.token_to_id("<|mdm_mask|>") is not None
+    problem = next(everyday.train_stream(3))
+    texts = [problem.question + " " + problem.answer, train_data.docstrings()[0]]
+    for text in texts:
+        assert talk_bpe.decode(talk_bpe.encode(text, add_special_tokens=False)) == text
+        assert len(talk_bpe.encode(text, add_special_tokens=False)) < 0.85 * len(arith_bpe.encode(text, add_special_tokens=False))
+    with pytest.raises(ValueError, match="corpus"):
+        embedded.build_tokenizer(corpus="wiki")

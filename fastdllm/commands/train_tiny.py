@@ -7,15 +7,17 @@ import dataclasses
 import sys
 
 from ..models import FAMILIES
-from ..embedded import PRESETS
+from ..embedded import PRESETS, TOKENIZER_CORPORA
 from ..train import DATA_MIXES, TRAINABLE, TrainSettings, train
 
-CHOICES = {"arch": sorted(FAMILIES), "preset": sorted(PRESETS), "data_mix": sorted(DATA_MIXES), "trainable": list(TRAINABLE)}
+CHOICES = {"arch": sorted(FAMILIES), "preset": sorted(PRESETS), "data_mix": sorted(DATA_MIXES), "trainable": list(TRAINABLE),
+           "tokenizer_corpus": list(TOKENIZER_CORPORA)}
 HELP = {"out": "run folder: checkpoint/, final/, train_log.jsonl", "preset": "model size (default: the arch's)",
         "token_budget": "tokens per batch", "data_mix": "batch shapes (see DATA_MIXES)",
         "resume": "continue from OUT/checkpoint if present",
         "init_from": "start from this model folder's weights and tokenizer",
-        "trainable": "experts: only a mixture's routed experts and routers learn"}
+        "trainable": "experts: only a mixture's routed experts and routers learn",
+        "tokenizer_corpus": "what a fresh run's BPE is trained on", "vocab_size": "a fresh run's BPE vocabulary"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
