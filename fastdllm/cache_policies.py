@@ -8,6 +8,8 @@ block at this step". They differ only in the window they recompute (`Transformer
   recompute [block start, end of sequence) against the cached prefix (Fast-dLLM prefix cache).
 - `DualCache`: the same, but later steps recompute only the block, against the cached prefix *and*
   the cached masked suffix (Fast-dLLM DualCache).
+- `SubBlockCache`: DualCache, and with sub-blocks, later steps of a sub-block recompute only that
+  sub-block against the cached block (Fast-dLLM v2's block cache).
 
 The cache is refreshed when a new block starts, i.e. when the previous one completed. How much a
 block-start forward recomputes is the policy's refresh rule (a `RefreshRule`, named in `REFRESH_RULES`):
@@ -309,7 +311,65 @@ class DualCache(PrefixCache):
     reuse_suffix = True
 
 
-CACHE_POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (NoCache, PrefixCache, DualCache)}
+class SubBlockCache(DualCache):
+    """DualCache, and inside a block Fast-dLLM v2's block cache (its `generate(use_block_cache=True)`).
+
+    With `sub_block_length` the block is revealed sub-block by sub-block, left to right. A step whose
+    current sub-block (the first that still has a mask) opens with a masked position recomputes the
+    whole block against the cached prefix, as DualCache does, and that forward's K/V of the block
+    are the block cache; a step whose sub-block opens with a revealed position recomputes only the
+    sub-block, writing its K/V into the block cache, and attends over the prefix and the whole
+    cached block. The opening position decides because of the shifted prediction: the sub-block's
+    first token is predicted by the position before the sub-block, which a sub-block forward does
+    not compute. The positions outside the sub-block keep the logits of their row's last forward
+    (no rule reveals them in this step). Approximate within a block (the other sub-blocks' K/V are
+    those of the last whole-block forward); across blocks it is the exact cache.
+
+    The decision is per row, so a row decodes the same in a batch as alone. *Deliberate
+    difference*: the reference keeps its block cache from one block to the next, so the first
+    sub-block of every later block (whose opening token the commit forward revealed) attends to
+    the previous block's K/V as if they were the current block's; here the block-start forward
+    always makes a fresh block cache."""
+
+    name = "sub-block"
+
+    def __init__(self, model, sub_block_length: int, **kwargs):
+        super().__init__(model, **kwargs)
+        self.sub_block_length = sub_block_length
+        self._logits: torch.Tensor | None = None  # (B, block_length, V): each row's latest logits
+
+    @classmethod
+    def from_config(cls, model, config) -> "SubBlockCache":
+        return cls(model, config.sub_block_length, refresh=REFRESH_RULES[config.refresh].from_config(config),
+                   compiled=config.compile)
+
+    def block_logits(self, seq, start, end, step_in_block):
+        if step_in_block == 0:
+            self._logits = super().block_logits(seq, start, end, step_in_block)
+            return self._logits
+        size, shift = self.sub_block_length, int(self.model.args.shifted_logits)
+        bsz = seq.x.shape[0]
+        masked = seq.x[:, start:end] == self.model.mask_token_id
+        opening = masked.view(bsz, -1, size).any(-1).long().argmax(-1) * size  # (B,) the current sub-block
+        opens_masked = masked.gather(1, opening[:, None]).squeeze(1)
+        groups: dict[int | None, list[int]] = {}  # sub-block start (None: the whole block) -> rows
+        for i, (o, m, live) in enumerate(zip(opening.tolist(), opens_masked.tolist(), masked.any(-1).tolist())):
+            if live:  # a row whose block is done needs no logits
+                groups.setdefault(None if m else start + o, []).append(i)
+        for sub, rows in groups.items():
+            lo, hi, window = (start, end, (start, end)) if sub is None else (sub + shift, sub + size, (sub, sub + size))
+            if len(rows) == bsz:
+                out = self.forward(seq, lo, hi, window=window, cache=self.cache)
+            else:
+                part = self.cache.take_rows(rows)
+                out = self.forward(seq.take(rows), lo, hi, window=window, cache=part, rows=rows)
+                self.cache.put_rows(rows, part)
+            index = torch.tensor(rows, device=out.device)
+            self._logits[index, lo - start:hi - start] = out.to(self._logits.dtype)
+        return self._logits
+
+
+CACHE_POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (NoCache, PrefixCache, DualCache, SubBlockCache)}
 assert list(CACHE_POLICIES) == config.CACHE_POLICIES
 
 

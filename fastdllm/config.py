@@ -15,7 +15,7 @@ from typing import Any
 # CACHE_POLICIES, REFRESH_RULES; unmasking: SELECTION_RULES) hold a class for each; their built-in
 # names are declared here, with no import of the engine, so that reading and validating a config
 # needs no torch, and `register_policy_name` adds the name of a policy registered later.
-CACHE_POLICIES = ["none", "prefix", "dual"]
+CACHE_POLICIES = ["none", "prefix", "dual", "sub-block"]
 REFRESH = ["full", "vicinity", "adaptive"]
 SELECTION_RULES = ["threshold", "factor", "linear", "dream_schedule", "quota"]
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -306,6 +306,8 @@ class GenerationConfig:
             need(is_int(self.sub_block_length) and self.sub_block_length >= 1
                  and is_int(self.block_length) and self.block_length % self.sub_block_length == 0,
                  "sub_block_length", f"must be a positive integer dividing block_length={self.block_length}, or None")
+        need(self.cache != "sub-block" or self.sub_block_length is not None, "cache",
+             "'sub-block' needs sub_block_length")
         if self.editing_threshold is not None:
             need(is_num(self.editing_threshold) and 0 <= self.editing_threshold <= 1, "editing_threshold",
                  "must be in [0, 1] or None")

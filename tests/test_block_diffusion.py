@@ -18,9 +18,13 @@ from fastdllm.loading import save_pretrained
 FAMILIES = ["tiny_sdar", "tiny_v2"]
 
 
-def reference_forward(folder, ids: torch.Tensor) -> torch.Tensor:
+def reference_forward(folder, ids: torch.Tensor, record: list | None = None, stale: list | None = None,
+                      fresh: range | None = None) -> torch.Tensor:
     """Logits (T, V) of one unpadded sequence, from config.json and the safetensors alone: Qwen2 /
-    Qwen3 blocks, RoPE by rotate-half, and the block-causal rule key block <= query block."""
+    Qwen3 blocks, RoPE by rotate-half, and the block-causal rule key block <= query block.
+    `record`: each layer's (k, v) appended to it. `stale` (a `record` of another forward): every
+    layer attends to those K/V except at the positions `fresh`, which use this forward's own (a
+    step against a cache computed from other tokens)."""
     cfg = json.loads((folder / "config.json").read_text())
     w = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -57,6 +61,12 @@ def reference_forward(folder, ids: torch.Tensor) -> torch.Tensor:
         if p + "self_attn.q_norm.weight" in w:
             q, k = rms(q, w[p + "self_attn.q_norm.weight"]), rms(k, w[p + "self_attn.k_norm.weight"])
         q, k = rope(q), rope(k)
+        if record is not None:
+            record.append((k, v))
+        if stale is not None:
+            keep = torch.ones(t, dtype=torch.bool)
+            keep[list(fresh)] = False
+            k, v = torch.where(keep[:, None, None], stale[i][0], k), torch.where(keep[:, None, None], stale[i][1], v)
         k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
         att = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
@@ -229,6 +239,61 @@ def test_fast_dllm_v2_decoding_is_the_same_with_the_exact_cache_and_without_any(
         first_steps = alone.tokens_per_step[0]
         if len(p) % 8 == 0:  # every block starts with its first token alone
             assert first_steps[0] == 1
+
+
+def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer, tmp_path):
+    """cache="sub-block" (v2's use_block_cache): a step whose sub-block opens with a mask is a
+    whole-block forward, whose logits equal a full block-causal forward; a later step of the
+    sub-block recomputes only the sub-block, and its logits equal a forward in which every other
+    position's K/V are those of the last whole-block forward (written here from the weights)."""
+    from fastdllm.cache_policies import SubBlockCache
+
+    folder = save_pretrained(tiny_v2, tmp_path / "v2", tokenizer, dtype=torch.float32)
+    blk, size = tiny_v2.args.block_size, 4
+    config = GenerationConfig.for_model(tiny_v2, GenerationConfig(gen_length=32, threshold=0.3, stop_at_eos=False),
+                                        sub_block_length=size, cache="sub-block")
+    policy = SubBlockCache.from_config(tiny_v2, config).record()
+    steps = []
+    block_logits = policy.block_logits
+
+    def recording(seq, start, end, step):
+        x = seq.x[0].clone()
+        out = block_logits(seq, start, end, step)
+        steps.append((x, start, step, out[0].clone()))
+        return out
+
+    policy.block_logits = recording
+    prompt = tokenizer.encode("Question: what is 12 + 30?\nAnswer:")
+    generate(tiny_v2, [prompt], config=config, cache=policy)
+    assert len(policy.history) == len(steps)
+    last_whole, kinds = None, set()
+    for (ws, we, _, lo, hi), (x, start, step, logits) in zip(policy.history, steps):
+        end = start + blk
+        masked = (x[start:end] == tiny_v2.mask_token_id).nonzero().flatten() + start
+        if hi - lo == blk:  # the whole block
+            kinds.add("block-start" if step == 0 else "block")
+            stale = []
+            ref = reference_forward(folder, x[:end], record=stale)
+            last_whole = stale
+            assert torch.allclose(logits[masked - start], ref[masked - 1], atol=1e-4, rtol=1e-4)
+        else:  # a sub-block that opens revealed: only its positions, against the block cache
+            kinds.add("sub-block")
+            sub = ws
+            assert (we - ws, lo, hi) == (size, sub + 1, sub + size) and x[sub] != tiny_v2.mask_token_id
+            ref = reference_forward(folder, x[:end], stale=[(k[:end], v[:end]) for k, v in last_whole],
+                                    fresh=range(sub, sub + size))
+            here = masked[(masked >= sub) & (masked < sub + size)]
+            assert len(here) and torch.allclose(logits[here - start], ref[here - 1], atol=1e-4, rtol=1e-4)
+    assert kinds == {"block-start", "block", "sub-block"}
+    # fewer positions than DualCache's whole-block steps, and a row decodes as it does alone in a batch
+    other = tokenizer.encode("Question: 3 + 4 = ?")
+    batch = generate(tiny_v2, [prompt, other], config=config)
+    dual = generate(tiny_v2, [prompt, other], config=config.replace(cache="dual"))
+    for i, p in enumerate((prompt, other)):
+        assert torch.equal(generate(tiny_v2, [p], config=config).sequences[0], batch.sequences[i])
+        assert batch.forward_positions[i] < dual.forward_positions[i]
+    with pytest.raises(ValueError, match="cache"):
+        GenerationConfig(cache="sub-block")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
