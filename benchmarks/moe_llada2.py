@@ -14,7 +14,8 @@ loop against the published generate on the same checkpoint.
 3. Our loop (exact block cache) against the published `generate` (the whole window at every step)
    on random checkpoints in the real layout (small: dim 256, 4 layers; wide: dim 1024, 2 layers), float32, batch 1, gen length 256, block 32,
    32 steps per block, threshold 0.95, greedy: tokens/s, forwards, tokens per forward. Needs the
-   published modeling files and an interpreter with the transformers they import.
+   published modeling files and an interpreter with the transformers they import. With --batch N,
+   N prompts: the published generate takes one at a time; ours one at a time and in one batch.
 """
 
 from __future__ import annotations
@@ -114,7 +115,10 @@ def load_time(tmp: Path, tokenizer) -> dict:
             "bytes": sum(p.numel() * 2 for p in model.parameters())}
 
 
-def against_published(tmp: Path, tokenizer, python: str, files: str, sizes: dict = SMALL, layers: int = 4) -> dict:
+def against_published(tmp: Path, tokenizer, python: str, files: str, sizes: dict = SMALL, layers: int = 4,
+                      batch: int = 1) -> dict:
+    """Ours against the published generate on `batch` prompts: the published one takes a prompt at
+    a time; ours is timed one at a time and, with batch > 1, on all of them in one batch."""
     import shutil
 
     model = model_of(sizes, layers, 1, 832, torch.float32, mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"),
@@ -123,9 +127,14 @@ def against_published(tmp: Path, tokenizer, python: str, files: str, sizes: dict
     for name in ("configuration_llada2_moe.py", "modeling_llada2_moe.py"):
         shutil.copy(Path(files, name), folder / name)
     model, tok = fastdllm.load(folder, dtype="float32")
-    prompt = tok.encode_chat([{"role": "user", "content": "Tom has 5 apples. He buys 3 more. How many apples?"}])
+    questions = ["Tom has 5 apples. He buys 3 more. How many apples?", "What is 9 times 7?",
+                 "A box holds 12 pencils. How many pencils are in 4 boxes?", "Eva earns 12 dollars an hour.",
+                 "Sam had 20 cards and gave away 6.", "How many legs do 3 cats have?",
+                 "Mia reads 8 pages a day for a week.", "What is half of 50?"]
+    prompts = [tok.encode_chat([{"role": "user", "content": questions[i % len(questions)] + " " * (i // len(questions))}])
+               for i in range(batch)]
     script = Path(__file__).parents[1] / "tests" / "reference" / "llada2_moe.py"
-    job = {"prompts": [prompt], "logits": [], "configs": [{"gen_length": 256, "steps": 32, "threshold": 0.95}],
+    job = {"prompts": prompts, "logits": [], "configs": [{"gen_length": 256, "steps": 32, "threshold": 0.95}],
            "block_length": 32, "eos_id": model.args.eos_token_id, "mask_id": model.mask_token_id,
            "threads": torch.get_num_threads()}
     (tmp / "job.json").write_text(json.dumps(job))
@@ -133,18 +142,32 @@ def against_published(tmp: Path, tokenizer, python: str, files: str, sizes: dict
                          timeout=3600)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
-    theirs = json.loads(out.stdout.strip().splitlines()[-1])["runs"][0]
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
     model.stop_token_ids = [model.args.eos_token_id]
     config = GenerationConfig.for_model(model, GenerationConfig(gen_length=256, block_length=32, steps=256,
                                                                 threshold=0.95))
-    fastdllm.generate(model, [prompt], config=config)  # warm-up
-    t0 = time.perf_counter()
-    ours = fastdllm.generate(model, [prompt], config=config)
-    seconds = time.perf_counter() - t0
-    tokens = ours.sequences[0].tolist()[: len(theirs["tokens"])]
-    return {"published": {"seconds": theirs["seconds"], "forwards": theirs["forwards"], "tokens": len(theirs["tokens"])},
-            "ours": {"seconds": seconds, "forwards": ours.nfe, "tokens": len(tokens)},
-            "same_tokens": tokens == theirs["tokens"], "speedup": theirs["seconds"] / seconds}
+    fastdllm.generate(model, [prompts[0]], config=config)  # warm-up
+    seconds, forwards, same = 0.0, 0, True
+    for prompt, ref in zip(prompts, theirs):
+        t0 = time.perf_counter()
+        ours = fastdllm.generate(model, [prompt], config=config)
+        seconds += time.perf_counter() - t0
+        forwards += ours.nfe
+        same &= ours.sequences[0].tolist()[: len(ref["tokens"])] == ref["tokens"]
+    published = sum(r["seconds"] for r in theirs)
+    result = {"prompts": batch,
+              "published": {"seconds": published, "forwards": sum(r["forwards"] for r in theirs),
+                            "tokens": sum(len(r["tokens"]) for r in theirs)},
+              "ours": {"seconds": seconds, "forwards": forwards}, "same_tokens": same, "speedup": published / seconds}
+    if batch > 1:
+        t0 = time.perf_counter()
+        together = fastdllm.generate(model, prompts, config=config)
+        batched = time.perf_counter() - t0
+        same_batched = all(together.sequences[i].tolist()[: len(r["tokens"])] == r["tokens"]
+                           for i, r in enumerate(theirs))
+        result.update({"ours_batched": {"seconds": batched, "forwards": together.nfe},
+                       "same_tokens_batched": same_batched, "speedup_batched": published / batched})
+    return result
 
 
 def main() -> None:
@@ -152,6 +175,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reference-python", default=None)
     p.add_argument("--reference-files", default=None)
+    p.add_argument("--batch", type=int, default=1, help="prompts of the comparison with the published generate")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -172,10 +196,12 @@ def main() -> None:
         if args.reference_python and args.reference_files:
             for key, sizes, layers in (("small", SMALL, 4), ("wide", WIDE, 2)):
                 r = results[f"against_published_{key}"] = against_published(
-                    Path(tmp) / key, tokenizer, args.reference_python, args.reference_files, sizes, layers)
+                    Path(tmp) / key, tokenizer, args.reference_python, args.reference_files, sizes, layers, args.batch)
                 print(f"{key}: published generate {r['published']['seconds']:.2f} s, {r['published']['forwards']} "
                       f"forwards; ours {r['ours']['seconds']:.2f} s, {r['ours']['forwards']} forwards; same tokens "
-                      f"{r['same_tokens']}; x{r['speedup']:.1f}", flush=True)
+                      f"{r['same_tokens']}; x{r['speedup']:.1f}"
+                      + (f"; batched x{r['speedup_batched']:.1f} (same tokens {r['same_tokens_batched']})"
+                         if "speedup_batched" in r else ""), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results}, indent=1) + "\n")
 

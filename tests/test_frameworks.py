@@ -76,3 +76,65 @@ def test_pydantic_ai_tool_output_and_native_output(srv):
     for output in (Answer, NativeOutput(Answer)):
         result = Agent(model, output_type=output, model_settings=settings, retries=0).run_sync(Q)
         assert isinstance(result.output, Answer)
+
+
+def test_litellm_tool_call_and_json_schema(srv):
+    litellm = pytest.importorskip("litellm")
+    common = dict(model="openai/llada-arith", api_base=srv.url + "/v1", api_key="unused", max_tokens=64,
+                  messages=[{"role": "user", "content": Q}])
+    tool = {"type": "function", "function": {"name": "Add", "description": Add.__doc__,
+                                             "parameters": Add.model_json_schema()}}
+    done = litellm.completion(**common, tools=[tool], tool_choice={"type": "function", "function": {"name": "Add"}})
+    call = done.choices[0].message.tool_calls[0]
+    assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "Add"
+    Add.model_validate_json(call.function.arguments)
+    done = litellm.completion(**common, response_format=Answer)
+    Answer.model_validate_json(done.choices[0].message.content)
+
+
+def test_llama_index_structured_predict_and_forced_tool(srv):
+    pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.openai_like import OpenAILike
+
+    llm = OpenAILike(model="llada-arith", api_base=srv.url + "/v1", api_key="unused", max_tokens=64,
+                     is_chat_model=True, is_function_calling_model=True, max_retries=0)
+    result = llm.structured_predict(Answer, PromptTemplate("{question}"), question=Q)  # tool_choice "required"
+    assert isinstance(result, Answer)
+    calls = []
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        calls.append((a, b))
+        return a + b
+
+    response = llm.predict_and_call([FunctionTool.from_defaults(fn=add)], Q)
+    assert calls and all(isinstance(v, int) for v in calls[0]) and response.response == str(sum(calls[0]))
+
+
+def test_openai_agents_function_tool_and_output_type(srv):
+    pytest.importorskip("agents")
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # nothing may leave the machine
+    model = OpenAIChatCompletionsModel(model="llada-arith",
+                                       openai_client=AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused",
+                                                                 max_retries=0))
+    calls = []
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        calls.append((a, b))
+        return a + b
+
+    agent = Agent(name="calculator", instructions="Use the tool.", tools=[add], model=model,
+                  model_settings=ModelSettings(tool_choice="add", max_tokens=64), tool_use_behavior="stop_on_first_tool")
+    result = Runner.run_sync(agent, Q, max_turns=2)
+    assert calls and result.final_output == sum(calls[0])
+    typed = Agent(name="counter", instructions="Answer.", model=model, output_type=Answer,
+                  model_settings=ModelSettings(max_tokens=64))
+    assert isinstance(Runner.run_sync(typed, Q, max_turns=1).final_output, Answer)
