@@ -321,7 +321,10 @@ class SubBlockCache(DualCache):
     sub-block, writing its K/V into the block cache, and attends over the prefix and the whole
     cached block. The opening position decides because of the shifted prediction: the sub-block's
     first token is predicted by the position before the sub-block, which a sub-block forward does
-    not compute. The positions outside the sub-block keep the logits of their row's last forward
+    not compute. With a family whose block-start step reveals the block's first token (v2: the
+    reference's commit forward predicts it), that step's forward makes no block cache: the next
+    step recomputes the whole block with the first token in place, as the reference's first
+    decoding forward of a block does. The positions outside the sub-block keep the logits of their row's last forward
     (no rule reveals them in this step). Approximate within a block (the other sub-blocks' K/V are
     those of the last whole-block forward); across blocks it is the exact cache.
 
@@ -337,6 +340,12 @@ class SubBlockCache(DualCache):
         super().__init__(model, **kwargs)
         self.sub_block_length = sub_block_length
         self._logits: torch.Tensor | None = None  # (B, block_length, V): each row's latest logits
+        # A family whose block-start step reveals the block's first token (Fast-dLLM v2): that step
+        # is the reference's commit forward, which makes no block cache; the block's first decoding
+        # forward does, with the first token in place.
+        family = getattr(model, "family", None)
+        self._first_at_start = bool(getattr(family, "block_start_reveals_first", False))
+        self._uncached: list[bool] = []  # per row: no whole-block forward of this block yet
 
     @classmethod
     def from_config(cls, model, config) -> "SubBlockCache":
@@ -346,6 +355,8 @@ class SubBlockCache(DualCache):
     def block_logits(self, seq, start, end, step_in_block):
         if step_in_block == 0:
             self._logits = super().block_logits(seq, start, end, step_in_block)
+            opens = seq.x[:, start] == self.model.mask_token_id
+            self._uncached = (opens & self._first_at_start).tolist()
             return self._logits
         size, shift = self.sub_block_length, int(self.model.args.shifted_logits)
         bsz = seq.x.shape[0]
@@ -355,7 +366,7 @@ class SubBlockCache(DualCache):
         groups: dict[int | None, list[int]] = {}  # sub-block start (None: the whole block) -> rows
         for i, (o, m, live) in enumerate(zip(opening.tolist(), opens_masked.tolist(), masked.any(-1).tolist())):
             if live:  # a row whose block is done needs no logits
-                groups.setdefault(None if m else start + o, []).append(i)
+                groups.setdefault(None if m or self._uncached[i] else start + o, []).append(i)
         for sub, rows in groups.items():
             lo, hi, window = (start, end, (start, end)) if sub is None else (sub + shift, sub + size, (sub, sub + size))
             if len(rows) == bsz:
@@ -366,6 +377,9 @@ class SubBlockCache(DualCache):
                 self.cache.put_rows(rows, part)
             index = torch.tensor(rows, device=out.device)
             self._logits[index, lo - start:hi - start] = out.to(self._logits.dtype)
+            if sub is None:
+                for i in rows:
+                    self._uncached[i] = False
         return self._logits
 
 

@@ -10,7 +10,8 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
 - Fast-dLLM v2's `batch_sample` with the modeling file its checkpoints ship, on a tiny checkpoint
   in its layout: set FASTDLLM_V2_REFERENCE to a folder holding `generation_functions.py` (NVlabs/
   Fast-dLLM's v2/), `modeling.py` and `configuration.py` (a Fast_dLLM_v2 checkpoint's), and
-  FASTDLLM_V2_PYTHON to an interpreter with transformers==4.53.1, einops and torch;
+  FASTDLLM_V2_PYTHON to an interpreter with transformers==4.53.1, einops and torch; the same
+  modeling file's own `generate(use_block_cache=True)` needs only the last two files;
 - LLaDA2.0's modeling file and `generate` (as the LLaDA2.0 checkpoints ship them) on a tiny
   mixture-of-experts checkpoint in their layout: set FASTDLLM_LLADA2_REFERENCE to a folder holding
   `modeling_llada2_moe.py` and `configuration_llada2_moe.py`, and FASTDLLM_LLADA2_PYTHON to an
@@ -195,6 +196,53 @@ def test_fast_dllm_v2_decodes_as_its_own_batch_sample(tiny_v2, tokenizer, tmp_pa
                 n = ref.index(stop) + 1
             assert ours[:n] == ref[:n], (c, len(prompt))
     assert parallel > 0  # the thresholds did reveal several tokens at once
+
+
+@pytest.mark.skipif(not (V2_REFERENCE and V2_PYTHON and all(Path(V2_REFERENCE, f).exists() for f in (
+    "modeling.py", "configuration.py"))), reason="set FASTDLLM_V2_REFERENCE and FASTDLLM_V2_PYTHON")
+def test_fast_dllm_v2_block_cache_decodes_as_its_own_generate(tiny_v2, tokenizer, tmp_path):
+    """cache="sub-block" against the checkpoints' own `generate(use_block_cache=True)`: unchanged
+    over one block (the prompt's last one), and over three with its block cache emptied when a
+    block starts (the one line `tests/reference/fast_dllm_v2_block_cache.py` adds; as published it
+    reuses the previous block's). Thresholds from one token per step to several."""
+    model = tiny_v2
+    blk = model.args.block_size
+    folder = save_pretrained(model, tmp_path / "v2", tokenizer, dtype=torch.float32)
+    stop = tokenizer.token_to_id("<|eot_id|>")
+    texts = ["Question: 3 + 4 = ? Answer: the sum", "Question: what is 12 + 30?\nAnswer:", "Question: 1 + 1",
+             "Question: Tom has 5 apples and buys 3 more. How many apples does he"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    # a prompt within its first block is decoded without a prefill, one that fills it exactly gets
+    # the next block's first token from its last logit
+    assert any(len(p) % blk == 0 for p in prompts) and any(len(p) < blk for p in prompts)
+    configs = [dict(blocks=blocks, threshold=t, sub_block_length=blk // 2, fresh_block_cache=blocks > 1)
+               for blocks in (1, 3) for t in (0.9, 0.01, 0.005)]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mask_id": model.mask_token_id, "stop": stop, "block_length": blk, "prompts": prompts,
+                               "configs": configs}))
+    runner = Path(__file__).parent / "reference" / "fast_dllm_v2_block_cache.py"
+    out = subprocess.run([V2_PYTHON, str(runner), V2_REFERENCE, str(folder), str(job)], capture_output=True,
+                         text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    parallel = compared = 0
+    for c in configs:
+        for prompt in prompts:
+            ref = next(theirs)["tokens"]
+            # the reference's first block is the rest of the prompt's last one
+            gen = (c["blocks"] - 1) * blk + (blk - len(prompt) % blk if len(prompt) % blk else blk)
+            config = GenerationConfig.for_model(model, GenerationConfig(gen_length=c["blocks"] * blk, block_length=blk,
+                                                                        threshold=c["threshold"], stop_at_eos=False),
+                                                sub_block_length=c["sub_block_length"], cache="sub-block")
+            out = fastdllm.generate(model, [prompt], config=config)
+            ours = out.sequences[0].tolist()[:gen]
+            parallel += max(out.tokens_per_step[0]) > 1
+            n = min(len(ref), len(ours))
+            if stop in ref[:n]:
+                n = ref.index(stop) + 1
+            compared += n
+            assert ours[:n] == ref[:n], (c, len(prompt))
+    assert parallel > 0 and compared > 0
 
 
 @pytest.mark.skipif(not (LLADA2_REFERENCE and LLADA2_PYTHON and Path(LLADA2_REFERENCE, LLADA2_FILES[1]).exists()),
