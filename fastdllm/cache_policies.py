@@ -324,15 +324,16 @@ class SubBlockCache(DualCache):
     not compute. With a family whose block-start step reveals the block's first token (v2: the
     reference's commit forward predicts it), that step's forward makes no block cache: the next
     step recomputes the whole block with the first token in place, as the reference's first
-    decoding forward of a block does. The positions outside the sub-block keep the logits of their row's last forward
-    (no rule reveals them in this step). Approximate within a block (the other sub-blocks' K/V are
-    those of the last whole-block forward); across blocks it is the exact cache.
+    decoding forward of a block does. The positions outside the sub-block keep the logits of
+    their row's last forward (no rule reveals them in this step). Approximate within a block (the
+    other sub-blocks' K/V are those of the last whole-block forward); across blocks it is the
+    exact cache.
 
     The decision is per row, so a row decodes the same in a batch as alone. *Deliberate
     difference*: the reference keeps its block cache from one block to the next, so the first
     sub-block of every later block (whose opening token the commit forward revealed) attends to
-    the previous block's K/V as if they were the current block's; here the block-start forward
-    always makes a fresh block cache."""
+    the previous block's K/V as if they were the current block's; here each block gets a block
+    cache of its own (`tests/test_reference.py` runs the reference with that one change)."""
 
     name = "sub-block"
 
