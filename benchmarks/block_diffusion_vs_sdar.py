@@ -82,13 +82,17 @@ def main() -> None:
                 return tokens[: k + 1]
         return tokens
 
+    def theirs_generate(prompt):
+        ids = torch.tensor([prompt])
+        return reference_generate(ref, None, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                  model.mask_token_id, gen_length=args.gen_length, block_length=blk,
+                                  denoising_steps=blk, temperature=1.0, top_k=1, top_p=1.0,
+                                  remasking="low_confidence", threshold=args.threshold, stopping_criteria_idx=stop)
+
     # one untimed run of each first: lazy set-up (kernels, allocator, tables) is not decoding
     warm = task.encode(tok, docs[0], [])
     fastdllm.generate(model, [warm], config=config)
-    ids = torch.tensor([warm])
-    reference_generate(ref, None, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, model.mask_token_id,
-                       gen_length=args.gen_length, block_length=blk, denoising_steps=blk, temperature=1.0, top_k=1,
-                       top_p=1.0, remasking="low_confidence", threshold=args.threshold, stopping_criteria_idx=stop)
+    theirs_generate(warm)
     calls["n"] = 0
     ours_t = theirs_t = 0.0
     ours_tokens = theirs_tokens = agree = ours_nfe = correct = 0
@@ -104,13 +108,9 @@ def main() -> None:
         ours_tokens, ours_nfe = ours_tokens + len(mine), ours_nfe + out.nfe
         positions += out.forward_positions[0]
         correct += task.score_one(doc, tok.decode(mine, skip_special_tokens=True)).correct
-        ids = torch.tensor([prompt])
         before = calls["n"]
         t0 = time.perf_counter()
-        x = reference_generate(ref, None, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                               model.mask_token_id, gen_length=args.gen_length, block_length=blk,
-                               denoising_steps=blk, temperature=1.0, top_k=1, top_p=1.0,
-                               remasking="low_confidence", threshold=args.threshold, stopping_criteria_idx=stop)
+        x = theirs_generate(prompt)
         theirs_t += time.perf_counter() - t0
         calls["theirs"] = calls.get("theirs", 0) + calls["n"] - before
         theirs = upto_stop(x[0, len(prompt):len(prompt) + args.gen_length].tolist())

@@ -365,7 +365,7 @@ class SubBlockCache(DualCache):
         opening = masked.view(bsz, -1, size).any(-1).long().argmax(-1) * size  # (B,) the current sub-block
         opens_masked = masked.gather(1, opening[:, None]).squeeze(1)
         groups: dict[int | None, list[int]] = {}  # sub-block start (None: the whole block) -> rows
-        for i, (o, m, live) in enumerate(zip(opening.tolist(), opens_masked.tolist(), masked.any(-1).tolist())):
+        for i, (o, m, live) in enumerate(zip(*torch.stack([opening, opens_masked, masked.any(-1)]).tolist())):
             if live:  # a row whose block is done needs no logits
                 groups.setdefault(None if m or self._uncached[i] else start + o, []).append(i)
         for sub, rows in groups.items():

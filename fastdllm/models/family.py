@@ -41,6 +41,7 @@ class Family:
     top_weights: dict[str, str]  # ours -> theirs, outside the layers (output.weight only when untied)
     layer_weights: dict[str, str]  # ours -> theirs for layer {i}; "{p}" stands for q, k and v
     qkv_bias_weights: dict[str, str] = field(default_factory=dict)  # when args.qkv_bias
+    qk_norm_weights: dict[str, str] = field(default_factory=dict)  # when args.qk_norm
     # A mixture-of-experts layer's MLP names (instead of the "layers.{i}.feed_forward." entries of
     # layer_weights); "{e}" in a checkpoint name: one tensor per expert, stacked on our side.
     moe_weights: dict[str, str] = field(default_factory=dict)
@@ -114,8 +115,8 @@ class Family:
         names: dict[str, str | tuple[str, ...]] = {
             k: v for k, v in self.top_weights.items() if k != "output.weight" or not args.tie_embeddings}
         per_layer = dict(self.layer_weights)
-        if not args.qk_norm:  # a layout whose config turns its q/k norms off (LLaDA-MoE's qk_layernorm)
-            per_layer = {k: v for k, v in per_layer.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+        if args.qk_norm:
+            per_layer.update(self.qk_norm_weights)
         if args.qkv_bias:
             per_layer.update(self.qkv_bias_weights)
         moe_layer = {k: v for k, v in per_layer.items() if not k.startswith("layers.{i}.feed_forward.")}

@@ -17,6 +17,7 @@ tell them apart (`models.family_of`).
 
 from __future__ import annotations
 
+from . import qwen
 from .family import ConfigField, Family
 from .transformer import ModelArgs
 
@@ -142,12 +143,11 @@ FAMILY = Family(
         "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
         "layers.{i}.attention.w{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
         "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-        "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-        "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
         "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
         "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
         "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
     },
+    qk_norm_weights=qwen.QK_NORM_WEIGHTS,  # its names are Qwen3's; loaded unless qk_layernorm is false
     moe_weights={
         "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
         "layers.{i}.feed_forward.w1": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
