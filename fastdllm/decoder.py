@@ -235,6 +235,8 @@ class BlockDecoder:
             for r, c in zip(rows, constraints):
                 if c is not None and r.lead:
                     raise ValueError("constraints: a prompt ending inside a block-causal block is not supported yet")
+                if c is not None:
+                    c.fit_within(config.gen_length)
                 r.constraint = c
         self.joining.extend(rows)
         return rows

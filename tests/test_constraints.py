@@ -74,6 +74,77 @@ def test_json_object_and_regex(loaded):
         generate(model, [ids], GenerationConfig(gen_length=32), constraints=[c, c])
 
 
+UNBOUNDED = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+             "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+
+
+def digit_lover(tok, vocab: int, t: int) -> torch.Tensor:
+    """Logits of a model that wants to write the digit 7 at every position (ahead of `{`, `"`, ...)."""
+    logits = torch.zeros(t, vocab)
+    logits[:, tok.token_to_id("7")] = 10.0
+    for text, score in (("{", 9.0), ('"', 8.0), ("a", 7.0), (":", 6.0), (" ", 5.0)):
+        logits[:, tok.encode(text)[0]] = score
+    return logits
+
+
+def decode_left_to_right(constraint, logits: torch.Tensor, stop_id: int) -> list[int]:
+    """Run `amend` one frontier per step over an answer of len(logits) positions."""
+    t = logits.shape[0]
+    answer = torch.full((t,), -1)
+    while (answer < 0).any():
+        masked = answer < 0
+        tokens = logits.argmax(-1)
+        chosen = torch.zeros(t, dtype=torch.bool)
+        constraint.amend(logits, tokens, chosen, masked)
+        answer[chosen] = tokens[chosen]
+    return answer.tolist()
+
+
+BUDGET = 20  # `{"a": 7, "b": 0}` and the stop token take 14 tokens of this tokenizer
+
+
+def test_the_grammar_finishes_within_the_budget(loaded):
+    """An integer with no bound, and a model that would write digits forever: with a budget of
+    BUDGET positions the answer is still valid JSON, ended by the stop token inside them; without
+    one the digits run the answer out, unfinished."""
+    model, tok = loaded
+    logits = digit_lover(tok, model.args.vocab_size, BUDGET)
+    stop = model.stop_token_ids[0]
+    budgeted = GrammarConstraint.json(tok, model.stop_token_ids, UNBOUNDED, budget=BUDGET)
+    answer = decode_left_to_right(budgeted, logits, stop)
+    assert budgeted.finished and stop in answer
+    obj = json.loads(tok.decode(answer[: answer.index(stop)], skip_special_tokens=True))
+    assert set(obj) == {"a", "b"} and all(isinstance(v, int) for v in obj.values())
+    assert "7" in str(obj["a"])  # the model's digits are kept while they leave room
+    unbounded = GrammarConstraint.json(tok, model.stop_token_ids, UNBOUNDED)
+    decode_left_to_right(unbounded, logits, stop)
+    assert not unbounded.finished
+    with pytest.raises(ValueError, match="budget"):
+        GrammarConstraint.json(tok, model.stop_token_ids, UNBOUNDED, budget=0)
+
+
+def test_a_completion_closes_what_is_open(loaded):
+    model, tok = loaded
+    c = GrammarConstraint.json(tok, model.stop_token_ids, UNBOUNDED)
+    prefix = tok.encode('{"a": 12')
+    assert c.matcher.consume_tokens(prefix)
+    rest = c.completion()
+    assert rest[-1] == model.stop_token_ids[0]
+    assert json.loads(tok.decode(prefix + rest[:-1])) == {"a": 12, "b": 0}
+    assert c.consumed == [] and not c.finished  # the search moved a copy, not the row's grammar
+
+
+def test_generate_fits_a_schema_into_the_answer_length(loaded):
+    model, tok = loaded
+    ids = tok.encode_chat([{"role": "user", "content": Q}])
+    for gen_length in (16, 32):
+        constraint = GrammarConstraint.json(tok, model.stop_token_ids, UNBOUNDED)
+        out = generate(model, [ids], GenerationConfig(gen_length=gen_length, block_length=16), constraints=[constraint])
+        assert constraint.budget == gen_length and constraint.finished
+        obj = json.loads(answer(tok, out.sequences[0]))
+        assert set(obj) == {"a", "b"}
+
+
 def test_server_response_format(loaded):
     from .test_server import LiveServer
 

@@ -106,6 +106,20 @@ def test_server_forced_tool_calls(srv, choice):
         assert set(args) == {"a", "b"} and all(0 <= v <= 1000 for v in args.values())
 
 
+def test_server_fits_a_call_with_unbounded_arguments_into_max_tokens(srv):
+    """Integers without bounds (openai-agents' `a: int`, llama-index's schemas) and a model never
+    taught to call tools: the call still closes inside max_tokens, so it is a call, not a cut."""
+    unbounded = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "required": ["a", "b"], "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    for max_tokens in (48, 64):  # the shortest such call takes 42 tokens of this tokenizer
+        r = srv.client.chat.completions.create(model="llada-arith", messages=MSG, tools=[unbounded],
+                                               tool_choice="required", max_tokens=max_tokens)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", (max_tokens, c)
+        assert set(json.loads(c.message.tool_calls[0].function.arguments)) == {"a", "b"}
+        assert r.usage.completion_tokens <= max_tokens
+
+
 def test_server_streams_a_tool_call_whole(srv):
     stream = srv.client.chat.completions.create(model="llada-arith", messages=MSG, tools=[ADD], tool_choice="required",
                                                 max_tokens=64, stream=True)

@@ -408,14 +408,14 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         if tool_mode == "forced":
             schema = tool_calls.forced_schema(req.tools, req.tool_choice)
             try:
-                constraints = [GrammarConstraint.json(tokenizer, model.stop_token_ids, schema, what="tools")
-                               for _ in rows]
+                constraints = [GrammarConstraint.json(tokenizer, model.stop_token_ids, schema, what="tools",
+                                                      budget=keep) for _ in rows]
             except ValueError as e:
                 raise APIError(400, str(e), param="tools", code="invalid_value") from None
         elif getattr(req, "response_format", None) not in (None, {"type": "text"}):
             try:  # one grammar state per row
-                constraints = [response_format_constraint(req.response_format, tokenizer, model.stop_token_ids)
-                               for _ in rows]
+                constraints = [response_format_constraint(req.response_format, tokenizer, model.stop_token_ids,
+                                                          budget=keep) for _ in rows]
             except ValueError as e:
                 raise APIError(400, str(e), param="response_format", code="invalid_value") from None
         job = await submit(rows, seeds, config, constraints)
