@@ -45,6 +45,12 @@ PRESETS = {
     # transplant_weights`) and eight small routed experts, two per token; no q/k norms
     "lladamoe": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512, moe_hidden_dim=64,
                      shared_expert_hidden_dim=512, qk_norm=False),
+    # sdar's sizes in LLaDA2's layout, so sdar-arith's weights upcycle (`train.split_upcycle`): the
+    # dense first layer keeps its MLP, the others split theirs into a shared expert of half its width
+    # and eight routed experts of 32 units, two per token; sdar's block of 4 and whole-head rotary
+    # (LLaDA2.0 rotates half a head: a different attention pattern than the one transplanted)
+    "llada2": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512, moe_hidden_dim=32,
+                   shared_expert_hidden_dim=256, rope_dim=32, block_size=4),
 }
 # A mixture-of-experts family's routing at small sizes: LLaDA2's structure (a dense first layer,
 # one shared expert, top-2 of 8 experts in 4 groups of which 2 are kept); a family's `fixed`
@@ -119,7 +125,7 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
         eos_token_id=tokenizer.eos_token_id,
         shifted_logits=family.shifted_logits,
     )
-    if "block_size" in family.fields:
+    if "block_size" in family.fields and "block_size" not in fields:
         fields["block_size"] = family.args_from_config(family.reference_config).block_size
     if "n_experts" in family.fields:
         head = fields["dim"] // fields["n_heads"]

@@ -127,10 +127,20 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     return ids, starts
 
 
-def sft_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def sft_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: torch.Generator,
+             editing_noise: float = 0.0) -> torch.Tensor:
     """LLaDA's SFT objective: the answer region masked at a ratio t per row, the masked tokens'
     cross-entropy weighted 1/t and normalised by the region length. A block-causal model sees the
-    noisy sequence beside the clean one (`block_diffusion_logits`)."""
+    noisy sequence beside the clean one (`block_diffusion_logits`).
+
+    `editing_noise` adds the token-to-token objective that LLaDA2.1's editing decodes with: that
+    share of the answer's unmasked tokens is replaced by tokens drawn uniformly from the vocabulary
+    (the random corruptions its released recipe trains on), and every unmasked answer position,
+    corrupted or not, is also trained to give the clean token (cross-entropy normalised by the
+    region length, no 1/t weight). A model trained on masks alone has untrained outputs at
+    revealed positions, so editing rewrites them with noise; this teaches it to keep a right token
+    and restore a wrong one. LLaDA2.1's exact mixture of the two objectives is not published in
+    code we could read: this is our reading of it."""
     bsz, total = ids.shape
     pos = torch.arange(total, device=ids.device).expand(bsz, total)
     region = pos >= starts[:, None]
@@ -141,6 +151,13 @@ def sft_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: t
     p_mask = ((1 - MASK_EPS) * t + MASK_EPS).to(ids.device)
     masked = region & (torch.rand(bsz, total, generator=gen).to(ids.device) < p_mask[:, None])
     noisy = torch.where(masked, torch.full_like(ids, model.mask_token_id), ids)
+    visible = region & ~masked if editing_noise else torch.zeros_like(masked)
+    if editing_noise:
+        corrupt = visible & (torch.rand(bsz, total, generator=gen).to(ids.device) < editing_noise)
+        vocab = model.args.vocab_size
+        drawn = torch.randint(0, vocab - 1, (bsz, total), generator=gen).to(ids.device)
+        drawn = drawn + (drawn >= model.mask_token_id).long()  # any token but the mask
+        noisy = torch.where(corrupt, drawn, noisy)
     if model.args.block_size:
         logits = block_diffusion_logits(model, noisy, ids, pos)
     else:
@@ -150,7 +167,11 @@ def sft_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: t
     token_loss = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
     region_len = (total - starts).float()
     weights = (1.0 / p_mask[:, None] / region_len[:, None]).expand(bsz, total)[masked]
-    return (token_loss * weights).sum() / bsz
+    loss = (token_loss * weights).sum() / bsz
+    if editing_noise:
+        kept = F.cross_entropy(logits[visible].float(), ids[visible], reduction="none")
+        loss = loss + (kept / region_len[:, None].expand(bsz, total)[visible]).sum() / bsz
+    return loss
 
 
 def block_diffusion_logits(model: Transformer, noisy: torch.Tensor, clean: torch.Tensor,
@@ -219,31 +240,42 @@ def load_checkpoint(ckpt: Path, model, opt) -> int:
     return step
 
 
-def transplant_weights(model: Transformer, source: Transformer) -> None:
+def transplant_weights(model: Transformer, source: Transformer, sample: torch.Tensor | None = None) -> None:
     """Start `model` from `source`'s weights, also across families (a LLaDA model into a Dream twin).
 
-    Every tensor is copied by name. Where the target has fewer key/value heads, each group of source
-    heads that will share one is mean-pooled into it (the GQA "uptraining" conversion of Ainslie et
-    al., 2023; query head i reads key/value head i // group, as SDPA's enable_gqa does); biases the
-    source lacks are set to zero, q/k norms to one; a dense source's MLPs become a mixture-of-experts
-    target's shared experts (sparse upcycling, Komatsuzaki et al., 2023; its routed experts add
-    nothing until trained). What does not carry over is the Dream twin's shifted prediction, the
-    block-diffusion twin's q/k norms and block-causal attention, or the experts' routing: that is
-    what their training then has to learn.
+    Every tensor is copied by name; separate q/k/v projections are stacked into a fused one. Where
+    the target has fewer key/value heads, each group of source heads that will share one is
+    mean-pooled into it (the GQA "uptraining" conversion of Ainslie et al., 2023; query head i reads
+    key/value head i // group, as SDPA's enable_gqa does); biases the source lacks are set to zero,
+    q/k norms to one. A dense source's MLPs become a mixture-of-experts target's experts: whole, as
+    its shared expert, when that is as wide (sparse upcycling, Komatsuzaki et al., 2023; its routed
+    experts add nothing until trained), or split between the shared and the routed experts
+    (`split_upcycle`, which reads the MLPs' activations on the token ids `sample`). What does not
+    carry over is the Dream twin's shifted prediction, the block-diffusion twin's q/k norms and
+    block-causal attention, or the experts' routing: that is what their training then has to learn.
     """
     if model.args.dim != source.args.dim or model.args.n_layers != source.args.n_layers:
         raise ValueError("init_from: the model sizes differ (dim and n_layers must match)")
     src = dict(source.state_dict())
     upcycled = set()
-    if model.args.n_experts and not source.args.n_experts:
+    moe_layers = [i for i in range(model.args.n_layers) if model.args.is_moe_layer(i)]
+    split = bool(moe_layers) and not source.args.n_experts and model.args.shared_expert_hidden_dim != source.args.hidden_dim
+    if split:
+        if sample is None:
+            raise ValueError("init_from: splitting a dense MLP into experts needs sample token ids")
+        src.update(split_upcycle(model.args, source, sample))
+    elif moe_layers and not source.args.n_experts:
         # Sparse upcycling: a dense layer's MLP becomes the shared expert; the routed experts start
         # with a zero output projection, so the model computes exactly the source's function and
         # training grows the experts from there.
-        for i in range(model.args.n_layers):
-            if model.args.is_moe_layer(i):
-                for w in ("w1", "w2", "w3"):
-                    src[f"layers.{i}.feed_forward.shared.{w}.weight"] = src[f"layers.{i}.feed_forward.{w}.weight"]
-                upcycled |= {f"layers.{i}.feed_forward.{w}" for w in ("w1", "w2", "w3", "router.weight")}
+        for i in moe_layers:
+            for w in ("w1", "w2", "w3"):
+                src[f"layers.{i}.feed_forward.shared.{w}.weight"] = src[f"layers.{i}.feed_forward.{w}.weight"]
+            upcycled |= {f"layers.{i}.feed_forward.{w}" for w in ("w1", "w2", "w3", "router.weight")}
+    for i in range(model.args.n_layers):
+        qkv = [src.get(f"layers.{i}.attention.{w}.weight") for w in ("wq", "wk", "wv")]
+        if all(w is not None for w in qkv):
+            src[f"layers.{i}.attention.wqkv.weight"] = torch.cat(qkv)
     head_dim = model.args.head_dim
     with torch.no_grad():
         for name, param in model.state_dict().items():
@@ -266,6 +298,86 @@ def transplant_weights(model: Transformer, source: Transformer) -> None:
             if w.shape != param.shape:
                 raise ValueError(f"init_from: {name} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
             param.copy_(w)
+
+
+def split_upcycle(args, source: Transformer, sample: torch.Tensor, iters: int = 10) -> dict[str, torch.Tensor]:
+    """The expert weights of `args`' mixture layers carved out of `source`'s dense MLPs, by name.
+
+    The hidden units of each MLP are ranked by importance on `sample` (mean |activation| times the
+    norm of the unit's output column); the most important `shared_expert_hidden_dim` become the
+    shared expert. The rest are grouped by co-activation into `n_experts` experts of
+    `moe_hidden_dim` units (balanced k-means on the units' |activation| profiles, MoEfication's
+    construction, Zhang et al., 2022), and each expert's router row is the mean gate vector of its
+    units, scaled to logits of unit spread. The output projections of the routed experts are scaled
+    by k / `routed_scaling`, so that with equal router scores the two chosen experts add exactly
+    their units' share of the dense MLP. The function is not kept whole (a token reaches only its
+    chosen experts' units): training has to recover it, and so the routed experts carry part of
+    what the model computes."""
+    e, width, shared = args.n_experts, args.moe_hidden_dim, args.shared_expert_hidden_dim
+    if shared + e * width != source.args.hidden_dim:
+        raise ValueError(f"init_from: the shared ({shared}) and routed ({e} x {width}) experts' widths must add up "
+                         f"to the source MLP's {source.args.hidden_dim}")
+    inputs = {}
+    hooks = [layer.feed_forward.register_forward_pre_hook(lambda mod, a, i=i: inputs.__setitem__(i, a[0].detach()))
+             for i, layer in enumerate(source.layers) if args.is_moe_layer(i)]
+    with torch.no_grad():
+        source(sample)
+    for h in hooks:
+        h.remove()
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for i, x in inputs.items():
+        mlp = source.layers[i].feed_forward
+        x = x.reshape(-1, x.shape[-1]).float()
+        w1, w3, w2 = mlp.w1.weight.float(), mlp.w3.weight.float(), mlp.w2.weight.float()
+        act = (F.silu(x @ w1.T) * (x @ w3.T)).abs()  # (tokens, hidden)
+        rank = (act.mean(0) * w2.norm(dim=0)).argsort(descending=True)
+        top, rest = rank[:shared], rank[shared:]
+        profile = F.normalize(act[:, rest].T, dim=1)  # (units, tokens)
+        centroids = profile[torch.randperm(len(rest), generator=gen)[:e]]
+        for _ in range(iters):
+            assign = _balanced_assign(profile @ centroids.T, width)
+            centroids = F.normalize(torch.stack([profile[assign == j].mean(0) for j in range(e)]), dim=1)
+        experts = [rest[assign == j] for j in range(e)]
+        pre = f"layers.{i}.feed_forward"
+        out[f"{pre}.shared.w1.weight"], out[f"{pre}.shared.w3.weight"] = w1[top], w3[top]
+        out[f"{pre}.shared.w2.weight"] = w2[:, top]
+        out[f"{pre}.w1"] = torch.stack([w1[u] for u in experts])
+        out[f"{pre}.w3"] = torch.stack([w3[u] for u in experts])
+        out[f"{pre}.w2"] = torch.stack([w2[:, u] for u in experts]) * (args.n_active_experts / args.routed_scaling)
+        router = torch.stack([w1[u].mean(0) for u in experts])
+        out[f"{pre}.router.weight"] = router / (x @ router.T).std().clamp_min(1e-6)
+    return out
+
+
+def _balanced_assign(similarity: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Each row (unit) to a column (expert), best similarity first, no column over `capacity`."""
+    n, e = similarity.shape
+    assign = torch.full((n,), -1, dtype=torch.long)
+    load = [0] * e
+    for flat in similarity.flatten().argsort(descending=True).tolist():
+        unit, expert = divmod(flat, e)
+        if assign[unit] < 0 and load[expert] < capacity:
+            assign[unit] = expert
+            load[expert] += 1
+    return assign
+
+
+# Speed of the expert-bias balancing (DeepSeek-V3's bias update speed).
+BIAS_UPDATE_SPEED = 1e-3
+
+
+def balance_experts(model: Transformer, speed: float = BIAS_UPDATE_SPEED) -> None:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3's, which LLaDA2's `expert_bias` serves): after
+    a step, each layer's bias rises by `speed` for the experts chosen less often than average in that
+    step's forward and falls for those chosen more; the bias moves choices only, never weights."""
+    with torch.no_grad():
+        for layer in model.layers:
+            moe = layer.feed_forward
+            if hasattr(moe, "expert_bias") and getattr(moe, "load", None) is not None:
+                load = moe.load.float()
+                moe.expert_bias += speed * torch.sign(load.mean() - load)
+                moe.load = None
 
 
 TRAINABLE = ("all", "experts")
@@ -337,10 +449,13 @@ class TrainSettings:
     tokenizer_corpus: str = "arith"  # what a fresh run's BPE is trained on (embedded.TOKENIZER_CORPORA)
     vocab_size: int = 1024  # a fresh run's BPE vocabulary, special tokens included
     trainable: str = "all"  # "experts": only the routed experts and their routers learn (see trainable_parameters)
+    editing_noise: float = 0.0  # share of unmasked answer tokens corrupted for the token-to-token objective (sft_loss)
     command_line: str = ""  # recorded in the checkpoint's metadata
 
 
 def train(args: TrainSettings) -> Path:
+    if not 0.0 <= args.editing_noise < 1.0:
+        raise ValueError(f"editing_noise: must be in [0, 1) (got {args.editing_noise!r})")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,7 +475,8 @@ def train(args: TrainSettings) -> Path:
         print(f"resumed from {ckpt} at step {step}", flush=True)
     elif args.init_from:
         # Continue training a finished model (e.g. the shipped one) with a fresh optimizer and schedule.
-        transplant_weights(model, load_model(args.init_from, dtype=torch.float32))
+        sample, _ = make_batch(tokenizer, 0, args.seed, args.token_budget, args.data_mix)
+        transplant_weights(model, load_model(args.init_from, dtype=torch.float32), sample)
         print(f"initialised weights from {args.init_from}", flush=True)
     log = (out / "train_log.jsonl").open("a")
     model.train()
@@ -373,11 +489,12 @@ def train(args: TrainSettings) -> Path:
             g["lr"] = lr
         ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget, args.data_mix)
         gen = torch.Generator().manual_seed(args.seed * 7919 + step)
-        loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen)
+        loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen, args.editing_noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        balance_experts(model)
         step += 1
         tokens += ids.numel()
         if step % args.log_every == 0:

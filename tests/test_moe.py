@@ -5,6 +5,7 @@ decoding rules (its proposal; LLaDA2.1's token editing, on a scripted model)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -395,6 +396,76 @@ def test_upcycling_a_dense_model_keeps_its_function_and_training_grows_the_exper
     loss.backward()
     layer = moe.layers[1].feed_forward
     assert layer.w2.grad.abs().sum() > 0 and layer.router.weight.grad is not None
+
+
+def test_split_upcycling_partitions_the_dense_mlp_among_the_experts(tokenizer):
+    """A dense block-diffusion model's MLP split into LLaDA2's shared and routed experts: every hidden
+    unit goes to exactly one of them, the shared expert takes the most important units, and with
+    equal router scores the two chosen experts add exactly their units' part of the dense MLP."""
+    from fastdllm import train
+    from fastdllm.embedded import new_model
+
+    dense = new_model("sdar", "micro", tokenizer, seed=3, block_size=4)
+    moe = new_model("llada2_moe", "micro", tokenizer, moe_hidden_dim=4, shared_expert_hidden_dim=32, rope_dim=16,
+                    block_size=4)
+    sample, _ = train.make_batch(tokenizer, 0, 0, 2048, "story")
+    train.transplant_weights(moe, dense, sample)
+    dense_mlp, layer = dense.layers[1].feed_forward, moe.layers[1].feed_forward
+    rows = [tuple(r.tolist()) for r in dense_mlp.w1.weight]
+    parts = [layer.shared.w1.weight] + list(layer.w1)
+    carved = [tuple(r.tolist()) for part in parts for r in part]
+    assert sorted(carved) == sorted(rows)  # a partition of the units
+    assert torch.equal(moe.layers[0].feed_forward.w1.weight, dense.layers[0].feed_forward.w1.weight)  # dense layer 0
+    # equal scores: the chosen pair's output is their units' share, times 2 x k / routed_scaling x 1/k
+    x = torch.randn(5, moe.args.dim)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        chosen, weights = moe_route(layer, x)
+        units = {tuple(r.tolist()): j for j, r in enumerate(dense_mlp.w1.weight)}
+        act = torch.nn.functional.silu(x @ dense_mlp.w1.weight.T) * (x @ dense_mlp.w3.weight.T)
+        for t in range(5):
+            keep = [units[tuple(r.tolist())] for part in [layer.shared.w1.weight] + [layer.w1[e] for e in chosen[t]]
+                    for r in part]
+            expected = act[t, keep] @ dense_mlp.w2.weight[:, keep].T
+            torch.testing.assert_close(layer(x[t:t + 1]), expected[None], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="init_from"):
+        train.transplant_weights(new_model("llada2_moe", "micro", tokenizer, moe_hidden_dim=8,
+                                           shared_expert_hidden_dim=32, block_size=4), dense, sample)
+    with pytest.raises(ValueError, match="init_from"):
+        train.transplant_weights(moe, dense)  # no sample to rank the units on
+
+
+def moe_route(layer, x):
+    from fastdllm.models.moe import route
+
+    return route(torch.nn.functional.linear(x.float(), layer.router.weight.float()), layer.args,
+                 getattr(layer, "expert_bias", None))
+
+
+def test_expert_bias_balancing_moves_choices_toward_the_less_chosen_experts(tiny_llada2, tokenizer):
+    """DeepSeek-V3's auxiliary-loss-free balancing, as LLaDA2 trains: after a training forward the
+    bias of an expert chosen more often than average falls by the update speed, of one chosen less
+    often rises; the routing weights (un-biased scores) are not touched."""
+    from fastdllm import train
+
+    model = copy.deepcopy(tiny_llada2).train()
+    layer = model.layers[1].feed_forward
+    batch, starts = train.make_batch(tokenizer, 0, 0, 1024, "story")
+    with torch.no_grad():
+        model(batch)
+    load = layer.load.float().clone()
+    before = layer.expert_bias.clone()
+    train.balance_experts(model, speed=0.01)
+    step = layer.expert_bias - before
+    torch.testing.assert_close(step, 0.01 * torch.sign(load.mean() - load))
+    assert (step[load > load.mean()] < 0).all() and (step[load < load.mean()] > 0).all()
+    assert layer.load is None  # one update per forward
+    train.balance_experts(model, speed=0.01)
+    torch.testing.assert_close(layer.expert_bias, before + step)  # nothing to balance without a new forward
+    model.eval()
+    with torch.no_grad():
+        model(batch[:1])
+    assert layer.load is None  # inference records nothing
 
 
 def test_training_only_the_experts_leaves_the_dense_model_as_it_was(tiny_llada, tokenizer):

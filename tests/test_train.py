@@ -216,6 +216,31 @@ def test_sft_loss_masks_only_the_answer_region(tokenizer):
     assert (noisy == model.mask_token_id).any() and torch.isfinite(loss)
 
 
+def test_editing_noise_corrupts_only_revealed_answer_tokens_and_trains_them_back(tokenizer, tmp_path):
+    """LLaDA2.1's token-to-token objective: some unmasked answer tokens become random ones (never
+    the mask, never in the prompt), and the loss gains a term that moves the logits of every
+    unmasked answer position, corrupted or not, toward the clean token."""
+    model = embedded.new_model("llada", "micro", tokenizer)
+    ids, starts = train.make_batch(tokenizer, 0, 0, 600)
+    seen = []
+    real_forward = model.forward
+    model.forward = lambda noisy, *a, **k: seen.append(noisy) or real_forward(noisy, *a, **k)
+    plain = train.sft_loss(model, ids, starts, torch.Generator().manual_seed(0))
+    edited = train.sft_loss(model, ids, starts, torch.Generator().manual_seed(0), editing_noise=0.5)
+    masks, noisy = seen[0] == model.mask_token_id, seen[1]
+    region = torch.arange(ids.shape[1])[None] >= starts[:, None]
+    changed = (noisy != ids) & (noisy != model.mask_token_id)
+    assert changed.any() and not (changed & ~region).any()  # corrupted: answer tokens only
+    assert torch.equal(noisy == model.mask_token_id, masks)  # the same masks as without the noise
+    assert changed.sum() <= 0.7 * (region & ~masks).sum()
+    assert edited > plain
+    edited.backward()
+    assert model.output.weight.grad is not None
+    with pytest.raises(ValueError, match="editing_noise"):
+        train.train(train.TrainSettings(out=str(tmp_path / "run"), editing_noise=1.5))
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
 def test_block_diffusion_training_denoises_each_block_from_a_clean_past_only(tokenizer):
     """The noisy half's logits at block b depend on the clean tokens of blocks before b, never on
     those of b or later (they would give the answer away), and equal decoding's view: a

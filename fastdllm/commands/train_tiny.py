@@ -17,7 +17,9 @@ HELP = {"out": "run folder: checkpoint/, final/, train_log.jsonl", "preset": "mo
         "resume": "continue from OUT/checkpoint if present",
         "init_from": "start from this model folder's weights and tokenizer",
         "trainable": "experts: only a mixture's routed experts and routers learn",
-        "tokenizer_corpus": "what a fresh run's BPE is trained on", "vocab_size": "a fresh run's BPE vocabulary"}
+        "tokenizer_corpus": "what a fresh run's BPE is trained on", "vocab_size": "a fresh run's BPE vocabulary",
+        "editing_noise": "share of unmasked answer tokens replaced by random ones, which the model learns to "
+                         "restore (LLaDA2.1's token-to-token objective, for editing); 0: none"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -98,6 +98,8 @@ class MoEFeedForward(nn.Module):
         counts = torch.zeros(self.args.n_experts, dtype=torch.int32, device=x.device)
         counts.index_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))
         offsets = counts.cumsum(0, dtype=torch.int32)
+        if self.training:
+            self.load = counts  # for the trainer's expert-bias balancing (`train.balance_experts`)
         grouped = None if torch.is_grad_enabled() and self.w1.requires_grad else _grouped_mm_ok(xs, self.w1, self.w2)
         h = F.silu(expert_linear(xs, self.w1, offsets, experts, grouped)) * expert_linear(xs, self.w3, offsets, experts,
                                                                                           grouped)
