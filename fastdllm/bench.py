@@ -61,19 +61,27 @@ BLOCK_DIFFUSION_ROWS = [
     ("parallel", "+parallel (threshold 0.9)", dict(NO_CACHE, threshold=0.9)),
     ("full", "+parallel +exact block cache", dict(threshold=0.9)),
 ]
-ROW_KEYS = [key for key, _, _ in TABLE_ROWS] + [key for key, _, _ in BLOCK_DIFFUSION_ROWS
-                                               if key not in {k for k, _, _ in TABLE_ROWS}]
+# LLaDA2.1's token editing, in its published quality and speed modes, for the LLaDA2 line's models.
+EDITING_ROWS = [
+    ("edit-quality", "+token editing, quality mode (threshold 0.7, editing 0.5)",
+     dict(threshold=0.7, editing_threshold=0.5)),
+    ("edit-speed", "+token editing, speed mode (threshold 0.5, editing 0.0)", dict(threshold=0.5, editing_threshold=0.0)),
+]
+ROW_KEYS = list(dict.fromkeys(key for key, _, _ in TABLE_ROWS + BLOCK_DIFFUSION_ROWS + EDITING_ROWS))
 
 
 def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None, model=None) -> list[Row]:
     """The rows to run; `keys` picks some (the baseline always runs: speed-ups are relative to it).
-    For a block-diffusion `model`, its own rows in its own blocks (`block_length` is ignored)."""
+    For a block-diffusion `model`, its own rows in its own blocks (`block_length` is ignored), and
+    for the LLaDA2 line LLaDA2.1's editing modes too."""
     g = f"gen {gen_length}"
     block_causal = model is not None and model.args.block_size
     # The rows name their policies in full: they do not move with GenerationConfig's defaults.
     base = dict(gen_length=gen_length, block_length=block_length, steps=gen_length, stop_at_eos=False,
                 suffix_window=None, refresh="full", refresh_every=None)
     table = BLOCK_DIFFUSION_ROWS if block_causal else TABLE_ROWS
+    if block_causal and model.family.proposal == "llada2":
+        table = table + EDITING_ROWS
 
     def config(**kw):
         if block_causal:  # what the family needs (its block, its exact cache), then the row's settings

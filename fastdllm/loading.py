@@ -21,8 +21,9 @@ from .tokenizer import Tokenizer, load_tokenizer
 ASSETS_DIR = Path(__file__).parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
 # Models shipped in the package, loadable by name: the default LLaDA-format model, its Dream-format
-# twin and its block-diffusion twin in SDAR's layout (see docs/model-card.md).
-EMBEDDED_MODELS = ("llada-arith", "dream-arith", "sdar-arith")
+# twin, its block-diffusion twin in SDAR's layout and that twin's mixture of experts in LLaDA2's
+# (see docs/model-card.md).
+EMBEDDED_MODELS = ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]

@@ -62,14 +62,18 @@ def test_rows_pick_table_rows_and_keep_the_baseline(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_block_diffusion_bench_runs_its_own_rows_in_its_own_blocks(tmp_path):
+@pytest.mark.parametrize("name", ["sdar-arith", "llada2-arith"])
+def test_a_block_diffusion_bench_runs_its_own_rows_in_its_own_blocks(tmp_path, name):
     out = tmp_path / "bench"
-    argv = ["--quick", "--model", "sdar-arith", "--limit", "2", "--stop-at-eos", "off", "--no-batch-check",
+    argv = ["--quick", "--model", name, "--limit", "2", "--stop-at-eos", "off", "--no-batch-check",
             "--out", str(out)]
     assert bench_main(argv) == 0
     record = json.loads((out / "bench.json").read_text())
     rows = {r["name"]: r for r in record["rows"]}
-    assert list(rows) == [name for _, name, _ in bench.BLOCK_DIFFUSION_ROWS]
+    editing = bench.EDITING_ROWS if name == "llada2-arith" else []  # LLaDA2.1's modes for the LLaDA2 line
+    assert list(rows) == [name for _, name, _ in bench.BLOCK_DIFFUSION_ROWS + editing]
+    assert all((r["config"]["editing_threshold"] is not None) == (r["name"] in {n for _, n, _ in editing})
+               for r in rows.values())
     assert all(r["config"]["block_length"] == 4 for r in rows.values())
     baseline, exact = rows["baseline (no cache, one token per step)"], rows["+exact block cache"]
     assert exact["nfe_per_sample"] == baseline["nfe_per_sample"]  # the same steps, smaller forwards
