@@ -309,7 +309,7 @@ def split_upcycle(args, source: Transformer, sample: torch.Tensor, iters: int = 
     `moe_hidden_dim` units (balanced k-means on the units' |activation| profiles, MoEfication's
     construction, Zhang et al., 2022), and each expert's router row is the mean gate vector of its
     units, scaled to logits of unit spread. The output projections of the routed experts are scaled
-    by k / `routed_scaling`, so that with equal router scores the two chosen experts add exactly
+    by k / `routed_scaling`, so that with equal router scores the k chosen experts add exactly
     their units' share of the dense MLP. The function is not kept whole (a token reaches only its
     chosen experts' units): training has to recover it, and so the routed experts carry part of
     what the model computes."""
