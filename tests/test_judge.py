@@ -153,10 +153,13 @@ def gold(task_name: str, doc) -> str:
 leftover_processes = sandbox_processes
 
 
-@pytest.mark.parametrize("task_name", ["humaneval", "mbpp"])
-def test_no_attack_is_ever_passed(task_name, tmp_path):
+# Every attack on the first two sampled problems of each task; on all of them in the slow set.
+@pytest.mark.parametrize("task_name, problems", [("humaneval", 2), ("mbpp", 2),
+                                                 pytest.param("humaneval", None, marks=pytest.mark.slow),
+                                                 pytest.param("mbpp", None, marks=pytest.mark.slow)])
+def test_no_attack_is_ever_passed(task_name, problems, tmp_path):
     task = get_task(task_name)
-    docs = sample_docs(task_name)
+    docs = sample_docs(task_name)[:problems]
     items = [(d, a) for a in ATTACKS for d in docs]
     # A file this process holds open for writing: an attack that reached the host's /proc/*/fd
     # (the forged verdict tries every fd of every process) would overwrite it.
