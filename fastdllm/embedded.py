@@ -4,6 +4,7 @@ family. `fastdllm.train` trains them; tests build tiny ones from here."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -11,7 +12,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer as FastTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from . import train_data
+from . import tool_calls, train_data
 from .models import FAMILIES, ModelArgs, Transformer
 from .tasks import arith, everyday
 from .tokenizer import Tokenizer
@@ -24,11 +25,23 @@ SPECIAL_TOKENS = {
     "end_header": "<|end_header_id|>",
     "mask": "<|mdm_mask|>",
 }
-# LLaDA-Instruct's chat layout (Llama-3 headers), written as a jinja template.
+# LLaDA-Instruct's chat layout (Llama-3 headers), written as a jinja template. With `tools`, a
+# system turn lists them in the Hermes convention (`tool_calls.tools_system_message`'s words); an
+# assistant turn's `tool_calls` are written back as the model wrote them, `<tool_call>{"name": ...,
+# "arguments": {...}}</tool_call>`, one per line after any text; a `tool` turn is a turn like any.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if loop.first %}{{ bos_token }}{% endif %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% if loop.first %}{{ bos_token }}{% if tools %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' + " + json.dumps(tool_calls.TOOLS_INTRO) + " }}"
+    "{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
+    "{{ '\\n' + " + json.dumps(tool_calls.TOOLS_HOW) + " + '<|eot_id|>' }}"
+    "{% endif %}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ ('\\n' if loop.index > 1 or message['content'] | trim else '') + '<tool_call>' }}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson + '</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|eot_id|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )

@@ -162,13 +162,17 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+# The Hermes convention's system text around the tools (one JSON object per line between them);
+# the embedded models' chat template writes the same words (`fastdllm.embedded.CHAT_TEMPLATE`).
+TOOLS_INTRO = "You can call these functions. The function signatures are inside <tools></tools>:\n<tools>"
+TOOLS_HOW = ("</tools>\nTo call a function, answer with a JSON object of its name and arguments inside "
+             '<tool_call></tool_call>: <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>')
+
+
 def tools_system_message(tools: list[dict]) -> dict:
     """The tools for a template that does not render them, in the Hermes convention."""
-    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return {"role": "system", "content":
-            "You can call these functions. The function signatures are inside <tools></tools>:\n<tools>\n"
-            f"{listed}\n</tools>\nTo call a function, answer with a JSON object of its name and arguments "
-            'inside <tool_call></tool_call>: <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>'}
+    listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return {"role": "system", "content": f"{TOOLS_INTRO}{listed}\n{TOOLS_HOW}"}
 
 
 def template_reads_tools(template: str | None) -> bool:

@@ -79,6 +79,8 @@ DRILLS["tail"] = (0.35, "fact", False, 0.5)
 # every prompt format and source of `fastdllm.train_data` (rows drawn per row, not per batch)
 DATA_MIXES["talk"] = (0.0, [(0.45, [64]), (0.65, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
 DATA_MIXES["talk-arith"] = DATA_MIXES["talk"]  # the same shapes; the arith stories a larger share
+# tail's long regions for the arith model's own rows, tool calls and JSON answers among them
+DATA_MIXES["tools"] = (0.0, DATA_MIXES["tail"][1])
 # The fewest exemplars a few-shot batch draws, per mix (default 1; the most is always 8).
 MIN_SHOTS = {"shots": 4, "tail": 4}
 
@@ -94,7 +96,8 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     drill = mix in DRILLS and r.random() < DRILLS[mix][0]  # other mixes draw nothing here
     if mix in train_data.MIX_SOURCES:
         streams, sources = train_data.talk_streams(r), train_data.MIX_SOURCES[mix]
-        rows_of = lambda: train_data.talk_row(r, tokenizer, region, streams, sources)  # noqa: E731
+        formats = train_data.MIX_FORMATS.get(mix)
+        rows_of = lambda: train_data.talk_row(r, tokenizer, region, streams, sources, formats)  # noqa: E731
     elif drill:
         k, region = 0, 64
         _, weighting, restate, p_sentence = DRILLS[mix]

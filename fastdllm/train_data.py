@@ -7,6 +7,8 @@ Prompt formats (what the model card documents):
 - plain: no template, as `/v1/completions`, `generate_text` and lm-eval's default path send it:
   "Question: ...\\nAnswer:" or the bare question; the answer follows after a space and ends with
   the end-of-text token.
+- tools (`fastdllm.tool_data`): a story with tools in the chat template's system turn, answered
+  by a tool call, a call's arguments or a JSON object.
 - text: general prose (Python's standard-library docstrings, PSF licence, `fastdllm/data/`) as a
   plain prefix and its continuation, so that the model meets text it cannot predict with
   certainty and its confidence there looks like a real dLLM's.
@@ -24,7 +26,7 @@ import json
 import random
 import re
 
-from . import drills
+from . import drills, tool_data
 from .tasks import arith, everyday
 from .tasks.base import DATA_DIR
 
@@ -32,9 +34,13 @@ from .tasks.base import DATA_DIR
 # that the old task is kept while the new one is learnt).
 SOURCES = {"everyday": 0.45, "arith": 0.18, "gsm8k": 0.1, "drill": 0.12, "text": 0.15}
 MIX_SOURCES = {"talk": SOURCES,
-               "talk-arith": {"everyday": 0.35, "arith": 0.35, "gsm8k": 0.05, "drill": 0.15, "text": 0.1}}
+               "talk-arith": {"everyday": 0.35, "arith": 0.35, "gsm8k": 0.05, "drill": 0.15, "text": 0.1},
+               # the embedded arith model's own prompts, and tool calls and JSON answers
+               "tools": {"arith": 0.5, "drill": 0.15, "tools": 0.35}}
 # Within a question row: the prompt format's shares.
 FORMATS = {"chat": 0.5, "chat2": 0.12, "plain": 0.26, "plain-bare": 0.12}
+# Mixes whose question rows are all chat-formatted (their models were never given plain prompts).
+MIX_FORMATS = {"tools": {"chat": 1.0}}
 # Docstrings of these modules are never trained on (the general-text measurements read them).
 HELD_OUT_MODULES = frozenset({"statistics", "difflib", "textwrap", "calendar", "heapq", "zipfile", "wave",
                               "trace", "smtplib", "fractions"})
@@ -90,11 +96,14 @@ def text_split(r: random.Random, tokenizer, text: str, room: int) -> tuple[list[
 
 
 def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
-             sources: dict[str, float] | None = None) -> tuple[list[int], list[int]]:
-    """One row: (prompt ids, answer ids including its end token); `sources`: the shares of its
-    sources (default `SOURCES`)."""
+             sources: dict[str, float] | None = None, formats: dict[str, float] | None = None
+             ) -> tuple[list[int], list[int]]:
+    """One row: (prompt ids, answer ids including its end token); `sources` and `formats`: the
+    shares of its sources and prompt formats (default `SOURCES`, `FORMATS`)."""
     eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
     source = _draw(r, sources or SOURCES)
+    if source == "tools":
+        return tool_data.tool_row(r, tokenizer)
     if source == "text":
         prompt, ids = text_split(r, tokenizer, r.choice(docstrings()), region - 1)
         return prompt, ids + [eos]
@@ -105,7 +114,7 @@ def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
         p = r.choice(gsm8k_easy())
     else:
         p = next(streams[source])
-    form = _draw(r, FORMATS)
+    form = _draw(r, formats or FORMATS)
     if form.startswith("plain"):
         text = p.question if form == "plain-bare" else f"Question: {p.question}\nAnswer:"
         return tokenizer.encode(text, add_special_tokens=False), tokenizer.encode(" " + p.answer, add_special_tokens=False) + [eos]

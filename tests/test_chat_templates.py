@@ -59,15 +59,51 @@ def test_the_embedded_templates_and_ids_match_transformers():
     transformers = pytest.importorskip("transformers")
     import fastdllm
 
-    for name in ("llada-arith", "dream-arith"):
+    for name in ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith"):
         _, tok = fastdllm.load(name)
         hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.fast, **tok.special_tokens_context())
         hf.chat_template = tok.chat_template
-        for messages in CONVERSATIONS:
-            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            assert render_template(tok.chat_template, messages, True, **tok.special_tokens_context()) == text
-            assert tok.render_chat(messages) == text
-            assert tok.encode_chat(messages) == hf.encode(text, add_special_tokens=False)
+        for messages, tools in [(m, None) for m in CONVERSATIONS] + [(TOOL_CONVERSATION, TOOL_LIST)]:
+            text = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            assert render_template(tok.chat_template, messages, True, tools, **tok.special_tokens_context()) == text
+            assert tok.render_chat(messages, tools=tools) == text
+            assert tok.encode_chat(messages, tools=tools) == hf.encode(text, add_special_tokens=False)
+
+
+# A tool call and its result in the history, as `tool_calls.template_messages` passes them on.
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"},
+    {"role": "assistant", "tool_calls": [{"id": "call_0", "type": "function",
+                                          "function": {"name": "get_weather", "arguments": {"z": "8001", "a": 1}}}]},
+    {"role": "tool", "tool_call_id": "call_0", "content": "8"},
+    {"role": "assistant", "content": "Two calls:", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {}}},
+        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": {"x": [1, 2]}}}]},
+]
+
+
+def test_the_embedded_template_writes_tools_and_calls_in_the_hermes_convention():
+    import fastdllm
+    from fastdllm import tool_calls
+
+    _, tok = fastdllm.load()
+    plain = CONVERSATIONS[1]
+    assert tok.render_chat(plain) == (
+        "<|startoftext|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        "hello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\ncafé <b>2+2</b>?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    # the tools' system turn is the one a template without tools gets from the server
+    with_tools = tok.render_chat(plain, tools=TOOL_LIST)
+    assert with_tools == tok.render_chat([tool_calls.tools_system_message(TOOL_LIST), *plain])
+    text = tok.render_chat(TOOL_CONVERSATION, tools=TOOL_LIST)
+    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n<tool_call>{"name": "get_weather", "arguments": '
+            '{"z": "8001", "a": 1}}</tool_call><|eot_id|><|start_header_id|>tool<|end_header_id|>\n\n8<|eot_id|>') in text
+    assert ('Two calls:\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", '
+            '"arguments": {"x": [1, 2]}}</tool_call><|eot_id|>') in text
+    # what the model writes for a call parses back into the same call
+    written = text.split("<|end_header_id|>\n\n")[-2].removesuffix("<|eot_id|><|start_header_id|>assistant")
+    assert tool_calls.parse_hermes(written)[1] == [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"x": [1, 2]}}]
 
 
 # What transformers' apply_chat_template does beyond rendering: its defaults (no generation prompt,

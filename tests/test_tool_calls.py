@@ -9,7 +9,7 @@ import fastdllm
 from fastdllm import tool_calls
 from fastdllm.tokenizer import Tokenizer
 
-from .test_chat_templates import TOOLS
+from .test_chat_templates import LOOP_CONTROLS, TOOLS
 from .test_server import LiveServer
 
 ADD = {"type": "function", "function": {
@@ -79,9 +79,33 @@ def test_tools_reach_a_template_that_reads_them():
     qwenish = Tokenizer(tok.fast, {**tok.config, "chat_template": TOOLS})
     ids = qwenish.encode_chat(MSG, tools=[ADD])
     assert '"name": "add"' in qwenish.decode(ids)
-    assert tool_calls.template_reads_tools(TOOLS) and not tool_calls.template_reads_tools(tok.chat_template)
+    assert tool_calls.template_reads_tools(TOOLS) and tool_calls.template_reads_tools(tok.chat_template)
+    assert not tool_calls.template_reads_tools(LOOP_CONTROLS)
     system = tool_calls.tools_system_message([ADD])
     assert system["role"] == "system" and '"name": "add"' in system["content"] and "<tool_call>" in system["content"]
+
+
+# The Llama-3 layout without tools: a template that would drop them.
+NO_TOOLS = ("{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}{{ '<|start_header_id|>' + "
+            "message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+
+
+def test_server_gives_a_template_that_drops_tools_a_system_turn_with_them():
+    from fastdllm import GenerationConfig
+    from fastdllm.server.app import Server, ServerSettings
+    from fastdllm.server.schema import ChatCompletionRequest
+
+    model, tok = fastdllm.load()
+    plain = Tokenizer(tok.fast, {**tok.config, "chat_template": NO_TOOLS})
+    assert not tool_calls.template_reads_tools(NO_TOOLS)
+    server = Server(model, plain, ServerSettings("m", GenerationConfig()))
+    with_tools = server.chat_prompt(ChatCompletionRequest(model="m", messages=MSG, tools=[ADD]))
+    assert with_tools == plain.encode_chat([tool_calls.tools_system_message([ADD]), *MSG])
+    # the embedded template writes the same system turn itself
+    assert with_tools == tok.encode_chat(MSG, tools=[ADD])
+    assert server.chat_prompt(ChatCompletionRequest(model="m", messages=MSG, tools=[ADD], tool_choice="none")) == \
+        plain.encode_chat(MSG)
 
 
 @pytest.fixture(scope="module")

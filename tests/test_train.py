@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import json
+import random
 
 import pytest
 import torch
@@ -299,3 +301,44 @@ def test_talk_tokenizer_makes_everyday_words_single_tokens():
         assert len(talk_bpe.encode(text, add_special_tokens=False)) < 0.85 * len(arith_bpe.encode(text, add_special_tokens=False))
     with pytest.raises(ValueError, match="corpus"):
         embedded.build_tokenizer(corpus="wiki")
+
+
+def test_tools_mix_answers_in_every_form_the_server_decodes_with_the_storys_numbers(tokenizer):
+    from fastdllm import tool_calls, tool_data
+
+    r, forms = random.Random(0), collections.Counter()
+    for _ in range(300):
+        ex = tool_data.tool_example(r)
+        forms[ex["form"]] += 1
+        a, b, value = ex["a"], ex["b"], ex["value"]
+        assert tool_data.OPERATIONS[ex["op"]][2](a, b) == value and f"has {a} " in ex["messages"][0]["content"]
+        if ex["form"] == "json":
+            assert ex["tools"] is None and list(json.loads(ex["answer"]).values()) == [value]
+            continue
+        names = tool_calls.tool_names(ex["tools"])
+        if ex["form"] == "followup":
+            assert ex["messages"][-1] == {"role": "tool", "tool_call_id": "call_0", "content": str(value)}
+            assert ex["answer"].endswith(f"\n#### {value}")
+            calls = [ex["messages"][1]["tool_calls"][0]["function"]]
+        elif ex["form"] == "call":
+            content, calls = tool_calls.parse_hermes(ex["answer"])
+            assert content is None and len(calls) == 1
+        elif ex["form"] == "array":
+            calls = tool_calls.forced_calls(ex["answer"], "required")
+            assert len(calls) == 1
+        else:  # a named tool's arguments: the tool whose parameters they are
+            keys = list(json.loads(ex["answer"]))
+            named = next(n for t, n in zip(ex["tools"], names) if t["function"]["parameters"]["required"] == keys)
+            calls = tool_calls.forced_calls(ex["answer"], {"type": "function", "function": {"name": named}})
+        for call in calls:
+            assert call["name"] in names
+            tool = ex["tools"][names.index(call["name"])]["function"]
+            assert list(call["arguments"]) == tool["parameters"]["required"]
+            assert list(call["arguments"].values()) == ([a, b] if len(call["arguments"]) == 2 else [value])
+    assert set(forms) == {"json", *tool_data.FORMS} and min(forms.values()) >= 20
+    # rows: the tools in the template's system turn, the answer closed by the end of turn
+    pids, aids = tool_data.tool_row(random.Random(1), tokenizer)
+    assert aids[-1] == tokenizer.token_to_id("<|eot_id|>")
+    ids, starts = train.make_batch(tokenizer, 0, 9, 8192, mix="tools")
+    texts = [tokenizer.decode(row[:s].tolist()) for row, s in zip(ids, starts)]
+    assert any(tool_calls.TOOLS_INTRO in t for t in texts) and any(tool_calls.TOOLS_INTRO not in t for t in texts)
