@@ -14,7 +14,9 @@ Install the extra (`pip install 'fastdllm[lm_eval]'`), then either
 Why the wrapper: lm_eval finds model classes in its registry, which only its own modules fill
 (there is no plugin entry point for models), so the class must be registered in the process
 before lm_eval's CLI parses `--model`; `python -m fastdllm.lm_eval_plugin` does exactly that and
-takes the same arguments as `lm_eval`.
+takes the same arguments as `lm_eval`, and adds this package's task folder (`TASKS_DIR`) as
+`--include_path` unless one is given: `--tasks fastdllm_arith` then runs the embedded models' own
+test split offline (in Python: `lm_eval.tasks.TaskManager(include_path=TASKS_DIR)`).
 
 model_args: `pretrained` (folder or hub id; default the embedded model), `device`, `dtype`, and
 any GenerationConfig field (gen_length, block_length, steps, threshold, factor, cache, alg,
@@ -31,11 +33,15 @@ mc_num) and `mc_seed` (default 0). It is a lower bound on the log-likelihood, no
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from .config import GenerationConfig
 
 MODEL_NAME = "fastdllm"
+# Task configs that ship with fastdllm (`fastdllm_arith`: the embedded models' test split, no
+# download); lm-eval reads one --include_path, so a user's own replaces this one.
+TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 _REGISTERED: dict[str, Any] = {}
 
 
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    if not any(a == "--include_path" or a.startswith("--include_path=") for a in sys.argv[1:]):
+        sys.argv += ["--include_path", str(TASKS_DIR)]
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as e:

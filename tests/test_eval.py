@@ -302,6 +302,27 @@ def test_lm_eval_plugin_registers_with_lm_eval():
 
 
 @pytest.mark.slow
+def test_the_readmes_lm_eval_example_runs_as_written(tmp_path):
+    """The README's lm-eval command, word for word, offline: lm-eval's own CLI, our model, the
+    shipped `fastdllm_arith` task; the embedded model solves its 20 problems."""
+    pytest.importorskip("lm_eval")
+    import re
+    import shlex
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.DOTALL) if "fastdllm.lm_eval_plugin" in b)
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "fastdllm.lm_eval_plugin"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("|fastdllm_arith"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4] == "exact_match" and float(cells[6]) >= 0.9, row
+
+
+@pytest.mark.slow
 def test_elbo_loglikelihood_ranks_and_converges():
     """On the embedded model: the right worked answer is far likelier than one with a wrong final
     number, and the estimate's spread over seeds shrinks as mc_num grows."""

@@ -21,9 +21,9 @@ LAYERS = [
                 "fastdllm.generation",
                 "fastdllm.likelihood"]),
     ("text front ends", ["fastdllm.textgen", "fastdllm.chat", "fastdllm.tasks", "fastdllm.embedded",
-                         "fastdllm.drills", "fastdllm.train_data", "fastdllm.server.incremental"]),
+                         "fastdllm.drills", "fastdllm.tool_data", "fastdllm.train_data", "fastdllm.server.incremental"]),
     ("serving, evaluation, bench, training", ["fastdllm.server", "fastdllm.evaluate", "fastdllm.bench",
-                                              "fastdllm.train", "fastdllm.lm_eval_plugin"]),
+                                              "fastdllm.train", "fastdllm.lm_eval_plugin", "fastdllm.lm_eval_tasks"]),
     ("commands and the package's front door", ["fastdllm.commands", "fastdllm.cli", "fastdllm.__main__",
                                                "fastdllm"]),
 ]
