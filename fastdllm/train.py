@@ -79,14 +79,17 @@ DRILLS["tail"] = (0.35, "fact", False, 0.5)
 # every prompt format and source of `fastdllm.train_data` (rows drawn per row, not per batch)
 DATA_MIXES["talk"] = (0.0, [(0.45, [64]), (0.65, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
 DATA_MIXES["talk-arith"] = DATA_MIXES["talk"]  # the same shapes; the arith stories a larger share
-# tail's long regions for the arith model's own rows, tool calls and JSON answers among them
-DATA_MIXES["tools"] = (0.0, DATA_MIXES["tail"][1])
+# the arith model's own rows with tool calls and JSON answers among them, mostly in short regions:
+# an answer token's weight is over its region's length, and a new skill's answers are ~50 tokens
+DATA_MIXES["tools"] = (0.0, [(0.55, [64]), (0.7, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
 # The fewest exemplars a few-shot batch draws, per mix (default 1; the most is always 8).
 MIN_SHOTS = {"shots": 4, "tail": 4}
 
 
-def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1"):
-    """Deterministic in (seed, step): returns input ids (B, T) and the region start of each row."""
+def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1",
+               max_len: int = 2048):
+    """Deterministic in (seed, step): returns input ids (B, T) and the region start of each row;
+    a row that would make T exceed `max_len` (the model's context) is drawn again."""
     r = random.Random(seed * 1_000_003 + step)
     eot, eos = tokenizer.token_to_id(SPECIAL_TOKENS["eot"]), tokenizer.eos_token_id
     p_shots, regions = DATA_MIXES[mix]
@@ -113,9 +116,15 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
             bare = not drill and k == 0 and r.random() < P_BARE_QUESTION
             return arith.prompt_ids(tokenizer, p.question, shots, bare=bare), tokenizer.encode(p.answer, add_special_tokens=False) + [eot]
     rows = []
+    redrawn = 0
     while True:
         pids, aids = rows_of()
         need = max(region, len(aids) + 1)
+        if max([len(pids)] + [len(p) for p, _, _ in rows]) + max([need] + [n for *_, n in rows]) > max_len:
+            redrawn += 1
+            if redrawn > 1000:
+                raise ValueError(f"max_len: {max_len} tokens cannot hold the {mix!r} mix's rows")
+            continue
         rows.append((pids, aids, need))
         longest = max(len(a) for a, _, _ in rows) + max(n for *_, n in rows)
         if longest * (len(rows) + 1) > token_budget or len(rows) >= 256:
@@ -478,7 +487,7 @@ def train(args: TrainSettings) -> Path:
         print(f"resumed from {ckpt} at step {step}", flush=True)
     elif args.init_from:
         # Continue training a finished model (e.g. the shipped one) with a fresh optimizer and schedule.
-        sample, _ = make_batch(tokenizer, 0, args.seed, args.token_budget, args.data_mix)
+        sample, _ = make_batch(tokenizer, 0, args.seed, args.token_budget, args.data_mix, model.args.max_seq_len)
         transplant_weights(model, load_model(args.init_from, dtype=torch.float32), sample)
         print(f"initialised weights from {args.init_from}", flush=True)
     log = (out / "train_log.jsonl").open("a")
@@ -490,7 +499,7 @@ def train(args: TrainSettings) -> Path:
         lr = lr_at(step, args.steps, args.lr, args.warmup, args.decay_frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget, args.data_mix)
+        ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget, args.data_mix, model.args.max_seq_len)
         gen = torch.Generator().manual_seed(args.seed * 7919 + step)
         loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen, args.editing_noise)
         opt.zero_grad(set_to_none=True)
