@@ -4,7 +4,6 @@ family. `fastdllm.train` trains them; tests build tiny ones from here."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -12,7 +11,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer as FastTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from . import tool_calls, train_data
+from . import train_data
 from .models import FAMILIES, ModelArgs, Transformer
 from .tasks import arith, everyday
 from .tokenizer import Tokenizer
@@ -26,15 +25,20 @@ SPECIAL_TOKENS = {
     "mask": "<|mdm_mask|>",
 }
 # LLaDA-Instruct's chat layout (Llama-3 headers), written as a jinja template. With `tools`, a
-# system turn lists them in the Hermes convention (`tool_calls.tools_system_message`'s words); an
-# assistant turn's `tool_calls` are written back as the model wrote them, `<tool_call>{"name": ...,
-# "arguments": {...}}</tool_call>`, one per line after any text; a `tool` turn is a turn like any.
+# system turn lists each as a signature line, `- name(param, ...): description` (a model this small,
+# with a byte-level vocabulary of arith words, would read a JSON schema as hundreds of single
+# bytes), and says how to call one in the Hermes convention; an assistant turn's `tool_calls` are
+# written back as the model writes them, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+# one per line after any text; a `tool` turn is a turn like any.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first %}{{ bos_token }}{% if tools %}"
-    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' + " + json.dumps(tool_calls.TOOLS_INTRO) + " }}"
-    "{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
-    "{{ '\\n' + " + json.dumps(tool_calls.TOOLS_HOW) + " + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\nYou can call these functions:' }}"
+    "{% for tool in tools %}{% set fn = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ '\\n- ' + fn['name'] + '(' + ((fn.parameters or {}).properties or {}) | list | join(', ') + ')' }}"
+    "{% if fn.description %}{{ ': ' + fn.description | trim }}{% endif %}{% endfor %}"
+    "{{ '\\nTo call one, answer <tool_call>{\"name\": <name>, \"arguments\": {<parameter>: <value>}}</tool_call>' }}"
+    "{{ '<|eot_id|>' }}"
     "{% endif %}{% endif %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim }}"
     "{% for call in message['tool_calls'] or [] %}"

@@ -1,8 +1,8 @@
 """Tool calling as the OpenAI API and vLLM shape it: tools into the prompt, calls out of the answer.
 
 - **Prompt**: the tools go to the model's own chat template (templates take `tools`); a template
-  that never reads them (the embedded models') gets them in a system message instead, written in
-  the Hermes convention, so the model is told what it may call either way. The history's
+  that never reads them gets them in a system message instead, written in the Hermes convention,
+  so the model is told what it may call either way. The history's
   assistant `tool_calls` (arguments as JSON strings in the API) reach the template with the
   arguments as objects, as transformers' templates expect; `tool` messages pass as they are.
 - **Parsing** (`PARSERS`): "hermes" (Qwen2.5, Hermes, most Qwen-based dLLMs: each call is
@@ -162,17 +162,13 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-# The Hermes convention's system text around the tools (one JSON object per line between them);
-# the embedded models' chat template writes the same words (`fastdllm.embedded.CHAT_TEMPLATE`).
-TOOLS_INTRO = "You can call these functions. The function signatures are inside <tools></tools>:\n<tools>"
-TOOLS_HOW = ("</tools>\nTo call a function, answer with a JSON object of its name and arguments inside "
-             '<tool_call></tool_call>: <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>')
-
-
 def tools_system_message(tools: list[dict]) -> dict:
     """The tools for a template that does not render them, in the Hermes convention."""
-    listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-    return {"role": "system", "content": f"{TOOLS_INTRO}{listed}\n{TOOLS_HOW}"}
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return {"role": "system", "content":
+            "You can call these functions. The function signatures are inside <tools></tools>:\n<tools>\n"
+            f"{listed}\n</tools>\nTo call a function, answer with a JSON object of its name and arguments "
+            'inside <tool_call></tool_call>: <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>'}
 
 
 def template_reads_tools(template: str | None) -> bool:

@@ -36,7 +36,7 @@ SOURCES = {"everyday": 0.45, "arith": 0.18, "gsm8k": 0.1, "drill": 0.12, "text":
 MIX_SOURCES = {"talk": SOURCES,
                "talk-arith": {"everyday": 0.35, "arith": 0.35, "gsm8k": 0.05, "drill": 0.15, "text": 0.1},
                # the embedded arith model's own prompts, and tool calls and JSON answers
-               "tools": {"arith": 0.4, "drill": 0.12, "tools": 0.48}}
+               "tools": {"arith": 0.45, "drill": 0.15, "tools": 0.4}}
 # Within a question row: the prompt format's shares.
 FORMATS = {"chat": 0.5, "chat2": 0.12, "plain": 0.26, "plain-bare": 0.12}
 # Mixes whose question rows are all chat-formatted (their models were never given plain prompts).

@@ -82,7 +82,7 @@ TOOL_CONVERSATION = [
 ]
 
 
-def test_the_embedded_template_writes_tools_and_calls_in_the_hermes_convention():
+def test_the_embedded_template_lists_tools_and_writes_calls_in_the_hermes_convention():
     import fastdllm
     from fastdllm import tool_calls
 
@@ -93,9 +93,14 @@ def test_the_embedded_template_writes_tools_and_calls_in_the_hermes_convention()
         "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
         "hello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\ncafé <b>2+2</b>?<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    # the tools' system turn is the one a template without tools gets from the server
-    with_tools = tok.render_chat(plain, tools=TOOL_LIST)
-    assert with_tools == tok.render_chat([tool_calls.tools_system_message(TOOL_LIST), *plain])
+    # the tools as signature lines in a system turn before the conversation
+    add = {"type": "function", "function": {"name": "add", "description": " Add two numbers. ", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    assert tok.render_chat(plain, tools=[add, *TOOL_LIST]) == (
+        "<|startoftext|><|start_header_id|>system<|end_header_id|>\n\nYou can call these functions:\n"
+        "- add(a, b): Add two numbers.\n- get_weather(): Wetter für Zürich <now>\nTo call one, answer "
+        '<tool_call>{"name": <name>, "arguments": {<parameter>: <value>}}</tool_call><|eot_id|>'
+    ) + tok.render_chat(plain).removeprefix("<|startoftext|>")
     text = tok.render_chat(TOOL_CONVERSATION, tools=TOOL_LIST)
     assert ('<|start_header_id|>assistant<|end_header_id|>\n\n<tool_call>{"name": "get_weather", "arguments": '
             '{"z": "8001", "a": 1}}</tool_call><|eot_id|><|start_header_id|>tool<|end_header_id|>\n\n8<|eot_id|>') in text
