@@ -8,6 +8,8 @@ answer in each form the server may ask it for.
   under several names) takes the story's two numbers in order; an *answer* tool (pydantic-ai's
   `final_result`, instructor's and langchain's model name) has one integer field that takes the
   story's result. Parameter names of the two kinds never overlap, so a key tells them apart.
+  The embedded template shows only each tool's name, parameter names and description; the
+  schema styles matter to a template that writes the schemas out (Hermes', Qwen's).
 - **Answers**, chosen the way the server decodes (`fastdllm.tool_calls`): a Hermes call
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (tool_choice auto: the story's
   operation if offered, else the answer tool), the bare arguments of one offered tool (a named
