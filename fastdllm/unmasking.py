@@ -40,7 +40,9 @@ and passed to the loop. Two separate choices make it, each an object:
 Ties in confidence are broken towards the leftmost position. LLaDA's confidence (the proposed
 token's softmax probability) is computed in float64, as the reference does: it decides a top-k
 ranking, and confident positions that tie in float32 (0.99999237 for several at once) are
-ordered by their float64 values, as there. Dream's confidences are float32, as in Dream's code.
+ordered by their float64 values, as there. It is the reference's own expression (softmax in
+float64, gathered at the token), not the equal-in-exact-arithmetic exp(logit - logsumexp): the two
+round near-certain probabilities differently (1 - 2e-16 against 1.0) and so rank them differently. Dream's confidences are float32, as in Dream's code.
 Randomness comes from one generator per row, drawn only for rows that still have masks in the
 block, so batched and single runs consume identical random streams.
 """
@@ -48,6 +50,7 @@ block, so batched and single runs consume identical random streams.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import config as config_names
 NEG_INF = float("-inf")
@@ -71,13 +74,12 @@ def _propose_llada(logits, config, generators, rows):
         l64 = logits.double()
         noise = _rows_rand(logits.shape[1:], generators, rows, torch.float64, logits.device)
         tokens = (l64.exp() / (-torch.log(noise)) ** config.temperature).argmax(-1)
-        chosen_logit = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     else:
-        chosen_logit, tokens = logits.max(-1)
+        tokens = logits.argmax(-1)
     if config.remasking == "random":
         conf = _rows_rand(logits.shape[1:2], generators, rows, torch.float32, logits.device)
-    else:  # float64, as the reference's softmax: it decides the ranking of near-certain positions
-        conf = (chosen_logit.double() - logits.double().logsumexp(-1)).exp()
+    else:  # the reference's float64 softmax, in its form: its rounding ranks near-certain positions
+        conf = F.softmax(logits.double(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, conf
 
 

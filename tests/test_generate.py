@@ -363,6 +363,24 @@ def test_llada_ranks_confidences_in_float64():
     assert rule.select(conf, masked, 0, None, [0]).tolist() == [[False, True]]
 
 
+def test_llada_confidence_is_the_references_softmax_not_its_logsumexp_form():
+    """Two near-certain positions that exp(logit - logsumexp) rounds to an equal 1.0 (ties go to
+    the leftmost) while the reference's float64 softmax gives 0.999999999999998 and
+    0.9999999999999998: the reference reveals the right one, and so must we."""
+    logits = torch.tensor([[[42.29401779174805, -1.7616678476333618, 8.496312141418457, 2.711992025375366],
+                            [41.0862922668457, -0.8251047730445862, 2.65976881980896, 4.4572248458862305]]])
+    logsumexp_form = (logits[..., 0].double() - logits.double().logsumexp(-1)).exp()
+    assert logsumexp_form[0, 0] == logsumexp_form[0, 1]  # the two forms really part here
+    config = GenerationConfig.baseline(gen_length=2, block_length=2)
+    strategy = UnmaskingStrategy.from_config(config)
+    tokens, conf = strategy.propose(logits, None, [None])
+    assert torch.equal(conf, torch.softmax(logits.double(), -1)[..., 0]) and conf[0, 1] > conf[0, 0]
+    rule = strategy.new_rule()
+    masked = torch.ones(1, 2, dtype=torch.bool)
+    rule.begin_block(masked, 2, None, [0])
+    assert rule.select(conf, masked, 0, None, [0]).tolist() == [[False, True]]
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_dream_with_a_cache_reveals_the_blocks_first_position_at_block_start(tiny_dream, tiny_llada, tokenizer,
                                                                              cache):
