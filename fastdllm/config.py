@@ -99,8 +99,9 @@ class GenerationConfig:
     top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False)
     top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)")
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token")
-    eos_early_stop: bool = _opt(False, "bool", "stop a row inside a block as soon as it holds a stop token with "
-                                "every position before it revealed (LLaDA2's eos_early_stop; needs stop_at_eos)")
+    eos_early_stop: bool = _opt(False, "bool", "LLaDA2's eos_early_stop (needs stop_at_eos): without editing "
+                                "(2.0), stop a row inside a block as soon as it holds a stop token with every "
+                                "position before it revealed; with editing (2.1), after the block, as stop_at_eos")
     sub_block_length: int | None = _opt(None, "optional int",
                                         "reveal a block's positions sub-block by sub-block, left to right "
                                         "(Fast-dLLM v2's small blocks)")

@@ -344,10 +344,8 @@ class BlockDecoder:
                 break
             chosen, edited, work = self._step(seq, block, masked, live, len(log))
             log.append((chosen.sum(-1), live, work))
-            if self.config.eos_early_stop:
-                stopped = self._stop_early(block)
-                if editing is not None:
-                    alive &= ~stopped
+            if self.config.eos_early_stop and editing is None:
+                self._stop_early(block)
             if edited is None:
                 yield chosen
             else:
@@ -356,23 +354,26 @@ class BlockDecoder:
         self._charge(log)
         self._finish_block(block)
 
-    def _stop_early(self, block: torch.Tensor) -> torch.Tensor:
-        """LLaDA2's `eos_early_stop`: a row whose block holds a revealed stop token with no masked
+    def _stop_early(self, block: torch.Tensor) -> None:
+        """LLaDA2.0's `eos_early_stop`: a row whose block holds a revealed stop token with no masked
         position before it is done now; the block's masks after it become EOS (as everything after a
-        stop is), so it takes no more steps. Returns the rows that stopped (B,).
+        stop is), so it takes no more steps.
 
-        The published generate looks for the first `eos_id` in the whole sequence, prompt included
-        (a prompt holding that token ends the answer at once, before its start); here only revealed
-        answer tokens count, and they are the model's stop tokens, as for `stop_at_eos`. Without
-        editing the answer up to the stop is the same as without early stopping (revealed tokens are
-        final); only the steps after it are saved. With editing, a row that stopped edits no more."""
+        The published 2.0 generate looks for the first `eos_id` in the whole sequence, prompt
+        included (a prompt holding that token ends the answer at once, before its start); here only
+        revealed answer tokens count, and they are the model's stop tokens, as for `stop_at_eos`. The
+        answer up to the stop is the same as without early stopping (revealed tokens are final); only
+        the steps after it are saved.
+
+        LLaDA2.1's loop (token editing on) has its own rule, which is `stop_at_eos`'s: it stops only
+        after a block, once the answer so far has no mask and holds EOS, so editing may still
+        rewrite an early EOS and the tokens before it. With editing this is therefore not called."""
         start, end = self.start, self.start + self.config.block_length
         masked = block == self.mask_id
         stop = torch.isin(block, self.stop_ids) & (self.step_of[:, start:end] >= 0)
         first = stop.int().argmax(-1, keepdim=True)
         stopped = stop.any(-1) & (masked.cumsum(-1).gather(-1, first).squeeze(-1) == 0)
         block[stopped[:, None] & masked] = self.model.args.eos_token_id
-        return stopped
 
     def _start_block(self) -> tuple[SequenceView, torch.Tensor]:
         """Lay out the rows that joined, and set up the block: the view the forwards see and the

@@ -515,8 +515,31 @@ def test_eos_early_stop_ends_the_row_inside_its_block(tiny_llada, tokenizer):
     early = run(eos_early_stop=True)
     assert early.sequences[0].tolist() == [A, B] + [eos] * 6 and early.nfe == 2
     assert early.num_tokens == after_block.num_tokens == [2]
-    edited = run(eos_early_stop=True, editing_threshold=0.5)  # a row that stopped edits no more
-    assert edited.sequences[0].tolist() == [A, B] + [eos] * 6 and edited.nfe == 2
+
+
+def test_eos_early_stop_with_editing_stops_after_the_block_as_llada21_does(tiny_llada, tokenizer):
+    """LLaDA2.1's loop (editing on) stops only after a block whose answer holds EOS, so an EOS revealed
+    early may still be edited away: the row then goes on to its next block; one that keeps its EOS
+    stops after the block's quiet post step, not in the step that made it final (2.0's rule)."""
+    v, eos = tiny_llada.args.vocab_size, tiny_llada.args.eos_token_id
+    A, B, C, D = 10, 12, 14, 15
+    reveal = [peaked(v, [(A, .95), (B, .3), (eos, .95), (D, .2)]),   # reveals A and EOS, B still masked
+              peaked(v, [(A, .9), (B, .95), (eos, .9), (D, .3)])]    # reveals B: 2.0 would stop here
+    keeps = [peaked(v, [(A, .9), (B, .9), (eos, .9), (D, .95)])]     # reveals D; then quiet steps
+    edits = [peaked(v, [(A, .9), (B, .9), (C, .8), (D, .95)]),       # reveals D and edits EOS -> C
+             peaked(v, [(A, .9), (B, .9), (C, .9), (D, .9)])]        # quiet; the next block: A B C D
+    prompt = tokenizer.encode("Question: 1 + 1")
+    config = GenerationConfig(gen_length=8, block_length=4, steps=8, threshold=0.9, unmasking="quota", cache="none",
+                              suffix_window=None, refresh="full", editing_threshold=0.5, eos_early_stop=True)
+
+    def run(script):
+        policies = Policies(Scripted(tiny_llada, script), UnmaskingStrategy.from_config(config))
+        return generate(tiny_llada, [prompt], config=config, policies=policies)
+
+    kept = run(reveal + keeps)
+    assert kept.sequences[0].tolist() == [A, B, eos, D] + [eos] * 4 and kept.nfe == 4
+    edited = run(reveal + edits)
+    assert edited.sequences[0].tolist() == [A, B, C, D, A, B, C, D]
 
 
 def test_a_llada_moe_checkpoint_without_qk_norms_saves_and_loads(tokenizer, tmp_path):

@@ -269,6 +269,11 @@ def test_llada2_logits_and_decoding_equal_its_published_code(tiny_llada2, tokeni
         sequences.append(seq)
     # a random model is confident only at a few thousandths: those thresholds reveal several at once
     configs = [dict(gen_length=3 * blk, steps=s, threshold=t) for s in (blk, blk // 2) for t in (0.95, 0.01, 0.004)]
+    # each version's own stop rule: 2.0 inside a step, 2.1 (editing on) after the block
+    configs += [dict(c, eos_early_stop=True) for c in configs[:3]]
+    if "editing_threshold" in Path(LLADA2_REFERENCE, LLADA2_FILES[1]).read_text():  # LLaDA2.1's file
+        configs += [dict(c, editing_threshold=e, max_post_steps=16, eos_early_stop=stop)
+                    for c in configs[:3] for e in (0.5, 0.0) for stop in (False, True)]
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"mask_id": model.mask_token_id, "eos_id": eos, "block_length": blk,
                                "logits": sequences, "prompts": prompts, "configs": configs}))
@@ -284,7 +289,8 @@ def test_llada2_logits_and_decoding_equal_its_published_code(tiny_llada2, tokeni
         for c in configs:
             config = GenerationConfig.for_model(model, GenerationConfig(
                 gen_length=c["gen_length"], block_length=blk, steps=c["steps"] * c["gen_length"] // blk,
-                threshold=c["threshold"]))
+                threshold=c["threshold"], eos_early_stop=c.get("eos_early_stop", False),
+                editing_threshold=c.get("editing_threshold"), max_post_steps=c.get("max_post_steps", 16)))
             for prompt in prompts:
                 ref = next(runs)["tokens"]
                 got = fastdllm.generate(model, [prompt], config=config)

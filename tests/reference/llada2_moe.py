@@ -1,7 +1,8 @@
 """Run LLaDA2's published modeling file and its `generate` (the file the LLaDA2.0 checkpoints
 ship, `modeling_llada2_moe.py`, with `configuration_llada2_moe.py`, copied into the checkpoint
 folder) in an interpreter with a transformers that file imports (4.57). argv: the checkpoint
-folder, a JSON file of {"mask_id", "eos_id", "logits": [ids...], "prompts", "configs"}; prints
+folder, a JSON file of {"mask_id", "eos_id", "logits": [ids...], "prompts", "configs"} (a config may name
+eos_early_stop, and for LLaDA2.1's file editing_threshold and max_post_steps); prints
 {"logits": [[...]], "runs": [{"tokens", "seconds", "forwards"}]} (also the benchmarks' runner:
 benchmarks/moe_llada2.py).
 
@@ -22,6 +23,8 @@ spec = json.load(open(job))
 torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
 block = spec["block_length"]
+# arguments of the later generates (2.0's eos_early_stop; 2.1's token editing), passed when a config names them
+LATER_ARGUMENTS = ("eos_early_stop", "editing_threshold", "max_post_steps")
 
 
 def greedy(self, logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -60,6 +63,7 @@ with torch.no_grad():
             forwards[0], t0 = 0, time.perf_counter()
             x = model.generate(inputs=torch.tensor([prompt]), temperature=0.0, block_length=block,
                                steps=c["steps"], gen_length=c["gen_length"], threshold=c["threshold"],
-                               eos_id=spec["eos_id"], mask_id=spec["mask_id"])
+                               eos_id=spec["eos_id"], mask_id=spec["mask_id"],
+                               **{k: c[k] for k in LATER_ARGUMENTS if k in c})
             out["runs"].append({"tokens": x[0].tolist(), "seconds": time.perf_counter() - t0, "forwards": forwards[0]})
 print(json.dumps(out))
