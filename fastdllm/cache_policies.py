@@ -123,7 +123,8 @@ class CachePolicy:
         if self.history is not None:
             self.history.append((ws, we, length, start, end))
         return self.model.logits_for(seq.x, start, end, window=window, cache=cache, positions=seq.positions,
-                                     key_mask=seq.key_mask, compiled=self.compiled)
+                                     key_mask=seq.key_mask, compiled=self.compiled,
+                                     block_size=seq.block_length or None)
 
 
 class NoCache(CachePolicy):

@@ -190,7 +190,9 @@ class BlockDecoder:
     def __init__(self, model, config: GenerationConfig, cache: CachePolicy | None = None,
                  strategy: UnmaskingStrategy | None = None, policies: Policies | None = None):
         self.model, self.config = model, config
-        if model.args.block_size and config.block_length != model.args.block_size:
+        family = getattr(model, "family", None)
+        if model.args.block_size and config.block_length != model.args.block_size and not (
+                family is not None and family.any_decoding_block):
             raise ValueError(f"block_length: must be {model.args.block_size} for this model, whose attention is "
                              f"block-causal in blocks of {model.args.block_size} (got {config.block_length})")
         self.key = join_key(config)

@@ -66,13 +66,41 @@ def resolve_model_path(path_or_repo_id: str | os.PathLike | None, revision: str 
 
 
 def read_config(folder: Path) -> dict:
+    """config.json, with the special token ids it leaves out taken from the folder's tokenizer
+    (`special_ids_from_tokenizer`)."""
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (every checkpoint folder needs config.json)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return special_ids_from_tokenizer(config, folder, str(path))
+
+
+def special_ids_from_tokenizer(config: dict, folder: Path, where: str) -> dict:
+    """A special id config.json does not state (the published Fast-dLLM v2 and LLaDA2 configs
+    state no `mask_token_id`) is the id of the family's token for it (`Family.special_tokens`,
+    e.g. `|<MASK>|`) in the folder's tokenizer, never a bare published id: that id is right only
+    for the published vocabulary. A folder without a tokenizer keeps the family's default. A
+    tokenizer without the token is an error naming the token looked for."""
+    family = family_of(config, where)
+    missing = {name: text for name, text in family.special_tokens.items()
+               if not any(config.get(key) for key in family.fields[name].read)}
+    if not missing or not any((folder / f).is_file() for f in ("tokenizer.json", "vocab.json")):
+        return config
+    tokenizer = load_tokenizer(folder)
+    config = dict(config)
+    for name, text in missing.items():
+        found = tokenizer.token_to_id(text)
+        if found is None:
+            default = family.fields[name].default
+            there = tokenizer.fast.id_to_token(default) if isinstance(default, int) else None
+            raise ValueError(f"{where}: {name} is not set and the tokenizer has no {text!r} token to take it from "
+                             f"(the published id {default} is {there!r} in this vocabulary); set {name} in "
+                             f"config.json")
+        config[family.fields[name].read[0]] = found
+    return config
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -250,9 +278,11 @@ def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=No
     tokenizer = load_tokenizer(folder)
     mask_id = args.mask_token_id
     if mask_id >= tokenizer.vocab_size or tokenizer.fast.id_to_token(mask_id) is None:
+        family = family_of(config)
         raise ValueError(
             f"{folder / 'config.json'}: mask_token_id {mask_id} is not a token of the tokenizer "
-            f"(vocabulary of {tokenizer.vocab_size})"
+            f"(vocabulary of {tokenizer.vocab_size}; {family.name} masks with "
+            f"{family.special_tokens.get('mask_token_id')!r})"
         )
     model = load_model(folder, dtype=dtype, device="cpu" if quantize else device)
     if quantize:

@@ -19,19 +19,20 @@ FAMILIES = ["tiny_sdar", "tiny_v2"]
 
 
 def reference_forward(folder, ids: torch.Tensor, record: list | None = None, stale: list | None = None,
-                      fresh: range | None = None) -> torch.Tensor:
+                      fresh: range | None = None, block: int | None = None) -> torch.Tensor:
     """Logits (T, V) of one unpadded sequence, from config.json and the safetensors alone: Qwen2 /
     Qwen3 blocks, RoPE by rotate-half, and the block-causal rule key block <= query block.
     `record`: each layer's (k, v) appended to it. `stale` (a `record` of another forward): every
     layer attends to those K/V except at the positions `fresh`, which use this forward's own (a
-    step against a cache computed from other tokens)."""
+    step against a cache computed from other tokens). `block`: attention blocks other than the
+    checkpoint's (a decoding block, as SDAR's evaluation builds its mask)."""
     cfg = json.loads((folder / "config.json").read_text())
     w = {}
     for f in sorted(folder.glob("*.safetensors")):
         w.update(load_file(str(f)))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    block = cfg.get("block_size") or cfg.get("bd_size")
+    block = block or cfg.get("block_size") or cfg.get("bd_size")
     eps = cfg["rms_norm_eps"]
     t = ids.shape[0]
     pos = torch.arange(t)
@@ -170,9 +171,32 @@ def test_a_prompt_ending_inside_a_block_shares_it_with_the_answer(tiny_sdar, tok
     assert out.unmask_step[0, j] == 0 and out.sequences[0, j] == probs[j].argmax()
 
 
-def test_a_block_causal_model_decodes_in_its_own_blocks(tiny_sdar, tokenizer):
+def test_fast_dllm_v2_decodes_in_its_own_blocks(tiny_v2, tokenizer):
     with pytest.raises(ValueError, match="block_length"):
-        generate(tiny_sdar, [tokenizer.encode("hi")], config=GenerationConfig(gen_length=32, block_length=32))
+        generate(tiny_v2, [tokenizer.encode("hi")], config=GenerationConfig(gen_length=32, block_length=16))
+
+
+def test_sdar_decodes_in_a_block_other_than_its_training_block(tiny_sdar, tokenizer, tmp_path):
+    """As SDAR's evaluation allows: block_length 8 on a model trained in blocks of 4 attends
+    block-causally in blocks of 8, prompt included. The first step's choice is the argmax of a
+    forward written from the weights with that mask (which differs from the training block's), and
+    the exact cache gives the uncached tokens."""
+    folder = save_pretrained(tiny_sdar, tmp_path / "sdar", tokenizer, dtype=torch.float32)
+    prompt = tokenizer.encode("Question: 3 + 4 = ? Answer:")
+    lead = len(prompt) % 8
+    assert lead % 4, "the prompt must end inside a block of 4 for the two masks to differ"
+    config = GenerationConfig.for_model(tiny_sdar, GenerationConfig(gen_length=16, block_length=8, steps=16, threshold=None),
+                                        temperature=0.0, block_length=8)
+    assert config.block_length == 8
+    cached = generate(tiny_sdar, [prompt], config=config)
+    uncached = generate(tiny_sdar, [prompt], config=config.replace(cache="none"))
+    assert torch.equal(cached.sequences, uncached.sequences)
+    first_block = torch.tensor(prompt + [tiny_sdar.mask_token_id] * (8 - lead))
+    probs = reference_forward(folder, first_block, block=8)[len(prompt):].softmax(-1)
+    training_block = reference_forward(folder, first_block, block=4)[len(prompt):].softmax(-1)
+    assert not torch.allclose(probs, training_block, atol=1e-4)
+    j = int(probs.max(-1).values.argmax())
+    assert cached.unmask_step[0, j] == 0 and cached.sequences[0, j] == probs[j].argmax()
 
 
 def test_an_unknown_model_type_names_the_families_we_know(tmp_path, tiny_sdar, tokenizer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -264,6 +265,41 @@ def test_mask_token_absent_from_tokenizer(tmp_path, tiny_llada_dir):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mask_token_id 126336"):
         fastdllm.load(d)
+
+
+def _without_special_ids(folder, rename: dict[str, str]):
+    """A checkpoint as its reference's own code saves one: config.json states no mask or EOS id, and
+    the tokenizer's special tokens are renamed (our tiny vocabulary's ids, the family's texts)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in ("mask_token_id", "eos_token_id"):
+        cfg.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    for added in tok["added_tokens"]:
+        added["content"] = rename.get(added["content"], added["content"])
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+
+
+@pytest.mark.parametrize("name", ["tiny_v2", "tiny_llada2", "tiny_sdar"])
+def test_special_ids_a_config_leaves_out_come_from_the_tokenizer(name, request, tokenizer, tmp_path):
+    """Not the published ids (151665, 156895, ...: past this small vocabulary): the ids of the
+    family's mask and EOS tokens in the checkpoint's own tokenizer; a tokenizer without the mask
+    token is refused, naming the token looked for."""
+    model = request.getfixturevalue(name)
+    texts = model.family.special_tokens
+    folder = save_pretrained(model, tmp_path / "named", tokenizer, dtype=torch.float32)
+    mask_id, eos_id = tokenizer.token_to_id("<|mdm_mask|>"), tokenizer.token_to_id("<|endoftext|>")
+    _without_special_ids(folder, {"<|mdm_mask|>": texts["mask_token_id"], "<|endoftext|>": texts["eos_token_id"]})
+    loaded, _ = fastdllm.load(str(folder), dtype=torch.float32)
+    assert (loaded.mask_token_id, loaded.args.eos_token_id) == (mask_id, eos_id)
+    ids = [tokenizer.encode("Question: 1 + 1")]
+    config = fastdllm.GenerationConfig.for_model(model, fastdllm.GenerationConfig(gen_length=16, block_length=8))
+    assert torch.equal(fastdllm.generate(loaded, ids, config=config).sequences,
+                       fastdllm.generate(model, ids, config=config).sequences)
+    other = save_pretrained(model, tmp_path / "unnamed", tokenizer, dtype=torch.float32)
+    _without_special_ids(other, {})
+    with pytest.raises(ValueError, match=re.escape(repr(texts["mask_token_id"]))):
+        fastdllm.load(str(other), dtype=torch.float32)
 
 
 def test_pickle_only_checkpoint_is_refused(tmp_path, tiny_llada_dir):

@@ -105,7 +105,8 @@ def sdar_models():
 @pytest.mark.parametrize("name", sdar_models())
 def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, tmp_path):
     """Greedy, with the quota rule (static and with thresholds), prompts ending anywhere in a block,
-    up to and including the first stop token (the reference leaves what follows masked)."""
+    up to and including the first stop token (the reference leaves what follows masked); in the
+    model's training block and in a decoding block twice as long."""
     if name.startswith("tiny"):
         model, tok = request.getfixturevalue(name), tokenizer
     else:
@@ -119,7 +120,8 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
     task = get_task("arith")
     prompts = [task.encode(tok, doc, []) for doc in task.load(limit=4)]
     blk = model.args.block_size
-    configs = [dict(c, block_length=blk) for c in SDAR_CONFIGS]
+    # its training block, and a decoding block twice as long (its evaluation builds the mask from it)
+    configs = [dict(c, block_length=b) for b in (blk, 2 * blk) for c in SDAR_CONFIGS]
     stop = sorted(model.stop_token_ids)
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"mask_id": model.mask_token_id, "stop": stop, "prompts": prompts, "configs": configs}))
@@ -137,9 +139,10 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
 
     parallel = 0
     for c in configs:
-        steps = c["gen_length"] // blk * c["steps_per_block"]
+        steps = c["gen_length"] // c["block_length"] * c["steps_per_block"]
         config = GenerationConfig.for_model(model, GenerationConfig(gen_length=c["gen_length"], steps=steps,
-                                                                    threshold=c["threshold"]), temperature=0.0)
+                                                                    threshold=c["threshold"]), temperature=0.0,
+                                            block_length=c["block_length"])
         for prompt in prompts:
             ours = fastdllm.generate(model, [prompt], config=config)
             ref = next(theirs)["tokens"][: c["gen_length"]]

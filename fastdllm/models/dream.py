@@ -72,6 +72,7 @@ def generation_config(args: ModelArgs, base: dict | None = None) -> dict:
 
 
 FAMILY = Family(
+    special_tokens={"mask_token_id": "<|mask|>", "eos_token_id": "<|endoftext|>"},
     generation_defaults=GENERATION_DEFAULTS,
     generation_config=generation_config,
     block_start_reveals_first=True,

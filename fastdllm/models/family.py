@@ -64,6 +64,13 @@ class Family:
     # Its reference's own way of proposing tokens and confidences (`unmasking.PROPOSALS`); None:
     # LLaDA's, or Dream's with `alg`.
     proposal: str | None = None
+    # A block-causal family whose reference builds the attention mask from the decoding block, so
+    # that any block_length decodes (in blocks of that length, whatever the training block was);
+    # False: block_length must be the model's block_size.
+    any_decoding_block: bool = False
+    # ModelArgs id fields -> the token's text in the family's vocabulary: where config.json does not
+    # state the id, it is that token's id in the checkpoint's own tokenizer (`loading.read_config`).
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
     def decoding_defaults(self, args: ModelArgs) -> dict:
         """Decoding fields a model of this family needs unless told otherwise. A block-causal model

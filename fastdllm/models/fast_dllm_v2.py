@@ -62,6 +62,7 @@ REFERENCE_CONFIG = {
 }
 
 FAMILY = Family(
+    special_tokens={"mask_token_id": "|<MASK>|", "eos_token_id": "<|im_end|>"},
     name="Fast-dLLM v2",
     model_type=MODEL_TYPE,
     shifted_logits=True,

@@ -70,6 +70,7 @@ REFERENCE_CONFIG = {
 }
 
 FAMILY = Family(
+    special_tokens={"mask_token_id": "<|mdm_mask|>", "eos_token_id": "<|endoftext|>"},
     name="LLaDA",
     model_type=MODEL_TYPE,
     shifted_logits=SHIFTED_LOGITS,

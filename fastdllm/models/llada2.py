@@ -161,6 +161,7 @@ SHARED_EXPERT_WEIGHTS = {
 }
 
 FAMILY = Family(
+    special_tokens={"mask_token_id": "<|mask|>", "eos_token_id": "<|endoftext|>"},
     name="LLaDA2",
     model_type=MODEL_TYPE,
     shifted_logits=False,
@@ -184,4 +185,5 @@ FAMILY = Family(
     # caller leaves at the engine's default (0.9) stays.
     decoding={"unmasking": "quota"},
     proposal="llada2",
+    any_decoding_block=True,  # the published generate builds its mask from block_length
 )

@@ -106,6 +106,7 @@ def _derived(args: ModelArgs) -> dict:
 
 
 FAMILY = Family(
+    special_tokens={"mask_token_id": "<|mdm_mask|>", "eos_token_id": "<|endoftext|>"},
     name="LLaDA-MoE",
     model_type=MODEL_TYPE,
     shifted_logits=False,

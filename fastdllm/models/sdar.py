@@ -5,6 +5,11 @@ Qwen3: per-head RMSNorm of q and k before RoPE, no biases, an explicit `head_dim
 block-causal in blocks of `block_size` (4 for the released chat models): a block attends to every
 earlier block and bidirectionally to itself, so the K/V of a finished block never change and the
 cache is exact. No logit shift: the output at position i predicts token i.
+
+Decoding in blocks other than the training block is allowed, as SDAR's own evaluation allows it
+(`block_length=8` on a model trained with blocks of 4): attention is then block-causal in the
+decoding block, prompt included, exactly as that routine builds its mask. The model never saw that
+mask in training, so quality may change.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ def _check(cfg: dict, where: str) -> None:
 
 
 FAMILY = Family(
+    special_tokens={"mask_token_id": "<MASK>", "eos_token_id": "<|endoftext|>"},
     name="SDAR",
     model_type=MODEL_TYPE,
     shifted_logits=False,
@@ -97,6 +103,7 @@ FAMILY = Family(
     layer_weights=qwen.LAYER_WEIGHTS,
     qk_norm_weights=qwen.QK_NORM_WEIGHTS,
     qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
+    any_decoding_block=True,  # SDAR's evaluation builds its mask from the decoding block
     generation_defaults=GENERATION_DEFAULTS,
     generation_config=generation_config,
     decoding={"unmasking": "quota"},  # its block_diffusion_generate's rule

@@ -256,6 +256,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         compiled: bool = False,
+        block_size: int | None = None,
     ) -> torch.Tensor:
         """Logits (B, end-start, V) in which row j predicts token `start + j`, for every family.
 
@@ -264,6 +265,8 @@ class Transformer(nn.Module):
         window's K/V are recomputed and written back, everything else is read from the cache.
         Prefix mode is window (block_start, L); DualCache is window (block_start, block_end).
         `positions` (B, L) and `key_mask` (B, 1, 1, L) describe the whole sequence (padding).
+        `block_size`: a block-causal model's attention blocks for this call (the decoding block,
+        where the family decodes in blocks other than its training block); default its own.
         """
         bsz, length = x.shape
         ws, we = (0, length) if window is None else window
@@ -280,7 +283,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = positions_from_mask(None, bsz, length, x.device)
         if self.args.block_size:  # the keys are the whole sequence: the window's, or the cache's
-            key_mask = block_causal_mask(positions[:, ws:we], positions, self.args.block_size, key_mask)
+            key_mask = block_causal_mask(positions[:, ws:we], positions, block_size or self.args.block_size, key_mask)
         h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws, compiled=compiled)
         if first:
             return self.head(torch.cat([h[:, :1], h[:, : end - shift]], 1))
