@@ -315,9 +315,14 @@ def save_pretrained(
     extra_config: dict | None = None,
     quantized: dict | None = None,
     quant_format: str = "compressed-tensors",
+    remote_code: bool = True,
 ) -> Path:
     """Write `model` in its family's real layout: config.json, safetensors (sharded with an index
     when larger than `max_shard_bytes`), and the tokenizer files.
+
+    `remote_code=False` leaves out config.json's `auto_map` (the family's modeling files, which a
+    real checkpoint ships beside it): a folder without those files then loads in transformers
+    (`AutoTokenizer`) without asking to trust remote code.
 
     `quantized` (our layer name -> `quant.QuantizedWeight`, from `quant.quantize_weights`) writes
     those layers quantized in `quant_format` ("compressed-tensors" or "gptq") with its
@@ -337,6 +342,8 @@ def save_pretrained(
     config = family.config_from_args(model.args, getattr(model, "config", None))
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config.update(extra_config or {})
+    if not remote_code:
+        config.pop("auto_map", None)
     names = family.weight_names(model.args)
     if quantized:
         bits = {qw.bits for qw in quantized.values()}

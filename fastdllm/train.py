@@ -528,5 +528,5 @@ def train(args: TrainSettings) -> Path:
             log.flush()
             print(json.dumps(rec), flush=True)
     final = out / "final"
-    save_pretrained(model, final, tokenizer, dtype=torch.bfloat16)
+    save_pretrained(model, final, tokenizer, dtype=torch.bfloat16, remote_code=False)  # the embedded assets
     return final

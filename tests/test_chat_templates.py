@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
+import fastdllm
 from fastdllm.tokenizer import render_template
 
 LOOP_CONTROLS = (
@@ -68,6 +73,29 @@ def test_the_embedded_templates_and_ids_match_transformers():
             assert render_template(tok.chat_template, messages, True, tools, **tok.special_tokens_context()) == text
             assert tok.render_chat(messages, tools=tools) == text
             assert tok.encode_chat(messages, tools=tools) == hf.encode(text, add_special_tokens=False)
+
+
+def test_the_embedded_assets_load_in_transformers_without_remote_code():
+    """A config.json whose auto_map names modeling files the folder lacks makes AutoTokenizer ask
+    whether to trust remote code: every asset ships what its auto_map names (it names none), and
+    transformers loads one without asking, as a user's script calls it."""
+    pytest.importorskip("transformers")
+    from fastdllm.loading import EMBEDDED_MODELS, resolve_model_path
+
+    for name in EMBEDDED_MODELS:
+        folder = resolve_model_path(name)
+        named = {ref.split(".")[0] + ".py" for ref in json.loads((folder / "config.json").read_text())
+                 .get("auto_map", {}).values()}
+        assert all((folder / f).is_file() for f in named), (name, named)
+    folder = resolve_model_path(EMBEDDED_MODELS[0])
+    script = ("import sys; from transformers import AutoTokenizer; "
+              "print(AutoTokenizer.from_pretrained(sys.argv[1]).encode('3 + 4', add_special_tokens=False))")
+    out = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=120)
+    assert out.returncode == 0, out.stderr[-1000:]
+    assert "remote code" not in out.stdout + out.stderr and "custom code" not in out.stdout + out.stderr
+    _, tok = fastdllm.load(EMBEDDED_MODELS[0])
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == tok.encode("3 + 4", add_special_tokens=False)
 
 
 # A tool call and its result in the history, as `tool_calls.template_messages` passes them on.
