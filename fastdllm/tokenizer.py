@@ -292,9 +292,14 @@ GenerationTag = _generation_tag()
 
 def render_template(template: str, messages: list[dict], add_generation_prompt: bool = True, tools=None,
                     documents=None, **context) -> str:
-    """A chat template rendered in transformers' environment, without transformers."""
+    """A chat template rendered in transformers' environment, without transformers. A tool given as
+    a Python function reaches the template as its JSON schema, as transformers makes it
+    (`tool_schema.function_schema`)."""
     import jinja2.ext
 
+    from .tool_schema import as_tool_schemas
+
+    tools = as_tool_schemas(tools)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols, GenerationTag])
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -225,3 +227,96 @@ def test_decoding_keeps_added_tokens_that_are_not_special():
     ids = tok.encode("a <think> b<|eot_id|>")
     assert tok.token_to_id("<think>") in ids
     assert "<think>" in tok.decode(ids) and "<|eot_id|>" not in tok.decode(ids)
+
+
+# ---- tools given as Python functions: their JSON schema, by transformers' rules ---------------------
+class Unit(enum.Enum):
+    CELSIUS = "celsius"
+    KELVIN = "kelvin"
+
+
+def add(a: int, b: float = 1.0) -> float:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b (float): The second number, which may
+            be written over two lines.
+
+    Returns:
+        The sum.
+    """
+
+
+def weather(city: str, unit: Unit, days: list[int] | None = None, mode: typing.Literal["fast", 1] = "fast",
+            extra: dict[str, bool] = None, pair: tuple[int, str] = (1, "a"), either: int | list[str] = 0,
+            anything: typing.Any = None, kind: str = "a"):
+    """Get the weather.
+    Over several lines.
+
+    Args:
+        city: The city.
+        unit: The unit.
+        days: The days ahead.
+        mode: How.
+        extra: Flags.
+        pair: A pair.
+        either: One or the other.
+        anything: Whatever.
+        kind: Which kind (choices: ["a", "b"])
+    """
+
+
+class Tools:
+    def method(self, x: str):
+        """A method.
+
+        Args:
+            x: A string.
+        """
+
+
+@pytest.mark.parametrize("func", [add, weather, Tools().method])
+def test_a_python_function_is_the_tool_schema_transformers_makes(func):
+    from fastdllm.tool_schema import function_schema
+
+    get_json_schema = pytest.importorskip("transformers.utils").get_json_schema
+    assert function_schema(func) == get_json_schema(func)
+
+
+def test_a_function_without_what_its_schema_needs_names_it():
+    from fastdllm.tool_schema import function_schema
+
+    def bare(x: int):
+        pass
+
+    def undocumented(x: int):
+        """Does things."""
+
+    def unhinted(x):
+        """Does things.
+
+        Args:
+            x: A thing.
+        """
+
+    for f, words in ((bare, "no docstring"), (undocumented, "'x'"), (unhinted, "type hint")):
+        with pytest.raises(ValueError, match=words):
+            function_schema(f)
+
+
+def test_apply_chat_template_takes_python_functions_as_tools_with_and_without_transformers():
+    _, tok = fastdllm.load("llada-arith")
+    messages = [{"role": "user", "content": "Tom has 5 apples. He buys 3 more. How many now?"}]
+    tok.use_transformers = False
+    try:
+        ours = tok.apply_chat_template(messages, tools=[add, weather], tokenize=False, add_generation_prompt=True)
+    finally:
+        tok.use_transformers = True
+    from fastdllm.tool_schema import function_schema
+
+    assert ours == tok.apply_chat_template(messages, tools=[function_schema(add), function_schema(weather)],
+                                           tokenize=False, add_generation_prompt=True)
+    assert "- add(a, b): Add two numbers.\n" in ours
+    pytest.importorskip("transformers")
+    assert ours == tok.apply_chat_template(messages, tools=[add, weather], tokenize=False, add_generation_prompt=True)
