@@ -385,6 +385,13 @@ BAD_REQUESTS = [
     (COMP, {"model": MODEL, "prompt": "\udfff\ud800"}, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": ["fine", "x\ud800"]}, 400, "prompt"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a\udfff"}]}, 400, "messages[0].content"),
+    (CHAT, {"model": MODEL, "messages": MSG + [{"role": "tool", "content": "8"}]}, 400, "messages[1].tool_call_id"),
+    (CHAT, {"model": MODEL, "messages": MSG + [{"role": "assistant", "content": "x", "tool_calls": []}]}, 400,
+     "messages[1].tool_calls"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400,
+     "messages[0].tool_calls"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
     (CHAT, {"model": MODEL, "messages": MSG, "stop": ["\ud800"]}, 400, "stop"),
     ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),
     ("/v1/nothing", {"model": MODEL}, 404, None),

@@ -74,6 +74,12 @@ def validation_error(errors: list[dict]) -> APIError:
     if kind == "missing":
         return APIError(400, f"{param}: required field is missing", param=param, code="missing_field")
     msg = err["msg"].removeprefix("Value error, ")
+    field = msg.split(":", 1)[0]
+    if kind == "value_error" and field in _field_names() and msg.startswith(field + ": "):
+        # a check across a model's fields names the field it faults first: that field is the param
+        param, msg = f"{param}.{field}" if param else field, msg[len(field) + 2:]
+        code = "missing_field" if msg.startswith("required") else "invalid_value"
+        return APIError(400, f"{param}: {msg}", param=param, code=code)
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
@@ -119,6 +125,13 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _content_or_calls(self):
+        # as OpenAI's API answers them: each a 400 naming the field
+        if self.tool_calls is not None and not self.tool_calls:
+            raise ValueError("tool_calls: an empty array; give at least one call, or leave the field out")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message has them (this one is a {self.role} message)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: required in a tool message (the id of the call it answers)")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content: required (only an assistant message with tool_calls may omit it)")
         return self
