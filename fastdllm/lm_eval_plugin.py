@@ -1,6 +1,6 @@
 """lm-evaluation-harness model `fastdllm`: generation tasks through our decoding engine.
 
-Install the extra (`pip install 'fastdllm[lm_eval]'`), then either
+Install the extra (`pip install 'fastdllm[lm-eval]'`), then either
 
     # the command line: this module registers the model, then runs lm_eval's own CLI
     python -m fastdllm.lm_eval_plugin --model fastdllm \\
@@ -217,7 +217,7 @@ def register() -> Any:
         from lm_eval.api.model import LM
         from lm_eval.api.registry import register_model
     except ImportError as e:
-        raise ImportError("fastdllm.lm_eval_plugin needs lm-evaluation-harness: pip install 'fastdllm[lm_eval]'") from e
+        raise ImportError("fastdllm.lm_eval_plugin needs lm-evaluation-harness: pip install 'fastdllm[lm-eval]'") from e
     _REGISTERED["cls"] = make_model_class(LM, register_model)
     return _REGISTERED["cls"]
 

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fastdllm"
 # ("fastdllm", the package's own __init__, names itself only: a new module must be placed here).
 LAYERS = [
     ("declarations", ["fastdllm.config", "fastdllm.version", "fastdllm.tokenizer", "fastdllm.text", "fastdllm.tool_calls",
+                      "fastdllm.tool_schema",
                       "fastdllm.tasks.scoring", "fastdllm.sandbox", "fastdllm.live_view", "fastdllm.server.guard",
                       "fastdllm.server.metrics", "fastdllm.server.schema"]),
     ("cache", ["fastdllm.cache"]),
