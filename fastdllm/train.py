@@ -82,6 +82,7 @@ DATA_MIXES["talk-arith"] = DATA_MIXES["talk"]  # the same shapes; the arith stor
 # the arith model's own rows with tool calls and JSON answers among them, mostly in short regions:
 # an answer token's weight is over its region's length, and a new skill's answers are ~50 tokens
 DATA_MIXES["tools"] = (0.0, [(0.55, [64]), (0.7, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
+DATA_MIXES["plain"] = DATA_MIXES["tools"]  # the same shapes; rows from train_data (few-shot there)
 # The fewest exemplars a few-shot batch draws, per mix (default 1; the most is always 8).
 MIN_SHOTS = {"shots": 4, "tail": 4}
 

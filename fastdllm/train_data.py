@@ -5,8 +5,9 @@ Prompt formats (what the model card documents):
 - chat: the question as the user message of the chat template; the answer, then `<|eot_id|>`.
   A share of rows are two-turn conversations (an earlier question and its answer before).
 - plain: no template, as `/v1/completions`, `generate_text` and lm-eval's default path send it:
-  "Question: ...\\nAnswer:" or the bare question; the answer follows after a space and ends with
-  the end-of-text token.
+  "Question: ...\\nAnswer:" (in the `plain` mix also behind 1-8 solved examples, lm-eval gsm8k's
+  few-shot layout) or the bare question; the answer follows after a space and ends with the
+  end-of-text token.
 - tools (`fastdllm.tool_data`): a story with tools in the chat template's system turn, answered
   by a tool call, a call's arguments or a JSON object.
 - text: general prose (Python's standard-library docstrings, PSF licence, `fastdllm/data/`) as a
@@ -36,11 +37,15 @@ SOURCES = {"everyday": 0.45, "arith": 0.18, "gsm8k": 0.1, "drill": 0.12, "text":
 MIX_SOURCES = {"talk": SOURCES,
                "talk-arith": {"everyday": 0.35, "arith": 0.35, "gsm8k": 0.05, "drill": 0.15, "text": 0.1},
                # the embedded arith model's own prompts, and tool calls and JSON answers
-               "tools": {"arith": 0.45, "drill": 0.15, "tools": 0.4}}
+               "tools": {"arith": 0.45, "drill": 0.15, "tools": 0.4},
+               # the embedded arith model's own questions behind the plain wrappers users send
+               "plain": {"arith": 0.85, "drill": 0.15}}
 # Within a question row: the prompt format's shares.
 FORMATS = {"chat": 0.5, "chat2": 0.12, "plain": 0.26, "plain-bare": 0.12}
 # Mixes whose question rows are all chat-formatted (their models were never given plain prompts).
-MIX_FORMATS = {"tools": {"chat": 1.0}}
+MIX_FORMATS = {"tools": {"chat": 1.0},
+               # half the rows as the model was trained (chat), so that its chat accuracy is kept
+               "plain": {"chat": 0.5, "plain": 0.35, "plain-bare": 0.15}}
 # Docstrings of these modules are never trained on (the general-text measurements read them).
 HELD_OUT_MODULES = frozenset({"statistics", "difflib", "textwrap", "calendar", "heapq", "zipfile", "wave",
                               "trace", "smtplib", "fractions"})
@@ -117,6 +122,8 @@ def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
     form = _draw(r, formats or FORMATS)
     if form.startswith("plain"):
         text = p.question if form == "plain-bare" else f"Question: {p.question}\nAnswer:"
+        if form == "plain" and source == "arith" and r.random() < 0.3:  # lm-eval gsm8k's few-shot layout
+            text = arith.format_prompt(p.question, [next(streams["arith"]) for _ in range(r.randint(1, 8))])
         return tokenizer.encode(text, add_special_tokens=False), tokenizer.encode(" " + p.answer, add_special_tokens=False) + [eos]
     messages = []
     if form == "chat2":
