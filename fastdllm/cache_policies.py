@@ -90,6 +90,8 @@ class CachePolicy:
     def __init__(self, model, compiled: bool = False):
         self.model = model
         self.compiled = compiled  # forwards through the model's torch.compile'd layers
+        # each row's logits exactly as computed alone, whatever the batch (`models.invariance`)
+        self.batch_invariant = False
         self.work: list[tuple[list[int] | None, int, int]] = []
         self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
         self.peak_cache_bytes = 0  # the largest KV cache this policy held at once (memory accounting)
@@ -124,7 +126,7 @@ class CachePolicy:
             self.history.append((ws, we, length, start, end))
         return self.model.logits_for(seq.x, start, end, window=window, cache=cache, positions=seq.positions,
                                      key_mask=seq.key_mask, compiled=self.compiled,
-                                     block_size=seq.block_length or None)
+                                     block_size=seq.block_length or None, batch_invariant=self.batch_invariant)
 
 
 class NoCache(CachePolicy):
@@ -398,5 +400,8 @@ def register_cache_policy(cls: type[CachePolicy]) -> type[CachePolicy]:
 
 
 def cache_policy(model, config) -> CachePolicy:
-    """The policy a config names, with its refresh rule."""
-    return CACHE_POLICIES[config.cache].from_config(model, config)
+    """The policy a config names, with its refresh rule (batch-invariant forwards with
+    `config.deterministic`)."""
+    policy = CACHE_POLICIES[config.cache].from_config(model, config)
+    policy.batch_invariant = config.deterministic
+    return policy

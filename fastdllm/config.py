@@ -121,6 +121,8 @@ class GenerationConfig:
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
     compile: bool = _opt(False, "bool", "run the dense math of the model's layers through torch.compile (the "
                          "first use compiles: eval and serve do it before timing or serving)", server=False)
+    deterministic: bool = _opt(False, "bool", "batch-invariant forwards: a row's tokens are the same whatever else "
+                               "is in its batch, in bfloat16 too (slower; a server-wide setting)", server=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -326,6 +328,7 @@ class GenerationConfig:
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")
         need(isinstance(self.compile, bool), "compile", "must be true or false")
+        need(isinstance(self.deterministic, bool), "deterministic", "must be true or false")
 
 
 # --preset NAME -> the GenerationConfig classmethod that builds it.

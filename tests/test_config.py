@@ -16,7 +16,7 @@ from fastdllm.config import ConfigError
 BAD = {
     "gen_length": 0, "block_length": 7, "steps": 1000, "temperature": -1, "remasking": "x", "threshold": 1.5,
     "factor": 0, "cache": "x", "unmasking": "x", "alg": "x", "alg_temp": -1, "eps": 1, "top_p": 0, "top_k": 0, "stop_at_eos": "yes", "eos_early_stop": "yes",
-    "seed": 1.5, "suffix_window": -1, "sub_block_length": 5, "editing_threshold": 1.5, "max_post_steps": -1, "refresh": "sometimes", "refresh_every": 0, "refresh_tol": -1, "compile": 1,
+    "seed": 1.5, "suffix_window": -1, "sub_block_length": 5, "editing_threshold": 1.5, "max_post_steps": -1, "refresh": "sometimes", "refresh_every": 0, "refresh_tol": -1, "compile": 1, "deterministic": "yes",
 }
 
 

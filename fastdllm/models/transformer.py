@@ -17,12 +17,15 @@ and return logits for the positions [start, end) only.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache
 from .args import ModelArgs
+from .invariance import BatchInvariant
 from .mlp import FeedForward
 from .moe import MoEFeedForward
 
@@ -91,14 +94,30 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q, k, v, key_mask, layer_cache, window_start: int) -> torch.Tensor:
+    def attend(self, q, k, v, key_mask, layer_cache, window_start: int, spans=None) -> torch.Tensor:
         """Attention over the window's K/V, or over the whole cached sequence with this window's
-        K/V written into the cache; (B, T, heads * head_dim), before the output projection."""
+        K/V written into the cache; (B, T, heads * head_dim), before the output projection.
+
+        `spans` (per row, the columns [lo, hi) holding its keys; `key_spans`): each row attends
+        over its own keys alone, as it would unbatched. Padding otherwise changes how attention's
+        sums are split and rounded (~1e-2 in bfloat16), which is what flips a near-tied token."""
         if layer_cache is not None:
             k, v = layer_cache.update(window_start, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=key_mask, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        gqa = self.n_kv_heads != self.n_heads
+        if spans is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, enable_gqa=gqa)
+        else:
+            # the row's queries too: the window's columns inside its span (the rest is padding)
+            out = q.new_zeros(q.shape)
+            for i, (lo, hi) in enumerate(spans):
+                q_lo, q_hi = max(lo - window_start, 0), min(hi - window_start, q.shape[2])
+                mask = None
+                if key_mask is not None:
+                    mask = key_mask[i : i + 1, :, q_lo:q_hi if key_mask.shape[2] > 1 else 1, lo:hi]
+                    mask = None if bool(mask.all()) else mask
+                out[i : i + 1, :, q_lo:q_hi] = F.scaled_dot_product_attention(
+                    q[i : i + 1, :, q_lo:q_hi], k[i : i + 1, :, lo:hi], v[i : i + 1, :, lo:hi], attn_mask=mask,
+                    enable_gqa=gqa)
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
     def forward(self, x, cos, sin, key_mask, layer_cache, window_start: int) -> torch.Tensor:
@@ -116,11 +135,12 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, key_mask, layer_cache, window_start, dense=None):
-        """`dense`: (before, after), compiled versions of `before_attention` / `after_attention`."""
+    def forward(self, x, cos, sin, key_mask, layer_cache, window_start, dense=None, spans=None):
+        """`dense`: (before, after), compiled versions of `before_attention` / `after_attention`;
+        `spans`: each row's key columns (`Attention.attend`)."""
         before, after = dense or (self.before_attention, self.after_attention)
         q, k, v = before(x, cos, sin)
-        return after(x, self.attention.attend(q, k, v, key_mask, layer_cache, window_start))
+        return after(x, self.attention.attend(q, k, v, key_mask, layer_cache, window_start, spans))
 
     # The dense math on either side of attention (what `torch.compile` fuses); the attention itself,
     # which writes the cache in place, stays eager.
@@ -130,6 +150,17 @@ class TransformerBlock(nn.Module):
     def after_attention(self, x, attended):
         x = x + self.attention.wo(attended)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+def key_spans(key_mask: torch.Tensor | None, batch: int, keys: int) -> list[tuple[int, int]]:
+    """Per row, the columns [lo, hi) of the keys any query may attend (its prompt to the end of
+    what it sees; padding on either side left out)."""
+    if key_mask is None:
+        return [(0, keys)] * batch
+    seen = key_mask.flatten(1, -2).any(1)  # (B, S)
+    lo = seen.int().argmax(-1)
+    hi = seen.shape[-1] - seen.flip(-1).int().argmax(-1)
+    return list(zip(lo.tolist(), hi.tolist()))
 
 
 def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, block_size: int,
@@ -219,7 +250,7 @@ class Transformer(nn.Module):
         return self._compiled_layers
 
     def hidden(self, tokens, positions, key_mask=None, cache: KVCache | None = None, window_start: int = 0,
-               compiled: bool = False):
+               compiled: bool = False, batch_invariant: bool = False):
         """Final-norm hidden states of a window of tokens (B, T) at absolute `positions` (B, T).
 
         `key_mask` (B, 1, 1, S) is True where a key may be attended; S is T without a cache or the
@@ -229,21 +260,27 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         dense = self.compiled_layers() if compiled else [None] * len(self.layers)
+        spans = None
+        if batch_invariant:  # each row attends alone (`invariance`); under BatchInvariant, see logits_for
+            keys = tokens.shape[1] if cache is None else cache.length
+            spans = key_spans(key_mask, tokens.shape[0], keys)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, key_mask, None if cache is None else cache.layer(i), window_start, dense[i])
+            x = layer(x, cos, sin, key_mask, None if cache is None else cache.layer(i), window_start, dense[i], spans)
         return self.norm(x)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                batch_invariant: bool = False) -> torch.Tensor:
         """Plain full forward: logits (B, L, V) with the family's native meaning (shifted for Dream)."""
         bsz, length = input_ids.shape
         positions = positions_from_mask(attention_mask, bsz, length, input_ids.device)
         key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         if self.args.block_size:
             key_mask = block_causal_mask(positions, positions, self.args.block_size, key_mask)
-        return self.head(self.hidden(input_ids, positions, key_mask))
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext():
+            return self.head(self.hidden(input_ids, positions, key_mask, batch_invariant=batch_invariant))
 
     def logits_for(
         self,
@@ -257,6 +294,7 @@ class Transformer(nn.Module):
         key_mask: torch.Tensor | None = None,
         compiled: bool = False,
         block_size: int | None = None,
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
         """Logits (B, end-start, V) in which row j predicts token `start + j`, for every family.
 
@@ -267,6 +305,7 @@ class Transformer(nn.Module):
         `positions` (B, L) and `key_mask` (B, 1, 1, L) describe the whole sequence (padding).
         `block_size`: a block-causal model's attention blocks for this call (the decoding block,
         where the family decodes in blocks other than its training block); default its own.
+        `batch_invariant`: each row's logits exactly as computed alone (`models.invariance`).
         """
         bsz, length = x.shape
         ws, we = (0, length) if window is None else window
@@ -284,7 +323,9 @@ class Transformer(nn.Module):
             positions = positions_from_mask(None, bsz, length, x.device)
         if self.args.block_size:  # the keys are the whole sequence: the window's, or the cache's
             key_mask = block_causal_mask(positions[:, ws:we], positions, block_size or self.args.block_size, key_mask)
-        h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws, compiled=compiled)
-        if first:
-            return self.head(torch.cat([h[:, :1], h[:, : end - shift]], 1))
-        return self.head(h[:, start - shift - ws : end - shift - ws])
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext():
+            h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws, compiled=compiled,
+                            batch_invariant=batch_invariant)
+            if first:
+                return self.head(torch.cat([h[:, :1], h[:, : end - shift]], 1))
+            return self.head(h[:, start - shift - ws : end - shift - ws])
