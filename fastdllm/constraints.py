@@ -23,8 +23,9 @@ not even the frontier's token leaves room, the frontier gets the first token of 
 completion found instead. So an unbounded integer or string ends, closed, before the budget runs
 out, where a left-to-right engine would cut the answer mid-value. The completion is searched
 greedily (forced tokens, then closing bytes first: `}` `]` `"`, then separators, then the smallest
-literals) and respelt in the tokenizer's own tokens: an upper bound of the shortest, found in a
-few steps for JSON; where none is found the run is left as it was.
+literals; of those, the first that moves the grammar on, so that a `}` inside a string is not
+taken for the object's end) and respelt in the tokenizer's own tokens: an upper bound of the
+shortest, found in a few steps for JSON; where none is found the run is left as it was.
 
 The grammar engine is llguidance (Microsoft's; the one vLLM and SGLang can use): it runs on the
 CPU from a `tokenizers` JSON, computes a token mask per position in microseconds, checks a run of
@@ -149,7 +150,10 @@ class GrammarConstraint:
                 path += forced
                 continue
             allowed = _allowed(m, self.tokenizer.vocab_size)
-            pick = next((t for t in closers if allowed[t]), None)
+            candidates = [t for t in closers if allowed[t]]
+            # a closer that is only content here (a `}` inside a string) leaves the state as it
+            # was: the first one that moves the grammar on is taken
+            pick = next((t for t in candidates if self._moves(m, t, allowed)), candidates[0] if candidates else None)
             if pick is None:
                 pick = next((t for t in single if allowed[t]), None)
             if pick is None:
@@ -161,6 +165,13 @@ class GrammarConstraint:
                 return None
             path.append(pick)
         return None
+
+    def _moves(self, matcher, token: int, allowed: torch.Tensor) -> bool:
+        """Whether `token` changes what the grammar allows next (it ends or starts something)."""
+        m = matcher.deep_copy()
+        if not m.consume_token(token):
+            return False
+        return m.is_stopped() or m.is_accepting() or not torch.equal(_allowed(m, self.tokenizer.vocab_size), allowed)
 
     def _respelt(self, matcher, run: list[int]) -> list[int]:
         """`run`'s bytes in the tokenizer's own (longer) tokens where that is shorter and the

@@ -8,6 +8,7 @@ import torch
 
 import fastdllm
 from fastdllm import ConfigError, GenerationConfig, generate
+from fastdllm import tool_calls
 from fastdllm.constraints import GrammarConstraint, response_format_constraint
 
 Q = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
@@ -123,6 +124,81 @@ def test_the_grammar_finishes_within_the_budget(loaded):
         GrammarConstraint.json(tok, model.stop_token_ids, UNBOUNDED, budget=0)
 
 
+# Schemas whose values have no bound a model could be stopped by: numbers, strings, arrays without
+# maxItems (nested), optional members.
+OPEN_ENDED = {
+    "integer and string": {"type": "object", "required": ["answer", "unit"],
+                           "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}}},
+    "one long string": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
+    "nested arrays": {"type": "object", "required": ["rows"], "properties": {
+        "rows": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}}},
+    "optional fields": {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "array", "items": {"type": "string"}}}},
+}
+
+
+def open_ended_lover(tok, vocab: int, t: int) -> torch.Tensor:
+    """Logits of a model that would grow any value for ever: digits, letters, a `}` inside a string,
+    opening brackets, commas, ahead of what closes a value."""
+    logits = torch.zeros(t, vocab)
+    for text, score in (("7", 10.0), ("a", 9.5), ("}", 9.4), ("[", 9.0), (",", 8.5), ("{", 8.0), ('"', 7.0),
+                        (":", 6.0), (" ", 5.0), ("b", 4.0)):
+        logits[:, tok.encode(text, add_special_tokens=False)[0]] = score
+    return logits
+
+
+def is_valid(tok, model, schema, answer_ids) -> bool:
+    """The answer up to the stop token, read by a fresh grammar of `schema` to its accepting end."""
+    stop = model.stop_token_ids[0]
+    if stop not in answer_ids:
+        return False
+    text = tok.decode(answer_ids[: answer_ids.index(stop)], skip_special_tokens=True)
+    json.loads(text)
+    fresh = GrammarConstraint.json(tok, model.stop_token_ids, schema)
+    ids = fresh.tokenizer.tokenize_bytes(text.encode())
+    return fresh.matcher.consume_tokens(ids) and fresh.matcher.is_accepting()
+
+
+# Each schema's shortest instance, as the grammar writes JSON.
+SHORTEST = {"integer and string": '{"answer": 0, "unit": ""}', "one long string": '{"text": ""}',
+            "nested arrays": '{"rows": []}', "optional fields": '{"a": ""}'}
+
+
+@pytest.mark.parametrize("name", sorted(OPEN_ENDED))
+def test_open_ended_values_close_within_every_budget_from_the_shortest_up(loaded, name):
+    """From the schema's shortest answer (its shortest instance and the stop token) to 256
+    positions, a model that would never close a value still ends with valid JSON and its stop token
+    inside the budget; one position below, the JSON fills the budget with no room for the stop
+    token (the server's finish_reason "length"), and two below it cannot close."""
+    model, tok = loaded
+    schema = OPEN_ENDED[name]
+    shortest = len(tok.encode(SHORTEST[name], add_special_tokens=False)) + 1
+    assert len(GrammarConstraint.json(tok, model.stop_token_ids, schema).completion()) >= shortest
+    stop = model.stop_token_ids[0]
+    for budget in sorted({shortest, shortest + 1, shortest + 5, 2 * shortest, 64, 256}):
+        c = GrammarConstraint.json(tok, model.stop_token_ids, schema, budget=budget)
+        answer = decode_left_to_right(c, open_ended_lover(tok, model.args.vocab_size, budget), stop)
+        assert c.finished and is_valid(tok, model, schema, answer), (name, budget, tok.decode(answer))
+    for short in (shortest - 1, shortest - 2):  # no room for the stop token; then not for the JSON either
+        below = GrammarConstraint.json(tok, model.stop_token_ids, schema, budget=short)
+        answer = decode_left_to_right(below, open_ended_lover(tok, model.args.vocab_size, short), stop)
+        assert stop not in answer and below.finished == (short == shortest - 1)
+
+
+@pytest.mark.parametrize("name,budget", [("integer and string", 32), ("integer and string", 64),
+                                         ("one long string", 32)])
+def test_the_embedded_model_closes_open_ended_values_in_time(loaded, name, budget):
+    """The default model left to its own devices writes digits and text past any budget: the
+    answer still closes, valid, within it."""
+    model, tok = loaded
+    ids = tok.encode_chat([{"role": "user", "content": Q}])
+    c = GrammarConstraint.json(tok, model.stop_token_ids, OPEN_ENDED[name], budget=budget)
+    out = generate(model, [ids], GenerationConfig(gen_length=-(-budget // 32) * 32), constraints=[c])
+    answer = out.sequences[0].tolist()
+    assert c.finished and answer.index(model.stop_token_ids[0]) < budget
+    assert is_valid(tok, model, OPEN_ENDED[name], answer)
+
+
 def test_a_completion_closes_what_is_open(loaded):
     model, tok = loaded
     c = GrammarConstraint.json(tok, model.stop_token_ids, UNBOUNDED)
@@ -163,6 +239,41 @@ def test_server_response_format(loaded):
                                                    "response_format": {"type": "yaml"}})
         assert bad.status_code == 400
         assert server.health()["status"] == "ok"
+    finally:
+        server.stop()
+
+
+def test_the_server_closes_open_ended_json_and_forced_calls_within_max_tokens(loaded):
+    """Through the API: a json_schema answer and a forced tool call with a string argument are
+    complete and valid within max_tokens from the shortest answer up; below it, finish_reason is
+    "length"."""
+    from .test_server import LiveServer
+
+    model, tok = loaded
+    schema = OPEN_ENDED["integer and string"]
+    shortest = len(tok.encode(SHORTEST["integer and string"], add_special_tokens=False)) + 1
+    fmt = {"type": "json_schema", "json_schema": {"name": "result", "schema": schema}}
+    tool = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}}}
+    forced = tool_calls.forced_schema([tool], "required")
+    call_shortest = len(GrammarConstraint.json(tok, model.stop_token_ids, forced).completion())  # an upper bound
+    server = LiveServer(*loaded)
+    try:
+        msg = [{"role": "user", "content": Q}]
+        for max_tokens in (shortest, 48):
+            r = server.client.chat.completions.create(model="llada-arith", messages=msg, max_tokens=max_tokens,
+                                                      response_format=fmt)
+            obj = json.loads(r.choices[0].message.content)
+            assert r.choices[0].finish_reason == "stop" and isinstance(obj["answer"], int), max_tokens
+            assert r.usage.completion_tokens <= max_tokens
+        for max_tokens in (call_shortest, 64):
+            r = server.client.chat.completions.create(model="llada-arith", messages=msg, max_tokens=max_tokens,
+                                                      tools=[tool], tool_choice="required")
+            calls = r.choices[0].message.tool_calls
+            assert calls and isinstance(json.loads(calls[0].function.arguments)["text"], str), max_tokens
+        r = server.client.chat.completions.create(model="llada-arith", messages=msg, max_tokens=shortest - 2,
+                                                  response_format=fmt)
+        assert r.choices[0].finish_reason == "length"
     finally:
         server.stop()
 
