@@ -5,6 +5,7 @@ running batch), for every family."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -83,3 +84,49 @@ def test_rows_that_join_a_running_batch_decode_as_alone(bf16):
     for row, prompt, gen in zip(rows, first + late, (16, 16, 8)):
         alone = generate(bf16, [prompt], config=config_for(base, gen))
         assert torch.equal(row.answer, alone.sequences[0])
+
+
+def test_the_server_answers_alone_and_under_load_alike(request, tokenizer):
+    """`fastdllm serve --deterministic` on a bfloat16 model: requests of mixed lengths (one with
+    n=2, one streamed) sent all at once and staggered get the answers they get alone."""
+    import threading
+    import time
+
+    from .test_server import LiveServer
+
+    model = copy.deepcopy(request.getfixturevalue("tiny_llada2")).to(torch.bfloat16)
+    defaults = GenerationConfig.for_model(model, GenerationConfig(gen_length=16, block_length=8, threshold=0.2,
+                                                                  deterministic=True))
+    server = LiveServer(model, tokenizer, defaults=defaults, max_batch_size=16)
+    words = ["one", "two three", "four five six seven", "eight nine ten eleven twelve thirteen fourteen"]
+    bodies = [{"model": "llada-arith", "prompt": " ".join(words[: i % 4 + 1]) * (1 + i // 4), "max_tokens": 16,
+               "temperature": 0, "n": 2 if i == 1 else 1, "stream": i == 2} for i in range(6)]
+
+    def ask(body, delay=0.0):
+        time.sleep(delay)
+        r = server.post("/v1/completions", body)
+        assert r.status_code == 200, r.text
+        if body["stream"]:
+            return [json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                    if line.startswith("data: {")]
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    def all_at_once(delays):
+        out = [None] * len(bodies)
+
+        def run(i):
+            out[i] = ask(bodies[i], delays[i])
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        return out
+
+    try:
+        alone = [ask(b) for b in bodies]
+        assert all_at_once([0.0] * len(bodies)) == alone
+        assert all_at_once([0.05 * i for i in range(len(bodies))]) == alone
+        assert server.health()["max_batch_rows"] > 1
+    finally:
+        server.stop()
