@@ -3,9 +3,10 @@
     python benchmarks/same_answer_under_load.py [--dtypes bfloat16 float32] [--out FILE]
 
 For each dtype, with `--deterministic` off and on: 24 chat requests (arith questions behind 0 to 4
-solved examples, so prompts of mixed lengths; thresholds 0.9 and 0.7; every third one streamed;
-every fourth with n=2; greedy) are sent one at a time (alone), then all at once, then staggered
-(each after a random 0-0.4 s delay, so that some join a running batch). Printed: how many of the
+solved examples, so prompts of mixed lengths; up to 256 tokens; thresholds 0.9, 0.7 and 0.5;
+every third one streamed; every fourth with n=2; greedy) are sent one at a time (alone), then all
+at once, then staggered (each after a random delay of up to `--spread` seconds, so that some join
+a running batch). Printed: how many of the
 24 requests' answers (every choice) under each load equal their answers alone.
 """
 
@@ -30,7 +31,7 @@ def requests_of(n: int) -> list[dict]:
         shots = pool[: i % 5]
         content = arith.format_prompt(p.question, shots)
         out.append({"model": "llada-arith", "messages": [{"role": "user", "content": content}],
-                    "max_tokens": 128, "temperature": 0, "threshold": 0.9 if i % 2 else 0.7,
+                    "max_tokens": 256, "temperature": 0, "threshold": (0.9, 0.7, 0.5)[i % 3],
                     "stream": i % 3 == 0, "n": 2 if i % 4 == 0 else 1})
     return out
 
@@ -57,13 +58,14 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default=None)
+    p.add_argument("--spread", type=float, default=1.5, help="staggered arrivals: delays up to this many seconds")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     bodies = requests_of(args.requests)
     rows = []
     for dtype in args.dtypes:
         for deterministic in (False, True):
-            serve = argparse.Namespace(max_tokens=128, block_length=32, model=args.model, device=None,
+            serve = argparse.Namespace(max_tokens=256, block_length=32, model=args.model, device=None,
                                        threads=args.threads,
                                        serve_args=f"--dtype {dtype}" + (" --deterministic" if deterministic else ""))
             proc, url = start_server(serve, 16)
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
                 with ThreadPoolExecutor(len(bodies)) as pool:
                     together = list(pool.map(lambda b: ask(url, b), bodies))
                 rng = random.Random(0)
-                delays = [rng.uniform(0, 0.4) for _ in bodies]
+                delays = [rng.uniform(0, args.spread) for _ in bodies]
                 with ThreadPoolExecutor(len(bodies)) as pool:
                     staggered = list(pool.map(lambda bd: ask(url, *bd), zip(bodies, delays)))
                 joined = httpx.get(url + "/health").json().get("joined")
