@@ -1,0 +1,1 @@
+"""The embedded models: their recipe, training, data mixes, and the shipped checkpoints."""
