@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     import fastdllm
-    from fastdllm.tasks import get_task
+    from fastdllm.evaluation.tasks import get_task
 
     model, tok = fastdllm.load(args.model, dtype=args.dtype)
     task = get_task("arith")

@@ -2,7 +2,7 @@
 
     python benchmarks/beyond_fast_dllm.py --gen-length 256 --limit 500 [--num-fewshot 0] [--out FILE]
 
-Each configuration is evaluated with `fastdllm.evaluate` (bf16, batch 16, stop-at-EOS on) on the
+Each configuration is evaluated with `fastdllm.evaluation.harness` (bf16, batch 16, stop-at-EOS on) on the
 same held-out arith problems; printed: accuracy, tokens/s, NFE per sample, forward positions and
 attended positions per generated token. `--configs` picks some (names below). A compiled row is
 compiled first (`evaluate` warms it up before timing).
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import fastdllm
-    from fastdllm.evaluate import evaluate
+    from fastdllm.evaluation.harness import evaluate
 
     torch.set_num_threads(args.threads)
     model, tok = fastdllm.load()

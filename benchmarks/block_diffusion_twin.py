@@ -3,7 +3,7 @@ LLaDA twin, side by side in one process.
 
     python benchmarks/block_diffusion_twin.py [--limit 200] [--gen-length 256] [--threads 1] [--out FILE]
 
-Rows, each `fastdllm.evaluate` on the same held-out arith problems (bf16, batch 16, stop-at-EOS
+Rows, each `fastdllm.evaluation.harness` on the same held-out arith problems (bf16, batch 16, stop-at-EOS
 on, 0-shot): sdar-arith one token per step without a cache (its baseline) and with the exact block
 cache, its quota rule with threshold 0.9 without a cache and with it (its own decoding); the same
 for llada2-arith (LLaDA2.0's rule), and LLaDA2.1's token editing in its quality and speed modes;
@@ -22,7 +22,7 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.evaluate import evaluate
+from fastdllm.evaluation.harness import evaluate
 
 NO_CACHE = dict(cache="none", suffix_window=None, refresh="full")
 ROWS = [

@@ -26,8 +26,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.loading import save_pretrained
-from fastdllm.tasks import get_task
+from fastdllm.models.loading import save_pretrained
+from fastdllm.evaluation.tasks import get_task
 
 
 def main() -> None:

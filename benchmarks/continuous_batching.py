@@ -24,8 +24,8 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.server import Job, Scheduler
-from fastdllm.tasks import arith
-from fastdllm.tasks.arith import prompt_ids
+from fastdllm.evaluation.tasks import arith
+from fastdllm.evaluation.tasks.arith import prompt_ids
 
 
 async def one_run(model, long_prompt, shorts, base, long_len, short_len, gaps, continuous):

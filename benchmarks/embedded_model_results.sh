@@ -29,7 +29,7 @@ evals=$!
     --out "$out/bench_1024"
   # The Dream-format twin: Dream's own decoding (entropy-ordered, one token per step, block 32), and
   # the full method on top of it.
-  if [ "${DREAM:-1}" != 0 ] && [ -d fastdllm/assets/dream-arith ]; then
+  if [ "${DREAM:-1}" != 0 ] && [ -d fastdllm/embedded/assets/dream-arith ]; then
     ev dream_baseline_256 --model dream-arith --limit 500 --gen-length 256 --preset baseline --alg entropy
     ev dream_full_256     --model dream-arith --limit 500 --gen-length 256 --preset fast-dllm --alg entropy
     ev dream_default_256  --model dream-arith --limit 500 --gen-length 256 --alg entropy

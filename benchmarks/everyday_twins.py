@@ -3,7 +3,7 @@
     python benchmarks/everyday_twins.py [--models llada-arith dream-arith] [--limit 200] [--baseline-limit 100]
         [--presets baseline fast-dllm default] [--threads 2] [--out FILE]
 
-Accuracy rows (`fastdllm.evaluate`, bf16, batch 16, 0-shot, gen length 256; presets baseline,
+Accuracy rows (`fastdllm.evaluation.harness`, bf16, batch 16, 0-shot, gen length 256; presets baseline,
 fast-dllm and default): `everyday` (500 held-out questions, test phrasings and entities) with
 the chat template and as plain "Question: ...\\nAnswer:" prompts, `everyday-probe` (32
 hand-written questions) both ways, and `arith` (the old test set) with the chat template. Printed
@@ -25,8 +25,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.evaluate import evaluate
-from fastdllm.train_data import docstrings
+from fastdllm.evaluation.harness import evaluate
+from fastdllm.embedded.train_data import docstrings
 
 ACCURACY_ROWS = [("everyday", True), ("everyday", False), ("everyday-probe", True), ("everyday-probe", False),
                  ("arith", True)]

@@ -74,7 +74,7 @@ def start_server(args, batch_size: int) -> tuple[subprocess.Popen, str]:
 
 def questions(n: int) -> list[str]:
     try:
-        from fastdllm.tasks.arith import test_split
+        from fastdllm.evaluation.tasks.arith import test_split
 
         pool = [p.question for p in test_split()]
     except Exception:  # the task module is optional for this script

@@ -38,12 +38,12 @@ import torch
 import fastdllm
 import fastdllm.models.moe as moe
 from fastdllm import GenerationConfig
-from fastdllm.embedded import build_tokenizer
-from fastdllm.loading import resolve_model_path, save_pretrained
+from fastdllm.embedded.recipe import build_tokenizer
+from fastdllm.models.loading import resolve_model_path, save_pretrained
 from fastdllm.models import Transformer
 from fastdllm.models.llada2 import FAMILY
 from fastdllm.models.transformer import ModelArgs
-from fastdllm.tasks import arith
+from fastdllm.evaluation.tasks import arith
 
 MINI = dict(dim=2048, n_heads=16, n_kv_heads=4, head_size=128, rope_dim=64, hidden_dim=5120, n_experts=256,
             n_active_experts=8, moe_hidden_dim=512, shared_expert_hidden_dim=512, n_expert_groups=8, active_expert_groups=4,

@@ -23,9 +23,9 @@ import random
 import torch
 
 import fastdllm
-from fastdllm import drills
-from fastdllm.tasks import arith
-from fastdllm.tasks.arith import prompt_ids
+from fastdllm.embedded import drills
+from fastdllm.evaluation.tasks import arith
+from fastdllm.evaluation.tasks.arith import prompt_ids
 
 
 def _masked_top1(model, target: torch.Tensor, where: list[int]) -> list[bool]:

@@ -16,8 +16,8 @@ import argparse
 import torch
 
 import fastdllm
-from fastdllm import train
-from fastdllm.tasks import arith
+from fastdllm.embedded import train
+from fastdllm.evaluation.tasks import arith
 
 
 def answer_top1(model, tok, problems, region: int, suffix_visible: bool) -> float:

@@ -15,8 +15,8 @@ import argparse
 import torch
 
 import fastdllm
-from fastdllm.tasks import arith
-from fastdllm.tasks.arith import prompt_ids
+from fastdllm.evaluation.tasks import arith
+from fastdllm.evaluation.tasks.arith import prompt_ids
 
 
 def probe(model, tokenizer, problems: int) -> dict[str, tuple[float, int]]:

@@ -43,7 +43,7 @@ def configs(names, gen_length):
 
 def embedded_rows(args) -> list[dict]:
     import fastdllm
-    from fastdllm.evaluate import evaluate
+    from fastdllm.evaluation.harness import evaluate
 
     rows = []
     for name in args.models:

@@ -23,7 +23,7 @@ from load_server import start_server
 
 
 def requests_of(n: int) -> list[dict]:
-    from fastdllm.tasks import arith
+    from fastdllm.evaluation.tasks import arith
 
     pool = arith.fewshot_pool()
     out = []

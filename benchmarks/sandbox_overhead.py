@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     print(f"overhead          {(boxed - bare) * 1000:7.1f} ms per program")
     print(f"judged            {judged * 1000:7.1f} ms per check (solution and tests in two processes)")
     if not args.skip_humaneval:
-        from fastdllm.tasks import get_task
+        from fastdllm.evaluation.tasks import get_task
 
         task = get_task("humaneval")
         docs = task.load()

@@ -2,7 +2,7 @@
 
     python benchmarks/tool_calls.py [--model llada-arith] [--limit 100] [--seed 7] [--out FILE]
 
-Questions: one-step stories drawn from `fastdllm.tool_data.one_step` with `--seed` (the generator
+Questions: one-step stories drawn from `fastdllm.embedded.tool_data.one_step` with `--seed` (the generator
 the tools mix trains on, so a story may repeat a training one; the tools are written in pydantic's
 style with names and parameter names the framework tests use: `add`/`subtract`/`multiply`/
 `divide` of `a` and `b`, and `Answer` with the story's item as its field). Per story and per
@@ -28,7 +28,9 @@ import torch
 from fastapi.testclient import TestClient
 
 import fastdllm
-from fastdllm import GenerationConfig, tool_calls, tool_data
+from fastdllm import GenerationConfig
+from fastdllm.text import tool_calls
+from fastdllm.embedded import tool_data
 from fastdllm.server import ServerSettings, create_app
 
 TOOL_NAMES = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide"}

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fastdllm import GenerationConfig, generate
-from fastdllm.embedded import build_tokenizer, new_model
+from fastdllm.embedded.recipe import build_tokenizer, new_model
 
 
 def main() -> None:

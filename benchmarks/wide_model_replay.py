@@ -32,8 +32,8 @@ CONFIGS = {
 
 def record_windows(config_name: str, gen_length: int, num_fewshot: int, problems: int) -> list[list[tuple]]:
     import fastdllm
-    from fastdllm.cache_policies import cache_policy
-    from fastdllm.tasks import arith
+    from fastdllm.engine.cache_policies import cache_policy
+    from fastdllm.evaluation.tasks import arith
 
     model, tok = fastdllm.load(dtype="float32")
     cfg = fastdllm.GenerationConfig(gen_length=gen_length, **CONFIGS[config_name])

@@ -1,4 +1,5 @@
-"""fastdllm: fast inference for diffusion language models (LLaDA, Dream), after Fast-dLLM.
+"""fastdllm: fast inference for diffusion language models (LLaDA, Dream, LLaDA-MoE, SDAR / TraDo,
+Fast-dLLM v2, LLaDA2.0 / 2.1), after Fast-dLLM.
 
     import fastdllm
     model, tokenizer = fastdllm.load()            # the embedded default model (or a folder / hub id)
@@ -17,10 +18,10 @@ from .version import __version__  # noqa: F401 - the package's version
 # The engine's names load on first use, so that the torch-free parts (the config, the sandbox
 # that judged programs run in) import without torch.
 _LAZY = {
-    "GenerationOutput": "generation", "StepEvent": "generation", "generate": "generation",
-    "iter_generate": "generation", "stream_blocks": "generation",
-    "DEFAULT_MODEL_DIR": "loading", "load": "loading", "save_pretrained": "loading",
-    "TextOutput": "textgen", "generate_text": "textgen",
+    "GenerationOutput": "engine.generation", "StepEvent": "engine.generation", "generate": "engine.generation",
+    "iter_generate": "engine.generation", "stream_blocks": "engine.generation",
+    "DEFAULT_MODEL_DIR": "models.loading", "load": "models.loading", "save_pretrained": "models.loading",
+    "TextOutput": "engine.textgen", "generate_text": "engine.textgen",
 }
 
 

@@ -22,10 +22,10 @@ model_args: `pretrained` (folder or hub id; default the embedded model), `device
 any GenerationConfig field (gen_length, block_length, steps, threshold, factor, cache, alg,
 temperature, ...), e.g. `threshold=none` for the schedule. Without gen_length, each request's
 `max_gen_toks` is used (rounded up to a whole number of blocks). Each request's `until` strings
-cut the answer (`fastdllm.text.complete`); `--batch_size N` decodes N prompts together.
+cut the answer (`fastdllm.text.completion.complete`); `--batch_size N` decodes N prompts together.
 
 `loglikelihood` (multiple choice) and `loglikelihood_rolling` (perplexity) use the Monte-Carlo
-ELBO of `fastdllm.likelihood`, as LLaDA's and Dream's reference wrappers do: model_args `mc_num`
+ELBO of `fastdllm.engine.likelihood`, as LLaDA's and Dream's reference wrappers do: model_args `mc_num`
 (samples per request, default 128), `mc_batch_size` (samples per forward, default 16, dividing
 mc_num) and `mc_seed` (default 0). It is a lower bound on the log-likelihood, not the exact value.
 """
@@ -41,7 +41,7 @@ from .config import GenerationConfig
 MODEL_NAME = "fastdllm"
 # Task configs that ship with fastdllm (`fastdllm_arith`: the embedded models' test split, no
 # download); lm-eval reads one --include_path, so a user's own replaces this one.
-TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
+TASKS_DIR = Path(__file__).parent / "evaluation" / "lm_eval_tasks"
 _REGISTERED: dict[str, Any] = {}
 
 
@@ -60,7 +60,7 @@ def make_model_class(LM, register=None):
                      batch_size: int | str | None = 1, max_batch_size: int | None = None, mc_num: int | str = 128,
                      mc_batch_size: int | str = 16, mc_seed: int | str = 0, **kwargs):
             super().__init__()
-            from .loading import load
+            from .models.loading import load
 
             self.mc_num, self.mc_batch_size, self.mc_seed = int(mc_num), int(mc_batch_size), int(mc_seed)
             if self.mc_num < 1 or self.mc_batch_size < 1 or self.mc_num % self.mc_batch_size:
@@ -100,7 +100,7 @@ def make_model_class(LM, register=None):
             return prefix, whole[len(prefix):]
 
         def loglikelihood(self, requests):
-            from .likelihood import elbo_loglikelihood, is_greedy
+            from .engine.likelihood import elbo_loglikelihood, is_greedy
 
             out = []
             for req in requests:
@@ -112,7 +112,7 @@ def make_model_class(LM, register=None):
             return out
 
         def loglikelihood_rolling(self, requests):
-            from .likelihood import elbo_loglikelihood
+            from .engine.likelihood import elbo_loglikelihood
 
             eos = self.model.args.eos_token_id
             return [elbo_loglikelihood(self.model, [eos], self.tokenizer.encode(req.args[0], add_special_tokens=False), self.mc_num,
@@ -127,8 +127,8 @@ def make_model_class(LM, register=None):
             return self.base_config.replace(**changes) if changes else self.base_config
 
         def generate_until(self, requests, disable_tqdm: bool = False):
-            from .generation import generate
-            from .text import complete
+            from .engine.generation import generate
+            from .text.completion import complete
 
             stop_ids = list(getattr(self.model, "stop_token_ids", None) or self.tokenizer.stop_token_ids())
             results: list[str | None] = [None] * len(requests)

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdllm.loading import save_pretrained
+from fastdllm.models.loading import save_pretrained
 from fastdllm.models.transformer import ModelArgs
-from fastdllm.embedded import build_tokenizer, new_model
+from fastdllm.embedded.recipe import build_tokenizer, new_model
 
 REPO = Path(__file__).resolve().parents[1]
 

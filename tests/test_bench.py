@@ -6,8 +6,9 @@ import pytest
 
 import json
 
-from fastdllm import GenerationConfig, bench
-from fastdllm.commands.bench import main as bench_main
+from fastdllm import GenerationConfig
+from fastdllm.evaluation import bench
+from fastdllm.cli.bench import main as bench_main
 
 FIGURES = {"accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step", "latency_s", "speedup",
            "outside_forward", "config", "num_samples", "positions_per_token", "attended_per_token"}
@@ -90,7 +91,7 @@ def test_plots_keep_every_label_readable(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    from fastdllm.bench import TABLE_ROWS, pareto, scatter_plot
+    from fastdllm.evaluation.bench import TABLE_ROWS, pareto, scatter_plot
 
     names = [name for _, name, _ in TABLE_ROWS] + ["baseline [stop@eos]", "+parallel +dual cache (Fast-dLLM) [stop@eos]",
                                                    "default (Fast-dLLM +suffix window 32 +vicinity refresh) [stop@eos]",

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.loading import save_pretrained
+from fastdllm.models.loading import save_pretrained
 
 FAMILIES = ["tiny_sdar", "tiny_v2"]
 
@@ -208,7 +208,7 @@ def test_an_unknown_model_type_names_the_families_we_know(tmp_path, tiny_sdar, t
 
 # ---- the references' decoding rules, on hand-checkable cases ----------------------------------------
 def test_sdar_quota_rule():
-    from fastdllm.unmasking import Quota
+    from fastdllm.engine.unmasking import Quota
 
     conf = torch.tensor([[0.95, 0.2, 0.91, 0.3], [0.95, 0.2, 0.9, 0.3]], dtype=torch.float64)
     masked = torch.ones(2, 4, dtype=torch.bool)
@@ -231,7 +231,7 @@ def test_sdar_quota_rule():
 
 
 def test_fast_dllm_v2_rules_sub_blocks_and_the_first_position():
-    from fastdllm.unmasking import FirstPositionAtBlockStart, SubBlocks, Threshold
+    from fastdllm.engine.unmasking import FirstPositionAtBlockStart, SubBlocks, Threshold
 
     conf = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.99, 0.99, 0.99, 0.99]])
     masked = torch.ones(1, 8, dtype=torch.bool)
@@ -270,7 +270,7 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
     whole-block forward, whose logits equal a full block-causal forward; a later step of the
     sub-block recomputes only the sub-block, and its logits equal a forward in which every other
     position's K/V are those of the last whole-block forward (written here from the weights)."""
-    from fastdllm.cache_policies import SubBlockCache
+    from fastdllm.engine.cache_policies import SubBlockCache
 
     folder = save_pretrained(tiny_v2, tmp_path / "v2", tokenizer, dtype=torch.float32)
     blk, size = tiny_v2.args.block_size, 4

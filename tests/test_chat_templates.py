@@ -11,7 +11,7 @@ import typing
 import pytest
 
 import fastdllm
-from fastdllm.tokenizer import render_template
+from fastdllm.text.tokenizer import render_template
 
 LOOP_CONTROLS = (
     "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
@@ -82,7 +82,7 @@ def test_the_embedded_assets_load_in_transformers_without_remote_code():
     whether to trust remote code: every asset ships what its auto_map names (it names none), and
     transformers loads one without asking, as a user's script calls it."""
     pytest.importorskip("transformers")
-    from fastdllm.loading import EMBEDDED_MODELS, resolve_model_path
+    from fastdllm.models.loading import EMBEDDED_MODELS, resolve_model_path
 
     for name in EMBEDDED_MODELS:
         folder = resolve_model_path(name)
@@ -114,7 +114,7 @@ TOOL_CONVERSATION = [
 
 def test_the_embedded_template_lists_tools_and_writes_calls_in_the_hermes_convention():
     import fastdllm
-    from fastdllm import tool_calls
+    from fastdllm.text import tool_calls
 
     _, tok = fastdllm.load()
     plain = CONVERSATIONS[1]
@@ -217,8 +217,8 @@ def test_tojson_keeps_key_order_and_non_ascii():
 def test_decoding_keeps_added_tokens_that_are_not_special():
     from tokenizers import AddedToken, Tokenizer as FastTokenizer
 
-    from fastdllm.tokenizer import Tokenizer
-    from fastdllm.embedded import build_tokenizer
+    from fastdllm.text.tokenizer import Tokenizer
+    from fastdllm.embedded.recipe import build_tokenizer
 
     base = build_tokenizer()
     fast = FastTokenizer.from_str(base.fast.to_str())
@@ -278,14 +278,14 @@ class Tools:
 
 @pytest.mark.parametrize("func", [add, weather, Tools().method])
 def test_a_python_function_is_the_tool_schema_transformers_makes(func):
-    from fastdllm.tool_schema import function_schema
+    from fastdllm.text.tool_schema import function_schema
 
     get_json_schema = pytest.importorskip("transformers.utils").get_json_schema
     assert function_schema(func) == get_json_schema(func)
 
 
 def test_a_function_without_what_its_schema_needs_names_it():
-    from fastdllm.tool_schema import function_schema
+    from fastdllm.text.tool_schema import function_schema
 
     def bare(x: int):
         pass
@@ -313,7 +313,7 @@ def test_apply_chat_template_takes_python_functions_as_tools_with_and_without_tr
         ours = tok.apply_chat_template(messages, tools=[add, weather], tokenize=False, add_generation_prompt=True)
     finally:
         tok.use_transformers = True
-    from fastdllm.tool_schema import function_schema
+    from fastdllm.text.tool_schema import function_schema
 
     assert ours == tok.apply_chat_template(messages, tools=[function_schema(add), function_schema(weather)],
                                            tokenize=False, add_generation_prompt=True)

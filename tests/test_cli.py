@@ -18,11 +18,11 @@ import torch
 from rich.console import Console
 
 import fastdllm
-from fastdllm import cli
-from fastdllm.chat import ChatSession
+from fastdllm.cli import main as cli
+from fastdllm.cli.session import ChatSession
 from fastdllm.config import GenerationConfig
-from fastdllm.generation import generate
-from fastdllm.live_view import MASK_GLYPH, STYLE_NEW, LiveView, render_canvas
+from fastdllm.engine.generation import generate
+from fastdllm.cli.live_view import MASK_GLYPH, STYLE_NEW, LiveView, render_canvas
 
 from .conftest import REPO
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastdllm import GenerationConfig
-from fastdllm.commands.args import add_generation_args, config_from_args, UserError
+from fastdllm.cli.args import add_generation_args, config_from_args, UserError
 from fastdllm.config import ConfigError
 
 BAD = {

@@ -11,9 +11,9 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.decoder import BlockDecoder, join_key
-from fastdllm.tasks import arith
-from fastdllm.tasks.arith import prompt_ids
+from fastdllm.engine.decoder import BlockDecoder, join_key
+from fastdllm.evaluation.tasks import arith
+from fastdllm.evaluation.tasks.arith import prompt_ids
 
 
 @pytest.fixture(scope="module", params=["llada-arith", "dream-arith"])

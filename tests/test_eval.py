@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from fastdllm import cli
-from fastdllm.evaluate import evaluate, summarize
+from fastdllm.cli import main as cli
+from fastdllm.evaluation.harness import evaluate, summarize
 from fastdllm.config import GenerationConfig
-from fastdllm.tasks import DATA_DIR, DataError, UnknownTaskError, get_task, read_jsonl
+from fastdllm.evaluation.tasks import DATA_DIR, DataError, UnknownTaskError, get_task, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -96,8 +96,8 @@ def test_bad_options(capsys):
 
 # ---- prompts -----------------------------------------------------------------------------------
 def test_arith_prompts_are_the_training_prompts(tokenizer):
-    from fastdllm.tasks import arith
-    from fastdllm.tasks.arith import prompt_ids
+    from fastdllm.evaluation.tasks import arith
+    from fastdllm.evaluation.tasks.arith import prompt_ids
 
     task = get_task("arith")
     doc = task.load(limit=1)[0]
@@ -283,8 +283,8 @@ def test_lm_eval_plugin_logic(tiny_llada_dir, tokenizer):
     out = lm.generate_until(reqs, disable_tqdm=True)
     assert len(out) == 2 and all(isinstance(o, str) and "Question:" not in o for o in out)
     # the same as our engine on each prompt alone
-    from fastdllm.generation import generate
-    from fastdllm.text import complete
+    from fastdllm.engine.generation import generate
+    from fastdllm.text.completion import complete
 
     for p, o in zip(prompts, out):
         seq = generate(lm.model, [lm.tokenizer.encode(p)], config=lm._config_for({"max_gen_toks": 16})).sequences[0]
@@ -330,8 +330,8 @@ def test_elbo_loglikelihood_ranks_and_converges():
 
     import fastdllm
     from fastdllm import lm_eval_plugin
-    from fastdllm.likelihood import elbo_loglikelihood
-    from fastdllm.tasks import arith
+    from fastdllm.engine.likelihood import elbo_loglikelihood
+    from fastdllm.evaluation.tasks import arith
 
     model, tok = fastdllm.load(dtype="float32")
     p = arith.test_split()[0]

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from fastdllm import train, train_data
-from fastdllm.evaluate import evaluate
-from fastdllm.tasks import arith, everyday, get_task
+from fastdllm.embedded import train, train_data
+from fastdllm.evaluation.harness import evaluate
+from fastdllm.evaluation.tasks import arith, everyday, get_task
 
 EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 OPS = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__, "/": int.__floordiv__}

@@ -7,8 +7,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate, stream_blocks
-from fastdllm.cache_policies import DualCache, PrefixCache
-from fastdllm.unmasking import Factor, Threshold, UnmaskingStrategy, linear_schedule
+from fastdllm.engine.cache_policies import DualCache, PrefixCache
+from fastdllm.engine.unmasking import Factor, Threshold, UnmaskingStrategy, linear_schedule
 
 
 def prompts(tokenizer):
@@ -229,8 +229,8 @@ def trained():
 
 
 def arith_prompts(tokenizer, n):
-    from fastdllm.tasks import arith
-    from fastdllm.tasks.arith import prompt_ids
+    from fastdllm.evaluation.tasks import arith
+    from fastdllm.evaluation.tasks.arith import prompt_ids
 
     return [prompt_ids(tokenizer, p.question, []) for p in arith.test_split()[:n]]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdllm import GenerationConfig, generate
-from fastdllm.decoder import BlockDecoder
+from fastdllm.engine.decoder import BlockDecoder
 
 from .test_continuous import config_for
 

@@ -11,7 +11,7 @@ import pytest
 
 from fastdllm.sandbox import CodeCheck, judge
 from fastdllm.sandbox.judge import remote_names
-from fastdllm.tasks import get_task
+from fastdllm.evaluation.tasks import get_task
 
 from .conftest import sandbox_processes
 

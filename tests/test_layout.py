@@ -9,24 +9,16 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fastdllm"
 
-# Lowest first. A module belongs to the first layer with a prefix that names it or its package
-# ("fastdllm", the package's own __init__, names itself only: a new module must be placed here).
+# Lowest first: the packages, each a layer of the architecture (the package's own __init__,
+# "fastdllm", names itself only).
 LAYERS = [
-    ("declarations", ["fastdllm.config", "fastdllm.version", "fastdllm.tokenizer", "fastdllm.text", "fastdllm.tool_calls",
-                      "fastdllm.tool_schema",
-                      "fastdllm.tasks.scoring", "fastdllm.sandbox", "fastdllm.live_view", "fastdllm.server.guard",
-                      "fastdllm.server.metrics", "fastdllm.server.schema"]),
-    ("cache", ["fastdllm.cache"]),
-    ("models", ["fastdllm.models", "fastdllm.quant", "fastdllm.loading"]),
-    ("engine", ["fastdllm.cache_policies", "fastdllm.unmasking", "fastdllm.constraints", "fastdllm.policies", "fastdllm.decoder",
-                "fastdllm.generation",
-                "fastdllm.likelihood"]),
-    ("text front ends", ["fastdllm.textgen", "fastdllm.chat", "fastdllm.tasks", "fastdllm.embedded",
-                         "fastdllm.drills", "fastdllm.tool_data", "fastdllm.train_data", "fastdllm.server.incremental"]),
-    ("serving, evaluation, bench, training", ["fastdllm.server", "fastdllm.evaluate", "fastdllm.bench",
-                                              "fastdllm.train", "fastdllm.lm_eval_plugin", "fastdllm.lm_eval_tasks"]),
-    ("commands and the package's front door", ["fastdllm.commands", "fastdllm.cli", "fastdllm.__main__",
-                                               "fastdllm"]),
+    ("declarations", ["fastdllm.config", "fastdllm.version"]),
+    ("text and the sandbox, without torch", ["fastdllm.text", "fastdllm.sandbox"]),
+    ("models", ["fastdllm.models", "fastdllm.quant"]),
+    ("engine", ["fastdllm.engine"]),
+    ("evaluation, serving, the embedded models", ["fastdllm.evaluation", "fastdllm.server", "fastdllm.embedded",
+                                                  "fastdllm.lm_eval_plugin"]),
+    ("the command line and the package's front door", ["fastdllm.cli", "fastdllm.__main__", "fastdllm"]),
 ]
 
 
@@ -99,3 +91,16 @@ def test_every_arrow_points_down():
     upward = [f"{a} ({LAYERS[layer(a)][0]}) -> {b} ({LAYERS[layer(b)][0]})"
               for a, targets in graph().items() for b in targets if layer(b) > layer(a)]
     assert upward == []
+
+
+def test_the_text_layer_and_the_sandbox_import_no_torch():
+    """Importing them pulls in no torch: they serve torch-free processes (the sandbox's judges, a
+    tokenizer-only client). A function may import it when asked for tensors (return_tensors="pt")."""
+    heavy = {"torch", "numpy"}
+    for name, path in modules().items():
+        if layer(name) > 1:
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not any(n.split(".")[0] in heavy for n in names), (name, names)

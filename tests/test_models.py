@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fastdllm
-from fastdllm.loading import save_pretrained
+from fastdllm.models.loading import save_pretrained
 from fastdllm.models import llada
 from fastdllm.models.transformer import positions_from_mask
 
@@ -332,7 +332,7 @@ def test_bfloat16_forward_close_to_fp32(tiny_llada_dir):
 def test_hub_ids_pass_revision_local_files_only_and_token(monkeypatch, tiny_llada_dir):
     import huggingface_hub
 
-    from fastdllm.loading import resolve_model_path
+    from fastdllm.models.loading import resolve_model_path
 
     seen = {}
 
@@ -355,7 +355,7 @@ def test_local_files_only_never_reaches_the_network(tmp_path, monkeypatch):
 
 def test_dream_generation_config_is_written_read_and_gives_the_defaults(tiny_dream, tiny_llada, tokenizer, tmp_path,
                                                                         capsys):
-    from fastdllm import cli
+    from fastdllm.cli import main as cli
 
     dream_dir, llada_dir = tmp_path / "dream", tmp_path / "llada"
     save_pretrained(tiny_llada, llada_dir, tokenizer, dtype=torch.float32)

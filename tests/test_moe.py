@@ -16,12 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.cache_policies import CachePolicy
-from fastdllm.loading import save_pretrained
+from fastdllm.engine.cache_policies import CachePolicy
+from fastdllm.models.loading import save_pretrained
 from fastdllm.models.moe import MoEFeedForward, route
 from fastdllm.models.transformer import ModelArgs
-from fastdllm.policies import Policies
-from fastdllm.unmasking import Editing, LLaDA2Proposal, UnmaskingStrategy
+from fastdllm.engine.policies import Policies
+from fastdllm.engine.unmasking import Editing, LLaDA2Proposal, UnmaskingStrategy
 
 
 def files_forward(folder, ids: torch.Tensor) -> torch.Tensor:
@@ -382,8 +382,8 @@ def test_editing_settings_are_checked():
 
 
 def test_upcycling_a_dense_model_keeps_its_function_and_training_grows_the_experts(tiny_llada, tokenizer):
-    from fastdllm import train
-    from fastdllm.embedded import new_model
+    from fastdllm.embedded import train
+    from fastdllm.embedded.recipe import new_model
 
     moe = new_model("lladamoe", "micro", tokenizer, shared_expert_hidden_dim=tiny_llada.args.hidden_dim, qk_norm=False)
     train.transplant_weights(moe, tiny_llada)
@@ -402,8 +402,8 @@ def test_split_upcycling_partitions_the_dense_mlp_among_the_experts(tokenizer):
     """A dense block-diffusion model's MLP split into LLaDA2's shared and routed experts: every hidden
     unit goes to exactly one of them, the shared expert takes the most important units, and with
     equal router scores the two chosen experts add exactly their units' part of the dense MLP."""
-    from fastdllm import train
-    from fastdllm.embedded import new_model
+    from fastdllm.embedded import train
+    from fastdllm.embedded.recipe import new_model
 
     dense = new_model("sdar", "micro", tokenizer, seed=3, block_size=4)
     moe = new_model("llada2_moe", "micro", tokenizer, moe_hidden_dim=4, shared_expert_hidden_dim=32, rope_dim=16,
@@ -446,7 +446,7 @@ def test_expert_bias_balancing_moves_choices_toward_the_less_chosen_experts(tiny
     """DeepSeek-V3's auxiliary-loss-free balancing, as LLaDA2 trains: after a training forward the
     bias of an expert chosen more often than average falls by the update speed, of one chosen less
     often rises; the routing weights (un-biased scores) are not touched."""
-    from fastdllm import train
+    from fastdllm.embedded import train
 
     model = copy.deepcopy(tiny_llada2).train()
     layer = model.layers[1].feed_forward
@@ -469,8 +469,8 @@ def test_expert_bias_balancing_moves_choices_toward_the_less_chosen_experts(tiny
 
 
 def test_training_only_the_experts_leaves_the_dense_model_as_it_was(tiny_llada, tokenizer):
-    from fastdllm import train
-    from fastdllm.embedded import new_model
+    from fastdllm.embedded import train
+    from fastdllm.embedded.recipe import new_model
 
     moe = new_model("lladamoe", "micro", tokenizer, shared_expert_hidden_dim=tiny_llada.args.hidden_dim, qk_norm=False)
     train.transplant_weights(moe, tiny_llada)
@@ -543,8 +543,8 @@ def test_eos_early_stop_with_editing_stops_after_the_block_as_llada21_does(tiny_
 
 
 def test_a_llada_moe_checkpoint_without_qk_norms_saves_and_loads(tokenizer, tmp_path):
-    from fastdllm.embedded import new_model
-    from fastdllm.loading import load_model, save_pretrained
+    from fastdllm.embedded.recipe import new_model
+    from fastdllm.models.loading import load_model, save_pretrained
 
     moe = new_model("lladamoe", "micro", tokenizer, qk_norm=False).eval()
     folder = save_pretrained(moe, tmp_path / "m", tokenizer, dtype=torch.float32)

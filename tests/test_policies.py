@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import fastdllm
-from fastdllm import GenerationConfig, evaluate as evaluate_module
-from fastdllm.cache_policies import REFRESH_RULES, VicinityRefresh, register_refresh_rule
+from fastdllm import GenerationConfig
+from fastdllm.evaluation import harness as evaluate_module
+from fastdllm.engine.cache_policies import REFRESH_RULES, VicinityRefresh, register_refresh_rule
 from fastdllm.config import ConfigError, selection_rule_name
-from fastdllm.policies import Policies, policies_for
-from fastdllm.tasks import arith
-from fastdllm.unmasking import (SELECTION_RULES, DreamSchedule, Factor, FirstPositionAtBlockStart, LinearSchedule,
-                                SelectionRule, Threshold, _top_k_mask, register_selection_rule)
+from fastdllm.engine.policies import Policies, policies_for
+from fastdllm.evaluation.tasks import arith
+from fastdllm.engine.unmasking import SELECTION_RULES, DreamSchedule, Factor, FirstPositionAtBlockStart, LinearSchedule, SelectionRule, Threshold, _top_k_mask, register_selection_rule
 
 CONSULTED: list[int] = []
 

@@ -15,12 +15,12 @@ from safetensors.torch import load_file, save_file
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.loading import load, quantize_checkpoint, save_pretrained
+from fastdllm.models.loading import load, quantize_checkpoint, save_pretrained
 from fastdllm.models import Transformer
 from fastdllm.quant import QuantizedLinear, QuantizedWeight, quantize_model, quantize_weight, weight_bytes
 from fastdllm.quant.formats import decode, encode, read_quant_format
 from fastdllm.quant.weights import pack_int32, pack_nibbles, unpack_int32, unpack_nibbles
-from fastdllm.tasks.scoring import extract_gsm8k_answer
+from fastdllm.evaluation.tasks.scoring import extract_gsm8k_answer
 
 PROMPT = [{"role": "user", "content": "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"}]
 
@@ -410,7 +410,7 @@ def test_decode_checks_the_config_against_the_tensors(tmp_path):
 
 # ---- memory accounting and the command line ----------------------------------------------------
 def test_eval_reports_weight_and_kv_cache_bytes(embedded):
-    from fastdllm.evaluate import evaluate
+    from fastdllm.evaluation.harness import evaluate
 
     model, tok = embedded["int4"]
     with_cache = evaluate(model, tok, "arith", limit=2, config=GenerationConfig(gen_length=64, cache="dual"),
@@ -427,7 +427,7 @@ def test_eval_reports_weight_and_kv_cache_bytes(embedded):
 
 
 def test_the_quantize_command_and_the_quantize_flag(tmp_path, capsys):
-    from fastdllm.cli import main
+    from fastdllm.cli.main import main
 
     dst = tmp_path / "w4"
     assert main(["quantize", "llada-arith", str(dst), "--bits", "4"]) == 0

@@ -32,8 +32,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.loading import save_pretrained
-from fastdllm.tasks import get_task
+from fastdllm.models.loading import save_pretrained
+from fastdllm.evaluation.tasks import get_task
 
 CHECKOUT = os.environ.get("FASTDLLM_REFERENCE")
 PYTHON = os.environ.get("FASTDLLM_REFERENCE_PYTHON")
@@ -85,7 +85,7 @@ def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
             ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
             assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
             # The reference's cached loops run one more forward, revealing nothing, after a block
-            # that its block-start forward completed; we stop there (see `fastdllm.decoder`).
+            # that its block-start forward completed; we stop there (see `fastdllm.engine.decoder`).
             blocks = ours.unmask_step[0].view(-1, c["block_length"])
             finished_at_start = sum(len(set(b.tolist())) == 1 for b in blocks) if c["cache"] != "none" else 0
             assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)
@@ -96,7 +96,7 @@ SDAR_CONFIGS = [dict(gen_length=g, steps_per_block=s, threshold=t)
 
 
 def sdar_models():
-    from fastdllm.loading import EMBEDDED_MODELS
+    from fastdllm.models.loading import EMBEDDED_MODELS
 
     return ["tiny_sdar"] + [name for name in EMBEDDED_MODELS if name.startswith("sdar")]
 

@@ -432,7 +432,7 @@ for family in (40, 16, 17):  # AF_VSOCK, AF_NETLINK, AF_PACKET
 
 @needs_root_fs
 def test_package_data_and_host_processes_are_hidden():
-    from fastdllm.tasks import DATA_DIR
+    from fastdllm.evaluation.tasks import DATA_DIR
 
     code = f"""
 import os

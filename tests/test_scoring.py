@@ -6,19 +6,10 @@ import time
 
 import pytest
 
-from fastdllm.tasks import get_task
-from fastdllm.tasks.humaneval import extract_program
-from fastdllm.tasks.mbpp import extract_code
-from fastdllm.tasks.scoring import (
-    MathChecker,
-    cut_at_stops,
-    extract_fenced_code,
-    extract_gsm8k_answer,
-    extract_math_answer,
-    last_boxed,
-    math_verify_equiv,
-    normalize_number,
-)
+from fastdllm.evaluation.tasks import get_task
+from fastdllm.evaluation.tasks.humaneval import extract_program
+from fastdllm.evaluation.tasks.mbpp import extract_code
+from fastdllm.evaluation.tasks.scoring import MathChecker, cut_at_stops, extract_fenced_code, extract_gsm8k_answer, extract_math_answer, last_boxed, math_verify_equiv, normalize_number
 
 
 # ---- GSM8K / arith ---------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import uvicorn
 
 import fastdllm
 from fastdllm.config import GenerationConfig
-from fastdllm.generation import generate
+from fastdllm.engine.generation import generate
 from fastdllm.server import ChoiceText, ServerSettings, create_app
-from fastdllm.text import complete
+from fastdllm.text.completion import complete
 
 MODEL = "llada-arith"
 DEFAULTS = GenerationConfig(gen_length=64, block_length=32)
@@ -763,7 +763,7 @@ def test_metrics_time_streams_to_their_end_with_vllm_names(loaded):
 def test_echo_logprobs_score_prompts_as_lm_eval_reads_them(srv, loaded):
     """lm-eval's local-completions asks {prompt: token ids, echo, logprobs: 1, max_tokens: 1} and sums
     token_logprobs[ctxlen:-1]; is_greedy compares each with the best of top_logprobs."""
-    from fastdllm.likelihood import prefix_logprobs
+    from fastdllm.engine.likelihood import prefix_logprobs
 
     model, tok = loaded
     context = tok.encode("Question: Tom has 5 apples. He buys 3 more. How many apples does he have?\nAnswer:",

@@ -6,8 +6,8 @@ import json
 import pytest
 
 import fastdllm
-from fastdllm import tool_calls
-from fastdllm.tokenizer import Tokenizer
+from fastdllm.text import tool_calls
+from fastdllm.text.tokenizer import Tokenizer
 
 from .test_chat_templates import LOOP_CONTROLS, TOOLS
 from .test_server import LiveServer

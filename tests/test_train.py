@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import fastdllm
-from fastdllm import drills, embedded, train
+from fastdllm.embedded import drills, recipe as embedded, train
 from fastdllm.models import ModelArgs, Transformer
-from fastdllm.tasks import arith
-from fastdllm.tasks.scoring import extract_gsm8k_answer
+from fastdllm.evaluation.tasks import arith
+from fastdllm.evaluation.tasks.scoring import extract_gsm8k_answer
 
 
 def test_arith_splits_are_fixed_and_disjoint():
@@ -288,8 +288,8 @@ def test_transplant_llada_weights_into_the_dream_twin(tokenizer):
 def test_talk_tokenizer_makes_everyday_words_single_tokens():
     """A fresh run's BPE trained on the talk corpus: the words of everyday questions and docstrings
     that the arith BPE spells out in pieces become whole tokens; every text still round-trips."""
-    from fastdllm import train_data
-    from fastdllm.tasks import everyday
+    from fastdllm.embedded import train_data
+    from fastdllm.evaluation.tasks import everyday
 
     arith_bpe = embedded.build_tokenizer()
     talk_bpe = embedded.build_tokenizer(2048, corpus="talk")
@@ -304,7 +304,8 @@ def test_talk_tokenizer_makes_everyday_words_single_tokens():
 
 
 def test_tools_mix_answers_in_every_form_the_server_decodes_with_the_storys_numbers(tokenizer):
-    from fastdllm import tool_calls, tool_data
+    from fastdllm.text import tool_calls
+    from fastdllm.embedded import tool_data
 
     r, forms = random.Random(0), collections.Counter()
     for _ in range(300):

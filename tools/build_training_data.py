@@ -1,4 +1,4 @@
-"""Build the training-only data files bundled in fastdllm/data/ (see its README.md).
+"""Build the training-only data files bundled in fastdllm/evaluation/data/ (see its README.md).
 
     python tools/build_training_data.py --gsm8k-train PATH/TO/gsm8k_train.jsonl
 
@@ -6,7 +6,7 @@
   most three calculator steps and whose numbers are all whole and at most 100, unchanged.
 - docstrings.jsonl.gz: paragraphs of the docstrings of Python's standard library (PSF licence)
   of the modules in MODULES, each {"module", "text"}: plain ASCII prose of 120-700 characters.
-  `fastdllm.train` trains on the modules of TRAIN_MODULES and holds out the others.
+  `fastdllm.embedded.train` trains on the modules of TRAIN_MODULES and holds out the others.
 """
 
 from __future__ import annotations

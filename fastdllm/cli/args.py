@@ -125,7 +125,7 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
 def load_model_or_exit(args: argparse.Namespace):
     import torch
 
-    from ..loading import load
+    from ..models.loading import load
 
     if getattr(args, "threads", None):
         if args.threads < 1:

@@ -1,4 +1,4 @@
-"""`fastdllm bench`: Fast-dLLM's tables on your machine, side by side (`fastdllm.bench`)."""
+"""`fastdllm bench`: Fast-dLLM's tables on your machine, side by side (`fastdllm.evaluation.bench`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..bench import HEADER, ROW_KEYS, environment, fmt_row, plots, run_config, table_rows
+from ..evaluation.bench import HEADER, ROW_KEYS, environment, fmt_row, plots, run_config, table_rows
 from .args import UserError, add_model_args, load_model_or_exit
 from ..config import GenerationConfig
 

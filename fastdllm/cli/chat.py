@@ -1,10 +1,10 @@
-"""`fastdllm chat`: a multi-turn conversation (`fastdllm.chat.ChatSession`)."""
+"""`fastdllm chat`: a multi-turn conversation (`fastdllm.cli.session.ChatSession`)."""
 
 from __future__ import annotations
 
 import sys
 
-from ..chat import ChatSession
+from .session import ChatSession
 from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
 
 CHAT_EXAMPLES = """examples:

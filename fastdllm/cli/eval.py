@@ -1,4 +1,4 @@
-"""`fastdllm eval`: accuracy, tokens/s and work of a model on a benchmark (`fastdllm.evaluate`)."""
+"""`fastdllm eval`: accuracy, tokens/s and work of a model on a benchmark (`fastdllm.evaluation.harness`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..evaluate import DEFAULT_BATCH_SIZE, dist_info, evaluate
-from ..tasks import DataError, UnknownTaskError, get_task, list_tasks
+from ..evaluation.harness import DEFAULT_BATCH_SIZE, dist_info, evaluate
+from ..evaluation.tasks import DataError, UnknownTaskError, get_task, list_tasks
 
 
 def write_results(results: dict, path: str | os.PathLike) -> None:
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="fastdllm eval",
-        description="Accuracy and tokens/s of a diffusion LM on a benchmark (see `python -m pydoc fastdllm.evaluate`).",
+        description="Accuracy and tokens/s of a diffusion LM on a benchmark (see `python -m pydoc fastdllm.evaluation.harness`).",
         epilog="examples:\n  fastdllm eval --task arith --limit 200\n"
         "  fastdllm eval --task gsm8k --model GSAI-ML/LLaDA-8B-Instruct --num-fewshot 8 --output gsm8k.json\n"
         "  torchrun --nproc_per_node 2 -m fastdllm eval --task humaneval --model ... --log-samples he.jsonl",

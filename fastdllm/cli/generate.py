@@ -1,11 +1,11 @@
-"""`fastdllm generate`: the answer to one prompt (`fastdllm.chat.run_prompt`)."""
+"""`fastdllm generate`: the answer to one prompt (`fastdllm.cli.session.run_prompt`)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from ..chat import run_prompt
+from .session import run_prompt
 from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
 
 GENERATE_EXAMPLES = """examples:

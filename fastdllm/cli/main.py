@@ -1,6 +1,6 @@
 """`fastdllm <command>`: the command-line entry point (also `python -m fastdllm <command>`).
 
-Each command lives in its own module of `fastdllm.commands` with a `main(argv)`; this file only
+Each command lives in its own module of `fastdllm.cli` with a `main(argv)`; this file only
 dispatches (importing the command's module when it runs), and no module imports it. What the
 commands share (argument parser, model and decoding flags) is in `commands/args.py`.
 """
@@ -11,16 +11,16 @@ import argparse
 import importlib
 import sys
 
-from .commands.args import UserError
+from .args import UserError
 
 COMMANDS = {
-    "generate": ("fastdllm.commands.generate", "main", "generate text for one prompt"),
-    "chat": ("fastdllm.commands.chat", "main", "multi-turn chat with the model's chat template"),
-    "serve": ("fastdllm.commands.serve", "main", "OpenAI-compatible HTTP server"),
-    "eval": ("fastdllm.commands.eval", "main", "accuracy and tokens/s on gsm8k, math500, humaneval, mbpp, arith"),
-    "bench": ("fastdllm.commands.bench", "main", "the Fast-dLLM tables on your machine: baseline vs cache vs parallel"),
-    "quantize": ("fastdllm.commands.quantize", "main", "write a weight-only int8 / int4 checkpoint"),
-    "train-tiny": ("fastdllm.commands.train_tiny", "main", "train the embedded default model from a seed"),
+    "generate": ("fastdllm.cli.generate", "main", "generate text for one prompt"),
+    "chat": ("fastdllm.cli.chat", "main", "multi-turn chat with the model's chat template"),
+    "serve": ("fastdllm.cli.serve", "main", "OpenAI-compatible HTTP server"),
+    "eval": ("fastdllm.cli.eval", "main", "accuracy and tokens/s on gsm8k, math500, humaneval, mbpp, arith"),
+    "bench": ("fastdllm.cli.bench", "main", "the Fast-dLLM tables on your machine: baseline vs cache vs parallel"),
+    "quantize": ("fastdllm.cli.quantize", "main", "write a weight-only int8 / int4 checkpoint"),
+    "train-tiny": ("fastdllm.cli.train_tiny", "main", "train the embedded default model from a seed"),
 }
 
 EXAMPLES = """examples:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if argv[0] in ("-V", "--version"):
-        from . import __version__
+        from .. import __version__
 
         print(f"fastdllm {__version__}")
         return 0

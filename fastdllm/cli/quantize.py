@@ -1,5 +1,5 @@
 """`fastdllm quantize SRC DST --bits 8|4`: write a weight-only quantized checkpoint once, so that
-loading it is fast and small (`fastdllm.loading.quantize_checkpoint`)."""
+loading it is fast and small (`fastdllm.models.loading.quantize_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="dtype of the scales and unquantized weights (default the checkpoint's)")
     p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="shard the safetensors files")
     args = p.parse_args(argv)
-    from ..loading import load
-    from ..loading import quantize_checkpoint
+    from ..models.loading import load
+    from ..models.loading import quantize_checkpoint
     from ..quant import weight_bytes
 
     try:

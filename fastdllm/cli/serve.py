@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_body_bytes=args.max_body_bytes, continuous=args.continuous,
                               tool_call_parser=args.tool_call_parser)
     if config.compile:  # compiled before the first request, not during it
-        from ..generation import warm_up
+        from ..engine.generation import warm_up
 
         print("fastdllm serve: compiling the model's layers ...", flush=True)
         print(f"fastdllm serve: compiled in {warm_up(model, config):.1f} s", flush=True)

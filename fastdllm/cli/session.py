@@ -1,14 +1,14 @@
 """One answer (`run_prompt`) and a conversation (`ChatSession`): text in, text out, optionally
-watching the canvas denoise (`fastdllm.live_view`), the answer decoded by `fastdllm.text.complete`
+watching the canvas denoise (`fastdllm.cli.live_view`), the answer decoded by `fastdllm.text.completion.complete`
 (stop tokens, stop strings). What `fastdllm generate` and `fastdllm chat` run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import GenerationConfig
-from .generation import GenerationOutput, generate
-from .text import Completion, complete
+from ..config import GenerationConfig
+from ..engine.generation import GenerationOutput, generate
+from ..text.completion import Completion, complete
 
 
 

@@ -1,4 +1,4 @@
-"""`fastdllm train-tiny`: train the embedded model (`fastdllm.train`)."""
+"""`fastdllm train-tiny`: train the embedded model (`fastdllm.embedded.train`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import sys
 
 from ..models import FAMILIES
-from ..embedded import PRESETS, TOKENIZER_CORPORA
-from ..train import DATA_MIXES, TRAINABLE, TrainSettings, train
+from ..embedded.recipe import PRESETS, TOKENIZER_CORPORA
+from ..embedded.train import DATA_MIXES, TRAINABLE, TrainSettings, train
 
 CHOICES = {"arch": sorted(FAMILIES), "preset": sorted(PRESETS), "data_mix": sorted(DATA_MIXES), "trainable": list(TRAINABLE),
            "tokenizer_corpus": list(TOKENIZER_CORPORA)}

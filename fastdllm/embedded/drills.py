@@ -1,6 +1,6 @@
 """Training-only arithmetic drills for the `arith` task: every fact of the task, and problems made
 of unrelated facts whose results appear exactly once (see `drill_problem`). The task module
-(`fastdllm.tasks.arith`) holds what evaluation needs; these are used by `fastdllm.train` and
+(`fastdllm.evaluation.tasks.arith`) holds what evaluation needs; these are used by `fastdllm.embedded.train` and
 `benchmarks/probe_facts.py` only."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import random
 
-from .tasks.arith import ACTIVITIES, ITEMS, MAX_VALUE, NAMES, PRICED, Problem
+from ..evaluation.tasks.arith import ACTIVITIES, ITEMS, MAX_VALUE, NAMES, PRICED, Problem
 
 
 @functools.cache

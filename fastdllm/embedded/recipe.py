@@ -1,6 +1,6 @@
 """The embedded models' recipe: their tokenizer (a byte-level BPE trained on the arith data), its
 special tokens and chat template, the model sizes, and a freshly initialised model of either
-family. `fastdllm.train` trains them; tests build tiny ones from here."""
+family. `fastdllm.embedded.train` trains them; tests build tiny ones from here."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from tokenizers import AddedToken, Tokenizer as FastTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from . import train_data
-from .models import FAMILIES, ModelArgs, Transformer
-from .tasks import arith, everyday
-from .tokenizer import Tokenizer
+from ..models import FAMILIES, ModelArgs, Transformer
+from ..evaluation.tasks import arith, everyday
+from ..text.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = {
     "bos": "<|startoftext|>",

@@ -1,5 +1,5 @@
 """Training rows for the embedded model's tool-calling and JSON skill (the `tools` source of
-`fastdllm.train_data`): a one-step `arith` story, tools of the shapes frameworks send, and the
+`fastdllm.embedded.train_data`): a one-step `arith` story, tools of the shapes frameworks send, and the
 answer in each form the server may ask it for.
 
 - **Tools** as OpenAI function specs with a parameters schema in the styles frameworks write
@@ -10,7 +10,7 @@ answer in each form the server may ask it for.
   story's result. Parameter names of the two kinds never overlap, so a key tells them apart.
   The embedded template shows only each tool's name, parameter names and description; the
   schema styles matter to a template that writes the schemas out (Hermes', Qwen's).
-- **Answers**, chosen the way the server decodes (`fastdllm.tool_calls`): a Hermes call
+- **Answers**, chosen the way the server decodes (`fastdllm.text.tool_calls`): a Hermes call
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (tool_choice auto: the story's
   operation if offered, else the answer tool), the bare arguments of one offered tool (a named
   tool_choice, where the grammar writes the keys and the model the values), a one-call array
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import random
 
-from .tasks import arith
+from ..evaluation.tasks import arith
 
 # operation -> (tool names, descriptions, the result of a and b)
 OPERATIONS = {

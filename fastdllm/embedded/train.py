@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from . import drills, train_data
-from .embedded import SPECIAL_TOKENS, build_tokenizer, new_model
-from .loading import load_model, save_pretrained
-from .models import Transformer
-from .tasks import arith
-from .tokenizer import Tokenizer, load_tokenizer
+from .recipe import SPECIAL_TOKENS, build_tokenizer, new_model
+from ..models.loading import load_model, save_pretrained
+from ..models import Transformer
+from ..evaluation.tasks import arith
+from ..text.tokenizer import Tokenizer, load_tokenizer
 
 MASK_EPS = 1e-3
 
@@ -76,7 +76,7 @@ DRILLS["shots"] = DRILLS["story"]
 # shots with 55% of word problems in 512/1024-token regions and 35% of batches drills
 DATA_MIXES["tail"] = (0.4, [(0.2, [64]), (0.3, [96, 128]), (0.45, [256]), (1.0, [512, 1024])])
 DRILLS["tail"] = (0.35, "fact", False, 0.5)
-# every prompt format and source of `fastdllm.train_data` (rows drawn per row, not per batch)
+# every prompt format and source of `fastdllm.embedded.train_data` (rows drawn per row, not per batch)
 DATA_MIXES["talk"] = (0.0, [(0.45, [64]), (0.65, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
 DATA_MIXES["talk-arith"] = DATA_MIXES["talk"]  # the same shapes; the arith stories a larger share
 # the arith model's own rows with tool calls and JSON answers among them, mostly in short regions:
@@ -421,10 +421,10 @@ def trainable_parameters(model: Transformer, which: str) -> list[torch.nn.Parame
 
 # ---- evaluation during training ----------------------------------------------------------------
 def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
-    """Accuracy and NFE on the first `n` held-out arith problems, through `fastdllm.evaluate`
+    """Accuracy and NFE on the first `n` held-out arith problems, through `fastdllm.evaluation.harness`
     (the one arith evaluator), 0-shot, batches of 16."""
-    from .evaluate import evaluate  # lazy: the engine and the harness sit above this module
-    from .config import GenerationConfig
+    from ..evaluation.harness import evaluate  # lazy: the engine and the harness sit above this module
+    from ..config import GenerationConfig
 
     t0, was_training = time.time(), model.training
     model.eval()

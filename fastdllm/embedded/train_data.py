@@ -8,13 +8,13 @@ Prompt formats (what the model card documents):
   "Question: ...\\nAnswer:" (in the `plain` mix also behind 1-8 solved examples, lm-eval gsm8k's
   few-shot layout) or the bare question; the answer follows after a space and ends with the
   end-of-text token.
-- tools (`fastdllm.tool_data`): a story with tools in the chat template's system turn, answered
+- tools (`fastdllm.embedded.tool_data`): a story with tools in the chat template's system turn, answered
   by a tool call, a call's arguments or a JSON object.
-- text: general prose (Python's standard-library docstrings, PSF licence, `fastdllm/data/`) as a
+- text: general prose (Python's standard-library docstrings, PSF licence, `fastdllm/evaluation/data/`) as a
   plain prefix and its continuation, so that the model meets text it cannot predict with
   certainty and its confidence there looks like a real dLLM's.
 
-Every row is (prompt ids, answer ids); `fastdllm.train.make_batch` lays rows into a batch.
+Every row is (prompt ids, answer ids); `fastdllm.embedded.train.make_batch` lays rows into a batch.
 Nothing here draws from a test split: `everyday` and `arith` stream their training problems,
 GSM8K's rows are from its train split, and the docstrings of HELD_OUT_MODULES are left out.
 """
@@ -28,8 +28,8 @@ import random
 import re
 
 from . import drills, tool_data
-from .tasks import arith, everyday
-from .tasks.base import DATA_DIR
+from ..evaluation.tasks import arith, everyday
+from ..evaluation.tasks.base import DATA_DIR
 
 # Sources of a row and their shares, per mix ("talk-arith": the arith stories' share raised so
 # that the old task is kept while the new one is learnt).

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import config
-from .cache import KVCache
+from .. import config
+from ..models.kv_cache import KVCache
 
 
 @dataclass

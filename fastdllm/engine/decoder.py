@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache_policies import CachePolicy, SequenceView
-from .config import GenerationConfig, selection_rule_name
-from .models.transformer import positions_from_mask
+from ..config import GenerationConfig, selection_rule_name
+from ..models.transformer import positions_from_mask
 from .policies import Policies, policies_for
 from .unmasking import SELECTION_RULES, UnmaskingStrategy
 
@@ -184,7 +184,7 @@ class BlockDecoder:
     block of every row; `rows` are the rows in the batch, `left` those that left after the last
     block and `last_blocks` what each row of it decoded.
 
-    `policies` (see `fastdllm.policies`; default: those the config names, `policies_for`), or
+    `policies` (see `fastdllm.engine.policies`; default: those the config names, `policies_for`), or
     `cache` / `strategy` alone, are the objects it decodes with: a new policy plugs in here."""
 
     def __init__(self, model, config: GenerationConfig, cache: CachePolicy | None = None,

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .cache_policies import CachePolicy
-from .config import GenerationConfig
+from ..config import GenerationConfig
 from .decoder import BlockDecoder
 from .policies import PolicySource, resolve
 from .unmasking import UnmaskingStrategy

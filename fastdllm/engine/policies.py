@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from .cache_policies import CachePolicy, NoCache, cache_policy
-from .config import GenerationConfig
+from ..config import GenerationConfig
 from .unmasking import UnmaskingStrategy
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .config import GenerationConfig
+from ..config import GenerationConfig
 from .generation import generate
-from .text import complete
+from ..text.completion import complete
 
 
 @dataclass

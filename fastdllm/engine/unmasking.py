@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import config as config_names
+from .. import config as config_names
 NEG_INF = float("-inf")
 
 

@@ -7,7 +7,7 @@ cache, + DualCache, + parallel (threshold 0.9), + parallel with prefix cache, + 
 DualCache (the full method), and factor decoding. By default every row runs with stop-at-EOS off
 (as the paper) and the baseline and full method are repeated with it on.
 
-Metrics are the evaluation harness's (`fastdllm.evaluate`): accuracy; tokens/s = generated tokens
+Metrics are the evaluation harness's (`fastdllm.evaluation.harness`): accuracy; tokens/s = generated tokens
 up to the first EOS or stop sequence divided by generation wall time; NFE per sample; tokens per
 step; mean latency per sample; and the share of wall time spent outside the model's forward.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .config import GenerationConfig
-from .quant import weight_bytes
+from ..config import GenerationConfig
+from ..quant import weight_bytes
 
 
 @dataclass
@@ -104,7 +104,7 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None, 
 def run_config(model, tokenizer, task: str, config, num_fewshot: int, limit: int | None, batch_size: int,
                data_dir: str | None = None) -> dict:
     """One bench row: `config` evaluated on `task`, its accuracy, speed and work."""
-    from .evaluate import evaluate
+    from .harness import evaluate
 
     m = evaluate(model, tokenizer, task, limit=limit, num_fewshot=num_fewshot, config=config,
                  batch_size=batch_size, data_dir=data_dir, progress=False)

@@ -7,7 +7,7 @@
     results = evaluate(model, tokenizer, "arith", limit=100, config=GenerationConfig(gen_length=128))
 
 Decoding defaults are GenerationConfig's (Fast-dLLM's DualCache + threshold 0.9, gen_length 256,
-blocks of 32); prompts and scoring are each task's (`fastdllm.tasks`): GSM8K 5-shot, MATH-500
+blocks of 32); prompts and scoring are each task's (`fastdllm.evaluation.tasks`): GSM8K 5-shot, MATH-500
 4-shot Minerva-style, HumanEval 0-shot, MBPP 3-shot, arith 0-shot.
 
 Metrics (the same definitions in the results JSON, the per-sample log and the progress bar):
@@ -46,13 +46,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .version import __version__
-from .config import GenerationConfig
-from .generation import generate, warm_up
-from .policies import PolicySource
-from .quant import weight_bytes
+from ..version import __version__
+from ..config import GenerationConfig
+from ..engine.generation import generate, warm_up
+from ..engine.policies import PolicySource
+from ..quant import weight_bytes
 from .tasks import Task, get_task, has_chat_template
-from .text import complete
+from ..text.completion import complete
 
 DEFAULT_BATCH_SIZE = 1
 
@@ -135,7 +135,7 @@ def evaluate(
     (every rank returns the merged results; only rank 0 writes `log_samples`).
 
     workers: sandbox processes for code tasks; timeout: seconds per program (code tasks) or per
-    equivalence check (math500); policies: the decoding policies (see `fastdllm.policies`; default:
+    equivalence check (math500); policies: the decoding policies (see `fastdllm.engine.policies`; default:
     the config's); chat_template: prompts through the tokenizer's chat template (default: when it has
     one) or, with False, as the task's plain text (`Question: ...\nAnswer:`). Raises ValueError (UnknownTaskError, DataError) on bad input."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
@@ -233,11 +233,11 @@ def evaluate(
         # memory: the weights as they sit in memory, and the largest KV cache a batch held
         **(weight_bytes(model) if hasattr(model, "named_modules") else {}),
         "quantization": getattr(model, "quantization", None),
-        "data_dir": str(data_dir) if data_dir is not None else "fastdllm/data (bundled)",
+        "data_dir": str(data_dir) if data_dir is not None else "fastdllm/evaluation/data (bundled)",
         "fastdllm_version": __version__,
     })
     if task.is_code:
-        from .sandbox import protections
+        from ..sandbox import protections
 
         results["sandbox_protections"] = list(protections())
         results["pass@1"] = results["accuracy"]

@@ -16,7 +16,7 @@ and, decoding greedily, the rest of the answer. Under `BatchInvariant` (after Th
   `Attention.attend` each row's span), as an unbatched row attends.
 
 This costs throughput (more, smaller kernels), so it is a flag (`GenerationConfig.deterministic`,
-`fastdllm serve --deterministic`); docs/server.md gives the measured cost. Quantized layers
+`fastdllm serve --deterministic`); docs/serving.md gives the measured cost. Quantized layers
 (int8 / int4 kernels) are not covered: their kernels are chosen by the number of rows.
 """
 

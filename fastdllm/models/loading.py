@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .models import Transformer, family_of
-from .tokenizer import Tokenizer, load_tokenizer
+from . import Transformer, family_of
+from ..text.tokenizer import Tokenizer, load_tokenizer
 
-ASSETS_DIR = Path(__file__).parent / "assets"
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "embedded" / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
 # Models shipped in the package, loadable by name: the default LLaDA-format model, its Dream-format
 # twin, its block-diffusion twin in SDAR's layout and that twin's mixture of experts in LLaDA2's
@@ -162,8 +162,8 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
     """The model of a checkpoint folder; a quantized checkpoint (compressed-tensors, GPTQ:
     `quant.formats`) loads its quantized layers as `QuantizedLinear`s (a quantized routed expert
     is dequantized into its stack)."""
-    from .quant import install
-    from .quant.formats import decode, is_quantized, read_quant_format
+    from ..quant import install
+    from ..quant.formats import decode, is_quantized, read_quant_format
 
     folder = Path(folder)
     config = read_config(folder)
@@ -286,7 +286,7 @@ def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=No
         )
     model = load_model(folder, dtype=dtype, device="cpu" if quantize else device)
     if quantize:
-        from .quant import install, quantize_weights
+        from ..quant import install, quantize_weights
 
         if model.quantization is not None:
             raise ValueError(f"quantize: {folder} is already quantized ({model.quantization['format']}, "
@@ -327,8 +327,8 @@ def save_pretrained(
     `quantized` (our layer name -> `quant.QuantizedWeight`, from `quant.quantize_weights`) writes
     those layers quantized in `quant_format` ("compressed-tensors" or "gptq") with its
     `quantization_config` (`quantize_checkpoint` does this from a full-precision checkpoint)."""
-    from .quant import QuantizedLinear
-    from .quant.formats import encode, quantization_config
+    from ..quant import QuantizedLinear
+    from ..quant.formats import encode, quantization_config
 
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError("save_pretrained: this model's layers are quantized in memory; write a quantized "
@@ -410,8 +410,8 @@ def quantize_checkpoint(src: str | os.PathLike | None, dst: str | os.PathLike, b
     """Write the checkpoint at `src` (a folder, hub id or embedded name) to `dst` with its linear
     layers quantized to `bits` (8 or 4) in `quant_format`: loading `dst` gives the same model, and
     the same logits, as `load(src, quantize=...)` with these settings."""
-    from .quant import quantize_weights
-    from .quant.formats import FORMATS
+    from ..quant import quantize_weights
+    from ..quant.formats import FORMATS
 
     if quant_format not in FORMATS:
         raise ValueError(f"format: {quant_format!r} is not one of {', '.join(FORMATS)}")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import KVCache
+from .kv_cache import KVCache
 from .args import ModelArgs
 from .invariance import BatchInvariant
 from .mlp import FeedForward

@@ -52,8 +52,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from .box import (UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, SandboxUnavailable, current_plan, drive,
-                  last_line, map_in_order, memory_reason)
+from .box import UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, SandboxUnavailable, current_plan, drive, last_line, map_in_order, memory_reason
 from .judge import CodeCheck, free_names, judge, judge_many
 
 __all__ = ["CodeCheck", "SandboxConfig", "SandboxResult", "UID_BASE", "VERDICTS", "free_names", "judge",

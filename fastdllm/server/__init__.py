@@ -35,7 +35,7 @@ context), 404 for an unknown route or model, 503 when the queue is full.
 
 Where things are: `schema` (request bodies, errors), `scheduler` (queue, inference thread),
 `incremental` (streamed text), `app` (routes); the command `fastdllm serve` is
-`fastdllm.commands.serve`.
+`fastdllm.cli.serve`.
 """
 
 from __future__ import annotations

@@ -21,15 +21,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError
 from ..config import GenerationConfig
-from .. import tool_calls
-from ..constraints import GrammarConstraint, response_format_constraint
-from ..likelihood import prefix_logprobs
+from ..text import tool_calls
+from ..engine.constraints import GrammarConstraint, response_format_constraint
+from ..engine.likelihood import prefix_logprobs
 from .guard import Guard
 from .incremental import ChoiceText
 from .metrics import ServerMetrics
 from .scheduler import Job, QueueFull, Scheduler
-from .schema import (DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                     TokenizeRequest, _Common, validation_error)
+from .schema import DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Common, validation_error
 
 log = logging.getLogger("fastdllm.server")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ..text import complete
+from ..text.completion import complete
 
 log = logging.getLogger("fastdllm.server")
 

@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..decoder import BlockDecoder, join_key
-from ..policies import PolicySource, resolve
+from ..engine.decoder import BlockDecoder, join_key
+from ..engine.policies import PolicySource, resolve
 from ..config import GenerationConfig
 from .schema import APIError
 

@@ -209,7 +209,7 @@ class _Common(_DecodingFields):
                     raise APIError(400, "stream_options: only allowed with stream: true", param=name,
                                    code="invalid_value")
                 raise APIError(400, f"unknown field {name!r}", param=name, code="unknown_field")
-        from ..tool_calls import check_tools
+        from ..text.tool_calls import check_tools
 
         try:
             check_tools(self.tools or [], self.tool_choice)

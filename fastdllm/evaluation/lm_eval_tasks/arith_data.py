@@ -7,7 +7,7 @@ def splits(**_metadata):
     """test: the 1000 fixed test problems; train: the 16-problem few-shot pool."""
     import datasets
 
-    from fastdllm.tasks import arith
+    from ..tasks import arith
 
     def rows(problems):
         return datasets.Dataset.from_list([{"question": p.question, "answer": p.answer} for p in problems])

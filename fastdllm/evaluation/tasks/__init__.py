@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from .base import (DATA_DIR, DataError, Doc, Score, Task, UnknownTaskError, apply_limit, find_data_file,
-                   has_chat_template, read_jsonl, score_final_number)
+from .base import DATA_DIR, DataError, Doc, Score, Task, UnknownTaskError, apply_limit, find_data_file, has_chat_template, read_jsonl, score_final_number
 
 # name -> (module of this package, class); imported on first use
 TASKS = {"arith": ("arith", "ArithTask"), "gsm8k": ("gsm8k", "GSM8KTask"), "humaneval": ("humaneval", "HumanEvalTask"),

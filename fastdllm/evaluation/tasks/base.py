@@ -1,7 +1,7 @@
 """What every task shares: its data files (`read_jsonl`, `DataError`), its documents and scores,
 the `Task` interface and its scorers (in process, or judged in `fastdllm.sandbox` for code).
 
-Data files are gzip-compressed JSON Lines under `fastdllm/data/` (see its README.md for sources
+Data files are gzip-compressed JSON Lines under `fastdllm/evaluation/data/` (see its README.md for sources
 and licences); `data_dir` points at other copies with the same file names, `.jsonl.gz` or
 `.jsonl`. A missing file or a malformed line is a `DataError` naming the file (and line).
 """
@@ -120,14 +120,14 @@ class _CodeScorer(_NullScorer):
     solution run in two processes that exchange only data), `workers` at a time."""
 
     def __init__(self, task: "Task", workers: int, timeout: float | None):
-        from ..sandbox import SandboxConfig
+        from ...sandbox import SandboxConfig
 
         super().__init__(task)
         self.workers = max(1, int(workers))
         self.config = SandboxConfig(timeout=timeout or task.default_timeout)
 
     def score(self, docs, completions):
-        from ..sandbox import judge_many
+        from ...sandbox import judge_many
 
         checks = [self.task.build_check(d, c) for d, c in zip(docs, completions)]
         results = judge_many(checks, self.config, workers=self.workers)

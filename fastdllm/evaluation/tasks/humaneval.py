@@ -78,7 +78,7 @@ class HumanEvalTask(Task):
         return [] if chat else list(STOP_SEQUENCES)
 
     def build_check(self, doc, completion):
-        from ..sandbox import CodeCheck
+        from ...sandbox import CodeCheck
 
         d = doc.data
         return CodeCheck(solution=extract_program(d["prompt"], d["entry_point"], completion),

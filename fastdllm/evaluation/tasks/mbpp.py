@@ -98,8 +98,8 @@ class MBPPTask(Task):
         return list(STOP)
 
     def build_check(self, doc, completion):
-        from ..sandbox import CodeCheck
-        from ..sandbox.judge import remote_names, top_level_names
+        from ...sandbox import CodeCheck
+        from ...sandbox.judge import remote_names, top_level_names
 
         d = doc.data
         tests = "\n".join(d["test_list"]) + "\n"

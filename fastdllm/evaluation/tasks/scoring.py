@@ -135,10 +135,10 @@ class MathChecker:
         import sys
         from pathlib import Path
 
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[3])  # the folder holding the fastdllm package
         env = dict(os.environ)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        code = f"from fastdllm.tasks.scoring import _worker_main; _worker_main({self.memory_mb})"
+        code = f"from fastdllm.evaluation.tasks.scoring import _worker_main; _worker_main({self.memory_mb})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1,
                                      start_new_session=True)
