@@ -58,21 +58,38 @@ def main(argv=None) -> int:
             alone = [fastdllm.generate(model, [x], config=cfg).sequences[0] for x in batch]
             tokens = sum(out.num_tokens)
             padded = [x for x in batch if len(x) < max(map(len, batch))]
-            row[key] = {"seconds": round(best[det], 3), "tokens_per_second": round(tokens / best[det], 1),
-                        "nfe_per_row": round(sum(out.nfe_per_row) / b, 2),
-                        "rows_as_alone": sum(torch.equal(out.sequences[i], alone[i]) for i in range(b)),
-                        "padded_prefill_logits_as_alone": _prefill_equal(model, batch, padded, det)}
-        row["throughput_ratio"] = round(row["deterministic"]["tokens_per_second"] / row["default"]["tokens_per_second"], 3)
+            row[key] = {
+                "seconds": round(best[det], 3),
+                "tokens_per_second": round(tokens / best[det], 1),
+                "nfe_per_row": round(sum(out.nfe_per_row) / b, 2),
+                "rows_as_alone": sum(torch.equal(out.sequences[i], alone[i]) for i in range(b)),
+                "padded_prefill_logits_as_alone": _prefill_equal(model, batch, padded, det),
+            }
+        row["throughput_ratio"] = round(
+            row["deterministic"]["tokens_per_second"] / row["default"]["tokens_per_second"], 3
+        )
         rows.append(row)
         d, o = row["default"], row["deterministic"]
-        print(f"batch {b:3d}: default {d['tokens_per_second']:8.1f} tok/s ({d['rows_as_alone']}/{b} as alone, "
-              f"{d['padded_prefill_logits_as_alone']} padded prefills exact) | deterministic "
-              f"{o['tokens_per_second']:8.1f} tok/s ({o['rows_as_alone']}/{b} as alone, "
-              f"{o['padded_prefill_logits_as_alone']} exact) | ratio {row['throughput_ratio']:.3f}", flush=True)
+        print(
+            f"batch {b:3d}: default {d['tokens_per_second']:8.1f} tok/s ({d['rows_as_alone']}/{b} as alone, "
+            f"{d['padded_prefill_logits_as_alone']} padded prefills exact) | deterministic "
+            f"{o['tokens_per_second']:8.1f} tok/s ({o['rows_as_alone']}/{b} as alone, "
+            f"{o['padded_prefill_logits_as_alone']} exact) | ratio {row['throughput_ratio']:.3f}",
+            flush=True,
+        )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model or "llada-arith", "dtype": args.dtype, "gen_length": args.gen_length,
-                       "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model or "llada-arith",
+                    "dtype": args.dtype,
+                    "gen_length": args.gen_length,
+                    "threads": torch.get_num_threads(),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 
@@ -82,11 +99,14 @@ def _prefill_equal(model, batch, padded, invariant: bool) -> str:
     ids = torch.full((len(batch), width), model.args.eos_token_id)
     mask = torch.zeros(len(batch), width, dtype=torch.bool)
     for i, x in enumerate(batch):
-        ids[i, width - len(x):], mask[i, width - len(x):] = torch.tensor(x), True
+        ids[i, width - len(x) :], mask[i, width - len(x) :] = torch.tensor(x), True
     with torch.no_grad():
         full = model(ids, attention_mask=mask, batch_invariant=invariant)
-        same = sum(torch.equal(full[i, width - len(x):], model(torch.tensor([x]), batch_invariant=invariant)[0])
-                   for i, x in enumerate(batch) if len(x) < width)
+        same = sum(
+            torch.equal(full[i, width - len(x) :], model(torch.tensor([x]), batch_invariant=invariant)[0])
+            for i, x in enumerate(batch)
+            if len(x) < width
+        )
     return f"{same}/{len(padded)}"
 
 

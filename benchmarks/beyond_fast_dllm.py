@@ -52,21 +52,42 @@ def main(argv=None) -> int:
     model, tok = fastdllm.load()
     # Warm-up, untimed: a process's first forwards pay for allocation and kernel selection, which
     # would otherwise fall on the first row.
-    evaluate(model, tok, "arith", limit=16, num_fewshot=args.num_fewshot,
-             config=fastdllm.GenerationConfig(gen_length=args.gen_length), batch_size=16)
+    evaluate(
+        model,
+        tok,
+        "arith",
+        limit=16,
+        num_fewshot=args.num_fewshot,
+        config=fastdllm.GenerationConfig(gen_length=args.gen_length),
+        batch_size=16,
+    )
     rows = []
     print("| configuration | accuracy | tokens/s | NFE/sample | positions/token | attended/token |")
     print("|---|---|---|---|---|---|")
     for name in args.configs:
         cfg = fastdllm.GenerationConfig(gen_length=args.gen_length, **CONFIGS[name])
         r = evaluate(model, tok, "arith", limit=args.limit, num_fewshot=args.num_fewshot, config=cfg, batch_size=16)
-        row = {"name": name, "config": cfg.to_dict(), **{k: r[k] for k in (
-            "accuracy", "tokens_per_second", "nfe_per_sample", "positions_per_token", "attended_per_token",
-            "num_samples")}}
+        row = {
+            "name": name,
+            "config": cfg.to_dict(),
+            **{
+                k: r[k]
+                for k in (
+                    "accuracy",
+                    "tokens_per_second",
+                    "nfe_per_sample",
+                    "positions_per_token",
+                    "attended_per_token",
+                    "num_samples",
+                )
+            },
+        }
         rows.append(row)
-        print(f"| {name} | {100 * row['accuracy']:.1f}% | {row['tokens_per_second']:.1f} | "
-              f"{row['nfe_per_sample']:.2f} | {row['positions_per_token']:.1f} | {row['attended_per_token']:.0f} |",
-              flush=True)
+        print(
+            f"| {name} | {100 * row['accuracy']:.1f}% | {row['tokens_per_second']:.1f} | "
+            f"{row['nfe_per_sample']:.2f} | {row['positions_per_token']:.1f} | {row['attended_per_token']:.0f} |",
+            flush=True,
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"settings": vars(args), "rows": rows}, f, indent=2)

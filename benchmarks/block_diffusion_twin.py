@@ -34,10 +34,16 @@ ROWS = [
     ("llada2-arith", "one token per step, exact block cache", dict(threshold=None)),
     ("llada2-arith", "LLaDA2.0 rule, threshold 0.9, no cache", dict(NO_CACHE, threshold=0.9)),
     ("llada2-arith", "LLaDA2.0 rule, threshold 0.9, exact block cache (its default)", dict(threshold=0.9)),
-    ("llada2-arith", "LLaDA2.1 editing, quality mode (threshold 0.7, editing 0.5)",
-     dict(threshold=0.7, editing_threshold=0.5)),
-    ("llada2-arith", "LLaDA2.1 editing, speed mode (threshold 0.5, editing 0.0)",
-     dict(threshold=0.5, editing_threshold=0.0)),
+    (
+        "llada2-arith",
+        "LLaDA2.1 editing, quality mode (threshold 0.7, editing 0.5)",
+        dict(threshold=0.7, editing_threshold=0.5),
+    ),
+    (
+        "llada2-arith",
+        "LLaDA2.1 editing, speed mode (threshold 0.5, editing 0.0)",
+        dict(threshold=0.5, editing_threshold=0.0),
+    ),
     ("llada-arith", "the default (Fast-dLLM + suffix window 32 + vicinity refresh)", dict()),
 ]
 
@@ -60,14 +66,32 @@ def main() -> None:
         config = GenerationConfig.for_model(model, GenerationConfig(gen_length=args.gen_length), **settings)
         evaluate(model, tok, "arith", limit=2, config=config, batch_size=2, progress=False)  # warm-up
         m = evaluate(model, tok, "arith", limit=args.limit, config=config, batch_size=args.batch_size, progress=False)
-        results.append({"model": name, "decoding": label, "config": config.to_dict(), **{k: m[k] for k in (
-            "accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step", "positions_per_token",
-            "attended_per_token", "num_samples")}})
+        results.append(
+            {
+                "model": name,
+                "decoding": label,
+                "config": config.to_dict(),
+                **{
+                    k: m[k]
+                    for k in (
+                        "accuracy",
+                        "tokens_per_second",
+                        "nfe_per_sample",
+                        "tokens_per_step",
+                        "positions_per_token",
+                        "attended_per_token",
+                        "num_samples",
+                    )
+                },
+            }
+        )
         r = results[-1]
-        print(f"{name:<12} {label:<66} acc {100 * r['accuracy']:5.1f}  {r['tokens_per_second']:8.1f} tok/s  "
-              f"NFE {r['nfe_per_sample']:6.2f}  tok/step {r['tokens_per_step']:5.2f}  "
-              f"pos/tok {r['positions_per_token']:6.2f}  x{r['tokens_per_second'] / results[0]['tokens_per_second']:.1f}",
-              flush=True)
+        print(
+            f"{name:<12} {label:<66} acc {100 * r['accuracy']:5.1f}  {r['tokens_per_second']:8.1f} tok/s  "
+            f"NFE {r['nfe_per_sample']:6.2f}  tok/step {r['tokens_per_step']:5.2f}  "
+            f"pos/tok {r['positions_per_token']:6.2f}  x{r['tokens_per_second'] / results[0]['tokens_per_second']:.1f}",
+            flush=True,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"settings": vars(args), "rows": results}, indent=1) + "\n")
 

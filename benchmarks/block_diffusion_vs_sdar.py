@@ -26,8 +26,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.models.loading import save_pretrained
 from fastdllm.evaluation.tasks import get_task
+from fastdllm.models.loading import save_pretrained
 
 
 def main() -> None:
@@ -38,15 +38,19 @@ def main() -> None:
     p.add_argument("--gen-length", type=int, default=256)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--batch", type=int, default=1,
-                   help="also time ours on the prompts in batches of this size (SDAR's routine takes one)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="also time ours on the prompts in batches of this size (SDAR's routine takes one)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     source = Path(args.sdar, "evaluation/opencompass/opencompass/models/huggingface_bd3.py").read_text()
-    source = source[source.index("## bd3 generation"):source.index("def forward_add_noise")]
+    source = source[source.index("## bd3 generation") : source.index("def forward_add_noise")]
     ns: dict = {}
     exec(compile(source, "huggingface_bd3.py", "exec"), ns)
     reference_generate = ns["block_diffusion_generate"]
@@ -58,8 +62,9 @@ def main() -> None:
     files = Path(args.sdar, "training", "model", "SDAR-4B-Chat")
     for f in ("configuration_sdar.py", "modeling_sdar.py"):
         (folder / f).write_text((files / f).read_text())
-    (folder / "fused_linear_diffusion_cross_entropy.py").write_text("class FusedLinearDiffusionCrossEntropyLoss:\n"
-                                                                   "    pass\n")
+    (folder / "fused_linear_diffusion_cross_entropy.py").write_text(
+        "class FusedLinearDiffusionCrossEntropyLoss:\n    pass\n"
+    )
     ref = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
     calls = {"n": 0}
     forward = ref.forward
@@ -71,8 +76,9 @@ def main() -> None:
     ref.forward = counted
     stop = sorted(model.stop_token_ids)
     threshold = None if args.threshold >= 1 else args.threshold
-    config = GenerationConfig.for_model(model, GenerationConfig(gen_length=args.gen_length, threshold=threshold),
-                                        temperature=0.0)
+    config = GenerationConfig.for_model(
+        model, GenerationConfig(gen_length=args.gen_length, threshold=threshold), temperature=0.0
+    )
     task = get_task("arith")
     docs = task.load(limit=args.limit)
 
@@ -84,10 +90,21 @@ def main() -> None:
 
     def theirs_generate(prompt):
         ids = torch.tensor([prompt])
-        return reference_generate(ref, None, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                                  model.mask_token_id, gen_length=args.gen_length, block_length=blk,
-                                  denoising_steps=blk, temperature=1.0, top_k=1, top_p=1.0,
-                                  remasking="low_confidence", threshold=args.threshold, stopping_criteria_idx=stop)
+        return reference_generate(
+            ref,
+            None,
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+            model.mask_token_id,
+            gen_length=args.gen_length,
+            block_length=blk,
+            denoising_steps=blk,
+            temperature=1.0,
+            top_k=1,
+            top_p=1.0,
+            remasking="low_confidence",
+            threshold=args.threshold,
+            stopping_criteria_idx=stop,
+        )
 
     # one untimed run of each first: lazy set-up (kernels, allocator, tables) is not decoding
     warm = task.encode(tok, docs[0], [])
@@ -113,16 +130,23 @@ def main() -> None:
         x = theirs_generate(prompt)
         theirs_t += time.perf_counter() - t0
         calls["theirs"] = calls.get("theirs", 0) + calls["n"] - before
-        theirs = upto_stop(x[0, len(prompt):len(prompt) + args.gen_length].tolist())
+        theirs = upto_stop(x[0, len(prompt) : len(prompt) + args.gen_length].tolist())
         theirs_tokens += len(theirs)
         agree += mine == theirs
     n = len(docs)
     result = {
-        "model": args.model, "samples": n, "gen_length": args.gen_length, "threshold": args.threshold,
-        "threads": args.threads, "agree": agree, "accuracy": correct / n,
-        "ours_tokens_per_s": ours_tokens / ours_t, "sdar_tokens_per_s": theirs_tokens / theirs_t,
+        "model": args.model,
+        "samples": n,
+        "gen_length": args.gen_length,
+        "threshold": args.threshold,
+        "threads": args.threads,
+        "agree": agree,
+        "accuracy": correct / n,
+        "ours_tokens_per_s": ours_tokens / ours_t,
+        "sdar_tokens_per_s": theirs_tokens / theirs_t,
         "ratio": (ours_tokens / ours_t) / (theirs_tokens / theirs_t),
-        "ours_forwards_per_sample": ours_nfe / n, "sdar_forwards_per_sample": calls["theirs"] / n,
+        "ours_forwards_per_sample": ours_nfe / n,
+        "sdar_forwards_per_sample": calls["theirs"] / n,
         "ours_positions_per_token": positions / ours_tokens,
     }
     if args.batch > 1:  # throughput: the same prompts in batches (left-padded), against SDAR one at a time
@@ -130,15 +154,20 @@ def main() -> None:
         batched_t, batched_tokens, same = 0.0, 0, 0
         for i in range(0, n, args.batch):
             t0 = time.perf_counter()
-            out = fastdllm.generate(model, prompts[i:i + args.batch], config=config)
+            out = fastdllm.generate(model, prompts[i : i + args.batch], config=config)
             batched_t += time.perf_counter() - t0
             for j, row in enumerate(out.sequences.tolist()):
                 mine = upto_stop(row)
                 batched_tokens += len(mine)
                 same += mine == singles[i + j]
-        result.update({"batch": args.batch, "batched_same_as_single": same,
-                       "ours_batched_tokens_per_s": batched_tokens / batched_t,
-                       "batched_ratio": (batched_tokens / batched_t) / (theirs_tokens / theirs_t)})
+        result.update(
+            {
+                "batch": args.batch,
+                "batched_same_as_single": same,
+                "ours_batched_tokens_per_s": batched_tokens / batched_t,
+                "batched_ratio": (batched_tokens / batched_t) / (theirs_tokens / theirs_t),
+            }
+        )
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -23,9 +23,9 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.server import Job, Scheduler
 from fastdllm.evaluation.tasks import arith
 from fastdllm.evaluation.tasks.arith import prompt_ids
+from fastdllm.server import Job, Scheduler
 
 
 async def one_run(model, long_prompt, shorts, base, long_len, short_len, gaps, continuous):
@@ -60,8 +60,13 @@ async def one_run(model, long_prompt, shorts, base, long_len, short_len, gaps, c
     long_end, long_ids = await long_task
     stats = sched.snapshot()
     sched.close()
-    return dict(short_latency=[end - s for (end, _), s in zip(done, submitted)], long_latency=long_end - t0,
-                short_ids=[ids for _, ids in done], long_ids=long_ids, joined=stats["joined"])
+    return dict(
+        short_latency=[end - s for (end, _), s in zip(done, submitted)],
+        long_latency=long_end - t0,
+        short_ids=[ids for _, ids in done],
+        long_ids=long_ids,
+        joined=stats["joined"],
+    )
 
 
 def main(argv=None):
@@ -86,37 +91,61 @@ def main(argv=None):
         t = time.perf_counter()
         alone_long = generate(model, [long_prompt], base.replace(gen_length=args.long, seed=0))
         long_alone_s = time.perf_counter() - t
-        alone_short = [generate(model, [p], base.replace(gen_length=args.short, seed=i + 1)).sequences[0].tolist()
-                       for i, p in enumerate(shorts)]
+        alone_short = [
+            generate(model, [p], base.replace(gen_length=args.short, seed=i + 1)).sequences[0].tolist()
+            for i, p in enumerate(shorts)
+        ]
     # Arrivals spread over the first 80% of the long request's time alone.
     gaps = [0.8 * long_alone_s / args.requests] * args.requests
     results = {True: [], False: []}
     for _ in range(args.rounds):
         for mode in (False, True):
-            results[mode].append(asyncio.run(one_run(model, long_prompt, shorts, base, args.long, args.short, gaps,
-                                                     mode)))
+            results[mode].append(
+                asyncio.run(one_run(model, long_prompt, shorts, base, args.long, args.short, gaps, mode))
+            )
     rows = []
     for mode in (False, True):
         lat = [x for r in results[mode] for x in r["short_latency"]]
-        same = all(r["long_ids"] == alone_long.sequences[0].tolist() and r["short_ids"] == alone_short
-                   for r in results[mode])
-        rows.append(dict(continuous=mode, short_p50=statistics.median(lat),
-                         short_p95=statistics.quantiles(lat, n=20, method="inclusive")[18],
-                         long_latency=statistics.median(r["long_latency"] for r in results[mode]),
-                         joined=statistics.median(r["joined"] for r in results[mode]), identical_to_alone=same))
+        same = all(
+            r["long_ids"] == alone_long.sequences[0].tolist() and r["short_ids"] == alone_short for r in results[mode]
+        )
+        rows.append(
+            dict(
+                continuous=mode,
+                short_p50=statistics.median(lat),
+                short_p95=statistics.quantiles(lat, n=20, method="inclusive")[18],
+                long_latency=statistics.median(r["long_latency"] for r in results[mode]),
+                joined=statistics.median(r["joined"] for r in results[mode]),
+                identical_to_alone=same,
+            )
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(long=args.long, short=args.short, requests=args.requests, rounds=args.rounds, threads=args.threads,
-                long_alone_s=long_alone_s, dtype=str(model.dtype), config=f"{args.preset}, stop_at_eos off")
+    meta = dict(
+        long=args.long,
+        short=args.short,
+        requests=args.requests,
+        rounds=args.rounds,
+        threads=args.threads,
+        long_alone_s=long_alone_s,
+        dtype=str(model.dtype),
+        config=f"{args.preset}, stop_at_eos off",
+    )
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"Preset {args.preset} (stop-at-EOS off). Long request {args.long} tokens (8-shot prompt, {long_alone_s:.2f} s alone), {args.requests} short "
-             f"requests of {args.short} tokens arriving evenly over 80% of that, {args.rounds} runs per mode, "
-             f"{model.dtype}, {args.threads} thread(s).", "",
-             "| continuous batching | short p50 (s) | short p95 (s) | long request (s) | joined | answers as alone |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Preset {args.preset} (stop-at-EOS off). Long request {args.long} tokens (8-shot prompt, "
+        f"{long_alone_s:.2f} s alone), {args.requests} short "
+        f"requests of {args.short} tokens arriving evenly over 80% of that, {args.rounds} runs per mode, "
+        f"{model.dtype}, {args.threads} thread(s).",
+        "",
+        "| continuous batching | short p50 (s) | short p95 (s) | long request (s) | joined | answers as alone |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {'on' if r['continuous'] else 'off'} | {r['short_p50']:.3f} | {r['short_p95']:.3f} | "
-                     f"{r['long_latency']:.2f} | {r['joined']:.0f} | {'yes' if r['identical_to_alone'] else 'NO'} |")
+        lines.append(
+            f"| {'on' if r['continuous'] else 'off'} | {r['short_p50']:.3f} | {r['short_p95']:.3f} | "
+            f"{r['long_latency']:.2f} | {r['joined']:.0f} | {'yes' if r['identical_to_alone'] else 'NO'} |"
+        )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -25,11 +25,16 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.evaluation.harness import evaluate
 from fastdllm.embedded.train_data import docstrings
+from fastdllm.evaluation.harness import evaluate
 
-ACCURACY_ROWS = [("everyday", True), ("everyday", False), ("everyday-probe", True), ("everyday-probe", False),
-                 ("arith", True)]
+ACCURACY_ROWS = [
+    ("everyday", True),
+    ("everyday", False),
+    ("everyday-probe", True),
+    ("everyday-probe", False),
+    ("arith", True),
+]
 PRESETS = ["baseline", "fast-dllm", "default"]
 
 
@@ -39,15 +44,24 @@ def accuracy_rows(name, model, tok, args):
         for preset in args.presets:
             config = GenerationConfig.for_model(model, GenerationConfig.preset(preset, gen_length=args.gen_length))
             limit = args.baseline_limit if preset == "baseline" else args.limit
-            m = evaluate(model, tok, task, limit=limit, config=config, batch_size=args.batch_size,
-                         chat_template=chat)
-            row = {"model": name, "task": task, "prompt": "chat" if chat else "plain", "preset": preset,
-                   **{k: m[k] for k in ("accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step",
-                                        "num_samples")}}
+            m = evaluate(model, tok, task, limit=limit, config=config, batch_size=args.batch_size, chat_template=chat)
+            row = {
+                "model": name,
+                "task": task,
+                "prompt": "chat" if chat else "plain",
+                "preset": preset,
+                **{
+                    k: m[k]
+                    for k in ("accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step", "num_samples")
+                },
+            }
             rows.append(row)
-            print(f"{name:<12} {task:<15} {row['prompt']:<6} {preset:<10} acc {100 * row['accuracy']:5.1f}  "
-                  f"{row['tokens_per_second']:8.1f} tok/s  NFE {row['nfe_per_sample']:6.2f}  "
-                  f"tok/step {row['tokens_per_step']:5.2f}", flush=True)
+            print(
+                f"{name:<12} {task:<15} {row['prompt']:<6} {preset:<10} acc {100 * row['accuracy']:5.1f}  "
+                f"{row['tokens_per_second']:8.1f} tok/s  NFE {row['nfe_per_sample']:6.2f}  "
+                f"tok/step {row['tokens_per_step']:5.2f}",
+                flush=True,
+            )
     return rows
 
 
@@ -56,29 +70,55 @@ def confidence_rows(name, model, tok, args):
     for stop in (True, False):
         config = GenerationConfig.for_model(model, GenerationConfig.preset("default", gen_length=256, stop_at_eos=stop))
         m = evaluate(model, tok, "everyday", limit=min(args.limit, 64), config=config, batch_size=args.batch_size)
-        rows.append({"model": name, "what": f"everyday, default, stop_at_eos={stop}",
-                     "tokens_per_step": m["tokens_per_step"], "nfe_per_sample": m["nfe_per_sample"]})
-        print(f"{name:<12} {rows[-1]['what']:<44} tok/step {m['tokens_per_step']:6.2f}  NFE {m['nfe_per_sample']:6.2f}",
-              flush=True)
+        rows.append(
+            {
+                "model": name,
+                "what": f"everyday, default, stop_at_eos={stop}",
+                "tokens_per_step": m["tokens_per_step"],
+                "nfe_per_sample": m["nfe_per_sample"],
+            }
+        )
+        print(
+            f"{name:<12} {rows[-1]['what']:<44} tok/step {m['tokens_per_step']:6.2f}  NFE {m['nfe_per_sample']:6.2f}",
+            flush=True,
+        )
     texts = docstrings(held_out=True)[: args.texts]
     prompts = [tok.encode(" ".join(t.split()[: max(1, int(len(t.split()) * 0.3))])) for t in texts]
     outs = {}
     for label, threshold in (("baseline", None), ("threshold 0.9", 0.9)):
-        config = GenerationConfig.for_model(model, GenerationConfig(
-            gen_length=64, block_length=32, steps=64, threshold=threshold, stop_at_eos=False, cache="none",
-            suffix_window=None, refresh="full"))
+        config = GenerationConfig.for_model(
+            model,
+            GenerationConfig(
+                gen_length=64,
+                block_length=32,
+                steps=64,
+                threshold=threshold,
+                stop_at_eos=False,
+                cache="none",
+                suffix_window=None,
+                refresh="full",
+            ),
+        )
         out = fastdllm.generate(model, prompts, config=config)
         steps = [s for row in out.tokens_per_step for s in row]
         outs[label] = out
-        rows.append({"model": name, "what": f"general text, {label}", "tokens_per_step": sum(steps) / len(steps),
-                     "nfe_per_sample": sum(out.nfe_per_row) / len(prompts)})
+        rows.append(
+            {
+                "model": name,
+                "what": f"general text, {label}",
+                "tokens_per_step": sum(steps) / len(steps),
+                "nfe_per_sample": sum(out.nfe_per_row) / len(prompts),
+            }
+        )
     a, b = outs["baseline"].sequences, outs["threshold 0.9"].sequences
     agree = sum(int((x == y).sum()) for x, y in zip(a, b)) / sum(len(x) for x in a)
     rows[-1]["agreement_with_baseline"] = agree
     for r in rows[-2:]:
-        print(f"{name:<12} {r['what']:<44} tok/step {r['tokens_per_step']:6.2f}  NFE {r['nfe_per_sample']:6.2f}"
-              + (f"  tokens equal to the baseline's {100 * agree:.1f}%" if "agreement_with_baseline" in r else ""),
-              flush=True)
+        print(
+            f"{name:<12} {r['what']:<44} tok/step {r['tokens_per_step']:6.2f}  NFE {r['nfe_per_sample']:6.2f}"
+            + (f"  tokens equal to the baseline's {100 * agree:.1f}%" if "agreement_with_baseline" in r else ""),
+            flush=True,
+        )
     return rows
 
 

@@ -64,14 +64,18 @@ def main() -> None:
                 peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
                 rows.append({"seq_len": length, "mode": name, "ms": round(t * 1e3, 3), "peak_gpu_mib": peak})
     full = {r["seq_len"]: r["ms"] for r in rows if r["mode"] == "full (no cache)"}
-    print(f"model: {model.name_or_path}  params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M  "
-          f"device: {args.device}  dtype: {args.dtype}  batch: {args.batch}")
+    print(
+        f"model: {model.name_or_path}  params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M  "
+        f"device: {args.device}  dtype: {args.dtype}  batch: {args.batch}"
+    )
     print(f"{'seq':>5}  {'mode':<22} {'ms':>9} {'vs full':>8}")
     for r in rows:
         print(f"{r['seq_len']:>5}  {r['mode']:<22} {r['ms']:>9.3f} {full[r['seq_len']] / r['ms']:>7.1f}x")
     cache_mib = model.new_cache(args.batch, 1024).nbytes() / 2**20
-    print(f"KV cache at 1024: {cache_mib:.1f} MiB; process peak RSS: "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    print(
+        f"KV cache at 1024: {cache_mib:.1f} MiB; process peak RSS: "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+    )
     print(json.dumps(rows))
 
 

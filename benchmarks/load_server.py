@@ -45,9 +45,24 @@ def free_port() -> int:
 
 def start_server(args, batch_size: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "fastdllm", "serve", "--port", str(port), "--max-batch-size", str(batch_size),
-           "--max-queue", "1024", "--gen-length", str(args.max_tokens), "--block-length", str(args.block_length),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastdllm",
+        "serve",
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(batch_size),
+        "--max-queue",
+        "1024",
+        "--gen-length",
+        str(args.max_tokens),
+        "--block-length",
+        str(args.block_length),
+        "--log-level",
+        "warning",
+    ]
     if args.model:
         cmd += ["--model", args.model]
     if args.device:
@@ -83,8 +98,15 @@ def questions(n: int) -> list[str]:
 
 
 def one_request(url: str, model: str, question: str, seed: int, args) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first, tokens, chunks = None, 0, 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
@@ -101,8 +123,12 @@ def one_request(url: str, model: str, question: str, seed: int, args) -> dict:
                 chunks += 1
                 if first is None:
                     first = time.perf_counter() - t0
-    return {"ttfb": first if first is not None else time.perf_counter() - t0,
-            "latency": time.perf_counter() - t0, "tokens": tokens, "chunks": chunks}
+    return {
+        "ttfb": first if first is not None else time.perf_counter() - t0,
+        "latency": time.perf_counter() - t0,
+        "tokens": tokens,
+        "chunks": chunks,
+    }
 
 
 def pct(values, q):
@@ -158,8 +184,12 @@ def main(argv=None) -> int:
             for c in args.concurrency:
                 row = {"max_batch_size": bs, **run_setting(url, model, c, args)}
                 rows.append(row)
-                print(f"batch {bs:>2} clients {c:>2}: {row['req_per_s']:.2f} req/s {row['tok_per_s']:.1f} tok/s "
-                      f"TTFB p50 {row['ttfb_p50']:.3f}s", file=sys.stderr, flush=True)
+                print(
+                    f"batch {bs:>2} clients {c:>2}: {row['req_per_s']:.2f} req/s {row['tok_per_s']:.1f} tok/s "
+                    f"TTFB p50 {row['ttfb_p50']:.3f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             proc.terminate()
             try:
@@ -167,14 +197,18 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    print(f"\n{args.requests} streaming chat requests per row, max_tokens {args.max_tokens}, block "
-          f"{args.block_length}, temperature {args.temperature}, server threads {args.threads or 'default'}"
-          + (f", serve args: {args.serve_args}" if args.serve_args else ""))
+    print(
+        f"\n{args.requests} streaming chat requests per row, max_tokens {args.max_tokens}, block "
+        f"{args.block_length}, temperature {args.temperature}, server threads {args.threads or 'default'}"
+        + (f", serve args: {args.serve_args}" if args.serve_args else "")
+    )
     print("| max batch | clients | req/s | tok/s | TTFB p50 (s) | TTFB p90 (s) | latency p50 (s) | rows/batch |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['max_batch_size']} | {r['concurrency']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
-              f"{r['ttfb_p50']:.3f} | {r['ttfb_p90']:.3f} | {r['latency_p50']:.3f} | {r['rows_per_batch']:.2f} |")
+        print(
+            f"| {r['max_batch_size']} | {r['concurrency']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
+            f"{r['ttfb_p50']:.3f} | {r['ttfb_p90']:.3f} | {r['latency_p50']:.3f} | {r['rows_per_batch']:.2f} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0

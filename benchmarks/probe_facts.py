@@ -82,11 +82,18 @@ def probe_answers(model, tokenizer, problems: int) -> tuple[dict[str, list[int]]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", nargs="?", default=None, help="model folder or embedded name (default: the embedded model)")
+    ap.add_argument(
+        "model", nargs="?", default=None, help="model folder or embedded name (default: the embedded model)"
+    )
     ap.add_argument("--repeats", type=int, default=2, help="shuffled placements of every fact")
     ap.add_argument("--restate", action="store_true", help="list the operations in the question")
-    ap.add_argument("--answers", type=int, default=0, metavar="N",
-                    help="instead, probe the results inside the worked answers of N held-out problems")
+    ap.add_argument(
+        "--answers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead, probe the results inside the worked answers of N held-out problems",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = fastdllm.load(args.model, dtype="float32")
@@ -105,8 +112,10 @@ def main() -> None:
     print(f"all facts  {share(known)}")
     for op in "+-*/":
         mine = [f for f in known if f[1] == op]
-        print(f"  {op}        {share(mine)}   first operand <= 20: {share(f for f in mine if f[0] <= 20)}"
-              f"   > 20: {share(f for f in mine if f[0] > 20)}")
+        print(
+            f"  {op}        {share(mine)}   first operand <= 20: {share(f for f in mine if f[0] <= 20)}"
+            f"   > 20: {share(f for f in mine if f[0] > 20)}"
+        )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import argparse
 import torch
 
 import fastdllm
-from fastdllm.embedded import train
 from fastdllm.evaluation.tasks import arith
 
 
@@ -29,7 +28,7 @@ def answer_top1(model, tok, problems, region: int, suffix_visible: bool) -> floa
         ids = torch.tensor([pids + aids + [eos] * (region - len(aids))])
         start, end = len(pids), len(pids) + len(aids)
         noisy = ids.clone()
-        noisy[0, start:end if suffix_visible else None] = mask
+        noisy[0, start : end if suffix_visible else None] = mask
         with torch.no_grad():  # row j predicts token start + j, for either family (Dream shifts)
             logits = model.logits_for(noisy, start, end)
         right += (logits[0].argmax(-1) == ids[0, start:end]).sum().item()
@@ -53,7 +52,9 @@ def main() -> None:
     for region in args.regions:
         for visible in (False, True):
             acc = answer_top1(model, tok, problems, region, visible)
-            print(f"region {region:5d}, padding {'shown ' if visible else 'masked'}: answer top-1 {acc:.1%}", flush=True)
+            print(
+                f"region {region:5d}, padding {'shown ' if visible else 'masked'}: answer top-1 {acc:.1%}", flush=True
+            )
 
 
 if __name__ == "__main__":

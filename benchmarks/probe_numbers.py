@@ -33,7 +33,8 @@ def probe(model, tokenizer, problems: int) -> dict[str, tuple[float, int]]:
             logits = model(x)
         for j, tok in enumerate(answer):
             kind = ("number" if tokenizer.decode([tok]).strip().isdigit() else "word") + (
-                " in question" if tok in in_question else " not in question")
+                " in question" if tok in in_question else " not in question"
+            )
             hit = int(logits[j, len(pids) + j].argmax()) == tok
             c = counts.setdefault(kind, [0, 0])
             c[0] += hit

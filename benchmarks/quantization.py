@@ -13,7 +13,8 @@
    `--wide-layers` layers, as `wide_model_replay.py` builds it) in bf16, int8 and int4 (groups of
    128): bytes per layer, the full 32-layer model's weights extrapolated from them (embeddings and
    head as measured), and the time of the layers' part of one decoding forward (a 32-position block against a
-   cached sequence of 512; the bf16 output head, the same in every row, left out) per configuration, alternating, median of `--repeats`.
+   cached sequence of 512; the bf16 output head, the same in every row, left out) per configuration,
+   alternating, median of `--repeats`.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ QUANT = [None, "int8", "int4"]
 def configs(names, gen_length):
     from fastdllm import GenerationConfig
 
-    made = {"baseline": GenerationConfig.baseline(gen_length=gen_length),
-            "fast-dllm": GenerationConfig.fast_dllm(gen_length=gen_length),
-            "default": GenerationConfig(gen_length=gen_length)}
+    made = {
+        "baseline": GenerationConfig.baseline(gen_length=gen_length),
+        "fast-dllm": GenerationConfig.fast_dllm(gen_length=gen_length),
+        "default": GenerationConfig(gen_length=gen_length),
+    }
     return {n: made[n] for n in names}
 
 
@@ -51,17 +54,29 @@ def embedded_rows(args) -> list[dict]:
         for cfg_name, cfg in configs(args.configs, args.gen_length).items():
             for q in QUANT:
                 model, tok = models[q]
-                m = evaluate(model, tok, "arith", limit=args.limit, config=cfg, batch_size=args.batch_size,
-                             progress=False)
-                row = {"model": name, "config": cfg_name, "weights": q or str(model.dtype).removeprefix("torch."),
-                       "accuracy": m["accuracy"], "tokens_per_second": m["tokens_per_second"],
-                       "nfe_per_sample": m["nfe_per_sample"], "weight_bytes": m["weight_bytes"],
-                       "linear_weight_bytes": m["linear_weight_bytes"], "kv_cache_bytes": m["kv_cache_bytes"],
-                       "num_samples": m["num_samples"], "quantization": m["quantization"]}
+                m = evaluate(
+                    model, tok, "arith", limit=args.limit, config=cfg, batch_size=args.batch_size, progress=False
+                )
+                row = {
+                    "model": name,
+                    "config": cfg_name,
+                    "weights": q or str(model.dtype).removeprefix("torch."),
+                    "accuracy": m["accuracy"],
+                    "tokens_per_second": m["tokens_per_second"],
+                    "nfe_per_sample": m["nfe_per_sample"],
+                    "weight_bytes": m["weight_bytes"],
+                    "linear_weight_bytes": m["linear_weight_bytes"],
+                    "kv_cache_bytes": m["kv_cache_bytes"],
+                    "num_samples": m["num_samples"],
+                    "quantization": m["quantization"],
+                }
                 rows.append(row)
-                print(f"{name} {cfg_name:<10} {row['weights']:<9} acc {100 * row['accuracy']:5.1f}  "
-                      f"{row['tokens_per_second']:8.1f} tok/s  NFE {row['nfe_per_sample']:.2f}  "
-                      f"linear {row['linear_weight_bytes'] / 2**20:.2f} MiB", flush=True)
+                print(
+                    f"{name} {cfg_name:<10} {row['weights']:<9} acc {100 * row['accuracy']:5.1f}  "
+                    f"{row['tokens_per_second']:8.1f} tok/s  NFE {row['nfe_per_sample']:.2f}  "
+                    f"linear {row['linear_weight_bytes'] / 2**20:.2f} MiB",
+                    flush=True,
+                )
     return rows
 
 
@@ -71,8 +86,9 @@ def layer_bytes(module) -> int:
 
 @torch.inference_mode()
 def wide_rows(args) -> dict:
-    from fastdllm.quant import quantize_model, weight_bytes
     from wide_model_replay import wide_model
+
+    from fastdllm.quant import quantize_model, weight_bytes
 
     models = {}
     for q in QUANT:
@@ -85,9 +101,13 @@ def wide_rows(args) -> dict:
     for name, model in models.items():
         per_layer = layer_bytes(model.layers[0])
         rest = weight_bytes(model)["weight_bytes"] - args.wide_layers * per_layer  # embeddings, head, norm
-        out["rows"][name] = {"bytes_per_layer": per_layer, "embeddings_and_head_bytes": rest,
-                             "full_32_layers_bytes": rest + 32 * per_layer, "kernels": (model.quantization or {}).get("kernels"),
-                             "forward_s": []}
+        out["rows"][name] = {
+            "bytes_per_layer": per_layer,
+            "embeddings_and_head_bytes": rest,
+            "full_32_layers_bytes": rest + 32 * per_layer,
+            "kernels": (model.quantization or {}).get("kernels"),
+            "forward_s": [],
+        }
     x = torch.randint(0, 1000, (1, length))
     positions = torch.arange(length)[None]
     ws = length - block
@@ -102,9 +122,12 @@ def wide_rows(args) -> dict:
             out["rows"][name]["forward_s"].append(time.perf_counter() - t0)
     for name, r in out["rows"].items():
         r["forward_median_s"] = statistics.median(r.pop("forward_s"))
-        print(f"wide {name:<9} {r['bytes_per_layer'] / 2**20:8.1f} MiB/layer  full 8B "
-              f"{r['full_32_layers_bytes'] / 2**30:6.2f} GiB  block forward {1000 * r['forward_median_s']:.1f} ms "
-              f"({args.wide_layers} layers)", flush=True)
+        print(
+            f"wide {name:<9} {r['bytes_per_layer'] / 2**20:8.1f} MiB/layer  full 8B "
+            f"{r['full_32_layers_bytes'] / 2**30:6.2f} GiB  block forward {1000 * r['forward_median_s']:.1f} ms "
+            f"({args.wide_layers} layers)",
+            flush=True,
+        )
     return out
 
 
@@ -114,8 +137,12 @@ def main(argv=None) -> int:
     p.add_argument("--gen-length", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--models", nargs="+", default=["llada-arith"])
-    p.add_argument("--configs", nargs="+", default=["baseline", "fast-dllm", "default"],
-                   choices=["baseline", "fast-dllm", "default"])
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=["baseline", "fast-dllm", "default"],
+        choices=["baseline", "fast-dllm", "default"],
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--wide-layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
@@ -123,8 +150,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="docs/results/quantization.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    record = {"command": "python benchmarks/quantization.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "torch": torch.__version__, "threads": args.threads}
+    record = {
+        "command": "python benchmarks/quantization.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "torch": torch.__version__,
+        "threads": args.threads,
+    }
     record["embedded"] = embedded_rows(args)
     if not args.no_wide:
         record["wide"] = wide_rows(args)

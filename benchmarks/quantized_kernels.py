@@ -49,17 +49,32 @@ def main(argv=None) -> int:
         int4 = QuantizedLinear(quantize_weight(w, 4, 64))
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            row = {"out": n, "in": k, "rows": m,
-                   "bf16_ms": timed(lambda: F.linear(x, w), args.repeats),
-                   "int8_kernel_ms": timed(lambda: torch._weight_int8pack_mm(x, int8.qweight, int8.scales), args.repeats),
-                   "int4_kernel_ms": timed(lambda: int4(x), args.repeats),
-                   "int8_dequantize_ms": timed(lambda: F.linear(x, int8.dequantized()), args.repeats)}
+            row = {
+                "out": n,
+                "in": k,
+                "rows": m,
+                "bf16_ms": timed(lambda: F.linear(x, w), args.repeats),
+                "int8_kernel_ms": timed(lambda: torch._weight_int8pack_mm(x, int8.qweight, int8.scales), args.repeats),
+                "int4_kernel_ms": timed(lambda: int4(x), args.repeats),
+                "int8_dequantize_ms": timed(lambda: F.linear(x, int8.dequantized()), args.repeats),
+            }
             rows.append(row)
-            print(" ".join(f"{k_}={v:.3f}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()), flush=True)
+            print(
+                " ".join(f"{k_}={v:.3f}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()), flush=True
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": "python benchmarks/quantized_kernels.py "
-                                          + " ".join(argv or []), "threads": args.threads,
-                                          "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/quantized_kernels.py " + " ".join(argv or []),
+                "threads": args.threads,
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
     return 0
 

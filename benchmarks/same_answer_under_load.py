@@ -30,9 +30,17 @@ def requests_of(n: int) -> list[dict]:
     for i, p in enumerate(arith.test_split()[:n]):
         shots = pool[: i % 5]
         content = arith.format_prompt(p.question, shots)
-        out.append({"model": "llada-arith", "messages": [{"role": "user", "content": content}],
-                    "max_tokens": 256, "temperature": 0, "threshold": (0.9, 0.7, 0.5)[i % 3],
-                    "stream": i % 3 == 0, "n": 2 if i % 4 == 0 else 1})
+        out.append(
+            {
+                "model": "llada-arith",
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 256,
+                "temperature": 0,
+                "threshold": (0.9, 0.7, 0.5)[i % 3],
+                "stream": i % 3 == 0,
+                "n": 2 if i % 4 == 0 else 1,
+            }
+        )
     return out
 
 
@@ -65,9 +73,14 @@ def main(argv=None) -> int:
     rows = []
     for dtype in args.dtypes:
         for deterministic in (False, True):
-            serve = argparse.Namespace(max_tokens=256, block_length=32, model=args.model, device=None,
-                                       threads=args.threads,
-                                       serve_args=f"--dtype {dtype}" + (" --deterministic" if deterministic else ""))
+            serve = argparse.Namespace(
+                max_tokens=256,
+                block_length=32,
+                model=args.model,
+                device=None,
+                threads=args.threads,
+                serve_args=f"--dtype {dtype}" + (" --deterministic" if deterministic else ""),
+            )
             proc, url = start_server(serve, 16)
             try:
                 alone = [ask(url, b) for b in bodies]
@@ -81,13 +94,21 @@ def main(argv=None) -> int:
             finally:
                 proc.terminate()
                 proc.wait(30)
-            row = {"dtype": dtype, "deterministic": deterministic, "requests": len(bodies),
-                   "together_as_alone": sum(a == b for a, b in zip(alone, together)),
-                   "staggered_as_alone": sum(a == b for a, b in zip(alone, staggered)), "joined": joined}
+            row = {
+                "dtype": dtype,
+                "deterministic": deterministic,
+                "requests": len(bodies),
+                "together_as_alone": sum(a == b for a, b in zip(alone, together)),
+                "staggered_as_alone": sum(a == b for a, b in zip(alone, staggered)),
+                "joined": joined,
+            }
             rows.append(row)
-            print(f"{dtype:9s} deterministic={'on ' if deterministic else 'off'}: all at once "
-                  f"{row['together_as_alone']}/{len(bodies)} as alone, staggered {row['staggered_as_alone']}/"
-                  f"{len(bodies)} ({joined} requests joined a running batch)", flush=True)
+            print(
+                f"{dtype:9s} deterministic={'on ' if deterministic else 'off'}: all at once "
+                f"{row['together_as_alone']}/{len(bodies)} as alone, staggered {row['staggered_as_alone']}/"
+                f"{len(bodies)} ({joined} requests joined a running batch)",
+                flush=True,
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

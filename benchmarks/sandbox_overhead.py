@@ -54,8 +54,10 @@ def main(argv=None) -> int:
         with task.scorer(workers=args.workers) as scorer:
             scores = scorer.score(docs, [d.data["canonical_solution"] for d in docs])
         dt = time.perf_counter() - t0
-        print(f"humaneval canonical: {sum(s.correct for s in scores)}/{len(docs)} passed in {dt:.2f}s "
-              f"({args.workers} workers, {len(docs) / dt:.1f} programs/s)")
+        print(
+            f"humaneval canonical: {sum(s.correct for s in scores)}/{len(docs)} passed in {dt:.2f}s "
+            f"({args.workers} workers, {len(docs) / dt:.1f} programs/s)"
+        )
     return 0
 
 

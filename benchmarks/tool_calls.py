@@ -29,23 +29,30 @@ from fastapi.testclient import TestClient
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.text import tool_calls
 from fastdllm.embedded import tool_data
 from fastdllm.server import ServerSettings, create_app
+from fastdllm.text import tool_calls
 
 TOOL_NAMES = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide"}
 
 
 def schema(title: str, description: str, fields: list[str]) -> dict:
     """A pydantic model's JSON schema with integer fields bounded 0..1000."""
-    return {"additionalProperties": False, "description": description,
-            "properties": {f: {"maximum": 1000, "minimum": 0, "title": f.title(), "type": "integer"} for f in fields},
-            "required": fields, "title": title, "type": "object"}
+    return {
+        "additionalProperties": False,
+        "description": description,
+        "properties": {f: {"maximum": 1000, "minimum": 0, "title": f.title(), "type": "integer"} for f in fields},
+        "required": fields,
+        "title": title,
+        "type": "object",
+    }
 
 
 def tool(name: str, description: str, fields: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description,
-                                             "parameters": schema(name.title(), description, fields)}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": schema(name.title(), description, fields)},
+    }
 
 
 OPERATION_TOOLS = {op: tool(TOOL_NAMES[op], tool_data.OPERATIONS[op][1][0], ["a", "b"]) for op in TOOL_NAMES}
@@ -59,14 +66,24 @@ def requests_for(question: str, op: str, a: int, b: int, value: int, item: str):
     def called(name, arguments):
         def judge(choice):
             calls = choice["message"].get("tool_calls") or []
-            return len(calls) == 1 and calls[0]["function"]["name"] == name and \
-                json.loads(calls[0]["function"]["arguments"]) == arguments
+            return (
+                len(calls) == 1
+                and calls[0]["function"]["name"] == name
+                and json.loads(calls[0]["function"]["arguments"]) == arguments
+            )
+
         return judge
 
     yield "auto", dict(messages=user, tools=list(OPERATION_TOOLS.values())), called(TOOL_NAMES[op], {"a": a, "b": b})
-    yield "named", dict(messages=user, tools=list(OPERATION_TOOLS.values()),
-                        tool_choice={"type": "function", "function": {"name": TOOL_NAMES[op]}}), \
-        called(TOOL_NAMES[op], {"a": a, "b": b})
+    yield (
+        "named",
+        dict(
+            messages=user,
+            tools=list(OPERATION_TOOLS.values()),
+            tool_choice={"type": "function", "function": {"name": TOOL_NAMES[op]}},
+        ),
+        called(TOOL_NAMES[op], {"a": a, "b": b}),
+    )
     yield "required", dict(messages=user, tools=[answer], tool_choice="required"), called("Answer", {item: value})
 
     def holds_value(choice):
@@ -75,14 +92,31 @@ def requests_for(question: str, op: str, a: int, b: int, value: int, item: str):
         except (TypeError, json.JSONDecodeError):
             return False
 
-    yield "json_schema", dict(messages=user, response_format={"type": "json_schema", "json_schema": {
-        "name": "Answer", "schema": answer["function"]["parameters"], "strict": True}}), holds_value
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": TOOL_NAMES[op], "arguments": json.dumps({"a": a, "b": b})}}
-    history = user + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                      {"role": "tool", "tool_call_id": "call_0", "content": str(value)}]
-    yield "follow-up", dict(messages=history, tools=list(OPERATION_TOOLS.values())), \
-        lambda choice: (choice["message"]["content"] or "").strip().endswith(f"#### {value}")
+    yield (
+        "json_schema",
+        dict(
+            messages=user,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "Answer", "schema": answer["function"]["parameters"], "strict": True},
+            },
+        ),
+        holds_value,
+    )
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": TOOL_NAMES[op], "arguments": json.dumps({"a": a, "b": b})},
+    }
+    history = user + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": str(value)},
+    ]
+    yield (
+        "follow-up",
+        dict(messages=history, tools=list(OPERATION_TOOLS.values())),
+        lambda choice: (choice["message"]["content"] or "").strip().endswith(f"#### {value}"),
+    )
 
 
 def main() -> None:
@@ -113,9 +147,19 @@ def main() -> None:
     for kind, row in rows.items():
         print(f"  {kind:12s} {100 * row['accuracy']:5.1f}%  {row['completion_tokens']:5.1f} tokens")
     if args.out:
-        Path(args.out).write_text(json.dumps({"model": args.model, "limit": total, "seed": args.seed, "rows": rows,
-                                              "parser": tool_calls.parser_for_template(tokenizer.chat_template)},
-                                             indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "limit": total,
+                    "seed": args.seed,
+                    "rows": rows,
+                    "parser": tool_calls.parser_for_template(tokenizer.chat_template),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

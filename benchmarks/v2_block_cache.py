@@ -34,9 +34,12 @@ def main() -> None:
     tok = build_tokenizer()
     model = new_model("fast_dllm_qwen", "llada", tok, seed=0, block_size=32).eval()
     prompt = tok.encode("Question: Tom has 5 apples. He buys 3 more. How many apples does he have?\nAnswer:")
-    configs = {cache: GenerationConfig.for_model(model, GenerationConfig(gen_length=args.gen_length, threshold=0.9,
-                                                                         stop_at_eos=False), cache=cache)
-               for cache in ("dual", "sub-block")}
+    configs = {
+        cache: GenerationConfig.for_model(
+            model, GenerationConfig(gen_length=args.gen_length, threshold=0.9, stop_at_eos=False), cache=cache
+        )
+        for cache in ("dual", "sub-block")
+    }
     generate(model, [prompt], config=configs["dual"])  # warm-up
     result = {}
     outputs = {}
@@ -47,8 +50,11 @@ def main() -> None:
             seconds = time.perf_counter() - t0
             outputs[cache] = out
             best = result.get(cache, {}).get("seconds", float("inf"))
-            result[cache] = {"seconds": min(best, seconds), "forwards": out.nfe,
-                             "decode_positions_per_token": out.decode_positions_per_token}
+            result[cache] = {
+                "seconds": min(best, seconds),
+                "forwards": out.nfe,
+                "decode_positions_per_token": out.decode_positions_per_token,
+            }
     result["speedup"] = result["dual"]["seconds"] / result["sub-block"]["seconds"]
     result["same_tokens"] = torch.equal(outputs["dual"].sequences, outputs["sub-block"].sequences)
     result["settings"] = vars(args)

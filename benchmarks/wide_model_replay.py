@@ -49,9 +49,22 @@ def record_windows(config_name: str, gen_length: int, num_fewshot: int, problems
 def wide_model(layers: int, dtype):
     from fastdllm.models import ModelArgs, Transformer
 
-    args = ModelArgs(dim=4096, n_layers=layers, n_heads=32, n_kv_heads=32, hidden_dim=12288, vocab_size=126464,
-                     max_seq_len=4096, rope_theta=500000.0, norm_eps=1e-5, qkv_bias=False, tie_embeddings=False,
-                     mask_token_id=126336, eos_token_id=126081, shifted_logits=False)
+    args = ModelArgs(
+        dim=4096,
+        n_layers=layers,
+        n_heads=32,
+        n_kv_heads=32,
+        hidden_dim=12288,
+        vocab_size=126464,
+        max_seq_len=4096,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        qkv_bias=False,
+        tie_embeddings=False,
+        mask_token_id=126336,
+        eos_token_id=126081,
+        shifted_logits=False,
+    )
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = Transformer(args)
@@ -73,8 +86,8 @@ def replay(model, windows: list[tuple]) -> float:
         else:
             if cache.length < length:  # a suffix window grew: keep what is there
                 grown = model.new_cache(1, length)
-                grown.k[:, :, :, :cache.length] = cache.k
-                grown.v[:, :, :, :cache.length] = cache.v
+                grown.k[:, :, :, : cache.length] = cache.k
+                grown.v[:, :, :, : cache.length] = cache.v
                 cache = grown
             model.logits_for(x, start, end, window=(ws, we), cache=cache.narrow(1, length))
     return time.perf_counter() - t0
@@ -94,8 +107,10 @@ def main(argv=None) -> int:
     runs = {c: record_windows(c, args.gen_length, args.num_fewshot, args.problems) for c in args.configs}
     for c, rs in runs.items():
         positions = [sum(we - ws for ws, we, *_ in r) for r in rs]
-        print(f"{c}: {statistics.mean(len(r) for r in rs):.1f} forwards/problem, "
-              f"{statistics.mean(positions):.0f} query positions/problem")
+        print(
+            f"{c}: {statistics.mean(len(r) for r in rs):.1f} forwards/problem, "
+            f"{statistics.mean(positions):.0f} query positions/problem"
+        )
     model = wide_model(args.layers, getattr(torch, args.dtype))
     replay(model, runs[args.configs[0]][0][:1])  # warm up
     times = {c: 0.0 for c in args.configs}
@@ -103,8 +118,10 @@ def main(argv=None) -> int:
         for c in args.configs:
             times[c] += replay(model, runs[c][i])
     a, b = args.configs
-    print(f"width 4096, {args.layers} layers, {args.dtype}: {a} {times[a]:.1f}s, {b} {times[b]:.1f}s "
-          f"for {args.problems} problems: {b} is {times[a] / times[b]:.2f}x faster")
+    print(
+        f"width 4096, {args.layers} layers, {args.dtype}: {a} {times[a]:.1f}s, {b} {times[b]:.1f}s "
+        f"for {args.problems} problems: {b} is {times[a] / times[b]:.2f}x faster"
+    )
     return 0
 
 

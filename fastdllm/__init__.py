@@ -12,16 +12,21 @@ Fast-dLLM v2, LLaDA2.0 / 2.1), after Fast-dLLM.
 from importlib import import_module
 
 from .config import ConfigError, GenerationConfig
-
 from .version import __version__  # noqa: F401 - the package's version
 
 # The engine's names load on first use, so that the torch-free parts (the config, the sandbox
 # that judged programs run in) import without torch.
 _LAZY = {
-    "GenerationOutput": "engine.generation", "StepEvent": "engine.generation", "generate": "engine.generation",
-    "iter_generate": "engine.generation", "stream_blocks": "engine.generation",
-    "DEFAULT_MODEL_DIR": "models.loading", "load": "models.loading", "save_pretrained": "models.loading",
-    "TextOutput": "engine.textgen", "generate_text": "engine.textgen",
+    "GenerationOutput": "engine.generation",
+    "StepEvent": "engine.generation",
+    "generate": "engine.generation",
+    "iter_generate": "engine.generation",
+    "stream_blocks": "engine.generation",
+    "DEFAULT_MODEL_DIR": "models.loading",
+    "load": "models.loading",
+    "save_pretrained": "models.loading",
+    "TextOutput": "engine.textgen",
+    "generate_text": "engine.textgen",
 }
 
 

@@ -30,7 +30,7 @@ def register_policy_name(kind: str, name: str) -> None:
         names.append(name)
 
 
-def selection_rule_name(config: "GenerationConfig") -> str:
+def selection_rule_name(config: GenerationConfig) -> str:
     """The selection rule a config means: `unmasking` when given; else `factor` when set (it takes
     precedence), else `threshold`, else the step schedule (LLaDA's linear one; Dream's timesteps
     when `alg` is set)."""
@@ -41,6 +41,8 @@ def selection_rule_name(config: "GenerationConfig") -> str:
     if config.threshold is not None:
         return "threshold"
     return "linear" if config.alg is None else "dream_schedule"
+
+
 REMASKING = ("low_confidence", "random")
 MIN_TEMPERATURE = 1e-3  # below it, dividing float32 logits overflows
 NONE_WORDS = ("none", "off", "null")
@@ -86,77 +88,133 @@ class GenerationConfig:
     steps: int | None = _opt(None, "optional int", "schedule steps over all blocks (default: gen_length)")
     temperature: float = _opt(0.0, "float", "sampling temperature (0: greedy)", server=False)
     remasking: str = _opt("low_confidence", "str", "LLaDA's confidence: " + " | ".join(REMASKING))
-    threshold: float | None = _opt(0.9, "optional float",
-                                   "parallel decoding: reveal every position at least this confident; 'none' "
-                                   "for the schedule")
+    threshold: float | None = _opt(
+        0.9,
+        "optional float",
+        "parallel decoding: reveal every position at least this confident; 'none' for the schedule",
+    )
     factor: float | None = _opt(None, "optional float", "factor-rule parallel decoding (takes precedence)")
     cache: str = _opt("dual", "str", "KV cache policy: " + " | ".join(CACHE_POLICIES))
-    unmasking: str | None = _opt(None, "optional str", "the selection rule by name: " + " | ".join(SELECTION_RULES)
-                                 + " (default: factor if set, else threshold, else the step schedule)")
+    unmasking: str | None = _opt(
+        None,
+        "optional str",
+        "the selection rule by name: "
+        + " | ".join(SELECTION_RULES)
+        + " (default: factor if set, else threshold, else the step schedule)",
+    )
     alg: str | None = _opt(None, "optional str", "Dream's confidence: " + " | ".join(DREAM_ALGS))
     alg_temp: float | None = _opt(None, "optional float", "Dream: sample positions with this temperature")
     eps: float = _opt(1e-3, "float", "Dream: the final timestep")
     top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False)
     top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)")
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token")
-    eos_early_stop: bool = _opt(False, "bool", "LLaDA2's eos_early_stop (needs stop_at_eos): without editing "
-                                "(2.0), stop a row inside a block as soon as it holds a stop token with every "
-                                "position before it revealed; with editing (2.1), after the block, as stop_at_eos")
-    sub_block_length: int | None = _opt(None, "optional int",
-                                        "reveal a block's positions sub-block by sub-block, left to right "
-                                        "(Fast-dLLM v2's small blocks)")
-    editing_threshold: float | None = _opt(None, "optional float",
-                                           "token-to-token editing (LLaDA2.1): a revealed token of the current "
-                                           "block is rewritten when the model's new token differs and is more "
-                                           "confident than this; 'none': no editing")
+    eos_early_stop: bool = _opt(
+        False,
+        "bool",
+        "LLaDA2's eos_early_stop (needs stop_at_eos): without editing "
+        "(2.0), stop a row inside a block as soon as it holds a stop token with every "
+        "position before it revealed; with editing (2.1), after the block, as stop_at_eos",
+    )
+    sub_block_length: int | None = _opt(
+        None,
+        "optional int",
+        "reveal a block's positions sub-block by sub-block, left to right (Fast-dLLM v2's small blocks)",
+    )
+    editing_threshold: float | None = _opt(
+        None,
+        "optional float",
+        "token-to-token editing (LLaDA2.1): a revealed token of the current "
+        "block is rewritten when the model's new token differs and is more "
+        "confident than this; 'none': no editing",
+    )
     max_post_steps: int = _opt(16, "int", "with editing: at most this many steps of a block after its last mask")
-    suffix_window: int | None = _opt(32, "optional int",
-                                     "forwards see only this many positions after the current block (after "
-                                     "DPad); 'none': the whole answer region")
-    refresh: str = _opt("vicinity", "str", "what a cache policy's block-start forward recomputes: "
-                        + " | ".join(REFRESH) + " (vicinity: from the just-finished block on, after dInfer)")
+    suffix_window: int | None = _opt(
+        32,
+        "optional int",
+        "forwards see only this many positions after the current block (after DPad); 'none': the whole answer region",
+    )
+    refresh: str = _opt(
+        "vicinity",
+        "str",
+        "what a cache policy's block-start forward recomputes: "
+        + " | ".join(REFRESH)
+        + " (vicinity: from the just-finished block on, after dInfer)",
+    )
     refresh_every: int | None = _opt(None, "optional int", "with refresh=vicinity: a full refresh every N blocks")
-    refresh_tol: float = _opt(0.1, "float", "with refresh=adaptive: the relative change of the just-finished "
-                              "block's keys above which a row is refreshed fully")
+    refresh_tol: float = _opt(
+        0.1,
+        "float",
+        "with refresh=adaptive: the relative change of the just-finished "
+        "block's keys above which a row is refreshed fully",
+    )
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
-    compile: bool = _opt(False, "bool", "run the dense math of the model's layers through torch.compile (the "
-                         "first use compiles: eval and serve do it before timing or serving)", server=False)
-    deterministic: bool = _opt(False, "bool", "batch-invariant forwards: a row's tokens are the same whatever else "
-                               "is in its batch, in bfloat16 too (slower; a server-wide setting)", server=False)
+    compile: bool = _opt(
+        False,
+        "bool",
+        "run the dense math of the model's layers through torch.compile (the "
+        "first use compiles: eval and serve do it before timing or serving)",
+        server=False,
+    )
+    deterministic: bool = _opt(
+        False,
+        "bool",
+        "batch-invariant forwards: a row's tokens are the same whatever else "
+        "is in its batch, in bfloat16 too (slower; a server-wide setting)",
+        server=False,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     @classmethod
-    def baseline(cls, **overrides) -> "GenerationConfig":
+    def baseline(cls, **overrides) -> GenerationConfig:
         """LLaDA's semi-autoregressive baseline: no cache, one token per step, every forward over
         the whole sequence."""
-        return cls(**{"threshold": None, "factor": None, "cache": "none", "suffix_window": None, "refresh": "full",
-                      "refresh_every": None, **overrides})
+        return cls(
+            **{
+                "threshold": None,
+                "factor": None,
+                "cache": "none",
+                "suffix_window": None,
+                "refresh": "full",
+                "refresh_every": None,
+                **overrides,
+            }
+        )
 
     @classmethod
-    def fast_dllm(cls, **overrides) -> "GenerationConfig":
+    def fast_dllm(cls, **overrides) -> GenerationConfig:
         """Fast-dLLM exactly as published: DualCache, threshold 0.9, a full refresh at every block,
         every forward over the whole sequence; gen length 256 in blocks of 32."""
-        published = dict(gen_length=256, block_length=32, steps=None, threshold=0.9, factor=None, cache="dual",
-                          suffix_window=None, refresh="full", refresh_every=None)
+        published = dict(
+            gen_length=256,
+            block_length=32,
+            steps=None,
+            threshold=0.9,
+            factor=None,
+            cache="dual",
+            suffix_window=None,
+            refresh="full",
+            refresh_every=None,
+        )
         return cls(**{**published, **overrides})
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "GenerationConfig":
+    def preset(cls, name: str, **overrides) -> GenerationConfig:
         """A named preset: one of PRESETS ("default", "fast-dllm", "baseline")."""
         if name not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
         return getattr(cls, PRESETS[name])(**overrides)
 
     @classmethod
-    def default(cls, **overrides) -> "GenerationConfig":
+    def default(cls, **overrides) -> GenerationConfig:
         """The defaults: Fast-dLLM with a suffix window of 32 and the vicinity refresh."""
         return cls(**overrides)
 
     @classmethod
-    def for_model(cls, model, base: "GenerationConfig | None" = None, checkpoint_defaults: bool = True,
-                  **overrides) -> "GenerationConfig":
+    def for_model(
+        cls, model, base: GenerationConfig | None = None, checkpoint_defaults: bool = True, **overrides
+    ) -> GenerationConfig:
         """`base` (default: the defaults) with the checkpoint's own generation defaults (Dream's
         generation_config.json: alg, eps, temperature, ...) and what its family needs (a
         block-causal model's block length and exact cache, `Family.decoding_defaults`) in the
@@ -172,10 +230,10 @@ class GenerationConfig:
             del needed["unmasking"]  # a rule the caller chose wins over the family's
         return base.replace(**{**needed, **checkpoint, **overrides})
 
-    def replace(self, **changes) -> "GenerationConfig":
+    def replace(self, **changes) -> GenerationConfig:
         return replace(self, **changes)
 
-    def with_max_new_tokens(self, n: int, **changes) -> "GenerationConfig":
+    def with_max_new_tokens(self, n: int, **changes) -> GenerationConfig:
         """This config (with `changes`) for answers of at most `n` tokens, as transformers'
         `max_new_tokens` means: `gen_length` is `n` rounded up to whole blocks (the caller cuts the
         answer back to `n`), and a fixed step schedule keeps its steps per token unless `changes`
@@ -187,10 +245,12 @@ class GenerationConfig:
             return self.replace(**changes)  # names block_length
         gen_length = -(-n // block) * block
         if "steps" not in changes and self.steps is not None:
-            changes["steps"] = min(gen_length, max(gen_length // block, round(self.steps * gen_length / self.gen_length)))
+            changes["steps"] = min(
+                gen_length, max(gen_length // block, round(self.steps * gen_length / self.gen_length))
+            )
         return self.replace(**{**changes, "gen_length": gen_length})
 
-    def with_options(self, **fields) -> "GenerationConfig":
+    def with_options(self, **fields) -> GenerationConfig:
         """This config with `fields` changed, transformers' keywords accepted as `generate(...,
         max_new_tokens=64, do_sample=False)` takes them (`from_transformers_names`)."""
         n = fields.pop("max_new_tokens", None)
@@ -273,30 +333,48 @@ class GenerationConfig:
         need(self.gen_length % self.block_length == 0, "block_length", f"must divide gen_length={self.gen_length}")
         if self.steps is not None:
             need(is_int(self.steps), "steps", "must be an integer or None")
-            need(self.num_blocks <= self.steps <= self.gen_length, "steps",
-                 f"must be between the number of blocks ({self.num_blocks}) and gen_length ({self.gen_length})")
+            need(
+                self.num_blocks <= self.steps <= self.gen_length,
+                "steps",
+                f"must be between the number of blocks ({self.num_blocks}) and gen_length ({self.gen_length})",
+            )
         finite = lambda v: v == v and v not in (float("inf"), float("-inf"))  # noqa: E731
-        need(is_num(self.temperature) and finite(self.temperature) and self.temperature >= 0, "temperature",
-             "must be a finite number >= 0")
+        need(
+            is_num(self.temperature) and finite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be a finite number >= 0",
+        )
         # logits / temperature overflows to inf (and softmax to NaN) for tiny temperatures: 0 is greedy
-        need(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
-             f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        need(
+            self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+            "temperature",
+            f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}",
+        )
         need(self.remasking in REMASKING, "remasking", f"must be one of {', '.join(REMASKING)}")
         if self.threshold is not None:
             need(is_num(self.threshold) and 0 < self.threshold <= 1, "threshold", "must be in (0, 1] or None")
         if self.factor is not None:
             need(is_num(self.factor) and self.factor > 0, "factor", "must be > 0 or None")
         need(self.cache in CACHE_POLICIES, "cache", f"must be one of {', '.join(CACHE_POLICIES)}")
-        need(self.unmasking is None or self.unmasking in SELECTION_RULES, "unmasking",
-             f"must be None or one of {', '.join(SELECTION_RULES)}")
+        need(
+            self.unmasking is None or self.unmasking in SELECTION_RULES,
+            "unmasking",
+            f"must be None or one of {', '.join(SELECTION_RULES)}",
+        )
         for rule in ("threshold", "factor"):  # the rule named needs its parameter
             need(self.unmasking != rule or getattr(self, rule) is not None, rule, f"unmasking={rule} needs a {rule}")
         need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
         if self.alg_temp is not None:
-            need(is_num(self.alg_temp) and finite(self.alg_temp) and self.alg_temp >= 0, "alg_temp",
-                 "must be a finite number >= 0 or None")
-            need(self.alg_temp == 0 or self.alg_temp >= MIN_TEMPERATURE, "alg_temp",
-                 f"must be 0 or None (top-k) or at least {MIN_TEMPERATURE:g}")
+            need(
+                is_num(self.alg_temp) and finite(self.alg_temp) and self.alg_temp >= 0,
+                "alg_temp",
+                "must be a finite number >= 0 or None",
+            )
+            need(
+                self.alg_temp == 0 or self.alg_temp >= MIN_TEMPERATURE,
+                "alg_temp",
+                f"must be 0 or None (top-k) or at least {MIN_TEMPERATURE:g}",
+            )
         need(is_num(self.eps) and 0 < self.eps < 1, "eps", "must be in (0, 1)")
         if self.top_p is not None:
             need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1] or None")
@@ -306,25 +384,46 @@ class GenerationConfig:
         need(isinstance(self.eos_early_stop, bool), "eos_early_stop", "must be true or false")
         need(self.stop_at_eos or not self.eos_early_stop, "eos_early_stop", "needs stop_at_eos")
         if self.sub_block_length is not None:
-            need(is_int(self.sub_block_length) and self.sub_block_length >= 1
-                 and is_int(self.block_length) and self.block_length % self.sub_block_length == 0,
-                 "sub_block_length", f"must be a positive integer dividing block_length={self.block_length}, or None")
-        need(self.cache != "sub-block" or self.sub_block_length is not None, "cache",
-             "'sub-block' needs sub_block_length")
+            need(
+                is_int(self.sub_block_length)
+                and self.sub_block_length >= 1
+                and is_int(self.block_length)
+                and self.block_length % self.sub_block_length == 0,
+                "sub_block_length",
+                f"must be a positive integer dividing block_length={self.block_length}, or None",
+            )
+        need(
+            self.cache != "sub-block" or self.sub_block_length is not None,
+            "cache",
+            "'sub-block' needs sub_block_length",
+        )
         if self.editing_threshold is not None:
-            need(is_num(self.editing_threshold) and 0 <= self.editing_threshold <= 1, "editing_threshold",
-                 "must be in [0, 1] or None")
-        need(is_int(self.max_post_steps) and self.max_post_steps >= 0, "max_post_steps",
-             "must be a non-negative integer")
+            need(
+                is_num(self.editing_threshold) and 0 <= self.editing_threshold <= 1,
+                "editing_threshold",
+                "must be in [0, 1] or None",
+            )
+        need(
+            is_int(self.max_post_steps) and self.max_post_steps >= 0, "max_post_steps", "must be a non-negative integer"
+        )
         if self.suffix_window is not None:
-            need(is_int(self.suffix_window) and self.suffix_window >= 0, "suffix_window",
-                 "must be a non-negative integer or None")
+            need(
+                is_int(self.suffix_window) and self.suffix_window >= 0,
+                "suffix_window",
+                "must be a non-negative integer or None",
+            )
         need(self.refresh in REFRESH, "refresh", f"must be one of {', '.join(REFRESH)}")
-        need(is_num(self.refresh_tol) and finite(self.refresh_tol) and self.refresh_tol >= 0, "refresh_tol",
-             "must be a finite number >= 0")
+        need(
+            is_num(self.refresh_tol) and finite(self.refresh_tol) and self.refresh_tol >= 0,
+            "refresh_tol",
+            "must be a finite number >= 0",
+        )
         if self.refresh_every is not None:
-            need(is_int(self.refresh_every) and self.refresh_every >= 1, "refresh_every",
-                 "must be a positive integer or None")
+            need(
+                is_int(self.refresh_every) and self.refresh_every >= 1,
+                "refresh_every",
+                "must be a positive integer or None",
+            )
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")
         need(isinstance(self.compile, bool), "compile", "must be true or false")
@@ -340,7 +439,8 @@ PRESETS = {"default": "default", "fast-dllm": "fast_dllm", "baseline": "baseline
 # and those that do not (a ConfigError that names the field and says what to use).
 TRANSFORMERS_REFUSED = {
     "max_length": "a dLLM's answer region is fixed before decoding starts: use max_new_tokens (or gen_length)",
-    "min_length": "use gen_length", "min_new_tokens": "use gen_length",
+    "min_length": "use gen_length",
+    "min_new_tokens": "use gen_length",
     "num_beams": "diffusion decoding has no beam search",
     "repetition_penalty": "not supported by diffusion decoding (every position is decoded at once)",
     "no_repeat_ngram_size": "not supported by diffusion decoding",
@@ -367,7 +467,9 @@ def from_transformers_names(fields: dict) -> dict:
         temperature = fields.get("temperature")
         if not sample:
             if temperature not in (None, 0, 0.0):
-                raise ConfigError("do_sample", f"do_sample=False decodes greedily; it contradicts temperature={temperature}")
+                raise ConfigError(
+                    "do_sample", f"do_sample=False decodes greedily; it contradicts temperature={temperature}"
+                )
             fields["temperature"] = 0.0
         elif temperature in (None, 0, 0.0):
             if temperature is not None:
@@ -391,11 +493,11 @@ _dataclass_init = GenerationConfig.__init__
 def _init(self, *args, **kwargs):
     try:
         _dataclass_init(self, *args, **from_transformers_names(kwargs))
-    except TypeError as e:  # an unknown keyword: name it as every other mistake is named
+    except TypeError:  # an unknown keyword: name it as every other mistake is named
         unknown = [k for k in kwargs if k not in GenerationConfig.__dataclass_fields__]
         if not unknown:
             raise
-        raise ConfigError(unknown[0], f"is not a decoding option (see GenerationConfig.field_names())") from None
+        raise ConfigError(unknown[0], "is not a decoding option (see GenerationConfig.field_names())") from None
 
 
 _init.__doc__ = _dataclass_init.__doc__

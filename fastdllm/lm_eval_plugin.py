@@ -56,20 +56,32 @@ def make_model_class(LM, register=None):
     `register_model`). Kept a factory so the logic can be tested without lm_eval."""
 
     class FastDLLM(LM):
-        def __init__(self, pretrained: str | None = None, device: str | None = None, dtype: str | None = None,
-                     batch_size: int | str | None = 1, max_batch_size: int | None = None, mc_num: int | str = 128,
-                     mc_batch_size: int | str = 16, mc_seed: int | str = 0, **kwargs):
+        def __init__(
+            self,
+            pretrained: str | None = None,
+            device: str | None = None,
+            dtype: str | None = None,
+            batch_size: int | str | None = 1,
+            max_batch_size: int | None = None,
+            mc_num: int | str = 128,
+            mc_batch_size: int | str = 16,
+            mc_seed: int | str = 0,
+            **kwargs,
+        ):
             super().__init__()
             from .models.loading import load
 
             self.mc_num, self.mc_batch_size, self.mc_seed = int(mc_num), int(mc_batch_size), int(mc_seed)
             if self.mc_num < 1 or self.mc_batch_size < 1 or self.mc_num % self.mc_batch_size:
-                raise ValueError(f"mc_num: must be a positive multiple of mc_batch_size (got {self.mc_num} and "
-                                 f"{self.mc_batch_size})")
+                raise ValueError(
+                    f"mc_num: must be a positive multiple of mc_batch_size (got {self.mc_num} and {self.mc_batch_size})"
+                )
             unknown = [k for k in kwargs if k not in GenerationConfig.field_names()]
             if unknown:
-                raise ValueError(f"fastdllm: unknown model_args {', '.join(sorted(unknown))}; use pretrained, "
-                                 f"device, dtype or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})")
+                raise ValueError(
+                    f"fastdllm: unknown model_args {', '.join(sorted(unknown))}; use pretrained, "
+                    f"device, dtype or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})"
+                )
             self.gen_kwargs = _config_kwargs(kwargs)
             self.fixed_gen_length = "gen_length" in self.gen_kwargs
             self.base_config = GenerationConfig(**self.gen_kwargs)  # validates the values now
@@ -95,9 +107,9 @@ def make_model_class(LM, register=None):
             # As lm-eval's own models: encode the whole, so the boundary tokenises as in running text.
             whole = self.tokenizer.encode(context + continuation, add_special_tokens=False)
             prefix = self.tokenizer.encode(context, add_special_tokens=False)
-            if whole[:len(prefix)] != prefix:
+            if whole[: len(prefix)] != prefix:
                 return prefix, self.tokenizer.encode(continuation, add_special_tokens=False)
-            return prefix, whole[len(prefix):]
+            return prefix, whole[len(prefix) :]
 
         def loglikelihood(self, requests):
             from .engine.likelihood import elbo_loglikelihood, is_greedy
@@ -115,8 +127,17 @@ def make_model_class(LM, register=None):
             from .engine.likelihood import elbo_loglikelihood
 
             eos = self.model.args.eos_token_id
-            return [elbo_loglikelihood(self.model, [eos], self.tokenizer.encode(req.args[0], add_special_tokens=False), self.mc_num,
-                                       self.mc_batch_size, self.mc_seed) for req in requests]
+            return [
+                elbo_loglikelihood(
+                    self.model,
+                    [eos],
+                    self.tokenizer.encode(req.args[0], add_special_tokens=False),
+                    self.mc_num,
+                    self.mc_batch_size,
+                    self.mc_seed,
+                )
+                for req in requests
+            ]
 
         def _config_for(self, gen_kwargs: dict) -> GenerationConfig:
             changes: dict[str, Any] = {}
@@ -155,7 +176,9 @@ def make_model_class(LM, register=None):
                 for start in range(0, len(idxs), self.batch_size):
                     chunk = idxs[start : start + self.batch_size]
                     prompts = [self.tokenizer.encode(requests[i].args[0], add_special_tokens=False) for i in chunk]
-                    out = generate(self.model, prompts, config=config, row_seeds=[(config.seed or 0) + i for i in chunk])
+                    out = generate(
+                        self.model, prompts, config=config, row_seeds=[(config.seed or 0) + i for i in chunk]
+                    )
                     for row, i in enumerate(chunk):
                         text = complete(self.tokenizer, out.sequences[row], stop_ids, stop=until).text
                         results[i] = text

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdllm.embedded.recipe import build_tokenizer, new_model
 from fastdllm.models.loading import save_pretrained
 from fastdllm.models.transformer import ModelArgs
-from fastdllm.embedded.recipe import build_tokenizer, new_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,8 +22,11 @@ def sandbox_processes() -> list[str]:
 
     uids = own_uids()
     out = subprocess.run(["ps", "-eo", "uid=,stat=,pid="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines()
-            if line.split() and int(line.split()[0]) in uids and not line.split()[1].startswith("Z")]
+    return [
+        line
+        for line in out.splitlines()
+        if line.split() and int(line.split()[0]) in uids and not line.split()[1].startswith("Z")
+    ]
 
 
 def sandbox_files() -> list[str]:
@@ -70,12 +73,12 @@ def random_model(arch: str, tokenizer, seed: int = 0, **overrides):
         from fastdllm.models import Transformer
 
         model = Transformer(args, family=fam, stop_token_ids=tokenizer.stop_token_ids())
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 torch.nn.init.normal_(p, std=0.02)
     # Norm weights and biases away from their init values, so a mix-up cannot go unnoticed.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
             else:
@@ -121,8 +124,9 @@ def tiny_llada_moe(tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_llada_dir(tmp_path_factory, tiny_llada, tokenizer):
-    return save_pretrained(tiny_llada, tmp_path_factory.mktemp("llada"), tokenizer, dtype=torch.float32,
-                           max_shard_bytes=20_000)
+    return save_pretrained(
+        tiny_llada, tmp_path_factory.mktemp("llada"), tokenizer, dtype=torch.float32, max_shard_bytes=20_000
+    )
 
 
 @pytest.fixture(scope="session")

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 
-from fastdllm import GenerationConfig
-from fastdllm.evaluation import bench
-from fastdllm.cli.bench import main as bench_main
+import pytest
 
-FIGURES = {"accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step", "latency_s", "speedup",
-           "outside_forward", "config", "num_samples", "positions_per_token", "attended_per_token"}
+from fastdllm import GenerationConfig
+from fastdllm.cli.bench import main as bench_main
+from fastdllm.evaluation import bench
+
+FIGURES = {
+    "accuracy",
+    "tokens_per_second",
+    "nfe_per_sample",
+    "tokens_per_step",
+    "latency_s",
+    "speedup",
+    "outside_forward",
+    "config",
+    "num_samples",
+    "positions_per_token",
+    "attended_per_token",
+}
 
 
 @pytest.mark.slow
@@ -27,8 +38,12 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     assert len(rows) == len(bench.TABLE_ROWS) + 4 and len(bench.TABLE_ROWS) == 11
     default = next(r for r in rows if r["name"].startswith("default (") and "stop@eos" not in r["name"])
     d = GenerationConfig()
-    assert [default["config"][k] for k in ("cache", "threshold", "suffix_window", "refresh")] == \
-        [d.cache, d.threshold, d.suffix_window, d.refresh]
+    assert [default["config"][k] for k in ("cache", "threshold", "suffix_window", "refresh")] == [
+        d.cache,
+        d.threshold,
+        d.suffix_window,
+        d.refresh,
+    ]
     for r in rows:
         assert FIGURES <= set(r), FIGURES - set(r)
         if r["name"].startswith("baseline"):
@@ -56,8 +71,12 @@ def test_rows_pick_table_rows_and_keep_the_baseline(tmp_path):
     argv = ["--quick", "--limit", "1", "--rows", "full", "--no-sweeps", "--no-batch-check", "--out", str(out)]
     assert bench_main(argv) == 0
     rows = json.loads((out / "bench.json").read_text())["rows"]
-    assert [r["name"] for r in rows] == ["baseline", "+parallel +dual cache (Fast-dLLM)",
-                                         "baseline [stop@eos]", "+parallel +dual cache (Fast-dLLM) [stop@eos]"]
+    assert [r["name"] for r in rows] == [
+        "baseline",
+        "+parallel +dual cache (Fast-dLLM)",
+        "baseline [stop@eos]",
+        "+parallel +dual cache (Fast-dLLM) [stop@eos]",
+    ]
     assert bench.table_rows(64, 32, "off", ["dual"])[1].config.cache == "dual"
     assert len(bench.table_rows(64, 32, "on", ["factor"])) == 2
 
@@ -66,15 +85,16 @@ def test_rows_pick_table_rows_and_keep_the_baseline(tmp_path):
 @pytest.mark.parametrize("name", ["sdar-arith", "llada2-arith"])
 def test_a_block_diffusion_bench_runs_its_own_rows_in_its_own_blocks(tmp_path, name):
     out = tmp_path / "bench"
-    argv = ["--quick", "--model", name, "--limit", "2", "--stop-at-eos", "off", "--no-batch-check",
-            "--out", str(out)]
+    argv = ["--quick", "--model", name, "--limit", "2", "--stop-at-eos", "off", "--no-batch-check", "--out", str(out)]
     assert bench_main(argv) == 0
     record = json.loads((out / "bench.json").read_text())
     rows = {r["name"]: r for r in record["rows"]}
     editing = bench.EDITING_ROWS if name == "llada2-arith" else []  # LLaDA2.1's modes for the LLaDA2 line
     assert list(rows) == [name for _, name, _ in bench.BLOCK_DIFFUSION_ROWS + editing]
-    assert all((r["config"]["editing_threshold"] is not None) == (r["name"] in {n for _, n, _ in editing})
-               for r in rows.values())
+    assert all(
+        (r["config"]["editing_threshold"] is not None) == (r["name"] in {n for _, n, _ in editing})
+        for r in rows.values()
+    )
     assert all(r["config"]["block_length"] == 4 for r in rows.values())
     baseline, exact = rows["baseline (no cache, one token per step)"], rows["+exact block cache"]
     assert exact["nfe_per_sample"] == baseline["nfe_per_sample"]  # the same steps, smaller forwards
@@ -93,12 +113,22 @@ def test_plots_keep_every_label_readable(tmp_path):
     matplotlib.use("Agg")
     from fastdllm.evaluation.bench import TABLE_ROWS, pareto, scatter_plot
 
-    names = [name for _, name, _ in TABLE_ROWS] + ["baseline [stop@eos]", "+parallel +dual cache (Fast-dLLM) [stop@eos]",
-                                                   "default (Fast-dLLM +suffix window 32 +vicinity refresh) [stop@eos]",
-                                                   "Fast-dLLM +suffix window 64 +vicinity refresh [stop@eos]"]
-    rows = [{"name": n, "group": "gen 256, 0-shot", "accuracy": 1.0 if i else 0.96,
-             "tokens_per_second": 30.0 * (1 + i * 0.07), "positions_per_token": 400 / (1 + i)}
-            for i, n in enumerate(names)]
+    names = [name for _, name, _ in TABLE_ROWS] + [
+        "baseline [stop@eos]",
+        "+parallel +dual cache (Fast-dLLM) [stop@eos]",
+        "default (Fast-dLLM +suffix window 32 +vicinity refresh) [stop@eos]",
+        "Fast-dLLM +suffix window 64 +vicinity refresh [stop@eos]",
+    ]
+    rows = [
+        {
+            "name": n,
+            "group": "gen 256, 0-shot",
+            "accuracy": 1.0 if i else 0.96,
+            "tokens_per_second": 30.0 * (1 + i * 0.07),
+            "positions_per_token": 400 / (1 + i),
+        }
+        for i, n in enumerate(names)
+    ]
     fig = scatter_plot(tmp_path / "p.png", rows, lambda r: r["tokens_per_second"], "tokens/s", "t", True)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
@@ -116,8 +146,9 @@ def test_plots_keep_every_label_readable(tmp_path):
     texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip() and drawn(t)]
     boxes = [t.get_window_extent(renderer) for t in texts]
     for t, b in zip(texts, boxes):
-        assert b.x0 >= canvas.x0 - 1 and b.x1 <= canvas.x1 + 1 and b.y0 >= canvas.y0 - 1 and b.y1 <= canvas.y1 + 1, \
+        assert b.x0 >= canvas.x0 - 1 and b.x1 <= canvas.x1 + 1 and b.y0 >= canvas.y0 - 1 and b.y1 <= canvas.y1 + 1, (
             t.get_text()
+        )
     for i in range(len(boxes)):
         for j in range(i + 1, len(boxes)):
             assert not boxes[i].overlaps(boxes[j]), (texts[i].get_text(), texts[j].get_text())

@@ -18,8 +18,14 @@ from fastdllm.models.loading import save_pretrained
 FAMILIES = ["tiny_sdar", "tiny_v2"]
 
 
-def reference_forward(folder, ids: torch.Tensor, record: list | None = None, stale: list | None = None,
-                      fresh: range | None = None, block: int | None = None) -> torch.Tensor:
+def reference_forward(
+    folder,
+    ids: torch.Tensor,
+    record: list | None = None,
+    stale: list | None = None,
+    fresh: range | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
     """Logits (T, V) of one unpadded sequence, from config.json and the safetensors alone: Qwen2 /
     Qwen3 blocks, RoPE by rotate-half, and the block-causal rule key block <= query block.
     `record`: each layer's (k, v) appended to it. `stale` (a `record` of another forward): every
@@ -154,11 +160,18 @@ def test_sdar_decoding_is_the_same_with_the_exact_cache_and_without_any(tiny_sda
 
 
 def test_a_prompt_ending_inside_a_block_shares_it_with_the_answer(tiny_sdar, tokenizer):
-    prompt = next(p for p in (tokenizer.encode(t) for t in ("Question: 3 + 4 = ?", "Question: what is 12 + 30?\nAnswer:",
-                                                             "What is 5 + 6?")) if len(p) % 4)
+    prompt = next(
+        p
+        for p in (
+            tokenizer.encode(t)
+            for t in ("Question: 3 + 4 = ?", "Question: what is 12 + 30?\nAnswer:", "What is 5 + 6?")
+        )
+        if len(p) % 4
+    )
     lead = len(prompt) % 4
-    config = GenerationConfig.for_model(tiny_sdar, GenerationConfig(gen_length=8, block_length=4, threshold=None, stop_at_eos=False),
-                                        temperature=0.0)
+    config = GenerationConfig.for_model(
+        tiny_sdar, GenerationConfig(gen_length=8, block_length=4, threshold=None, stop_at_eos=False), temperature=0.0
+    )
     out = generate(tiny_sdar, [prompt], config=config)
     assert out.sequences.shape == (1, 8) and (out.sequences != tiny_sdar.mask_token_id).all()
     # the first block had 4 - lead masks (one per step), then whole blocks; the answer is cut at 8
@@ -166,7 +179,7 @@ def test_a_prompt_ending_inside_a_block_shares_it_with_the_answer(tiny_sdar, tok
     # one token per step, the most confident: the first step's choice is the argmax over the first
     # block's masked positions of a full forward of the prompt with them masked
     first_block = torch.tensor(prompt + [tiny_sdar.mask_token_id] * (4 - lead))
-    probs = tiny_sdar(first_block[None])[0, len(prompt):].softmax(-1)
+    probs = tiny_sdar(first_block[None])[0, len(prompt) :].softmax(-1)
     j = int(probs.max(-1).values.argmax())
     assert out.unmask_step[0, j] == 0 and out.sequences[0, j] == probs[j].argmax()
 
@@ -185,15 +198,19 @@ def test_sdar_decodes_in_a_block_other_than_its_training_block(tiny_sdar, tokeni
     prompt = tokenizer.encode("Question: 3 + 4 = ? Answer:")
     lead = len(prompt) % 8
     assert lead % 4, "the prompt must end inside a block of 4 for the two masks to differ"
-    config = GenerationConfig.for_model(tiny_sdar, GenerationConfig(gen_length=16, block_length=8, steps=16, threshold=None),
-                                        temperature=0.0, block_length=8)
+    config = GenerationConfig.for_model(
+        tiny_sdar,
+        GenerationConfig(gen_length=16, block_length=8, steps=16, threshold=None),
+        temperature=0.0,
+        block_length=8,
+    )
     assert config.block_length == 8
     cached = generate(tiny_sdar, [prompt], config=config)
     uncached = generate(tiny_sdar, [prompt], config=config.replace(cache="none"))
     assert torch.equal(cached.sequences, uncached.sequences)
     first_block = torch.tensor(prompt + [tiny_sdar.mask_token_id] * (8 - lead))
-    probs = reference_forward(folder, first_block, block=8)[len(prompt):].softmax(-1)
-    training_block = reference_forward(folder, first_block, block=4)[len(prompt):].softmax(-1)
+    probs = reference_forward(folder, first_block, block=8)[len(prompt) :].softmax(-1)
+    training_block = reference_forward(folder, first_block, block=4)[len(prompt) :].softmax(-1)
     assert not torch.allclose(probs, training_block, atol=1e-4)
     j = int(probs.max(-1).values.argmax())
     assert cached.unmask_step[0, j] == 0 and cached.sequences[0, j] == probs[j].argmax()
@@ -250,8 +267,11 @@ def test_fast_dllm_v2_rules_sub_blocks_and_the_first_position():
 
 
 def test_fast_dllm_v2_decoding_is_the_same_with_the_exact_cache_and_without_any(tiny_v2, tokenizer):
-    prompts = [tokenizer.encode("Question: 3 + 4 = ?"), tokenizer.encode("Question: what is 12 + 30?\nAnswer:"),
-               tokenizer.encode("Question: 1 + 1")]
+    prompts = [
+        tokenizer.encode("Question: 3 + 4 = ?"),
+        tokenizer.encode("Question: what is 12 + 30?\nAnswer:"),
+        tokenizer.encode("Question: 1 + 1"),
+    ]
     exact = GenerationConfig.for_model(tiny_v2, GenerationConfig(gen_length=32, threshold=0.3, stop_at_eos=False))
     assert (exact.block_length, exact.sub_block_length, exact.suffix_window) == (8, 8, 0)
     none = exact.replace(cache="none", suffix_window=None, refresh="full")
@@ -274,8 +294,12 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
 
     folder = save_pretrained(tiny_v2, tmp_path / "v2", tokenizer, dtype=torch.float32)
     blk, size = tiny_v2.args.block_size, 4
-    config = GenerationConfig.for_model(tiny_v2, GenerationConfig(gen_length=32, threshold=0.3, stop_at_eos=False),
-                                        sub_block_length=size, cache="sub-block")
+    config = GenerationConfig.for_model(
+        tiny_v2,
+        GenerationConfig(gen_length=32, threshold=0.3, stop_at_eos=False),
+        sub_block_length=size,
+        cache="sub-block",
+    )
     policy = SubBlockCache.from_config(tiny_v2, config).record()
     steps = []
     block_logits = policy.block_logits
@@ -304,8 +328,9 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
             kinds.add("sub-block")
             sub = ws
             assert (we - ws, lo, hi) == (size, sub + 1, sub + size) and x[sub] != tiny_v2.mask_token_id
-            ref = reference_forward(folder, x[:end], stale=[(k[:end], v[:end]) for k, v in last_whole],
-                                    fresh=range(sub, sub + size))
+            ref = reference_forward(
+                folder, x[:end], stale=[(k[:end], v[:end]) for k, v in last_whole], fresh=range(sub, sub + size)
+            )
             here = masked[(masked >= sub) & (masked < sub + size)]
             assert len(here) and torch.allclose(logits[here - start], ref[here - 1], atol=1e-4, rtol=1e-4)
     assert kinds == {"block-start", "block", "sub-block"}
@@ -328,8 +353,12 @@ def test_block_diffusion_rows_that_join_decode_as_alone(name, request, tokenizer
 
     model = request.getfixturevalue(name)
     b = model.args.block_size
-    texts = ["Question: 3 + 4 = ?", "Question: what is 12 + 30?\nAnswer:", "Question: 1 + 1",
-             "Question: Tom has 5 apples and buys 3 more. How many apples does he have now?\nAnswer:"]
+    texts = [
+        "Question: 3 + 4 = ?",
+        "Question: what is 12 + 30?\nAnswer:",
+        "Question: 1 + 1",
+        "Question: Tom has 5 apples and buys 3 more. How many apples does he have now?\nAnswer:",
+    ]
     ps = [tokenizer.encode(t) for t in texts]
     assert len({len(p) % b for p in ps}) > 1
     base = GenerationConfig.for_model(model, GenerationConfig(threshold=0.3, stop_at_eos=False))
@@ -349,8 +378,9 @@ def test_the_exact_cache_computes_the_prompt_once_and_each_block_twice(tiny_sdar
     prompt = tokenizer.encode("Question: 3 + 4 = ?", add_special_tokens=False)
     prompt = prompt[: len(prompt) - len(prompt) % 4]  # ends on a block boundary: no shared block
     gen, b = 16, 4
-    config = GenerationConfig.for_model(tiny_sdar, GenerationConfig(gen_length=gen, block_length=b, threshold=None,
-                                                                    stop_at_eos=False), temperature=0.0)
+    config = GenerationConfig.for_model(
+        tiny_sdar, GenerationConfig(gen_length=gen, block_length=b, threshold=None, stop_at_eos=False), temperature=0.0
+    )
     out = generate(tiny_sdar, [prompt], config=config)
     blocks = gen // b
     assert out.nfe == gen and out.prompt_positions == [len(prompt)]

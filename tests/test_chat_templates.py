@@ -39,14 +39,30 @@ DOCUMENTS = "{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}{
 TEMPLATES = {"loop_controls": LOOP_CONTROLS, "tools": TOOLS, "llama": LLAMA, "documents": DOCUMENTS}
 CONVERSATIONS = [
     [{"role": "user", "content": "Tom has 5 apples."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "  café <b>2+2</b>?  "}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "  café <b>2+2</b>?  "},
+    ],
 ]
-TOOL_LIST = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter für Zürich <now>",
-                                               "parameters": {"type": "object", "required": ["z"], "b": 1, "a": 2}}}]
+TOOL_LIST = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Wetter für Zürich <now>",
+            "parameters": {"type": "object", "required": ["z"], "b": 1, "a": 2},
+        },
+    }
+]
 DOCS = [{"title": "T1", "text": "one"}, {"title": "T2", "text": "two"}]
-SPECIALS = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-            "mask_token": "<|mdm_mask|>"}
+SPECIALS = {
+    "bos_token": "<|startoftext|>",
+    "eos_token": "<|endoftext|>",
+    "pad_token": "<|endoftext|>",
+    "mask_token": "<|mdm_mask|>",
+}
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -54,10 +70,17 @@ SPECIALS = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "pad_t
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_renders_as_transformers_does(name, conv, add_generation_prompt):
     render_jinja_template = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
-    kwargs = dict(tools=TOOL_LIST if name in ("tools", "llama") else None,
-                  documents=DOCS if name == "documents" else None, **SPECIALS)
-    theirs, _ = render_jinja_template(conversations=[CONVERSATIONS[conv]], chat_template=TEMPLATES[name],
-                                      add_generation_prompt=add_generation_prompt, **kwargs)
+    kwargs = dict(
+        tools=TOOL_LIST if name in ("tools", "llama") else None,
+        documents=DOCS if name == "documents" else None,
+        **SPECIALS,
+    )
+    theirs, _ = render_jinja_template(
+        conversations=[CONVERSATIONS[conv]],
+        chat_template=TEMPLATES[name],
+        add_generation_prompt=add_generation_prompt,
+        **kwargs,
+    )
     ours = render_template(TEMPLATES[name], CONVERSATIONS[conv], add_generation_prompt, **kwargs)
     assert ours == theirs[0]
 
@@ -86,14 +109,23 @@ def test_the_embedded_assets_load_in_transformers_without_remote_code():
 
     for name in EMBEDDED_MODELS:
         folder = resolve_model_path(name)
-        named = {ref.split(".")[0] + ".py" for ref in json.loads((folder / "config.json").read_text())
-                 .get("auto_map", {}).values()}
+        named = {
+            ref.split(".")[0] + ".py"
+            for ref in json.loads((folder / "config.json").read_text()).get("auto_map", {}).values()
+        }
         assert all((folder / f).is_file() for f in named), (name, named)
     folder = resolve_model_path(EMBEDDED_MODELS[0])
-    script = ("import sys; from transformers import AutoTokenizer; "
-              "print(AutoTokenizer.from_pretrained(sys.argv[1]).encode('3 + 4', add_special_tokens=False))")
-    out = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=120)
+    script = (
+        "import sys; from transformers import AutoTokenizer; "
+        "print(AutoTokenizer.from_pretrained(sys.argv[1]).encode('3 + 4', add_special_tokens=False))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(folder)],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-1000:]
     assert "remote code" not in out.stdout + out.stderr and "custom code" not in out.stdout + out.stderr
     _, tok = fastdllm.load(EMBEDDED_MODELS[0])
@@ -103,12 +135,25 @@ def test_the_embedded_assets_load_in_transformers_without_remote_code():
 # A tool call and its result in the history, as `tool_calls.template_messages` passes them on.
 TOOL_CONVERSATION = [
     {"role": "user", "content": "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"},
-    {"role": "assistant", "tool_calls": [{"id": "call_0", "type": "function",
-                                          "function": {"name": "get_weather", "arguments": {"z": "8001", "a": 1}}}]},
+    {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"z": "8001", "a": 1}},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_0", "content": "8"},
-    {"role": "assistant", "content": "Two calls:", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {}}},
-        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": {"x": [1, 2]}}}]},
+    {
+        "role": "assistant",
+        "content": "Two calls:",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {}}},
+            {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": {"x": [1, 2]}}},
+        ],
+    },
 ]
 
 
@@ -122,34 +167,52 @@ def test_the_embedded_template_lists_tools_and_writes_calls_in_the_hermes_conven
         "<|startoftext|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
         "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
         "hello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\ncafé <b>2+2</b>?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     # the tools as signature lines in a system turn before the conversation
-    add = {"type": "function", "function": {"name": "add", "description": " Add two numbers. ", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    add = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": " Add two numbers. ",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
     assert tok.render_chat(plain, tools=[add, *TOOL_LIST]) == (
         "<|startoftext|><|start_header_id|>system<|end_header_id|>\n\nYou can call these functions:\n"
         "- add(a, b): Add two numbers.\n- get_weather(): Wetter für Zürich <now>\nTo call one, answer "
         '<tool_call>{"name": <name>, "arguments": {<parameter>: <value>}}</tool_call><|eot_id|>'
     ) + tok.render_chat(plain).removeprefix("<|startoftext|>")
     text = tok.render_chat(TOOL_CONVERSATION, tools=TOOL_LIST)
-    assert ('<|start_header_id|>assistant<|end_header_id|>\n\n<tool_call>{"name": "get_weather", "arguments": '
-            '{"z": "8001", "a": 1}}</tool_call><|eot_id|><|start_header_id|>tool<|end_header_id|>\n\n8<|eot_id|>') in text
-    assert ('Two calls:\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", '
-            '"arguments": {"x": [1, 2]}}</tool_call><|eot_id|>') in text
+    assert (
+        '<|start_header_id|>assistant<|end_header_id|>\n\n<tool_call>{"name": "get_weather", "arguments": '
+        '{"z": "8001", "a": 1}}</tool_call><|eot_id|><|start_header_id|>tool<|end_header_id|>\n\n8<|eot_id|>'
+    ) in text
+    assert (
+        'Two calls:\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", '
+        '"arguments": {"x": [1, 2]}}</tool_call><|eot_id|>'
+    ) in text
     # what the model writes for a call parses back into the same call
     written = text.split("<|end_header_id|>\n\n")[-2].removesuffix("<|eot_id|><|start_header_id|>assistant")
-    assert tool_calls.parse_hermes(written)[1] == [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"x": [1, 2]}}]
+    assert tool_calls.parse_hermes(written)[1] == [
+        {"name": "f", "arguments": {}},
+        {"name": "g", "arguments": {"x": [1, 2]}},
+    ]
 
 
 # What transformers' apply_chat_template does beyond rendering: its defaults (no generation prompt,
 # tokenized), tensors and dicts, None-valued keys dropped, reasoning under its other names, the
 # {% generation %} tag, continuing the final message, batches.
-REASONING = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content is defined %}[{{ m.reasoning_content }}]"
-             "{% endif %}{% if m.thinking is defined %}<{{ m.thinking }}>{% endif %}"
-             "{% if m.content is defined %}{{ m.content }}{% else %}(no content){% endif %}\n{% endfor %}"
-             "{% if add_generation_prompt %}assistant:{% endif %}")
-GENERATION = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A: {{ m.content }}"
-              "{% endgeneration %}{% else %}U: {{ m.content }}{% endif %}\n{% endfor %}")
+REASONING = (
+    "{% for m in messages %}{{ m.role }}:{% if m.reasoning_content is defined %}[{{ m.reasoning_content }}]"
+    "{% endif %}{% if m.thinking is defined %}<{{ m.thinking }}>{% endif %}"
+    "{% if m.content is defined %}{{ m.content }}{% else %}(no content){% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+GENERATION = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A: {{ m.content }}"
+    "{% endgeneration %}{% else %}U: {{ m.content }}{% endif %}\n{% endfor %}"
+)
 PARITY_CASES = [
     (REASONING, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "reasoning": "think"}], {}),
     (REASONING, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "thinking": "t"}], {}),
@@ -161,8 +224,16 @@ PARITY_CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(PARITY_CASES)))
-@pytest.mark.parametrize("returns", [dict(tokenize=False), dict(), dict(return_tensors="pt"),
-                                     dict(return_dict=False), dict(return_dict=False, return_tensors="pt")])
+@pytest.mark.parametrize(
+    "returns",
+    [
+        dict(tokenize=False),
+        dict(),
+        dict(return_tensors="pt"),
+        dict(return_dict=False),
+        dict(return_dict=False, return_tensors="pt"),
+    ],
+)
 def test_apply_chat_template_matches_transformers_with_and_without_it(case, returns):
     transformers = pytest.importorskip("transformers")
     import torch
@@ -183,7 +254,8 @@ def test_apply_chat_template_matches_transformers_with_and_without_it(case, retu
         else:
             assert set(ours) == set(theirs) and all(
                 torch.equal(ours[k], theirs[k]) if isinstance(theirs[k], torch.Tensor) else ours[k] == list(theirs[k])
-                for k in theirs)
+                for k in theirs
+            )
     tok.use_transformers = True
 
 
@@ -196,9 +268,12 @@ def test_apply_chat_template_batches_and_the_tokenizer_call():
     hf.chat_template = tok.chat_template
     tok.use_transformers = False
     try:
-        assert tok.apply_chat_template(CONVERSATIONS, tokenize=False) == hf.apply_chat_template(CONVERSATIONS, tokenize=False)
-        assert tok.apply_chat_template(CONVERSATIONS, return_dict=False) == \
-            hf.apply_chat_template(CONVERSATIONS, return_dict=False)
+        assert tok.apply_chat_template(CONVERSATIONS, tokenize=False) == hf.apply_chat_template(
+            CONVERSATIONS, tokenize=False
+        )
+        assert tok.apply_chat_template(CONVERSATIONS, return_dict=False) == hf.apply_chat_template(
+            CONVERSATIONS, return_dict=False
+        )
     finally:
         tok.use_transformers = True
     for text in ("Tom has 5 apples.", ["a b", "Tom has 5 apples."]):
@@ -215,10 +290,11 @@ def test_tojson_keeps_key_order_and_non_ascii():
 
 
 def test_decoding_keeps_added_tokens_that_are_not_special():
-    from tokenizers import AddedToken, Tokenizer as FastTokenizer
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as FastTokenizer
 
-    from fastdllm.text.tokenizer import Tokenizer
     from fastdllm.embedded.recipe import build_tokenizer
+    from fastdllm.text.tokenizer import Tokenizer
 
     base = build_tokenizer()
     fast = FastTokenizer.from_str(base.fast.to_str())
@@ -248,9 +324,17 @@ def add(a: int, b: float = 1.0) -> float:
     """
 
 
-def weather(city: str, unit: Unit, days: list[int] | None = None, mode: typing.Literal["fast", 1] = "fast",
-            extra: dict[str, bool] = None, pair: tuple[int, str] = (1, "a"), either: int | list[str] = 0,
-            anything: typing.Any = None, kind: str = "a"):
+def weather(
+    city: str,
+    unit: Unit,
+    days: list[int] | None = None,
+    mode: typing.Literal["fast", 1] = "fast",
+    extra: dict[str, bool] = None,
+    pair: tuple[int, str] = (1, "a"),
+    either: int | list[str] = 0,
+    anything: typing.Any = None,
+    kind: str = "a",
+):
     """Get the weather.
     Over several lines.
 
@@ -315,8 +399,9 @@ def test_apply_chat_template_takes_python_functions_as_tools_with_and_without_tr
         tok.use_transformers = True
     from fastdllm.text.tool_schema import function_schema
 
-    assert ours == tok.apply_chat_template(messages, tools=[function_schema(add), function_schema(weather)],
-                                           tokenize=False, add_generation_prompt=True)
+    assert ours == tok.apply_chat_template(
+        messages, tools=[function_schema(add), function_schema(weather)], tokenize=False, add_generation_prompt=True
+    )
     assert "- add(a, b): Add two numbers.\n" in ours
     pytest.importorskip("transformers")
     assert ours == tok.apply_chat_template(messages, tools=[add, weather], tokenize=False, add_generation_prompt=True)

@@ -19,10 +19,10 @@ from rich.console import Console
 
 import fastdllm
 from fastdllm.cli import main as cli
+from fastdllm.cli.live_view import MASK_GLYPH, STYLE_NEW, LiveView, render_canvas
 from fastdllm.cli.session import ChatSession
 from fastdllm.config import GenerationConfig
 from fastdllm.engine.generation import generate
-from fastdllm.cli.live_view import MASK_GLYPH, STYLE_NEW, LiveView, render_canvas
 
 from .conftest import REPO
 
@@ -34,8 +34,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "COLUMNS":
 
 
 def run(args, stdin=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", "fastdllm", *args], input=stdin, capture_output=True, text=True,
-                          env=ENV, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fastdllm", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +73,10 @@ def test_generate_end_to_end():
 
 @pytest.mark.slow
 def test_chat_end_to_end():
-    script = f"{QUESTION}\n/reset\n\n/nonsense\nAnn has 12 pencils. She gives 4 away. How many are left?\n/exit\nnever read\n"
+    script = (
+        f"{QUESTION}\n/reset\n\n/nonsense\nAnn has 12 pencils. She gives 4 away. How many are left?\n"
+        "/exit\nnever read\n"
+    )
     r = run(["chat", *SMALL], stdin=script)
     assert r.returncode == 0, r.stderr
     assert len(STATS.findall(r.stderr)) == 2  # two answers, the line after /exit is not read
@@ -85,9 +95,15 @@ def test_bad_flag_value_is_one_line_exit_2():
 @pytest.mark.slow
 def test_show_draws_live_in_a_terminal():
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "fastdllm", "generate", *SMALL, "--show", QUESTION],
-                            stdin=slave, stdout=slave, stderr=slave, env={**ENV, "TERM": "xterm-256color"},
-                            cwd=REPO, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastdllm", "generate", *SMALL, "--show", QUESTION],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**ENV, "TERM": "xterm-256color"},
+        cwd=REPO,
+        close_fds=True,
+    )
     os.close(slave)
     out, deadline = b"", time.time() + 180
     while time.time() < deadline:
@@ -112,25 +128,28 @@ def test_show_draws_live_in_a_terminal():
 
 
 # ---- in-process: errors and help ------------------------------------------------------------------
-@pytest.mark.parametrize("argv,needle", [
-    (["generate", "--threshold", "abc", "x"], "--threshold"),
-    (["generate", "--gen-length", "30", "x"], "--block-length"),
-    (["generate", "--cache", "bogus", "x"], "--cache"),
-    (["generate", "--model", "/no/such/folder", "x"], "/no/such/folder"),
-    (["generate", "--bogus-flag", "x"], "--bogus-flag"),
-    (["generate", "--device", "bogus", "x"], "device"),
-    (["generate", "--device", "cuda:99" if torch.cuda.is_available() else "cuda", "x"], "device"),
-    (["eval", "--task", "arith", "--device", "mps:7", "--limit", "1"], "device"),
-    (["generate", "--dtype", "float13", "x"], "dtype"),
-    (["generate", "   "], "empty"),
-    (["generate", "--show-delay", "-1", "x"], "--show-delay"),
-    (["generate"], "prompt"),
-    (["chat", "--temperature", "-1"], "--temperature"),
-    (["chat", "--model", "/no/such/folder"], "/no/such/folder"),
-    (["serve", "--max-batch-size", "0"], "--max-batch-size"),
-    (["serve", "--port", "70000"], "--port"),
-    (["serve", "--threshold", "1.5"], "--threshold"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "--threshold", "abc", "x"], "--threshold"),
+        (["generate", "--gen-length", "30", "x"], "--block-length"),
+        (["generate", "--cache", "bogus", "x"], "--cache"),
+        (["generate", "--model", "/no/such/folder", "x"], "/no/such/folder"),
+        (["generate", "--bogus-flag", "x"], "--bogus-flag"),
+        (["generate", "--device", "bogus", "x"], "device"),
+        (["generate", "--device", "cuda:99" if torch.cuda.is_available() else "cuda", "x"], "device"),
+        (["eval", "--task", "arith", "--device", "mps:7", "--limit", "1"], "device"),
+        (["generate", "--dtype", "float13", "x"], "dtype"),
+        (["generate", "   "], "empty"),
+        (["generate", "--show-delay", "-1", "x"], "--show-delay"),
+        (["generate"], "prompt"),
+        (["chat", "--temperature", "-1"], "--temperature"),
+        (["chat", "--model", "/no/such/folder"], "/no/such/folder"),
+        (["serve", "--max-batch-size", "0"], "--max-batch-size"),
+        (["serve", "--port", "70000"], "--port"),
+        (["serve", "--threshold", "1.5"], "--threshold"),
+    ],
+)
 def test_user_mistakes_are_one_line(capsys, argv, needle):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -189,8 +208,13 @@ def _events(loaded, config):
     ids = tok.encode_chat([{"role": "user", "content": QUESTION}])
 
     def on_step(event):
-        frames.append((event.kind, event.block, render_canvas(event, tok, model.mask_token_id,
-                                                              config.block_length, model.stop_token_ids, step=1)))
+        frames.append(
+            (
+                event.kind,
+                event.block,
+                render_canvas(event, tok, model.mask_token_id, config.block_length, model.stop_token_ids, step=1),
+            )
+        )
 
     out = generate(model, [ids], config, on_step=on_step)
     return frames, out
@@ -228,8 +252,7 @@ def test_live_view_draws_only_on_a_terminal(loaded):
     ids = tok.encode_chat([{"role": "user", "content": QUESTION}])
     config = GenerationConfig(gen_length=32, block_length=32)
     term = Console(record=True, width=100, force_terminal=True, file=io.StringIO())
-    view = LiveView(tok, model.mask_token_id, 32, model.stop_token_ids, console=term, min_interval=0,
-                    transient=False)
+    view = LiveView(tok, model.mask_token_id, 32, model.stop_token_ids, console=term, min_interval=0, transient=False)
     with view:
         out = generate(model, [ids], config, on_step=view.on_step)
     assert view.enabled and view.frames == view.steps + 1 == out.nfe + 1  # every step, and the block end

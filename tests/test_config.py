@@ -10,13 +10,36 @@ import pytest
 import torch
 
 from fastdllm import GenerationConfig
-from fastdllm.cli.args import add_generation_args, config_from_args, UserError
+from fastdllm.cli.args import UserError, add_generation_args, config_from_args
 from fastdllm.config import ConfigError
 
 BAD = {
-    "gen_length": 0, "block_length": 7, "steps": 1000, "temperature": -1, "remasking": "x", "threshold": 1.5,
-    "factor": 0, "cache": "x", "unmasking": "x", "alg": "x", "alg_temp": -1, "eps": 1, "top_p": 0, "top_k": 0, "stop_at_eos": "yes", "eos_early_stop": "yes",
-    "seed": 1.5, "suffix_window": -1, "sub_block_length": 5, "editing_threshold": 1.5, "max_post_steps": -1, "refresh": "sometimes", "refresh_every": 0, "refresh_tol": -1, "compile": 1, "deterministic": "yes",
+    "gen_length": 0,
+    "block_length": 7,
+    "steps": 1000,
+    "temperature": -1,
+    "remasking": "x",
+    "threshold": 1.5,
+    "factor": 0,
+    "cache": "x",
+    "unmasking": "x",
+    "alg": "x",
+    "alg_temp": -1,
+    "eps": 1,
+    "top_p": 0,
+    "top_k": 0,
+    "stop_at_eos": "yes",
+    "eos_early_stop": "yes",
+    "seed": 1.5,
+    "suffix_window": -1,
+    "sub_block_length": 5,
+    "editing_threshold": 1.5,
+    "max_post_steps": -1,
+    "refresh": "sometimes",
+    "refresh_every": 0,
+    "refresh_tol": -1,
+    "compile": 1,
+    "deterministic": "yes",
 }
 
 
@@ -36,8 +59,14 @@ def test_the_defaults_and_the_presets(tiny_llada, tokenizer):
     d = GenerationConfig()
     assert (d.cache, d.threshold, d.suffix_window, d.refresh) == ("dual", 0.9, 32, "vicinity")
     f = GenerationConfig.fast_dllm()
-    assert (f.cache, f.threshold, f.suffix_window, f.refresh, f.gen_length, f.block_length) == \
-        ("dual", 0.9, None, "full", 256, 32)
+    assert (f.cache, f.threshold, f.suffix_window, f.refresh, f.gen_length, f.block_length) == (
+        "dual",
+        0.9,
+        None,
+        "full",
+        256,
+        32,
+    )
     b = GenerationConfig.baseline()
     assert (b.cache, b.threshold, b.suffix_window, b.refresh) == ("none", None, None, "full")
     # Without a cache every forward is full: the default refresh is accepted and changes nothing.
@@ -46,8 +75,10 @@ def test_the_defaults_and_the_presets(tiny_llada, tokenizer):
     from fastdllm import generate
 
     ids = [tokenizer.encode("Tom has 5 apples.")]
-    assert torch.equal(generate(tiny_llada, ids, no_cache).sequences,
-                       generate(tiny_llada, ids, no_cache.replace(refresh="full")).sequences)
+    assert torch.equal(
+        generate(tiny_llada, ids, no_cache).sequences,
+        generate(tiny_llada, ids, no_cache.replace(refresh="full")).sequences,
+    )
 
 
 def test_config_is_immutable_and_replace_validates():
@@ -98,8 +129,9 @@ def test_server_request_fields_are_the_declared_options():
 
 
 def test_presets_and_the_preset_flag():
-    assert GenerationConfig.fast_dllm() == GenerationConfig(cache="dual", threshold=0.9, suffix_window=None,
-                                                            refresh="full", gen_length=256, block_length=32)
+    assert GenerationConfig.fast_dllm() == GenerationConfig(
+        cache="dual", threshold=0.9, suffix_window=None, refresh="full", gen_length=256, block_length=32
+    )
     assert GenerationConfig.preset("baseline") == GenerationConfig.baseline()
     with pytest.raises(ConfigError) as info:
         GenerationConfig.preset("warp")
@@ -119,12 +151,14 @@ def test_the_config_and_the_sandbox_import_without_torch():
     import sys
     from pathlib import Path
 
-    code = ("import sys\nclass Hide:\n    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] in ('torch', 'numpy'):\n            raise ImportError('hidden: ' + name)\n"
-            "sys.meta_path.insert(0, Hide())\nimport fastdllm.config, fastdllm.sandbox\n"
-            "cfg = fastdllm.config.GenerationConfig(threshold=0.8, cache='prefix')\n"
-            "r = fastdllm.sandbox.run_program('print(6 * 7)')\n"
-            "print(cfg.threshold, r.verdict, r.stdout.strip(), 'torch' in sys.modules)\n")
+    code = (
+        "import sys\nclass Hide:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'numpy'):\n            raise ImportError('hidden: ' + name)\n"
+        "sys.meta_path.insert(0, Hide())\nimport fastdllm.config, fastdllm.sandbox\n"
+        "cfg = fastdllm.config.GenerationConfig(threshold=0.8, cache='prefix')\n"
+        "r = fastdllm.sandbox.run_program('print(6 * 7)')\n"
+        "print(cfg.threshold, r.verdict, r.stdout.strip(), 'torch' in sys.modules)\n"
+    )
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
     assert out.stdout.split() == ["0.8", "passed", "42", "False"], out.stderr[-2000:]

@@ -8,13 +8,19 @@ import torch
 
 import fastdllm
 from fastdllm import ConfigError, GenerationConfig, generate
-from fastdllm.text import tool_calls
 from fastdllm.engine.constraints import GrammarConstraint, response_format_constraint
+from fastdllm.text import tool_calls
 
 Q = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["steps", "answer"],
-          "properties": {"steps": {"type": "string", "maxLength": 40},
-                         "answer": {"type": "integer", "minimum": 0, "maximum": 1000}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["steps", "answer"],
+    "properties": {
+        "steps": {"type": "string", "maxLength": 40},
+        "answer": {"type": "integer", "minimum": 0, "maximum": 1000},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +81,12 @@ def test_json_object_and_regex(loaded):
         generate(model, [ids], GenerationConfig(gen_length=32), constraints=[c, c])
 
 
-UNBOUNDED = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
-             "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+UNBOUNDED = {
+    "type": "object",
+    "required": ["a", "b"],
+    "additionalProperties": False,
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+}
 
 
 def digit_lover(tok, vocab: int, t: int) -> torch.Tensor:
@@ -127,13 +137,26 @@ def test_the_grammar_finishes_within_the_budget(loaded):
 # Schemas whose values have no bound a model could be stopped by: numbers, strings, arrays without
 # maxItems (nested), optional members.
 OPEN_ENDED = {
-    "integer and string": {"type": "object", "required": ["answer", "unit"],
-                           "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}}},
+    "integer and string": {
+        "type": "object",
+        "required": ["answer", "unit"],
+        "properties": {"answer": {"type": "integer"}, "unit": {"type": "string"}},
+    },
     "one long string": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
-    "nested arrays": {"type": "object", "required": ["rows"], "properties": {
-        "rows": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}}},
-    "optional fields": {"type": "object", "required": ["a"], "properties": {
-        "a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "array", "items": {"type": "string"}}}},
+    "nested arrays": {
+        "type": "object",
+        "required": ["rows"],
+        "properties": {"rows": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}},
+    },
+    "optional fields": {
+        "type": "object",
+        "required": ["a"],
+        "properties": {
+            "a": {"type": "string"},
+            "b": {"type": "integer"},
+            "c": {"type": "array", "items": {"type": "string"}},
+        },
+    },
 }
 
 
@@ -141,8 +164,18 @@ def open_ended_lover(tok, vocab: int, t: int) -> torch.Tensor:
     """Logits of a model that would grow any value for ever: digits, letters, a `}` inside a string,
     opening brackets, commas, ahead of what closes a value."""
     logits = torch.zeros(t, vocab)
-    for text, score in (("7", 10.0), ("a", 9.5), ("}", 9.4), ("[", 9.0), (",", 8.5), ("{", 8.0), ('"', 7.0),
-                        (":", 6.0), (" ", 5.0), ("b", 4.0)):
+    for text, score in (
+        ("7", 10.0),
+        ("a", 9.5),
+        ("}", 9.4),
+        ("[", 9.0),
+        (",", 8.5),
+        ("{", 8.0),
+        ('"', 7.0),
+        (":", 6.0),
+        (" ", 5.0),
+        ("b", 4.0),
+    ):
         logits[:, tok.encode(text, add_special_tokens=False)[0]] = score
     return logits
 
@@ -160,8 +193,12 @@ def is_valid(tok, model, schema, answer_ids) -> bool:
 
 
 # Each schema's shortest instance, as the grammar writes JSON.
-SHORTEST = {"integer and string": '{"answer": 0, "unit": ""}', "one long string": '{"text": ""}',
-            "nested arrays": '{"rows": []}', "optional fields": '{"a": ""}'}
+SHORTEST = {
+    "integer and string": '{"answer": 0, "unit": ""}',
+    "one long string": '{"text": ""}',
+    "nested arrays": '{"rows": []}',
+    "optional fields": '{"a": ""}',
+}
 
 
 @pytest.mark.parametrize("name", sorted(OPEN_ENDED))
@@ -173,7 +210,9 @@ def test_open_ended_values_close_within_every_budget_from_the_shortest_up(loaded
     model, tok = loaded
     schema = OPEN_ENDED[name]
     shortest = len(tok.encode(SHORTEST[name], add_special_tokens=False)) + 1
-    assert len(GrammarConstraint.json(tok, model.stop_token_ids, schema).completion()) == shortest  # the search finds it
+    assert (
+        len(GrammarConstraint.json(tok, model.stop_token_ids, schema).completion()) == shortest
+    )  # the search finds it
     stop = model.stop_token_ids[0]
     for budget in sorted({shortest, shortest + 1, shortest + 5, 2 * shortest, 64, 256}):
         c = GrammarConstraint.json(tok, model.stop_token_ids, schema, budget=budget)
@@ -185,9 +224,14 @@ def test_open_ended_values_close_within_every_budget_from_the_shortest_up(loaded
         assert stop not in answer and below.finished == (short == shortest - 1)
 
 
-@pytest.mark.parametrize("name,budget", [("integer and string", 32),
-                                         pytest.param("integer and string", 64, marks=pytest.mark.slow),
-                                         pytest.param("one long string", 32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name,budget",
+    [
+        ("integer and string", 32),
+        pytest.param("integer and string", 64, marks=pytest.mark.slow),
+        pytest.param("one long string", 32, marks=pytest.mark.slow),
+    ],
+)
 def test_the_embedded_model_closes_open_ended_values_in_time(loaded, name, budget):
     """The default model left to its own devices writes digits and text past any budget: the
     answer still closes, valid, within it."""
@@ -231,13 +275,21 @@ def test_server_response_format(loaded):
         fmt = {"type": "json_schema", "json_schema": {"name": "result", "schema": SCHEMA, "strict": True}}
         r = server.client.chat.completions.create(model="llada-arith", messages=msg, max_tokens=64, response_format=fmt)
         check_schema(json.loads(r.choices[0].message.content))
-        assert "x-fastdllm-ignored" not in server.post("/v1/chat/completions", {
-            "model": "llada-arith", "messages": msg, "max_tokens": 64, "response_format": fmt}).headers
-        bad = server.post("/v1/chat/completions", {"model": "llada-arith", "messages": msg,
-                                                   "response_format": {"type": "json_schema", "json_schema": {}}})
+        assert (
+            "x-fastdllm-ignored"
+            not in server.post(
+                "/v1/chat/completions",
+                {"model": "llada-arith", "messages": msg, "max_tokens": 64, "response_format": fmt},
+            ).headers
+        )
+        bad = server.post(
+            "/v1/chat/completions",
+            {"model": "llada-arith", "messages": msg, "response_format": {"type": "json_schema", "json_schema": {}}},
+        )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
-        bad = server.post("/v1/chat/completions", {"model": "llada-arith", "messages": msg,
-                                                   "response_format": {"type": "yaml"}})
+        bad = server.post(
+            "/v1/chat/completions", {"model": "llada-arith", "messages": msg, "response_format": {"type": "yaml"}}
+        )
         assert bad.status_code == 400
         assert server.health()["status"] == "ok"
     finally:
@@ -254,26 +306,34 @@ def test_the_server_closes_open_ended_json_and_forced_calls_within_max_tokens(lo
     schema = OPEN_ENDED["integer and string"]
     shortest = len(tok.encode(SHORTEST["integer and string"], add_special_tokens=False)) + 1
     fmt = {"type": "json_schema", "json_schema": {"name": "result", "schema": schema}}
-    tool = {"type": "function", "function": {"name": "note", "parameters": {
-        "type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "note",
+            "parameters": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
+        },
+    }
     forced = tool_calls.forced_schema([tool], "required")
     call_shortest = len(GrammarConstraint.json(tok, model.stop_token_ids, forced).completion())  # an upper bound
     server = LiveServer(*loaded)
     try:
         msg = [{"role": "user", "content": Q}]
         for max_tokens in (shortest, 48):
-            r = server.client.chat.completions.create(model="llada-arith", messages=msg, max_tokens=max_tokens,
-                                                      response_format=fmt)
+            r = server.client.chat.completions.create(
+                model="llada-arith", messages=msg, max_tokens=max_tokens, response_format=fmt
+            )
             obj = json.loads(r.choices[0].message.content)
             assert r.choices[0].finish_reason == "stop" and isinstance(obj["answer"], int), max_tokens
             assert r.usage.completion_tokens <= max_tokens
         for max_tokens in (call_shortest, 64):
-            r = server.client.chat.completions.create(model="llada-arith", messages=msg, max_tokens=max_tokens,
-                                                      tools=[tool], tool_choice="required")
+            r = server.client.chat.completions.create(
+                model="llada-arith", messages=msg, max_tokens=max_tokens, tools=[tool], tool_choice="required"
+            )
             calls = r.choices[0].message.tool_calls
             assert calls and isinstance(json.loads(calls[0].function.arguments)["text"], str), max_tokens
-        r = server.client.chat.completions.create(model="llada-arith", messages=msg, max_tokens=shortest - 2,
-                                                  response_format=fmt)
+        r = server.client.chat.completions.create(
+            model="llada-arith", messages=msg, max_tokens=shortest - 2, response_format=fmt
+        )
         assert r.choices[0].finish_reason == "length"
     finally:
         server.stop()
@@ -290,13 +350,20 @@ def test_transformers_keywords_map_onto_ours():
     assert GenerationConfig().with_options(max_new_tokens=20, threshold=0.5).gen_length == 32
 
 
-@pytest.mark.parametrize("kw,param", [
-    (dict(max_length=100), "max_length"), (dict(num_beams=4), "num_beams"),
-    (dict(num_return_sequences=2), "num_return_sequences"), (dict(repetition_penalty=1.1), "repetition_penalty"),
-    (dict(do_sample=True, temperature=0.0), "do_sample"), (dict(do_sample="yes"), "do_sample"),
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=8, gen_length=64), "max_new_tokens"),
-    (dict(bogus=1), "bogus"),
-])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(max_length=100), "max_length"),
+        (dict(num_beams=4), "num_beams"),
+        (dict(num_return_sequences=2), "num_return_sequences"),
+        (dict(repetition_penalty=1.1), "repetition_penalty"),
+        (dict(do_sample=True, temperature=0.0), "do_sample"),
+        (dict(do_sample="yes"), "do_sample"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=8, gen_length=64), "max_new_tokens"),
+        (dict(bogus=1), "bogus"),
+    ],
+)
 def test_keywords_without_a_meaning_here_name_themselves(kw, param):
     with pytest.raises(ConfigError) as e:
         GenerationConfig(**kw)

@@ -53,16 +53,31 @@ CONFIGS = {
     "fast-dllm": GenerationConfig.fast_dllm().replace(block_length=16, stop_at_eos=False),
     "prefix": GenerationConfig(block_length=16, threshold=0.9, cache="prefix", stop_at_eos=False),
     "no-cache-schedule": GenerationConfig(block_length=16, steps=128, threshold=None, cache="none", stop_at_eos=False),
-    "vicinity": GenerationConfig(block_length=16, threshold=0.9, cache="dual", suffix_window=16, refresh="vicinity",
-                                 refresh_every=3, stop_at_eos=False),
-    "adaptive": GenerationConfig(block_length=16, threshold=0.9, cache="dual", suffix_window=16, refresh="adaptive",
-                                 refresh_tol=0.02, stop_at_eos=False),
+    "vicinity": GenerationConfig(
+        block_length=16,
+        threshold=0.9,
+        cache="dual",
+        suffix_window=16,
+        refresh="vicinity",
+        refresh_every=3,
+        stop_at_eos=False,
+    ),
+    "adaptive": GenerationConfig(
+        block_length=16,
+        threshold=0.9,
+        cache="dual",
+        suffix_window=16,
+        refresh="adaptive",
+        refresh_tol=0.02,
+        stop_at_eos=False,
+    ),
     "sampled-stop": GenerationConfig(block_length=16, threshold=0.9, cache="dual", temperature=0.7),
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "no-cache-schedule" else n
-                                  for n in CONFIGS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "no-cache-schedule" else n for n in CONFIGS]
+)
 def test_rows_that_join_decode_as_alone(fp32, name):
     """A long row runs; a short one joins at block 1 and one with a longer prompt (the running rows
     move right) at block 2: every answer is token-identical to the row decoded alone (float32)."""
@@ -132,6 +147,7 @@ def _collect(job, timeout=120):
             items.append(item)
             if item[0] in ("end", "error"):
                 return items
+
     return run()
 
 
@@ -191,8 +207,11 @@ def test_a_failing_step_fails_only_its_culprit(fp32, monkeypatch):
     base = GenerationConfig.fast_dllm().replace(block_length=16, stop_at_eos=False, seed=None)
     ref = generate(model, [ps[0]], base.replace(gen_length=64, seed=1))
     # A token in neither the good prompt nor its answer marks the culprit's row.
-    mark = next(t for t in range(100, model.args.vocab_size)
-                if t not in ps[0] + ref.sequences[0].tolist() and t not in model.stop_token_ids)
+    mark = next(
+        t
+        for t in range(100, model.args.vocab_size)
+        if t not in ps[0] + ref.sequences[0].tolist() and t not in model.stop_token_ids
+    )
     poison = [mark] + ps[1]
     real = model.logits_for
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import fastdllm
-from fastdllm.models.loading import ASSETS_DIR, DEFAULT_MODEL_DIR
+from fastdllm.embedded.train import heldout_accuracy
+from fastdllm.evaluation.tasks import arith
 from fastdllm.models import dream as dream_family
 from fastdllm.models.llada import REFERENCE_CONFIG
-from fastdllm.evaluation.tasks import arith
-from fastdllm.embedded.train import heldout_accuracy
+from fastdllm.models.loading import ASSETS_DIR, DEFAULT_MODEL_DIR
 
 from .conftest import REPO
 
@@ -80,8 +80,9 @@ def assert_weights_are_the_files(model, folder):
 @pytest.fixture(scope="module")
 def baseline(loaded):
     model, tok = loaded
-    return heldout_accuracy(model, tok, HELDOUT_N, threshold=None, cache="none", suffix_window=None,
-                            steps=GEN["gen_length"], **GEN)
+    return heldout_accuracy(
+        model, tok, HELDOUT_N, threshold=None, cache="none", suffix_window=None, steps=GEN["gen_length"], **GEN
+    )
 
 
 @pytest.mark.slow
@@ -92,8 +93,9 @@ def test_baseline_decoding_solves_held_out_problems(baseline):
 @pytest.mark.slow
 def test_threshold_09_halves_forward_passes_at_little_cost(loaded, baseline):
     model, tok = loaded
-    fast = heldout_accuracy(model, tok, HELDOUT_N, threshold=0.9, cache="dual", suffix_window=None, refresh="full",
-                            **GEN)
+    fast = heldout_accuracy(
+        model, tok, HELDOUT_N, threshold=0.9, cache="dual", suffix_window=None, refresh="full", **GEN
+    )
     assert fast["nfe_per_sample"] <= baseline["nfe_per_sample"] / 2, (fast, baseline)
     assert fast["accuracy"] >= baseline["accuracy"] - MAX_LOSS_AT_THRESHOLD_09, (fast, baseline)
     default = heldout_accuracy(model, tok, HELDOUT_N, **GEN)  # the defaults: also a suffix window, vicinity refresh
@@ -108,8 +110,14 @@ def test_cli_generate_prints_a_correct_worked_answer():
     # user message, as the README's first command runs it.
     problem = arith.test_split()[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "fastdllm", "generate", problem.question], capture_output=True,
-                         text=True, env=env, cwd=REPO, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "fastdllm", "generate", problem.question],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == problem.answer, (problem.question, out.stdout)
 
@@ -119,7 +127,9 @@ def test_special_token_ids_in_config_match_the_tokenizer(name):
     config = json.loads((ASSETS_DIR / name / "config.json").read_text())
     _, tok = fastdllm.load(name)
     assert config["mask_token_id"] == tok.token_to_id("<|mdm_mask|>")
-    assert config["eos_token_id"] == config.get("pad_token_id", tok.eos_token_id) == tok.eos_token_id  # SDAR names no pad
+    assert (
+        config["eos_token_id"] == config.get("pad_token_id", tok.eos_token_id) == tok.eos_token_id
+    )  # SDAR names no pad
     if "bos_token_id" in config:
         assert config["bos_token_id"] == tok.token_to_id(tok.bos_token)
 
@@ -140,11 +150,20 @@ def test_dream_twin_solves_held_out_problems_with_its_own_decoding():
     torch.set_num_threads(2)
     try:
         model, tok = fastdllm.load("dream-arith", dtype="float32")
-        baseline = heldout_accuracy(model, tok, HELDOUT_N, threshold=None, cache="none", suffix_window=None,
-                                    alg="entropy",
-                                    steps=GEN["gen_length"], **GEN)
-        fast = heldout_accuracy(model, tok, HELDOUT_N, threshold=0.9, cache="dual", suffix_window=None, refresh="full",
-                                alg="entropy", **GEN)
+        baseline = heldout_accuracy(
+            model,
+            tok,
+            HELDOUT_N,
+            threshold=None,
+            cache="none",
+            suffix_window=None,
+            alg="entropy",
+            steps=GEN["gen_length"],
+            **GEN,
+        )
+        fast = heldout_accuracy(
+            model, tok, HELDOUT_N, threshold=0.9, cache="dual", suffix_window=None, refresh="full", alg="entropy", **GEN
+        )
     finally:
         torch.set_num_threads(threads)
     assert baseline["accuracy"] >= DREAM_BASELINE_FLOOR, baseline

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fastdllm.cli import main as cli
-from fastdllm.evaluation.harness import evaluate, summarize
 from fastdllm.config import GenerationConfig
+from fastdllm.evaluation.harness import evaluate, summarize
 from fastdllm.evaluation.tasks import DATA_DIR, DataError, UnknownTaskError, get_task, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,19 +25,33 @@ SMALL = GenerationConfig(gen_length=32, block_length=16)
 
 def run_cli(*args, timeout=600, env_extra=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "fastdllm", *args], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fastdllm", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+    )
 
 
 # ---- data and bad input ------------------------------------------------------------------------
 def test_bundled_data_sizes():
     assert {p.name for p in DATA_DIR.glob("*.gz")} == {
-        "gsm8k_test.jsonl.gz", "gsm8k_train.jsonl.gz", "HumanEval.jsonl.gz", "mbpp.jsonl.gz", "math500_test.jsonl.gz",
-        "gsm8k_train_easy.jsonl.gz", "docstrings.jsonl.gz"}
+        "gsm8k_test.jsonl.gz",
+        "gsm8k_train.jsonl.gz",
+        "HumanEval.jsonl.gz",
+        "mbpp.jsonl.gz",
+        "math500_test.jsonl.gz",
+        "gsm8k_train_easy.jsonl.gz",
+        "docstrings.jsonl.gz",
+    }
     assert (DATA_DIR / "README.md").is_file()
     assert len(read_jsonl("gsm8k_train")) == 8
-    for name, n in (("gsm8k", 1319), ("math500", 500), ("humaneval", 164), ("mbpp", 500), ("arith", 1000),
-                    ("everyday", 500), ("everyday-probe", 32)):
+    for name, n in (
+        ("gsm8k", 1319),
+        ("math500", 500),
+        ("humaneval", 164),
+        ("mbpp", 500),
+        ("arith", 1000),
+        ("everyday", 500),
+        ("everyday-probe", 32),
+    ):
         assert len(get_task(name).load()) == n
 
 
@@ -103,7 +117,9 @@ def test_arith_prompts_are_the_training_prompts(tokenizer):
     doc = task.load(limit=1)[0]
     for k in (0, 3):
         shots = task.fewshot(k)
-        assert task.encode(tokenizer, doc, shots) == prompt_ids(tokenizer, doc.data["question"], arith.fewshot_exemplars(k))
+        assert task.encode(tokenizer, doc, shots) == prompt_ids(
+            tokenizer, doc.data["question"], arith.fewshot_exemplars(k)
+        )
 
 
 def test_prompt_formats(tokenizer):
@@ -123,7 +139,9 @@ def test_prompt_formats(tokenizer):
     assert he.prompt_text(hdoc, []) == hdoc.data["prompt"]
     # chat models get their chat template; plain models the text itself
     assert tokenizer.chat_template
-    assert gsm.encode(tokenizer, doc, []) == tokenizer.encode_chat([{"role": "user", "content": gsm.prompt_text(doc, [])}])
+    assert gsm.encode(tokenizer, doc, []) == tokenizer.encode_chat(
+        [{"role": "user", "content": gsm.prompt_text(doc, [])}]
+    )
 
     class Plain:
         chat_template = None
@@ -136,7 +154,9 @@ def test_prompt_formats(tokenizer):
     # a chat model's prompts as plain text, on request
     arith_task = get_task("arith")
     adoc = arith_task.load(limit=1)[0]
-    assert arith_task.encode(tokenizer, adoc, [], chat=False) == tokenizer.encode(f"Question: {adoc.data['question']}\nAnswer:")
+    assert arith_task.encode(tokenizer, adoc, [], chat=False) == tokenizer.encode(
+        f"Question: {adoc.data['question']}\nAnswer:"
+    )
     assert he.encode(tokenizer, hdoc, [], chat=False) == tokenizer.encode(hdoc.data["prompt"])
 
 
@@ -146,8 +166,10 @@ def test_summarize_definitions():
         {"num_tokens": 10, "nfe": 5, "revealed": 20, "correct": True, "verdict": "correct"},
         {"num_tokens": 30, "nfe": 15, "revealed": 40, "correct": False, "verdict": "wrong"},
     ]
-    timings = [{"generation_time_s": 2.0, "scoring_time_s": 1.0, "total_time_s": 4.0},
-               {"generation_time_s": 6.0, "scoring_time_s": 1.0, "total_time_s": 8.0}]
+    timings = [
+        {"generation_time_s": 2.0, "scoring_time_s": 1.0, "total_time_s": 4.0},
+        {"generation_time_s": 6.0, "scoring_time_s": 1.0, "total_time_s": 8.0},
+    ]
     m = summarize(records, timings)
     assert m["accuracy"] == 0.5 and m["correct"] == 1
     assert m["tokens_per_second"] == 40 / 8.0  # summed tokens / summed generation time
@@ -173,7 +195,10 @@ def test_evaluate_api_and_batch_invariance(tiny_llada, tokenizer, tmp_path):
     assert [x["index"] for x in lines] == list(range(5))
     for field in ("prompt", "output", "extracted", "gold", "verdict", "nfe", "time_s", "num_tokens"):
         assert field in lines[0]
-    assert lines[0]["prompt"].startswith(tokenizer.bos_token) and lines[0]["gold"] == get_task("arith").load(limit=1)[0].gold
+    assert (
+        lines[0]["prompt"].startswith(tokenizer.bos_token)
+        and lines[0]["gold"] == get_task("arith").load(limit=1)[0].gold
+    )
     total = sum(x["num_tokens"] for x in lines)
     assert one["generated_tokens"] == total
     assert one["tokens_per_second"] == pytest.approx(total / one["generation_time_s"])
@@ -184,8 +209,10 @@ def test_evaluate_code_and_math_plumbing(tiny_llada, tokenizer):
     assert he["num_samples"] == 2 and "pass@1" in he and "sandbox_protections" in he
     assert all(s["verdict"] in ("passed", "failed", "timeout", "crashed") for s in he["samples"])
     # the logged program is the solution alone: the tests never ran beside it
-    assert all(f"def {d}(" in s["extracted"] and "check(" not in s["extracted"] for s, d in
-               zip(he["samples"], ("has_close_elements", "separate_paren_groups")))
+    assert all(
+        f"def {d}(" in s["extracted"] and "check(" not in s["extracted"]
+        for s, d in zip(he["samples"], ("has_close_elements", "separate_paren_groups"))
+    )
     m = evaluate(tiny_llada, tokenizer, "math500", limit=2, num_fewshot=0, config=SMALL)
     assert m["num_samples"] == 2 and m["equivalence_backend"] == "math_verify"
 
@@ -194,8 +221,19 @@ def test_evaluate_code_and_math_plumbing(tiny_llada, tokenizer):
 @pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
     out, log = tmp_path / "results.json", tmp_path / "samples.jsonl"
-    r = run_cli("eval", "--task", "arith", "--limit", "16", "--gen-length", "128", "--output", str(out),
-                "--log-samples", str(log))
+    r = run_cli(
+        "eval",
+        "--task",
+        "arith",
+        "--limit",
+        "16",
+        "--gen-length",
+        "128",
+        "--output",
+        str(out),
+        "--log-samples",
+        str(log),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     for key in ("accuracy", "tokens_per_second", "nfe_per_sample", "tokens_per_step"):
@@ -209,15 +247,43 @@ def test_cli_end_to_end(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not found")
 def test_two_ranks_match_one_process(tmp_path):
-    common = ["eval", "--task", "arith", "--limit", "8", "--gen-length", "64", "--batch-size", "2", "--no-progress",
-              "--dtype", "float32"]  # batch composition differs per rank: exact only in fp32
+    common = [
+        "eval",
+        "--task",
+        "arith",
+        "--limit",
+        "8",
+        "--gen-length",
+        "64",
+        "--batch-size",
+        "2",
+        "--no-progress",
+        "--dtype",
+        "float32",
+    ]  # batch composition differs per rank: exact only in fp32
     single = run_cli(*common, "--log-samples", str(tmp_path / "one.jsonl"), "--output", str(tmp_path / "one.json"))
     assert single.returncode == 0, single.stderr[-3000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     multi = subprocess.run(
-        [shutil.which("torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "fastdllm", *common,
-         "--log-samples", str(tmp_path / "two.jsonl"), "--output", str(tmp_path / "two.json")],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+        [
+            shutil.which("torchrun"),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "fastdllm",
+            *common,
+            "--log-samples",
+            str(tmp_path / "two.jsonl"),
+            "--output",
+            str(tmp_path / "two.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
     assert multi.returncode == 0, multi.stderr[-3000:]
     one = [json.loads(x) for x in (tmp_path / "one.jsonl").read_text().splitlines()]
     two = [json.loads(x) for x in (tmp_path / "two.jsonl").read_text().splitlines()]
@@ -264,6 +330,7 @@ def test_lm_eval_plugin_logic(tiny_llada_dir, tokenizer):
         def deco(cls):
             registered[name] = cls
             return cls
+
         return deco
 
     cls = lm_eval_plugin.make_model_class(_FakeLM, register_model)
@@ -272,8 +339,9 @@ def test_lm_eval_plugin_logic(tiny_llada_dir, tokenizer):
         cls(pretrained=str(tiny_llada_dir), bogus=1)
     with pytest.raises(ValueError, match="threshold"):
         cls(pretrained=str(tiny_llada_dir), threshold=3.0)
-    lm = cls(pretrained=str(tiny_llada_dir), device="cuda", threshold="none", cache="prefix", block_length=16,
-             batch_size="2")
+    lm = cls(
+        pretrained=str(tiny_llada_dir), device="cuda", threshold="none", cache="prefix", block_length=16, batch_size="2"
+    )
     assert lm.base_config.threshold is None and lm.base_config.cache == "prefix" and lm.batch_size == 2
     assert lm._config_for({"max_gen_toks": 20}).gen_length == 32  # rounded up to whole blocks
     with pytest.raises(ValueError, match="mc_num"):
@@ -314,8 +382,9 @@ def test_the_readmes_lm_eval_example_runs_as_written(tmp_path):
     argv = shlex.split(block.replace("\\\n", " "))
     assert argv[:3] == ["python", "-m", "fastdllm.lm_eval_plugin"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, cwd=tmp_path, env=env,
-                          timeout=900)
+    done = subprocess.run(
+        [sys.executable, *argv[1:]], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("|fastdllm_arith"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -344,12 +413,16 @@ def test_elbo_loglikelihood_ranks_and_converges():
     bad = [elbo_loglikelihood(model, prefix, wrong, mc_num=64, batch_size=16, seed=s) for s in range(4)]
     assert statistics.pstdev(many) < statistics.pstdev(few)
     assert max(bad) < min(many)
-    assert elbo_loglikelihood(model, prefix, right, 16, 8, seed=3) == elbo_loglikelihood(model, prefix, right, 16, 8, seed=3)
+    assert elbo_loglikelihood(model, prefix, right, 16, 8, seed=3) == elbo_loglikelihood(
+        model, prefix, right, 16, 8, seed=3
+    )
     with pytest.raises(ValueError, match="batch_size"):
         elbo_loglikelihood(model, prefix, right, mc_num=10, batch_size=4)
     # through the lm-eval model class: multiple choice picks the right answer
     lm = lm_eval_plugin.make_model_class(_FakeLM)(mc_num=32, mc_batch_size=16)
     question = "Question: " + p.question + "\nAnswer:"
-    (ll_right, _), (ll_wrong, _) = lm.loglikelihood([_Req(question, " " + p.answer), _Req(question, " " + tok.decode(wrong))])
+    (ll_right, _), (ll_wrong, _) = lm.loglikelihood(
+        [_Req(question, " " + p.answer), _Req(question, " " + tok.decode(wrong))]
+    )
     assert ll_right > ll_wrong
     assert len(lm.loglikelihood_rolling([_Req("Tom has 5 apples.")])) == 1

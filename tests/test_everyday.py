@@ -11,7 +11,7 @@ import pytest
 
 from fastdllm.embedded import train, train_data
 from fastdllm.evaluation.harness import evaluate
-from fastdllm.evaluation.tasks import arith, everyday, get_task
+from fastdllm.evaluation.tasks import arith, everyday
 
 EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 OPS = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__, "/": int.__floordiv__}
@@ -19,8 +19,16 @@ OPS = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__, "/": int.__floordiv
 
 def _shape(question: str) -> str:
     """The question's wording with its numbers and entities blanked out."""
-    words = set(itertools.chain(*everyday.NAMES, *everyday.ITEMS, *everyday.CONTAINERS, *everyday.PRICED,
-                                *everyday.VEHICLES, *everyday.WORDS.values()))
+    words = set(
+        itertools.chain(
+            *everyday.NAMES,
+            *everyday.ITEMS,
+            *everyday.CONTAINERS,
+            *everyday.PRICED,
+            *everyday.VEHICLES,
+            *everyday.WORDS.values(),
+        )
+    )
     out = re.sub(r"\d+", "N", question)
     for w in sorted(words, key=len, reverse=True):
         out = re.sub(rf"\b{re.escape(w)}(e?s)?\b", "E", out, flags=re.IGNORECASE)
@@ -71,8 +79,16 @@ def test_numbers_in_words_and_distractors_appear():
 
 def test_plain_prompt_evaluation(tiny_llada, tokenizer, tmp_path):
     log = tmp_path / "samples.jsonl"
-    r = evaluate(tiny_llada, tokenizer, "everyday-probe", limit=2, batch_size=2, chat_template=False, log_samples=log,
-                 config=None)
+    r = evaluate(
+        tiny_llada,
+        tokenizer,
+        "everyday-probe",
+        limit=2,
+        batch_size=2,
+        chat_template=False,
+        log_samples=log,
+        config=None,
+    )
     assert r["chat_template"] is False and r["num_samples"] == 2
     first = log.read_text().splitlines()[0]
     assert '"prompt": "Question: Tom has 5 apples.' in first and "<|" not in first
@@ -109,8 +125,9 @@ def test_talk_rows_cover_every_format_and_no_test_question(tokenizer):
         assert not any(t.startswith(text.strip()) for t in held_text if len(text) > 40)
     assert kinds == {"plain-qa", "plain", "chat", "chat2"}
     assert train_data.docstrings() and held_text and not set(train_data.docstrings()) & held_text
-    assert all(p.answer.rstrip().split("\n")[-1].startswith("####") and "<<" not in p.answer
-               for p in train_data.gsm8k_easy())
+    assert all(
+        p.answer.rstrip().split("\n")[-1].startswith("####") and "<<" not in p.answer for p in train_data.gsm8k_easy()
+    )
 
 
 def test_talk_batches_are_deterministic(tokenizer):

@@ -44,16 +44,18 @@ def srv():
 
 
 def test_openai_parse_with_a_pydantic_model(srv):
-    done = srv.client.chat.completions.parse(model="llada-arith", messages=[{"role": "user", "content": Q}],
-                                             response_format=Answer, max_tokens=64)
+    done = srv.client.chat.completions.parse(
+        model="llada-arith", messages=[{"role": "user", "content": Q}], response_format=Answer, max_tokens=64
+    )
     parsed = done.choices[0].message.parsed
     assert isinstance(parsed, Answer) and 0 <= parsed.apples <= 1000
 
 
 def test_langchain_structured_output_and_bound_tools(srv):
     langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(model="llada-arith", base_url=srv.url + "/v1", api_key="unused", max_tokens=64,
-                                      max_retries=0)
+    llm = langchain_openai.ChatOpenAI(
+        model="llada-arith", base_url=srv.url + "/v1", api_key="unused", max_tokens=64, max_retries=0
+    )
     result = llm.with_structured_output(Answer).invoke(Q)
     assert isinstance(result, Answer)
     message = llm.bind_tools([Add], tool_choice="Add").invoke(Q)
@@ -65,8 +67,13 @@ def test_instructor_tools_and_json_schema_modes(srv):
     instructor = pytest.importorskip("instructor")
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
         client = instructor.from_openai(srv.client, mode=mode)
-        result = client.chat.completions.create(model="llada-arith", response_model=Answer, max_tokens=64,
-                                                max_retries=0, messages=[{"role": "user", "content": Q}])
+        result = client.chat.completions.create(
+            model="llada-arith",
+            response_model=Answer,
+            max_tokens=64,
+            max_retries=0,
+            messages=[{"role": "user", "content": Q}],
+        )
         assert isinstance(result, Answer), mode
 
 
@@ -85,10 +92,17 @@ def test_pydantic_ai_tool_output_and_native_output(srv):
 
 def test_litellm_tool_call_and_json_schema(srv):
     litellm = pytest.importorskip("litellm")
-    common = dict(model="openai/llada-arith", api_base=srv.url + "/v1", api_key="unused", max_tokens=64,
-                  messages=[{"role": "user", "content": Q}])
-    tool = {"type": "function", "function": {"name": "Add", "description": Add.__doc__,
-                                             "parameters": Add.model_json_schema()}}
+    common = dict(
+        model="openai/llada-arith",
+        api_base=srv.url + "/v1",
+        api_key="unused",
+        max_tokens=64,
+        messages=[{"role": "user", "content": Q}],
+    )
+    tool = {
+        "type": "function",
+        "function": {"name": "Add", "description": Add.__doc__, "parameters": Add.model_json_schema()},
+    }
     done = litellm.completion(**common, tools=[tool], tool_choice={"type": "function", "function": {"name": "Add"}})
     call = done.choices[0].message.tool_calls[0]
     assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "Add"
@@ -103,8 +117,15 @@ def test_llama_index_structured_predict_and_forced_tool(srv):
     from llama_index.core.tools import FunctionTool
     from llama_index.llms.openai_like import OpenAILike
 
-    llm = OpenAILike(model="llada-arith", api_base=srv.url + "/v1", api_key="unused", max_tokens=64,
-                     is_chat_model=True, is_function_calling_model=True, max_retries=0)
+    llm = OpenAILike(
+        model="llada-arith",
+        api_base=srv.url + "/v1",
+        api_key="unused",
+        max_tokens=64,
+        is_chat_model=True,
+        is_function_calling_model=True,
+        max_retries=0,
+    )
     result = llm.structured_predict(Answer, PromptTemplate("{question}"), question=Q)  # tool_choice "required"
     assert isinstance(result, Answer)
     calls = []
@@ -122,14 +143,13 @@ def test_llama_index_structured_predict_and_forced_tool(srv):
 
 def test_openai_agents_function_tool_and_output_type(srv):
     pytest.importorskip("agents")
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
-                        set_tracing_disabled)
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # nothing may leave the machine
-    model = OpenAIChatCompletionsModel(model="llada-arith",
-                                       openai_client=AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused",
-                                                                 max_retries=0))
+    model = OpenAIChatCompletionsModel(
+        model="llada-arith", openai_client=AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    )
     calls = []
 
     @function_tool
@@ -138,10 +158,21 @@ def test_openai_agents_function_tool_and_output_type(srv):
         calls.append((a, b))
         return a + b
 
-    agent = Agent(name="calculator", instructions="Use the tool.", tools=[add], model=model,
-                  model_settings=ModelSettings(tool_choice="add", max_tokens=64), tool_use_behavior="stop_on_first_tool")
+    agent = Agent(
+        name="calculator",
+        instructions="Use the tool.",
+        tools=[add],
+        model=model,
+        model_settings=ModelSettings(tool_choice="add", max_tokens=64),
+        tool_use_behavior="stop_on_first_tool",
+    )
     result = Runner.run_sync(agent, Q, max_turns=2)
     assert calls and str(result.final_output) == str(sum(calls[0]))
-    typed = Agent(name="counter", instructions="Answer.", model=model, output_type=Answer,
-                  model_settings=ModelSettings(max_tokens=64))
+    typed = Agent(
+        name="counter",
+        instructions="Answer.",
+        model=model,
+        output_type=Answer,
+        model_settings=ModelSettings(max_tokens=64),
+    )
     assert isinstance(Runner.run_sync(typed, Q, max_turns=1).final_output, Answer)

@@ -65,8 +65,11 @@ def test_stale_caches_run_fewer_full_forwards(tiny_llada, tokenizer):
 
     tiny_llada.logits_for = spy
     try:
-        out = generate(tiny_llada, prompts(tokenizer), config=GenerationConfig.fast_dllm(gen_length=32, block_length=8,
-                                                                              threshold=None, cache="dual"))
+        out = generate(
+            tiny_llada,
+            prompts(tokenizer),
+            config=GenerationConfig.fast_dllm(gen_length=32, block_length=8, threshold=None, cache="dual"),
+        )
     finally:
         del tiny_llada.logits_for
     full = sum(w is None for w in calls)
@@ -137,8 +140,9 @@ def test_one_step_per_block_leaves_no_mask(tiny_llada, tokenizer):
 @pytest.mark.parametrize("cache", ["none", "dual"])
 @pytest.mark.parametrize("alg", ["origin", "maskgit_plus", "topk_margin", "entropy"])
 def test_dream_algorithms_follow_the_timestep_schedule(tiny_dream, tokenizer, alg, cache):
-    cfg = GenerationConfig(gen_length=32, block_length=32, steps=8, threshold=None, cache=cache, alg=alg,
-                           seed=3, stop_at_eos=False)
+    cfg = GenerationConfig(
+        gen_length=32, block_length=32, steps=8, threshold=None, cache=cache, alg=alg, seed=3, stop_at_eos=False
+    )
     out = generate(tiny_dream, prompts(tokenizer), config=cfg)
     assert not (out.sequences == tiny_dream.mask_token_id).any()
     if alg != "origin":
@@ -201,8 +205,7 @@ def test_batch_equals_single(arch, overrides, request, tokenizer):
 
 
 def test_seed_reproducible_and_matters(tiny_llada, tokenizer):
-    cfg = GenerationConfig(gen_length=16, block_length=8, threshold=None, temperature=1.0, seed=5,
-                           stop_at_eos=False)
+    cfg = GenerationConfig(gen_length=16, block_length=8, threshold=None, temperature=1.0, seed=5, stop_at_eos=False)
     a = generate(tiny_llada, prompts(tokenizer), config=cfg).sequences
     b = generate(tiny_llada, prompts(tokenizer), config=cfg).sequences
     c = generate(tiny_llada, prompts(tokenizer), config=cfg.replace(seed=6)).sequences
@@ -215,8 +218,8 @@ def test_padded_tensor_input_equals_list_input(tiny_llada, tokenizer):
     ids = torch.zeros(len(ps), width, dtype=torch.long)
     mask = torch.zeros(len(ps), width, dtype=torch.bool)
     for i, p in enumerate(ps):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = True
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = True
     cfg = GenerationConfig(gen_length=16, block_length=8, stop_at_eos=False)
     a = generate(tiny_llada, ids, config=cfg, attention_mask=mask)
     b = generate(tiny_llada, ps, config=cfg)
@@ -235,10 +238,16 @@ def arith_prompts(tokenizer, n):
     return [prompt_ids(tokenizer, p.question, []) for p in arith.test_split()[:n]]
 
 
-@pytest.mark.parametrize("overrides", [dict(), pytest.param(dict(cache="none", threshold=None, suffix_window=None,
-                                                                steps=64), marks=pytest.mark.slow),
-                                       dict(suffix_window=32), dict(refresh="vicinity"),
-                                       dict(refresh="vicinity", suffix_window=16, refresh_every=3)])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        pytest.param(dict(cache="none", threshold=None, suffix_window=None, steps=64), marks=pytest.mark.slow),
+        dict(suffix_window=32),
+        dict(refresh="vicinity"),
+        dict(refresh="vicinity", suffix_window=16, refresh_every=3),
+    ],
+)
 def test_stop_at_eos_gives_the_full_length_text(trained, overrides):
     model, tok = trained
     ps = arith_prompts(tok, 6)
@@ -260,8 +269,9 @@ def test_eos_early_stop_ends_a_block_at_its_stop_token_with_the_same_answer(trai
     (this model reveals the EOS tail first, so it saves none here: tests/test_moe.py shows the saving)."""
     model, tok = trained
     ps = arith_prompts(tok, 4)
-    cfg = GenerationConfig(gen_length=64, block_length=32, threshold=None, cache="none", suffix_window=None,
-                           refresh="full")  # one token per step: the block's tail is revealed one by one
+    cfg = GenerationConfig(
+        gen_length=64, block_length=32, threshold=None, cache="none", suffix_window=None, refresh="full"
+    )  # one token per step: the block's tail is revealed one by one
     after_block = generate(model, ps, config=cfg)
     early = generate(model, ps, config=cfg.replace(eos_early_stop=True))
     for i in range(len(ps)):
@@ -341,8 +351,9 @@ def test_invalid_inputs_are_clear(tiny_llada, tokenizer):
     with pytest.raises(ValueError, match="max_sequence_length"):
         generate(tiny_llada, [[5] * 2040], config=cfg)
     with pytest.raises(ValueError, match="left-padded"):
-        generate(tiny_llada, torch.ones(1, 4, dtype=torch.long), config=cfg,
-                 attention_mask=torch.tensor([[1, 1, 1, 0]]))
+        generate(
+            tiny_llada, torch.ones(1, 4, dtype=torch.long), config=cfg, attention_mask=torch.tensor([[1, 1, 1, 0]])
+        )
 
 
 # ---- fidelity to the reference implementations ------------------------------------------------------
@@ -367,8 +378,14 @@ def test_llada_confidence_is_the_references_softmax_not_its_logsumexp_form():
     """Two near-certain positions that exp(logit - logsumexp) rounds to an equal 1.0 (ties go to
     the leftmost) while the reference's float64 softmax gives 0.999999999999998 and
     0.9999999999999998: the reference reveals the right one, and so must we."""
-    logits = torch.tensor([[[42.29401779174805, -1.7616678476333618, 8.496312141418457, 2.711992025375366],
-                            [41.0862922668457, -0.8251047730445862, 2.65976881980896, 4.4572248458862305]]])
+    logits = torch.tensor(
+        [
+            [
+                [42.29401779174805, -1.7616678476333618, 8.496312141418457, 2.711992025375366],
+                [41.0862922668457, -0.8251047730445862, 2.65976881980896, 4.4572248458862305],
+            ]
+        ]
+    )
     logsumexp_form = (logits[..., 0].double() - logits.double().logsumexp(-1)).exp()
     assert logsumexp_form[0, 0] == logsumexp_form[0, 1]  # the two forms really part here
     config = GenerationConfig.baseline(gen_length=2, block_length=2)
@@ -382,8 +399,7 @@ def test_llada_confidence_is_the_references_softmax_not_its_logsumexp_form():
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_dream_with_a_cache_reveals_the_blocks_first_position_at_block_start(tiny_dream, tiny_llada, tokenizer,
-                                                                             cache):
+def test_dream_with_a_cache_reveals_the_blocks_first_position_at_block_start(tiny_dream, tiny_llada, tokenizer, cache):
     """Fast-dLLM's Dream: the block-start forward reveals exactly the block's first position,
     whatever the rule; LLaDA, and Dream without a cache, apply the rule there too."""
     # two steps per block: a schedule reveals several positions at each
@@ -391,10 +407,12 @@ def test_dream_with_a_cache_reveals_the_blocks_first_position_at_block_start(tin
 
     def first_steps(model, cfg):
         seen, out = set(), []
+
         def on_step(event):
             if event.block not in seen:
                 seen.add(event.block)
                 out.append(event.chosen[0].tolist())
+
         generate(model, prompts(tokenizer)[:1], config=cfg, on_step=on_step)
         return out
 
@@ -455,12 +473,14 @@ def test_conservative_settings_are_token_identical_to_fast_dllm(arch, cache, req
         assert out.nfe_per_row == ref.nfe_per_row and out.forward_positions == ref.forward_positions
 
 
-@pytest.mark.parametrize("overrides", [dict(suffix_window=8), dict(refresh="vicinity"),
-                                       dict(refresh="vicinity", suffix_window=4, cache="prefix")])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(suffix_window=8), dict(refresh="vicinity"), dict(refresh="vicinity", suffix_window=4, cache="prefix")],
+)
 def test_new_policies_batch_equals_single(tiny_llada, tokenizer, overrides):
     cfg = GenerationConfig.fast_dllm(gen_length=32, block_length=8, threshold=0.3, stop_at_eos=False, **overrides)
     a, b = tokenizer.encode("Tom has 5 apples and 3 pears."), tokenizer.encode("Mia has 4 cats.")
-    same_length = [a[:len(b)], b] if len(a) >= len(b) else [a, b[:len(a)]]
+    same_length = [a[: len(b)], b] if len(a) >= len(b) else [a, b[: len(a)]]
     together = generate(tiny_llada, same_length, config=cfg)
     for i, p in enumerate(same_length):
         alone = generate(tiny_llada, [p], config=cfg)
@@ -512,7 +532,9 @@ def test_adaptive_refresh(trained, tiny_llada, tokenizer):
     # per row: a batch decodes as its rows alone
     model, tok = trained
     ps = arith_prompts(tok, 4)
-    cfg = GenerationConfig.fast_dllm(gen_length=128, block_length=32, refresh="adaptive", refresh_tol=0.05, stop_at_eos=False)
+    cfg = GenerationConfig.fast_dllm(
+        gen_length=128, block_length=32, refresh="adaptive", refresh_tol=0.05, stop_at_eos=False
+    )
     together = generate(model, ps, config=cfg)
     for i, p in enumerate(ps):
         alone = generate(model, [p], config=cfg)
@@ -521,11 +543,14 @@ def test_adaptive_refresh(trained, tiny_llada, tokenizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", [
-    dict(cache="dual", threshold=0.5),
-    dict(cache="prefix", threshold=0.5, suffix_window=8, refresh="vicinity"),
-    dict(cache="none", threshold=None),
-])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(cache="dual", threshold=0.5),
+        dict(cache="prefix", threshold=0.5, suffix_window=8, refresh="vicinity"),
+        dict(cache="none", threshold=None),
+    ],
+)
 def test_compiled_layers_decode_the_same_tokens(tiny_llada, tokenizer, policy):
     """compile=True runs the layers through torch.compile (dynamic shapes): the same tokens as eager,
     for windows of every width, padded rows and a second answer length without recompiling."""

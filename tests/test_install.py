@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import venv
-from pathlib import Path
 
 import pytest
 
@@ -43,13 +42,20 @@ def test_extras_are_declared_in_normalized_form_and_every_one_named_exists():
 def test_the_readmes_lm_eval_install_line_resolves_with_a_fresh_venvs_own_pip(tmp_path):
     """The README's line, with this checkout for the package, in a new venv's own pip: the resolver
     takes lm-eval in (a dry run: nothing is installed) and never says the extra is unknown."""
-    line = next(m for m in re.finditer(r'pip install "(fastdllm\[[^\]]+\])"', (REPO / "README.md").read_text())
-                if "lm-eval" in m.group(1))
+    line = next(
+        m
+        for m in re.finditer(r'pip install "(fastdllm\[[^\]]+\])"', (REPO / "README.md").read_text())
+        if "lm-eval" in m.group(1)
+    )
     target = line.group(1).replace("fastdllm", str(REPO), 1)
     venv.create(tmp_path / "venv", with_pip=True)
     python = str(tmp_path / "venv" / "bin" / "python")
-    out = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(tmp_path / "r.json"),
-                          target], capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [python, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(tmp_path / "r.json"), target],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "does not provide the extra" not in out.stderr, out.stderr[-2000:]
     names = {item["metadata"]["name"].lower() for item in json.loads((tmp_path / "r.json").read_text())["install"]}

@@ -40,20 +40,23 @@ def test_a_padded_rows_logits_are_its_logits_alone(bf16):
     ids = torch.full((len(rows), width), bf16.args.eos_token_id)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), True
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), True
     with torch.no_grad():
         loose = bf16(ids, attention_mask=mask)
         exact = bf16(ids, attention_mask=mask, batch_invariant=True)
         alone = [bf16(torch.tensor([r]), batch_invariant=True)[0] for r in rows]
         plain_alone = [bf16(torch.tensor([r]))[0] for r in rows]
-    assert all(torch.equal(exact[i, width - len(r):], alone[i]) for i, r in enumerate(rows))
+    assert all(torch.equal(exact[i, width - len(r) :], alone[i]) for i, r in enumerate(rows))
     # what the flag is for: without it a padded row's bfloat16 logits move
-    assert any(not torch.equal(loose[i, width - len(r):], plain_alone[i]) for i, r in enumerate(rows))
+    assert any(not torch.equal(loose[i, width - len(r) :], plain_alone[i]) for i, r in enumerate(rows))
 
 
 def _config(model, **changes):
-    return GenerationConfig.for_model(model, GenerationConfig(gen_length=8, block_length=8, threshold=0.2,
-                                                              stop_at_eos=False, deterministic=True), **changes)
+    return GenerationConfig.for_model(
+        model,
+        GenerationConfig(gen_length=8, block_length=8, threshold=0.2, stop_at_eos=False, deterministic=True),
+        **changes,
+    )
 
 
 @pytest.mark.parametrize("bf16", DECODED, indirect=True)
@@ -95,20 +98,31 @@ def test_the_server_answers_alone_and_under_load_alike(request, tokenizer):
     from .test_server import LiveServer
 
     model = copy.deepcopy(request.getfixturevalue("tiny_llada2")).to(torch.bfloat16)
-    defaults = GenerationConfig.for_model(model, GenerationConfig(gen_length=16, block_length=8, threshold=0.2,
-                                                                  deterministic=True))
+    defaults = GenerationConfig.for_model(
+        model, GenerationConfig(gen_length=16, block_length=8, threshold=0.2, deterministic=True)
+    )
     server = LiveServer(model, tokenizer, defaults=defaults, max_batch_size=16)
     words = ["one", "two three", "four five six seven", "eight nine ten eleven twelve thirteen fourteen"]
-    bodies = [{"model": "llada-arith", "prompt": " ".join(words[: i % 4 + 1]) * (1 + i // 4), "max_tokens": 16,
-               "temperature": 0, "n": 2 if i == 1 else 1, "stream": i == 2} for i in range(6)]
+    bodies = [
+        {
+            "model": "llada-arith",
+            "prompt": " ".join(words[: i % 4 + 1]) * (1 + i // 4),
+            "max_tokens": 16,
+            "temperature": 0,
+            "n": 2 if i == 1 else 1,
+            "stream": i == 2,
+        }
+        for i in range(6)
+    ]
 
     def ask(body, delay=0.0):
         time.sleep(delay)
         r = server.post("/v1/completions", body)
         assert r.status_code == 200, r.text
         if body["stream"]:
-            return [json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
-                    if line.startswith("data: {")]
+            return [
+                json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines() if line.startswith("data: {")
+            ]
         return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
     def all_at_once(delays):
@@ -116,6 +130,7 @@ def test_the_server_answers_alone_and_under_load_alike(request, tokenizer):
 
         def run(i):
             out[i] = ask(bodies[i], delays[i])
+
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
         for t in threads:
             t.start()

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from fastdllm.evaluation.tasks import get_task
 from fastdllm.sandbox import CodeCheck, judge
 from fastdllm.sandbox.judge import remote_names
-from fastdllm.evaluation.tasks import get_task
 
 from .conftest import sandbox_processes
 
@@ -137,8 +137,10 @@ def solution_for(task_name: str, doc, attack: str) -> str:
 # A sample that includes tests of every shape: comparisons with literals, truth tests
 # (HumanEval/0 asserts candidate(...) == True / == False), floats with a tolerance (HumanEval/2,
 # MBPP/17), helpers from the prompt (HumanEval/32 poly, /38 encode_cyclic), setup trees (MBPP 367).
-SAMPLE = {"humaneval": ["HumanEval/0", "HumanEval/2", "HumanEval/32", "HumanEval/38", "HumanEval/53"],
-          "mbpp": ["mbpp/11", "mbpp/17", "mbpp/126", "mbpp/367", "mbpp/411"]}
+SAMPLE = {
+    "humaneval": ["HumanEval/0", "HumanEval/2", "HumanEval/32", "HumanEval/38", "HumanEval/53"],
+    "mbpp": ["mbpp/11", "mbpp/17", "mbpp/126", "mbpp/367", "mbpp/411"],
+}
 
 
 def sample_docs(task_name: str):
@@ -154,9 +156,15 @@ leftover_processes = sandbox_processes
 
 
 # Every attack on the first two sampled problems of each task; on all of them in the slow set.
-@pytest.mark.parametrize("task_name, problems", [("humaneval", 2), ("mbpp", 2),
-                                                 pytest.param("humaneval", None, marks=pytest.mark.slow),
-                                                 pytest.param("mbpp", None, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "task_name, problems",
+    [
+        ("humaneval", 2),
+        ("mbpp", 2),
+        pytest.param("humaneval", None, marks=pytest.mark.slow),
+        pytest.param("mbpp", None, marks=pytest.mark.slow),
+    ],
+)
 def test_no_attack_is_ever_passed(task_name, problems, tmp_path):
     task = get_task(task_name)
     docs = sample_docs(task_name)[:problems]
@@ -182,13 +190,16 @@ def test_verdict_reasons_say_what_happened():
     task = get_task("humaneval")
     doc = sample_docs("humaneval")[0]
     with task.scorer(workers=1, timeout=2.0) as scorer:
-        crash, loop, raised, gone = scorer.score([doc] * 4, [
-            "```python\nimport sys\nclass A:\n    def __repr__(self):\n        return repr(self)\n"
-            "def has_close_elements(n, t):\n    sys.setrecursionlimit(10**8)\n    return repr(A())\n```",
-            "```python\ndef has_close_elements(n, t):\n    while True:\n        pass\n```",
-            "    return 1 / 0\n",
-            "    import os\n    os._exit(3)\n",
-        ])
+        crash, loop, raised, gone = scorer.score(
+            [doc] * 4,
+            [
+                "```python\nimport sys\nclass A:\n    def __repr__(self):\n        return repr(self)\n"
+                "def has_close_elements(n, t):\n    sys.setrecursionlimit(10**8)\n    return repr(A())\n```",
+                "```python\ndef has_close_elements(n, t):\n    while True:\n        pass\n```",
+                "    return 1 / 0\n",
+                "    import os\n    os._exit(3)\n",
+            ],
+        )
     assert crash.verdict == "crashed" and "SIGSEGV" in crash.reason, crash
     assert loop.verdict == "timeout" and "CPU time" in loop.reason, loop
     assert raised.verdict == "failed" and "ZeroDivisionError" in raised.reason, raised
@@ -274,36 +285,55 @@ def test_mbpp_gold_passes_on_a_loaded_machine():
 
 # ---- what passes under the benchmarks' own harness passes here ------------------------------------
 STDLIB_VALUES = {
-    "fraction": ("from fractions import Fraction\ndef f(): return Fraction(15, 2)",
-                 "from fractions import Fraction\nv = f()\nassert v == 7.5 and v == Fraction(15, 2) "
-                 "and type(v) is Fraction"),
-    "decimal": ("from decimal import Decimal\ndef f(): return Decimal('0.1') + Decimal('0.2')",
-                "from decimal import Decimal\nv = f()\nassert v == Decimal('0.3') and type(v) is Decimal "
-                "and str(v) == '0.3'"),
+    "fraction": (
+        "from fractions import Fraction\ndef f(): return Fraction(15, 2)",
+        "from fractions import Fraction\nv = f()\nassert v == 7.5 and v == Fraction(15, 2) and type(v) is Fraction",
+    ),
+    "decimal": (
+        "from decimal import Decimal\ndef f(): return Decimal('0.1') + Decimal('0.2')",
+        "from decimal import Decimal\nv = f()\nassert v == Decimal('0.3') and type(v) is Decimal and str(v) == '0.3'",
+    ),
     "complex": ("def f(): return complex(1, -2.5)", "assert f() == 1 - 2.5j"),
-    "ordered_dict": ("from collections import OrderedDict\ndef f(): return OrderedDict([('b', 1), ('a', 2)])",
-                     "from collections import OrderedDict\nv = f()\nassert v == OrderedDict([('b', 1), ('a', 2)])"
-                     "\nassert v != OrderedDict([('a', 2), ('b', 1)]) and list(v) == ['b', 'a']"),
-    "defaultdict": ("from collections import defaultdict\ndef f():\n    d = defaultdict(list)\n    d['x'].append(1)\n"
-                    "    return d",
-                    "v = f()\nassert v == {'x': [1]} and v['y'] == [] and type(v).__name__ == 'defaultdict'"),
-    "counter": ("from collections import Counter\ndef f(): return Counter('abca')",
-                "from collections import Counter\nv = f()\nassert v == Counter({'a': 2, 'b': 1, 'c': 1}) "
-                "and v.most_common(1) == [('a', 2)] and v['z'] == 0"),
-    "deque": ("from collections import deque\ndef f(): return deque([1, 2, 3], maxlen=3)",
-              "from collections import deque\nv = f()\nassert v == deque([1, 2, 3]) and v.maxlen == 3"),
-    "named_tuple": ("from collections import namedtuple\nP = namedtuple('P', 'x y')\ndef f(): return P(1, 2)",
-                    "assert f() == (1, 2)"),
-    "datetime": ("import datetime as dt\ndef f(): return dt.datetime(2024, 2, 29, 13, 5, 7, 12, "
-                 "tzinfo=dt.timezone(dt.timedelta(hours=-3)))",
-                 "import datetime as dt\nv = f()\nassert v == dt.datetime(2024, 2, 29, 16, 5, 7, 12, "
-                 "tzinfo=dt.timezone.utc) and v.utcoffset() == dt.timedelta(hours=-3)"),
-    "date": ("import datetime as dt\ndef f(): return dt.date(1999, 12, 31)",
-             "import datetime as dt\nassert f() == dt.date(1999, 12, 31) and type(f()) is dt.date"),
-    "time": ("import datetime as dt\ndef f(): return dt.time(23, 59, 1, 5)",
-             "import datetime as dt\nassert f() == dt.time(23, 59, 1, 5)"),
-    "timedelta": ("import datetime as dt\ndef f(): return dt.timedelta(days=-1, seconds=5, microseconds=3)",
-                  "import datetime as dt\nassert f() == dt.timedelta(days=-1, seconds=5, microseconds=3)"),
+    "ordered_dict": (
+        "from collections import OrderedDict\ndef f(): return OrderedDict([('b', 1), ('a', 2)])",
+        "from collections import OrderedDict\nv = f()\nassert v == OrderedDict([('b', 1), ('a', 2)])"
+        "\nassert v != OrderedDict([('a', 2), ('b', 1)]) and list(v) == ['b', 'a']",
+    ),
+    "defaultdict": (
+        "from collections import defaultdict\ndef f():\n    d = defaultdict(list)\n    d['x'].append(1)\n    return d",
+        "v = f()\nassert v == {'x': [1]} and v['y'] == [] and type(v).__name__ == 'defaultdict'",
+    ),
+    "counter": (
+        "from collections import Counter\ndef f(): return Counter('abca')",
+        "from collections import Counter\nv = f()\nassert v == Counter({'a': 2, 'b': 1, 'c': 1}) "
+        "and v.most_common(1) == [('a', 2)] and v['z'] == 0",
+    ),
+    "deque": (
+        "from collections import deque\ndef f(): return deque([1, 2, 3], maxlen=3)",
+        "from collections import deque\nv = f()\nassert v == deque([1, 2, 3]) and v.maxlen == 3",
+    ),
+    "named_tuple": (
+        "from collections import namedtuple\nP = namedtuple('P', 'x y')\ndef f(): return P(1, 2)",
+        "assert f() == (1, 2)",
+    ),
+    "datetime": (
+        "import datetime as dt\ndef f(): return dt.datetime(2024, 2, 29, 13, 5, 7, 12, "
+        "tzinfo=dt.timezone(dt.timedelta(hours=-3)))",
+        "import datetime as dt\nv = f()\nassert v == dt.datetime(2024, 2, 29, 16, 5, 7, 12, "
+        "tzinfo=dt.timezone.utc) and v.utcoffset() == dt.timedelta(hours=-3)",
+    ),
+    "date": (
+        "import datetime as dt\ndef f(): return dt.date(1999, 12, 31)",
+        "import datetime as dt\nassert f() == dt.date(1999, 12, 31) and type(f()) is dt.date",
+    ),
+    "time": (
+        "import datetime as dt\ndef f(): return dt.time(23, 59, 1, 5)",
+        "import datetime as dt\nassert f() == dt.time(23, 59, 1, 5)",
+    ),
+    "timedelta": (
+        "import datetime as dt\ndef f(): return dt.timedelta(days=-1, seconds=5, microseconds=3)",
+        "import datetime as dt\nassert f() == dt.timedelta(days=-1, seconds=5, microseconds=3)",
+    ),
     "range": ("def f(): return range(2, 11, 3)", "assert f() == range(2, 11, 3) and list(f()) == [2, 5, 8, 11][:3]"),
 }
 
@@ -339,12 +369,15 @@ def test_a_reply_naming_a_global_is_malformed():
     assert r.verdict != "passed" and "malformed reply" in r.reason, r
 
 
-@pytest.mark.parametrize("solution", [
-    "def f(x): return 1\nraise SystemExit(3)",  # exits before answering
-    "import os\ndef f(x):\n    os._exit(5)",  # exits in the call
-    "def f(x):\n    import sys\n    sys.stdout.flush()\n    raise KeyboardInterrupt",  # a call that raises
-    "def f(x) return 1",  # does not compile
-])
+@pytest.mark.parametrize(
+    "solution",
+    [
+        "def f(x): return 1\nraise SystemExit(3)",  # exits before answering
+        "import os\ndef f(x):\n    os._exit(5)",  # exits in the call
+        "def f(x):\n    import sys\n    sys.stdout.flush()\n    raise KeyboardInterrupt",  # a call that raises
+        "def f(x) return 1",  # does not compile
+    ],
+)
 def test_the_same_answer_gets_the_same_verdict_and_reason_every_run(solution):
     tests = "assert f(1) == 1\nassert f(2) == 1\n"
     seen = {(r.verdict, r.reason) for r in (judge(CodeCheck(solution, tests, remote=("f",))) for _ in range(6))}

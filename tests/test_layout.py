@@ -16,8 +16,10 @@ LAYERS = [
     ("text and the sandbox, without torch", ["fastdllm.text", "fastdllm.sandbox"]),
     ("models", ["fastdllm.models", "fastdllm.quant"]),
     ("engine", ["fastdllm.engine"]),
-    ("evaluation, serving, the embedded models", ["fastdllm.evaluation", "fastdllm.server", "fastdllm.embedded",
-                                                  "fastdllm.lm_eval_plugin"]),
+    (
+        "evaluation, serving, the embedded models",
+        ["fastdllm.evaluation", "fastdllm.server", "fastdllm.embedded", "fastdllm.lm_eval_plugin"],
+    ),
     ("the command line and the package's front door", ["fastdllm.cli", "fastdllm.__main__", "fastdllm"]),
 ]
 
@@ -76,7 +78,7 @@ def test_no_import_cycle():
         state[v] = "open"
         for w in sorted(edges[v]):
             if state.get(w) == "open":
-                cycles.append(path[path.index(w):] + [w])
+                cycles.append(path[path.index(w) :] + [w])
             elif w not in state:
                 visit(w, path + [w])
         state[v] = "done"
@@ -88,8 +90,12 @@ def test_no_import_cycle():
 
 
 def test_every_arrow_points_down():
-    upward = [f"{a} ({LAYERS[layer(a)][0]}) -> {b} ({LAYERS[layer(b)][0]})"
-              for a, targets in graph().items() for b in targets if layer(b) > layer(a)]
+    upward = [
+        f"{a} ({LAYERS[layer(a)][0]}) -> {b} ({LAYERS[layer(b)][0]})"
+        for a, targets in graph().items()
+        for b in targets
+        if layer(b) > layer(a)
+    ]
     assert upward == []
 
 
@@ -101,6 +107,11 @@ def test_the_text_layer_and_the_sandbox_import_no_torch():
         if layer(name) > 1:
             continue
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             assert not any(n.split(".")[0] in heavy for n in names), (name, names)

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fastdllm
-from fastdllm.models.loading import save_pretrained
 from fastdllm.models import llada
+from fastdllm.models.loading import save_pretrained
 from fastdllm.models.transformer import positions_from_mask
 
 from .conftest import REPO
@@ -33,9 +33,17 @@ def _llada_to_llama(state: dict, n_layers: int) -> dict:
         "model.norm.weight": state["model.transformer.ln_f.weight"],
         "lm_head.weight": state["model.transformer.ff_out.weight"],
     }
-    pairs = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-             "attn_out": "self_attn.o_proj", "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-             "ff_out": "mlp.down_proj", "attn_norm": "input_layernorm", "ff_norm": "post_attention_layernorm"}
+    pairs = {
+        "q_proj": "self_attn.q_proj",
+        "k_proj": "self_attn.k_proj",
+        "v_proj": "self_attn.v_proj",
+        "attn_out": "self_attn.o_proj",
+        "ff_proj": "mlp.gate_proj",
+        "up_proj": "mlp.up_proj",
+        "ff_out": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ff_norm": "post_attention_layernorm",
+    }
     for i in range(n_layers):
         for theirs, hf in pairs.items():
             out[f"model.layers.{i}.{hf}.weight"] = state[f"model.transformer.blocks.{i}.{theirs}.weight"]
@@ -53,10 +61,17 @@ def test_llada_matches_transformers_llama(tiny_llada_dir):
     model, _ = fastdllm.load(tiny_llada_dir, dtype="float32", device="cpu")
     a = model.args
     cfg = transformers.LlamaConfig(
-        hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
-        num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
-        max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta,
-        attention_bias=False, tie_word_embeddings=False,
+        hidden_size=a.dim,
+        intermediate_size=a.hidden_dim,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        vocab_size=a.vocab_size,
+        max_position_embeddings=a.max_seq_len,
+        rms_norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta,
+        attention_bias=False,
+        tie_word_embeddings=False,
     )
     ref = transformers.LlamaForCausalLM(cfg).eval()
     ref.load_state_dict(_llada_to_llama(_weights(tiny_llada_dir), a.n_layers), strict=True)
@@ -73,10 +88,17 @@ def test_dream_matches_transformers_qwen2(tiny_dream_dir):
     a = model.args
     assert a.n_kv_heads < a.n_heads and a.qkv_bias and a.shifted_logits
     cfg = transformers.Qwen2Config(
-        hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
-        num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
-        max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta,
-        tie_word_embeddings=False, use_sliding_window=False,
+        hidden_size=a.dim,
+        intermediate_size=a.hidden_dim,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        vocab_size=a.vocab_size,
+        max_position_embeddings=a.max_seq_len,
+        rms_norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
     )
     ref = transformers.Qwen2ForCausalLM(cfg).eval()
     ref.load_state_dict(_weights(tiny_dream_dir), strict=True)  # Dream uses Qwen2's names as they are
@@ -125,7 +147,9 @@ def test_cached_windows_equal_full_forward(arch, lengths, request):
             cache = model.new_cache(bsz, length)
             filled = model.logits_for(ids, s, e, cache=cache, positions=positions, key_mask=key_mask)
             torch.testing.assert_close(filled, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
-            prefix = model.logits_for(ids, s, e, window=(s, length), cache=cache, positions=positions, key_mask=key_mask)
+            prefix = model.logits_for(
+                ids, s, e, window=(s, length), cache=cache, positions=positions, key_mask=key_mask
+            )
             dual = model.logits_for(ids, s, e, window=(s, e), cache=cache, positions=positions, key_mask=key_mask)
             torch.testing.assert_close(prefix, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(dual, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
@@ -199,10 +223,13 @@ def test_dream_tokenizer_from_vocab_and_merges(tmp_path, tokenizer, tiny_dream):
     vocab = json.loads((tmp_path / "vocab.json").read_text())
     added = {t: len(vocab) + i for i, t in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mdm_mask|>"])}
     (tmp_path / "added_tokens.json").write_text(json.dumps(added))
-    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": chatml, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}))
+    chatml = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": chatml, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    )
     save_pretrained(tiny_dream, tmp_path / "m", dtype=torch.float32)
     for f in (tmp_path / "m").iterdir():
         shutil.move(str(f), tmp_path / f.name)
@@ -294,8 +321,9 @@ def test_special_ids_a_config_leaves_out_come_from_the_tokenizer(name, request, 
     assert (loaded.mask_token_id, loaded.args.eos_token_id) == (mask_id, eos_id)
     ids = [tokenizer.encode("Question: 1 + 1")]
     config = fastdllm.GenerationConfig.for_model(model, fastdllm.GenerationConfig(gen_length=16, block_length=8))
-    assert torch.equal(fastdllm.generate(loaded, ids, config=config).sequences,
-                       fastdllm.generate(model, ids, config=config).sequences)
+    assert torch.equal(
+        fastdllm.generate(loaded, ids, config=config).sequences, fastdllm.generate(model, ids, config=config).sequences
+    )
     other = save_pretrained(model, tmp_path / "unnamed", tokenizer, dtype=torch.float32)
     _without_special_ids(other, {})
     with pytest.raises(ValueError, match=re.escape(repr(texts["mask_token_id"]))):
@@ -342,7 +370,12 @@ def test_hub_ids_pass_revision_local_files_only_and_token(monkeypatch, tiny_llad
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     assert resolve_model_path("org/model", revision="v1.2", local_files_only=True, token="t") == tiny_llada_dir
-    assert (seen["repo_id"], seen["revision"], seen["local_files_only"], seen["token"]) == ("org/model", "v1.2", True, "t")
+    assert (seen["repo_id"], seen["revision"], seen["local_files_only"], seen["token"]) == (
+        "org/model",
+        "v1.2",
+        True,
+        "t",
+    )
     model, _ = fastdllm.load("org/model", revision="abc123", dtype="float32")
     assert seen["revision"] == "abc123" and model.args.n_layers > 0
 
@@ -353,8 +386,9 @@ def test_local_files_only_never_reaches_the_network(tmp_path, monkeypatch):
         fastdllm.load("no-such-org/no-such-model", local_files_only=True)
 
 
-def test_dream_generation_config_is_written_read_and_gives_the_defaults(tiny_dream, tiny_llada, tokenizer, tmp_path,
-                                                                        capsys):
+def test_dream_generation_config_is_written_read_and_gives_the_defaults(
+    tiny_dream, tiny_llada, tokenizer, tmp_path, capsys
+):
     from fastdllm.cli import main as cli
 
     dream_dir, llada_dir = tmp_path / "dream", tmp_path / "llada"
@@ -366,12 +400,17 @@ def test_dream_generation_config_is_written_read_and_gives_the_defaults(tiny_dre
     finally:
         tiny_dream.generation_config = {}
     written = json.loads((dream_dir / "generation_config.json").read_text())
-    assert written["alg"] == "entropy" and written["eps"] == 0.01 and written["mask_token_id"] == tiny_dream.mask_token_id
+    assert (
+        written["alg"] == "entropy" and written["eps"] == 0.01 and written["mask_token_id"] == tiny_dream.mask_token_id
+    )
     model, _ = fastdllm.load(dream_dir, dtype="float32")
     assert fastdllm.GenerationConfig.for_model(model).alg == "entropy"
     assert fastdllm.GenerationConfig.for_model(model, alg="maskgit_plus").alg == "maskgit_plus"
     # the CLI: the checkpoint's defaults for flags not given, the flags given win
-    for argv, alg in ((["--gen-length", "32"], "entropy"), (["--gen-length", "32", "--alg", "maskgit_plus"], "maskgit_plus")):
+    for argv, alg in (
+        (["--gen-length", "32"], "entropy"),
+        (["--gen-length", "32", "--alg", "maskgit_plus"], "maskgit_plus"),
+    ):
         assert cli.main(["generate", "--model", str(dream_dir), "--json", "--raw", *argv, "hi"]) == 0
         record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert record["config"]["alg"] == alg and record["config"]["eps"] == 0.01

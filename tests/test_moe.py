@@ -17,11 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.engine.cache_policies import CachePolicy
+from fastdllm.engine.policies import Policies
+from fastdllm.engine.unmasking import Editing, LLaDA2Proposal, UnmaskingStrategy
 from fastdllm.models.loading import save_pretrained
 from fastdllm.models.moe import MoEFeedForward, route
 from fastdllm.models.transformer import ModelArgs
-from fastdllm.engine.policies import Policies
-from fastdllm.engine.unmasking import Editing, LLaDA2Proposal, UnmaskingStrategy
 
 
 def files_forward(folder, ids: torch.Tensor) -> torch.Tensor:
@@ -50,8 +50,9 @@ def files_forward(folder, ids: torch.Tensor) -> torch.Tensor:
         return torch.cat([r * cos + torch.cat([-r[..., half:], r[..., :half]], -1) * sin, rest], -1)
 
     def mlp(v, p):
-        return (torch.nn.functional.silu(v @ w[p + "gate_proj.weight"].T) * (v @ w[p + "up_proj.weight"].T)) \
-            @ w[p + "down_proj.weight"].T
+        return (torch.nn.functional.silu(v @ w[p + "gate_proj.weight"].T) * (v @ w[p + "up_proj.weight"].T)) @ w[
+            p + "down_proj.weight"
+        ].T
 
     allowed = (pos[None, :] // block) <= (pos[:, None] // block)
     x = w["model.word_embeddings.weight"][ids]
@@ -59,8 +60,11 @@ def files_forward(folder, ids: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}."
         h = rms(x, w[p + "input_layernorm.weight"])
         qkv = (h @ w[p + "attention.query_key_value.weight"].T).view(t, heads + 2 * kv, hd)
-        q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv], qkv[:, heads + kv:]
-        q, k = rope(rms(q, w[p + "attention.query_layernorm.weight"])), rope(rms(k, w[p + "attention.key_layernorm.weight"]))
+        q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv], qkv[:, heads + kv :]
+        q, k = (
+            rope(rms(q, w[p + "attention.query_layernorm.weight"])),
+            rope(rms(k, w[p + "attention.key_layernorm.weight"])),
+        )
         k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
         att = (torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)).masked_fill(~allowed, float("-inf")).softmax(-1)
         x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(t, -1) @ w[p + "attention.dense.weight"].T
@@ -102,11 +106,12 @@ def olmoe_files_forward(folder, ids: torch.Tensor) -> torch.Tensor:
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight
 
     def rope(v):
-        return v * cos + torch.cat([-v[..., hd // 2:], v[..., : hd // 2]], -1) * sin
+        return v * cos + torch.cat([-v[..., hd // 2 :], v[..., : hd // 2]], -1) * sin
 
     def mlp(v, p):
-        return (torch.nn.functional.silu(v @ w[p + "gate_proj.weight"].T) * (v @ w[p + "up_proj.weight"].T)) \
-            @ w[p + "down_proj.weight"].T
+        return (torch.nn.functional.silu(v @ w[p + "gate_proj.weight"].T) * (v @ w[p + "up_proj.weight"].T)) @ w[
+            p + "down_proj.weight"
+        ].T
 
     x = w["model.embed_tokens.weight"][ids]
     for i in range(cfg["num_hidden_layers"]):
@@ -117,8 +122,11 @@ def olmoe_files_forward(folder, ids: torch.Tensor) -> torch.Tensor:
         v = (h @ w[p + "self_attn.v_proj.weight"].T).view(t, kv, hd)
         q, k = rope(q), rope(k).repeat_interleave(heads // kv, 1)
         att = (torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)).softmax(-1)
-        x = x + torch.einsum("hqk,khd->qhd", att, v.repeat_interleave(heads // kv, 1)).reshape(t, -1) \
+        x = (
+            x
+            + torch.einsum("hqk,khd->qhd", att, v.repeat_interleave(heads // kv, 1)).reshape(t, -1)
             @ w[p + "self_attn.o_proj.weight"].T
+        )
         h = rms(x, w[p + "post_attention_layernorm.weight"])
         if not cfg["moe_layer_freq"][i]:
             x = x + mlp(h, p + "mlp.")
@@ -160,7 +168,8 @@ def test_the_llada2_layout_loads_and_its_logits_equal_a_forward_from_its_files(t
 
 
 def test_the_llada_moe_layout_loads_as_its_own_family_and_its_logits_equal_a_forward_from_its_files(
-        tiny_llada_moe, tokenizer, tmp_path):
+    tiny_llada_moe, tokenizer, tmp_path
+):
     folder = save_pretrained(tiny_llada_moe, tmp_path / "lladamoe", tokenizer, dtype=torch.float32)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "llada" and cfg["moe_layer_freq"] == [0, 1]  # as LLaDA-MoE's checkpoints say
@@ -186,8 +195,20 @@ def test_llada_moe_decodes_through_every_cache_policy_and_in_a_batch_as_alone(ca
 
 
 def test_routing_keeps_the_best_groups_and_weighs_by_unbiased_scores():
-    args = ModelArgs(dim=4, n_layers=1, n_heads=1, n_kv_heads=1, hidden_dim=4, vocab_size=4, max_seq_len=4,
-                     n_experts=8, n_active_experts=2, n_expert_groups=4, active_expert_groups=2, routed_scaling=2.0)
+    args = ModelArgs(
+        dim=4,
+        n_layers=1,
+        n_heads=1,
+        n_kv_heads=1,
+        hidden_dim=4,
+        vocab_size=4,
+        max_seq_len=4,
+        n_experts=8,
+        n_active_experts=2,
+        n_expert_groups=4,
+        active_expert_groups=2,
+        routed_scaling=2.0,
+    )
     logit = lambda p: math.log(p / (1 - p))  # noqa: E731  sigmoid^-1
     scores = torch.tensor([[0.9, 0.2, 0.5, 0.5, 0.7, 0.1, 0.6, 0.55]])  # groups: {0,1} {2,3} {4,5} {6,7}
     logits = scores.clone().apply_(logit)
@@ -257,8 +278,9 @@ def test_llada2_decoding_is_the_same_with_the_exact_cache_and_alone(tiny_llada2,
     b = tiny_llada2.args.block_size
     assert len({len(p) % b for p in prompts}) == 2
     for rule in (dict(threshold=None), dict(threshold=0.3), dict(threshold=0.3, editing_threshold=0.2)):
-        exact = GenerationConfig.for_model(tiny_llada2, GenerationConfig(gen_length=3 * b, block_length=b,
-                                                                          stop_at_eos=False, **rule))
+        exact = GenerationConfig.for_model(
+            tiny_llada2, GenerationConfig(gen_length=3 * b, block_length=b, stop_at_eos=False, **rule)
+        )
         assert (exact.block_length, exact.cache, exact.unmasking) == (b, "dual", "quota")
         none = exact.replace(cache="none", suffix_window=None, refresh="full")
         a, n = generate(tiny_llada2, prompts, config=exact), generate(tiny_llada2, prompts, config=none)
@@ -272,8 +294,11 @@ def test_stacked_experts_load_from_shards_and_a_missing_one_is_named(tiny_llada2
     assert len(list(folder.glob("model-*.safetensors"))) > 2
     model, _ = fastdllm.load(folder, dtype="float32")
     assert torch.equal(model.layers[1].feed_forward.w2, tiny_llada2.layers[1].feed_forward.w2)
-    shard = next(f for f in folder.glob("model-*.safetensors") if "model.layers.1.mlp.experts.3.up_proj.weight"
-                 in load_file(str(f)))
+    shard = next(
+        f
+        for f in folder.glob("model-*.safetensors")
+        if "model.layers.1.mlp.experts.3.up_proj.weight" in load_file(str(f))
+    )
     tensors = load_file(str(shard))
     del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
     save_file(tensors, str(shard), metadata={"format": "pt"})
@@ -284,8 +309,11 @@ def test_stacked_experts_load_from_shards_and_a_missing_one_is_named(tiny_llada2
 def test_llada2_config_checks(tiny_llada2, tokenizer, tmp_path):
     folder = save_pretrained(tiny_llada2, tmp_path / "c", tokenizer, dtype=torch.float32)
     cfg = json.loads((folder / "config.json").read_text())
-    for change, match in (({"use_bias": True}, "use_bias"), ({"num_experts": 6}, "n_group"),
-                          ({"score_function": "softmax"}, "score_function")):
+    for change, match in (
+        ({"use_bias": True}, "use_bias"),
+        ({"num_experts": 6}, "n_group"),
+        ({"score_function": "softmax"}, "score_function"),
+    ):
         (folder / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ValueError, match=match):
             fastdllm.load(folder)
@@ -334,14 +362,25 @@ def peaked(vocab: int, picks: list[tuple[int, float]]) -> torch.Tensor:
 def test_editing_rewrites_revealed_tokens_and_ends_the_block_after_a_quiet_step(tiny_llada, tokenizer):
     v = tiny_llada.args.vocab_size
     A, A2, B, X, C, D = 10, 11, 12, 13, 14, 15
-    script = [peaked(v, [(A, .95), (B, .95), (C, .2), (D, .2)]),    # reveals A, B
-              peaked(v, [(A2, .8), (B, .99), (C, .95), (D, .3)]),   # reveals C, edits A -> A2
-              peaked(v, [(A2, .9), (B, .9), (C, .9), (D, .95)]),    # reveals D, no edit
-              peaked(v, [(A2, .9), (X, .6), (C, .9), (D, .9)]),     # no masks left: edits B -> X
-              peaked(v, [(A2, .9), (X, .9), (C, .9), (D, .9)])]     # nothing changes: the block ends
+    script = [
+        peaked(v, [(A, 0.95), (B, 0.95), (C, 0.2), (D, 0.2)]),  # reveals A, B
+        peaked(v, [(A2, 0.8), (B, 0.99), (C, 0.95), (D, 0.3)]),  # reveals C, edits A -> A2
+        peaked(v, [(A2, 0.9), (B, 0.9), (C, 0.9), (D, 0.95)]),  # reveals D, no edit
+        peaked(v, [(A2, 0.9), (X, 0.6), (C, 0.9), (D, 0.9)]),  # no masks left: edits B -> X
+        peaked(v, [(A2, 0.9), (X, 0.9), (C, 0.9), (D, 0.9)]),
+    ]  # nothing changes: the block ends
     prompt = tokenizer.encode("Question: 1 + 1")
-    base = GenerationConfig(gen_length=4, block_length=4, steps=4, threshold=0.9, unmasking="quota", cache="none",
-                            suffix_window=None, refresh="full", stop_at_eos=False)
+    base = GenerationConfig(
+        gen_length=4,
+        block_length=4,
+        steps=4,
+        threshold=0.9,
+        unmasking="quota",
+        cache="none",
+        suffix_window=None,
+        refresh="full",
+        stop_at_eos=False,
+    )
 
     def run(**changes):
         config = base.replace(**changes)
@@ -406,8 +445,9 @@ def test_split_upcycling_partitions_the_dense_mlp_among_the_experts(tokenizer):
     from fastdllm.embedded.recipe import new_model
 
     dense = new_model("sdar", "micro", tokenizer, seed=3, block_size=4)
-    moe = new_model("llada2_moe", "micro", tokenizer, moe_hidden_dim=4, shared_expert_hidden_dim=32, rope_dim=16,
-                    block_size=4)
+    moe = new_model(
+        "llada2_moe", "micro", tokenizer, moe_hidden_dim=4, shared_expert_hidden_dim=32, rope_dim=16, block_size=4
+    )
     sample, _ = train.make_batch(tokenizer, 0, 0, 2048, "story")
     train.transplant_weights(moe, dense, sample)
     dense_mlp, layer = dense.layers[1].feed_forward, moe.layers[1].feed_forward
@@ -424,13 +464,19 @@ def test_split_upcycling_partitions_the_dense_mlp_among_the_experts(tokenizer):
         units = {tuple(r.tolist()): j for j, r in enumerate(dense_mlp.w1.weight)}
         act = torch.nn.functional.silu(x @ dense_mlp.w1.weight.T) * (x @ dense_mlp.w3.weight.T)
         for t in range(5):
-            keep = [units[tuple(r.tolist())] for part in [layer.shared.w1.weight] + [layer.w1[e] for e in chosen[t]]
-                    for r in part]
+            keep = [
+                units[tuple(r.tolist())]
+                for part in [layer.shared.w1.weight] + [layer.w1[e] for e in chosen[t]]
+                for r in part
+            ]
             expected = act[t, keep] @ dense_mlp.w2.weight[:, keep].T
-            torch.testing.assert_close(layer(x[t:t + 1]), expected[None], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(layer(x[t : t + 1]), expected[None], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="init_from"):
-        train.transplant_weights(new_model("llada2_moe", "micro", tokenizer, moe_hidden_dim=8,
-                                           shared_expert_hidden_dim=32, block_size=4), dense, sample)
+        train.transplant_weights(
+            new_model("llada2_moe", "micro", tokenizer, moe_hidden_dim=8, shared_expert_hidden_dim=32, block_size=4),
+            dense,
+            sample,
+        )
     with pytest.raises(ValueError, match="init_from"):
         train.transplant_weights(moe, dense)  # no sample to rank the units on
 
@@ -438,8 +484,11 @@ def test_split_upcycling_partitions_the_dense_mlp_among_the_experts(tokenizer):
 def moe_route(layer, x):
     from fastdllm.models.moe import route
 
-    return route(torch.nn.functional.linear(x.float(), layer.router.weight.float()), layer.args,
-                 getattr(layer, "expert_bias", None))
+    return route(
+        torch.nn.functional.linear(x.float(), layer.router.weight.float()),
+        layer.args,
+        getattr(layer, "expert_bias", None),
+    )
 
 
 def test_expert_bias_balancing_moves_choices_toward_the_less_chosen_experts(tiny_llada2, tokenizer):
@@ -498,12 +547,22 @@ def test_eos_early_stop_ends_the_row_inside_its_block(tiny_llada, tokenizer):
     block's other masks EOS, and the answer is the one stopping after the block gives."""
     v, eos = tiny_llada.args.vocab_size, tiny_llada.args.eos_token_id
     A, B, D = 10, 12, 15
-    script = [peaked(v, [(A, .95), (B, .3), (eos, .95), (D, .2)]),   # reveals A and EOS, B still masked
-              peaked(v, [(A, .9), (B, .95), (eos, .9), (D, .3)]),    # reveals B: nothing masked before EOS
-              peaked(v, [(A, .9), (B, .9), (eos, .9), (D, .95)])]    # (without early stop) reveals D
+    script = [
+        peaked(v, [(A, 0.95), (B, 0.3), (eos, 0.95), (D, 0.2)]),  # reveals A and EOS, B still masked
+        peaked(v, [(A, 0.9), (B, 0.95), (eos, 0.9), (D, 0.3)]),  # reveals B: nothing masked before EOS
+        peaked(v, [(A, 0.9), (B, 0.9), (eos, 0.9), (D, 0.95)]),
+    ]  # (without early stop) reveals D
     prompt = tokenizer.encode("Question: 1 + 1")
-    base = GenerationConfig(gen_length=8, block_length=4, steps=8, threshold=0.9, unmasking="quota", cache="none",
-                            suffix_window=None, refresh="full")
+    base = GenerationConfig(
+        gen_length=8,
+        block_length=4,
+        steps=8,
+        threshold=0.9,
+        unmasking="quota",
+        cache="none",
+        suffix_window=None,
+        refresh="full",
+    )
 
     def run(**changes):
         config = base.replace(**changes)
@@ -523,14 +582,28 @@ def test_eos_early_stop_with_editing_stops_after_the_block_as_llada21_does(tiny_
     stops after the block's quiet post step, not in the step that made it final (2.0's rule)."""
     v, eos = tiny_llada.args.vocab_size, tiny_llada.args.eos_token_id
     A, B, C, D = 10, 12, 14, 15
-    reveal = [peaked(v, [(A, .95), (B, .3), (eos, .95), (D, .2)]),   # reveals A and EOS, B still masked
-              peaked(v, [(A, .9), (B, .95), (eos, .9), (D, .3)])]    # reveals B: 2.0 would stop here
-    keeps = [peaked(v, [(A, .9), (B, .9), (eos, .9), (D, .95)])]     # reveals D; then quiet steps
-    edits = [peaked(v, [(A, .9), (B, .9), (C, .8), (D, .95)]),       # reveals D and edits EOS -> C
-             peaked(v, [(A, .9), (B, .9), (C, .9), (D, .9)])]        # quiet; the next block: A B C D
+    reveal = [
+        peaked(v, [(A, 0.95), (B, 0.3), (eos, 0.95), (D, 0.2)]),  # reveals A and EOS, B still masked
+        peaked(v, [(A, 0.9), (B, 0.95), (eos, 0.9), (D, 0.3)]),
+    ]  # reveals B: 2.0 would stop here
+    keeps = [peaked(v, [(A, 0.9), (B, 0.9), (eos, 0.9), (D, 0.95)])]  # reveals D; then quiet steps
+    edits = [
+        peaked(v, [(A, 0.9), (B, 0.9), (C, 0.8), (D, 0.95)]),  # reveals D and edits EOS -> C
+        peaked(v, [(A, 0.9), (B, 0.9), (C, 0.9), (D, 0.9)]),
+    ]  # quiet; the next block: A B C D
     prompt = tokenizer.encode("Question: 1 + 1")
-    config = GenerationConfig(gen_length=8, block_length=4, steps=8, threshold=0.9, unmasking="quota", cache="none",
-                              suffix_window=None, refresh="full", editing_threshold=0.5, eos_early_stop=True)
+    config = GenerationConfig(
+        gen_length=8,
+        block_length=4,
+        steps=8,
+        threshold=0.9,
+        unmasking="quota",
+        cache="none",
+        suffix_window=None,
+        refresh="full",
+        editing_threshold=0.5,
+        eos_early_stop=True,
+    )
 
     def run(script):
         policies = Policies(Scripted(tiny_llada, script), UnmaskingStrategy.from_config(config))

@@ -11,12 +11,22 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.evaluation import harness as evaluate_module
-from fastdllm.engine.cache_policies import REFRESH_RULES, VicinityRefresh, register_refresh_rule
 from fastdllm.config import ConfigError, selection_rule_name
+from fastdllm.engine.cache_policies import REFRESH_RULES, VicinityRefresh, register_refresh_rule
 from fastdllm.engine.policies import Policies, policies_for
+from fastdllm.engine.unmasking import (
+    SELECTION_RULES,
+    DreamSchedule,
+    Factor,
+    FirstPositionAtBlockStart,
+    LinearSchedule,
+    SelectionRule,
+    Threshold,
+    _top_k_mask,
+    register_selection_rule,
+)
+from fastdllm.evaluation import harness as evaluate_module
 from fastdllm.evaluation.tasks import arith
-from fastdllm.engine.unmasking import SELECTION_RULES, DreamSchedule, Factor, FirstPositionAtBlockStart, LinearSchedule, SelectionRule, Threshold, _top_k_mask, register_selection_rule
 
 CONSULTED: list[int] = []
 
@@ -38,13 +48,19 @@ class TwoLeftmost(SelectionRule):
 
     def select(self, conf, masked, step, generators, rows):
         left = torch.arange(masked.shape[1], 0, -1, device=masked.device).expand_as(masked).float()
-        return _top_k_mask(left.masked_fill(~masked, float("-inf")), torch.full((masked.shape[0],), 2, device=masked.device)) & masked
+        return (
+            _top_k_mask(
+                left.masked_fill(~masked, float("-inf")), torch.full((masked.shape[0],), 2, device=masked.device)
+            )
+            & masked
+        )
 
 
 register_refresh_rule(CountingVicinity)
 register_selection_rule(TwoLeftmost)
-TOY = GenerationConfig(gen_length=64, block_length=16, refresh=CountingVicinity.name, unmasking=TwoLeftmost.name,
-                       stop_at_eos=False)
+TOY = GenerationConfig(
+    gen_length=64, block_length=16, refresh=CountingVicinity.name, unmasking=TwoLeftmost.name, stop_at_eos=False
+)
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +144,10 @@ def test_the_precedence_is_stated_once():
     assert selection_rule_name(GenerationConfig(threshold=None)) == "linear"
     assert selection_rule_name(GenerationConfig(threshold=None, alg="entropy")) == "dream_schedule"
     assert selection_rule_name(GenerationConfig(unmasking="linear", threshold=0.9)) == "linear"
-    assert {n: type(SELECTION_RULES[n].from_config(GenerationConfig(factor=1.0, alg="origin"))) for n in
-            ("threshold", "factor", "linear", "dream_schedule")} == {
-        "threshold": Threshold, "factor": Factor, "linear": LinearSchedule, "dream_schedule": DreamSchedule}
+    assert {
+        n: type(SELECTION_RULES[n].from_config(GenerationConfig(factor=1.0, alg="origin")))
+        for n in ("threshold", "factor", "linear", "dream_schedule")
+    } == {"threshold": Threshold, "factor": Factor, "linear": LinearSchedule, "dream_schedule": DreamSchedule}
     with pytest.raises(ConfigError) as info:
         GenerationConfig(unmasking="no_such_rule")
     assert info.value.param == "unmasking"

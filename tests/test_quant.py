@@ -5,7 +5,6 @@ memory accounting, and the errors a user meets."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,14 +12,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.models.loading import load, quantize_checkpoint, save_pretrained
+from fastdllm.evaluation.tasks.scoring import extract_gsm8k_answer
 from fastdllm.models import Transformer
-from fastdllm.quant import QuantizedLinear, QuantizedWeight, quantize_model, quantize_weight, weight_bytes
+from fastdllm.models.loading import load, quantize_checkpoint, save_pretrained
+from fastdllm.quant import QuantizedLinear, quantize_weight, weight_bytes
 from fastdllm.quant.formats import decode, encode, read_quant_format
 from fastdllm.quant.weights import pack_int32, pack_nibbles, unpack_int32, unpack_nibbles
-from fastdllm.evaluation.tasks.scoring import extract_gsm8k_answer
 
 PROMPT = [{"role": "user", "content": "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"}]
 
@@ -83,14 +81,17 @@ def test_quantize_weight_rejects_a_group_that_does_not_divide():
 
 
 # ---- kernels -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("bits,group,out_f,zero,kernel", [
-    (8, None, 48, False, "int8"),
-    (4, 32, 48, False, "int4-cpu"),
-    (4, 32, 48, True, "int4-cpu"),  # asymmetric: the kernel's float offsets
-    (4, 32, 24, False, "dequantize"),  # output width not a multiple of 16
-    (8, 32, 48, False, "dequantize"),  # grouped int8
-    (8, None, 48, True, "dequantize"),  # asymmetric int8
-])
+@pytest.mark.parametrize(
+    "bits,group,out_f,zero,kernel",
+    [
+        (8, None, 48, False, "int8"),
+        (4, 32, 48, False, "int4-cpu"),
+        (4, 32, 48, True, "int4-cpu"),  # asymmetric: the kernel's float offsets
+        (4, 32, 24, False, "dequantize"),  # output width not a multiple of 16
+        (8, 32, 48, False, "dequantize"),  # grouped int8
+        (8, None, 48, True, "dequantize"),  # asymmetric int8
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_kernel_computes_the_dequantized_linear(bits, group, out_f, zero, kernel, dtype):
     in_f = 64
@@ -106,8 +107,12 @@ def test_each_kernel_computes_the_dequantized_linear(bits, group, out_f, zero, k
     assert got.dtype == dtype and got.shape == (2, 5, out_f)
     tol = 1e-4 if dtype == torch.float32 else 0.05 * expected.abs().max().item()
     assert (got.float() - expected).abs().max().item() <= tol
-    assert torch.allclose(layer.dequantized().float(), qw.dequantize(torch.float32),
-                          atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0 if dtype == torch.float32 else 1e-2)
+    assert torch.allclose(
+        layer.dequantized().float(),
+        qw.dequantize(torch.float32),
+        atol=1e-5 if dtype == torch.float32 else 1e-2,
+        rtol=0 if dtype == torch.float32 else 1e-2,
+    )
 
 
 def test_int8_above_the_row_threshold_computes_the_same_linear():
@@ -144,7 +149,7 @@ def embedded():
 
 
 def test_quantized_embedded_model_is_a_transformer_with_smaller_linear_layers(embedded):
-    (full, tok), (w8, _), (w4, _) = embedded[None], embedded["int8"], embedded["int4"]
+    (full, _), (w8, _), (w4, _) = embedded[None], embedded["int8"], embedded["int4"]
     assert full.dtype == torch.bfloat16 and full.quantization is None
     for model, bits in ((w8, 8), (w4, 4)):
         assert type(model) is Transformer and model.dtype == torch.bfloat16
@@ -205,8 +210,9 @@ def test_quantize_at_load_errors():
 
 # ---- quantized checkpoints ---------------------------------------------------------------------
 # Two families in the default suite (full attention, and block-causal MoE); every family in the slow set.
-FAMILY_FIXTURES = ["tiny_llada", "tiny_llada2"] + [pytest.param(f, marks=pytest.mark.slow) for f in
-                                                   ("tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada_moe")]
+FAMILY_FIXTURES = ["tiny_llada", "tiny_llada2"] + [
+    pytest.param(f, marks=pytest.mark.slow) for f in ("tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada_moe")
+]
 
 
 @pytest.mark.parametrize("fixture", FAMILY_FIXTURES)
@@ -265,8 +271,12 @@ def _gptq_layer(w: torch.Tensor, bits: int, group: int, order: torch.Tensor | No
     as_int32 = lambda t: torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)  # noqa: E731
     scales = scales.to(torch.float16)  # as GPTQ stores them
     weight = ((codes - zeros[g_idx]) * scales.float()[g_idx]).t()
-    return {"qweight": as_int32(qweight), "qzeros": as_int32(qzeros), "scales": scales,
-            "g_idx": g_idx.to(torch.int32)}, weight
+    return {
+        "qweight": as_int32(qweight),
+        "qzeros": as_int32(qzeros),
+        "scales": scales,
+        "g_idx": g_idx.to(torch.int32),
+    }, weight
 
 
 @pytest.mark.parametrize("bits,act_order", [(4, False), (4, True), (8, False)])
@@ -280,14 +290,17 @@ def test_gptq_checkpoints_from_an_independent_writer_load_exactly(tmp_path, tiny
         if name == "model.transformer.ff_out.weight":
             continue  # the head stays in float
         prefix = name.removesuffix(".weight")
-        order = torch.randperm(tensors[name].shape[1], generator=torch.Generator().manual_seed(1)) if act_order else None
+        order = (
+            torch.randperm(tensors[name].shape[1], generator=torch.Generator().manual_seed(1)) if act_order else None
+        )
         layer, weight = _gptq_layer(tensors.pop(name), bits, 32, order, seed=0)
         tensors.update({f"{prefix}.{k}": v for k, v in layer.items()})
         dense[name] = weight.contiguous()
     save_file(tensors, str(tmp_path / "src" / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
-    (src / "quantize_config.json").write_text(json.dumps({"bits": bits, "group_size": 32, "desc_act": act_order,
-                                                          "sym": False}))
+    (src / "quantize_config.json").write_text(
+        json.dumps({"bits": bits, "group_size": 32, "desc_act": act_order, "sym": False})
+    )
     model, _ = load(src, device="cpu")
     assert model.quantization["format"] == "gptq" and model.quantization["symmetric"] is False
     # the reference: the same checkpoint in float with the weights the tensors stand for
@@ -324,14 +337,22 @@ def test_compressed_tensors_asymmetric_groups_load_exactly(tmp_path, tiny_dream,
         for o in range(w.shape[0]):
             zwords[o // 8] |= (zp[o].long() + 8) << (4 * (o % 8))
         as_int32 = lambda t: torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)  # noqa: E731
-        tensors.update({f"{prefix}.weight_packed": as_int32(words), f"{prefix}.weight_scale": scale,
-                        f"{prefix}.weight_zero_point": as_int32(zwords),
-                        f"{prefix}.weight_shape": torch.tensor(list(w.shape))})
+        tensors.update(
+            {
+                f"{prefix}.weight_packed": as_int32(words),
+                f"{prefix}.weight_scale": scale,
+                f"{prefix}.weight_zero_point": as_int32(zwords),
+                f"{prefix}.weight_shape": torch.tensor(list(w.shape)),
+            }
+        )
     save_file(tensors, str(src / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
     (src / "config.json").write_text(json.dumps(cfg))
     model, _ = load(src, device="cpu")
     assert model.quantization["symmetric"] is False and model.quantization["kernels"] == ["int4-cpu"]
@@ -374,11 +395,24 @@ def test_unknown_or_unsupported_quantization_is_one_clear_line(tmp_path, tiny_ll
         ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
         ({"quant_method": "gptq", "bits": 3}, "bits=3"),
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "marlin"),
-        ({"quant_method": "compressed-tensors", "format": "pack-quantized",
-          "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"},
-                                  "input_activations": {"num_bits": 8}}}}, "activation"),
-        ({"quant_method": "compressed-tensors", "format": "float-quantized",
-          "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}}}, "type 'float'"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 8, "type": "int"}, "input_activations": {"num_bits": 8}}
+                },
+            },
+            "activation",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}},
+            },
+            "type 'float'",
+        ),
     ]
     for qc, words in cases:
         (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
@@ -401,9 +435,16 @@ def test_quantized_models_are_not_saved_or_quantized_twice(tmp_path, embedded, t
 def test_decode_checks_the_config_against_the_tensors(tmp_path):
     qw = quantize_weight(torch.randn(16, 64), 4, 32)
     tensors = encode("compressed-tensors", qw, "p")
-    fmt = read_quant_format(tmp_path, {"quantization_config": {
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}}}})
+    fmt = read_quant_format(
+        tmp_path,
+        {
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}},
+            }
+        },
+    )
     with pytest.raises(ValueError, match="8"):
         decode(fmt, tensors.__getitem__, "p", tensors.__contains__)
 
@@ -413,8 +454,9 @@ def test_eval_reports_weight_and_kv_cache_bytes(embedded):
     from fastdllm.evaluation.harness import evaluate
 
     model, tok = embedded["int4"]
-    with_cache = evaluate(model, tok, "arith", limit=2, config=GenerationConfig(gen_length=64, cache="dual"),
-                          progress=False)
+    with_cache = evaluate(
+        model, tok, "arith", limit=2, config=GenerationConfig(gen_length=64, cache="dual"), progress=False
+    )
     none = evaluate(model, tok, "arith", limit=2, config=GenerationConfig(gen_length=64, cache="none"), progress=False)
     assert with_cache["weight_bytes"] == weight_bytes(model)["weight_bytes"]
     assert with_cache["quantization"]["bits"] == [4]
@@ -442,25 +484,40 @@ def test_the_quantize_command_and_the_quantize_flag(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("FASTDLLM_CT_PYTHON"), reason="set FASTDLLM_CT_PYTHON to an interpreter "
-                    "with compressed-tensors installed")
+@pytest.mark.skipif(
+    not os.environ.get("FASTDLLM_CT_PYTHON"),
+    reason="set FASTDLLM_CT_PYTHON to an interpreter with compressed-tensors installed",
+)
 def test_compressed_tensors_library_reads_ours_and_we_read_its(tmp_path):
     """The library's own compressor decompresses what we write, and we decode what it writes."""
     layers = [
-        {"prefix": "a", "shape": [32, 128], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                        "strategy": "group", "group_size": 64}},
-        {"prefix": "b", "shape": [48, 64], "weights": {"num_bits": 8, "type": "int", "symmetric": True,
-                                                       "strategy": "channel"}},
-        {"prefix": "c", "shape": [32, 128], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
-                                                        "strategy": "group", "group_size": 32}},
-        {"prefix": "d", "shape": [32, 64], "weights": {"num_bits": 8, "type": "int", "symmetric": False,
-                                                       "strategy": "channel"}},
+        {
+            "prefix": "a",
+            "shape": [32, 128],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64},
+        },
+        {
+            "prefix": "b",
+            "shape": [48, 64],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        },
+        {
+            "prefix": "c",
+            "shape": [32, 128],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
+        },
+        {
+            "prefix": "d",
+            "shape": [32, 64],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"},
+        },
     ]
     ours, ours_dense = {}, {}
     for layer in layers:
         w = layer["weights"]
-        qw = quantize_weight(torch.randn(layer["shape"]), w["num_bits"], w.get("group_size"),
-                             scale_dtype=torch.bfloat16)
+        qw = quantize_weight(
+            torch.randn(layer["shape"]), w["num_bits"], w.get("group_size"), scale_dtype=torch.bfloat16
+        )
         if not w["symmetric"]:
             qw.zero = signed(w["num_bits"], qw.scale.shape) // 4
         ours.update(encode("compressed-tensors", qw, layer["prefix"]))
@@ -473,10 +530,20 @@ def test_compressed_tensors_library_reads_ours_and_we_read_its(tmp_path):
     by_library = load_file(tmp_path / "ours_by_library.safetensors")
     for prefix, dense in ours_dense.items():
         assert torch.allclose(by_library[prefix], dense, atol=1e-2, rtol=1e-2), prefix
-    theirs, theirs_dense = load_file(tmp_path / "library.safetensors"), load_file(tmp_path / "library_dequantized.safetensors")
-    fmt = read_quant_format(tmp_path, {"quantization_config": {
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}})
+    theirs, theirs_dense = (
+        load_file(tmp_path / "library.safetensors"),
+        load_file(tmp_path / "library_dequantized.safetensors"),
+    )
+    fmt = read_quant_format(
+        tmp_path,
+        {
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}},
+            }
+        },
+    )
     fmt.bits = None  # mixed bit widths in one file
     for prefix, dense in theirs_dense.items():
         qw = decode(fmt, theirs.__getitem__, prefix, theirs.__contains__)

@@ -32,8 +32,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.models.loading import save_pretrained
 from fastdllm.evaluation.tasks import get_task
+from fastdllm.models.loading import save_pretrained
 
 CHECKOUT = os.environ.get("FASTDLLM_REFERENCE")
 PYTHON = os.environ.get("FASTDLLM_REFERENCE_PYTHON")
@@ -56,13 +56,19 @@ LLADA2_FILES = ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
 pytestmark = pytest.mark.slow
 needs_fast_dllm = pytest.mark.skipif(
     not (CHECKOUT and PYTHON and Path(CHECKOUT, "llada", "generate.py").exists()),
-    reason="set FASTDLLM_REFERENCE (a NVlabs/Fast-dLLM checkout) and FASTDLLM_REFERENCE_PYTHON")
+    reason="set FASTDLLM_REFERENCE (a NVlabs/Fast-dLLM checkout) and FASTDLLM_REFERENCE_PYTHON",
+)
 needs_sdar = pytest.mark.skipif(
     not (SDAR_CHECKOUT and SDAR_PYTHON and Path(SDAR_CHECKOUT, SDAR_MODEL_FILES, "modeling_sdar.py").exists()),
-    reason="set FASTDLLM_SDAR_REFERENCE (a JetAstra/SDAR checkout) and FASTDLLM_SDAR_PYTHON")
+    reason="set FASTDLLM_SDAR_REFERENCE (a JetAstra/SDAR checkout) and FASTDLLM_SDAR_PYTHON",
+)
 
-CONFIGS = [dict(gen_length=gen, block_length=32, steps=steps, cache=cache, threshold=threshold)
-           for gen, steps in ((64, 64), (128, 64)) for cache in ("none", "prefix", "dual") for threshold in (None, 0.9)]
+CONFIGS = [
+    dict(gen_length=gen, block_length=32, steps=steps, cache=cache, threshold=threshold)
+    for gen, steps in ((64, 64), (128, 64))
+    for cache in ("none", "prefix", "dual")
+    for threshold in (None, 0.9)
+]
 
 
 @needs_fast_dllm
@@ -75,8 +81,9 @@ def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
     prompts = [task.encode(tok, doc, []) for doc in task.load(limit=3)]
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"mask_id": model.args.mask_token_id, "prompts": prompts, "configs": CONFIGS}))
-    out = subprocess.run([PYTHON, str(RUNNER), CHECKOUT, str(folder), str(job)], capture_output=True, text=True,
-                         timeout=1200)
+    out = subprocess.run(
+        [PYTHON, str(RUNNER), CHECKOUT, str(folder), str(job)], capture_output=True, text=True, timeout=1200
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
     for c in CONFIGS:
@@ -91,8 +98,9 @@ def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
             assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)
 
 
-SDAR_CONFIGS = [dict(gen_length=g, steps_per_block=s, threshold=t)
-                for g in (32, 64) for s in (4, 2) for t in (None, 0.9, 0.5)]
+SDAR_CONFIGS = [
+    dict(gen_length=g, steps_per_block=s, threshold=t) for g in (32, 64) for s in (4, 2) for t in (None, 0.9, 0.5)
+]
 
 
 def sdar_models():
@@ -115,8 +123,9 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
     for f in ("configuration_sdar.py", "modeling_sdar.py"):
         shutil.copy(Path(SDAR_CHECKOUT, SDAR_MODEL_FILES, f), folder / f)
     # its training loss needs triton; decoding never calls it
-    (folder / "fused_linear_diffusion_cross_entropy.py").write_text("class FusedLinearDiffusionCrossEntropyLoss:\n"
-                                                                   "    pass\n")
+    (folder / "fused_linear_diffusion_cross_entropy.py").write_text(
+        "class FusedLinearDiffusionCrossEntropyLoss:\n    pass\n"
+    )
     task = get_task("arith")
     prompts = [task.encode(tok, doc, []) for doc in task.load(limit=4)]
     blk = model.args.block_size
@@ -126,8 +135,13 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"mask_id": model.mask_token_id, "stop": stop, "prompts": prompts, "configs": configs}))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent / "reference" / "cpu_shims"))
-    out = subprocess.run([SDAR_PYTHON, str(SDAR_RUNNER), SDAR_CHECKOUT, str(folder), str(job)], capture_output=True,
-                         text=True, timeout=1800, env=env)
+    out = subprocess.run(
+        [SDAR_PYTHON, str(SDAR_RUNNER), SDAR_CHECKOUT, str(folder), str(job)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
 
@@ -140,9 +154,12 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
     parallel = 0
     for c in configs:
         steps = c["gen_length"] // c["block_length"] * c["steps_per_block"]
-        config = GenerationConfig.for_model(model, GenerationConfig(gen_length=c["gen_length"], steps=steps,
-                                                                    threshold=c["threshold"]), temperature=0.0,
-                                            block_length=c["block_length"])
+        config = GenerationConfig.for_model(
+            model,
+            GenerationConfig(gen_length=c["gen_length"], steps=steps, threshold=c["threshold"]),
+            temperature=0.0,
+            block_length=c["block_length"],
+        )
         for prompt in prompts:
             ours = fastdllm.generate(model, [prompt], config=config)
             ref = next(theirs)["tokens"][: c["gen_length"]]
@@ -153,10 +170,14 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
 
 
 needs_v2 = pytest.mark.skipif(
-    not (V2_REFERENCE and V2_PYTHON and all(Path(V2_REFERENCE, f).exists() for f in (
-        "generation_functions.py", "modeling.py", "configuration.py"))),
+    not (
+        V2_REFERENCE
+        and V2_PYTHON
+        and all(Path(V2_REFERENCE, f).exists() for f in ("generation_functions.py", "modeling.py", "configuration.py"))
+    ),
     reason="set FASTDLLM_V2_REFERENCE (v2's generation_functions.py with a checkpoint's modeling files) "
-           "and FASTDLLM_V2_PYTHON")
+    "and FASTDLLM_V2_PYTHON",
+)
 
 
 @needs_v2
@@ -169,25 +190,44 @@ def test_fast_dllm_v2_decodes_as_its_own_batch_sample(tiny_v2, tokenizer, tmp_pa
     blk = model.args.block_size
     folder = save_pretrained(model, tmp_path / "v2", tokenizer, dtype=torch.float32)
     stop = tokenizer.token_to_id("<|eot_id|>")
-    texts = ["Question: 3 + 4 = ? Answer: the sum", "Question: what is 12 + 30?\nAnswer:", "Question: 1 + 1",
-             "Question: Tom has 5 apples and buys 3 more. How many apples does he",
-             "Question: Tom has 5 apples and buys 3 more. How many apples does he have now?\nAnswer:"]
+    texts = [
+        "Question: 3 + 4 = ? Answer: the sum",
+        "Question: what is 12 + 30?\nAnswer:",
+        "Question: 1 + 1",
+        "Question: Tom has 5 apples and buys 3 more. How many apples does he",
+        "Question: Tom has 5 apples and buys 3 more. How many apples does he have now?\nAnswer:",
+    ]
     prompts = [tokenizer.encode(t) for t in texts]
     assert len(prompts[3]) % blk == 0 and len(prompts[3]) > blk and all(len(p) != blk for p in prompts)
     # a random model is confident only at a few thousandths: those thresholds reveal several at once
-    configs = [dict(gen_length=32, threshold=t, sub_block_length=s) for t in (0.9, 0.01, 0.005) for s in (blk, blk // 2)]
+    configs = [
+        dict(gen_length=32, threshold=t, sub_block_length=s) for t in (0.9, 0.01, 0.005) for s in (blk, blk // 2)
+    ]
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mask_id": model.mask_token_id, "stop": stop, "pad": tokenizer.eos_token_id,
-                               "block_length": blk, "prompts": prompts, "configs": configs}))
-    out = subprocess.run([V2_PYTHON, str(V2_RUNNER), V2_REFERENCE, str(folder), str(job)], capture_output=True,
-                         text=True, timeout=1800)
+    job.write_text(
+        json.dumps(
+            {
+                "mask_id": model.mask_token_id,
+                "stop": stop,
+                "pad": tokenizer.eos_token_id,
+                "block_length": blk,
+                "prompts": prompts,
+                "configs": configs,
+            }
+        )
+    )
+    out = subprocess.run(
+        [V2_PYTHON, str(V2_RUNNER), V2_REFERENCE, str(folder), str(job)], capture_output=True, text=True, timeout=1800
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
     parallel = 0
     for c in configs:
-        config = GenerationConfig.for_model(model, GenerationConfig(gen_length=c["gen_length"], threshold=c["threshold"],
-                                                                    stop_at_eos=False),
-                                            sub_block_length=c["sub_block_length"])
+        config = GenerationConfig.for_model(
+            model,
+            GenerationConfig(gen_length=c["gen_length"], threshold=c["threshold"], stop_at_eos=False),
+            sub_block_length=c["sub_block_length"],
+        )
         for prompt in prompts:
             ref = next(theirs)["tokens"]
             out = fastdllm.generate(model, [prompt], config=config)
@@ -201,8 +241,12 @@ def test_fast_dllm_v2_decodes_as_its_own_batch_sample(tiny_v2, tokenizer, tmp_pa
     assert parallel > 0  # the thresholds did reveal several tokens at once
 
 
-@pytest.mark.skipif(not (V2_REFERENCE and V2_PYTHON and all(Path(V2_REFERENCE, f).exists() for f in (
-    "modeling.py", "configuration.py"))), reason="set FASTDLLM_V2_REFERENCE and FASTDLLM_V2_PYTHON")
+@pytest.mark.skipif(
+    not (
+        V2_REFERENCE and V2_PYTHON and all(Path(V2_REFERENCE, f).exists() for f in ("modeling.py", "configuration.py"))
+    ),
+    reason="set FASTDLLM_V2_REFERENCE and FASTDLLM_V2_PYTHON",
+)
 def test_fast_dllm_v2_block_cache_decodes_as_its_own_generate(tiny_v2, tokenizer, tmp_path):
     """cache="sub-block" against the checkpoints' own `generate(use_block_cache=True)`: unchanged
     over one block (the prompt's last one), and over three with its block cache emptied when a
@@ -212,20 +256,31 @@ def test_fast_dllm_v2_block_cache_decodes_as_its_own_generate(tiny_v2, tokenizer
     blk = model.args.block_size
     folder = save_pretrained(model, tmp_path / "v2", tokenizer, dtype=torch.float32)
     stop = tokenizer.token_to_id("<|eot_id|>")
-    texts = ["Question: 3 + 4 = ? Answer: the sum", "Question: what is 12 + 30?\nAnswer:", "Question: 1 + 1",
-             "Question: Tom has 5 apples and buys 3 more. How many apples does he"]
+    texts = [
+        "Question: 3 + 4 = ? Answer: the sum",
+        "Question: what is 12 + 30?\nAnswer:",
+        "Question: 1 + 1",
+        "Question: Tom has 5 apples and buys 3 more. How many apples does he",
+    ]
     prompts = [tokenizer.encode(t) for t in texts]
     # a prompt within its first block is decoded without a prefill, one that fills it exactly gets
     # the next block's first token from its last logit
     assert any(len(p) % blk == 0 for p in prompts) and any(len(p) < blk for p in prompts)
-    configs = [dict(blocks=blocks, threshold=t, sub_block_length=blk // 2, fresh_block_cache=blocks > 1)
-               for blocks in (1, 3) for t in (0.9, 0.01, 0.005)]
+    configs = [
+        dict(blocks=blocks, threshold=t, sub_block_length=blk // 2, fresh_block_cache=blocks > 1)
+        for blocks in (1, 3)
+        for t in (0.9, 0.01, 0.005)
+    ]
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mask_id": model.mask_token_id, "stop": stop, "block_length": blk, "prompts": prompts,
-                               "configs": configs}))
+    job.write_text(
+        json.dumps(
+            {"mask_id": model.mask_token_id, "stop": stop, "block_length": blk, "prompts": prompts, "configs": configs}
+        )
+    )
     runner = Path(__file__).parent / "reference" / "fast_dllm_v2_block_cache.py"
-    out = subprocess.run([V2_PYTHON, str(runner), V2_REFERENCE, str(folder), str(job)], capture_output=True,
-                         text=True, timeout=1800)
+    out = subprocess.run(
+        [V2_PYTHON, str(runner), V2_REFERENCE, str(folder), str(job)], capture_output=True, text=True, timeout=1800
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
     parallel = compared = 0
@@ -234,9 +289,14 @@ def test_fast_dllm_v2_block_cache_decodes_as_its_own_generate(tiny_v2, tokenizer
             ref = next(theirs)["tokens"]
             # the reference's first block is the rest of the prompt's last one
             gen = (c["blocks"] - 1) * blk + (blk - len(prompt) % blk if len(prompt) % blk else blk)
-            config = GenerationConfig.for_model(model, GenerationConfig(gen_length=c["blocks"] * blk, block_length=blk,
-                                                                        threshold=c["threshold"], stop_at_eos=False),
-                                                sub_block_length=c["sub_block_length"], cache="sub-block")
+            config = GenerationConfig.for_model(
+                model,
+                GenerationConfig(
+                    gen_length=c["blocks"] * blk, block_length=blk, threshold=c["threshold"], stop_at_eos=False
+                ),
+                sub_block_length=c["sub_block_length"],
+                cache="sub-block",
+            )
             out = fastdllm.generate(model, [prompt], config=config)
             ours = out.sequences[0].tolist()[:gen]
             parallel += max(out.tokens_per_step[0]) > 1
@@ -248,8 +308,10 @@ def test_fast_dllm_v2_block_cache_decodes_as_its_own_generate(tiny_v2, tokenizer
     assert parallel > 0 and compared > 0
 
 
-@pytest.mark.skipif(not (LLADA2_REFERENCE and LLADA2_PYTHON and Path(LLADA2_REFERENCE, LLADA2_FILES[1]).exists()),
-                    reason="set FASTDLLM_LLADA2_REFERENCE (a folder with LLaDA2's modeling files) and FASTDLLM_LLADA2_PYTHON")
+@pytest.mark.skipif(
+    not (LLADA2_REFERENCE and LLADA2_PYTHON and Path(LLADA2_REFERENCE, LLADA2_FILES[1]).exists()),
+    reason="set FASTDLLM_LLADA2_REFERENCE (a folder with LLaDA2's modeling files) and FASTDLLM_LLADA2_PYTHON",
+)
 def test_llada2_logits_and_decoding_equal_its_published_code(tiny_llada2, tokenizer, tmp_path):
     """Logits of whole sequences (masked positions among them) under the block-causal mask, and the
     published generate (quota rule, threshold, stop after the block holding EOS) with its greedy
@@ -261,12 +323,16 @@ def test_llada2_logits_and_decoding_equal_its_published_code(tiny_llada2, tokeni
     for name in LLADA2_FILES:
         shutil.copy(Path(LLADA2_REFERENCE, name), folder / name)
     eos = model.args.eos_token_id
-    texts = ["Question: 3 + 4 = ? Answer: the sum", "Question: what is 2 + 2?", "Question: 1 + 1 =",
-             "Question: Tom has 5 apples and buys 3 more. How many apples does he"]
+    texts = [
+        "Question: 3 + 4 = ? Answer: the sum",
+        "Question: what is 2 + 2?",
+        "Question: 1 + 1 =",
+        "Question: Tom has 5 apples and buys 3 more. How many apples does he",
+    ]
     prompts = [tokenizer.encode(t) for t in texts]
     assert any(len(p) % blk == 0 for p in prompts) and len({len(p) % blk for p in prompts}) > 2
     sequences = []
-    for i, p in enumerate(prompts):
+    for p in prompts:
         seq = p + [model.mask_token_id] * (3 * blk - len(p) % blk)
         seq[len(p) + 2 :: 3] = [tokenizer.encode(" 7")[0]] * len(seq[len(p) + 2 :: 3])
         sequences.append(seq)
@@ -275,13 +341,28 @@ def test_llada2_logits_and_decoding_equal_its_published_code(tiny_llada2, tokeni
     # each version's own stop rule: 2.0 inside a step, 2.1 (editing on) after the block
     configs += [dict(c, eos_early_stop=True) for c in configs[:3]]
     if "editing_threshold" in Path(LLADA2_REFERENCE, LLADA2_FILES[1]).read_text():  # LLaDA2.1's file
-        configs += [dict(c, editing_threshold=e, max_post_steps=16, eos_early_stop=stop)
-                    for c in configs[:3] for e in (0.5, 0.0) for stop in (False, True)]
+        configs += [
+            dict(c, editing_threshold=e, max_post_steps=16, eos_early_stop=stop)
+            for c in configs[:3]
+            for e in (0.5, 0.0)
+            for stop in (False, True)
+        ]
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mask_id": model.mask_token_id, "eos_id": eos, "block_length": blk,
-                               "logits": sequences, "prompts": prompts, "configs": configs}))
-    out = subprocess.run([LLADA2_PYTHON, str(LLADA2_RUNNER), str(folder), str(job)], capture_output=True, text=True,
-                         timeout=1800)
+    job.write_text(
+        json.dumps(
+            {
+                "mask_id": model.mask_token_id,
+                "eos_id": eos,
+                "block_length": blk,
+                "logits": sequences,
+                "prompts": prompts,
+                "configs": configs,
+            }
+        )
+    )
+    out = subprocess.run(
+        [LLADA2_PYTHON, str(LLADA2_RUNNER), str(folder), str(job)], capture_output=True, text=True, timeout=1800
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for seq, theirs in zip(sequences, result["logits"]):
@@ -290,10 +371,18 @@ def test_llada2_logits_and_decoding_equal_its_published_code(tiny_llada2, tokeni
     model.stop_token_ids = [eos]  # the published loop stops at EOS only
     try:
         for c in configs:
-            config = GenerationConfig.for_model(model, GenerationConfig(
-                gen_length=c["gen_length"], block_length=blk, steps=c["steps"] * c["gen_length"] // blk,
-                threshold=c["threshold"], eos_early_stop=c.get("eos_early_stop", False),
-                editing_threshold=c.get("editing_threshold"), max_post_steps=c.get("max_post_steps", 16)))
+            config = GenerationConfig.for_model(
+                model,
+                GenerationConfig(
+                    gen_length=c["gen_length"],
+                    block_length=blk,
+                    steps=c["steps"] * c["gen_length"] // blk,
+                    threshold=c["threshold"],
+                    eos_early_stop=c.get("eos_early_stop", False),
+                    editing_threshold=c.get("editing_threshold"),
+                    max_post_steps=c.get("max_post_steps", 16),
+                ),
+            )
             for prompt in prompts:
                 ref = next(runs)["tokens"]
                 got = fastdllm.generate(model, [prompt], config=config)

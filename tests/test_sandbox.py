@@ -19,8 +19,10 @@ from .conftest import sandbox_processes
 
 REPO = Path(__file__).resolve().parents[1]
 PROTECTIONS = sandbox.protections()
-needs_user = pytest.mark.skipif("unprivileged_user" not in PROTECTIONS,
-                                reason="needs root to drop to a user of its own (the run would share our uid)")
+needs_user = pytest.mark.skipif(
+    "unprivileged_user" not in PROTECTIONS,
+    reason="needs root to drop to a user of its own (the run would share our uid)",
+)
 needs_netns = pytest.mark.skipif("no_network" not in PROTECTIONS, reason="network namespaces not permitted here")
 
 FAST = SandboxConfig(timeout=3.0)
@@ -41,8 +43,15 @@ leftover_processes = sandbox_processes
 
 
 def test_protections_recorded():
-    core = {"isolated_interpreter", "own_session", "scrubbed_env", "rlimits", "cpu_timeout", "wall_backstop",
-            "no_new_privs"}
+    core = {
+        "isolated_interpreter",
+        "own_session",
+        "scrubbed_env",
+        "rlimits",
+        "cpu_timeout",
+        "wall_backstop",
+        "no_new_privs",
+    }
     assert core <= set(PROTECTIONS)
     r = run("print('hello')")
     assert r.verdict == "passed" and r.stdout == "hello\n" and r.reason == ""
@@ -58,10 +67,17 @@ def test_an_interpreter_in_a_virtual_environment_under_tmp_is_confined_alike(tmp
 
     env = tmp_path / "venv"
     venv.create(env, system_site_packages=True, with_pip=False, symlinks=True)
-    code = ("from fastdllm import sandbox\nr = sandbox.run_program('import os; print(os.getuid())')\n"
-            "print(list(sandbox.protections()))\nprint(r.verdict)")
-    out = subprocess.run([str(env / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "from fastdllm import sandbox\nr = sandbox.run_program('import os; print(os.getuid())')\n"
+        "print(list(sandbox.protections()))\nprint(r.verdict)"
+    )
+    out = subprocess.run(
+        [str(env / "bin" / "python"), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     lines = out.stdout.strip().splitlines()
     assert lines and lines[-1] == "passed", out.stderr[-2000:]
     assert lines[-2] == str(list(PROTECTIONS))
@@ -112,8 +128,7 @@ def test_catching_sigxcpu_does_not_escape_the_cpu_limit():
 
 
 def test_sleep_times_out_and_daemon_is_reaped():
-    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n"
-            "time.sleep(600)\n")
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\ntime.sleep(600)\n"
     r = run_program(code, timeout=1.5, wall_timeout=2.0)
     assert r.verdict == "timeout" and "wall-clock backstop" in r.reason, r
     if "unprivileged_user" in PROTECTIONS:
@@ -123,8 +138,10 @@ def test_sleep_times_out_and_daemon_is_reaped():
 
 @needs_user
 def test_background_child_does_not_outlive_the_run():
-    code = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    sys.stdout.close()\n    sys.stderr.close()\n"
-            "    time.sleep(600)\nprint('main done')\n")
+    code = (
+        "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    sys.stdout.close()\n    sys.stderr.close()\n"
+        "    time.sleep(600)\nprint('main done')\n"
+    )
     r = run(code)
     assert r.verdict == "passed" and r.stdout == "main done\n"
     time.sleep(0.2)
@@ -141,10 +158,13 @@ def test_fork_bomb_is_contained():
         assert leftover_processes() == []
 
 
-@pytest.mark.parametrize("code", [
-    "x = bytearray(64 * 1024 ** 3)",
-    "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 ** 2))",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "x = bytearray(64 * 1024 ** 3)",
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 ** 2))",
+    ],
+)
 def test_memory_bomb_is_contained(code):
     r = run_program(code, timeout=10.0, memory_mb=512)
     assert r.verdict in ("failed", "crashed"), r
@@ -154,10 +174,14 @@ def test_memory_bomb_is_contained(code):
 
 @pytest.mark.slow
 def test_huge_output_is_bounded():
-    r = run_program("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout=1.5, max_output_bytes=10_000)
+    r = run_program(
+        "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", timeout=1.5, max_output_bytes=10_000
+    )
     assert r.verdict == "timeout" and r.truncated
     assert len(r.stdout) == 10_000
-    r = run_program("print('y' * 5_000_000)\nimport sys\nprint('z' * 5_000_000, file=sys.stderr)", max_output_bytes=1000)
+    r = run_program(
+        "print('y' * 5_000_000)\nimport sys\nprint('z' * 5_000_000, file=sys.stderr)", max_output_bytes=1000
+    )
     assert r.verdict == "passed" and r.truncated and len(r.stdout) == 1000 and len(r.stderr) == 1000
 
 
@@ -165,8 +189,10 @@ def test_recursion_bombs():
     r = run("def f(n):\n    return f(n + 1)\nf(0)")
     assert r.verdict == "failed" and "RecursionError" in r.reason
     # C-level recursion with the limit lifted: a stack overflow kills the interpreter.
-    code = ("import sys\nsys.setrecursionlimit(10 ** 8)\nclass A:\n    def __repr__(self):\n"
-            "        return repr(self)\nrepr(A())\n")
+    code = (
+        "import sys\nsys.setrecursionlimit(10 ** 8)\nclass A:\n    def __repr__(self):\n"
+        "        return repr(self)\nrepr(A())\n"
+    )
     r = run_program(code, timeout=10.0)
     assert r.verdict in ("crashed", "failed", "timeout"), r
     host_alive()
@@ -298,8 +324,9 @@ def test_run_many_in_order_and_parallel():
 
 
 # ---- the gaps a hostile program probes: each contained ------------------------------------------
-needs_root_fs = pytest.mark.skipif("read_only_root" not in PROTECTIONS,
-                                   reason="needs root and mount namespaces for the sandbox's own root")
+needs_root_fs = pytest.mark.skipif(
+    "read_only_root" not in PROTECTIONS, reason="needs root and mount namespaces for the sandbox's own root"
+)
 
 
 @needs_user
@@ -494,8 +521,9 @@ def test_an_installed_package_folder_is_hidden_inside_the_bound_interpreter(monk
 
 
 # ---- one box, one uid, limits for the box as a whole --------------------------------------------
-needs_box_limits = pytest.mark.skipif("box_limits" not in PROTECTIONS,
-                                      reason="control groups are not writable here (limits hold per process)")
+needs_box_limits = pytest.mark.skipif(
+    "box_limits" not in PROTECTIONS, reason="control groups are not writable here (limits hold per process)"
+)
 needs_seccomp = pytest.mark.skipif("no_keyring_or_namespaces" not in PROTECTIONS, reason="no seccomp here")
 
 
@@ -541,9 +569,11 @@ def test_a_long_box_survives_more_boxes_than_there_are_uid_slots(monkeypatch):
 @pytest.mark.slow
 @needs_box_limits
 def test_forked_children_share_the_box_memory_limit():
-    code = ("import os, time\nfor i in range(6):\n    if os.fork() == 0:\n        b = bytearray(300 * 1024 * 1024)\n"
-            "        for j in range(0, len(b), 4096):\n            b[j] = 1\n        time.sleep(3)\n        os._exit(0)\n"
-            "for i in range(6):\n    os.wait()\n")
+    code = (
+        "import os, time\nfor i in range(6):\n    if os.fork() == 0:\n        b = bytearray(300 * 1024 * 1024)\n"
+        "        for j in range(0, len(b), 4096):\n            b[j] = 1\n        time.sleep(3)\n        os._exit(0)\n"
+        "for i in range(6):\n    os.wait()\n"
+    )
     r = run_program(code, timeout=10.0, memory_mb=1024)
     assert r.verdict == "crashed" and "memory limit of 1024 MB" in r.reason, r
     alone = run_program(code.replace("range(6)", "range(2)"), timeout=10.0, memory_mb=1024)
@@ -553,8 +583,10 @@ def test_forked_children_share_the_box_memory_limit():
 
 @needs_box_limits
 def test_a_box_holds_its_process_limit_together():
-    code = ("import os, time\nn = 0\nfor i in range(40):\n    try:\n        if os.fork() == 0:\n            time.sleep(2)\n"
-            "            os._exit(0)\n        n += 1\n    except OSError:\n        break\nprint(n)\n")
+    code = (
+        "import os, time\nn = 0\nfor i in range(40):\n    try:\n        if os.fork() == 0:\n            time.sleep(2)\n"
+        "            os._exit(0)\n        n += 1\n    except OSError:\n        break\nprint(n)\n"
+    )
     r = run_program(code, timeout=5.0, max_processes=8)
     assert r.verdict == "passed" and 0 < int(r.stdout) < 8, r
 
@@ -600,12 +632,15 @@ def box_plan(request, monkeypatch):
 def test_without_a_control_group_forked_children_stay_within_the_box_memory(without_group):
     """Six children asking 200 MB each against 1024 MB: the box's uid may hold 4 processes of
     256 MB, so fewer children get their memory and the box never holds more than its budget."""
-    code = ("import os, time\ngot = 0\nfor i in range(6):\n    try:\n        pid = os.fork()\n    except OSError:\n"
-            "        break\n    if pid == 0:\n        try:\n            b = bytearray(200 * 1024 * 1024)\n"
-            "            for j in range(0, len(b), 4096):\n                b[j] = 1\n        except MemoryError:\n"
-            "            os._exit(1)\n        time.sleep(1.5)\n        os._exit(0)\n"
-            "results = []\nwhile True:\n    try:\n        results.append(os.wait()[1] == 0)\n    except ChildProcessError:\n"
-            "        break\nprint(sum(results) * 200)\n")
+    code = (
+        "import os, time\ngot = 0\nfor i in range(6):\n    try:\n        pid = os.fork()\n    except OSError:\n"
+        "        break\n    if pid == 0:\n        try:\n            b = bytearray(200 * 1024 * 1024)\n"
+        "            for j in range(0, len(b), 4096):\n                b[j] = 1\n        except MemoryError:\n"
+        "            os._exit(1)\n        time.sleep(1.5)\n        os._exit(0)\n"
+        "results = []\nwhile True:\n    try:\n        results.append(os.wait()[1] == 0)\n"
+        "    except ChildProcessError:\n"
+        "        break\nprint(sum(results) * 200)\n"
+    )
     r = run_program(code, timeout=10.0, memory_mb=1024)
     assert r.verdict in ("passed", "crashed"), r
     if r.verdict == "passed":
@@ -630,8 +665,11 @@ def test_an_orphan_is_counted_and_ended(box_plan):
     """A grandchild whose parent ended (without a control group: re-parented to the launcher, not
     to the host's init) spins beside the program: its CPU counts for the box, and it does not
     outlive the run."""
-    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True:\n"
-            "            pass\n    os._exit(0)\nos.wait()\nt = time.time()\nwhile time.time() - t < 1.5:\n    time.sleep(0.05)\n")
+    code = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True:\n"
+        "            pass\n    os._exit(0)\nos.wait()\nt = time.time()\n"
+        "while time.time() - t < 1.5:\n    time.sleep(0.05)\n"
+    )
     r = run_program(code, timeout=5.0, wall_timeout=30.0)
     assert r.verdict == "passed", r
     assert r.cpu_time >= 1.0, r.cpu_time  # the program itself only slept
@@ -644,11 +682,13 @@ def test_a_process_tree_sums_the_cpu_and_memory_of_every_descendant():
     children each hold 100 MB and spin, one of them through an orphaned grandchild."""
     from fastdllm.sandbox.tree import ProcessTree
 
-    code = ("import ctypes, os, time\nctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # a subreaper, as the launcher is\n"
-            "def work():\n    b = bytearray(100 << 20)\n    for j in range(0, len(b), 4096):\n"
-            "        b[j] = 1\n    t = time.process_time()\n    while time.process_time() - t < 5:\n        pass\n"
-            "if os.fork() == 0:\n    work()\nif os.fork() == 0:\n    if os.fork() == 0:\n        work()\n    os._exit(0)\n"
-            "time.sleep(30)\n")
+    code = (
+        "import ctypes, os, time\nctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # a subreaper, as the launcher is\n"
+        "def work():\n    b = bytearray(100 << 20)\n    for j in range(0, len(b), 4096):\n"
+        "        b[j] = 1\n    t = time.process_time()\n    while time.process_time() - t < 5:\n        pass\n"
+        "if os.fork() == 0:\n    work()\nif os.fork() == 0:\n    if os.fork() == 0:\n        work()\n    os._exit(0)\n"
+        "time.sleep(30)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         tree = ProcessTree(proc.pid, memory_bytes=150 << 20)
@@ -676,11 +716,13 @@ def test_no_kernel_keys_and_no_new_namespaces():
     import platform
 
     add_key = {"x86_64": 248, "aarch64": 217}[platform.machine()]
-    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            f"rc = libc.syscall({add_key}, b'user', b'k', b'secret', 6, -3)\nprint(rc, ctypes.get_errno())\n"
-            "for flag in (0x10000000, 0x40000000, 0x00020000):\n"
-            "    print(libc.unshare(flag), ctypes.get_errno())\n"
-            "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nprint(os.waitpid(pid, 0)[1])\n")
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"rc = libc.syscall({add_key}, b'user', b'k', b'secret', 6, -3)\nprint(rc, ctypes.get_errno())\n"
+        "for flag in (0x10000000, 0x40000000, 0x00020000):\n"
+        "    print(libc.unshare(flag), ctypes.get_errno())\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nprint(os.waitpid(pid, 0)[1])\n"
+    )
     r = run(code)
     assert r.verdict == "passed", r
     assert r.stdout.split("\n")[:5] == ["-1 1", "-1 1", "-1 1", "-1 1", "0"], r.stdout

@@ -9,7 +9,16 @@ import pytest
 from fastdllm.evaluation.tasks import get_task
 from fastdllm.evaluation.tasks.humaneval import extract_program
 from fastdllm.evaluation.tasks.mbpp import extract_code
-from fastdllm.evaluation.tasks.scoring import MathChecker, cut_at_stops, extract_fenced_code, extract_gsm8k_answer, extract_math_answer, last_boxed, math_verify_equiv, normalize_number
+from fastdllm.evaluation.tasks.scoring import (
+    MathChecker,
+    cut_at_stops,
+    extract_fenced_code,
+    extract_gsm8k_answer,
+    extract_math_answer,
+    last_boxed,
+    math_verify_equiv,
+    normalize_number,
+)
 
 
 # ---- GSM8K / arith ---------------------------------------------------------------------------
@@ -40,34 +49,63 @@ def test_gsm8k_extraction():
 
 # ---- MATH ------------------------------------------------------------------------------------
 def test_boxed_extraction():
-    assert last_boxed("so \\boxed{\\frac{1}{2}} and finally \\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.") == \
-        "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert (
+        last_boxed("so \\boxed{\\frac{1}{2}} and finally \\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.")
+        == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    )
     assert last_boxed("\\boxed{a{b{c}}d}") == "a{b{c}}d"
     assert last_boxed("\\boxed 5$.") == "5"
     assert last_boxed("\\boxed{unbalanced") is None
-    assert extract_math_answer("Final Answer: The final answer is $\\frac{13}{2}$. I hope it is correct.") == \
-        "\\frac{13}{2}"
+    assert (
+        extract_math_answer("Final Answer: The final answer is $\\frac{13}{2}$. I hope it is correct.")
+        == "\\frac{13}{2}"
+    )
     assert extract_math_answer("no answer here") is None
 
 
 EQUIVALENT = [
-    ("\\frac{1}{2}", "0.5"), ("\\frac12", "\\dfrac{1}{2}"), ("2\\sqrt{2}", "\\sqrt{8}"), ("x=5", "5"),
-    ("\\text{(C)}", "C"), ("10\\%", "10"), ("90^\\circ", "90"), ("\\$18.90", "18.9"), ("1\\frac{4}{5}", "\\frac95"),
-    ("\\{1\\pm\\sqrt{5},-2\\}", "-2, 1+\\sqrt5, 1-\\sqrt5"), ("11,\\! 111,\\! 111,\\! 100", "11111111100"),
-    ("\\text{Evelyn}", "Evelyn"), ("\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}",
-                                   "\\begin{pmatrix} 0.2 \\\\ -3.6 \\end{pmatrix}"),
+    ("\\frac{1}{2}", "0.5"),
+    ("\\frac12", "\\dfrac{1}{2}"),
+    ("2\\sqrt{2}", "\\sqrt{8}"),
+    ("x=5", "5"),
+    ("\\text{(C)}", "C"),
+    ("10\\%", "10"),
+    ("90^\\circ", "90"),
+    ("\\$18.90", "18.9"),
+    ("1\\frac{4}{5}", "\\frac95"),
+    ("\\{1\\pm\\sqrt{5},-2\\}", "-2, 1+\\sqrt5, 1-\\sqrt5"),
+    ("11,\\! 111,\\! 111,\\! 100", "11111111100"),
+    ("\\text{Evelyn}", "Evelyn"),
+    ("\\begin{pmatrix} 1/5 \\\\ -18/5 \\end{pmatrix}", "\\begin{pmatrix} 0.2 \\\\ -3.6 \\end{pmatrix}"),
     ("(-\\infty, 2) \\cup (3, \\infty)", "(-\\infty,2)\\cup(3,\\infty)"),
-    ("x^5 - x^4 + x^3 - x^2 + x - 1", "x^5+x^3+x-x^4-x^2-1"), ("\\frac{270}7\\text{ degrees}", "\\frac{270}{7}"),
-    ("3 \\pm 2 \\sqrt{2}", "3+2\\sqrt2, 3-2\\sqrt2"), ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3, \\pi/2)"),
-    ("5x - 7y + 11z + 4 = 0", "-5x + 7y - 11z - 4 = 0"), ("\\frac{11+9a}{20}", "\\frac{9a+11}{20}"),
-    ("137 \\frac{1}{2}", "137.5"), ("10,\\!080", "10080"), ("x \\in [-2,7]", "[-2,7]"),
-    ("\\frac{20000}{\\pi}", "20000/\\pi"), ("\\dfrac{33}{100}", "0.33"), ("6\\sqrt{2}", "\\sqrt{72}"),
+    ("x^5 - x^4 + x^3 - x^2 + x - 1", "x^5+x^3+x-x^4-x^2-1"),
+    ("\\frac{270}7\\text{ degrees}", "\\frac{270}{7}"),
+    ("3 \\pm 2 \\sqrt{2}", "3+2\\sqrt2, 3-2\\sqrt2"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3, \\pi/2)"),
+    ("5x - 7y + 11z + 4 = 0", "-5x + 7y - 11z - 4 = 0"),
+    ("\\frac{11+9a}{20}", "\\frac{9a+11}{20}"),
+    ("137 \\frac{1}{2}", "137.5"),
+    ("10,\\!080", "10080"),
+    ("x \\in [-2,7]", "[-2,7]"),
+    ("\\frac{20000}{\\pi}", "20000/\\pi"),
+    ("\\dfrac{33}{100}", "0.33"),
+    ("6\\sqrt{2}", "\\sqrt{72}"),
 ]
 NOT_EQUIVALENT = [
-    ("(1,2]", "(1,2)"), ("\\pi", "3.14"), ("\\text{Evelyn}", "Navin"), ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3, \\pi)"),
-    ("8n^2 + 4n + 1", "8n^2+4n+2"), ("\\sqrt{51}", "\\sqrt{52}"), ("2", "3"), ("\\text{even}", "odd"),
-    ("[-2,7]", "(-2,7)"), ("\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", "\\begin{pmatrix} -1 & 0 \\\\ 0 & 1 \\end{pmatrix}"),
-    ("\\frac{1}{3}", "0.33"), ("-2", "2"), ("\\{1, 2\\}", "\\{1, 2, 3\\}"), ("(1,2)", "(2,1)"),
+    ("(1,2]", "(1,2)"),
+    ("\\pi", "3.14"),
+    ("\\text{Evelyn}", "Navin"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3, \\pi)"),
+    ("8n^2 + 4n + 1", "8n^2+4n+2"),
+    ("\\sqrt{51}", "\\sqrt{52}"),
+    ("2", "3"),
+    ("\\text{even}", "odd"),
+    ("[-2,7]", "(-2,7)"),
+    ("\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}", "\\begin{pmatrix} -1 & 0 \\\\ 0 & 1 \\end{pmatrix}"),
+    ("\\frac{1}{3}", "0.33"),
+    ("-2", "2"),
+    ("\\{1, 2\\}", "\\{1, 2, 3\\}"),
+    ("(1,2)", "(2,1)"),
 ]
 
 

@@ -65,8 +65,9 @@ class LiveServer:
 
     def post(self, path: str, body, **kw) -> httpx.Response:
         content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(self.url + path, content=content, headers={"content-type": "application/json"},
-                          timeout=120, **kw)
+        return httpx.post(
+            self.url + path, content=content, headers={"content-type": "application/json"}, timeout=120, **kw
+        )
 
     def stop(self):
         self.server.should_exit = True
@@ -128,8 +129,9 @@ def test_models_and_health(srv):
 def test_chat_matches_direct_generation(srv, loaded):
     model, tok = loaded
     for q, seed, temp in [(QUESTIONS[0], 0, 0.0), (QUESTIONS[1], 7, 0.8)]:
-        r = srv.client.chat.completions.create(model=MODEL, messages=user(q), max_tokens=64, seed=seed,
-                                               temperature=temp)
+        r = srv.client.chat.completions.create(
+            model=MODEL, messages=user(q), max_tokens=64, seed=seed, temperature=temp
+        )
         ids = tok.encode_chat(user(q))
         want, _ = direct(loaded, ids, 64, seed, temperature=temp)
         assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
@@ -145,8 +147,9 @@ def test_chat_matches_direct_generation(srv, loaded):
 def test_completion_matches_direct_generation(srv, loaded):
     model, tok = loaded
     prompt = "Question: " + QUESTIONS[2] + "\nAnswer:"
-    r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, seed=3, temperature=1.0,
-                                      extra_body={"threshold": 0.7})
+    r = srv.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, seed=3, temperature=1.0, extra_body={"threshold": 0.7}
+    )
     want, _ = direct(loaded, tok.encode(prompt), 40, 3, temperature=1.0, threshold=0.7)
     assert r.object == "text_completion" and r.choices[0].text == want.text
     assert r.choices[0].finish_reason == want.finish_reason
@@ -159,8 +162,9 @@ def test_max_tokens_cuts_and_reports_length(srv, loaded):
     ids = tok.encode_chat(user(QUESTIONS[3]))
     for seed in range(6):
         full, _ = direct(loaded, ids, 32, seed, temperature=1.0, stop_at_eos=False)  # same canvas, uncut
-        r = srv.client.chat.completions.create(model=MODEL, messages=user(QUESTIONS[3]), max_tokens=20, seed=seed,
-                                               temperature=1.0)
+        r = srv.client.chat.completions.create(
+            model=MODEL, messages=user(QUESTIONS[3]), max_tokens=20, seed=seed, temperature=1.0
+        )
         want, _ = direct(loaded, ids, 20, seed, temperature=1.0)
         assert r.choices[0].message.content == want.text and r.usage.completion_tokens <= 20
         if full.num_tokens > 20:  # the uncut answer is longer: cut, and said so
@@ -174,8 +178,9 @@ def test_n_choices_use_consecutive_seeds(srv):
     r = srv.client.chat.completions.create(model=MODEL, messages=q, max_tokens=32, n=3, seed=11, temperature=1.0)
     assert [c.index for c in r.choices] == [0, 1, 2]
     for i, c in enumerate(r.choices):
-        single = srv.client.chat.completions.create(model=MODEL, messages=q, max_tokens=32, seed=11 + i,
-                                                    temperature=1.0)
+        single = srv.client.chat.completions.create(
+            model=MODEL, messages=q, max_tokens=32, seed=11 + i, temperature=1.0
+        )
         assert c.message.content == single.choices[0].message.content
     assert r.usage.completion_tokens >= 0
 
@@ -207,8 +212,15 @@ def test_stream_chat_equals_non_streamed(srv):
 
 
 def test_stream_completion_with_n_and_raw_sse(srv):
-    body = {"model": MODEL, "prompt": "Question: " + QUESTIONS[0] + "\nAnswer:", "max_tokens": 64, "n": 2,
-            "seed": 5, "temperature": 1.0, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Question: " + QUESTIONS[0] + "\nAnswer:",
+        "max_tokens": 64,
+        "n": 2,
+        "seed": 5,
+        "temperature": 1.0,
+        "stream": True,
+    }
     whole = srv.post("/v1/completions", {**body, "stream": False}).json()
     texts, reasons, done = ["", ""], [None, None], False
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
@@ -255,8 +267,10 @@ def test_choice_text_holds_back_stop_string_prefixes(loaded):
 def test_stop_strings_end_to_end(srv, loaded):
     model, tok = loaded
     # A three-step problem: its worked answer (~45 tokens) runs past the first block of 32.
-    q = user("Leo shares 4 cards equally among 2 friends. Then each friend gets 10 more cards. "
-             "How many cards do the friends have in all?")
+    q = user(
+        "Leo shares 4 cards equally among 2 friends. Then each friend gets 10 more cards. "
+        "How many cards do the friends have in all?"
+    )
     ids = tok.encode_chat(q)
     for seed in range(8):
         full, out = direct(loaded, ids, 64, seed, temperature=1.0)
@@ -270,8 +284,14 @@ def test_stop_strings_end_to_end(srv, loaded):
     stop = full.text[b - 2 : b + 2]
     for stops in ([stop], ["no such text", stop]):
         want = complete(tok, out.sequences[0], model.stop_token_ids, stops)
-        kw = dict(model=MODEL, messages=q, max_tokens=64, seed=seed, temperature=1.0,
-                  stop=stops if len(stops) > 1 else stops[0])
+        kw = dict(
+            model=MODEL,
+            messages=q,
+            max_tokens=64,
+            seed=seed,
+            temperature=1.0,
+            stop=stops if len(stops) > 1 else stops[0],
+        )
         r = srv.client.chat.completions.create(**kw)
         assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
         assert stop not in r.choices[0].message.content
@@ -286,8 +306,13 @@ def test_20_concurrent_clients_are_batched_and_match_single_requests(srv):
     before = srv.health()
     jobs = []
     for i in range(20):
-        kw = dict(model=MODEL, messages=user(SAME_LENGTH_QUESTIONS[i % 4]), max_tokens=32 if i % 5 else 64,
-                  seed=100 + i, temperature=0.0 if i % 3 == 0 else 0.8)
+        kw = dict(
+            model=MODEL,
+            messages=user(SAME_LENGTH_QUESTIONS[i % 4]),
+            max_tokens=32 if i % 5 else 64,
+            seed=100 + i,
+            temperature=0.0 if i % 3 == 0 else 0.8,
+        )
         if i % 7 == 0:
             kw["extra_body"] = {"threshold": 0.7}
         jobs.append(kw)
@@ -326,8 +351,10 @@ def test_concurrent_streams_without_pause(srv):
     def call(i):
         kw = dict(model=MODEL, messages=user(SAME_LENGTH_QUESTIONS[i % 4]), max_tokens=64, seed=i, temperature=0.7)
         chunks = list(srv.client.chat.completions.create(**kw, stream=True))
-        out[i] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
-                  srv.client.chat.completions.create(**kw).choices[0].message.content)
+        out[i] = (
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+            srv.client.chat.completions.create(**kw).choices[0].message.content,
+        )
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
     for t in threads:
@@ -368,8 +395,12 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True}, 400, "logprobs"),
     (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 1.0}, 400, "presence_penalty"),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
-    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
-     "response_format"),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {}}},
+        400,
+        "response_format",
+    ),
     (CHAT, {"model": MODEL, "messages": MSG, "logit_bias": {"5": 10}}, 400, "logit_bias"),
     (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 4096}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "apples " * 3000}]}, 400, "messages"),
@@ -386,11 +417,27 @@ BAD_REQUESTS = [
     (COMP, {"model": MODEL, "prompt": ["fine", "x\ud800"]}, 400, "prompt"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a\udfff"}]}, 400, "messages[0].content"),
     (CHAT, {"model": MODEL, "messages": MSG + [{"role": "tool", "content": "8"}]}, 400, "messages[1].tool_call_id"),
-    (CHAT, {"model": MODEL, "messages": MSG + [{"role": "assistant", "content": "x", "tool_calls": []}]}, 400,
-     "messages[1].tool_calls"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400,
-     "messages[0].tool_calls"),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MSG + [{"role": "assistant", "content": "x", "tool_calls": []}]},
+        400,
+        "messages[1].tool_calls",
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "hi",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ],
+        },
+        400,
+        "messages[0].tool_calls",
+    ),
     (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
     (CHAT, {"model": MODEL, "messages": MSG, "stop": ["\ud800"]}, 400, "stop"),
     ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),
@@ -398,9 +445,11 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
-                         ids=[f"{i}-{b if isinstance(b, str) else list(b)[-1]}" for i, (_, b, _, _) in
-                              enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    BAD_REQUESTS,
+    ids=[f"{i}-{b if isinstance(b, str) else list(b)[-1]}" for i, (_, b, _, _) in enumerate(BAD_REQUESTS)],
+)
 def test_bad_requests_get_openai_errors(srv, path, body, status, param):
     r = srv.post(path, body)
     assert r.status_code == status, r.text
@@ -433,8 +482,14 @@ def test_full_queue_answers_503(loaded):
     try:
         small.scheduler.pause()
         codes = []
-        threads = [threading.Thread(target=lambda: codes.append(
-            small.post(CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 32}).status_code)) for _ in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda: codes.append(
+                    small.post(CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 32}).status_code
+                )
+            )
+            for _ in range(2)
+        ]
         for t in threads:
             t.start()
         wait_for(lambda: small.health()["queued"] == 2)
@@ -459,8 +514,9 @@ def test_disconnect_while_queued_frees_the_slot(srv):
     before = srv.health()
     srv.scheduler.pause()
     try:
-        with httpx.stream("POST", srv.url + CHAT, timeout=60,
-                          json={"model": MODEL, "messages": MSG, "max_tokens": 32, "stream": True}) as r:
+        with httpx.stream(
+            "POST", srv.url + CHAT, timeout=60, json={"model": MODEL, "messages": MSG, "max_tokens": 32, "stream": True}
+        ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")  # the role chunk; the job waits in the queue
@@ -483,8 +539,12 @@ def test_disconnect_mid_stream_stops_the_batch(tiny_llada, tokenizer):
     slow = threading.Event()
     server = LiveServer(tiny_llada, tokenizer, defaults=config, block_hook=lambda b: slow.wait(0.3))
     try:
-        with httpx.stream("POST", server.url + COMP, timeout=60,
-                          json={"model": MODEL, "prompt": prompt, "max_tokens": 256, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + COMP,
+            timeout=60,
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 256, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                     break  # the first block's text: leave
@@ -499,9 +559,19 @@ def test_disconnect_mid_stream_stops_the_batch(tiny_llada, tokenizer):
 
 
 # ---- what frameworks send -----------------------------------------------------------------------------
-FRAMEWORK_FIELDS = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "metadata": {"a": "b"},
-                    "store": False, "user": "u1", "service_tier": "auto", "parallel_tool_calls": False,
-                    "reasoning_effort": "low", "logit_bias": {}, "stream_options": {"include_usage": True}}
+FRAMEWORK_FIELDS = {
+    "tools": [],
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "metadata": {"a": "b"},
+    "store": False,
+    "user": "u1",
+    "service_tier": "auto",
+    "parallel_tool_calls": False,
+    "reasoning_effort": "low",
+    "logit_bias": {},
+    "stream_options": {"include_usage": True},
+}
 
 
 def test_fields_frameworks_send_are_accepted_ignored_and_named(srv):
@@ -512,9 +582,18 @@ def test_fields_frameworks_send_are_accepted_ignored_and_named(srv):
     ignored = set(r.headers["x-fastdllm-ignored"].split(", "))
     assert ignored == set(FRAMEWORK_FIELDS) - {"user"}
     # and through the official client, as LangChain / LiteLLM pass them
-    c = srv.client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=16, seed=1, tools=[], store=False,
-                                           metadata={"a": "b"}, response_format={"type": "text"},
-                                           parallel_tool_calls=False, service_tier="auto")
+    c = srv.client.chat.completions.create(
+        model=MODEL,
+        messages=MSG,
+        max_tokens=16,
+        seed=1,
+        tools=[],
+        store=False,
+        metadata={"a": "b"},
+        response_format={"type": "text"},
+        parallel_tool_calls=False,
+        service_tier="auto",
+    )
     assert c.choices[0].message.content == plain.json()["choices"][0]["message"]["content"]
 
 
@@ -567,8 +646,14 @@ def test_metrics_version_and_tokenizer_routes(srv, loaded):
     _, tok = loaded
     assert srv.post(CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 8}).status_code == 200
     text = httpx.get(srv.url + "/metrics").text
-    for name in ("fastdllm_requests_total", "fastdllm_generated_tokens_total", "fastdllm_forward_passes_total",
-                 "fastdllm_batch_rows_bucket", "fastdllm_queue_depth", "fastdllm_request_latency_seconds_bucket"):
+    for name in (
+        "fastdllm_requests_total",
+        "fastdllm_generated_tokens_total",
+        "fastdllm_forward_passes_total",
+        "fastdllm_batch_rows_bucket",
+        "fastdllm_queue_depth",
+        "fastdllm_request_latency_seconds_bucket",
+    ):
         assert name in text, name
     assert 'route="/v1/chat/completions",status="200"' in text
     assert httpx.get(srv.url + "/version").json()["version"] == fastdllm.__version__
@@ -577,7 +662,7 @@ def test_metrics_version_and_tokenizer_routes(srv, loaded):
     chat = srv.post("/tokenize", {"model": MODEL, "messages": MSG}).json()["tokens"]
     assert chat == tok.encode_chat([m for m in MSG])
     assert srv.post("/detokenize", {"model": MODEL, "tokens": r["tokens"]}).json()["prompt"] == "Tom has 5 apples."
-    assert srv.post("/detokenize", {"model": MODEL, "tokens": [10 ** 9]}).status_code == 400
+    assert srv.post("/detokenize", {"model": MODEL, "tokens": [10**9]}).status_code == 400
 
 
 # ---- no request can hurt another ------------------------------------------------------------------
@@ -641,10 +726,29 @@ def test_sigterm_answers_queued_requests_after_the_grace_period():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    proc = subprocess.Popen([sys.executable, "-m", "fastdllm", "serve", "--port", str(port), "--threads", "1",
-                             "--max-batch-size", "1", "--preset", "baseline", "--gen-length", "1024",
-                             "--no-stop-at-eos", "--shutdown-grace", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fastdllm",
+            "serve",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--max-batch-size",
+            "1",
+            "--preset",
+            "baseline",
+            "--gen-length",
+            "1024",
+            "--no-stop-at-eos",
+            "--shutdown-grace",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(url), timeout=120)
@@ -652,8 +756,9 @@ def test_sigterm_answers_queued_requests_after_the_grace_period():
 
         def ask(name):
             try:
-                results[name] = httpx.post(url + COMP, json={"model": MODEL, "prompt": "Tom has", "max_tokens": 1024},
-                                           timeout=120)
+                results[name] = httpx.post(
+                    url + COMP, json={"model": MODEL, "prompt": "Tom has", "max_tokens": 1024}, timeout=120
+                )
             except httpx.HTTPError as e:
                 results[name] = e
 
@@ -709,13 +814,19 @@ def test_clients_that_go_away_leave_no_traceback(srv):
     try:
         body = json.dumps({"model": MODEL, "prompt": "Tom has 5 apples.", "max_tokens": 64})
         for _ in range(3):
-            with httpx.stream("POST", srv.url + CHAT, timeout=60,
-                              json={"model": MODEL, "messages": MSG, "max_tokens": 64, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                srv.url + CHAT,
+                timeout=60,
+                json={"model": MODEL, "messages": MSG, "max_tokens": 64, "stream": True},
+            ) as r:
                 next(r.iter_lines())
             for extra in (0, 50):  # the whole body, then a body cut short
                 s = socket.create_connection(("127.0.0.1", srv.port))
-                s.sendall(f"POST {COMP} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(body) + extra}\r\n\r\n{body}".encode())
+                s.sendall(
+                    f"POST {COMP} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body) + extra}\r\n\r\n{body}".encode()
+                )
                 s.close()
         wait_for(lambda: srv.health()["running"] == 0 and srv.health()["queued"] == 0)
         time.sleep(0.5)
@@ -731,8 +842,9 @@ def test_metrics_time_streams_to_their_end_with_vllm_names(loaded):
     try:
         # a stream of several blocks, delayed per block, so its end is well after its headers
         server.scheduler.block_hook = lambda _: time.sleep(0.15)
-        stream = server.client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=96, stream=True,
-                                                       extra_body={"stop_at_eos": False})
+        stream = server.client.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=96, stream=True, extra_body={"stop_at_eos": False}
+        )
         t0 = time.perf_counter()
         chunks = list(stream)
         took = time.perf_counter() - t0
@@ -740,8 +852,11 @@ def test_metrics_time_streams_to_their_end_with_vllm_names(loaded):
         text = httpx.get(server.url + "/metrics").text
 
         def value(name, labels=""):
-            line = next(x for x in text.splitlines() if x.startswith(name + labels + " ") or
-                        (x.startswith(name + "{") and labels in x))
+            line = next(
+                x
+                for x in text.splitlines()
+                if x.startswith(name + labels + " ") or (x.startswith(name + "{") and labels in x)
+            )
             return float(line.rsplit(" ", 1)[1])
 
         route = '{route="/v1/chat/completions"}'
@@ -766,11 +881,18 @@ def test_echo_logprobs_score_prompts_as_lm_eval_reads_them(srv, loaded):
     from fastdllm.engine.likelihood import prefix_logprobs
 
     model, tok = loaded
-    context = tok.encode("Question: Tom has 5 apples. He buys 3 more. How many apples does he have?\nAnswer:",
-                         add_special_tokens=False)
+    context = tok.encode(
+        "Question: Tom has 5 apples. He buys 3 more. How many apples does he have?\nAnswer:", add_special_tokens=False
+    )
     good, bad = tok.encode(" 8", add_special_tokens=False), tok.encode(" 93 cows", add_special_tokens=False)
-    body = {"model": MODEL, "prompt": [context + good, context + bad], "echo": True, "logprobs": 1, "max_tokens": 1,
-            "temperature": 0}
+    body = {
+        "model": MODEL,
+        "prompt": [context + good, context + bad],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
     r = srv.post("/v1/completions", body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -780,16 +902,21 @@ def test_echo_logprobs_score_prompts_as_lm_eval_reads_them(srv, loaded):
         n = len(context) + len(cont)
         assert len(lp["token_logprobs"]) == n + 1 and lp["token_logprobs"][0] is None
         assert len(lp["top_logprobs"]) == n + 1 and len(lp["tokens"]) == n + 1
-        part = lp["token_logprobs"][len(context):-1]
+        part = lp["token_logprobs"][len(context) : -1]
         scores.append(sum(part))
         toks, lps, _ = prefix_logprobs(model, context + cont, top=1, extra=1)
-        assert part == pytest.approx(lps[len(context):-1], abs=1e-5)
+        assert part == pytest.approx(lps[len(context) : -1], abs=1e-5)
     assert scores[0] > scores[1]  # the right answer is the likelier continuation
-    through_client = srv.client.completions.create(model=MODEL, prompt=[context + good], echo=True, logprobs=1,
-                                                   max_tokens=1)
+    through_client = srv.client.completions.create(
+        model=MODEL, prompt=[context + good], echo=True, logprobs=1, max_tokens=1
+    )
     assert through_client.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
-        out["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-5)
-    for extra, param in [({"logprobs": None}, "logprobs"), ({"max_tokens": 8}, "max_tokens"),
-                         ({"stream": True}, "echo")]:
+        out["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-5
+    )
+    for extra, param in [
+        ({"logprobs": None}, "logprobs"),
+        ({"max_tokens": 8}, "max_tokens"),
+        ({"stream": True}, "echo"),
+    ]:
         bad_req = srv.post("/v1/completions", {**body, **extra})
         assert bad_req.status_code == 400 and bad_req.json()["error"]["param"] == param, bad_req.text

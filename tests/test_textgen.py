@@ -29,7 +29,7 @@ def test_text_api_single_batch_and_chat(loaded):
     assert isinstance(chat, fastdllm.TextOutput) and "####" in chat.text and chat.finish_reason == "stop"
     # the same as generating the templated ids by hand
     out = generate(model, [tok.encode_chat([{"role": "user", "content": QUESTION}])], config=GenerationConfig())
-    assert chat.text == tok.decode(out.sequences[0][:chat.num_tokens].tolist())
+    assert chat.text == tok.decode(out.sequences[0][: chat.num_tokens].tolist())
     many = generate_text(model, tok, messages=[[{"role": "user", "content": QUESTION}]] * 2)
     assert [m.text for m in many] == [chat.text, chat.text]
     plain = generate_text(model, tok, ["Question: " + QUESTION + "\nAnswer:"] * 2, max_new_tokens=10)
@@ -38,8 +38,14 @@ def test_text_api_single_batch_and_chat(loaded):
 
 def test_max_new_tokens_rounds_up_to_blocks_and_cuts_back(loaded):
     model, tok = loaded
-    r = generate_text(model, tok, messages=[{"role": "user", "content": QUESTION}], max_new_tokens=5,
-                      block_length=8, stop_at_eos=False)
+    r = generate_text(
+        model,
+        tok,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_new_tokens=5,
+        block_length=8,
+        stop_at_eos=False,
+    )
     assert r.num_tokens <= 5 and r.finish_reason == "length"
     with pytest.raises(ConfigError) as info:
         generate_text(model, tok, "x", max_new_tokens=0)
@@ -48,20 +54,33 @@ def test_max_new_tokens_rounds_up_to_blocks_and_cuts_back(loaded):
         generate_text(model, tok)
 
 
-@pytest.mark.parametrize("bad,needle", [
-    ("some text", "generate_text"), (None, "generate_text"), ([1.5, 2.0], "integers"), ([[1, 2], [3, "x"]], "integers"),
-    ([10 ** 9], "vocabulary"), (torch.tensor([[0.5]]), "integers"), ([True, 3], "integers"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ("some text", "generate_text"),
+        (None, "generate_text"),
+        ([1.5, 2.0], "integers"),
+        ([[1, 2], [3, "x"]], "integers"),
+        ([10**9], "vocabulary"),
+        (torch.tensor([[0.5]]), "integers"),
+        ([True, 3], "integers"),
+    ],
+)
 def test_generate_rejects_what_is_not_token_ids(loaded, bad, needle):
     model, _ = loaded
     with pytest.raises(ValueError, match=needle):
         generate(model, bad, config=GenerationConfig(gen_length=32))
 
 
-@pytest.mark.parametrize("kw,param", [
-    (dict(alg="entropy", threshold=None, alg_temp=1e-300), "alg_temp"), (dict(alg_temp=float("inf")), "alg_temp"),
-    (dict(temperature=1e-300, alg="entropy"), "temperature"), (dict(temperature=float("nan")), "temperature"),
-])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(alg="entropy", threshold=None, alg_temp=1e-300), "alg_temp"),
+        (dict(alg_temp=float("inf")), "alg_temp"),
+        (dict(temperature=1e-300, alg="entropy"), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+    ],
+)
 def test_values_that_would_make_nans_are_rejected(kw, param):
     with pytest.raises(ConfigError) as info:
         GenerationConfig(**kw)
@@ -73,8 +92,12 @@ def test_cli_version_and_broken_pipe():
     r = subprocess.run([sys.executable, "-m", "fastdllm", "--version"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and r.stdout.strip() == f"fastdllm {fastdllm.__version__}"
     # the reader of stdout goes away before the answer is written: no traceback
-    p = subprocess.Popen([sys.executable, "-m", "fastdllm", "generate", "--threads", "1", "--gen-length", "32", QUESTION],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fastdllm", "generate", "--threads", "1", "--gen-length", "32", QUESTION],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
     p.stdout.close()
     err = p.stderr.read().decode()
     p.wait(120)

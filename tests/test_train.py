@@ -12,17 +12,19 @@ import pytest
 import torch
 
 import fastdllm
-from fastdllm.embedded import drills, recipe as embedded, train
-from fastdllm.models import ModelArgs, Transformer
+from fastdllm.embedded import drills, train
+from fastdllm.embedded import recipe as embedded
 from fastdllm.evaluation.tasks import arith
 from fastdllm.evaluation.tasks.scoring import extract_gsm8k_answer
+from fastdllm.models import ModelArgs, Transformer
 
 
 def test_arith_splits_are_fixed_and_disjoint():
     test = arith.test_split()
     assert len(test) >= 1000 and len({p.question for p in test}) == len(test)
-    assert [p.question for p in test[:5]] == [p.question for p in arith._unique(arith.TEST_SEED, 5,
-                                                                                   {q.question for q in arith.fewshot_pool()})]
+    assert [p.question for p in test[:5]] == [
+        p.question for p in arith._unique(arith.TEST_SEED, 5, {q.question for q in arith.fewshot_pool()})
+    ]
     held = arith.held_out_questions()
     assert not any(p.question in held for p in itertools.islice(arith.train_stream(0), 5000))
     for p in test[:200]:
@@ -70,16 +72,18 @@ def test_drill_mix_mixes_drills_into_focus_batches(tokenizer):
             assert all("Work out" in tokenizer.decode(row) for row in ids)
             assert (ids.shape[1] - starts).max() == 64
     assert 0.1 < sum(kinds) / len(kinds) < 0.5  # the drill mix's share is 0.25
-    assert not any("Work out" in tokenizer.decode(train.make_batch(tokenizer, s, 0, 8192, "focus")[0][0])
-                   for s in range(20))
+    assert not any(
+        "Work out" in tokenizer.decode(train.make_batch(tokenizer, s, 0, 8192, "focus")[0][0]) for s in range(20)
+    )
 
 
 @pytest.mark.slow
 def test_facts_mix_draws_drills_uniformly_over_facts(tokenizer):
     import random
 
-    drilled = sum("Work out" in tokenizer.decode(train.make_batch(tokenizer, step, 0, 8192, "facts")[0][0])
-                  for step in range(40))
+    drilled = sum(
+        "Work out" in tokenizer.decode(train.make_batch(tokenizer, step, 0, 8192, "facts")[0][0]) for step in range(40)
+    )
     assert 0.3 < drilled / 40 < 0.7  # the facts mix's share is 0.5
     # Sums and differences are 810 of the 964 facts: drawn by fact, they fill most drill lines
     # (drawn by operation, about half).
@@ -120,7 +124,7 @@ def test_story_mix_drills_write_facts_in_the_answers_own_sentences(tokenizer):
         lines = p.answer.split("\n")
         assert p.question == "Work out these." and len(lines) == 8
         for line in lines:  # one correct fact per sentence, its result written once
-            (a, op, b, c), = equation.findall(line)
+            ((a, op, b, c),) = equation.findall(line)
             assert (int(a), op, int(b), int(c)) in facts and line.endswith(".") and not line[0].isdigit()
     with pytest.raises(ValueError, match="phrasing"):
         drills.drill_problem(r, phrasing="prose")
@@ -128,11 +132,11 @@ def test_story_mix_drills_write_facts_in_the_answers_own_sentences(tokenizer):
     for step in range(60):
         ids, starts = train.make_batch(tokenizer, step, 0, 8192, "story")
         if "Work out these." in tokenizer.decode(ids[0, : starts[0]]):
-            kinds.append(not tokenizer.decode(ids[0, starts[0]:]).lstrip()[0].isdigit())
+            kinds.append(not tokenizer.decode(ids[0, starts[0] :]).lstrip()[0].isdigit())
     assert kinds and 0.25 < sum(kinds) / len(kinds) < 0.75  # half the drills are in sentences
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _word_problem_batches(tokenizer, mix: str) -> list[tuple[int, int]]:
     """(exemplars in the prompt, region length) of the first row of each word-problem batch among
     the mix's first 200 (drill batches left out)."""
@@ -163,7 +167,6 @@ def test_shots_mix_puts_more_word_problems_behind_long_few_shot_prompts(tokenize
     assert 0.25 < shots < 0.55 and long < 0.12 and most == 8  # expected 40% and 7.5% (measured 35%, 8%)
 
 
-
 @pytest.mark.slow
 def test_tail_mix_puts_more_batches_in_512_and_1024_token_regions(tokenizer):
     shots, tail = (_share(_word_problem_batches(tokenizer, mix), lambda k, n: n >= 512) for mix in ("shots", "tail"))
@@ -176,9 +179,25 @@ def test_tail_mix_puts_more_batches_in_512_and_1024_token_regions(tokenizer):
 
 def _args(out, steps, resume=False):
     return train.TrainSettings(
-        arch="llada", preset="micro", out=str(out), steps=steps, lr=2e-3, warmup=2, decay_frac=0.5,
-        token_budget=600, seed=0, device="cpu", threads=1, log_every=1, save_every=2, eval_every=0, eval_n=4,
-        resume=resume, init_from=None, command_line="test", data_mix="v1",
+        arch="llada",
+        preset="micro",
+        out=str(out),
+        steps=steps,
+        lr=2e-3,
+        warmup=2,
+        decay_frac=0.5,
+        token_budget=600,
+        seed=0,
+        device="cpu",
+        threads=1,
+        log_every=1,
+        save_every=2,
+        eval_every=0,
+        eval_n=4,
+        resume=resume,
+        init_from=None,
+        command_line="test",
+        data_mix="v1",
     )
 
 
@@ -298,14 +317,16 @@ def test_talk_tokenizer_makes_everyday_words_single_tokens():
     texts = [problem.question + " " + problem.answer, train_data.docstrings()[0]]
     for text in texts:
         assert talk_bpe.decode(talk_bpe.encode(text, add_special_tokens=False)) == text
-        assert len(talk_bpe.encode(text, add_special_tokens=False)) < 0.85 * len(arith_bpe.encode(text, add_special_tokens=False))
+        assert len(talk_bpe.encode(text, add_special_tokens=False)) < 0.85 * len(
+            arith_bpe.encode(text, add_special_tokens=False)
+        )
     with pytest.raises(ValueError, match="corpus"):
         embedded.build_tokenizer(corpus="wiki")
 
 
 def test_tools_mix_answers_in_every_form_the_server_decodes_with_the_storys_numbers(tokenizer):
-    from fastdllm.text import tool_calls
     from fastdllm.embedded import tool_data
+    from fastdllm.text import tool_calls
 
     r, forms = random.Random(0), collections.Counter()
     for _ in range(300):

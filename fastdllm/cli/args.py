@@ -21,8 +21,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parser(prog: str, description: str, epilog: str) -> ArgumentParser:
-    return ArgumentParser(prog=prog, description=description, epilog=epilog,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    return ArgumentParser(
+        prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def flag(name: str) -> str:
@@ -30,18 +31,33 @@ def flag(name: str) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder or Hugging Face repo id (default: the embedded model)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint folder or Hugging Face repo id (default: the embedded model)"
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the checkpoint's)")
     p.add_argument("--revision", default=None, help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--local-files-only", action="store_true", help="for a hub id: use the hub cache only, no network")
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the linear layers at load (int8 per channel, int4 in groups)")
-    p.add_argument("--group-size", type=int, default=None, metavar="N",
-                   help="int4 group size: 32, 64, 128 or 256 (default 128, or the largest that fits the model)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["int8", "int4"],
+        help="weight-only quantization of the linear layers at load (int8 per channel, int4 in groups)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="int4 group size: 32, 64, 128 or 256 (default 128, or the largest that fits the model)",
+    )
     p.add_argument("--quantize-head", action="store_true", help="quantize the output head too")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's; use 1 on a machine shared with other jobs)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's; use 1 on a machine shared with other jobs)",
+    )
 
 
 def _parser_for(name: str, kind: str):
@@ -75,9 +91,13 @@ def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig |
     """One flag per GenerationConfig field, same names (dashes for underscores), and --preset."""
     d = defaults or GenerationConfig()
     g = p.add_argument_group("decoding (GenerationConfig)")
-    g.add_argument("--preset", default=None, choices=list(PRESETS),
-                   help="start from a named configuration (fast-dllm: as published; baseline: LLaDA's one token "
-                        "per step); the flags below override it")
+    g.add_argument(
+        "--preset",
+        default=None,
+        choices=list(PRESETS),
+        help="start from a named configuration (fast-dllm: as published; baseline: LLaDA's one token "
+        "per step); the flags below override it",
+    )
     for opt in GenerationConfig.options():
         name, kind = opt["name"], opt["kind"]
         default = getattr(d, name)
@@ -85,8 +105,15 @@ def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig |
         if kind == "bool":
             g.add_argument(flag(name), dest=name, action=_BoolRecording, default=default, help=text)
         else:
-            g.add_argument(flag(name), dest=name, action=_StoreRecording, type=_parser_for(name, kind),
-                           default=default, help=text, metavar=kind.removeprefix("optional ").upper())
+            g.add_argument(
+                flag(name),
+                dest=name,
+                action=_StoreRecording,
+                type=_parser_for(name, kind),
+                default=default,
+                help=text,
+                metavar=kind.removeprefix("optional ").upper(),
+            )
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> GenerationConfig:
@@ -109,7 +136,9 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
         family = getattr(model, "family", None)
         needed = family.decoding_defaults(model.args) if family is not None else {}
         if config.cache == "none":
-            needed = {k: v for k, v in needed.items() if k not in ("cache", "refresh", "refresh_every", "suffix_window")}
+            needed = {
+                k: v for k, v in needed.items() if k not in ("cache", "refresh", "refresh_every", "suffix_window")
+            }
         explicit = set(getattr(args, "_explicit", ()))
         try:
             return config.replace(**{k: v for k, v in needed.items() if k not in explicit})
@@ -132,9 +161,16 @@ def load_model_or_exit(args: argparse.Namespace):
             raise UserError("--threads: must be a positive integer")
         torch.set_num_threads(args.threads)
     try:
-        return load(args.model, dtype=args.dtype, device=args.device, revision=getattr(args, "revision", None),
-                    local_files_only=getattr(args, "local_files_only", False), quantize=getattr(args, "quantize", None),
-                    group_size=getattr(args, "group_size", None), quantize_head=getattr(args, "quantize_head", False))
+        return load(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            revision=getattr(args, "revision", None),
+            local_files_only=getattr(args, "local_files_only", False),
+            quantize=getattr(args, "quantize", None),
+            group_size=getattr(args, "group_size", None),
+            quantize_head=getattr(args, "quantize_head", False),
+        )
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
 
@@ -144,15 +180,27 @@ def add_text_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_generation_args(p, GenerationConfig())
     out = p.add_argument_group("output")
-    out.add_argument("--show", action="store_true",
-                     help="draw the canvas live while it denoises (only when stdout is a terminal)")
-    out.add_argument("--show-delay", type=float, default=0.0, metavar="SECONDS",
-                     help="pause after each drawn step, to watch a fast model (default 0)")
-    out.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                     help="at most N tokens: decodes ceil(N / block length) blocks and cuts the answer to N tokens "
-                          "(instead of --gen-length)")
-    out.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                     help="cut the answer at this string (repeatable)")
+    out.add_argument(
+        "--show", action="store_true", help="draw the canvas live while it denoises (only when stdout is a terminal)"
+    )
+    out.add_argument(
+        "--show-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="pause after each drawn step, to watch a fast model (default 0)",
+    )
+    out.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N tokens: decodes ceil(N / block length) blocks and cuts the answer to N tokens "
+        "(instead of --gen-length)",
+    )
+    out.add_argument(
+        "--stop", action="append", default=None, metavar="TEXT", help="cut the answer at this string (repeatable)"
+    )
     out.add_argument("--system", default=None, help="a system message put before the conversation")
     out.add_argument("--no-stats", action="store_true", help="do not print the statistics line")
 

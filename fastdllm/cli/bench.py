@@ -6,36 +6,57 @@ import argparse
 import json
 from pathlib import Path
 
+from ..config import GenerationConfig
 from ..evaluation.bench import HEADER, ROW_KEYS, environment, fmt_row, plots, run_config, table_rows
 from .args import UserError, add_model_args, load_model_or_exit
-from ..config import GenerationConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="fastdllm bench",
         description=__doc__.split("\n\n")[0],
-        epilog="examples:\n  fastdllm bench --quick\n  fastdllm bench --gen-length 256 1024 --limit 50 --out bench_out\n"
-               "  fastdllm bench --gen-length 1024 --limit 2 --rows full --no-sweeps --no-batch-check\n"
-               "  fastdllm bench --model GSAI-ML/LLaDA-8B-Instruct --task gsm8k --device cuda --limit 100",
+        epilog="examples:\n  fastdllm bench --quick\n"
+        "  fastdllm bench --gen-length 256 1024 --limit 50 --out bench_out\n"
+        "  fastdllm bench --gen-length 1024 --limit 2 --rows full --no-sweeps --no-batch-check\n"
+        "  fastdllm bench --model GSAI-ML/LLaDA-8B-Instruct --task gsm8k --device cuda --limit 100",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(p)
     p.add_argument("--task", default="arith")
-    p.add_argument("--limit", type=int, nargs="+", default=None,
-                   help="samples per configuration, one value or one per gen length (default 32; --quick: 4)")
+    p.add_argument(
+        "--limit",
+        type=int,
+        nargs="+",
+        default=None,
+        help="samples per configuration, one value or one per gen length (default 32; --quick: 4)",
+    )
     p.add_argument("--gen-length", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--num-fewshot", type=int, nargs="+", default=None,
-                   help="shots per gen length (default: 0 for 256, 8 for 1024, as the paper)")
+    p.add_argument(
+        "--num-fewshot",
+        type=int,
+        nargs="+",
+        default=None,
+        help="shots per gen length (default: 0 for 256, 8 for 1024, as the paper)",
+    )
     p.add_argument("--batch-size", type=int, default=1, help="batch size of the table rows (paper: 1)")
     p.add_argument("--stop-at-eos", choices=["off", "on", "both"], default="both")
-    p.add_argument("--rows", nargs="+", choices=ROW_KEYS, default=None,
-                   help="run only these table rows (the baseline always runs); default: all")
-    p.add_argument("--sweeps", action=argparse.BooleanOptionalAction, default=True,
-                   help="threshold and block-size sweeps at the first gen length")
-    p.add_argument("--batch-check", action=argparse.BooleanOptionalAction, default=True,
-                   help="full method at batch 1 vs batch 8")
+    p.add_argument(
+        "--rows",
+        nargs="+",
+        choices=ROW_KEYS,
+        default=None,
+        help="run only these table rows (the baseline always runs); default: all",
+    )
+    p.add_argument(
+        "--sweeps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="threshold and block-size sweeps at the first gen length",
+    )
+    p.add_argument(
+        "--batch-check", action=argparse.BooleanOptionalAction, default=True, help="full method at batch 1 vs batch 8"
+    )
     p.add_argument("--data-dir", default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: 4 samples, gen length 64, small sweeps")
     p.add_argument("--out", default="bench_out")
@@ -73,10 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     for gen_length, k, limit in zip(args.gen_length, shots, limits):
         for table_row in table_rows(gen_length, block_length, args.stop_at_eos, args.rows, model=model):
             r = row(table_row.config, k, limit=limit)
-            results.append({"name": table_row.name, "group": f"{table_row.group}, {k}-shot",
-                            "config": table_row.config.to_dict(), "num_fewshot": k, **r})
-            print(f"  {results[-1]['group']:<22} {table_row.name:<40} acc {100 * r['accuracy']:5.1f}  "
-                  f"{r['tokens_per_second']:8.1f} tok/s  NFE {r['nfe_per_sample']:.1f}", flush=True)
+            results.append(
+                {
+                    "name": table_row.name,
+                    "group": f"{table_row.group}, {k}-shot",
+                    "config": table_row.config.to_dict(),
+                    "num_fewshot": k,
+                    **r,
+                }
+            )
+            print(
+                f"  {results[-1]['group']:<22} {table_row.name:<40} acc {100 * r['accuracy']:5.1f}  "
+                f"{r['tokens_per_second']:8.1f} tok/s  NFE {r['nfe_per_sample']:.1f}",
+                flush=True,
+            )
     for r in results:
         base = next(b for b in results if b["group"] == r["group"] and b["name"].startswith("baseline"))
         r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base["tokens_per_second"] else 0.0
@@ -98,22 +129,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_check:
         cfg = method(gen_length=g0, stop_at_eos=False)
         one, eight = row(cfg, k0, batch_size=1), row(cfg, k0, batch_size=8)
-        batch = {"batch_1": one, "batch_8": eight,
-                 "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0}
+        batch = {
+            "batch_1": one,
+            "batch_8": eight,
+            "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0,
+        }
 
     env = environment(model, model.device)
     q = env["quantization"]
-    lines = [f"fastdllm bench: task {args.task}, {'/'.join(map(str, limits))} samples per row, batch {args.batch_size}, "
-             f"device {model.device}; weights {env['weight_bytes'] / 2**20:.2f} MiB resident (linear layers "
-             f"{env['linear_weight_bytes'] / 2**20:.2f} MiB{', ' + str(q['bits'][0]) + '-bit' if q else ''})", "", HEADER] + [fmt_row(r) for r in results]
+    lines = [
+        f"fastdllm bench: task {args.task}, {'/'.join(map(str, limits))} samples per row, batch {args.batch_size}, "
+        f"device {model.device}; weights {env['weight_bytes'] / 2**20:.2f} MiB resident (linear layers "
+        f"{env['linear_weight_bytes'] / 2**20:.2f} MiB{', ' + str(q['bits'][0]) + '-bit' if q else ''})",
+        "",
+        HEADER,
+    ] + [fmt_row(r) for r in results]
     for key, pts in sweeps.items():
-        lines += ["", f"{key} sweep (gen {g0}, {k0}-shot, the full method):", "", f"| {key} | accuracy % | tokens/s | NFE/sample |",
-                  "|---|---|---|---|"]
-        lines += [f"| {p['value']} | {100 * p['accuracy']:.1f} | {p['tokens_per_second']:.1f} | {p['nfe_per_sample']:.1f} |"
-                  for p in pts]
+        lines += [
+            "",
+            f"{key} sweep (gen {g0}, {k0}-shot, the full method):",
+            "",
+            f"| {key} | accuracy % | tokens/s | NFE/sample |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {p['value']} | {100 * p['accuracy']:.1f} | {p['tokens_per_second']:.1f} | {p['nfe_per_sample']:.1f} |"
+            for p in pts
+        ]
     if batch:
-        lines += ["", f"batch 8 vs batch 1 (full method, gen {g0}): {batch['batch_8']['tokens_per_second']:.1f} vs "
-                      f"{batch['batch_1']['tokens_per_second']:.1f} tokens/s = {batch['ratio']:.1f}x"]
+        lines += [
+            "",
+            f"batch 8 vs batch 1 (full method, gen {g0}): {batch['batch_8']['tokens_per_second']:.1f} vs "
+            f"{batch['batch_1']['tokens_per_second']:.1f} tokens/s = {batch['ratio']:.1f}x",
+        ]
     table = "\n".join(lines)
     print(table)
     (out / "bench.md").write_text(table + "\n")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .session import ChatSession
 from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
+from .session import ChatSession
 
 CHAT_EXAMPLES = """examples:
   fastdllm chat

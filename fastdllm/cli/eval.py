@@ -24,8 +24,10 @@ def memory_line(r: dict) -> str:
     mib = 2**20
     q = r.get("quantization")
     kind = f"{q['bits'][0]}-bit linear layers" if q else "linear layers"
-    return (f"weights {r.get('weight_bytes', 0) / mib:.2f} MiB ({kind} {r.get('linear_weight_bytes', 0) / mib:.2f}), "
-            f"KV cache {r.get('kv_cache_bytes', 0) / mib:.2f} MiB")
+    return (
+        f"weights {r.get('weight_bytes', 0) / mib:.2f} MiB ({kind} {r.get('linear_weight_bytes', 0) / mib:.2f}), "
+        f"KV cache {r.get('kv_cache_bytes', 0) / mib:.2f} MiB"
+    )
 
 
 def format_summary(results: dict) -> str:
@@ -45,7 +47,9 @@ def format_summary(results: dict) -> str:
         "  verdicts          " + ", ".join(f"{k} {v}" for k, v in sorted(r["verdicts"].items())),
     ]
     if r.get("world_size", 1) > 1:
-        lines.append(f"  ranks             {r['world_size']} (aggregate {r['aggregate_tokens_per_second']:.1f} tokens/s)")
+        lines.append(
+            f"  ranks             {r['world_size']} (aggregate {r['aggregate_tokens_per_second']:.1f} tokens/s)"
+        )
     if "sandbox_protections" in r:
         lines.append(f"  sandbox           {', '.join(r['sandbox_protections'])}")
     return "\n".join(lines)
@@ -57,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="fastdllm eval",
-        description="Accuracy and tokens/s of a diffusion LM on a benchmark (see `python -m pydoc fastdllm.evaluation.harness`).",
+        description="Accuracy and tokens/s of a diffusion LM on a benchmark "
+        "(see `python -m pydoc fastdllm.evaluation.harness`).",
         epilog="examples:\n  fastdllm eval --task arith --limit 200\n"
         "  fastdllm eval --task gsm8k --model GSAI-ML/LLaDA-8B-Instruct --num-fewshot 8 --output gsm8k.json\n"
         "  torchrun --nproc_per_node 2 -m fastdllm eval --task humaneval --model ... --log-samples he.jsonl",
@@ -65,19 +70,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--task", required=True, help=f"one of {', '.join(list_tasks())}")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N samples only")
-    p.add_argument("--num-fewshot", type=int, default=None,
-                   help="exemplars in the prompt (default: the task's: gsm8k 5, math500 4, mbpp 3, others 0)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="prompts decoded together (default %(default)s)")
+    p.add_argument(
+        "--num-fewshot",
+        type=int,
+        default=None,
+        help="exemplars in the prompt (default: the task's: gsm8k 5, math500 4, mbpp 3, others 0)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="prompts decoded together (default %(default)s)"
+    )
     p.add_argument("--output", default=None, help="write the results (metrics, settings) to this JSON file")
     p.add_argument("--log-samples", default=None, help="write one JSON line per sample to this file")
-    p.add_argument("--data-dir", default=None, help="read the task's data files from here (default: the bundled copies)")
-    p.add_argument("--workers", type=int, default=2, help="sandbox processes for humaneval / mbpp (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="CPU seconds per program (code tasks, default 10) or wall seconds per MATH check (default 5)")
-    p.add_argument("--no-chat-template", dest="chat_template", action="store_false", default=None,
-                   help="send each prompt as plain text (`Question: ...\\nAnswer:`), not through the model's chat template")
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar (it is shown when stderr is a terminal)")
+    p.add_argument(
+        "--data-dir", default=None, help="read the task's data files from here (default: the bundled copies)"
+    )
+    p.add_argument(
+        "--workers", type=int, default=2, help="sandbox processes for humaneval / mbpp (default %(default)s)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="CPU seconds per program (code tasks, default 10) or wall seconds per MATH check (default 5)",
+    )
+    p.add_argument(
+        "--no-chat-template",
+        dest="chat_template",
+        action="store_false",
+        default=None,
+        help="send each prompt as plain text (`Question: ...\\nAnswer:`), not through the model's chat template",
+    )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (it is shown when stderr is a terminal)",
+    )
     add_model_args(p)
     add_generation_args(p)
     return p
@@ -132,10 +160,20 @@ def main(argv: list[str] | None = None) -> int:
         config = with_model_defaults(args, config, model)
         try:
             results = evaluate(
-                model, tokenizer, task, limit=args.limit, num_fewshot=args.num_fewshot, config=config,
-                batch_size=args.batch_size, data_dir=args.data_dir, workers=args.workers, timeout=args.timeout,
-                log_samples=args.log_samples, progress=args.progress and sys.stderr.isatty(),
-                model_name=args.model or getattr(model, "name_or_path", None), chat_template=args.chat_template,
+                model,
+                tokenizer,
+                task,
+                limit=args.limit,
+                num_fewshot=args.num_fewshot,
+                config=config,
+                batch_size=args.batch_size,
+                data_dir=args.data_dir,
+                workers=args.workers,
+                timeout=args.timeout,
+                log_samples=args.log_samples,
+                progress=args.progress and sys.stderr.isatty(),
+                model_name=args.model or getattr(model, "name_or_path", None),
+                chat_template=args.chat_template,
             )
         except (UnknownTaskError, DataError) as e:
             raise UserError(str(e)) from None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .session import run_prompt
 from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
+from .session import run_prompt
 
 GENERATE_EXAMPLES = """examples:
   fastdllm generate "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
@@ -38,8 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("prompt", help='the prompt, or "-" to read it from stdin')
     add_text_args(p)
     p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, tokens, nfe, tokens_per_step, tokens_per_second, config)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, tokens, nfe, tokens_per_step, tokens_per_second, config)",
+    )
     args = p.parse_args(argv)
     config = text_config(args)
     prompt = read_prompt(args.prompt)
@@ -49,15 +52,24 @@ def main(argv: list[str] | None = None) -> int:
     templated = not args.raw and bool(tokenizer.chat_template)
     if templated:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}]
+            {"role": "user", "content": prompt}
+        ]
         ids = tokenizer.encode_chat(messages)
     else:
         ids = tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt, add_special_tokens=False)
     if not ids:
         raise UserError("the prompt is empty after tokenisation")
     try:
-        answer = run_prompt(model, tokenizer, ids, config, stop=args.stop, show=args.show and not args.json,
-                            keep=args.max_new_tokens, show_delay=args.show_delay)
+        answer = run_prompt(
+            model,
+            tokenizer,
+            ids,
+            config,
+            stop=args.stop,
+            show=args.show and not args.json,
+            keep=args.max_new_tokens,
+            show_delay=args.show_delay,
+        )
     except ValueError as e:  # a prompt or config this model cannot take
         raise UserError(str(e)) from None
     c, o = answer.completion, answer.output

@@ -14,7 +14,7 @@ terminal (output piped to a file), `LiveView` draws nothing, so the command prin
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.live import Live
@@ -141,7 +141,7 @@ class LiveView:
         self._last = 0.0
         self._texts = TokenTexts(tokenizer)
 
-    def __enter__(self) -> "LiveView":
+    def __enter__(self) -> LiveView:
         if self.enabled:
             self.live = Live(console=self.console, auto_refresh=False, transient=self.transient)
             self.live.start()
@@ -160,8 +160,16 @@ class LiveView:
         now = time.perf_counter()
         if event.kind == "step" and now - self._last < self.min_interval and self.delay <= 0:
             return
-        frame = render_canvas(event, self.tokenizer, self.mask_id, self.block_length, self.stop_token_ids,
-                              row=self.row, step=self.steps, token_texts=self._texts)
+        frame = render_canvas(
+            event,
+            self.tokenizer,
+            self.mask_id,
+            self.block_length,
+            self.stop_token_ids,
+            row=self.row,
+            step=self.steps,
+            token_texts=self._texts,
+        )
         self.live.update(frame, refresh=True)
         self.frames += 1
         self._last = time.perf_counter()

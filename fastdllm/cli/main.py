@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="fastdllm",
-        description="Fast inference for diffusion language models (LLaDA, Dream).",
+        description="Fast inference for diffusion language models (LLaDA, Dream, SDAR, LLaDA2, ...).",
         epilog="commands:\n" + "\n".join(f"  {k:<11} {v[2]}" for k, v in COMMANDS.items()) + "\n\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -19,27 +19,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", help="checkpoint folder, hub id or embedded model name")
     p.add_argument("dst", help="folder to write")
     p.add_argument("--bits", type=int, required=True, choices=[8, 4])
-    p.add_argument("--group-size", type=int, default=None, metavar="N",
-                   help="columns per scale for int4 (32, 64, 128, 256; default 128 or the largest that fits); "
-                        "int8 is per output channel unless given")
-    p.add_argument("--format", default="compressed-tensors", choices=list(FORMATS),
-                   help="checkpoint layout (default compressed-tensors: what vLLM and llm-compressor use)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="columns per scale for int4 (32, 64, 128, 256; default 128 or the largest that fits); "
+        "int8 is per output channel unless given",
+    )
+    p.add_argument(
+        "--format",
+        default="compressed-tensors",
+        choices=list(FORMATS),
+        help="checkpoint layout (default compressed-tensors: what vLLM and llm-compressor use)",
+    )
     p.add_argument("--quantize-head", action="store_true", help="quantize the output head too")
-    p.add_argument("--dtype", default=None, help="dtype of the scales and unquantized weights (default the checkpoint's)")
+    p.add_argument(
+        "--dtype", default=None, help="dtype of the scales and unquantized weights (default the checkpoint's)"
+    )
     p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="shard the safetensors files")
     args = p.parse_args(argv)
-    from ..models.loading import load
-    from ..models.loading import quantize_checkpoint
+    from ..models.loading import load, quantize_checkpoint
     from ..quant import weight_bytes
 
     try:
-        dst = quantize_checkpoint(args.src, args.dst, args.bits, group_size=args.group_size, quant_format=args.format,
-                                  quantize_head=args.quantize_head, dtype=args.dtype, max_shard_bytes=args.max_shard_size)
+        dst = quantize_checkpoint(
+            args.src,
+            args.dst,
+            args.bits,
+            group_size=args.group_size,
+            quant_format=args.format,
+            quantize_head=args.quantize_head,
+            dtype=args.dtype,
+            max_shard_bytes=args.max_shard_size,
+        )
         model, _ = load(dst, device="cpu")
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
     q = model.quantization
     size = weight_bytes(model)["weight_bytes"]
-    print(f"wrote {dst}: {q['layers']} layers {q['bits'][0]}-bit ({args.format}, group size {q['group_size']}), "
-          f"weights {size / 2**20:.1f} MiB resident")
+    print(
+        f"wrote {dst}: {q['layers']} layers {q['bits'][0]}-bit ({args.format}, group size {q['group_size']}), "
+        f"weights {size / 2**20:.1f} MiB resident"
+    )
     return 0

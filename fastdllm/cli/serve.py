@@ -1,5 +1,4 @@
-"""`fastdllm serve`: the command line that loads a model and runs the app under uvicorn.
-"""
+"""`fastdllm serve`: the command line that loads a model and runs the app under uvicorn."""
 
 from __future__ import annotations
 
@@ -38,43 +37,91 @@ _positive_int.__name__ = "positive integer"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .args import ArgumentParser, UserError, add_generation_args, add_model_args, config_from_args, load_model_or_exit, with_model_defaults
+    from .args import (
+        ArgumentParser,
+        UserError,
+        add_generation_args,
+        add_model_args,
+        config_from_args,
+        load_model_or_exit,
+        with_model_defaults,
+    )
 
     p = ArgumentParser(
         prog="fastdllm serve",
         description="An OpenAI-compatible HTTP server (POST /v1/chat/completions, /v1/completions; GET "
-                    "/v1/models, /health). The decoding flags set the server defaults; requests override them "
-                    "with extra body fields of the same names (threshold, block_length, cache, ...).",
-        epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "/v1/models, /health). The decoding flags set the server defaults; requests override them "
+        "with extra body fields of the same names (threshold, block_length, cache, ...).",
+        epilog=SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
-    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model ids clients may use, the first one reported (default: --model as given, or "
-                        "llada-arith for the embedded model)")
-    s.add_argument("--api-key", default=os.environ.get("FASTDLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /version "
-                        "(default: $FASTDLLM_API_KEY; none: open)")
-    s.add_argument("--max-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
-                   help="larger request bodies get 413 (default %(default)s)")
-    s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long running work may finish before queued requests get a 503 "
-                        "(default %(default)s)")
-    s.add_argument("--strict", action="store_true",
-                   help="refuse request fields that are otherwise accepted and ignored (metadata, store, tools: [], "
-                        "response_format text, ...)")
-    s.add_argument("--max-batch-size", type=_positive_int, default=8,
-                   help="most rows decoded together; 1 turns batching off (default %(default)s)")
-    s.add_argument("--max-queue", type=_positive_int, default=64,
-                   help="most requests waiting; beyond it, 503 (default %(default)s)")
-    s.add_argument("--batch-wait-ms", type=float, default=0.0,
-                   help="wait up to this long for more requests before starting a batch (default 0)")
-    s.add_argument("--no-continuous-batching", dest="continuous", action="store_false",
-                   help="a request waits for the running batch to finish instead of joining it at the next "
-                        "block boundary")
-    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="how tool calls are read from answers (default: the format the model's chat template teaches)")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model ids clients may use, the first one reported (default: --model as given, or "
+        "llada-arith for the embedded model)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("FASTDLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health and /version "
+        "(default: $FASTDLLM_API_KEY; none: open)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413 (default %(default)s)",
+    )
+    s.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running work may finish before queued requests get a 503 (default %(default)s)",
+    )
+    s.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse request fields that are otherwise accepted and ignored (metadata, store, tools: [], "
+        "response_format text, ...)",
+    )
+    s.add_argument(
+        "--max-batch-size",
+        type=_positive_int,
+        default=8,
+        help="most rows decoded together; 1 turns batching off (default %(default)s)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=_positive_int,
+        default=64,
+        help="most requests waiting; beyond it, 503 (default %(default)s)",
+    )
+    s.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=0.0,
+        help="wait up to this long for more requests before starting a batch (default 0)",
+    )
+    s.add_argument(
+        "--no-continuous-batching",
+        dest="continuous",
+        action="store_false",
+        help="a request waits for the running batch to finish instead of joining it at the next block boundary",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json"],
+        help="how tool calls are read from answers (default: the format the model's chat template teaches)",
+    )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_generation_args(p, GenerationConfig())
     args = p.parse_args(argv)
@@ -88,10 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model_or_exit(args)
     config = with_model_defaults(args, config, model)
     names = args.served_model_name or [default_model_name(args.model)]
-    settings = ServerSettings(names[0], config, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000,
-                              aliases=tuple(names[1:]), strict=args.strict, api_key=args.api_key,
-                              max_body_bytes=args.max_body_bytes, continuous=args.continuous,
-                              tool_call_parser=args.tool_call_parser)
+    settings = ServerSettings(
+        names[0],
+        config,
+        args.max_batch_size,
+        args.max_queue,
+        args.batch_wait_ms / 1000,
+        aliases=tuple(names[1:]),
+        strict=args.strict,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        continuous=args.continuous,
+        tool_call_parser=args.tool_call_parser,
+    )
     if config.compile:  # compiled before the first request, not during it
         from ..engine.generation import warm_up
 
@@ -101,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    print(f"fastdllm serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch_size}, "
-          f"max queue {args.max_queue})", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_grace + 5)
+    print(
+        f"fastdllm serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch_size}, "
+        f"max queue {args.max_queue})",
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace + 5
+    )
     server = uvicorn.Server(config)
     exit_now = server.handle_exit
 

@@ -11,7 +11,6 @@ from ..engine.generation import GenerationOutput, generate
 from ..text.completion import Completion, complete
 
 
-
 @dataclass
 class Answer:
     completion: Completion
@@ -26,24 +25,38 @@ class Answer:
     def stats_line(self) -> str:
         o = self.output
         tps = self.completion.num_tokens / o.wall_time if o.wall_time > 0 else 0.0
-        return (f"[{self.completion.num_tokens} tokens · {o.nfe} NFE · {self.tokens_per_step:.2f} tokens/step · "
-                f"{tps:.1f} tokens/s · {o.wall_time:.2f} s]")
+        return (
+            f"[{self.completion.num_tokens} tokens · {o.nfe} NFE · {self.tokens_per_step:.2f} tokens/step · "
+            f"{tps:.1f} tokens/s · {o.wall_time:.2f} s]"
+        )
 
 
-def run_prompt(model, tokenizer, ids: list[int], config: GenerationConfig, stop=None, show: bool = False,
-               show_delay: float = 0.0, console=None, keep: int | None = None) -> Answer:
+def run_prompt(
+    model,
+    tokenizer,
+    ids: list[int],
+    config: GenerationConfig,
+    stop=None,
+    show: bool = False,
+    show_delay: float = 0.0,
+    console=None,
+    keep: int | None = None,
+) -> Answer:
     """Generate for one prompt (token ids), with the live view if asked; a prompt or config the
     model cannot take raises ValueError. `keep`: cut the answer to that many tokens."""
     limit = model.args.max_seq_len
     if len(ids) + config.gen_length > limit:
-        raise ValueError(f"the prompt ({len(ids)} tokens) + gen_length ({config.gen_length}) exceeds the "
-                        f"model's context of {limit} tokens")
+        raise ValueError(
+            f"the prompt ({len(ids)} tokens) + gen_length ({config.gen_length}) exceeds the "
+            f"model's context of {limit} tokens"
+        )
     on_step, view = None, None
     if show:
         from .live_view import LiveView
 
-        view = LiveView(tokenizer, model.mask_token_id, config.block_length, model.stop_token_ids,
-                        console=console, delay=show_delay)
+        view = LiveView(
+            tokenizer, model.mask_token_id, config.block_length, model.stop_token_ids, console=console, delay=show_delay
+        )
         on_step = view.on_step if view.enabled else None
     if view is not None and view.enabled:
         with view:
@@ -60,8 +73,9 @@ class ChatSession:
     When the history no longer fits the context (prompt + gen_length), the oldest turns are dropped
     (the system message stays)."""
 
-    def __init__(self, model, tokenizer, config: GenerationConfig, system: str | None = None, stop=None,
-                 keep: int | None = None):
+    def __init__(
+        self, model, tokenizer, config: GenerationConfig, system: str | None = None, stop=None, keep: int | None = None
+    ):
         if not tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use `fastdllm generate --raw` instead")
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -86,9 +100,16 @@ class ChatSession:
     def send(self, text: str, show: bool = False, show_delay: float = 0.0) -> Answer:
         self.messages.append({"role": "user", "content": text})
         try:
-            answer = run_prompt(self.model, self.tokenizer, self._prompt_ids(), self.config, stop=self.stop,
-                                keep=self.keep,
-                                show=show, show_delay=show_delay)
+            answer = run_prompt(
+                self.model,
+                self.tokenizer,
+                self._prompt_ids(),
+                self.config,
+                stop=self.stop,
+                keep=self.keep,
+                show=show,
+                show_delay=show_delay,
+            )
         except BaseException:
             self.messages.pop()
             raise

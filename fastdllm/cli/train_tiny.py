@@ -6,20 +6,30 @@ import argparse
 import dataclasses
 import sys
 
-from ..models import FAMILIES
 from ..embedded.recipe import PRESETS, TOKENIZER_CORPORA
 from ..embedded.train import DATA_MIXES, TRAINABLE, TrainSettings, train
+from ..models import FAMILIES
 
-CHOICES = {"arch": sorted(FAMILIES), "preset": sorted(PRESETS), "data_mix": sorted(DATA_MIXES), "trainable": list(TRAINABLE),
-           "tokenizer_corpus": list(TOKENIZER_CORPORA)}
-HELP = {"out": "run folder: checkpoint/, final/, train_log.jsonl", "preset": "model size (default: the arch's)",
-        "token_budget": "tokens per batch", "data_mix": "batch shapes (see DATA_MIXES)",
-        "resume": "continue from OUT/checkpoint if present",
-        "init_from": "start from this model folder's weights and tokenizer",
-        "trainable": "experts: only a mixture's routed experts and routers learn",
-        "tokenizer_corpus": "what a fresh run's BPE is trained on", "vocab_size": "a fresh run's BPE vocabulary",
-        "editing_noise": "share of unmasked answer tokens replaced by random ones, which the model learns to "
-                         "restore (LLaDA2.1's token-to-token objective, for editing); 0: none"}
+CHOICES = {
+    "arch": sorted(FAMILIES),
+    "preset": sorted(PRESETS),
+    "data_mix": sorted(DATA_MIXES),
+    "trainable": list(TRAINABLE),
+    "tokenizer_corpus": list(TOKENIZER_CORPORA),
+}
+HELP = {
+    "out": "run folder: checkpoint/, final/, train_log.jsonl",
+    "preset": "model size (default: the arch's)",
+    "token_budget": "tokens per batch",
+    "data_mix": "batch shapes (see DATA_MIXES)",
+    "resume": "continue from OUT/checkpoint if present",
+    "init_from": "start from this model folder's weights and tokenizer",
+    "trainable": "experts: only a mixture's routed experts and routers learn",
+    "tokenizer_corpus": "what a fresh run's BPE is trained on",
+    "vocab_size": "a fresh run's BPE vocabulary",
+    "editing_noise": "share of unmasked answer tokens replaced by random ones, which the model learns to "
+    "restore (LLaDA2.1's token-to-token objective, for editing); 0: none",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,8 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             continue
         kind = {"int": int, "float": float}.get(f.type, str)
         required = f.default is dataclasses.MISSING
-        p.add_argument(name, type=kind, required=required, default=None if required else f.default,
-                       choices=CHOICES.get(f.name), help=HELP.get(f.name))
+        p.add_argument(
+            name,
+            type=kind,
+            required=required,
+            default=None if required else f.default,
+            choices=CHOICES.get(f.name),
+            help=HELP.get(f.name),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,20 +48,36 @@ def _facts_by_op() -> dict[str, list[tuple[int, str, int, int]]]:
 # Answer sentences of the five templates, per operation, as drills in "sentence" phrasing write them:
 # {e} is "a op b", {c} the result; the other slots are filled at random.
 ANSWER_PHRASES = {
-    "+": ["After that {name} has {e} = {c} {item}.", "With the last day that is {e} = {c} {unit}.",
-          "Then each friend has {e} = {c} {item}.", "With the {priced} {name} spends {e} = {c} dollars.",
-          "{name} has {e} = {c} {item}."],
-    "-": ["After giving some away {name} has {e} = {c} {item}.", "After losing some that is {e} = {c} {unit}.",
-          "With the discount {name} pays {e} = {c} dollars.", "{name} has {e} = {c} {item}."],
-    "*": ["Then {name} has {e} = {c} {item}.", "The {priced}s cost {e} = {c} dollars.",
-          "In {a} days {name} {verb} {e} = {c} {unit}.", "In all the friends have {e} = {c} {item}."],
-    "/": ["One pile has {e} = {c} {item}.", "One part is {e} = {c} {item}.",
-          "Each friend first gets {e} = {c} {item}."],
+    "+": [
+        "After that {name} has {e} = {c} {item}.",
+        "With the last day that is {e} = {c} {unit}.",
+        "Then each friend has {e} = {c} {item}.",
+        "With the {priced} {name} spends {e} = {c} dollars.",
+        "{name} has {e} = {c} {item}.",
+    ],
+    "-": [
+        "After giving some away {name} has {e} = {c} {item}.",
+        "After losing some that is {e} = {c} {unit}.",
+        "With the discount {name} pays {e} = {c} dollars.",
+        "{name} has {e} = {c} {item}.",
+    ],
+    "*": [
+        "Then {name} has {e} = {c} {item}.",
+        "The {priced}s cost {e} = {c} dollars.",
+        "In {a} days {name} {verb} {e} = {c} {unit}.",
+        "In all the friends have {e} = {c} {item}.",
+    ],
+    "/": [
+        "One pile has {e} = {c} {item}.",
+        "One part is {e} = {c} {item}.",
+        "Each friend first gets {e} = {c} {item}.",
+    ],
 }
 
 
-def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op", restate: bool = True,
-                  phrasing: str = "equation") -> Problem:
+def drill_problem(
+    r: random.Random, n_lines: int = 8, weighting: str = "op", restate: bool = True, phrasing: str = "equation"
+) -> Problem:
     """A training-only drill: several unrelated facts, each result written exactly once.
 
     In a worked answer each result reappears (as the next line's operand and after `####`), so a
@@ -98,9 +114,18 @@ def drill_problem(r: random.Random, n_lines: int = 8, weighting: str = "op", res
         for a, op, b, c in picked:
             verb, unit = r.choice(ACTIVITIES)
             phrases = [f for f in ANSWER_PHRASES[op] if a >= 2 or "days" not in f]  # no "In 1 days"
-            lines.append(r.choice(phrases).format(
-                e=f"{a} {op} {b}", c=c, a=a, name=r.choice(NAMES), item=r.choice(ITEMS),
-                priced=r.choice(PRICED), verb=verb, unit=unit))
+            lines.append(
+                r.choice(phrases).format(
+                    e=f"{a} {op} {b}",
+                    c=c,
+                    a=a,
+                    name=r.choice(NAMES),
+                    item=r.choice(ITEMS),
+                    priced=r.choice(PRICED),
+                    verb=verb,
+                    unit=unit,
+                )
+            )
     return drill_from_facts(picked, restate, lines)
 
 

@@ -1,5 +1,5 @@
 """The embedded models' recipe: their tokenizer (a byte-level BPE trained on the arith data), its
-special tokens and chat template, the model sizes, and a freshly initialised model of either
+special tokens and chat template, the model sizes, and a freshly initialised model of any
 family. `fastdllm.embedded.train` trains them; tests build tiny ones from here."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import math
 import random
 
 import torch
-from tokenizers import AddedToken, Tokenizer as FastTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as FastTokenizer
 
-from . import train_data
-from ..models import FAMILIES, ModelArgs, Transformer
 from ..evaluation.tasks import arith, everyday
+from ..models import FAMILIES, ModelArgs, Transformer
 from ..text.tokenizer import Tokenizer
+from . import train_data
 
 SPECIAL_TOKENS = {
     "bos": "<|startoftext|>",
@@ -37,7 +37,7 @@ CHAT_TEMPLATE = (
     "{% for tool in tools %}{% set fn = tool['function'] if tool['function'] is defined else tool %}"
     "{{ '\\n- ' + fn['name'] + '(' + ((fn.parameters or {}).properties or {}) | list | join(', ') + ')' }}"
     "{% if fn.description %}{{ ': ' + fn.description | trim }}{% endif %}{% endfor %}"
-    "{{ '\\nTo call one, answer <tool_call>{\"name\": <name>, \"arguments\": {<parameter>: <value>}}</tool_call>' }}"
+    '{{ \'\\nTo call one, answer <tool_call>{"name": <name>, "arguments": {<parameter>: <value>}}</tool_call>\' }}'
     "{{ '<|eot_id|>' }}"
     "{% endif %}{% endif %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim }}"
@@ -60,20 +60,38 @@ PRESETS = {
     "micro": dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64),
     # llada's sizes with a shared expert of its MLP's width (so its weights upcycle: `train.
     # transplant_weights`) and eight small routed experts, two per token; no q/k norms
-    "lladamoe": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512, moe_hidden_dim=64,
-                     shared_expert_hidden_dim=512, qk_norm=False),
+    "lladamoe": dict(
+        dim=192,
+        n_layers=6,
+        n_heads=6,
+        n_kv_heads=6,
+        hidden_dim=512,
+        moe_hidden_dim=64,
+        shared_expert_hidden_dim=512,
+        qk_norm=False,
+    ),
     # sdar's sizes in LLaDA2's layout, so sdar-arith's weights upcycle (`train.split_upcycle`): the
     # dense first layer keeps its MLP, the others split theirs into a shared expert of half its width
     # and eight routed experts of 32 units, two per token; sdar's block of 4 and whole-head rotary
     # (LLaDA2.0 rotates half a head: a different attention pattern than the one transplanted)
-    "llada2": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=512, moe_hidden_dim=32,
-                   shared_expert_hidden_dim=256, rope_dim=32, block_size=4),
+    "llada2": dict(
+        dim=192,
+        n_layers=6,
+        n_heads=6,
+        n_kv_heads=6,
+        hidden_dim=512,
+        moe_hidden_dim=32,
+        shared_expert_hidden_dim=256,
+        rope_dim=32,
+        block_size=4,
+    ),
 }
 # A mixture-of-experts family's routing at small sizes: LLaDA2's structure (a dense first layer,
 # one shared expert, top-2 of 8 experts in 4 groups of which 2 are kept); a family's `fixed`
 # fields win (LLaDA-MoE routes without groups).
-MOE_LAYOUT = dict(n_experts=8, n_active_experts=2, first_dense_layers=1, n_expert_groups=4,
-                  active_expert_groups=2, routed_scaling=2.5)
+MOE_LAYOUT = dict(
+    n_experts=8, n_active_experts=2, first_dense_layers=1, n_expert_groups=4, active_expert_groups=2, routed_scaling=2.5
+)
 
 
 TOKENIZER_CORPORA = ("arith", "talk")
@@ -126,8 +144,9 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0, corpus: str = "arith"
     return Tokenizer(fast, config)
 
 
-def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2048, seed: int = 0,
-              **overrides) -> Transformer:
+def new_model(
+    arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2048, seed: int = 0, **overrides
+) -> Transformer:
     """A freshly initialised model of family `arch` (a model_type) and size `preset`; `overrides`
     are ModelArgs fields (a block-diffusion family's `block_size`, say)."""
     family = FAMILIES[arch]
@@ -147,15 +166,25 @@ def new_model(arch: str, preset: str, tokenizer: Tokenizer, max_seq_len: int = 2
     if "n_experts" in family.fields:
         head = fields["dim"] // fields["n_heads"]
         rotary = float(family.reference_config.get("partial_rotary_factor", 1.0))  # LLaDA2 rotates half a head
-        layout = dict(MOE_LAYOUT, moe_hidden_dim=fields["hidden_dim"] // 2, shared_expert_hidden_dim=fields["hidden_dim"] // 2,
-                      head_size=head, rope_dim=int(head * rotary), qk_norm=True)
+        layout = dict(
+            MOE_LAYOUT,
+            moe_hidden_dim=fields["hidden_dim"] // 2,
+            shared_expert_hidden_dim=fields["hidden_dim"] // 2,
+            head_size=head,
+            rope_dim=int(head * rotary),
+            qk_norm=True,
+        )
         fields = {**layout, **fields}  # the preset's own choices win
     args = ModelArgs(**{**fields, **family.fixed, **overrides})
     # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
     ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
     torch.manual_seed(seed)
-    model = Transformer(args, family=family, config={k: v for k, v in ids.items() if k in family.reference_config},
-                        stop_token_ids=tokenizer.stop_token_ids())
+    model = Transformer(
+        args,
+        family=family,
+        config={k: v for k, v in ids.items() if k in family.reference_config},
+        stop_token_ids=tokenizer.stop_token_ids(),
+    )
     for name, p in model.named_parameters():
         if p.dim() >= 2:  # matrices, and the experts' stacks of them
             torch.nn.init.normal_(p, std=0.02)

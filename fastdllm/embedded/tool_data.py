@@ -31,13 +31,22 @@ from ..evaluation.tasks import arith
 
 # operation -> (tool names, descriptions, the result of a and b)
 OPERATIONS = {
-    "add": (["add", "Add", "add_numbers", "plus", "sum_two"], ["Add two numbers.", "Return a + b.", "Sum of two integers."],
-            lambda a, b: a + b),
-    "sub": (["subtract", "Subtract", "minus", "sub"], ["Subtract the second number from the first.", "Return a - b."],
-            lambda a, b: a - b),
+    "add": (
+        ["add", "Add", "add_numbers", "plus", "sum_two"],
+        ["Add two numbers.", "Return a + b.", "Sum of two integers."],
+        lambda a, b: a + b,
+    ),
+    "sub": (
+        ["subtract", "Subtract", "minus", "sub"],
+        ["Subtract the second number from the first.", "Return a - b."],
+        lambda a, b: a - b,
+    ),
     "mul": (["multiply", "Multiply", "times", "mul"], ["Multiply two numbers.", "Return a * b."], lambda a, b: a * b),
-    "div": (["divide", "Divide", "div"], ["Divide the first number by the second.", "Return a / b."],
-            lambda a, b: a // b),
+    "div": (
+        ["divide", "Divide", "div"],
+        ["Divide the first number by the second.", "Return a / b."],
+        lambda a, b: a // b,
+    ),
 }
 OPERAND_NAMES = [("a", "b"), ("x", "y"), ("first", "second"), ("left", "right"), ("num1", "num2"), ("n", "m")]
 ANSWER_TOOL_NAMES = ["Answer", "final_result", "submit_answer", "Result", "Output", "report_answer", "Response"]
@@ -63,7 +72,8 @@ def one_step(r: random.Random) -> tuple[str, str, int, int, int, str]:
     elif op == "mul":
         a, b = r.randint(2, 12), r.randint(2, 4)
         event = {2: f"Then the number of {item} doubles.", 3: f"Then the number of {item} triples."}.get(
-            b, f"Then {he.lower()} ends up with {b} times as many {item}.")
+            b, f"Then {he.lower()} ends up with {b} times as many {item}."
+        )
     else:
         b = r.randint(2, 5)
         a = b * r.randint(2, 10)
@@ -87,8 +97,12 @@ def _tool(r: random.Random, name: str, description: str, keys: list[str]) -> dic
     style = r.choice(["pydantic", "plain"])
     params = {"properties": {k: _integer(r, k, style) for k in keys}, "required": list(keys)}
     if style == "pydantic":
-        params = {**({"additionalProperties": False} if r.random() < 0.5 else {}), **params, "title": name,
-                  "type": "object"}
+        params = {
+            **({"additionalProperties": False} if r.random() < 0.5 else {}),
+            **params,
+            "title": name,
+            "type": "object",
+        }
         if r.random() < 0.4:
             params = {"description": description, **params}
     else:
@@ -107,8 +121,9 @@ def _operation_tool(r: random.Random, op: str) -> tuple[dict, tuple[str, str]]:
 
 def _answer_tool(r: random.Random, item: str) -> tuple[dict, str]:
     key = r.choice(ANSWER_FIELDS + [item, item])
-    return _tool(r, r.choice(ANSWER_TOOL_NAMES), r.choice(["The answer.", "The final answer.", "Respond with this."]),
-                 [key]), key
+    return _tool(
+        r, r.choice(ANSWER_TOOL_NAMES), r.choice(["The answer.", "The final answer.", "Respond with this."]), [key]
+    ), key
 
 
 def _dumps(value) -> str:
@@ -138,8 +153,9 @@ def tool_example(r: random.Random) -> dict:
     r.shuffle(offered)
     form = r.choices(list(FORMS), weights=list(FORMS.values()))[0]
     # auto: the story's operation when offered, else the answer tool
-    chosen = next((o for o in offered if o[0]["function"]["name"] in OPERATIONS[op][0]), None) or \
-        next(o for o in offered if len(o[1]) == 1)
+    chosen = next((o for o in offered if o[0]["function"]["name"] in OPERATIONS[op][0]), None) or next(
+        o for o in offered if len(o[1]) == 1
+    )
     name, arguments = chosen[0]["function"]["name"], chosen[1]
     messages = ex["messages"]
     if form == "arguments":
@@ -149,9 +165,15 @@ def tool_example(r: random.Random) -> dict:
     elif form == "call":
         answer = "<tool_call>" + _dumps({"name": name, "arguments": arguments}) + "</tool_call>"
     else:  # the call made, its result returned: the operation's result, or the answer tool's argument
-        messages = messages + [{"role": "assistant", "tool_calls": [{"id": "call_0", "type": "function",
-                                                                      "function": {"name": name, "arguments": arguments}}]},
-                               {"role": "tool", "tool_call_id": "call_0", "content": str(value)}]
+        messages = messages + [
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "content": str(value)},
+        ]
         answer = f"The result is {value}.\n#### {value}"
     return dict(ex, messages=messages, tools=[t for t, _ in offered], answer=answer, form=form)
 
@@ -159,5 +181,7 @@ def tool_example(r: random.Random) -> dict:
 def tool_row(r: random.Random, tokenizer) -> tuple[list[int], list[int]]:
     """One `tool_example` as (prompt ids, answer ids ending in the end-of-turn token)."""
     ex = tool_example(r)
-    return (tokenizer.encode_chat(ex["messages"], tools=ex["tools"]),
-            tokenizer.encode(ex["answer"], add_special_tokens=False) + [tokenizer.token_to_id("<|eot_id|>")])
+    return (
+        tokenizer.encode_chat(ex["messages"], tools=ex["tools"]),
+        tokenizer.encode(ex["answer"], add_special_tokens=False) + [tokenizer.token_to_id("<|eot_id|>")],
+    )

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from ..evaluation.tasks import arith
+from ..models import Transformer
+from ..models.loading import load_model, save_pretrained
+from ..text.tokenizer import Tokenizer, load_tokenizer
 from . import drills, train_data
 from .recipe import SPECIAL_TOKENS, build_tokenizer, new_model
-from ..models.loading import load_model, save_pretrained
-from ..models import Transformer
-from ..evaluation.tasks import arith
-from ..text.tokenizer import Tokenizer, load_tokenizer
 
 MASK_EPS = 1e-3
 
@@ -67,8 +67,12 @@ DATA_MIXES["story"] = (0.12, [(0.5, [64]), (0.62, [96, 128]), (0.76, [256]), (1.
 DATA_MIXES["long"] = (0.12, [(0.35, [64]), (0.45, [96, 128]), (0.65, [256]), (1.0, [512, 1024])])
 # Per mix with drills: the share of batches that are drills, drills.drill_problem's weighting and
 # restate for them, and the share of those drills in "sentence" phrasing (mixes not listed have none).
-DRILLS = {"drill": (0.25, "op", True, 0.0), "facts": (0.5, "fact", True, 0.0),
-          "recall": (0.5, "fact", False, 0.0), "story": (0.5, "fact", False, 0.5)}
+DRILLS = {
+    "drill": (0.25, "op", True, 0.0),
+    "facts": (0.5, "fact", True, 0.0),
+    "recall": (0.5, "fact", False, 0.0),
+    "story": (0.5, "fact", False, 0.5),
+}
 DRILLS["long"] = DRILLS["story"]  # the same drills; only the word problems' regions differ
 # long with 40% of word problems few-shot, 4-8 exemplars: long regions behind 8-shot prompts
 DATA_MIXES["shots"] = (0.4, DATA_MIXES["long"][1])
@@ -87,8 +91,7 @@ DATA_MIXES["plain"] = DATA_MIXES["tools"]  # the same shapes; rows from train_da
 MIN_SHOTS = {"shots": 4, "tail": 4}
 
 
-def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1",
-               max_len: int = 2048):
+def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1", max_len: int = 2048):
     """Deterministic in (seed, step): returns input ids (B, T) and the region start of each row;
     a row that would make T exceed `max_len` (the model's context) is drawn again."""
     r = random.Random(seed * 1_000_003 + step)
@@ -111,11 +114,15 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     else:
         stream = arith.train_stream(r.randrange(1 << 30))
     if mix not in train_data.MIX_SOURCES:
+
         def rows_of():
             shots = [next(stream) for _ in range(k)]
             p = next(stream)
             bare = not drill and k == 0 and r.random() < P_BARE_QUESTION
-            return arith.prompt_ids(tokenizer, p.question, shots, bare=bare), tokenizer.encode(p.answer, add_special_tokens=False) + [eot]
+            return arith.prompt_ids(tokenizer, p.question, shots, bare=bare), tokenizer.encode(
+                p.answer, add_special_tokens=False
+            ) + [eot]
+
     rows = []
     redrawn = 0
     while True:
@@ -140,8 +147,9 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     return ids, starts
 
 
-def sft_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: torch.Generator,
-             editing_noise: float = 0.0) -> torch.Tensor:
+def sft_loss(
+    model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: torch.Generator, editing_noise: float = 0.0
+) -> torch.Tensor:
     """LLaDA's SFT objective: the answer region masked at a ratio t per row, the masked tokens'
     cross-entropy weighted 1/t and normalised by the region length. A block-causal model sees the
     noisy sequence beside the clean one (`block_diffusion_logits`).
@@ -187,8 +195,9 @@ def sft_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: t
     return loss
 
 
-def block_diffusion_logits(model: Transformer, noisy: torch.Tensor, clean: torch.Tensor,
-                           pos: torch.Tensor) -> torch.Tensor:
+def block_diffusion_logits(
+    model: Transformer, noisy: torch.Tensor, clean: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
     """The block-diffusion objective's forward (BD3-LM's, as SDAR and Fast-dLLM v2 train): the noisy
     sequence and the clean one side by side, 2T positions with the same RoPE positions. A noisy
     position of block b attends to the noisy positions of its own block and to the clean positions
@@ -200,8 +209,13 @@ def block_diffusion_logits(model: Transformer, noisy: torch.Tensor, clean: torch
     total = noisy.shape[1]
     block = torch.arange(total, device=noisy.device) // model.args.block_size
     qb, kb = block[:, None], block[None, :]
-    allowed = torch.cat([torch.cat([qb == kb, kb < qb], 1),  # noisy queries: own block noisy, past clean
-                         torch.cat([torch.zeros_like(qb == kb), kb <= qb], 1)], 0)  # clean: block-causal
+    allowed = torch.cat(
+        [
+            torch.cat([qb == kb, kb < qb], 1),  # noisy queries: own block noisy, past clean
+            torch.cat([torch.zeros_like(qb == kb), kb <= qb], 1),
+        ],
+        0,
+    )  # clean: block-causal
     h = model.hidden(torch.cat([noisy, clean], 1), torch.cat([pos, pos], 1), allowed[None, None])
     return model.head(h[:, :total])
 
@@ -272,7 +286,9 @@ def transplant_weights(model: Transformer, source: Transformer, sample: torch.Te
     src = dict(source.state_dict())
     upcycled = set()
     moe_layers = [i for i in range(model.args.n_layers) if model.args.is_moe_layer(i)]
-    split = bool(moe_layers) and not source.args.n_experts and model.args.shared_expert_hidden_dim != source.args.hidden_dim
+    split = (
+        bool(moe_layers) and not source.args.n_experts and model.args.shared_expert_hidden_dim != source.args.hidden_dim
+    )
     if split:
         if sample is None:
             raise ValueError("init_from: splitting a dense MLP into experts needs sample token ids")
@@ -328,11 +344,16 @@ def split_upcycle(args, source: Transformer, sample: torch.Tensor, iters: int = 
     what the model computes."""
     e, width, shared = args.n_experts, args.moe_hidden_dim, args.shared_expert_hidden_dim
     if shared + e * width != source.args.hidden_dim:
-        raise ValueError(f"init_from: the shared ({shared}) and routed ({e} x {width}) experts' widths must add up "
-                         f"to the source MLP's {source.args.hidden_dim}")
+        raise ValueError(
+            f"init_from: the shared ({shared}) and routed ({e} x {width}) experts' widths must add up "
+            f"to the source MLP's {source.args.hidden_dim}"
+        )
     inputs = {}
-    hooks = [layer.feed_forward.register_forward_pre_hook(lambda mod, a, i=i: inputs.__setitem__(i, a[0].detach()))
-             for i, layer in enumerate(source.layers) if args.is_moe_layer(i)]
+    hooks = [
+        layer.feed_forward.register_forward_pre_hook(lambda mod, a, i=i: inputs.__setitem__(i, a[0].detach()))
+        for i, layer in enumerate(source.layers)
+        if args.is_moe_layer(i)
+    ]
     with torch.no_grad():
         source(sample)
     for h in hooks:
@@ -423,8 +444,8 @@ def trainable_parameters(model: Transformer, which: str) -> list[torch.nn.Parame
 def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
     """Accuracy and NFE on the first `n` held-out arith problems, through `fastdllm.evaluation.harness`
     (the one arith evaluator), 0-shot, batches of 16."""
-    from ..evaluation.harness import evaluate  # lazy: the engine and the harness sit above this module
     from ..config import GenerationConfig
+    from ..evaluation.harness import evaluate  # lazy: the engine and the harness sit above this module
 
     t0, was_training = time.time(), model.training
     model.eval()
@@ -494,8 +515,13 @@ def train(args: TrainSettings) -> Path:
     log = (out / "train_log.jsonl").open("a")
     model.train()
     t_start, tokens = time.time(), 0
-    meta = {"command": args.command_line, "arch": args.arch, "preset": args.preset or args.arch, "seed": args.seed,
-            "data_mix": args.data_mix}
+    meta = {
+        "command": args.command_line,
+        "arch": args.arch,
+        "preset": args.preset or args.arch,
+        "seed": args.seed,
+        "data_mix": args.data_mix,
+    }
     while step < args.steps:
         lr = lr_at(step, args.steps, args.lr, args.warmup, args.decay_frac)
         for g in opt.param_groups:
@@ -511,8 +537,13 @@ def train(args: TrainSettings) -> Path:
         step += 1
         tokens += ids.numel()
         if step % args.log_every == 0:
-            rec = {"step": step, "loss": round(loss.item(), 4), "lr": lr, "tokens": tokens,
-                   "elapsed_s": round(time.time() - t_start, 1)}
+            rec = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "lr": lr,
+                "tokens": tokens,
+                "elapsed_s": round(time.time() - t_start, 1),
+            }
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(json.dumps(rec), flush=True)
@@ -520,8 +551,14 @@ def train(args: TrainSettings) -> Path:
             save_checkpoint(out, model, tokenizer, opt, step, meta)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             try:
-                acc = heldout_accuracy(model, tokenizer, args.eval_n, gen_length=128, threshold=0.9,
-                                       **({} if model.args.block_size else {"block_length": 32, "cache": "dual"}))
+                acc = heldout_accuracy(
+                    model,
+                    tokenizer,
+                    args.eval_n,
+                    gen_length=128,
+                    threshold=0.9,
+                    **({} if model.args.block_size else {"block_length": 32, "cache": "dual"}),
+                )
             except Exception as e:  # the engine may be absent in a partial install: log, keep training
                 acc = {"eval_error": f"{type(e).__name__}: {e}"}
             rec = {"step": step, "heldout": acc, "elapsed_s": round(time.time() - t_start, 1)}

@@ -27,28 +27,33 @@ import json
 import random
 import re
 
-from . import drills, tool_data
 from ..evaluation.tasks import arith, everyday
 from ..evaluation.tasks.base import DATA_DIR
+from . import drills, tool_data
 
 # Sources of a row and their shares, per mix ("talk-arith": the arith stories' share raised so
 # that the old task is kept while the new one is learnt).
 SOURCES = {"everyday": 0.45, "arith": 0.18, "gsm8k": 0.1, "drill": 0.12, "text": 0.15}
-MIX_SOURCES = {"talk": SOURCES,
-               "talk-arith": {"everyday": 0.35, "arith": 0.35, "gsm8k": 0.05, "drill": 0.15, "text": 0.1},
-               # the embedded arith model's own prompts, and tool calls and JSON answers
-               "tools": {"arith": 0.45, "drill": 0.15, "tools": 0.4},
-               # the embedded arith model's own questions behind the plain wrappers users send
-               "plain": {"arith": 0.85, "drill": 0.15}}
+MIX_SOURCES = {
+    "talk": SOURCES,
+    "talk-arith": {"everyday": 0.35, "arith": 0.35, "gsm8k": 0.05, "drill": 0.15, "text": 0.1},
+    # the embedded arith model's own prompts, and tool calls and JSON answers
+    "tools": {"arith": 0.45, "drill": 0.15, "tools": 0.4},
+    # the embedded arith model's own questions behind the plain wrappers users send
+    "plain": {"arith": 0.85, "drill": 0.15},
+}
 # Within a question row: the prompt format's shares.
 FORMATS = {"chat": 0.5, "chat2": 0.12, "plain": 0.26, "plain-bare": 0.12}
 # Mixes whose question rows are all chat-formatted (their models were never given plain prompts).
-MIX_FORMATS = {"tools": {"chat": 1.0},
-               # half the rows as the model was trained (chat), so that its chat accuracy is kept
-               "plain": {"chat": 0.5, "plain": 0.35, "plain-bare": 0.15}}
+MIX_FORMATS = {
+    "tools": {"chat": 1.0},
+    # half the rows as the model was trained (chat), so that its chat accuracy is kept
+    "plain": {"chat": 0.5, "plain": 0.35, "plain-bare": 0.15},
+}
 # Docstrings of these modules are never trained on (the general-text measurements read them).
-HELD_OUT_MODULES = frozenset({"statistics", "difflib", "textwrap", "calendar", "heapq", "zipfile", "wave",
-                              "trace", "smtplib", "fractions"})
+HELD_OUT_MODULES = frozenset(
+    {"statistics", "difflib", "textwrap", "calendar", "heapq", "zipfile", "wave", "trace", "smtplib", "fractions"}
+)
 
 
 @functools.cache
@@ -100,9 +105,14 @@ def text_split(r: random.Random, tokenizer, text: str, room: int) -> tuple[list[
     return prompt, ids
 
 
-def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
-             sources: dict[str, float] | None = None, formats: dict[str, float] | None = None
-             ) -> tuple[list[int], list[int]]:
+def talk_row(
+    r: random.Random,
+    tokenizer,
+    region: int,
+    streams: dict,
+    sources: dict[str, float] | None = None,
+    formats: dict[str, float] | None = None,
+) -> tuple[list[int], list[int]]:
     """One row: (prompt ids, answer ids including its end token); `sources` and `formats`: the
     shares of its sources and prompt formats (default `SOURCES`, `FORMATS`)."""
     eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
@@ -114,7 +124,9 @@ def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
         return prompt, ids + [eos]
     if source == "drill":
         p = drills.drill_problem(r, weighting="fact", restate=False, phrasing=r.choice(["equation", "sentence"]))
-        return arith.prompt_ids(tokenizer, p.question, [], bare=True), tokenizer.encode(p.answer, add_special_tokens=False) + [eot]
+        return arith.prompt_ids(tokenizer, p.question, [], bare=True), tokenizer.encode(
+            p.answer, add_special_tokens=False
+        ) + [eot]
     if source == "gsm8k":
         p = r.choice(gsm8k_easy())
     else:
@@ -124,7 +136,9 @@ def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
         text = p.question if form == "plain-bare" else f"Question: {p.question}\nAnswer:"
         if form == "plain" and source == "arith" and r.random() < 0.3:  # lm-eval gsm8k's few-shot layout
             text = arith.format_prompt(p.question, [next(streams["arith"]) for _ in range(r.randint(1, 8))])
-        return tokenizer.encode(text, add_special_tokens=False), tokenizer.encode(" " + p.answer, add_special_tokens=False) + [eos]
+        return tokenizer.encode(text, add_special_tokens=False), tokenizer.encode(
+            " " + p.answer, add_special_tokens=False
+        ) + [eos]
     messages = []
     if form == "chat2":
         earlier = next(streams["everyday"])
@@ -138,5 +152,4 @@ def talk_row(r: random.Random, tokenizer, region: int, streams: dict,
 
 
 def talk_streams(r: random.Random) -> dict:
-    return {"everyday": everyday.train_stream(r.randrange(1 << 30)),
-            "arith": arith.train_stream(r.randrange(1 << 30))}
+    return {"everyday": everyday.train_stream(r.randrange(1 << 30)), "arith": arith.train_stream(r.randrange(1 << 30))}

@@ -55,13 +55,19 @@ class SequenceView:
     def blocks(self) -> tuple[int, ...]:
         return self.row_blocks or (self.block,) * self.x.shape[0]
 
-    def take(self, rows: list[int]) -> "SequenceView":
+    def take(self, rows: list[int]) -> SequenceView:
         """The view of some rows alone."""
         idx = torch.tensor(rows, device=self.x.device)
         blocks = self.blocks()
-        return SequenceView(self.x[idx], self.positions[idx], None if self.key_mask is None else self.key_mask[idx],
-                            block=blocks[rows[0]], block_length=self.block_length,
-                            capacity=self.capacity, row_blocks=tuple(blocks[i] for i in rows))
+        return SequenceView(
+            self.x[idx],
+            self.positions[idx],
+            None if self.key_mask is None else self.key_mask[idx],
+            block=blocks[rows[0]],
+            block_length=self.block_length,
+            capacity=self.capacity,
+            row_blocks=tuple(blocks[i] for i in rows),
+        )
 
     def leading_padding(self) -> int:
         """How many leading columns every row pads (a row that joined a batch with a longer prompt)."""
@@ -69,15 +75,20 @@ class SequenceView:
             return 0
         return int(self.key_mask[:, 0, 0, :].any(0).long().argmax())
 
-    def from_column(self, first: int) -> "SequenceView":
+    def from_column(self, first: int) -> SequenceView:
         """The same rows without columns [0, first) (padding for all of them): positions are
         absolute, so the forward is the same with fewer masked keys."""
         if first == 0:
             return self
-        return SequenceView(self.x[:, first:], self.positions[:, first:], self.key_mask[..., first:],
-                            block=self.block, block_length=self.block_length,
-                            capacity=None if self.capacity is None else self.capacity - first,
-                            row_blocks=self.row_blocks)
+        return SequenceView(
+            self.x[:, first:],
+            self.positions[:, first:],
+            self.key_mask[..., first:],
+            block=self.block,
+            block_length=self.block_length,
+            capacity=None if self.capacity is None else self.capacity - first,
+            row_blocks=self.row_blocks,
+        )
 
 
 class CachePolicy:
@@ -97,10 +108,10 @@ class CachePolicy:
         self.peak_cache_bytes = 0  # the largest KV cache this policy held at once (memory accounting)
 
     @classmethod
-    def from_config(cls, model, config) -> "CachePolicy":
+    def from_config(cls, model, config) -> CachePolicy:
         return cls(model, compiled=config.compile)
 
-    def record(self) -> "CachePolicy":
+    def record(self) -> CachePolicy:
         """Record every forward's (window start, window end, sequence length, block start, block end)
         in `history`: the schedule a benchmark can replay on another model."""
         self.history = []
@@ -124,9 +135,18 @@ class CachePolicy:
         self.work.append((rows, we - ws, length))  # a window's queries attend over the whole sequence
         if self.history is not None:
             self.history.append((ws, we, length, start, end))
-        return self.model.logits_for(seq.x, start, end, window=window, cache=cache, positions=seq.positions,
-                                     key_mask=seq.key_mask, compiled=self.compiled,
-                                     block_size=seq.block_length or None, batch_invariant=self.batch_invariant)
+        return self.model.logits_for(
+            seq.x,
+            start,
+            end,
+            window=window,
+            cache=cache,
+            positions=seq.positions,
+            key_mask=seq.key_mask,
+            compiled=self.compiled,
+            block_size=seq.block_length or None,
+            batch_invariant=self.batch_invariant,
+        )
 
 
 class NoCache(CachePolicy):
@@ -151,13 +171,13 @@ class RefreshRule:
         self.every, self.tol = every, tol
 
     @classmethod
-    def from_config(cls, config) -> "RefreshRule":
+    def from_config(cls, config) -> RefreshRule:
         return cls(every=config.refresh_every, tol=config.refresh_tol)
 
     def needs_full(self, block: int) -> bool:
         raise NotImplementedError
 
-    def partial(self, policy: "PrefixCache", seq: SequenceView, start: int, end: int, cache, rows) -> torch.Tensor:
+    def partial(self, policy: PrefixCache, seq: SequenceView, start: int, end: int, cache, rows) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -204,8 +224,9 @@ class AdaptiveRefresh(VicinityRefresh):
             # A full forward for those rows alone, in a cache of their own, copied back: the other
             # rows keep exactly what the vicinity refresh gave them.
             part = cache.take_rows(stale)
-            full = policy.forward(seq.take(stale), start, end, cache=part,
-                                  rows=stale if rows is None else [rows[i] for i in stale])
+            full = policy.forward(
+                seq.take(stale), start, end, cache=part, rows=stale if rows is None else [rows[i] for i in stale]
+            )
             cache.put_rows(stale, part)
             logits = logits.clone()
             logits[torch.tensor(stale, device=logits.device)] = full.to(logits.dtype)
@@ -223,7 +244,7 @@ def register_refresh_rule(cls: type[RefreshRule]) -> type[RefreshRule]:
     return cls
 
 
-def _refresh_rule(refresh: "RefreshRule | str", every=None, tol=0.1) -> RefreshRule:
+def _refresh_rule(refresh: RefreshRule | str, every=None, tol=0.1) -> RefreshRule:
     if isinstance(refresh, RefreshRule):
         return refresh
     if refresh not in REFRESH_RULES:
@@ -237,15 +258,21 @@ class PrefixCache(CachePolicy):
     # Whether later steps also reuse the suffix after the block (DualCache) or recompute it.
     reuse_suffix = False
 
-    def __init__(self, model, refresh: RefreshRule | str = "full", refresh_every: int | None = None,
-                 refresh_tol: float = 0.1, compiled: bool = False):
+    def __init__(
+        self,
+        model,
+        refresh: RefreshRule | str = "full",
+        refresh_every: int | None = None,
+        refresh_tol: float = 0.1,
+        compiled: bool = False,
+    ):
         super().__init__(model, compiled)
         self.refresh = _refresh_rule(refresh, refresh_every, refresh_tol)
         self._buffer: KVCache | None = None
         self.cache: KVCache | None = None
 
     @classmethod
-    def from_config(cls, model, config) -> "PrefixCache":
+    def from_config(cls, model, config) -> PrefixCache:
         return cls(model, refresh=REFRESH_RULES[config.refresh].from_config(config), compiled=config.compile)
 
     def _cache_for(self, batch: int, length: int, capacity: int) -> KVCache:
@@ -352,9 +379,13 @@ class SubBlockCache(DualCache):
         self._uncached: list[bool] = []  # per row: no whole-block forward of this block yet
 
     @classmethod
-    def from_config(cls, model, config) -> "SubBlockCache":
-        return cls(model, config.sub_block_length, refresh=REFRESH_RULES[config.refresh].from_config(config),
-                   compiled=config.compile)
+    def from_config(cls, model, config) -> SubBlockCache:
+        return cls(
+            model,
+            config.sub_block_length,
+            refresh=REFRESH_RULES[config.refresh].from_config(config),
+            compiled=config.compile,
+        )
 
     def block_logits(self, seq, start, end, step_in_block):
         if step_in_block == 0:
@@ -380,7 +411,7 @@ class SubBlockCache(DualCache):
                 out = self.forward(seq.take(rows), lo, hi, window=window, cache=part, rows=rows)
                 self.cache.put_rows(rows, part)
             index = torch.tensor(rows, device=out.device)
-            self._logits[index, lo - start:hi - start] = out.to(self._logits.dtype)
+            self._logits[index, lo - start : hi - start] = out.to(self._logits.dtype)
             if sub is None:
                 for i in rows:
                     self._uncached[i] = False

@@ -113,8 +113,14 @@ class GrammarConstraint:
         self.budget = positions if self.budget is None else min(self.budget, positions)
 
     @classmethod
-    def json(cls, tokenizer, stop_token_ids, schema: dict | None = None, what: str = "response_format",
-             budget: int | None = None):
+    def json(
+        cls,
+        tokenizer,
+        stop_token_ids,
+        schema: dict | None = None,
+        what: str = "response_format",
+        budget: int | None = None,
+    ):
         """Any JSON object (schema None: `json_object`), or JSON valid against `schema`."""
         ll = _llguidance()
         target = schema if schema is not None else {"type": "object"}
@@ -126,8 +132,9 @@ class GrammarConstraint:
 
     @classmethod
     def regex(cls, tokenizer, stop_token_ids, pattern: str, what: str = "regex", budget: int | None = None):
-        return cls(_llguidance().LLMatcher.grammar_from_regex(pattern), tokenizer, stop_token_ids, what=what,
-                   budget=budget)
+        return cls(
+            _llguidance().LLMatcher.grammar_from_regex(pattern), tokenizer, stop_token_ids, what=what, budget=budget
+        )
 
     def allowed(self, vocab_size: int, device) -> torch.Tensor:
         """(vocab_size,) True where the grammar accepts the token at the frontier."""
@@ -234,8 +241,11 @@ class GrammarConstraint:
         accepted = max(1, self.matcher.validate_tokens(run))
         run = run[:accepted]
         if self.budget is not None:
-            ranked = lambda: torch.where(allowed, logits[f].float(), float("-inf")).topk(
-                min(RANKED_ALTERNATIVES, int(allowed.sum()))).indices.tolist()
+
+            def ranked() -> list[int]:
+                scores = torch.where(allowed, logits[f].float(), float("-inf"))
+                return scores.topk(min(RANKED_ALTERNATIVES, int(allowed.sum()))).indices.tolist()
+
             run = self._within_budget(run, ranked)
         if not self.matcher.consume_tokens(run):
             raise RuntimeError(f"grammar rejected tokens it validated: {self.matcher.get_error()}")
@@ -250,8 +260,9 @@ class GrammarConstraint:
             chosen |= rest
 
 
-def response_format_constraint(response_format: dict | None, tokenizer, stop_token_ids,
-                               budget: int | None = None) -> GrammarConstraint | None:
+def response_format_constraint(
+    response_format: dict | None, tokenizer, stop_token_ids, budget: int | None = None
+) -> GrammarConstraint | None:
     """The constraint of an OpenAI `response_format` ({"type": "text" | "json_object" |
     "json_schema", "json_schema": {"name", "schema", "strict"}}), finishing within `budget`
     tokens; None for plain text."""
@@ -268,6 +279,7 @@ def response_format_constraint(response_format: dict | None, tokenizer, stop_tok
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise ValueError("response_format: json_schema must be an object with a schema object")
-        return GrammarConstraint.json(tokenizer, stop_token_ids, spec.get("schema") or {"type": "object"},
-                                      budget=budget)
+        return GrammarConstraint.json(
+            tokenizer, stop_token_ids, spec.get("schema") or {"type": "object"}, budget=budget
+        )
     raise ValueError(f"response_format: type must be text, json_object or json_schema (got {kind!r})")

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache_policies import CachePolicy, SequenceView
 from ..config import GenerationConfig, selection_rule_name
 from ..models.transformer import positions_from_mask
+from .cache_policies import CachePolicy, SequenceView
 from .policies import Policies, policies_for
 from .unmasking import SELECTION_RULES, UnmaskingStrategy
 
@@ -114,10 +114,15 @@ def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
     """Left-pad a list of prompts (or check a padded tensor); returns ids (B, P) and mask (B, P)."""
     pad_id = model.args.eos_token_id
     vocab = model.args.vocab_size
-    if input_ids is None or isinstance(input_ids, (str, bytes)) or (
-            isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], str)):
-        raise ValueError("input_ids: generate() takes token ids (a list of ints, a list of lists, or a tensor); "
-                         "for text use fastdllm.generate_text(model, tokenizer, text)")
+    if (
+        input_ids is None
+        or isinstance(input_ids, (str, bytes))
+        or (isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], str))
+    ):
+        raise ValueError(
+            "input_ids: generate() takes token ids (a list of ints, a list of lists, or a tensor); "
+            "for text use fastdllm.generate_text(model, tokenizer, text)"
+        )
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
@@ -140,8 +145,11 @@ def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
         input_ids = list(input_ids)
         if not input_ids:
             raise ValueError("input_ids: empty batch")
-        rows = [input_ids] if not isinstance(input_ids[0], (list, tuple, torch.Tensor)) else \
-            [list(r.tolist() if isinstance(r, torch.Tensor) else r) for r in input_ids]
+        rows = (
+            [input_ids]
+            if not isinstance(input_ids[0], (list, tuple, torch.Tensor))
+            else [list(r.tolist() if isinstance(r, torch.Tensor) else r) for r in input_ids]
+        )
         for r in rows:
             for t in r:
                 if not isinstance(t, int) or isinstance(t, bool):
@@ -187,14 +195,25 @@ class BlockDecoder:
     `policies` (see `fastdllm.engine.policies`; default: those the config names, `policies_for`), or
     `cache` / `strategy` alone, are the objects it decodes with: a new policy plugs in here."""
 
-    def __init__(self, model, config: GenerationConfig, cache: CachePolicy | None = None,
-                 strategy: UnmaskingStrategy | None = None, policies: Policies | None = None):
+    def __init__(
+        self,
+        model,
+        config: GenerationConfig,
+        cache: CachePolicy | None = None,
+        strategy: UnmaskingStrategy | None = None,
+        policies: Policies | None = None,
+    ):
         self.model, self.config = model, config
         family = getattr(model, "family", None)
-        if model.args.block_size and config.block_length != model.args.block_size and not (
-                family is not None and family.any_decoding_block):
-            raise ValueError(f"block_length: must be {model.args.block_size} for this model, whose attention is "
-                             f"block-causal in blocks of {model.args.block_size} (got {config.block_length})")
+        if (
+            model.args.block_size
+            and config.block_length != model.args.block_size
+            and not (family is not None and family.any_decoding_block)
+        ):
+            raise ValueError(
+                f"block_length: must be {model.args.block_size} for this model, whose attention is "
+                f"block-causal in blocks of {model.args.block_size} (got {config.block_length})"
+            )
         self.key = join_key(config)
         policies = policies or policies_for(model, config, cache, strategy)
         self.policy, self.strategy = policies.cache, policies.strategy
@@ -218,8 +237,15 @@ class BlockDecoder:
         schedule_varies = self.key == self.config and len(set(self.config.steps_per_block())) > 1
         return not (schedule_varies and any(r.block > 0 for r in self.rows))
 
-    def add(self, input_ids, attention_mask=None, row_seeds=None, config: GenerationConfig | None = None,
-            tags=None, constraints=None) -> list[Row]:
+    def add(
+        self,
+        input_ids,
+        attention_mask=None,
+        row_seeds=None,
+        config: GenerationConfig | None = None,
+        tags=None,
+        constraints=None,
+    ) -> list[Row]:
         """Rows that join at the next block boundary (validated now: a bad prompt is refused here,
         alone). `config` may differ from the batch's in gen_length only (see `join_key`).
         `constraints`: per row, None or the grammar its answer follows (`constraints.py`)."""
@@ -227,8 +253,11 @@ class BlockDecoder:
         if not self.accepts(config):
             raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
         ids, mask = prepare_inputs(self.model, input_ids, attention_mask, config)
-        gens = row_generators(config, ids.shape[0], row_seeds, self.device) if self.strategy.draws_randomness \
+        gens = (
+            row_generators(config, ids.shape[0], row_seeds, self.device)
+            if self.strategy.draws_randomness
             else [None] * ids.shape[0]
+        )
         tags = [None] * ids.shape[0] if tags is None else list(tags)
         rows = [self._row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
         if constraints is not None:
@@ -248,8 +277,10 @@ class BlockDecoder:
         lead = len(prompt) % blk if self.model.args.block_size else 0
         if not lead:
             return Row(prompt, config, generator, tag, asked=config.gen_length)
-        region = config.replace(gen_length=config.gen_length + blk,
-                                steps=None if config.steps is None else config.steps + config.steps // config.num_blocks)
+        region = config.replace(
+            gen_length=config.gen_length + blk,
+            steps=None if config.steps is None else config.steps + config.steps // config.num_blocks,
+        )
         return Row(prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:])
 
     def drop(self, rows: list[Row]) -> None:
@@ -292,8 +323,11 @@ class BlockDecoder:
             if r.lead:
                 x[i, start : start + r.lead] = r.lead_tokens
             valid[i, start - p : start + r.config.gen_length] = True
-        self.row_nfe = torch.cat([self.row_nfe, torch.zeros(len(new), dtype=torch.long, device=self.device)]) \
-            if old else torch.zeros(bsz, dtype=torch.long, device=self.device)
+        self.row_nfe = (
+            torch.cat([self.row_nfe, torch.zeros(len(new), dtype=torch.long, device=self.device)])
+            if old
+            else torch.zeros(bsz, dtype=torch.long, device=self.device)
+        )
         self.policy.relayout(list(range(len(old))) + [None] * len(new), shift, length)
         self.rows, self.start = old + new, start
         self._set(x, valid, step_of)
@@ -390,9 +424,16 @@ class BlockDecoder:
         # is not part of any forward until the window reaches it).
         cut = length if cfg.suffix_window is None else min(length, end + cfg.suffix_window)
         km = self.key_mask
-        seq = SequenceView(self.x[:, :cut], self.positions[:, :cut], None if km is None else km[..., :cut],
-                           block=blocks[0], block_length=blk, capacity=length, row_blocks=blocks)
-        block = self.x[:, self.start:end]  # a view: writes go straight into the layout
+        seq = SequenceView(
+            self.x[:, :cut],
+            self.positions[:, :cut],
+            None if km is None else km[..., :cut],
+            block=blocks[0],
+            block_length=blk,
+            capacity=length,
+            row_blocks=blocks,
+        )
+        block = self.x[:, self.start : end]  # a view: writes go straight into the layout
         steps = rows[0].config.steps_per_block()[blocks[0]]
         self._drawing = self.generators if self.strategy.draws_randomness else None
         self.rule.begin_block(block == self.mask_id, steps, self._drawing, list(range(len(rows))))
@@ -452,8 +493,9 @@ class BlockDecoder:
         bsz, end = block.shape[0], self.start + self.config.block_length
         done = block.tolist()
         revealed = self.step_of[:, self.start : end] >= 0  # not a prompt token that opens the region
-        hit = (torch.isin(block, self.stop_ids) & revealed).any(-1).tolist() if self.config.stop_at_eos \
-            else [False] * bsz
+        hit = (
+            (torch.isin(block, self.stop_ids) & revealed).any(-1).tolist() if self.config.stop_at_eos else [False] * bsz
+        )
         self.last_blocks, self.left, keep = [], [], []
         for i, r in enumerate(self.rows):
             _, _, b_lo, b_hi = r.answer_span(r.block, self.config.block_length)
@@ -480,7 +522,7 @@ class BlockDecoder:
                 if live[s][i]:
                     r.tokens_per_step.append(counts[s][i])
             for served, queries, keys in work:
-                for i in (range(len(self.rows)) if served is None else served):
+                for i in range(len(self.rows)) if served is None else served:
                     if live[s][i]:
                         r = self.rows[i]
                         r.nfe += 1

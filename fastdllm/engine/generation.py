@@ -16,16 +16,17 @@ Beyond the reference implementations:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .cache_policies import CachePolicy
 from ..config import GenerationConfig
+from .cache_policies import CachePolicy
 from .decoder import BlockDecoder
 from .policies import PolicySource, resolve
 from .unmasking import UnmaskingStrategy
+
 
 @dataclass
 class GenerationOutput:
@@ -143,12 +144,18 @@ def iter_generate(
             canvas[slot[id(r)]] = r.answer
         yield StepEvent("block", canvas, b, live, finished=[r.finished for r in rows])
 
-    stats.update(nfe=decoder.nfe, row_nfe=[r.nfe for r in rows], tokens_per_step=[r.tokens_per_step for r in rows],
-                 unmask_step=torch.stack([r.unmask_step for r in rows]), forward_time=decoder.forward_time,
-                 finished=[r.finished for r in rows], forward_positions=[r.forward_positions for r in rows],
-                 attended_positions=[r.attended_positions for r in rows],
-                 prompt_positions=[r.prompt_positions for r in rows],
-                 kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0))
+    stats.update(
+        nfe=decoder.nfe,
+        row_nfe=[r.nfe for r in rows],
+        tokens_per_step=[r.tokens_per_step for r in rows],
+        unmask_step=torch.stack([r.unmask_step for r in rows]),
+        forward_time=decoder.forward_time,
+        finished=[r.finished for r in rows],
+        forward_positions=[r.forward_positions for r in rows],
+        attended_positions=[r.attended_positions for r in rows],
+        prompt_positions=[r.prompt_positions for r in rows],
+        kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0),
+    )
     yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=[r.finished for r in rows])
 
 
@@ -194,7 +201,9 @@ def generate(
     if num_return_sequences > 1:
         k = num_return_sequences
         if constraints is not None:
-            raise ValueError("constraints: give one per row instead of num_return_sequences (a constraint holds its row's state)")
+            raise ValueError(
+                "constraints: give one per row instead of num_return_sequences (a constraint holds its row's state)"
+            )
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.repeat_interleave(k, 0)
             attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(k, 0)
@@ -206,8 +215,9 @@ def generate(
     t0 = time.perf_counter()
     last = None
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats, cache, strategy,
-                                   policies, constraints):
+        for event in iter_generate(
+            model, input_ids, config, attention_mask, row_seeds, stats, cache, strategy, policies, constraints
+        ):
             if on_step is not None and event.kind != "done":
                 on_step(event)
             last = event
@@ -250,8 +260,13 @@ def warm_up(model, config: GenerationConfig) -> float:
 
 
 def stream_blocks(
-    model, input_ids, config: GenerationConfig | None = None, attention_mask=None, row_seeds=None,
-    stats: dict | None = None, policies: PolicySource = None,
+    model,
+    input_ids,
+    config: GenerationConfig | None = None,
+    attention_mask=None,
+    row_seeds=None,
+    stats: dict | None = None,
+    policies: PolicySource = None,
 ) -> Iterator[tuple[int, list[list[int]], list[bool]]]:
     """Yield (block index, per-row token ids of that block, per-row finished) as soon as each
     block is final: inside a block tokens settle out of order, so a block is the unit a server

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 
 @torch.inference_mode()
-def elbo_loglikelihood(model, prefix: list[int], target: list[int], mc_num: int = 128, batch_size: int = 16,
-                       seed: int = 0) -> float:
+def elbo_loglikelihood(
+    model, prefix: list[int], target: list[int], mc_num: int = 128, batch_size: int = 16, seed: int = 0
+) -> float:
     """The ELBO estimate of log p(target | prefix), from `mc_num` masked samples in batches."""
     if not target:
         raise ValueError("target: the continuation is empty")

@@ -10,11 +10,11 @@ rules applied (Dream's block start with a cache). Callers that bring their own o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
-from .cache_policies import CachePolicy, NoCache, cache_policy
 from ..config import GenerationConfig
+from .cache_policies import CachePolicy, NoCache, cache_policy
 from .unmasking import UnmaskingStrategy
 
 
@@ -24,11 +24,12 @@ class Policies:
     strategy: UnmaskingStrategy
 
 
-PolicySource = Union[Policies, Callable[..., Policies], None]
+PolicySource = Policies | Callable[..., Policies] | None
 
 
-def policies_for(model, config: GenerationConfig, cache: CachePolicy | None = None,
-                 strategy: UnmaskingStrategy | None = None) -> Policies:
+def policies_for(
+    model, config: GenerationConfig, cache: CachePolicy | None = None, strategy: UnmaskingStrategy | None = None
+) -> Policies:
     """The policies `config` names (either one replaced by the object given). The family's rule
     applies to a strategy built from the config: a Dream model decoding with a block cache, and a
     Fast-dLLM v2 model always, reveal each block's first position at its block-start step, as
@@ -40,8 +41,11 @@ def policies_for(model, config: GenerationConfig, cache: CachePolicy | None = No
         if config.sub_block_length is not None:
             strategy = strategy.in_sub_blocks(config.sub_block_length)
         # Dream's rule belongs to its cached loops; a block-causal family's (Fast-dLLM v2's) to every loop
-        if family is not None and family.block_start_reveals_first and (
-                model.args.block_size or not isinstance(cache, NoCache)):
+        if (
+            family is not None
+            and family.block_start_reveals_first
+            and (model.args.block_size or not isinstance(cache, NoCache))
+        ):
             strategy = strategy.revealing_first_at_block_start()
     return Policies(cache, strategy)
 

@@ -12,12 +12,12 @@ text cut back to that many tokens, as the server does with `max_tokens`. Every o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..config import GenerationConfig
-from .generation import generate
 from ..text.completion import complete
+from .generation import generate
 
 
 @dataclass
@@ -30,9 +30,17 @@ class TextOutput:
     positions_per_token: float  # of the whole call: forward positions per generated token
 
 
-def generate_text(model, tokenizer, prompt: str | Sequence[str] | None = None, *, messages=None,
-                  max_new_tokens: int | None = None, config: GenerationConfig | None = None,
-                  stop: Sequence[str] | None = None, **options) -> TextOutput | list[TextOutput]:
+def generate_text(
+    model,
+    tokenizer,
+    prompt: str | Sequence[str] | None = None,
+    *,
+    messages=None,
+    max_new_tokens: int | None = None,
+    config: GenerationConfig | None = None,
+    stop: Sequence[str] | None = None,
+    **options,
+) -> TextOutput | list[TextOutput]:
     """Generate text for a prompt (or a list of prompts), or for `messages` (a conversation or a
     list of them). Returns one TextOutput, or a list when given a list."""
     if (prompt is None) == (messages is None):
@@ -52,14 +60,18 @@ def generate_text(model, tokenizer, prompt: str | Sequence[str] | None = None, *
             raise ValueError("prompt: a string or a non-empty list of strings")
         ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
-    config = config.replace(**options) if max_new_tokens is None else config.with_max_new_tokens(max_new_tokens,
-                                                                                               **options)
+    config = (
+        config.replace(**options) if max_new_tokens is None else config.with_max_new_tokens(max_new_tokens, **options)
+    )
     out = generate(model, ids, config=config)
     keep = max_new_tokens if max_new_tokens is not None else config.gen_length
     results = []
     for i, row in enumerate(out.sequences.tolist()):
         c = complete(tokenizer, row[:keep], model.stop_token_ids, stop)
         reason = c.finish_reason if c.finish_reason == "stop" or keep >= config.gen_length else "length"
-        results.append(TextOutput(c.text, c.num_tokens, reason, int(out.nfe_per_row[i]), out.tokens_per_second,
-                                  out.positions_per_token))
+        results.append(
+            TextOutput(
+                c.text, c.num_tokens, reason, int(out.nfe_per_row[i]), out.tokens_per_second, out.positions_per_token
+            )
+        )
     return results[0] if single else results

@@ -42,7 +42,8 @@ token's softmax probability) is computed in float64, as the reference does: it d
 ranking, and confident positions that tie in float32 (0.99999237 for several at once) are
 ordered by their float64 values, as there. It is the reference's own expression (softmax in
 float64, gathered at the token), not the equal-in-exact-arithmetic exp(logit - logsumexp): the two
-round near-certain probabilities differently (1 - 2e-16 against 1.0) and so rank them differently. Dream's confidences are float32, as in Dream's code.
+round near-certain probabilities differently (1 - 2e-16 against 1.0) and so rank them differently.
+Dream's confidences are float32, as in Dream's code.
 Randomness comes from one generator per row, drawn only for rows that still have masks in the
 block, so batched and single runs consume identical random streams.
 """
@@ -53,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import config as config_names
+
 NEG_INF = float("-inf")
 
 
@@ -100,9 +102,14 @@ def _filter_top_p_top_k(logits, top_p, top_k):
 def _sample_rows(probs, generators, rows) -> torch.Tensor:
     """A token per position from `probs` (B, T, V), each row with its own generator; a row without
     one (None: nothing to reveal, it draws nothing) takes the argmax."""
-    return torch.stack([probs[i].argmax(-1) if r is None
-                        else torch.multinomial(probs[i].float(), 1, generator=generators[r]).squeeze(-1)
-                        for i, r in enumerate(rows)])
+    return torch.stack(
+        [
+            probs[i].argmax(-1)
+            if r is None
+            else torch.multinomial(probs[i].float(), 1, generator=generators[r]).squeeze(-1)
+            for i, r in enumerate(rows)
+        ]
+    )
 
 
 def _propose_dream(logits, config, generators, rows, score):
@@ -127,7 +134,9 @@ def _propose_dream(logits, config, generators, rows, score):
 def _ranks(conf: torch.Tensor) -> torch.Tensor:
     """Rank of each position by descending confidence (0 = most confident), leftmost first on ties."""
     order = conf.argsort(dim=-1, descending=True, stable=True)
-    return torch.empty_like(order).scatter_(-1, order, torch.arange(conf.shape[-1], device=conf.device).expand_as(order))
+    return torch.empty_like(order).scatter_(
+        -1, order, torch.arange(conf.shape[-1], device=conf.device).expand_as(order)
+    )
 
 
 def _top_k_mask(conf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -151,7 +160,7 @@ class SelectionRule:
     uses_steps = False
 
     @classmethod
-    def from_config(cls, config) -> "SelectionRule":
+    def from_config(cls, config) -> SelectionRule:
         return cls()
 
     @staticmethod
@@ -351,8 +360,9 @@ class SubBlocks(SelectionRule):
         return self.inner.select(conf, here, step, generators, rows) & here
 
 
-SELECTION_RULES: dict[str, type[SelectionRule]] = {r.name: r for r in (Threshold, Factor, LinearSchedule,
-                                                                      DreamSchedule, Quota)}
+SELECTION_RULES: dict[str, type[SelectionRule]] = {
+    r.name: r for r in (Threshold, Factor, LinearSchedule, DreamSchedule, Quota)
+}
 assert list(SELECTION_RULES) == config_names.SELECTION_RULES
 
 
@@ -457,8 +467,11 @@ class LLaDA2Proposal(Proposal):
 
 
 # A family's own proposal, by the name its declaration gives (`Family.proposal`).
-PROPOSALS: dict[str, type[Proposal]] = {"sdar": SDARProposal, "fast_dllm_v2": FastDLLMv2Proposal,
-                                        "llada2": LLaDA2Proposal}
+PROPOSALS: dict[str, type[Proposal]] = {
+    "sdar": SDARProposal,
+    "fast_dllm_v2": FastDLLMv2Proposal,
+    "llada2": LLaDA2Proposal,
+}
 
 
 def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None = None) -> Proposal:
@@ -489,7 +502,7 @@ class Editing:
         self.threshold, self.max_post_steps = threshold, max_post_steps
 
     @classmethod
-    def from_config(cls, config) -> "Editing | None":
+    def from_config(cls, config) -> Editing | None:
         if config.editing_threshold is None:
             return None
         return cls(config.editing_threshold, config.max_post_steps)
@@ -509,12 +522,16 @@ class UnmaskingStrategy:
         self.editing = editing
 
     @classmethod
-    def from_config(cls, config, family_proposal: str | None = None) -> "UnmaskingStrategy":
+    def from_config(cls, config, family_proposal: str | None = None) -> UnmaskingStrategy:
         """`family_proposal`: the model family's own proposal (`PROPOSALS`), where it has one."""
         rule = SELECTION_RULES[config_names.selection_rule_name(config)]
         proposal = proposal_for(config, rule, family_proposal)
-        return cls(proposal, lambda: rule.from_config(config),
-                   proposal.draws_randomness() or rule.draws_randomness(config), Editing.from_config(config))
+        return cls(
+            proposal,
+            lambda: rule.from_config(config),
+            proposal.draws_randomness() or rule.draws_randomness(config),
+            Editing.from_config(config),
+        )
 
     def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator
@@ -525,14 +542,15 @@ class UnmaskingStrategy:
         """A fresh selection rule for one generation."""
         return self.make_rule()
 
-    def in_sub_blocks(self, size: int) -> "UnmaskingStrategy":
+    def in_sub_blocks(self, size: int) -> UnmaskingStrategy:
         """The same strategy, revealing each block sub-block by sub-block (`SubBlocks`)."""
         inner = self.make_rule
         return UnmaskingStrategy(self.proposal, lambda: SubBlocks(inner(), size), self.draws_randomness, self.editing)
 
-    def revealing_first_at_block_start(self) -> "UnmaskingStrategy":
+    def revealing_first_at_block_start(self) -> UnmaskingStrategy:
         """The same strategy whose block-start step reveals the block's first position
         (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache, Fast-dLLM v2)."""
         inner = self.make_rule
-        return UnmaskingStrategy(self.proposal, lambda: FirstPositionAtBlockStart(inner()), self.draws_randomness,
-                                 self.editing)
+        return UnmaskingStrategy(
+            self.proposal, lambda: FirstPositionAtBlockStart(inner()), self.draws_randomness, self.editing
+        )

@@ -46,10 +46,16 @@ TABLE_ROWS = [
     # beyond Fast-dLLM
     ("suffix", "Fast-dLLM +suffix window 64 (after DPad)", dict(cache="dual", threshold=0.9, suffix_window=64)),
     ("vicinity", "Fast-dLLM +vicinity refresh (after dInfer)", dict(cache="dual", threshold=0.9, refresh="vicinity")),
-    ("beyond", "Fast-dLLM +suffix window 64 +vicinity refresh",
-     dict(cache="dual", threshold=0.9, suffix_window=64, refresh="vicinity")),
-    ("default", "default (Fast-dLLM +suffix window 32 +vicinity refresh)",
-     dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity")),
+    (
+        "beyond",
+        "Fast-dLLM +suffix window 64 +vicinity refresh",
+        dict(cache="dual", threshold=0.9, suffix_window=64, refresh="vicinity"),
+    ),
+    (
+        "default",
+        "default (Fast-dLLM +suffix window 32 +vicinity refresh)",
+        dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity"),
+    ),
 ]
 # A block-diffusion model (block-causal attention) decodes in its own blocks and its cache is exact:
 # the rows are its one-token-per-step baseline, the exact cache, parallel decoding, and both (its
@@ -63,9 +69,16 @@ BLOCK_DIFFUSION_ROWS = [
 ]
 # LLaDA2.1's token editing, in its published quality and speed modes, for the LLaDA2 line's models.
 EDITING_ROWS = [
-    ("edit-quality", "+token editing, quality mode (threshold 0.7, editing 0.5)",
-     dict(threshold=0.7, editing_threshold=0.5)),
-    ("edit-speed", "+token editing, speed mode (threshold 0.5, editing 0.0)", dict(threshold=0.5, editing_threshold=0.0)),
+    (
+        "edit-quality",
+        "+token editing, quality mode (threshold 0.7, editing 0.5)",
+        dict(threshold=0.7, editing_threshold=0.5),
+    ),
+    (
+        "edit-speed",
+        "+token editing, speed mode (threshold 0.5, editing 0.0)",
+        dict(threshold=0.5, editing_threshold=0.0),
+    ),
 ]
 ROW_KEYS = list(dict.fromkeys(key for key, _, _ in TABLE_ROWS + BLOCK_DIFFUSION_ROWS + EDITING_ROWS))
 
@@ -77,16 +90,24 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None, 
     g = f"gen {gen_length}"
     block_causal = model is not None and model.args.block_size
     # The rows name their policies in full: they do not move with GenerationConfig's defaults.
-    base = dict(gen_length=gen_length, block_length=block_length, steps=gen_length, stop_at_eos=False,
-                suffix_window=None, refresh="full", refresh_every=None)
+    base = dict(
+        gen_length=gen_length,
+        block_length=block_length,
+        steps=gen_length,
+        stop_at_eos=False,
+        suffix_window=None,
+        refresh="full",
+        refresh_every=None,
+    )
     table = BLOCK_DIFFUSION_ROWS if block_causal else TABLE_ROWS
     if block_causal and model.family.proposal == "llada2":
         table = table + EDITING_ROWS
 
     def config(**kw):
         if block_causal:  # what the family needs (its block, its exact cache), then the row's settings
-            return GenerationConfig.for_model(model, GenerationConfig(gen_length=gen_length, steps=gen_length),
-                                              checkpoint_defaults=False, **kw)
+            return GenerationConfig.for_model(
+                model, GenerationConfig(gen_length=gen_length, steps=gen_length), checkpoint_defaults=False, **kw
+            )
         return GenerationConfig(**{**base, **kw})
 
     rows = [row for row in table if keys is None or row[0] in keys or row[0] == "baseline"]
@@ -95,19 +116,39 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None, 
         out += [Row(name, config(**kw, stop_at_eos=False), g) for _, name, kw in rows]
     if stop_at_eos in ("on", "both"):
         # "both": only the baseline and the full method are repeated with stop-at-EOS
-        picked = rows if stop_at_eos == "on" else [row for row in rows
-                                                       if row[0] in ("baseline", "full", "beyond", "default")]
+        picked = (
+            rows
+            if stop_at_eos == "on"
+            else [row for row in rows if row[0] in ("baseline", "full", "beyond", "default")]
+        )
         out += [Row(name + " [stop@eos]", config(**kw, stop_at_eos=True), g + " stop@eos") for _, name, kw in picked]
     return out
 
 
-def run_config(model, tokenizer, task: str, config, num_fewshot: int, limit: int | None, batch_size: int,
-               data_dir: str | None = None) -> dict:
+def run_config(
+    model,
+    tokenizer,
+    task: str,
+    config,
+    num_fewshot: int,
+    limit: int | None,
+    batch_size: int,
+    data_dir: str | None = None,
+) -> dict:
     """One bench row: `config` evaluated on `task`, its accuracy, speed and work."""
     from .harness import evaluate
 
-    m = evaluate(model, tokenizer, task, limit=limit, num_fewshot=num_fewshot, config=config,
-                 batch_size=batch_size, data_dir=data_dir, progress=False)
+    m = evaluate(
+        model,
+        tokenizer,
+        task,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        config=config,
+        batch_size=batch_size,
+        data_dir=data_dir,
+        progress=False,
+    )
     n = m["num_samples"]
     fwd = m.get("forward_time_s")
     return {
@@ -127,15 +168,19 @@ def run_config(model, tokenizer, task: str, config, num_fewshot: int, limit: int
 
 def fmt_row(r: dict) -> str:
     outside = "" if r.get("outside_forward") is None else f"{100 * r['outside_forward']:.1f}%"
-    return (f"| {r['group']} | {r['name']} | {100 * r['accuracy']:.1f} | {r['tokens_per_second']:.1f} | "
-            f"{r['speedup']:.1f}x | {r['nfe_per_sample']:.1f} | {r['tokens_per_step']:.2f} | "
-            f"{r['positions_per_token']:.1f} | {r['attended_per_token']:.0f} | {r['latency_s']:.2f} | {outside} | "
-            f"{r.get('kv_cache_bytes', 0) / 2**20:.2f} |")
+    return (
+        f"| {r['group']} | {r['name']} | {100 * r['accuracy']:.1f} | {r['tokens_per_second']:.1f} | "
+        f"{r['speedup']:.1f}x | {r['nfe_per_sample']:.1f} | {r['tokens_per_step']:.2f} | "
+        f"{r['positions_per_token']:.1f} | {r['attended_per_token']:.0f} | {r['latency_s']:.2f} | {outside} | "
+        f"{r.get('kv_cache_bytes', 0) / 2**20:.2f} |"
+    )
 
 
-HEADER = ("| setting | configuration | accuracy % | tokens/s | speed-up | NFE/sample | tokens/step | "
-          "positions/token | attended/token | latency s | outside fwd | KV cache MiB |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| setting | configuration | accuracy % | tokens/s | speed-up | NFE/sample | tokens/step | "
+    "positions/token | attended/token | latency s | outside fwd | KV cache MiB |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def environment(model, device) -> dict:
@@ -170,8 +215,15 @@ def pareto(points: list[tuple[float, float]], higher_x_better: bool = True) -> l
     return sorted(front, key=lambda i: points[i][0])
 
 
-def scatter_plot(path: Path, rows: list[dict], x_of, x_label: str, title: str, higher_x_better: bool,
-                 reference_line: float | None = None):
+def scatter_plot(
+    path: Path,
+    rows: list[dict],
+    x_of,
+    x_label: str,
+    title: str,
+    higher_x_better: bool,
+    reference_line: float | None = None,
+):
     """One point per row, each configuration a marker and colour named in a legend beside the
     axes (so no label sits on another), the Pareto frontier drawn through the points it keeps,
     the baseline and the default marked; returns the figure (closed by the caller)."""
@@ -187,17 +239,35 @@ def scatter_plot(path: Path, rows: list[dict], x_of, x_label: str, title: str, h
     ax = fig.add_axes([0.75 / width, 0.11, 5.4 / width, 0.8])
     pts = [(max(x_of(r), 1e-3), 100 * r["accuracy"]) for r in rows]
     front = pareto(pts, higher_x_better)
-    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-", color="0.55", linewidth=1.2,
-            zorder=1)
-    ax.scatter([pts[i][0] for i in front], [pts[i][1] for i in front], s=260, facecolor="none", edgecolor="0.55",
-               linewidth=1.2, zorder=2, label="on the Pareto frontier")
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-", color="0.55", linewidth=1.2, zorder=1)
+    ax.scatter(
+        [pts[i][0] for i in front],
+        [pts[i][1] for i in front],
+        s=260,
+        facecolor="none",
+        edgecolor="0.55",
+        linewidth=1.2,
+        zorder=2,
+        label="on the Pareto frontier",
+    )
     for k, (r, (x, y)) in enumerate(zip(rows, pts)):
         name = r["name"]
         special = name.startswith("baseline") or name.startswith("default")
-        ax.scatter(x, y, s=90 if special else 45, marker="s" if name.startswith("baseline") else
-                   "*" if name.startswith("default") else markers[k % len(markers)],
-                   color=cmap(k % 20), edgecolor="black" if special else "none", linewidth=0.8, zorder=3,
-                   label=labels[k])
+        ax.scatter(
+            x,
+            y,
+            s=90 if special else 45,
+            marker="s"
+            if name.startswith("baseline")
+            else "*"
+            if name.startswith("default")
+            else markers[k % len(markers)],
+            color=cmap(k % 20),
+            edgecolor="black" if special else "none",
+            linewidth=0.8,
+            zorder=3,
+            label=labels[k],
+        )
     if reference_line is not None:
         ax.axvline(reference_line, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log")
@@ -211,8 +281,16 @@ def scatter_plot(path: Path, rows: list[dict], x_of, x_label: str, title: str, h
     ax.set_ylabel("accuracy %")
     ax.set_title(title)
     ax.grid(True, which="major", linestyle=":", linewidth=0.5)
-    fig.legend(*ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(6.4 / width, 0.5), fontsize=6.5, markerscale=0.7,
-               frameon=False, handlelength=1.2, borderaxespad=0.0)
+    fig.legend(
+        *ax.get_legend_handles_labels(),
+        loc="center left",
+        bbox_to_anchor=(6.4 / width, 0.5),
+        fontsize=6.5,
+        markerscale=0.7,
+        frameon=False,
+        handlelength=1.2,
+        borderaxespad=0.0,
+    )
     fig.savefig(path, dpi=130)
     return fig
 
@@ -224,15 +302,26 @@ def plots(out: Path, rows: list[dict], sweeps: dict) -> list[str]:
     import matplotlib.pyplot as plt
 
     files = []
-    fig = scatter_plot(out / "accuracy_vs_speed.png", rows, lambda r: r["tokens_per_second"], "tokens/s (log)",
-                       "accuracy vs throughput (square: baseline, star: default)", higher_x_better=True)
+    fig = scatter_plot(
+        out / "accuracy_vs_speed.png",
+        rows,
+        lambda r: r["tokens_per_second"],
+        "tokens/s (log)",
+        "accuracy vs throughput (square: baseline, star: default)",
+        higher_x_better=True,
+    )
     plt.close(fig)
     files.append("accuracy_vs_speed.png")
     # The same against work: positions computed per generated token (1 = the autoregressive limit).
-    fig = scatter_plot(out / "accuracy_vs_work.png", rows, lambda r: r.get("positions_per_token") or 0.0,
-                       "forward positions per generated token (log; 1 = autoregressive)",
-                       "accuracy vs work (square: baseline, star: default)", higher_x_better=False,
-                       reference_line=1.0)
+    fig = scatter_plot(
+        out / "accuracy_vs_work.png",
+        rows,
+        lambda r: r.get("positions_per_token") or 0.0,
+        "forward positions per generated token (log; 1 = autoregressive)",
+        "accuracy vs work (square: baseline, star: default)",
+        higher_x_better=False,
+        reference_line=1.0,
+    )
     plt.close(fig)
     files.append("accuracy_vs_work.png")
     for key, label in (("threshold", "threshold"), ("block_length", "block length")):
@@ -249,7 +338,9 @@ def plots(out: Path, rows: list[dict], sweeps: dict) -> list[str]:
         ax2.set_ylabel("tokens/s", color="tab:red")
         if key == "block_length":
             ax1.set_xscale("log", base=2)
-        ax1.set_title(f"{label} sweep (DualCache + threshold)" if key == "block_length" else "threshold sweep (DualCache)")
+        ax1.set_title(
+            f"{label} sweep (DualCache + threshold)" if key == "block_length" else "threshold sweep (DualCache)"
+        )
         fig.tight_layout()
         name = f"sweep_{key}.png"
         fig.savefig(out / name, dpi=130)

@@ -43,16 +43,17 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from ..version import __version__
 from ..config import GenerationConfig
 from ..engine.generation import generate, warm_up
 from ..engine.policies import PolicySource
 from ..quant import weight_bytes
-from .tasks import Task, get_task, has_chat_template
 from ..text.completion import complete
+from ..version import __version__
+from .tasks import Task, get_task, has_chat_template
 
 DEFAULT_BATCH_SIZE = 1
 
@@ -137,7 +138,8 @@ def evaluate(
     workers: sandbox processes for code tasks; timeout: seconds per program (code tasks) or per
     equivalence check (math500); policies: the decoding policies (see `fastdllm.engine.policies`; default:
     the config's); chat_template: prompts through the tokenizer's chat template (default: when it has
-    one) or, with False, as the task's plain text (`Question: ...\nAnswer:`). Raises ValueError (UnknownTaskError, DataError) on bad input."""
+    one) or, with False, as the task's plain text (`Question: ...\nAnswer:`). Raises ValueError
+    (UnknownTaskError, DataError) on bad input."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     task = get_task(task)
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -169,8 +171,7 @@ def evaluate(
         for batch in _batches(order, batch_size):
             ids = [prompts[d.index] for d in batch]
             try:
-                out = generate(model, ids, config=config, row_seeds=[seed + d.index for d in batch],
-                               policies=policies)
+                out = generate(model, ids, config=config, row_seeds=[seed + d.index for d in batch], policies=policies)
             except ValueError as e:
                 raise ValueError(f"{batch[0].id}: {e}") from None
             gen_time += out.wall_time
@@ -182,60 +183,71 @@ def evaluate(
             score_time += time.perf_counter() - t0
             for i, (doc, comp, sc) in enumerate(zip(batch, completions, scores)):
                 steps = out.tokens_per_step[i]
-                records.append({
-                    "index": doc.index,
-                    "id": doc.id,
-                    "prompt": task.render(tokenizer, doc, shots, chat),
-                    "output": comp.text,
-                    "extracted": sc.extracted,
-                    "gold": doc.gold,
-                    "verdict": sc.verdict,
-                    "correct": bool(sc.correct),
-                    "reason": sc.reason,
-                    "finish_reason": comp.finish_reason,
-                    "num_tokens": comp.num_tokens,
-                    "nfe": int(out.nfe_per_row[i]),
-                    "forward_positions": int(out.forward_positions[i]),
-                    "attended_positions": int(out.attended_positions[i]),
-                    "prompt_positions": int(out.prompt_positions[i]),
-                    "revealed": int(sum(steps)),
-                    "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 0.0,
-                    "time_s": round(out.wall_time / len(batch), 5),
-                    "rank": rank,
-                })
+                records.append(
+                    {
+                        "index": doc.index,
+                        "id": doc.id,
+                        "prompt": task.render(tokenizer, doc, shots, chat),
+                        "output": comp.text,
+                        "extracted": sc.extracted,
+                        "gold": doc.gold,
+                        "verdict": sc.verdict,
+                        "correct": bool(sc.correct),
+                        "reason": sc.reason,
+                        "finish_reason": comp.finish_reason,
+                        "num_tokens": comp.num_tokens,
+                        "nfe": int(out.nfe_per_row[i]),
+                        "forward_positions": int(out.forward_positions[i]),
+                        "attended_positions": int(out.attended_positions[i]),
+                        "prompt_positions": int(out.prompt_positions[i]),
+                        "revealed": int(sum(steps)),
+                        "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 0.0,
+                        "time_s": round(out.wall_time / len(batch), 5),
+                        "rank": rank,
+                    }
+                )
                 n_tokens += comp.num_tokens
                 n_correct += bool(sc.correct)
             n_done += len(batch)
             if bar is not None:
-                bar.set_postfix(acc=f"{n_correct / n_done:.3f}", tok_s=f"{n_tokens / max(gen_time, 1e-9):.1f}",
-                                refresh=False)
+                bar.set_postfix(
+                    acc=f"{n_correct / n_done:.3f}", tok_s=f"{n_tokens / max(gen_time, 1e-9):.1f}", refresh=False
+                )
                 bar.update(len(batch) * world)  # the other ranks advance at about the same pace
     if bar is not None:
         bar.n = bar.total
         bar.close()
 
-    timing = {"rank": rank, "generation_time_s": gen_time, "forward_time_s": forward_time, "scoring_time_s": score_time,
-              "total_time_s": time.perf_counter() - t_start, "kv_cache_bytes": kv_bytes}
+    timing = {
+        "rank": rank,
+        "generation_time_s": gen_time,
+        "forward_time_s": forward_time,
+        "scoring_time_s": score_time,
+        "total_time_s": time.perf_counter() - t_start,
+        "kv_cache_bytes": kv_bytes,
+    }
     all_records = _gather(records, group)
     timings = _gather([timing], group)
     all_records.sort(key=lambda r: r["index"])
     results = summarize(all_records, timings)
-    results.update({
-        "task": task.name,
-        "description": task.description,
-        "model": model_name or getattr(model, "name_or_path", None),
-        "num_fewshot": k,
-        "limit": limit,
-        "chat_template": chat,
-        "batch_size": batch_size,
-        "world_size": world,
-        "config": config.to_dict(),
-        # memory: the weights as they sit in memory, and the largest KV cache a batch held
-        **(weight_bytes(model) if hasattr(model, "named_modules") else {}),
-        "quantization": getattr(model, "quantization", None),
-        "data_dir": str(data_dir) if data_dir is not None else "fastdllm/evaluation/data (bundled)",
-        "fastdllm_version": __version__,
-    })
+    results.update(
+        {
+            "task": task.name,
+            "description": task.description,
+            "model": model_name or getattr(model, "name_or_path", None),
+            "num_fewshot": k,
+            "limit": limit,
+            "chat_template": chat,
+            "batch_size": batch_size,
+            "world_size": world,
+            "config": config.to_dict(),
+            # memory: the weights as they sit in memory, and the largest KV cache a batch held
+            **(weight_bytes(model) if hasattr(model, "named_modules") else {}),
+            "quantization": getattr(model, "quantization", None),
+            "data_dir": str(data_dir) if data_dir is not None else "fastdllm/evaluation/data (bundled)",
+            "fastdllm_version": __version__,
+        }
+    )
     if task.is_code:
         from ..sandbox import protections
 
@@ -272,8 +284,11 @@ def summarize(records: Sequence[dict], timings: Sequence[dict] = ()) -> dict:
         # work per generated token, hardware-independent (~1 position for autoregressive decoding)
         "positions_per_token": sum(r.get("forward_positions", 0) for r in records) / tokens if tokens else 0.0,
         # the same beyond one prefill of each prompt (1 is the autoregressive limit)
-        "decode_positions_per_token": (sum(r.get("forward_positions", 0) - r.get("prompt_positions", 0) for r in records)
-                                       / tokens if tokens else 0.0),
+        "decode_positions_per_token": (
+            sum(r.get("forward_positions", 0) - r.get("prompt_positions", 0) for r in records) / tokens
+            if tokens
+            else 0.0
+        ),
         "attended_per_token": sum(r.get("attended_positions", 0) for r in records) / tokens if tokens else 0.0,
         "tokens_per_step": sum(r["revealed"] for r in records) / steps if steps else 0.0,
         "generated_tokens": tokens,
@@ -294,4 +309,3 @@ def write_samples(records: Sequence[dict], path: str | os.PathLike) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-

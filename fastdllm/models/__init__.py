@@ -6,8 +6,10 @@ from . import dream, fast_dllm_v2, llada, llada2, llada_moe, sdar
 from .family import Family
 from .transformer import ModelArgs, Transformer
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llada.FAMILY, dream.FAMILY, fast_dllm_v2.FAMILY, sdar.FAMILY,
-                                                             llada2.FAMILY, llada_moe.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (llada.FAMILY, dream.FAMILY, fast_dllm_v2.FAMILY, sdar.FAMILY, llada2.FAMILY, llada_moe.FAMILY)
+}
 # Other model_type spellings of a family.
 ALIASES = {alias: llada_moe.FAMILY for alias in llada_moe.ALIASES}
 
@@ -26,4 +28,16 @@ def family_of(config: dict, where: str = "config.json") -> Family:
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "Family", "ModelArgs", "Transformer", "family_of", "llada", "dream", "fast_dllm_v2", "llada2", "llada_moe", "sdar"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "ModelArgs",
+    "Transformer",
+    "family_of",
+    "llada",
+    "dream",
+    "fast_dllm_v2",
+    "llada2",
+    "llada_moe",
+    "sdar",
+]

@@ -64,9 +64,20 @@ GENERATION_DEFAULTS = ("alg", "alg_temp", "eps", "temperature", "top_p", "top_k"
 
 def generation_config(args: ModelArgs, base: dict | None = None) -> dict:
     """The generation_config.json a saved Dream checkpoint carries (Dream-v0's defaults)."""
-    cfg = {"alg": "origin", "alg_temp": None, "eps": 1e-3, "steps": 512, "max_new_tokens": 512,
-           "temperature": 0.0, "top_p": None, "top_k": None, "mask_token_id": args.mask_token_id,
-           "bos_token_id": args.eos_token_id, "eos_token_id": args.eos_token_id, "pad_token_id": args.eos_token_id}
+    cfg = {
+        "alg": "origin",
+        "alg_temp": None,
+        "eps": 1e-3,
+        "steps": 512,
+        "max_new_tokens": 512,
+        "temperature": 0.0,
+        "top_p": None,
+        "top_k": None,
+        "mask_token_id": args.mask_token_id,
+        "bos_token_id": args.eos_token_id,
+        "eos_token_id": args.eos_token_id,
+        "pad_token_id": args.eos_token_id,
+    }
     cfg.update(base or {})
     return cfg
 
@@ -92,4 +103,3 @@ FAMILY = Family(
 args_from_config = FAMILY.args_from_config
 config_from_args = FAMILY.config_from_args
 weight_names = FAMILY.weight_names
-

@@ -9,8 +9,9 @@ same three functions for every family, so a new family is a short file of declar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .transformer import ModelArgs
 
@@ -80,8 +81,14 @@ class Family:
         forward (no later block is visible to it)."""
         if not args.block_size:
             return dict(self.decoding)
-        return {"block_length": args.block_size, "cache": "dual", "refresh": "vicinity", "refresh_every": None,
-                "suffix_window": 0, **self.decoding}
+        return {
+            "block_length": args.block_size,
+            "cache": "dual",
+            "refresh": "vicinity",
+            "refresh_every": None,
+            "suffix_window": 0,
+            **self.decoding,
+        }
 
     # -- config.json -> ModelArgs
     def args_from_config(self, cfg: dict, where: str = "config.json") -> ModelArgs:
@@ -120,7 +127,8 @@ class Family:
         """Our parameter name -> the checkpoint's (a tuple for a stacked expert weight: the
         checkpoint's tensor of each expert, in order)."""
         names: dict[str, str | tuple[str, ...]] = {
-            k: v for k, v in self.top_weights.items() if k != "output.weight" or not args.tie_embeddings}
+            k: v for k, v in self.top_weights.items() if k != "output.weight" or not args.tie_embeddings
+        }
         per_layer = dict(self.layer_weights)
         if args.qk_norm:
             per_layer.update(self.qk_norm_weights)

@@ -68,8 +68,9 @@ FAMILY = Family(
     shifted_logits=True,
     reference_config=REFERENCE_CONFIG,
     required=qwen.REQUIRED,
-    fields=qwen.config_fields(MASK_TOKEN_ID, default_eos_token_id=151645,
-                              block_size=ConfigField(("bd_size",), default=32)),
+    fields=qwen.config_fields(
+        MASK_TOKEN_ID, default_eos_token_id=151645, block_size=ConfigField(("bd_size",), default=32)
+    ),
     unsupported={"hidden_act": "silu"},
     check=qwen.check_no_rope_scaling,
     fixed={"qkv_bias": True},

@@ -41,7 +41,9 @@ def linear_in_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out[:n].reshape(*lead, weight.shape[0])
 
 
-def grouped_as_pairs(x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+def grouped_as_pairs(
+    x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor | None = None, **kwargs
+) -> torch.Tensor:
     """`F.grouped_mm(x, weight_t, offs=offs)` (rows of x in groups ending at `offs`, group g times
     weight_t[g]) as one (1, K) x (K, N) multiply per row."""
     if offs is None or x.dim() != 2 or kwargs:

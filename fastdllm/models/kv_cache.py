@@ -27,10 +27,10 @@ class KVCache:
     def length(self) -> int:
         return self.k.shape[3]
 
-    def layer(self, i: int) -> "LayerKV":
+    def layer(self, i: int) -> LayerKV:
         return LayerKV(self.k[i], self.v[i])
 
-    def narrow(self, batch: int, length: int | None = None) -> "KVCache":
+    def narrow(self, batch: int, length: int | None = None) -> KVCache:
         """A view of the first `batch` rows and `length` positions (no copy): finished rows leave
         the batch; a suffix window leaves the positions after it out of every forward."""
         length = self.length if length is None else length
@@ -40,7 +40,7 @@ class KVCache:
         view.k, view.v = self.k[:, :batch, :, :length], self.v[:, :batch, :, :length]
         return view
 
-    def columns_from(self, first: int) -> "KVCache":
+    def columns_from(self, first: int) -> KVCache:
         """A view of positions [first, length) (no copy): a forward of rows that all pad the
         columns before `first` leaves them out."""
         if first == 0:
@@ -57,14 +57,14 @@ class KVCache:
         self.k[:, :n] = self.k.index_select(1, idx)
         self.v[:, :n] = self.v.index_select(1, idx)
 
-    def take_rows(self, rows: list[int]) -> "KVCache":
+    def take_rows(self, rows: list[int]) -> KVCache:
         """A copy of rows `rows` (a cache a forward of those rows alone can write)."""
         idx = torch.tensor(rows, device=self.k.device)
         out = KVCache.__new__(KVCache)
         out.k, out.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
         return out
 
-    def put_rows(self, rows: list[int], part: "KVCache") -> None:
+    def put_rows(self, rows: list[int], part: KVCache) -> None:
         """Write `part` (from `take_rows(rows)`) back into rows `rows`."""
         idx = torch.tensor(rows, device=self.k.device)
         self.k.index_copy_(1, idx, part.k)

@@ -92,13 +92,23 @@ FAMILY = Family(
         "eos_token_id": ConfigField(("eos_token_id",)),
     },
     # Settings of LLaDA's config that this (Llama-style) implementation does not support.
-    unsupported={"alibi": False, "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu",
-                 "input_emb_norm": False, "scale_logits": False, "attention_layer_norm": False, "rope": True},
+    unsupported={
+        "alibi": False,
+        "block_type": "llama",
+        "layer_norm_type": "rms",
+        "activation_type": "silu",
+        "input_emb_norm": False,
+        "scale_logits": False,
+        "attention_layer_norm": False,
+        "rope": True,
+    },
     adjust=lambda cfg, v: v.update(n_kv_heads=1) if cfg.get("multi_query_attention") else None,
     derived=lambda a: {"mlp_ratio": max(1, round(a.hidden_dim / a.dim))},
-    top_weights={"tok_embeddings.weight": "model.transformer.wte.weight",
-                 "norm.weight": "model.transformer.ln_f.weight",
-                 "output.weight": "model.transformer.ff_out.weight"},
+    top_weights={
+        "tok_embeddings.weight": "model.transformer.wte.weight",
+        "norm.weight": "model.transformer.ln_f.weight",
+        "output.weight": "model.transformer.ff_out.weight",
+    },
     layer_weights={
         "layers.{i}.attention_norm.weight": "model.transformer.blocks.{i}.attn_norm.weight",
         "layers.{i}.ffn_norm.weight": "model.transformer.blocks.{i}.ff_norm.weight",

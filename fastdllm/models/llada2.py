@@ -84,13 +84,26 @@ REFERENCE_CONFIG = {
     "vocab_size": 157184,
 }
 
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts",
-            "num_experts_per_tok", "moe_intermediate_size")
+REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 
 
 def _check(cfg: dict, where: str) -> None:
-    for key, only in (("use_bias", False), ("hidden_act", "silu"), ("score_function", "sigmoid"),
-                      ("use_sliding_window", False), ("rope_scaling", None), ("norm_head", False)):
+    for key, only in (
+        ("use_bias", False),
+        ("hidden_act", "silu"),
+        ("score_function", "sigmoid"),
+        ("use_sliding_window", False),
+        ("rope_scaling", None),
+        ("norm_head", False),
+    ):
         # use_bias defaults to True in LLaDA2MoeConfig: a config without it has a biased output projection
         value = cfg.get(key, True if key == "use_bias" else only)
         if value != only:
@@ -104,14 +117,19 @@ def _adjust(cfg: dict, values: dict) -> None:
     values["rope_dim"] = int(values["head_size"] * float(cfg.get("partial_rotary_factor", 0.5)))
     values["shared_expert_hidden_dim"] *= values["moe_hidden_dim"]  # num_shared_experts experts in one MLP
     if values["n_experts"] % values["n_expert_groups"]:
-        raise ValueError(f"num_experts: {values['n_experts']} experts do not split into n_group="
-                         f"{values['n_expert_groups']} groups")
+        raise ValueError(
+            f"num_experts: {values['n_experts']} experts do not split into n_group={values['n_expert_groups']} groups"
+        )
 
 
 def _derived(args: ModelArgs) -> dict:
-    return {"partial_rotary_factor": args.rotary_dim / args.head_dim, "use_qk_norm": args.qk_norm,
-            "use_qkv_bias": args.qkv_bias, "pad_token_id": args.eos_token_id,
-            "num_shared_experts": args.shared_expert_hidden_dim // args.moe_hidden_dim}
+    return {
+        "partial_rotary_factor": args.rotary_dim / args.head_dim,
+        "use_qk_norm": args.qk_norm,
+        "use_qkv_bias": args.qkv_bias,
+        "pad_token_id": args.eos_token_id,
+        "num_shared_experts": args.shared_expert_hidden_dim // args.moe_hidden_dim,
+    }
 
 
 FIELDS = {
@@ -132,7 +150,9 @@ FIELDS = {
     "n_experts": ConfigField(("num_experts",)),
     "n_active_experts": ConfigField(("num_experts_per_tok",)),
     "moe_hidden_dim": ConfigField(("moe_intermediate_size",)),
-    "shared_expert_hidden_dim": ConfigField(("num_shared_experts",), default=0, write=()),  # times moe_hidden_dim: _adjust
+    "shared_expert_hidden_dim": ConfigField(
+        ("num_shared_experts",), default=0, write=()
+    ),  # times moe_hidden_dim: _adjust
     "first_dense_layers": ConfigField(("first_k_dense_replace",), default=0),
     "n_expert_groups": ConfigField(("n_group",), default=8),
     "active_expert_groups": ConfigField(("topk_group",), default=4),
@@ -172,11 +192,16 @@ FAMILY = Family(
     adjust=_adjust,
     derived=_derived,
     fixed={"fused_qkv": True, "router_bias": True, "router_score": "sigmoid", "normalize_expert_weights": True},
-    top_weights={"tok_embeddings.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"},
+    top_weights={
+        "tok_embeddings.weight": "model.word_embeddings.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    },
     layer_weights=LAYER_WEIGHTS,
-    qk_norm_weights={"layers.{i}.attention.q_norm.weight": "model.layers.{i}.attention.query_layernorm.weight",
-                     "layers.{i}.attention.k_norm.weight": "model.layers.{i}.attention.key_layernorm.weight"},
+    qk_norm_weights={
+        "layers.{i}.attention.q_norm.weight": "model.layers.{i}.attention.query_layernorm.weight",
+        "layers.{i}.attention.k_norm.weight": "model.layers.{i}.attention.key_layernorm.weight",
+    },
     qkv_bias_weights={"layers.{i}.attention.wqkv.bias": "model.layers.{i}.attention.query_key_value.bias"},
     moe_weights=MOE_WEIGHTS,
     shared_expert_weights=SHARED_EXPERT_WEIGHTS,

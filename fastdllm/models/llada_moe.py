@@ -69,8 +69,15 @@ REFERENCE_CONFIG = {
     "vocab_size": 157184,
 }
 
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts",
-            "num_experts_per_tok", "expert_intermediate_size")
+REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "expert_intermediate_size",
+)
 
 
 def is_moe_config(cfg: dict) -> bool:
@@ -79,16 +86,23 @@ def is_moe_config(cfg: dict) -> bool:
 
 
 def _check(cfg: dict, where: str) -> None:
-    for key, only in (("attention_bias", False), ("clip_qkv", None), ("hidden_act", "silu"),
-                      ("moe_router_score_function", "softmax"), ("rope_scaling", None)):
+    for key, only in (
+        ("attention_bias", False),
+        ("clip_qkv", None),
+        ("hidden_act", "silu"),
+        ("moe_router_score_function", "softmax"),
+        ("rope_scaling", None),
+    ):
         if cfg.get(key, only) != only:
             raise ValueError(f"{where}: field {key}={cfg[key]!r} is not supported (only {only!r})")
     layers = cfg["num_hidden_layers"]
     freq = cfg.get("moe_layer_freq") or [1] * layers
     dense = next((i for i, f in enumerate(freq) if f), layers)
     if len(freq) != layers or any(not f for f in freq[dense:]):
-        raise ValueError(f"{where}: field moe_layer_freq={freq!r} is not supported (dense layers, if any, must come "
-                         "first, then only mixture-of-experts layers)")
+        raise ValueError(
+            f"{where}: field moe_layer_freq={freq!r} is not supported (dense layers, if any, must come "
+            "first, then only mixture-of-experts layers)"
+        )
 
 
 def _adjust(cfg: dict, values: dict) -> None:
@@ -100,9 +114,13 @@ def _adjust(cfg: dict, values: dict) -> None:
 
 
 def _derived(args: ModelArgs) -> dict:
-    return {"moe_layer_freq": [int(args.is_moe_layer(i)) for i in range(args.n_layers)], "qk_layernorm": args.qk_norm,
-            "moe_router_enable_expert_bias": args.router_bias, "partial_rotary_factor": args.rotary_dim / args.head_dim,
-            "shared_expert_intermediate_size": args.shared_expert_hidden_dim or None}
+    return {
+        "moe_layer_freq": [int(args.is_moe_layer(i)) for i in range(args.n_layers)],
+        "qk_layernorm": args.qk_norm,
+        "moe_router_enable_expert_bias": args.router_bias,
+        "partial_rotary_factor": args.rotary_dim / args.head_dim,
+        "shared_expert_intermediate_size": args.shared_expert_hidden_dim or None,
+    }
 
 
 FAMILY = Family(
@@ -134,11 +152,21 @@ FAMILY = Family(
     check=_check,
     adjust=_adjust,
     derived=_derived,
-    fixed={"router_score": "softmax", "router_in_float32": False, "bias_in_weights": True,
-           "normalize_expert_weights": False, "combine_in_float32": False, "n_expert_groups": 1,
-           "active_expert_groups": 1, "routed_scaling": 1.0},
-    top_weights={"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"},
+    fixed={
+        "router_score": "softmax",
+        "router_in_float32": False,
+        "bias_in_weights": True,
+        "normalize_expert_weights": False,
+        "combine_in_float32": False,
+        "n_expert_groups": 1,
+        "active_expert_groups": 1,
+        "routed_scaling": 1.0,
+    },
+    top_weights={
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    },
     layer_weights={
         "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
         "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",

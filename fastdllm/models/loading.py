@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from . import Transformer, family_of
 from ..text.tokenizer import Tokenizer, load_tokenizer
+from . import Transformer, family_of
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "embedded" / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
@@ -24,8 +24,14 @@ DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
 # twin, its block-diffusion twin in SDAR's layout and that twin's mixture of experts in LLaDA2's
 # (see docs/model-card.md).
 EMBEDDED_MODELS = ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]
 
 
@@ -37,8 +43,12 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def resolve_model_path(path_or_repo_id: str | os.PathLike | None, revision: str | None = None,
-                       local_files_only: bool = False, token: str | bool | None = None) -> Path:
+def resolve_model_path(
+    path_or_repo_id: str | os.PathLike | None,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+) -> Path:
     """A local folder as is; the name of an embedded model; otherwise a hub repo id downloaded (or
     found in the hub cache) at `revision` (a branch, tag or commit; default the main branch).
     `local_files_only` never goes to the network; `token` defaults to huggingface_hub's own
@@ -56,8 +66,15 @@ def resolve_model_path(path_or_repo_id: str | os.PathLike | None, revision: str 
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS, revision=revision,
-                                      local_files_only=local_files_only, token=token))
+        return Path(
+            snapshot_download(
+                repo_id=text,
+                allow_patterns=HUB_PATTERNS,
+                revision=revision,
+                local_files_only=local_files_only,
+                token=token,
+            )
+        )
     except Exception as e:  # network, auth, or unknown repo: say which id failed and why
         raise FileNotFoundError(
             f"model {text!r}: not a local folder, and downloading it from the Hugging Face hub failed "
@@ -85,8 +102,11 @@ def special_ids_from_tokenizer(config: dict, folder: Path, where: str) -> dict:
     for the published vocabulary. A folder without a tokenizer keeps the family's default. A
     tokenizer without the token is an error naming the token looked for."""
     family = family_of(config, where)
-    missing = {name: text for name, text in family.special_tokens.items()
-               if not any(config.get(key) for key in family.fields[name].read)}
+    missing = {
+        name: text
+        for name, text in family.special_tokens.items()
+        if not any(config.get(key) for key in family.fields[name].read)
+    }
     if not missing or not any((folder / f).is_file() for f in ("tokenizer.json", "vocab.json")):
         return config
     tokenizer = load_tokenizer(folder)
@@ -96,9 +116,11 @@ def special_ids_from_tokenizer(config: dict, folder: Path, where: str) -> dict:
         if found is None:
             default = family.fields[name].default
             there = tokenizer.fast.id_to_token(default) if isinstance(default, int) else None
-            raise ValueError(f"{where}: {name} is not set and the tokenizer has no {text!r} token to take it from "
-                             f"(the published id {default} is {there!r} in this vocabulary); set {name} in "
-                             f"config.json")
+            raise ValueError(
+                f"{where}: {name} is not set and the tokenizer has no {text!r} token to take it from "
+                f"(the published id {default} is {there!r} in this vocabulary); set {name} in "
+                f"config.json"
+            )
         config[family.fields[name].read[0]] = found
     return config
 
@@ -187,8 +209,10 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
             return qw
         tensor = tensors.get(theirs)
         if tuple(tensor.shape) != want:
-            raise ValueError(f"{tensors.file(theirs).name}: tensor {theirs} has shape {tuple(tensor.shape)}, "
-                             f"but {folder.name}/config.json implies {want}")
+            raise ValueError(
+                f"{tensors.file(theirs).name}: tensor {theirs} has shape {tuple(tensor.shape)}, "
+                f"but {folder.name}/config.json implies {want}"
+            )
         return tensor
 
     state, layers, missing = {}, {}, []
@@ -213,8 +237,10 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
         else:
             missing.append(theirs)
     if missing:
-        raise ValueError(f"{folder}: weights missing from the safetensors files: {', '.join(missing[:5])}"
-                         + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+        raise ValueError(
+            f"{folder}: weights missing from the safetensors files: {', '.join(missing[:5])}"
+            + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        )
     if layers:  # the quantized layers replace their linear ones, with the checkpoint's biases
         biases = {name: state.pop(f"{name}.bias", None) for name in layers}
         install(model, layers, device=torch.device(device), dtype=dtype, biases=biases)
@@ -223,8 +249,9 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
     held = {f"{name}." for name in layers}
     lost = [k for k in result.missing_keys if not k.startswith(tuple(held))]
     if lost or result.unexpected_keys:
-        raise ValueError(f"{folder}: weights do not match the model: missing {lost[:5]}, unexpected "
-                         f"{result.unexpected_keys[:5]}")
+        raise ValueError(
+            f"{folder}: weights do not match the model: missing {lost[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
     model.setup_rope(torch.device(device))
     return model.eval().requires_grad_(False)
 
@@ -252,9 +279,18 @@ def check_device(device) -> torch.device:
 QUANTIZE = {"int8": 8, "int4": 4}
 
 
-def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=None, *, revision: str | None = None,
-         local_files_only: bool = False, token: str | bool | None = None, quantize: str | None = None,
-         group_size: int | None = None, quantize_head: bool = False) -> tuple[Transformer, Tokenizer]:
+def load(
+    path_or_repo_id: str | os.PathLike | None = None,
+    dtype=None,
+    device=None,
+    *,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    quantize: str | None = None,
+    group_size: int | None = None,
+    quantize_head: bool = False,
+) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
 
     dtype: None (the checkpoint's `torch_dtype`), "float32"/"bfloat16" or a torch dtype.
@@ -289,8 +325,10 @@ def load(path_or_repo_id: str | os.PathLike | None = None, dtype=None, device=No
         from ..quant import install, quantize_weights
 
         if model.quantization is not None:
-            raise ValueError(f"quantize: {folder} is already quantized ({model.quantization['format']}, "
-                             f"{model.quantization['bits'][0]}-bit); load it without quantize")
+            raise ValueError(
+                f"quantize: {folder} is already quantized ({model.quantization['format']}, "
+                f"{model.quantization['bits'][0]}-bit); load it without quantize"
+            )
         install(model, quantize_weights(model, QUANTIZE[quantize], group_size, quantize_head), device=device)
         model.to(device)
         model.setup_rope(device)
@@ -331,9 +369,11 @@ def save_pretrained(
     from ..quant.formats import encode, quantization_config
 
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
-        raise ValueError("save_pretrained: this model's layers are quantized in memory; write a quantized "
-                         "checkpoint from the full-precision one (fastdllm.quant.quantize_checkpoint, "
-                         "`fastdllm quantize`)")
+        raise ValueError(
+            "save_pretrained: this model's layers are quantized in memory; write a quantized "
+            "checkpoint from the full-precision one (fastdllm.quant.quantize_checkpoint, "
+            "`fastdllm quantize`)"
+        )
     quantized = quantized or {}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -351,12 +391,16 @@ def save_pretrained(
         # is the group size has one group per channel either way.
         sizes = {qw.group_size for qw in quantized.values()}
         group = None if all(qw.per_channel for qw in quantized.values()) else min(sizes)
-        if len(bits) != 1 or any(qw.group_size != group and not (group is None and qw.per_channel)
-                                 for qw in quantized.values()):
+        if len(bits) != 1 or any(
+            qw.group_size != group and not (group is None and qw.per_channel) for qw in quantized.values()
+        ):
             raise ValueError("quantized: one bit width and one group size for the whole checkpoint")
         linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        ignore = sorted(names[f"{n}.weight"].removesuffix(".weight") for n in linears
-                        if n not in quantized and isinstance(names.get(f"{n}.weight"), str))
+        ignore = sorted(
+            names[f"{n}.weight"].removesuffix(".weight")
+            for n in linears
+            if n not in quantized and isinstance(names.get(f"{n}.weight"), str)
+        )
         config["quantization_config"] = quantization_config(quant_format, bits.pop(), group, ignore)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {}
@@ -404,9 +448,17 @@ def save_pretrained(
     return folder
 
 
-def quantize_checkpoint(src: str | os.PathLike | None, dst: str | os.PathLike, bits: int, *,
-                        group_size: int | None = None, quant_format: str = "compressed-tensors",
-                        quantize_head: bool = False, dtype=None, max_shard_bytes: int | None = None) -> Path:
+def quantize_checkpoint(
+    src: str | os.PathLike | None,
+    dst: str | os.PathLike,
+    bits: int,
+    *,
+    group_size: int | None = None,
+    quant_format: str = "compressed-tensors",
+    quantize_head: bool = False,
+    dtype=None,
+    max_shard_bytes: int | None = None,
+) -> Path:
     """Write the checkpoint at `src` (a folder, hub id or embedded name) to `dst` with its linear
     layers quantized to `bits` (8 or 4) in `quant_format`: loading `dst` gives the same model, and
     the same logits, as `load(src, quantize=...)` with these settings."""
@@ -419,5 +471,6 @@ def quantize_checkpoint(src: str | os.PathLike | None, dst: str | os.PathLike, b
     if model.quantization is not None:
         raise ValueError(f"{src}: already quantized ({model.quantization['format']})")
     weights = quantize_weights(model, bits, group_size, quantize_head)
-    return save_pretrained(model, dst, tokenizer, quantized=weights, quant_format=quant_format,
-                           max_shard_bytes=max_shard_bytes)
+    return save_pretrained(
+        model, dst, tokenizer, quantized=weights, quant_format=quant_format, max_shard_bytes=max_shard_bytes
+    )

@@ -50,12 +50,12 @@ def route(logits: torch.Tensor, args: ModelArgs, bias: torch.Tensor | None) -> t
 def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
-    return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0
-               for w in weights)
+    return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)
 
 
-def expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor,
-                  grouped: bool | None) -> torch.Tensor:
+def expert_linear(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, grouped: bool | None
+) -> torch.Tensor:
     """Row r of `x` (sorted by expert) times expert `experts[r]`'s weight (E, out, in), transposed.
     grouped: one grouped matmul (True), one batched matmul of gathered weights (False), or, for
     training (None: grouped_mm has no backward here), a slice per expert (a host sync per call)."""
@@ -79,7 +79,7 @@ class MoEFeedForward(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, h, d))  # up
         self.w2 = nn.Parameter(torch.empty(e, d, h))  # down
         for w in (self.w1, self.w3, self.w2):
-            nn.init.kaiming_uniform_(w.view(-1, w.shape[-1]), a=5 ** 0.5)
+            nn.init.kaiming_uniform_(w.view(-1, w.shape[-1]), a=5**0.5)
         self.shared = FeedForward(args, args.shared_expert_hidden_dim) if args.shared_expert_hidden_dim else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +101,9 @@ class MoEFeedForward(nn.Module):
         if self.training:
             self.load = counts  # for the trainer's expert-bias balancing (`train.balance_experts`)
         grouped = None if torch.is_grad_enabled() and self.w1.requires_grad else _grouped_mm_ok(xs, self.w1, self.w2)
-        h = F.silu(expert_linear(xs, self.w1, offsets, experts, grouped)) * expert_linear(xs, self.w3, offsets, experts,
-                                                                                          grouped)
+        h = F.silu(expert_linear(xs, self.w1, offsets, experts, grouped)) * expert_linear(
+            xs, self.w3, offsets, experts, grouped
+        )
         ys = expert_linear(h, self.w2, offsets, experts, grouped)
         out = torch.empty_like(ys)
         out[order] = ys

@@ -7,8 +7,9 @@ from __future__ import annotations
 from .family import ConfigField
 
 
-def config_fields(default_mask_token_id: int, default_eos_token_id: int = 151643, norm_eps: float = 1e-6,
-                  **more: ConfigField) -> dict[str, ConfigField]:
+def config_fields(
+    default_mask_token_id: int, default_eos_token_id: int = 151643, norm_eps: float = 1e-6, **more: ConfigField
+) -> dict[str, ConfigField]:
     fields = {
         "dim": ConfigField(("hidden_size",)),
         "n_layers": ConfigField(("num_hidden_layers",), write=("num_hidden_layers", "max_window_layers")),
@@ -29,8 +30,11 @@ def config_fields(default_mask_token_id: int, default_eos_token_id: int = 151643
 
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
-TOP_WEIGHTS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
+TOP_WEIGHTS = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 LAYER_WEIGHTS = {
     "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",

@@ -71,8 +71,15 @@ GENERATION_DEFAULTS = ("temperature", "top_p", "top_k")
 def generation_config(args: ModelArgs, base: dict | None = None) -> dict:
     """The generation_config.json a saved SDAR checkpoint carries (SDAR-4B-Chat's sampling, the
     model's own token ids)."""
-    cfg = {"bos_token_id": args.eos_token_id, "do_sample": True, "eos_token_id": args.eos_token_id,
-           "pad_token_id": args.eos_token_id, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    cfg = {
+        "bos_token_id": args.eos_token_id,
+        "do_sample": True,
+        "eos_token_id": args.eos_token_id,
+        "pad_token_id": args.eos_token_id,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    }
     cfg.update(base or {})
     return cfg
 

@@ -4,8 +4,8 @@ Every family is Llama-shaped: pre-norm RMSNorm blocks, rotary position embedding
 (optionally grouped-query) attention and a SwiGLU MLP; Qwen3-based ones (SDAR) add a per-head
 RMSNorm of q and k before RoPE; LLaDA2's (BailingMoeV2) fuse q/k/v into one projection, rotate
 only the first part of each head (partial rotary) and replace the MLP of all but the first layers
-by a mixture of experts (`moe.MoEFeedForward`). Attention is bidirectional over the whole sequence (LLaDA, Dream)
-or *block-causal* (`block_size` > 0: Fast-dLLM v2, SDAR): the position at RoPE index p belongs to
+by a mixture of experts (`moe.MoEFeedForward`). Attention is bidirectional over the whole sequence
+(LLaDA, Dream, LLaDA-MoE) or *block-causal* (`block_size` > 0: SDAR, Fast-dLLM v2, LLaDA2): the position at RoPE index p belongs to
 block p // block_size and attends to every key of its own block and of earlier blocks, none
 after. The family files only translate their checkpoint's config fields and weight names into
 `ModelArgs` and the module names used here, and say whether the logits are shifted.
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import KVCache
 from .args import ModelArgs
 from .invariance import BatchInvariant
+from .kv_cache import KVCache
 from .mlp import FeedForward
 from .moe import MoEFeedForward
 
@@ -83,8 +83,11 @@ class Attention(nn.Module):
         """q, k, v (B, heads, T, head_dim) of a window, RoPE applied."""
         bsz, seqlen, _ = x.shape
         if hasattr(self, "wqkv"):  # heads in the order q..., k..., v...
-            q, k, v = self.wqkv(x).view(bsz, seqlen, -1, self.head_dim).split(
-                [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+            q, k, v = (
+                self.wqkv(x)
+                .view(bsz, seqlen, -1, self.head_dim)
+                .split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+            )
         else:
             q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
             k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
@@ -113,11 +116,15 @@ class Attention(nn.Module):
                 q_lo, q_hi = max(lo - window_start, 0), min(hi - window_start, q.shape[2])
                 mask = None
                 if key_mask is not None:
-                    mask = key_mask[i : i + 1, :, q_lo:q_hi if key_mask.shape[2] > 1 else 1, lo:hi]
+                    mask = key_mask[i : i + 1, :, q_lo : q_hi if key_mask.shape[2] > 1 else 1, lo:hi]
                     mask = None if bool(mask.all()) else mask
                 out[i : i + 1, :, q_lo:q_hi] = F.scaled_dot_product_attention(
-                    q[i : i + 1, :, q_lo:q_hi], k[i : i + 1, :, lo:hi], v[i : i + 1, :, lo:hi], attn_mask=mask,
-                    enable_gqa=gqa)
+                    q[i : i + 1, :, q_lo:q_hi],
+                    k[i : i + 1, :, lo:hi],
+                    v[i : i + 1, :, lo:hi],
+                    attn_mask=mask,
+                    enable_gqa=gqa,
+                )
         return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
     def forward(self, x, cos, sin, key_mask, layer_cache, window_start: int) -> torch.Tensor:
@@ -163,8 +170,9 @@ def key_spans(key_mask: torch.Tensor | None, batch: int, keys: int) -> list[tupl
     return list(zip(lo.tolist(), hi.tolist()))
 
 
-def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, block_size: int,
-                      key_mask: torch.Tensor | None) -> torch.Tensor:
+def block_causal_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, block_size: int, key_mask: torch.Tensor | None
+) -> torch.Tensor:
     """(B, 1, T, S) True where a query (RoPE position, (B, T)) may attend a key ((B, S)): the key's
     block is not after the query's; and-ed with `key_mask` (B, 1, 1, S) (padding)."""
     allowed = (key_positions // block_size)[:, None, None, :] <= (query_positions // block_size)[:, None, :, None]
@@ -183,7 +191,7 @@ class Transformer(nn.Module):
     """A bidirectional Llama-shaped transformer; the families differ only in names and config
     fields (`models/family.py`).
 
-    Besides its weights a model knows its `family` (a `models.family.Family`: LLaDA or Dream),
+    Besides its weights a model knows its `family` (a `models.family.Family`: one of the six),
     the `config` its checkpoint was read from (or the fields a saved one should keep), its
     `generation_config` (generation_config.json, where there is one), where it came from
     (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer: tokens
@@ -196,8 +204,14 @@ class Transformer(nn.Module):
     warm_up`). In float32 the tokens are the eager ones (tested); in bfloat16 fused kernels round
     differently, which can flip a near-tied token."""
 
-    def __init__(self, args: ModelArgs, family=None, config: dict | None = None, name_or_path: str | None = None,
-                 stop_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        args: ModelArgs,
+        family=None,
+        config: dict | None = None,
+        name_or_path: str | None = None,
+        stop_token_ids: list[int] | None = None,
+    ):
         super().__init__()
         self.args = args
         self.family = family
@@ -245,12 +259,25 @@ class Transformer(nn.Module):
     def compiled_layers(self) -> list:
         """Per layer, the dense math before and after attention through torch.compile."""
         if self._compiled_layers is None:
-            self._compiled_layers = [(torch.compile(layer.before_attention, dynamic=True),
-                                      torch.compile(layer.after_attention, dynamic=True)) for layer in self.layers]
+            self._compiled_layers = [
+                (
+                    torch.compile(layer.before_attention, dynamic=True),
+                    torch.compile(layer.after_attention, dynamic=True),
+                )
+                for layer in self.layers
+            ]
         return self._compiled_layers
 
-    def hidden(self, tokens, positions, key_mask=None, cache: KVCache | None = None, window_start: int = 0,
-               compiled: bool = False, batch_invariant: bool = False):
+    def hidden(
+        self,
+        tokens,
+        positions,
+        key_mask=None,
+        cache: KVCache | None = None,
+        window_start: int = 0,
+        compiled: bool = False,
+        batch_invariant: bool = False,
+    ):
         """Final-norm hidden states of a window of tokens (B, T) at absolute `positions` (B, T).
 
         `key_mask` (B, 1, 1, S) is True where a key may be attended; S is T without a cache or the
@@ -271,8 +298,9 @@ class Transformer(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                batch_invariant: bool = False) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, batch_invariant: bool = False
+    ) -> torch.Tensor:
         """Plain full forward: logits (B, L, V) with the family's native meaning (shifted for Dream)."""
         bsz, length = input_ids.shape
         positions = positions_from_mask(attention_mask, bsz, length, input_ids.device)
@@ -324,8 +352,15 @@ class Transformer(nn.Module):
         if self.args.block_size:  # the keys are the whole sequence: the window's, or the cache's
             key_mask = block_causal_mask(positions[:, ws:we], positions, block_size or self.args.block_size, key_mask)
         with BatchInvariant() if batch_invariant else contextlib.nullcontext():
-            h = self.hidden(x[:, ws:we], positions[:, ws:we], key_mask, cache, ws, compiled=compiled,
-                            batch_invariant=batch_invariant)
+            h = self.hidden(
+                x[:, ws:we],
+                positions[:, ws:we],
+                key_mask,
+                cache,
+                ws,
+                compiled=compiled,
+                batch_invariant=batch_invariant,
+            )
             if first:
                 return self.head(torch.cat([h[:, :1], h[:, : end - shift]], 1))
             return self.head(h[:, start - shift - ws : end - shift - ws])

@@ -6,5 +6,13 @@ swap, `formats` the checkpoint layouts."""
 from .linear import QuantizedLinear, describe, install, quantize_model, quantize_weights, weight_bytes
 from .weights import QuantizedWeight, quantize_weight
 
-__all__ = ["QuantizedLinear", "QuantizedWeight", "describe", "install", "quantize_model", "quantize_weight",
-           "quantize_weights", "weight_bytes"]
+__all__ = [
+    "QuantizedLinear",
+    "QuantizedWeight",
+    "describe",
+    "install",
+    "quantize_model",
+    "quantize_weight",
+    "quantize_weights",
+    "weight_bytes",
+]

@@ -40,9 +40,16 @@ CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 class QuantFormat:
     """A parsed `quantization_config`: which format, and the scheme it declares."""
 
-    def __init__(self, method: str, bits: int | None = None, group_size: int | None = None,
-                 symmetric: bool = True, ct_format: str | None = None, zero_offset: int = 0,
-                 desc_act: bool = False):
+    def __init__(
+        self,
+        method: str,
+        bits: int | None = None,
+        group_size: int | None = None,
+        symmetric: bool = True,
+        ct_format: str | None = None,
+        zero_offset: int = 0,
+        desc_act: bool = False,
+    ):
         self.method, self.bits, self.group_size, self.symmetric = method, bits, group_size, symmetric
         self.ct_format, self.zero_offset, self.desc_act = ct_format, zero_offset, desc_act
 
@@ -51,8 +58,10 @@ class QuantFormat:
 
 
 def _fail(where: str, what: str):
-    raise ValueError(f"{where}: {what}; fastdllm reads weight-only compressed-tensors "
-                     f"({', '.join(CT_FORMATS)}, int weights) and GPTQ (4 or 8 bits) checkpoints")
+    raise ValueError(
+        f"{where}: {what}; fastdllm reads weight-only compressed-tensors "
+        f"({', '.join(CT_FORMATS)}, int weights) and GPTQ (4 or 8 bits) checkpoints"
+    )
 
 
 def read_quant_format(folder: Path, config: dict) -> QuantFormat | None:
@@ -79,8 +88,14 @@ def read_quant_format(folder: Path, config: dict) -> QuantFormat | None:
         if fmt not in ("gptq", "gptq_v2"):
             _fail(where, f"GPTQ checkpoint_format {fmt!r} (only 'gptq' and 'gptq_v2')")
         group = qc.get("group_size", -1)
-        return QuantFormat(GPTQ, bits, None if group in (-1, None) else int(group), bool(qc.get("sym", True)),
-                           zero_offset=1 if fmt == "gptq" else 0, desc_act=bool(qc.get("desc_act", False)))
+        return QuantFormat(
+            GPTQ,
+            bits,
+            None if group in (-1, None) else int(group),
+            bool(qc.get("sym", True)),
+            zero_offset=1 if fmt == "gptq" else 0,
+            desc_act=bool(qc.get("desc_act", False)),
+        )
     if method == COMPRESSED_TENSORS:
         fmt = qc.get("format")
         groups = qc.get("config_groups") or {}
@@ -133,8 +148,10 @@ def _decode_ct(fmt, get, prefix, has) -> QuantizedWeight:
         out_f, in_f = (int(v) for v in get(f"{prefix}.weight_shape").tolist())
         bits = packed.shape[1] * 32 // in_f
         if bits not in (4, 8) or packed.shape[0] != out_f:
-            raise ValueError(f"{prefix}.weight_packed: shape {tuple(packed.shape)} is not a 4- or 8-bit packing "
-                             f"of weight_shape {(out_f, in_f)}")
+            raise ValueError(
+                f"{prefix}.weight_packed: shape {tuple(packed.shape)} is not a 4- or 8-bit packing "
+                f"of weight_shape {(out_f, in_f)}"
+            )
         values = unpack_int32(packed, bits, in_f, dim=1)
     else:
         values = get(f"{prefix}.weight")
@@ -162,8 +179,9 @@ def _weight(values, scale, zero, bits, group_size, get, has, g_idx_name: str, wh
     order = _order_from_groups(get(g_idx_name), group_size, where) if has(g_idx_name) else None
     if order is not None:
         values = values[:, order]
-    return QuantizedWeight(values.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(),
-                           bits, group_size, order)
+    return QuantizedWeight(
+        values.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(), bits, group_size, order
+    )
 
 
 def _order_from_groups(g_idx: torch.Tensor, group_size: int, where: str) -> torch.Tensor | None:
@@ -207,9 +225,11 @@ def encode(method: str, qw: QuantizedWeight, prefix: str) -> dict[str, torch.Ten
         raise ValueError(f"{prefix}: writing act-order weights is not supported")
     out_f, in_f = qw.shape
     if method == COMPRESSED_TENSORS:
-        tensors = {f"{prefix}.weight_packed": pack_int32(qw.values, qw.bits, dim=1),
-                   f"{prefix}.weight_scale": qw.scale.contiguous(),
-                   f"{prefix}.weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64)}
+        tensors = {
+            f"{prefix}.weight_packed": pack_int32(qw.values, qw.bits, dim=1),
+            f"{prefix}.weight_scale": qw.scale.contiguous(),
+            f"{prefix}.weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64),
+        }
         if qw.zero is not None:
             tensors[f"{prefix}.weight_zero_point"] = pack_int32(qw.zero, qw.bits, dim=0)
         return tensors
@@ -218,10 +238,12 @@ def encode(method: str, qw: QuantizedWeight, prefix: str) -> dict[str, torch.Ten
         zero = qw.zero.to(torch.int16) if qw.zero is not None else torch.zeros(qw.scale.shape, dtype=torch.int16)
         stored_zero = (zero + half - 1).to(torch.int16)  # gptq (v1) stores z - 1, unsigned
         groups = qw.scale.shape[1]
-        return {f"{prefix}.qweight": pack_int32(qw.values.t(), qw.bits, dim=0),
-                f"{prefix}.qzeros": _pack_unsigned(stored_zero.t(), qw.bits),
-                f"{prefix}.scales": qw.scale.t().contiguous(),
-                f"{prefix}.g_idx": (torch.arange(in_f) // (in_f // groups)).to(torch.int32)}
+        return {
+            f"{prefix}.qweight": pack_int32(qw.values.t(), qw.bits, dim=0),
+            f"{prefix}.qzeros": _pack_unsigned(stored_zero.t(), qw.bits),
+            f"{prefix}.scales": qw.scale.t().contiguous(),
+            f"{prefix}.g_idx": (torch.arange(in_f) // (in_f // groups)).to(torch.int32),
+        }
     raise ValueError(f"format: {method!r} is not one of {', '.join(FORMATS)}")
 
 
@@ -234,15 +256,46 @@ def quantization_config(method: str, bits: int, group_size: int | None, ignore: 
     """config.json's `quantization_config` for weights written by `encode` (symmetric, round to
     nearest), as the format's own tools write it."""
     if method == COMPRESSED_TENSORS:
-        weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False, "actorder": None,
-                   "block_structure": None, "observer": "minmax", "observer_kwargs": {},
-                   "strategy": "channel" if group_size is None else "group", "group_size": group_size}
-        return {"quant_method": COMPRESSED_TENSORS, "format": "pack-quantized", "quantization_status": "compressed",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": "pack-quantized",
-                                              "input_activations": None, "output_activations": None}},
-                "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}
+        weights = {
+            "num_bits": bits,
+            "type": "int",
+            "symmetric": True,
+            "dynamic": False,
+            "actorder": None,
+            "block_structure": None,
+            "observer": "minmax",
+            "observer_kwargs": {},
+            "strategy": "channel" if group_size is None else "group",
+            "group_size": group_size,
+        }
+        return {
+            "quant_method": COMPRESSED_TENSORS,
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "format": "pack-quantized",
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+            "ignore": ignore,
+            "kv_cache_scheme": None,
+            "sparsity_config": {},
+            "global_compression_ratio": None,
+        }
     if method == GPTQ:
-        return {"quant_method": GPTQ, "bits": bits, "group_size": -1 if group_size is None else group_size,
-                "sym": True, "desc_act": False, "checkpoint_format": "gptq", "lm_head": False,
-                "damp_percent": 0.0, "true_sequential": True}
+        return {
+            "quant_method": GPTQ,
+            "bits": bits,
+            "group_size": -1 if group_size is None else group_size,
+            "sym": True,
+            "desc_act": False,
+            "checkpoint_format": "gptq",
+            "lm_head": False,
+            "damp_percent": 0.0,
+            "true_sequential": True,
+        }
     raise ValueError(f"format: {method!r} is not one of {', '.join(FORMATS)}")

@@ -34,7 +34,7 @@ from torch import nn
 from .weights import GROUP_SIZES, QuantizedWeight, check_bits, pack_nibbles, quantize_weight, unpack_nibbles
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_runs(kind: str, device_type: str, dtype: torch.dtype) -> bool:
     """Whether this torch build runs kernel `kind` ("int8" or "int4") on this device and dtype:
     tried once on a tiny input, so a missing kernel means the fallback, not an error."""
@@ -82,15 +82,22 @@ class QuantizedLinear(nn.Module):
             self.kernel = "int8"
             self.register_buffer("qweight", qw.values.contiguous())
             self.register_buffer("scales", qw.scale[:, 0].to(dtype).contiguous())
-        elif (qw.bits == 4 and device.type == "cpu" and qw.group_size in GROUP_SIZES and n % 16 == 0
-              and kernel_runs("int4", "cpu", dtype)):
+        elif (
+            qw.bits == 4
+            and device.type == "cpu"
+            and qw.group_size in GROUP_SIZES
+            and n % 16 == 0
+            and kernel_runs("int4", "cpu", dtype)
+        ):
             self.kernel = "int4-cpu"
             unsigned = (qw.values.to(torch.int32) + 8).contiguous()
             self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 8))
             # The kernel computes (q - 8) * scale + zero with q unsigned: our zero point in its terms.
             scale = qw.scale.float()
             offset = torch.zeros_like(scale) if qw.zero is None else -qw.zero.float() * scale
-            self.register_buffer("scales_and_zeros", torch.stack([scale, offset], -1).transpose(0, 1).to(dtype).contiguous())
+            self.register_buffer(
+                "scales_and_zeros", torch.stack([scale, offset], -1).transpose(0, 1).to(dtype).contiguous()
+            )
         else:
             self.kernel = "dequantize"
             self.register_buffer("qweight", pack_nibbles(qw.values) if qw.bits == 4 else qw.values.contiguous())
@@ -99,8 +106,10 @@ class QuantizedLinear(nn.Module):
         self.dtype = dtype
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, symmetric={self.symmetric}, kernel={self.kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"group_size={self.group_size}, symmetric={self.symmetric}, kernel={self.kernel}"
+        )
 
     def dequantized(self) -> torch.Tensor:
         """The (out, in) weight in the model's dtype, in the order the kernel reads the inputs."""
@@ -108,8 +117,9 @@ class QuantizedLinear(nn.Module):
             return self.qweight.to(self.dtype) * self.scales[:, None]
         if self.kernel == "int4-cpu":
             eye = torch.eye(self.in_features, dtype=self.dtype, device=self.qweight.device)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size,
-                                                              self.scales_and_zeros).t()
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, self.qweight, self.group_size, self.scales_and_zeros
+            ).t()
         q = (unpack_nibbles(self.qweight) if self.bits == 4 else self.qweight).to(self.dtype)
         groups = self.in_features // self.group_size
         q = q.view(self.out_features, groups, self.group_size)
@@ -137,11 +147,15 @@ class QuantizedLinear(nn.Module):
         # The int4 CPU layout is the kernel's own: moving it would silently mean something else.
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.qweight.device))
         if probe.device != self.qweight.device:
-            raise ValueError(f"a quantized layer built for {self.qweight.device} cannot move to {probe.device}: "
-                             f"load with device={str(probe.device)!r} and quantize there")
+            raise ValueError(
+                f"a quantized layer built for {self.qweight.device} cannot move to {probe.device}: "
+                f"load with device={str(probe.device)!r} and quantize there"
+            )
         if probe.dtype != self.dtype:
-            raise ValueError(f"a quantized layer computing in {self.dtype} cannot change to {probe.dtype}: "
-                             f"load with that dtype and quantize then")
+            raise ValueError(
+                f"a quantized layer computing in {self.dtype} cannot change to {probe.dtype}: "
+                f"load with that dtype and quantize then"
+            )
         return super()._apply(fn, recurse)
 
 
@@ -167,10 +181,14 @@ def choose_group_size(model, bits: int, group_size: int | None, include_head: bo
     widths = {m.in_features for m in quantizable_linears(model, include_head).values()}
     if group_size is not None:
         if group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size: {group_size} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}")
+            raise ValueError(
+                f"group_size: {group_size} is not supported; use one of {', '.join(map(str, GROUP_SIZES))}"
+            )
         bad = sorted(w for w in widths if w % group_size)
         if bad:
-            raise ValueError(f"group_size: {group_size} does not divide the input width {bad[0]} of this model's layers")
+            raise ValueError(
+                f"group_size: {group_size} does not divide the input width {bad[0]} of this model's layers"
+            )
         return group_size
     if bits == 8:
         return None
@@ -180,16 +198,26 @@ def choose_group_size(model, bits: int, group_size: int | None, include_head: bo
     raise ValueError(f"group_size: no group size of 128, 64 or 32 divides every layer's input width ({sorted(widths)})")
 
 
-def quantize_weights(model, bits: int, group_size: int | None = None, include_head: bool = False) -> dict[str, QuantizedWeight]:
+def quantize_weights(
+    model, bits: int, group_size: int | None = None, include_head: bool = False
+) -> dict[str, QuantizedWeight]:
     """Our module name -> its weight quantized (round to nearest, symmetric; `weights.quantize_weight`)."""
     check_bits(bits)
     size = choose_group_size(model, bits, group_size, include_head)
-    return {name: quantize_weight(m.weight, bits, size, scale_dtype=m.weight.dtype)
-            for name, m in quantizable_linears(model, include_head).items()}
+    return {
+        name: quantize_weight(m.weight, bits, size, scale_dtype=m.weight.dtype)
+        for name, m in quantizable_linears(model, include_head).items()
+    }
 
 
-def install(model, weights: dict[str, QuantizedWeight], *, device=None, dtype=None,
-            biases: dict[str, torch.Tensor | None] | None = None):
+def install(
+    model,
+    weights: dict[str, QuantizedWeight],
+    *,
+    device=None,
+    dtype=None,
+    biases: dict[str, torch.Tensor | None] | None = None,
+):
     """Replace each named linear layer by a `QuantizedLinear` of its quantized weight, built on
     `device` and computing in `dtype` (default: the replaced layer's), with `biases[name]`
     (default: the replaced layer's bias). Returns the model."""
@@ -198,7 +226,9 @@ def install(model, weights: dict[str, QuantizedWeight], *, device=None, dtype=No
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         bias = biases.get(name) if biases is not None else old.bias
-        setattr(parent, attr, QuantizedLinear(qw.to(device or old.weight.device), bias, dtype=dtype or old.weight.dtype))
+        setattr(
+            parent, attr, QuantizedLinear(qw.to(device or old.weight.device), bias, dtype=dtype or old.weight.dtype)
+        )
     if weights:
         model._compiled_layers = None  # compiled layers closed over the old modules
         model.quantization = describe(model)

@@ -49,10 +49,16 @@ class QuantizedWeight:
             w = torch.empty_like(w).index_copy_(1, self.input_order, w)
         return w.to(dtype)
 
-    def to(self, device) -> "QuantizedWeight":
+    def to(self, device) -> QuantizedWeight:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return QuantizedWeight(self.values.to(device), self.scale.to(device), move(self.zero), self.bits,
-                               self.group_size, move(self.input_order))
+        return QuantizedWeight(
+            self.values.to(device),
+            self.scale.to(device),
+            move(self.zero),
+            self.bits,
+            self.group_size,
+            move(self.input_order),
+        )
 
 
 def check_bits(bits: int) -> int:
@@ -61,8 +67,9 @@ def check_bits(bits: int) -> int:
     return bits
 
 
-def quantize_weight(weight: torch.Tensor, bits: int, group_size: int | None = None,
-                    scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+def quantize_weight(
+    weight: torch.Tensor, bits: int, group_size: int | None = None, scale_dtype: torch.dtype | None = None
+) -> QuantizedWeight:
     """Symmetric round-to-nearest: per output channel (`group_size` None) or per group of
     `group_size` input columns. scale = max|w| / (2^(b-1) - 1) over the group, rounded to
     `scale_dtype` (default the weight's) *before* the values are computed from it, so the values
@@ -120,4 +127,4 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return (torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int8) - 8)
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int8) - 8

@@ -49,14 +49,38 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
-from .box import UID_BASE, VERDICTS, Box, SandboxConfig, SandboxResult, SandboxUnavailable, current_plan, drive, last_line, map_in_order, memory_reason
+from .box import (
+    UID_BASE,
+    VERDICTS,
+    Box,
+    SandboxConfig,
+    SandboxResult,
+    SandboxUnavailable,
+    current_plan,
+    drive,
+    last_line,
+    map_in_order,
+    memory_reason,
+)
 from .judge import CodeCheck, free_names, judge, judge_many
 
-__all__ = ["CodeCheck", "SandboxConfig", "SandboxResult", "UID_BASE", "VERDICTS", "free_names", "judge",
-           "judge_many", "protections", "run_many", "run_program", "SandboxUnavailable"]
+__all__ = [
+    "CodeCheck",
+    "SandboxConfig",
+    "SandboxResult",
+    "UID_BASE",
+    "VERDICTS",
+    "free_names",
+    "judge",
+    "judge_many",
+    "protections",
+    "run_many",
+    "run_program",
+    "SandboxUnavailable",
+]
 
 
 def protections() -> tuple[str, ...]:
@@ -111,10 +135,13 @@ def run_program(source: str, config: SandboxConfig | None = None, **overrides) -
     return _run(source, replace(config or SandboxConfig(), **overrides))
 
 
-def run_many(sources: Sequence[str], config: SandboxConfig | None = None, workers: int = 2,
-             on_result: Callable[[int, SandboxResult], None] | None = None) -> list[SandboxResult]:
+def run_many(
+    sources: Sequence[str],
+    config: SandboxConfig | None = None,
+    workers: int = 2,
+    on_result: Callable[[int, SandboxResult], None] | None = None,
+) -> list[SandboxResult]:
     """Run programs `workers` at a time; results in input order. `on_result(index, result)` is
     called as each finishes (from a worker thread)."""
     config = config or SandboxConfig()
     return map_in_order(lambda s: _run(s, config), sources, workers, on_result)
-

@@ -25,10 +25,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
 
 from . import cgroup
 from .tree import ProcessTree
@@ -90,13 +90,27 @@ class Plan:
     box_limits: bool = False  # a control group per box: memory, processes and CPU of all its processes
 
     def protections(self) -> tuple[str, ...]:
-        names = ["isolated_interpreter", "own_session", "scrubbed_env", "rlimits", "cpu_timeout", "wall_backstop",
-                 "output_bounded", "no_new_privs"]
+        names = [
+            "isolated_interpreter",
+            "own_session",
+            "scrubbed_env",
+            "rlimits",
+            "cpu_timeout",
+            "wall_backstop",
+            "output_bounded",
+            "no_new_privs",
+        ]
         flags = [
-            (self.drop_user, "unprivileged_user"), (self.drop_user, "kill_by_uid"), (self.new_net, "no_network"),
-            (self.new_root, "read_only_root"), (self.new_root, "size_limited_dirs"),
-            (self.new_root, "private_ipc_uts"), (self.pid_ns, "pid_namespace"), (self.own_proc, "own_proc"),
-            (self.seccomp, "socket_filter"), (self.seccomp, "no_keyring_or_namespaces"),
+            (self.drop_user, "unprivileged_user"),
+            (self.drop_user, "kill_by_uid"),
+            (self.new_net, "no_network"),
+            (self.new_root, "read_only_root"),
+            (self.new_root, "size_limited_dirs"),
+            (self.new_root, "private_ipc_uts"),
+            (self.pid_ns, "pid_namespace"),
+            (self.own_proc, "own_proc"),
+            (self.seccomp, "socket_filter"),
+            (self.seccomp, "no_keyring_or_namespaces"),
             (self.box_limits, "box_limits"),
         ]
         return tuple(names + [name for on, name in flags if on])
@@ -119,9 +133,14 @@ class SandboxResult:
         return self.verdict == "passed"
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "reason": self.reason, "returncode": self.returncode,
-                "duration": round(self.duration, 4), "truncated": self.truncated,
-                "cpu_time": None if self.cpu_time is None else round(self.cpu_time, 4)}
+        return {
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "returncode": self.returncode,
+            "duration": round(self.duration, 4),
+            "truncated": self.truncated,
+            "cpu_time": None if self.cpu_time is None else round(self.cpu_time, 4),
+        }
 
 
 VERDICTS = ("passed", "failed", "timeout", "crashed")
@@ -143,8 +162,14 @@ def last_line(text: str) -> str:
 def interpreter_dirs() -> list[str]:
     """Folders the interpreter needs: its prefixes (stdlib, site-packages) and its binary's folder."""
     dirs = set()
-    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-              os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(os.path.abspath(sys.executable))):
+    for p in (
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        os.path.dirname(os.path.abspath(sys.executable)),
+    ):
         if p:
             dirs.add(os.path.realpath(p))
     out = []
@@ -244,8 +269,16 @@ class Box:
     `pass_fds` stay open in the program. `uid`: one taken from `UIDS` for this box (it is
     released in `finish`); by default the box takes its own."""
 
-    def __init__(self, files: dict[str, str], argv: list[str], config: SandboxConfig, plan: Plan,
-                 pass_fds: tuple[int, ...] = (), site: bool = True, uid: int | None = None):
+    def __init__(
+        self,
+        files: dict[str, str],
+        argv: list[str],
+        config: SandboxConfig,
+        plan: Plan,
+        pass_fds: tuple[int, ...] = (),
+        site: bool = True,
+        uid: int | None = None,
+    ):
         self.config, self.plan = config, plan
         self.uid = (uid if uid is not None else UIDS.acquire()[0]) if plan.drop_user else None
         self.proc: subprocess.Popen | None = None
@@ -283,25 +316,48 @@ class Box:
             if self.uid is not None:
                 for p in [files_dir] + [os.path.join(files_dir, n) for n in files]:
                     os.chown(p, self.uid, self.uid)
-        env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": "/tmp" if plan.new_root else cwd,
-               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": cwd,
+            "TMPDIR": "/tmp" if plan.new_root else cwd,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+        }
         self.status_r, status_w = os.pipe()
         spec = {
-            "status_fd": status_w, "keep_fds": list(pass_fds), "argv": argv,
-            "flags": ["-I", "-B"] + ([] if site else ["-S"]), "env": env, "cwd": cwd,
-            "python": sys.executable, "uid": self.uid, "user_ns": plan.user_namespace, "net": plan.new_net,
-            "new_root": plan.new_root, "pid": plan.pid_ns, "seccomp": plan.seccomp,
-            "root_dir": os.path.join(self.host, "root"), "files_dir": files_dir, "binds": root_binds(),
-            "hide": [PACKAGE_DIR], "tmpfs_mb": config.tmpfs_mb, "rlimits": self._rlimits(),
+            "status_fd": status_w,
+            "keep_fds": list(pass_fds),
+            "argv": argv,
+            "flags": ["-I", "-B"] + ([] if site else ["-S"]),
+            "env": env,
+            "cwd": cwd,
+            "python": sys.executable,
+            "uid": self.uid,
+            "user_ns": plan.user_namespace,
+            "net": plan.new_net,
+            "new_root": plan.new_root,
+            "pid": plan.pid_ns,
+            "seccomp": plan.seccomp,
+            "root_dir": os.path.join(self.host, "root"),
+            "files_dir": files_dir,
+            "binds": root_binds(),
+            "hide": [PACKAGE_DIR],
+            "tmpfs_mb": config.tmpfs_mb,
+            "rlimits": self._rlimits(),
             "cgroup_procs": self.group.procs_files if self.group is not None else [],
         }
         self.started = time.perf_counter()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", LAUNCHER, marshal.dumps(spec).hex()], cwd=self.host,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w, *pass_fds),
-                start_new_session=True, close_fds=True,
+                [sys.executable, "-I", "-S", LAUNCHER, marshal.dumps(spec).hex()],
+                cwd=self.host,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w, *pass_fds),
+                start_new_session=True,
+                close_fds=True,
             )
         finally:
             os.close(status_w)
@@ -331,8 +387,11 @@ class Box:
     def readers(self) -> dict[int, tuple[bytearray, int]]:
         """The descriptors to read: fd -> (buffer, cap)."""
         cap = self.config.max_output_bytes
-        return {self.proc.stdout.fileno(): (self.out, cap), self.proc.stderr.fileno(): (self.err, cap),
-                self.status_r: (self.status_line, 4096)}
+        return {
+            self.proc.stdout.fileno(): (self.out, cap),
+            self.proc.stderr.fileno(): (self.err, cap),
+            self.status_r: (self.status_line, 4096),
+        }
 
     def status(self) -> dict:
         """What the launcher reported (it alone holds the status pipe: trusted)."""
@@ -343,7 +402,7 @@ class Box:
         return st if isinstance(st, dict) else {}
 
     @property
-    def meter(self) -> "cgroup.BoxGroup | ProcessTree | None":
+    def meter(self) -> cgroup.BoxGroup | ProcessTree | None:
         """What counts the box's processes together: its control group, else its process tree."""
         return self.group if self.group is not None else self.tree
 
@@ -423,8 +482,12 @@ class Box:
         return None, "", rc, cpu
 
 
-def drive(boxes: list[Box], wall: float, extra: dict[int, tuple[bytearray, int]] | None = None,
-          primary: list[Box] | None = None) -> bool:
+def drive(
+    boxes: list[Box],
+    wall: float,
+    extra: dict[int, tuple[bytearray, int]] | None = None,
+    primary: list[Box] | None = None,
+) -> bool:
     """Read every box's output (and `extra` descriptors) until the `primary` boxes (default: all)
     and `extra` are done, or until `wall` seconds have passed. Returns True on the backstop.
 
@@ -497,14 +560,27 @@ def candidate_plans() -> list[Plan]:
     tree is metered instead (logged)."""
     limits = cgroup.available()
     if not limits:
-        log.warning("sandbox: no writable control groups here: a box's CPU and memory are summed over its "
-                    "process tree while it runs, and its memory is split between at most %d processes",
-                    SandboxConfig.processes_without_group)
+        log.warning(
+            "sandbox: no writable control groups here: a box's CPU and memory are summed over its "
+            "process tree while it runs, and its memory is split between at most %d processes",
+            SandboxConfig.processes_without_group,
+        )
     if os.geteuid() == 0:
-        full = Plan(drop_user=True, new_net=True, new_root=True, pid_ns=True,
-                    seccomp=platform.machine() in ("x86_64", "aarch64"), box_limits=limits)
-        plans = [full, replace(full, seccomp=False), replace(full, pid_ns=False, seccomp=False),
-                 Plan(drop_user=True, new_net=True, box_limits=limits), Plan(drop_user=True, box_limits=limits)]
+        full = Plan(
+            drop_user=True,
+            new_net=True,
+            new_root=True,
+            pid_ns=True,
+            seccomp=platform.machine() in ("x86_64", "aarch64"),
+            box_limits=limits,
+        )
+        plans = [
+            full,
+            replace(full, seccomp=False),
+            replace(full, pid_ns=False, seccomp=False),
+            Plan(drop_user=True, new_net=True, box_limits=limits),
+            Plan(drop_user=True, box_limits=limits),
+        ]
     else:
         plans = [Plan(user_namespace=True, new_net=True, box_limits=limits)]
     if os.environ.get(UNCONFINED_ENV) == "1":
@@ -516,8 +592,13 @@ def probe(plan: Plan) -> tuple[Plan | None, str]:
     """Run a tiny program under `plan`: (the plan, with what it found, e.g. its own /proc; or None
     if it did not run, and why)."""
     try:
-        box = Box({"probe.py": "import os, socket\nprint(os.getuid())\n"}, ["probe.py"],
-                  SandboxConfig(timeout=20.0), plan, site=False)
+        box = Box(
+            {"probe.py": "import os, socket\nprint(os.getuid())\n"},
+            ["probe.py"],
+            SandboxConfig(timeout=20.0),
+            plan,
+            site=False,
+        )
     except OSError as e:
         return None, f"{type(e).__name__}: {e}"
     try:
@@ -547,15 +628,20 @@ def current_plan() -> Plan:
                 found, why = probe(plan)
                 if found is not None:
                     if failures:
-                        log.warning("sandbox: weaker confinement (%s); stronger plans failed: %s",
-                                    ", ".join(found.protections()), "; ".join(failures))
+                        log.warning(
+                            "sandbox: weaker confinement (%s); stronger plans failed: %s",
+                            ", ".join(found.protections()),
+                            "; ".join(failures),
+                        )
                     _plan = found
                     break
                 failures.append(f"{plan}: {why}")
             else:
                 raise SandboxUnavailable(
-                    "no confinement works on this machine, so untrusted code is not run (" + "; ".join(failures)
-                    + f"). To run it with resource limits only, set {UNCONFINED_ENV}=1.")
+                    "no confinement works on this machine, so untrusted code is not run ("
+                    + "; ".join(failures)
+                    + f"). To run it with resource limits only, set {UNCONFINED_ENV}=1."
+                )
         return _plan
 
 

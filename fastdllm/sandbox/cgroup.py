@@ -35,7 +35,7 @@ def _own_groups() -> dict[str, str]:
     with open("/proc/self/cgroup", encoding="utf-8") as f:
         for line in f:
             _, controllers, path = line.rstrip("\n").split(":", 2)
-            for c in (controllers.split(",") if controllers else [""]):
+            for c in controllers.split(",") if controllers else [""]:
                 out[c] = path
     return out
 
@@ -117,12 +117,12 @@ class BoxGroup:
         self.version, self.dirs = version, dirs
 
     @classmethod
-    def create(cls, memory_bytes: int, max_processes: int) -> "BoxGroup | None":
+    def create(cls, memory_bytes: int, max_processes: int) -> BoxGroup | None:
         layout = _get_layout()
         return None if layout is None else cls._make(layout, memory_bytes, max_processes)
 
     @classmethod
-    def _make(cls, layout, memory_bytes: int, max_processes: int) -> "BoxGroup":
+    def _make(cls, layout, memory_bytes: int, max_processes: int) -> BoxGroup:
         version, parents = layout
         name = f"fastdllm-box-{os.getpid()}-{next(_names)}"
         dirs = {c: os.path.join(p, name) for c, p in parents.items()}

@@ -14,9 +14,9 @@ import builtins
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from .box import UIDS, Box, SandboxConfig, SandboxResult, current_plan, drive, last_line, map_in_order, memory_reason
 
@@ -95,15 +95,36 @@ def judge(check: CodeCheck, config: SandboxConfig | None = None) -> SandboxResul
     uids = UIDS.acquire(2) if plan.drop_user else [None, None]
     t0 = time.perf_counter()
     try:
-        solution_box = Box({"solution_side.py": _SOLUTION_SIDE, "wire.py": _WIRE, "solution.py": check.solution,
-                            "setup.py": check.setup},
-                           ["solution_side.py", str(req_r), str(resp_w)], config, plan, pass_fds=(req_r, resp_w),
-                           site=False, uid=uids.pop(0))
+        solution_box = Box(
+            {
+                "solution_side.py": _SOLUTION_SIDE,
+                "wire.py": _WIRE,
+                "solution.py": check.solution,
+                "setup.py": check.setup,
+            },
+            ["solution_side.py", str(req_r), str(resp_w)],
+            config,
+            plan,
+            pass_fds=(req_r, resp_w),
+            site=False,
+            uid=uids.pop(0),
+        )
         boxes.append(solution_box)
-        tests_box = Box({"tests_side.py": _TESTS_SIDE, "wire.py": _WIRE, "prelude.py": check.prelude,
-                         "tests.py": check.tests, "remote.json": json.dumps(list(check.remote))},
-                        ["tests_side.py", str(req_w), str(resp_r), str(verdict_w)], config, plan,
-                        pass_fds=(req_w, resp_r, verdict_w), site=False, uid=uids.pop(0))
+        tests_box = Box(
+            {
+                "tests_side.py": _TESTS_SIDE,
+                "wire.py": _WIRE,
+                "prelude.py": check.prelude,
+                "tests.py": check.tests,
+                "remote.json": json.dumps(list(check.remote)),
+            },
+            ["tests_side.py", str(req_w), str(resp_r), str(verdict_w)],
+            config,
+            plan,
+            pass_fds=(req_w, resp_r, verdict_w),
+            site=False,
+            uid=uids.pop(0),
+        )
         boxes.append(tests_box)
         for fd in (req_r, resp_w, req_w, resp_r, verdict_w):
             os.close(fd)
@@ -114,8 +135,9 @@ def judge(check: CodeCheck, config: SandboxConfig | None = None) -> SandboxResul
             # reports how), so that the reason never depends on how soon our cleanup kills it.
             wall_hit = drive([solution_box], config.wall_seconds)
     except OSError as e:
-        return SandboxResult("crashed", f"could not start: {e}", None, "", "", time.perf_counter() - t0,
-                             plan.protections())
+        return SandboxResult(
+            "crashed", f"could not start: {e}", None, "", "", time.perf_counter() - t0, plan.protections()
+        )
     finally:
         for b in boxes:
             b.finish()
@@ -126,12 +148,14 @@ def judge(check: CodeCheck, config: SandboxConfig | None = None) -> SandboxResul
             if fd >= 0:
                 os.close(fd)
     duration = time.perf_counter() - t0
-    out, err, test_err = (bytes(b).decode("utf-8", errors="replace")
-                          for b in (solution_box.out, solution_box.err, tests_box.err))
+    out, err, test_err = (
+        bytes(b).decode("utf-8", errors="replace") for b in (solution_box.out, solution_box.err, tests_box.err)
+    )
     verdict_, reason = _decide(config, wall_hit, tests_box, solution_box, bytes(verdict), test_err)
     _, _, rc, cpu = tests_box.ending()
-    return SandboxResult(verdict_, reason, rc, out, err, duration, plan.protections(),
-                         solution_box.truncated or tests_box.truncated, cpu)
+    return SandboxResult(
+        verdict_, reason, rc, out, err, duration, plan.protections(), solution_box.truncated or tests_box.truncated, cpu
+    )
 
 
 def _outcome(verdict: bytes) -> dict | None:
@@ -159,8 +183,10 @@ def _decide(config, wall_hit, tests_box, solution_box, verdict: bytes, test_err:
         return "crashed", memory_reason(config) + " in the tests"
     outcome = _outcome(verdict)
     if kind == "signal" or outcome is None:
-        return "crashed", f"the tests' process ended without a verdict ({detail or f'exit status {rc}'}; " \
-                          f"{last_line(test_err)})"
+        return (
+            "crashed",
+            f"the tests' process ended without a verdict ({detail or f'exit status {rc}'}; {last_line(test_err)})",
+        )
     if outcome.get("passed") is True and rc == 0:
         return "passed", ""
     reason = str(outcome.get("reason", ""))[:300]
@@ -174,14 +200,19 @@ def _decide(config, wall_hit, tests_box, solution_box, verdict: bytes, test_err:
         if s_kind == "signal":
             return "crashed", f"the solution was killed by {s_detail}" + (f" ({last})" if last else "")
         if s_kind is None:
-            return "failed", f"the solution's process exited (status {s_rc}) before the tests ended" + \
-                             (f": {last}" if last else "")
+            return "failed", f"the solution's process exited (status {s_rc}) before the tests ended" + (
+                f": {last}" if last else ""
+            )
         return "crashed", reason
     return "failed", reason or f"tests exited with status {rc}"
 
 
-def judge_many(checks: Sequence[CodeCheck], config: SandboxConfig | None = None, workers: int = 2,
-               on_result: Callable[[int, SandboxResult], None] | None = None) -> list[SandboxResult]:
+def judge_many(
+    checks: Sequence[CodeCheck],
+    config: SandboxConfig | None = None,
+    workers: int = 2,
+    on_result: Callable[[int, SandboxResult], None] | None = None,
+) -> list[SandboxResult]:
     """`judge` over many checks, `workers` at a time; results in input order."""
     config = config or SandboxConfig()
     return map_in_order(lambda c: judge(c, config), checks, workers, on_result)

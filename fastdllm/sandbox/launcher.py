@@ -48,12 +48,34 @@ PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_CHILD_SUBREAPER
 
 # Per architecture: the audit arch, and the numbers of the syscalls the filter looks at.
 ARCHES = {
-    "x86_64": {"audit": 0xC000003E, "socket": 41, "socketpair": 53, "io_uring_setup": 425, "pivot_root": 155,
-               "add_key": 248, "request_key": 249, "keyctl": 250, "unshare": 272, "setns": 308, "clone": 56,
-               "clone3": 435},
-    "aarch64": {"audit": 0xC00000B7, "socket": 198, "socketpair": 199, "io_uring_setup": 425, "pivot_root": 41,
-                "add_key": 217, "request_key": 218, "keyctl": 219, "unshare": 97, "setns": 268, "clone": 220,
-                "clone3": 435},
+    "x86_64": {
+        "audit": 0xC000003E,
+        "socket": 41,
+        "socketpair": 53,
+        "io_uring_setup": 425,
+        "pivot_root": 155,
+        "add_key": 248,
+        "request_key": 249,
+        "keyctl": 250,
+        "unshare": 272,
+        "setns": 308,
+        "clone": 56,
+        "clone3": 435,
+    },
+    "aarch64": {
+        "audit": 0xC00000B7,
+        "socket": 198,
+        "socketpair": 199,
+        "io_uring_setup": 425,
+        "pivot_root": 41,
+        "add_key": 217,
+        "request_key": 218,
+        "keyctl": 219,
+        "unshare": 97,
+        "setns": 268,
+        "clone": 220,
+        "clone3": 435,
+    },
 }
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
 EPERM, EAFNOSUPPORT, ENOSYS = 1, 97, 38
@@ -92,7 +114,7 @@ def proc_stat(pid):
             text = f.read()
     except OSError:
         return None
-    fields = text[text.rindex(b")") + 2:].split()  # the name, in parentheses, may hold anything
+    fields = text[text.rindex(b")") + 2 :].split()  # the name, in parentheses, may hold anything
     return int(fields[1]), fields[0], sum(int(x) for x in fields[11:15]), int(fields[21])
 
 
@@ -195,8 +217,10 @@ def _build_root(spec):
     os.makedirs(root + "/sandbox", exist_ok=True)
     _mount("tmpfs", root + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=700,{size}")
     for name in os.listdir(spec["files_dir"]):
-        with open(os.path.join(spec["files_dir"], name), "rb") as src, \
-                open(os.path.join(root, "sandbox", name), "wb") as dst:
+        with (
+            open(os.path.join(spec["files_dir"], name), "rb") as src,
+            open(os.path.join(root, "sandbox", name), "wb") as dst,
+        ):
             dst.write(src.read())
         if uid is not None:
             os.chown(os.path.join(root, "sandbox", name), uid, uid)
@@ -230,11 +254,11 @@ def _seccomp_filter():
     errno = lambda e: 0x00050000 | e  # noqa: E731
     # (label, code, true-label, false-label, k); labels become (forward) jump offsets below
     prog = [
-        (None, ld, None, None, 4),                         # A = arch
+        (None, ld, None, None, 4),  # A = arch
         (None, jeq, "nr", None, nr["audit"]),
         (None, ret, None, None, kill),
-        ("nr", ld, None, None, 0),                         # A = syscall number
-        (None, 0x35, "kill", None, 0x40000000),            # x32 ABI
+        ("nr", ld, None, None, 0),  # A = syscall number
+        (None, 0x35, "kill", None, 0x40000000),  # x32 ABI
         (None, jeq, "family", None, nr["socket"]),
         (None, jeq, "family", None, nr["socketpair"]),
         (None, jeq, "nosys", None, nr["io_uring_setup"]),
@@ -246,12 +270,12 @@ def _seccomp_filter():
         (None, jeq, "eperm", None, nr["setns"]),
         (None, jeq, "clone", None, nr["clone"]),
         (None, ret, None, None, allow),
-        ("family", ld, None, None, 16),                    # A = args[0] (family, low word)
+        ("family", ld, None, None, 16),  # A = args[0] (family, low word)
         (None, jeq, "allow", None, AF_UNIX),
         (None, jeq, "allow", None, AF_INET),
         (None, jeq, "allow", None, AF_INET6),
         (None, ret, None, None, errno(EAFNOSUPPORT)),
-        ("clone", ld, None, None, 16),                     # A = args[0] (flags, low word)
+        ("clone", ld, None, None, 16),  # A = args[0] (flags, low word)
         (None, jset, "eperm", "allow", CLONE_NEW_ANY),
         ("eperm", ret, None, None, errno(EPERM)),
         ("nosys", ret, None, None, errno(ENOSYS)),
@@ -261,8 +285,10 @@ def _seccomp_filter():
     where = {label: i for i, (label, *_rest) in enumerate(prog) if label}
     jump = lambda i, label: 0 if label is None else where[label] - i - 1  # noqa: E731
     # struct sock_filter {u16 code; u8 jt; u8 jf; u32 k;}, native byte order
-    raw = b"".join(code.to_bytes(2, sys.byteorder) + bytes([jump(i, jt), jump(i, jf)]) + k.to_bytes(4, sys.byteorder)
-                   for i, (_, code, jt, jf, k) in enumerate(prog))
+    raw = b"".join(
+        code.to_bytes(2, sys.byteorder) + bytes([jump(i, jt), jump(i, jf)]) + k.to_bytes(4, sys.byteorder)
+        for i, (_, code, jt, jf, k) in enumerate(prog)
+    )
     buf = ctypes.create_string_buffer(raw)
 
     class SockFprog(ctypes.Structure):

@@ -309,8 +309,8 @@ class LineReader:
         while True:
             end = self.buf.find(b"\n")
             if end >= 0:
-                line = bytes(self.buf[:end + 1])
-                del self.buf[:end + 1]
+                line = bytes(self.buf[: end + 1])
+                del self.buf[: end + 1]
                 return line
             if len(self.buf) > MAX_MESSAGE_BYTES:
                 raise WireError("message too large")
@@ -325,4 +325,4 @@ def write_all(fd: int, data: bytes) -> None:
 
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]

@@ -45,6 +45,19 @@ from .incremental import ChoiceText
 from .scheduler import Job, QueueFull, Scheduler
 from .schema import DLLM_FIELDS, MAX_N, MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest
 
-__all__ = ["APIError", "ChatCompletionRequest", "ChoiceText", "CompletionRequest", "DLLM_FIELDS", "Job", "MAX_N",
-           "MAX_STOP", "QueueFull", "Scheduler", "Server", "ServerSettings", "create_app", "default_model_name"]
-
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChoiceText",
+    "CompletionRequest",
+    "DLLM_FIELDS",
+    "Job",
+    "MAX_N",
+    "MAX_STOP",
+    "QueueFull",
+    "Scheduler",
+    "Server",
+    "ServerSettings",
+    "create_app",
+    "default_model_name",
+]

@@ -1,5 +1,4 @@
-"""The FastAPI application: routes, request -> GenerationConfig, responses and streaming.
-"""
+"""The FastAPI application: routes, request -> GenerationConfig, responses and streaming."""
 
 from __future__ import annotations
 
@@ -10,8 +9,9 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,16 +19,25 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import ConfigError
-from ..config import GenerationConfig
-from ..text import tool_calls
+from ..config import ConfigError, GenerationConfig
 from ..engine.constraints import GrammarConstraint, response_format_constraint
 from ..engine.likelihood import prefix_logprobs
+from ..text import tool_calls
 from .guard import Guard
 from .incremental import ChoiceText
 from .metrics import ServerMetrics
 from .scheduler import Job, QueueFull, Scheduler
-from .schema import DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Common, validation_error
+from .schema import (
+    DLLM_FIELDS,
+    MAX_N,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Common,
+    validation_error,
+)
 
 log = logging.getLogger("fastdllm.server")
 
@@ -68,16 +77,26 @@ class Server:
     def __init__(self, model, tokenizer, settings: ServerSettings):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.scoring_lock = threading.Lock()  # scoring forwards run one request at a time, off the event loop
-        self.scheduler = Scheduler(model, settings.max_batch_size, settings.max_queue, settings.batch_wait,
-                                   settings.block_hook, continuous=settings.continuous)
+        self.scheduler = Scheduler(
+            model,
+            settings.max_batch_size,
+            settings.max_queue,
+            settings.batch_wait,
+            settings.block_hook,
+            continuous=settings.continuous,
+        )
         self.created = int(time.time())
 
     # -- request -> rows and config
     def check_model(self, name: str) -> None:
         if name not in self.settings.names:
-            raise APIError(404, f"The model {name!r} does not exist; this server serves "
-                           f"{', '.join(repr(n) for n in self.settings.names)}", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"The model {name!r} does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.settings.names)}",
+                param="model",
+                code="model_not_found",
+            )
 
     def config_for(self, req: _Common, max_tokens: int | None) -> tuple[GenerationConfig, int]:
         """The request's GenerationConfig (seed None) and the number of tokens to keep."""
@@ -112,12 +131,15 @@ class Server:
                 400,
                 f"This model's maximum context length is {limit} tokens; the prompt has {longest} tokens and "
                 f"max_tokens asks for {config.gen_length} (rounded up to whole blocks of {config.block_length})",
-                param=param, code="context_length_exceeded")
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not self.tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages",
-                           code="no_chat_template")
+            raise APIError(
+                400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template"
+            )
         messages = tool_calls.template_messages([m.for_template() for m in req.messages])
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         if tools and not tool_calls.template_reads_tools(self.tokenizer.chat_template):
@@ -126,8 +148,9 @@ class Server:
         try:
             return self.tokenizer.encode_chat(messages, tools=tools)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
-            raise APIError(400, f"messages: the chat template rejected them ({e})", param="messages",
-                           code="invalid_value") from None
+            raise APIError(
+                400, f"messages: the chat template rejected them ({e})", param="messages", code="invalid_value"
+            ) from None
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
@@ -146,8 +169,12 @@ class Server:
             if not ids:
                 raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
             if any(not 0 <= t < vocab or t == self.model.mask_token_id for t in ids):
-                raise APIError(400, f"prompt: token ids must be in [0, {vocab}) and not the mask token",
-                               param="prompt", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"prompt: token ids must be in [0, {vocab}) and not the mask token",
+                    param="prompt",
+                    code="invalid_value",
+                )
         return prompts
 
 
@@ -218,8 +245,11 @@ class CompletionEndpoint:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _sse(obj) -> str:
@@ -266,8 +296,12 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         yield
         server.scheduler.close()
 
-    app = FastAPI(title="fastdllm", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible server for diffusion language models")
+    app = FastAPI(
+        title="fastdllm",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible server for diffusion language models",
+    )
     app.state.server = server
     app.state.scheduler = server.scheduler
     metrics = ServerMetrics(server.scheduler, settings.model_name)
@@ -286,8 +320,9 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         if exc.status_code == 404:
             return APIError(404, f"Unknown route: {request.method} {request.url.path}", code="not_found").response()
         if exc.status_code == 405:
-            return APIError(405, f"Method {request.method} not allowed on {request.url.path}",
-                            code="method_not_allowed").response()
+            return APIError(
+                405, f"Method {request.method} not allowed on {request.url.path}", code="method_not_allowed"
+            ).response()
         return APIError(exc.status_code, str(exc.detail)).response()
 
     @app.exception_handler(RequestValidationError)
@@ -333,8 +368,13 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         return {"prompt": tokenizer.decode(req.tokens)}
 
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": server.created, "owned_by": "fastdllm",
-                "max_model_len": model.args.max_seq_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "fastdllm",
+            "max_model_len": model.args.max_seq_len,
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -382,17 +422,25 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         # at most) is refused before tokenising; tokenising runs off the event loop.
         chars, limit = endpoint.prompt_chars(req), 32 * model.args.max_seq_len
         if chars > limit:
-            raise APIError(400, f"{endpoint.prompt_param}: {chars} characters cannot fit the model's context of "
-                           f"{model.args.max_seq_len} tokens", param=endpoint.prompt_param,
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{endpoint.prompt_param}: {chars} characters cannot fit the model's context of "
+                f"{model.args.max_seq_len} tokens",
+                param=endpoint.prompt_param,
+                code="context_length_exceeded",
+            )
         prompts = await asyncio.to_thread(endpoint.prompts, server, req)
         config, keep = server.config_for(req, endpoint.max_tokens(req))
         server.check_context(prompts, config, endpoint.prompt_param)
         seed = server.base_seed(req)
         limit = max(MAX_N, settings.max_batch_size)
         if len(prompts) * req.n > limit:
-            raise APIError(400, f"n: prompts x n = {len(prompts) * req.n} choices; at most {limit} per request",
-                           param="n", code="invalid_value")
+            raise APIError(
+                400,
+                f"n: prompts x n = {len(prompts) * req.n} choices; at most {limit} per request",
+                param="n",
+                code="invalid_value",
+            )
         rows = [p for p in prompts for _ in range(req.n)]
         seeds = [seed + i for _ in prompts for i in range(req.n)]
         stop = req.stop_list()
@@ -407,19 +455,26 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         if tool_mode == "forced":
             schema = tool_calls.forced_schema(req.tools, req.tool_choice)
             try:
-                constraints = [GrammarConstraint.json(tokenizer, model.stop_token_ids, schema, what="tools",
-                                                      budget=keep) for _ in rows]
+                constraints = [
+                    GrammarConstraint.json(tokenizer, model.stop_token_ids, schema, what="tools", budget=keep)
+                    for _ in rows
+                ]
             except ValueError as e:
                 raise APIError(400, str(e), param="tools", code="invalid_value") from None
         elif getattr(req, "response_format", None) not in (None, {"type": "text"}):
             try:  # one grammar state per row
-                constraints = [response_format_constraint(req.response_format, tokenizer, model.stop_token_ids,
-                                                          budget=keep) for _ in rows]
+                constraints = [
+                    response_format_constraint(req.response_format, tokenizer, model.stop_token_ids, budget=keep)
+                    for _ in rows
+                ]
             except ValueError as e:
                 raise APIError(400, str(e), param="response_format", code="invalid_value") from None
         job = await submit(rows, seeds, config, constraints)
-        meta = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}",
-                "created": int(time.time()), "model": settings.model_name}
+        meta = {
+            "id": f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}",
+            "created": int(time.time()),
+            "model": settings.model_name,
+        }
         last_block = config.num_blocks - 1
 
         last_block_at = [None]
@@ -481,11 +536,19 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                 if not ended:
                     server.scheduler.cancel(job)
             metrics.on_done(prompt_tokens, sum(ch.num_tokens for ch in choices), time.perf_counter() - arrival)
-            return JSONResponse({**meta, "object": endpoint.object, "system_fingerprint": None,
-                                 "choices": [endpoint.choice(i, ch, calls_of(ch)) if tool_mode else
-                                             endpoint.choice(i, ch) for i, ch in enumerate(choices)],
-                                 "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))},
-                                headers=headers)
+            return JSONResponse(
+                {
+                    **meta,
+                    "object": endpoint.object,
+                    "system_fingerprint": None,
+                    "choices": [
+                        endpoint.choice(i, ch, calls_of(ch)) if tool_mode else endpoint.choice(i, ch)
+                        for i, ch in enumerate(choices)
+                    ],
+                    "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices)),
+                },
+                headers=headers,
+            )
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         obj = endpoint.chunk_object
@@ -511,8 +574,17 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                         if calls[0]:
                             out.append(chunk(i, calls[0], None))
                         c = endpoint.chunk_choice(i, None, None, calls=calls[1])
-                        out.append(_sse({**meta, "object": obj, "system_fingerprint": None, "choices": [c],
-                                         **({"usage": None} if include_usage else {})}))
+                        out.append(
+                            _sse(
+                                {
+                                    **meta,
+                                    "object": obj,
+                                    "system_fingerprint": None,
+                                    "choices": [c],
+                                    **({"usage": None} if include_usage else {}),
+                                }
+                            )
+                        )
                         out.append(chunk(i, None, "tool_calls"))
                     continue
                 if delta:
@@ -542,8 +614,15 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                 for s in render(finish_all()):
                     yield s
                 if include_usage:
-                    yield _sse({**meta, "object": obj, "system_fingerprint": None, "choices": [],
-                                "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices))})
+                    yield _sse(
+                        {
+                            **meta,
+                            "object": obj,
+                            "system_fingerprint": None,
+                            "choices": [],
+                            "usage": _usage(prompt_tokens, sum(ch.num_tokens for ch in choices)),
+                        }
+                    )
                 yield "data: [DONE]\n\n"
                 done = True
                 metrics.on_done(prompt_tokens, sum(ch.num_tokens for ch in choices), time.perf_counter() - arrival)
@@ -551,8 +630,11 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                 if not done:  # the client went away (the response task was cancelled)
                     server.scheduler.cancel(job)
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        return StreamingResponse(
+            stream(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -575,8 +657,12 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         extra = req.max_tokens or 0
         for p in prompts:
             if len(p) + extra > model.args.max_seq_len:
-                raise APIError(400, f"prompt: {len(p)} tokens exceed the model's context of {model.args.max_seq_len}",
-                               param="prompt", code="context_length_exceeded")
+                raise APIError(
+                    400,
+                    f"prompt: {len(p)} tokens exceed the model's context of {model.args.max_seq_len}",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
 
         def compute():
             with server.scoring_lock:
@@ -587,15 +673,32 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
         for i, (toks, lps, tops) in enumerate(results):
             pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in toks]
             offsets = [sum(len(x) for x in pieces[:k]) for k in range(len(pieces))]
-            top = [None if t is None else {tokenizer.decode([a], skip_special_tokens=False): b
-                                           for a, b in t[: req.logprobs]} for t in tops]
-            choices.append({"index": i, "text": "".join(pieces), "finish_reason": "length",
-                            "logprobs": {"tokens": pieces, "token_logprobs": lps, "top_logprobs": top,
-                                         "text_offset": offsets}})
+            top = [
+                None
+                if t is None
+                else {tokenizer.decode([a], skip_special_tokens=False): b for a, b in t[: req.logprobs]}
+                for t in tops
+            ]
+            choices.append(
+                {
+                    "index": i,
+                    "text": "".join(pieces),
+                    "finish_reason": "length",
+                    "logprobs": {"tokens": pieces, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets},
+                }
+            )
         prompt_tokens = sum(len(p) for p in prompts)
         metrics.on_done(prompt_tokens, extra * len(prompts), time.perf_counter() - arrival)
-        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
-                             "created": int(time.time()), "model": settings.model_name, "system_fingerprint": None,
-                             "choices": choices, "usage": _usage(prompt_tokens, extra * len(prompts))})
+        return JSONResponse(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": settings.model_name,
+                "system_fingerprint": None,
+                "choices": choices,
+                "usage": _usage(prompt_tokens, extra * len(prompts)),
+            }
+        )
 
     return app

@@ -16,9 +16,13 @@ OPEN_PATHS = ("/health", "/version")
 
 async def _send_error(send, status: int, message: str, type_: str, code: str, headers=()) -> None:
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -33,12 +37,19 @@ class Guard:
         if self.api_key and scope.get("path", "") not in OPEN_PATHS:
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return await _send_error(send, 401, "Incorrect API key provided", "invalid_request_error",
-                                         "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+                return await _send_error(
+                    send,
+                    401,
+                    "Incorrect API key provided",
+                    "invalid_request_error",
+                    "invalid_api_key",
+                    [(b"www-authenticate", b"Bearer")],
+                )
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await _send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
-                                     "invalid_request_error", "body_too_large")
+            return await _send_error(
+                send, 413, f"request body over {self.max_body_bytes} bytes", "invalid_request_error", "body_too_large"
+            )
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -47,8 +58,13 @@ class Guard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return await _send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
-                                         "invalid_request_error", "body_too_large")
+                return await _send_error(
+                    send,
+                    413,
+                    f"request body over {self.max_body_bytes} bytes",
+                    "invalid_request_error",
+                    "body_too_large",
+                )
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break

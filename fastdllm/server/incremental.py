@@ -51,8 +51,13 @@ class ChoiceText:
         found = [text.find(s) for s in self.stop if s in text]
         cut = min(found) if found else -1
         held_from = len(text) - self._held_tail(text)  # a stop string could still start here
-        final = (end < len(ids) or engine_finished or last or len(self.ids) >= self.max_tokens
-                 or (cut >= 0 and cut <= held_from))
+        final = (
+            end < len(ids)
+            or engine_finished
+            or last
+            or len(self.ids) >= self.max_tokens
+            or (cut >= 0 and cut <= held_from)
+        )
         if final:
             c = complete(self.tokenizer, ids, self.stop_token_ids, self.stop)
             self.final, self.text, self.num_tokens, self.finish_reason = True, c.text, c.num_tokens, c.finish_reason
@@ -62,6 +67,6 @@ class ChoiceText:
         if not safe.startswith(self.sent):  # cannot happen with prefix-stable decoding; never resend
             log.warning("decoded text is not an extension of the streamed text")
             return ""
-        delta = safe[len(self.sent):]
+        delta = safe[len(self.sent) :]
         self.sent = safe
         return delta

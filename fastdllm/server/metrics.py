@@ -19,32 +19,55 @@ class ServerMetrics:
     def __init__(self, scheduler, model_name: str = "model"):
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
-        self.requests = Counter("fastdllm_requests", "Requests answered, by route and HTTP status",
-                                ["route", "status"], registry=r)
-        self.latency = Histogram("fastdllm_request_latency_seconds", "Time from request to the last byte",
-                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "fastdllm_requests", "Requests answered, by route and HTTP status", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "fastdllm_request_latency_seconds",
+            "Time from request to the last byte",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("fastdllm_prompt_tokens", "Prompt tokens of answered requests", registry=r)
         self.generated_tokens = Counter("fastdllm_generated_tokens", "Generated tokens (up to a stop)", registry=r)
-        self.batch_rows = Histogram("fastdllm_batch_rows", "Rows decoded together, per block", buckets=BATCH_BUCKETS,
-                                    registry=r)
+        self.batch_rows = Histogram(
+            "fastdllm_batch_rows", "Rows decoded together, per block", buckets=BATCH_BUCKETS, registry=r
+        )
         self.nfe = Counter("fastdllm_forward_passes", "Model forward passes (NFE)", registry=r)
         queue = Gauge("fastdllm_queue_depth", "Jobs waiting for the inference worker", registry=r)
         queue.set_function(lambda: scheduler.snapshot()["queued"])
         running = Gauge("fastdllm_running_requests", "Jobs in the batch being decoded", registry=r)
         running.set_function(lambda: scheduler.snapshot()["running"])
         label = ["model_name"]
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Generation requests: arrival to the last byte",
-                             label, buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to the first finished block",
-                              label, buckets=LATENCY_BUCKETS, registry=r)
-        self.block_time = Histogram("fastdllm_time_per_block_seconds", "Time between a request's finished blocks",
-                                    label, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Generation requests: arrival to the last byte",
+            label,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Arrival to the first finished block",
+            label,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.block_time = Histogram(
+            "fastdllm_time_per_block_seconds",
+            "Time between a request's finished blocks",
+            label,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.vllm_prompt = Counter("vllm:prompt_tokens", "Prompt tokens of answered requests", label, registry=r)
         self.vllm_generation = Counter("vllm:generation_tokens", "Generated tokens (up to a stop)", label, registry=r)
         vllm_running = Gauge("vllm:num_requests_running", "Requests being decoded", label, registry=r)
         vllm_running.labels(model_name).set_function(lambda: scheduler.snapshot()["running"])
-        vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for the inference worker", label,
-                             registry=r)
+        vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting for the inference worker", label, registry=r
+        )
         vllm_waiting.labels(model_name).set_function(lambda: scheduler.snapshot()["queued"])
 
     def on_block(self, arrival: float, previous: float | None, now: float) -> None:

@@ -1,5 +1,4 @@
-"""The bounded queue and the one inference thread that batches compatible jobs.
-"""
+"""The bounded queue and the one inference thread that batches compatible jobs."""
 
 from __future__ import annotations
 
@@ -8,12 +7,12 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from ..config import GenerationConfig
 from ..engine.decoder import BlockDecoder, join_key
 from ..engine.policies import PolicySource, resolve
-from ..config import GenerationConfig
 from .schema import APIError
 
 log = logging.getLogger("fastdllm.server")
@@ -62,9 +61,16 @@ class Scheduler:
     block boundary, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
     without, it waits for the batch to finish."""
 
-    def __init__(self, model, max_batch_size: int = 8, max_queue: int = 64, batch_wait: float = 0.0,
-                 block_hook: Callable[[int], None] | None = None, continuous: bool = True,
-                 policies: PolicySource = None):
+    def __init__(
+        self,
+        model,
+        max_batch_size: int = 8,
+        max_queue: int = 64,
+        batch_wait: float = 0.0,
+        block_hook: Callable[[int], None] | None = None,
+        continuous: bool = True,
+        policies: PolicySource = None,
+    ):
         self.model = model
         self.policies = policies  # the decoding policies of every batch (default: each config's own)
         self.continuous = continuous
@@ -78,8 +84,21 @@ class Scheduler:
         self.paused = False
         self.closing = False
         self.running_jobs = 0
-        self.stats = dict(requests=0, rejected=0, completed=0, cancelled=0, errors=0, batches=0, batched_requests=0,
-                          max_batch_rows=0, max_batch_requests=0, rows=0, blocks=0, stopped_early=0, joined=0)
+        self.stats = dict(
+            requests=0,
+            rejected=0,
+            completed=0,
+            cancelled=0,
+            errors=0,
+            batches=0,
+            batched_requests=0,
+            max_batch_rows=0,
+            max_batch_requests=0,
+            rows=0,
+            blocks=0,
+            stopped_early=0,
+            joined=0,
+        )
         self.thread = threading.Thread(target=self._loop, name="fastdllm-inference", daemon=True)
         self.thread.start()
 
@@ -90,8 +109,10 @@ class Scheduler:
                 raise QueueFull("the server is shutting down")
             if len(self.pending) >= self.max_queue:
                 self.stats["rejected"] += 1
-                raise QueueFull(f"the server is busy: {len(self.pending)} requests are queued (--max-queue "
-                                f"{self.max_queue}); retry later")
+                raise QueueFull(
+                    f"the server is busy: {len(self.pending)} requests are queued (--max-queue "
+                    f"{self.max_queue}); retry later"
+                )
             self.pending.append(job)
             self.stats["requests"] += 1
             self.cond.notify_all()
@@ -118,8 +139,14 @@ class Scheduler:
 
     def snapshot(self) -> dict:
         with self.cond:
-            return {"queued": len(self.pending), "running": self.running_jobs, "max_batch_size": self.max_batch_size,
-                    "max_queue": self.max_queue, "paused": self.paused, **self.stats}
+            return {
+                "queued": len(self.pending),
+                "running": self.running_jobs,
+                "max_batch_size": self.max_batch_size,
+                "max_queue": self.max_queue,
+                "paused": self.paused,
+                **self.stats,
+            }
 
     def close(self, timeout: float = 10.0) -> None:
         with self.cond:
@@ -189,8 +216,13 @@ class Scheduler:
             nonlocal together
             for job in new:
                 try:
-                    running[job] = decoder.add(job.prompts, row_seeds=job.seeds, config=job.config,
-                                               tags=[job] * job.rows, constraints=job.constraints)
+                    running[job] = decoder.add(
+                        job.prompts,
+                        row_seeds=job.seeds,
+                        config=job.config,
+                        tags=[job] * job.rows,
+                        constraints=job.constraints,
+                    )
                 except Exception as e:  # a request the loop refuses fails alone
                     self._fail([job], e, log_it=False)
                     continue
@@ -235,8 +267,11 @@ class Scheduler:
                         self.stats["stopped_early"] += 1
                 if self.continuous and not alone:
                     with self.cond:
-                        joining = [] if self.closing else \
-                            self._compatible(decoder.accepts, sum(len(r) for r in running.values()))
+                        joining = (
+                            []
+                            if self.closing
+                            else self._compatible(decoder.accepts, sum(len(r) for r in running.values()))
+                        )
                     admit(joining)
         except Exception as e:  # never let one bad batch kill the worker
             self._fail(list(running), e)
@@ -267,8 +302,9 @@ class Scheduler:
         if alone:
             self._fail(jobs, error)
             return
-        log.warning("a batch of %d requests failed (%s: %s); retrying them one by one", len(jobs),
-                    type(error).__name__, error)
+        log.warning(
+            "a batch of %d requests failed (%s: %s); retrying them one by one", len(jobs), type(error).__name__, error
+        )
         for job in jobs:
             for constraint in job.constraints or ():
                 if constraint is not None:

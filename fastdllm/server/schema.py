@@ -17,14 +17,29 @@ DLLM_FIELDS = tuple(o["name"] for o in GenerationConfig.options() if o["server"]
 _KIND_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 MAX_N = 32
 MAX_STOP = 16
-IGNORABLE = ("metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "logit_bias", "tools",
-             "tool_choice", "response_format")
+IGNORABLE = (
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "response_format",
+)
 
 
 # ---- errors ------------------------------------------------------------------------------------
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -77,7 +92,7 @@ def validation_error(errors: list[dict]) -> APIError:
     field = msg.split(":", 1)[0]
     if kind == "value_error" and field in _field_names() and msg.startswith(field + ": "):
         # a check across a model's fields names the field it faults first: that field is the param
-        param, msg = f"{param}.{field}" if param else field, msg[len(field) + 2:]
+        param, msg = f"{param}.{field}" if param else field, msg[len(field) + 2 :]
         code = "missing_field" if msg.startswith("required") else "invalid_value"
         return APIError(400, f"{param}: {msg}", param=param, code=code)
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
@@ -146,8 +161,13 @@ class ChatMessage(_Strict):
     def for_template(self) -> dict:
         """The message as a chat template takes it (`tool_calls.template_messages` finishes it)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": None if self.content is None else self.text(), "name": self.name,
-                "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
+        return {
+            "role": role,
+            "content": None if self.content is None else self.text(),
+            "name": self.name,
+            "tool_calls": self.tool_calls,
+            "tool_call_id": self.tool_call_id,
+        }
 
 
 class StreamOptions(_Strict):
@@ -155,9 +175,13 @@ class StreamOptions(_Strict):
 
 
 _DecodingFields = create_model(
-    "_DecodingFields", __base__=_Strict,
-    **{o["name"]: (_KIND_TYPES[o["kind"].removeprefix("optional ")] | None, Field(default=None, description=o["help"]))
-       for o in GenerationConfig.options() if o["server"]},
+    "_DecodingFields",
+    __base__=_Strict,
+    **{
+        o["name"]: (_KIND_TYPES[o["kind"].removeprefix("optional ")] | None, Field(default=None, description=o["help"]))
+        for o in GenerationConfig.options()
+        if o["server"]
+    },
 )
 
 
@@ -206,8 +230,9 @@ class _Common(_DecodingFields):
         if strict:
             for name in self.ignored_fields():
                 if name == "stream_options":
-                    raise APIError(400, "stream_options: only allowed with stream: true", param=name,
-                                   code="invalid_value")
+                    raise APIError(
+                        400, "stream_options: only allowed with stream: true", param=name, code="invalid_value"
+                    )
                 raise APIError(400, f"unknown field {name!r}", param=name, code="unknown_field")
         from ..text.tool_calls import check_tools
 
@@ -216,31 +241,54 @@ class _Common(_DecodingFields):
         except ValueError as e:
             param = str(e).split(":", 1)[0].split("[", 1)[0]
             raise APIError(400, str(e), param=param, code="invalid_value") from None
-        if self.tools and self.tool_choice not in (None, "none", "auto") \
-                and self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "response_format: cannot be combined with tool_choice required or a named tool "
-                           "(each constrains the whole answer)", param="response_format", code="invalid_value")
+        if (
+            self.tools
+            and self.tool_choice not in (None, "none", "auto")
+            and self.response_format not in (None, {"type": "text"})
+        ):
+            raise APIError(
+                400,
+                "response_format: cannot be combined with tool_choice required or a named tool "
+                "(each constrains the whole answer)",
+                param="response_format",
+                code="invalid_value",
+            )
         if self.response_format is not None:
             kind = self.response_format.get("type")
             if kind not in ("text", "json_object", "json_schema"):
-                raise APIError(400, f"response_format: type must be text, json_object or json_schema (got {kind!r})",
-                               param="response_format", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"response_format: type must be text, json_object or json_schema (got {kind!r})",
+                    param="response_format",
+                    code="invalid_value",
+                )
             spec = self.response_format.get("json_schema")
-            if kind == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("name"), str)
-                                              and isinstance(spec.get("schema", {}), dict)):
-                raise APIError(400, "response_format: json_schema must be an object with a name and a schema object",
-                               param="response_format", code="invalid_value")
+            if kind == "json_schema" and not (
+                isinstance(spec, dict)
+                and isinstance(spec.get("name"), str)
+                and isinstance(spec.get("schema", {}), dict)
+            ):
+                raise APIError(
+                    400,
+                    "response_format: json_schema must be an object with a name and a schema object",
+                    param="response_format",
+                    code="invalid_value",
+                )
         if self.logit_bias:
-            raise APIError(400, "logit_bias: not supported (only empty)", param="logit_bias",
-                           code="unsupported_value")
+            raise APIError(400, "logit_bias: not supported (only empty)", param="logit_bias", code="unsupported_value")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
-                raise APIError(400, f"{name}: not supported by diffusion decoding (only 0)", param=name,
-                               code="unsupported_value")
+                raise APIError(
+                    400, f"{name}: not supported by diffusion decoding (only 0)", param=name, code="unsupported_value"
+                )
         if self.logprobs not in (None, False) and not getattr(self, "echo", False):
-            raise APIError(400, "logprobs: only for scoring a prompt (/v1/completions with echo: true)",
-                           param="logprobs", code="unsupported_value")
+            raise APIError(
+                400,
+                "logprobs: only for scoring a prompt (/v1/completions with echo: true)",
+                param="logprobs",
+                code="unsupported_value",
+            )
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings", param="stop", code="invalid_value")
 
@@ -271,11 +319,19 @@ class CompletionRequest(_Common):
         super().check_unsupported(strict)
         if self.echo:  # scoring the prompt (lm-eval's local-completions): log-probabilities, no decoding
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
-                raise APIError(400, "logprobs: with echo, an integer 0-20 (the top tokens reported per position)",
-                               param="logprobs", code="invalid_value")
+                raise APIError(
+                    400,
+                    "logprobs: with echo, an integer 0-20 (the top tokens reported per position)",
+                    param="logprobs",
+                    code="invalid_value",
+                )
             if self.max_tokens not in (None, 0, 1):
-                raise APIError(400, "max_tokens: with echo, 0 or 1 (echo scores the prompt, it does not decode)",
-                               param="max_tokens", code="invalid_value")
+                raise APIError(
+                    400,
+                    "max_tokens: with echo, 0 or 1 (echo scores the prompt, it does not decode)",
+                    param="max_tokens",
+                    code="invalid_value",
+                )
             if self.stream or self.n != 1:
                 raise APIError(400, "echo: not with stream or n > 1", param="echo", code="invalid_value")
         if self.suffix:

@@ -6,8 +6,8 @@ same thing everywhere: tokens up to (not including) the first stop token or stop
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass

@@ -89,17 +89,33 @@ class Tokenizer:
         context["pad_token"] = self.pad_token or context.get("pad_token")
         return {k: v for k, v in context.items() if v is not None}
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, documents=None,
-                    **template_kwargs) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None, documents=None, **template_kwargs
+    ) -> str:
         """The conversation as the template renders it (the engine's own call: the generation prompt
         on by default), through `apply_chat_template(tokenize=False)`."""
-        return self.apply_chat_template(messages, tools=tools, documents=documents, tokenize=False,
-                                        add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.apply_chat_template(
+            messages,
+            tools=tools,
+            documents=documents,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
 
-    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template: str | None = None,
-                            add_generation_prompt: bool = False, continue_final_message: bool = False,
-                            tokenize: bool = True, return_tensors: str | None = None, return_dict: bool = True,
-                            **template_kwargs):
+    def apply_chat_template(
+        self,
+        conversation,
+        tools=None,
+        documents=None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tokenize: bool = True,
+        return_tensors: str | None = None,
+        return_dict: bool = True,
+        **template_kwargs,
+    ):
         """transformers' `apply_chat_template` (v5): the same signature, defaults and results (a string
         with `tokenize=False`; else a dict of `input_ids` and `attention_mask`, or the ids alone with
         `return_dict=False`, tensors with `return_tensors="pt"`; a list of conversations gives one
@@ -115,17 +131,24 @@ class Tokenizer:
         hf = self.transformers_tokenizer()
         if hf is not None:
             # transformers 4.x refuses return_dict=True beside tokenize=False (5.x ignores it there)
-            return hf.apply_chat_template(conversation, tools=tools, documents=documents, chat_template=template,
-                                          add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message, tokenize=tokenize,
-                                          return_tensors=return_tensors, return_dict=return_dict and tokenize,
-                                          **template_kwargs)
+            return hf.apply_chat_template(
+                conversation,
+                tools=tools,
+                documents=documents,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=tokenize,
+                return_tensors=return_tensors,
+                return_dict=return_dict and tokenize,
+                **template_kwargs,
+            )
         batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt are not compatible")
         context = {**self.special_tokens_context(), **template_kwargs}
         texts = []
-        for chat in (conversation if batched else [conversation]):
+        for chat in conversation if batched else [conversation]:
             chat = normalize_messages(chat)
             if not continue_final_message:
                 texts.append(render_template(template, chat, add_generation_prompt, tools, documents, **context))
@@ -137,8 +160,10 @@ class Tokenizer:
             chat[-1] = {**chat[-1], "content": final + tag}
             text = render_template(template, chat, False, tools, documents, **context)
             if final.strip() not in text or tag.strip() not in text:
-                raise ValueError("continue_final_message is set but the final message does not appear in the chat "
-                                 "after applying the chat template")
+                raise ValueError(
+                    "continue_final_message is set but the final message does not appear in the chat "
+                    "after applying the chat template"
+                )
             at = text.rindex(tag.strip())
             # a template that trims the message trimmed the tag's space too: cut its trailing space
             texts.append(text[:at] if text[at : at + len(tag)] == tag else text[:at].rstrip())
@@ -171,12 +196,21 @@ class Tokenizer:
                 from transformers import PreTrainedTokenizerFast
             except ImportError:
                 return None
-            self._hf = PreTrainedTokenizerFast(tokenizer_object=FastTokenizer.from_str(self.fast.to_str()),
-                                               chat_template=self.chat_template, **self.special_tokens_context())
+            self._hf = PreTrainedTokenizerFast(
+                tokenizer_object=FastTokenizer.from_str(self.fast.to_str()),
+                chat_template=self.chat_template,
+                **self.special_tokens_context(),
+            )
         return self._hf
 
-    def __call__(self, text, add_special_tokens: bool = True, return_tensors: str | None = None,
-                 padding: bool = False, return_attention_mask: bool = True):
+    def __call__(
+        self,
+        text,
+        add_special_tokens: bool = True,
+        return_tensors: str | None = None,
+        padding: bool = False,
+        return_attention_mask: bool = True,
+    ):
         """transformers' `tokenizer(text)`: {"input_ids", "attention_mask"} for a string or a list of
         them (`padding=True` pads a batch to its longest, on `padding_side` from the tokenizer's
         config, default right; `return_tensors="pt"` for tensors, which a ragged batch needs padding for)."""
@@ -223,7 +257,9 @@ class Tokenizer:
         marks = [f"\x00content{i}-{secrets.token_hex(8)}\x00" for i in range(len(messages))]
         marked = self.render_chat(
             [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)],
-            add_generation_prompt, tools=tools)
+            add_generation_prompt,
+            tools=tools,
+        )
         parts, contents, rest = [], [], marked
         for m, mark in zip(messages, marks):
             if not isinstance(m.get("content"), str) or rest.count(mark) != 1:
@@ -290,8 +326,9 @@ def _generation_tag():
 GenerationTag = _generation_tag()
 
 
-def render_template(template: str, messages: list[dict], add_generation_prompt: bool = True, tools=None,
-                    documents=None, **context) -> str:
+def render_template(
+    template: str, messages: list[dict], add_generation_prompt: bool = True, tools=None, documents=None, **context
+) -> str:
     """A chat template rendered in transformers' environment, without transformers. A tool given as
     a Python function reaches the template as its JSON schema, as transformers makes it
     (`tool_schema.function_schema`)."""
@@ -300,8 +337,9 @@ def render_template(template: str, messages: list[dict], add_generation_prompt: 
     from .tool_schema import as_tool_schemas
 
     tools = as_tool_schemas(tools)
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, GenerationTag])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTag]
+    )
 
     def raise_exception(message):
         raise TemplateError(message)
@@ -317,8 +355,9 @@ def render_template(template: str, messages: list[dict], add_generation_prompt: 
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = dict
     env.globals["namespace"] = jinja2.utils.Namespace
-    return env.from_string(template).render(messages=messages, tools=tools, documents=documents,
-                                            add_generation_prompt=add_generation_prompt, **context)
+    return env.from_string(template).render(
+        messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **context
+    )
 
 
 def _read_json(path: Path) -> dict:
@@ -348,7 +387,9 @@ def _qwen2_bpe(folder: Path) -> FastTokenizer:
         for content, _id in sorted(added.items(), key=lambda kv: kv[1]):
             tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
             if tok.token_to_id(content) != _id:
-                raise ValueError(f"{added_path}: token {content!r} should have id {_id}, got {tok.token_to_id(content)}")
+                raise ValueError(
+                    f"{added_path}: token {content!r} should have id {_id}, got {tok.token_to_id(content)}"
+                )
     return tok
 
 

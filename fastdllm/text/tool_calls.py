@@ -35,9 +35,16 @@ def check_tools(tools, tool_choice) -> None:
         raise ValueError("tools: must be a list")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError(f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+        if (
+            not isinstance(t, dict)
+            or t.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise ValueError(
+                f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}"
+            )
         if not isinstance(fn.get("parameters", {}), dict):
             raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema object")
     if tool_choice in (None, "none", "auto", "required"):
@@ -112,10 +119,18 @@ PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
 def forced_schema(tools: list[dict], tool_choice) -> dict | None:
     """The JSON schema an answer must follow for `tool_choice` required / named (None otherwise)."""
     if tool_choice == "required":
-        items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": t["function"]["name"]},
-                                 "parameters": t["function"].get("parameters") or {"type": "object"}}}
-                 for t in tools]
+        items = [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "parameters"],
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "parameters": t["function"].get("parameters") or {"type": "object"},
+                },
+            }
+            for t in tools
+        ]
         return {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
@@ -136,9 +151,14 @@ def forced_calls(text: str, tool_choice) -> list[dict]:
 
 
 def openai_calls(calls: list[dict]) -> list[dict]:
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-            for c in calls]
+    return [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+        }
+        for c in calls
+    ]
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -165,10 +185,12 @@ def template_messages(messages: list[dict]) -> list[dict]:
 def tools_system_message(tools: list[dict]) -> dict:
     """The tools for a template that does not render them, in the Hermes convention."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return {"role": "system", "content":
-            "You can call these functions. The function signatures are inside <tools></tools>:\n<tools>\n"
-            f"{listed}\n</tools>\nTo call a function, answer with a JSON object of its name and arguments "
-            'inside <tool_call></tool_call>: <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>'}
+    return {
+        "role": "system",
+        "content": "You can call these functions. The function signatures are inside <tools></tools>:\n<tools>\n"
+        f"{listed}\n</tools>\nTo call a function, answer with a JSON object of its name and arguments "
+        'inside <tool_call></tool_call>: <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>',
+    }
 
 
 def template_reads_tools(template: str | None) -> bool:

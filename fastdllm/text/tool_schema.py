@@ -27,11 +27,17 @@ import json
 import re
 import types
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
-_PLAIN = {**{t: {"type": name} for t, name in _SCALARS.items()},
-          list: {"type": "array"}, tuple: {"type": "array"}, dict: {"type": "object"}, Any: {}}
+_PLAIN = {
+    **{t: {"type": name} for t, name in _SCALARS.items()},
+    list: {"type": "array"},
+    tuple: {"type": "array"},
+    dict: {"type": "object"},
+    Any: {},
+}
 
 _SECTION = re.compile(r"Args:|Returns:|Raises:")
 _ARGS = re.compile(r"\n\s*Args:\n(.*?)[\n\s]*(?:Returns:|Raises:|\Z)", re.DOTALL)
@@ -97,8 +103,11 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str], str | None]:
 def _parameters(func: Callable, name: str) -> dict:
     hints = typing.get_type_hints(func)
     params = list(inspect.signature(func).parameters.values())
-    skip = params[0].name if params and params[0].name in ("self", "cls") and \
-        params[0].annotation is inspect.Parameter.empty else None
+    skip = (
+        params[0].name
+        if params and params[0].name in ("self", "cls") and params[0].annotation is inspect.Parameter.empty
+        else None
+    )
     required = []
     for p in params:
         if p.name == skip:
@@ -141,9 +150,11 @@ def _type_schema(hint, name: str, arg: str) -> dict:
             return _enum(values, name, arg)
         if hint in _PLAIN:
             return dict(_PLAIN[hint])
-        raise ValueError(f"tools: {name}'s argument {arg!r} has the type {hint!r}, which has no JSON schema "
-                         "(basic types, Enum, Literal, and list, tuple, dict and Union of those); pass the tool's "
-                         "schema as a dict instead")
+        raise ValueError(
+            f"tools: {name}'s argument {arg!r} has the type {hint!r}, which has no JSON schema "
+            "(basic types, Enum, Literal, and list, tuple, dict and Union of those); pass the tool's "
+            "schema as a dict instead"
+        )
     if origin is typing.Union or origin is types.UnionType:
         parts = [_type_schema(t, name, arg) for t in args if t is not type(None)]
         if len(parts) == 1:
@@ -164,8 +175,10 @@ def _type_schema(hint, name: str, arg: str) -> dict:
         if not args:
             return {"type": "array"}
         if len(args) == 1 or ... in args:
-            raise ValueError(f"tools: {name}'s argument {arg!r}: a tuple of one element or of any length has no "
-                             "JSON schema here; use list[...] (or the element itself)")
+            raise ValueError(
+                f"tools: {name}'s argument {arg!r}: a tuple of one element or of any length has no "
+                "JSON schema here; use list[...] (or the element itself)"
+            )
         return {"type": "array", "prefixItems": [_type_schema(t, name, arg) for t in args]}
     if origin is dict:
         out = {"type": "object"}

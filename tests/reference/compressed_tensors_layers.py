@@ -5,6 +5,7 @@ scheme; this decompresses them with the library's `PackedQuantizationCompressor`
 `ours_by_library.safetensors`, and compresses random weights with the library under the same
 schemes into `library.safetensors` (what llm-compressor writes), with the library's own
 dequantized weights in `library_dequantized.safetensors`."""
+
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,6 @@ from pathlib import Path
 import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 from safetensors.torch import load_file, save_file
 
@@ -31,8 +31,9 @@ for layer in job["layers"]:
     group = args.group_size or w.shape[1]
     g = w.float().reshape(w.shape[0], -1, group)
     scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
-    state = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(w.dtype),
-                                                   "weight_zero_point": zp}, scheme)
+    state = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zp}, scheme
+    )
     written.update({f"{prefix}.{k}": v.contiguous() for k, v in state.items()})
     full = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
     dequantized[prefix] = full.float().contiguous()

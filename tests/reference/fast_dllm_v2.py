@@ -3,6 +3,7 @@ its checkpoints ship (`modeling.py`, `configuration.py`), in an interpreter with
 (transformers 4.53.1, einops). argv: the folder holding those three files, the checkpoint folder,
 a JSON file of {"mask_id", "stop", "pad", "block_length", "prompts", "configs"}; prints
 {"runs": [{"tokens"}]} (configs outer, prompts inner), greedy (temperature 0)."""
+
 import json
 import shutil
 import sys
@@ -24,10 +25,19 @@ model.batch_sample = types.MethodType(generation_functions.Fast_dLLM_QwenForCaus
 runs = []
 for c in spec["configs"]:
     for prompt in spec["prompts"]:
-        out = model.batch_sample(torch.tensor([prompt]), types.SimpleNamespace(pad_token_id=spec["pad"]),
-                                 block_size=spec["block_length"], max_new_tokens=c["gen_length"],
-                                 small_block_size=c["sub_block_length"], min_len=len(prompt),
-                                 seq_len=torch.tensor([len(prompt)]), mask_id=spec["mask_id"],
-                                 threshold=c["threshold"], stop_token=spec["stop"], top_p=0.95, temperature=0.0)
-        runs.append({"tokens": out[0][len(prompt):].tolist()})
+        out = model.batch_sample(
+            torch.tensor([prompt]),
+            types.SimpleNamespace(pad_token_id=spec["pad"]),
+            block_size=spec["block_length"],
+            max_new_tokens=c["gen_length"],
+            small_block_size=c["sub_block_length"],
+            min_len=len(prompt),
+            seq_len=torch.tensor([len(prompt)]),
+            mask_id=spec["mask_id"],
+            threshold=c["threshold"],
+            stop_token=spec["stop"],
+            top_p=0.95,
+            temperature=0.0,
+        )
+        runs.append({"tokens": out[0][len(prompt) :].tolist()})
 print(json.dumps({"runs": runs}))

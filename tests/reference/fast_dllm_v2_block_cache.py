@@ -9,6 +9,7 @@ inner): the answer tokens, greedy (temperature 0).
 starts. As published the block cache outlives its block, so the first sub-block of every later
 block attends to the previous block's K/V in place of its own (see fastdllm's SubBlockCache); with
 one block ("blocks": 1) the published loop runs unchanged."""
+
 import inspect
 import json
 import shutil
@@ -38,8 +39,17 @@ runs = []
 for c in spec["configs"]:
     loop = fresh if c["fresh_block_cache"] else published
     for prompt in spec["prompts"]:
-        out = loop(model, torch.tensor([prompt]), max_new_tokens=c["blocks"] * spec["block_length"],
-                   mask_id=spec["mask_id"], threshold=c["threshold"], small_block_size=c["sub_block_length"],
-                   block_size=spec["block_length"], stop_token=spec["stop"], temperature=0, use_block_cache=True)
-        runs.append({"tokens": out[0][0, len(prompt):].tolist()})
+        out = loop(
+            model,
+            torch.tensor([prompt]),
+            max_new_tokens=c["blocks"] * spec["block_length"],
+            mask_id=spec["mask_id"],
+            threshold=c["threshold"],
+            small_block_size=c["sub_block_length"],
+            block_size=spec["block_length"],
+            stop_token=spec["stop"],
+            temperature=0,
+            use_block_cache=True,
+        )
+        runs.append({"tokens": out[0][0, len(prompt) :].tolist()})
 print(json.dumps({"runs": runs}))

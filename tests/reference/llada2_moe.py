@@ -11,6 +11,7 @@ published `generate` loop with its sampler replaced by the greedy one (the argma
 probability): its own sampler draws with `multinomial` even at temperature 0, which no other
 sampler can reproduce token for token. The model runs in float32, so generate's bfloat16 mask
 (0 / -inf, exact in either dtype) is handed to it as float32."""
+
 import json
 import sys
 import time
@@ -61,9 +62,16 @@ with torch.no_grad():
     for c in spec["configs"]:
         for prompt in spec["prompts"]:
             forwards[0], t0 = 0, time.perf_counter()
-            x = model.generate(inputs=torch.tensor([prompt]), temperature=0.0, block_length=block,
-                               steps=c["steps"], gen_length=c["gen_length"], threshold=c["threshold"],
-                               eos_id=spec["eos_id"], mask_id=spec["mask_id"],
-                               **{k: c[k] for k in LATER_ARGUMENTS if k in c})
+            x = model.generate(
+                inputs=torch.tensor([prompt]),
+                temperature=0.0,
+                block_length=block,
+                steps=c["steps"],
+                gen_length=c["gen_length"],
+                threshold=c["threshold"],
+                eos_id=spec["eos_id"],
+                mask_id=spec["mask_id"],
+                **{k: c[k] for k in LATER_ARGUMENTS if k in c},
+            )
             out["runs"].append({"tokens": x[0].tolist(), "seconds": time.perf_counter() - t0, "forwards": forwards[0]})
 print(json.dumps(out))

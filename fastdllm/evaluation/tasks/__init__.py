@@ -12,16 +12,48 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from .base import DATA_DIR, DataError, Doc, Score, Task, UnknownTaskError, apply_limit, find_data_file, has_chat_template, read_jsonl, score_final_number
+from .base import (
+    DATA_DIR,
+    DataError,
+    Doc,
+    Score,
+    Task,
+    UnknownTaskError,
+    apply_limit,
+    find_data_file,
+    has_chat_template,
+    read_jsonl,
+    score_final_number,
+)
 
 # name -> (module of this package, class); imported on first use
-TASKS = {"arith": ("arith", "ArithTask"), "gsm8k": ("gsm8k", "GSM8KTask"), "humaneval": ("humaneval", "HumanEvalTask"),
-         "math500": ("math500", "Math500Task"), "mbpp": ("mbpp", "MBPPTask"),
-         "everyday": ("everyday", "EverydayTask"), "everyday-probe": ("everyday", "EverydayProbeTask")}
+TASKS = {
+    "arith": ("arith", "ArithTask"),
+    "gsm8k": ("gsm8k", "GSM8KTask"),
+    "humaneval": ("humaneval", "HumanEvalTask"),
+    "math500": ("math500", "Math500Task"),
+    "mbpp": ("mbpp", "MBPPTask"),
+    "everyday": ("everyday", "EverydayTask"),
+    "everyday-probe": ("everyday", "EverydayProbeTask"),
+}
 _LOADED: dict[str, Task] = {}
 
-__all__ = ["DATA_DIR", "DataError", "Doc", "Score", "TASKS", "Task", "UnknownTaskError", "apply_limit",
-           "find_data_file", "get_task", "has_chat_template", "list_tasks", "read_jsonl", "score_final_number"]
+__all__ = [
+    "DATA_DIR",
+    "DataError",
+    "Doc",
+    "Score",
+    "TASKS",
+    "Task",
+    "UnknownTaskError",
+    "apply_limit",
+    "find_data_file",
+    "get_task",
+    "has_chat_template",
+    "list_tasks",
+    "read_jsonl",
+    "score_final_number",
+]
 
 
 def get_task(name: str | Task) -> Task:

@@ -28,18 +28,62 @@ TEST_SIZE = 1000
 FEWSHOT_POOL_SIZE = 16
 
 NAMES = [
-    "Tom", "Ann", "Mia", "Sam", "Ben", "Lily", "Max", "Emma", "Leo", "Zoe", "Jack", "Nora",
-    "Owen", "Ruby", "Liam", "Ella", "Noah", "Grace", "Ryan", "Chloe",
+    "Tom",
+    "Ann",
+    "Mia",
+    "Sam",
+    "Ben",
+    "Lily",
+    "Max",
+    "Emma",
+    "Leo",
+    "Zoe",
+    "Jack",
+    "Nora",
+    "Owen",
+    "Ruby",
+    "Liam",
+    "Ella",
+    "Noah",
+    "Grace",
+    "Ryan",
+    "Chloe",
 ]
-PRONOUN = {n: ("she" if n in {"Ann", "Mia", "Lily", "Emma", "Zoe", "Nora", "Ruby", "Ella", "Grace", "Chloe"} else "he")
-           for n in NAMES}
+PRONOUN = {
+    n: ("she" if n in {"Ann", "Mia", "Lily", "Emma", "Zoe", "Nora", "Ruby", "Ella", "Grace", "Chloe"} else "he")
+    for n in NAMES
+}
 ITEMS = [
-    "apples", "pencils", "books", "stickers", "marbles", "cookies", "cards", "shells", "coins", "eggs",
-    "toys", "stamps", "candies", "flowers", "balloons", "oranges", "cupcakes", "beads", "rocks", "plums",
+    "apples",
+    "pencils",
+    "books",
+    "stickers",
+    "marbles",
+    "cookies",
+    "cards",
+    "shells",
+    "coins",
+    "eggs",
+    "toys",
+    "stamps",
+    "candies",
+    "flowers",
+    "balloons",
+    "oranges",
+    "cupcakes",
+    "beads",
+    "rocks",
+    "plums",
 ]
 PRICED = ["pen", "notebook", "toy car", "ball", "kite", "puzzle", "cup", "sandwich", "comic", "hat"]
-ACTIVITIES = [("reads", "pages"), ("runs", "laps"), ("writes", "lines"), ("picks", "berries"),
-              ("paints", "pictures"), ("folds", "cranes")]
+ACTIVITIES = [
+    ("reads", "pages"),
+    ("runs", "laps"),
+    ("writes", "lines"),
+    ("picks", "berries"),
+    ("paints", "pictures"),
+    ("folds", "cranes"),
+]
 
 
 @dataclass(frozen=True)
@@ -83,8 +127,9 @@ def _running_total(r: random.Random) -> Problem:
             k = r.randint(2, 5)
             new = _check(value * k)
             word = {2: "doubles", 3: "triples"}.get(k, f"multiplies by {k}")
-            story.append(f"Then the number of {item} {word}." if k <= 3 else
-                         f"Then {he} ends up with {k} times as many {item}.")
+            story.append(
+                f"Then the number of {item} {word}." if k <= 3 else f"Then {he} ends up with {k} times as many {item}."
+            )
             lines.append(f"Then {name} has {value} * {k} = {new} {item}.")
         else:
             k = r.randint(2, 5)
@@ -170,11 +215,15 @@ def _groups(r: random.Random) -> Problem:
     k = r.randint(2, 10)
     each = _check(per + k)
     total = _check(each * g)
-    question = (f"{name} shares {n} {item} equally among {g} friends. Then each friend gets {k} more {item}. "
-                f"How many {item} do the friends have in all?")
-    lines = [f"Each friend first gets {n} / {g} = {per} {item}.",
-             f"Then each friend has {per} + {k} = {each} {item}.",
-             f"In all the friends have {each} * {g} = {total} {item}."]
+    question = (
+        f"{name} shares {n} {item} equally among {g} friends. Then each friend gets {k} more {item}. "
+        f"How many {item} do the friends have in all?"
+    )
+    lines = [
+        f"Each friend first gets {n} / {g} = {per} {item}.",
+        f"Then each friend has {per} + {k} = {each} {item}.",
+        f"In all the friends have {each} * {g} = {total} {item}.",
+    ]
     return Problem(question, "\n".join(lines + [f"#### {total}"]), total)
 
 
@@ -263,8 +312,10 @@ class ArithTask(Task):
         return FEWSHOT_POOL_SIZE
 
     def load(self, data_dir=None, limit=None) -> list[Doc]:
-        docs = [Doc(f"arith/{i}", i, {"question": p.question, "answer": p.answer}, str(p.value))
-                for i, p in enumerate(test_split())]
+        docs = [
+            Doc(f"arith/{i}", i, {"question": p.question, "answer": p.answer}, str(p.value))
+            for i, p in enumerate(test_split())
+        ]
         return apply_limit(docs, limit)
 
     def fewshot(self, k: int, data_dir=None):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
@@ -99,7 +100,7 @@ def has_chat_template(tokenizer) -> bool:
 class _NullScorer:
     """Scores answers in process (text tasks); a context manager like every scorer."""
 
-    def __init__(self, task: "Task"):
+    def __init__(self, task: Task):
         self.task = task
 
     def __enter__(self):
@@ -119,7 +120,7 @@ class _CodeScorer(_NullScorer):
     """Judges each answer against its tests in the sandbox (`sandbox.judge`: the tests and the
     solution run in two processes that exchange only data), `workers` at a time."""
 
-    def __init__(self, task: "Task", workers: int, timeout: float | None):
+    def __init__(self, task: Task, workers: int, timeout: float | None):
         from ...sandbox import SandboxConfig
 
         super().__init__(task)
@@ -131,9 +132,16 @@ class _CodeScorer(_NullScorer):
 
         checks = [self.task.build_check(d, c) for d, c in zip(docs, completions)]
         results = judge_many(checks, self.config, workers=self.workers)
-        return [Score(r.passed, r.verdict, ch.solution, r.reason,
-                      {"duration": round(r.duration, 3), "cpu_time": r.to_dict()["cpu_time"]})
-                for ch, r in zip(checks, results)]
+        return [
+            Score(
+                r.passed,
+                r.verdict,
+                ch.solution,
+                r.reason,
+                {"duration": round(r.duration, 3), "cpu_time": r.to_dict()["cpu_time"]},
+            )
+            for ch, r in zip(checks, results)
+        ]
 
 
 class Task:

@@ -30,28 +30,155 @@ MAX_VALUE = 99
 
 # Entity sets: (train, test). The test sets are disjoint from the training ones.
 NAMES = (
-    ["Tom", "Ann", "Mia", "Sam", "Ben", "Lily", "Max", "Emma", "Leo", "Zoe", "Jack", "Nora", "Owen", "Ruby",
-     "Liam", "Ella", "Noah", "Grace", "Ryan", "Chloe", "Eva", "Luke", "Amy", "Dan", "Kate", "Paul", "Rosa",
-     "Adam", "Lucy", "Carl", "Jane", "Ivan", "Sara", "Nick", "Beth", "Alex"],
+    [
+        "Tom",
+        "Ann",
+        "Mia",
+        "Sam",
+        "Ben",
+        "Lily",
+        "Max",
+        "Emma",
+        "Leo",
+        "Zoe",
+        "Jack",
+        "Nora",
+        "Owen",
+        "Ruby",
+        "Liam",
+        "Ella",
+        "Noah",
+        "Grace",
+        "Ryan",
+        "Chloe",
+        "Eva",
+        "Luke",
+        "Amy",
+        "Dan",
+        "Kate",
+        "Paul",
+        "Rosa",
+        "Adam",
+        "Lucy",
+        "Carl",
+        "Jane",
+        "Ivan",
+        "Sara",
+        "Nick",
+        "Beth",
+        "Alex",
+    ],
     ["Omar", "Priya", "Hugo", "Ivy", "Kai", "Maya", "Felix", "Hana", "Theo", "Lena", "Jonas", "Rita"],
 )
-FEMALE = {"Ann", "Mia", "Lily", "Emma", "Zoe", "Nora", "Ruby", "Ella", "Grace", "Chloe", "Eva", "Amy", "Kate",
-          "Rosa", "Lucy", "Jane", "Sara", "Beth", "Priya", "Ivy", "Maya", "Hana", "Lena", "Rita"}
+FEMALE = {
+    "Ann",
+    "Mia",
+    "Lily",
+    "Emma",
+    "Zoe",
+    "Nora",
+    "Ruby",
+    "Ella",
+    "Grace",
+    "Chloe",
+    "Eva",
+    "Amy",
+    "Kate",
+    "Rosa",
+    "Lucy",
+    "Jane",
+    "Sara",
+    "Beth",
+    "Priya",
+    "Ivy",
+    "Maya",
+    "Hana",
+    "Lena",
+    "Rita",
+}
 ITEMS = (
-    ["apples", "pencils", "books", "stickers", "marbles", "cookies", "cards", "shells", "coins", "eggs", "toys",
-     "stamps", "candies", "flowers", "balloons", "oranges", "cupcakes", "beads", "rocks", "plums", "bananas",
-     "pens", "crackers", "grapes", "muffins", "socks", "shirts", "carrots", "lemons", "candles"],
+    [
+        "apples",
+        "pencils",
+        "books",
+        "stickers",
+        "marbles",
+        "cookies",
+        "cards",
+        "shells",
+        "coins",
+        "eggs",
+        "toys",
+        "stamps",
+        "candies",
+        "flowers",
+        "balloons",
+        "oranges",
+        "cupcakes",
+        "beads",
+        "rocks",
+        "plums",
+        "bananas",
+        "pens",
+        "crackers",
+        "grapes",
+        "muffins",
+        "socks",
+        "shirts",
+        "carrots",
+        "lemons",
+        "candles",
+    ],
     ["pears", "crayons", "buttons", "tickets", "cherries", "peaches", "markers", "ribbons"],
 )
 CONTAINERS = (["box", "bag", "basket", "jar", "pack", "bowl", "tray"], ["crate", "tin", "bucket"])
-PRICED = (["pen", "notebook", "toy car", "ball", "kite", "puzzle", "cup", "sandwich", "comic", "hat", "lamp",
-           "scarf", "game", "plant"], ["wallet", "bottle", "mug", "poster"])
+PRICED = (
+    [
+        "pen",
+        "notebook",
+        "toy car",
+        "ball",
+        "kite",
+        "puzzle",
+        "cup",
+        "sandwich",
+        "comic",
+        "hat",
+        "lamp",
+        "scarf",
+        "game",
+        "plant",
+    ],
+    ["wallet", "bottle", "mug", "poster"],
+)
 VEHICLES = (["car", "bus", "train", "bike", "truck"], ["boat", "tram", "scooter"])
 UNITS = (["miles", "kilometers"], ["miles", "kilometers"])
 JOBS = (["earns", "makes", "is paid"], ["gets"])
-WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine",
-         10: "ten", 11: "eleven", 12: "twelve", 13: "thirteen", 14: "fourteen", 15: "fifteen", 16: "sixteen",
-         17: "seventeen", 18: "eighteen", 19: "nineteen", 20: "twenty", 30: "thirty", 40: "forty", 50: "fifty"}
+WORDS = {
+    1: "one",
+    2: "two",
+    3: "three",
+    4: "four",
+    5: "five",
+    6: "six",
+    7: "seven",
+    8: "eight",
+    9: "nine",
+    10: "ten",
+    11: "eleven",
+    12: "twelve",
+    13: "thirteen",
+    14: "fourteen",
+    15: "fifteen",
+    16: "sixteen",
+    17: "seventeen",
+    18: "eighteen",
+    19: "nineteen",
+    20: "twenty",
+    30: "thirty",
+    40: "forty",
+    50: "fifty",
+}
 P_WORD_NUMBER = 0.2
 P_DISTRACTOR = 0.3
 
@@ -110,31 +237,63 @@ def _bare(w: _Writer):
     if op == "+":
         a, b = r.randint(1, 69), r.randint(1, 30)
         c = _ok(a + b)
-        q = w.say(["What is {a} plus {b}?", "What is the sum of {a} and {b}?", "Add {a} and {b}.",
-                   "How much is {a} + {b}?", "What is {a} + {b}?", "{a} plus {b} is how much?"],
-                  ["Calculate {a} plus {b}.", "What do you get if you add {b} to {a}?", "Work out {a} + {b}."],
-                  a=a, b=b)
+        q = w.say(
+            [
+                "What is {a} plus {b}?",
+                "What is the sum of {a} and {b}?",
+                "Add {a} and {b}.",
+                "How much is {a} + {b}?",
+                "What is {a} + {b}?",
+                "{a} plus {b} is how much?",
+            ],
+            ["Calculate {a} plus {b}.", "What do you get if you add {b} to {a}?", "Work out {a} + {b}."],
+            a=a,
+            b=b,
+        )
     elif op == "-":
         b, c = r.randint(1, 30), r.randint(0, 69)
         a = _ok(b + c)
-        q = w.say(["What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}.",
-                   "How much is {a} take away {b}?", "What is the difference between {a} and {b}?"],
-                  ["Calculate {a} minus {b}.", "What is left if you take {b} from {a}?", "Work out {a} - {b}."],
-                  a=a, b=b)
+        q = w.say(
+            [
+                "What is {a} minus {b}?",
+                "What is {a} - {b}?",
+                "Subtract {b} from {a}.",
+                "How much is {a} take away {b}?",
+                "What is the difference between {a} and {b}?",
+            ],
+            ["Calculate {a} minus {b}.", "What is left if you take {b} from {a}?", "Work out {a} - {b}."],
+            a=a,
+            b=b,
+        )
     elif op == "*":
         a, b = r.randint(2, 12), r.randint(2, 10)
         c = _ok(a * b)
-        q = w.say(["What is {a} times {b}?", "What is {a} * {b}?", "Multiply {a} by {b}.",
-                   "What is the product of {a} and {b}?", "How much is {a} times {b}?"],
-                  ["Calculate {a} times {b}.", "What do you get if you multiply {a} by {b}?", "Work out {a} x {b}."],
-                  a=a, b=b)
+        q = w.say(
+            [
+                "What is {a} times {b}?",
+                "What is {a} * {b}?",
+                "Multiply {a} by {b}.",
+                "What is the product of {a} and {b}?",
+                "How much is {a} times {b}?",
+            ],
+            ["Calculate {a} times {b}.", "What do you get if you multiply {a} by {b}?", "Work out {a} x {b}."],
+            a=a,
+            b=b,
+        )
     else:
         b, c = r.randint(2, 10), r.randint(2, 12)
         a = _ok(b * c)
-        q = w.say(["What is {a} divided by {b}?", "What is {a} / {b}?", "Divide {a} by {b}.",
-                   "How much is {a} split into {b} equal parts?"],
-                  ["Calculate {a} divided by {b}.", "How many times does {b} go into {a}?", "Work out {a} / {b}."],
-                  a=a, b=b)
+        q = w.say(
+            [
+                "What is {a} divided by {b}?",
+                "What is {a} / {b}?",
+                "Divide {a} by {b}.",
+                "How much is {a} split into {b} equal parts?",
+            ],
+            ["Calculate {a} divided by {b}.", "How many times does {b} go into {a}?", "Work out {a} / {b}."],
+            a=a,
+            b=b,
+        )
     sym = {"*": "*", "/": "/", "+": "+", "-": "-"}[op]
     return q, [f"{a} {sym} {b} = {c}."], c
 
@@ -143,140 +302,270 @@ def _story_one(w: _Writer):
     """A one-step story: more, altogether, left, fewer, each, times as many, share, half, change,
     rates, distances, ages."""
     r = w.r
-    kind = r.choice(["more", "together", "left", "fewer", "each", "times", "share", "part", "change", "rate",
-                     "distance", "age"])
+    kind = r.choice(
+        ["more", "together", "left", "fewer", "each", "times", "share", "part", "change", "rate", "distance", "age"]
+    )
     a_name, b_name = w.names(2)
-    he, his, item = _he(a_name), _his(a_name), w.pick(ITEMS)
+    he, item = _he(a_name), w.pick(ITEMS)
     if kind == "more":
         a, b = r.randint(1, 60), r.randint(1, 30)
         c = _ok(a + b)
-        story = w.say(["{A} has {a} {item}. {He} buys {b} more.", "{A} had {a} {item} and found {b} more.",
-                       "{A} has {a} {item}. {B} gives {him} {b} more {item}.",
-                       "There are {a} {item} on the table. {A} puts {b} more on it."],
-                      ["{A} starts with {a} {item}, then collects another {b}.",
-                       "{A} owns {a} {item} and receives {b} extra {item} as a gift."],
-                      A=a_name, B=b_name, He=_cap(he), him="her" if he == "she" else "him", item=item,
-                      a=w.num(a), b=w.num(b))
-        ask = w.say(["How many {item} does {A} have now?", "How many {item} are there now?",
-                     "How many {item} does {he} have?"],
-                    ["What is the number of {item} now?", "How many {item} is that in the end?"],
-                    A=a_name, he=he, item=item)
+        story = w.say(
+            [
+                "{A} has {a} {item}. {He} buys {b} more.",
+                "{A} had {a} {item} and found {b} more.",
+                "{A} has {a} {item}. {B} gives {him} {b} more {item}.",
+                "There are {a} {item} on the table. {A} puts {b} more on it.",
+            ],
+            [
+                "{A} starts with {a} {item}, then collects another {b}.",
+                "{A} owns {a} {item} and receives {b} extra {item} as a gift.",
+            ],
+            A=a_name,
+            B=b_name,
+            He=_cap(he),
+            him="her" if he == "she" else "him",
+            item=item,
+            a=w.num(a),
+            b=w.num(b),
+        )
+        ask = w.say(
+            ["How many {item} does {A} have now?", "How many {item} are there now?", "How many {item} does {he} have?"],
+            ["What is the number of {item} now?", "How many {item} is that in the end?"],
+            A=a_name,
+            he=he,
+            item=item,
+        )
         return f"{story} {ask}", [f"{a} + {b} = {c} {item}."], c
     if kind == "together":
         a, b = r.randint(1, 60), r.randint(1, 30)
         c = _ok(a + b)
-        story = w.say(["{A} has {a} {item} and {B} has {b} {item}.", "{A} picked {a} {item}. {B} picked {b}."],
-                      ["{A} brought {a} {item} while {B} brought {b} {item}."],
-                      A=a_name, B=b_name, item=item, a=w.num(a), b=w.num(b))
-        ask = w.say(["How many {item} do they have altogether?", "How many {item} do they have in total?",
-                     "What is the total number of {item}?", "How many {item} are there in all?"],
-                    ["How many {item} do the two of them have combined?", "Together, how many {item} is that?"],
-                    item=item)
+        story = w.say(
+            ["{A} has {a} {item} and {B} has {b} {item}.", "{A} picked {a} {item}. {B} picked {b}."],
+            ["{A} brought {a} {item} while {B} brought {b} {item}."],
+            A=a_name,
+            B=b_name,
+            item=item,
+            a=w.num(a),
+            b=w.num(b),
+        )
+        ask = w.say(
+            [
+                "How many {item} do they have altogether?",
+                "How many {item} do they have in total?",
+                "What is the total number of {item}?",
+                "How many {item} are there in all?",
+            ],
+            ["How many {item} do the two of them have combined?", "Together, how many {item} is that?"],
+            item=item,
+        )
         return f"{story} {ask}", [f"Together they have {a} + {b} = {c} {item}."], c
     if kind == "left":
         b, c = r.randint(1, 30), r.randint(0, 60)
         a = _ok(b + c)
-        story = w.say(["{A} has {a} {item}. {He} gives {b} of them to {B}.", "{A} had {a} {item} and ate {b}.",
-                       "{A} has {a} {item}. {He} sells {b} {item}.", "There were {a} {item}. {A} used {b} of them."],
-                      ["{A} began with {a} {item} but lost {b} on the way home.",
-                       "Out of {a} {item}, {A} hands {b} over to {B}."],
-                      A=a_name, B=b_name, He=_cap(he), item=item, a=w.num(a), b=w.num(b))
-        ask = w.say(["How many {item} are left?", "How many {item} does {A} have left?",
-                     "How many {item} does {he} have now?"],
-                    ["How many {item} remain?", "What number of {item} is still there?"],
-                    A=a_name, he=he, item=item)
+        story = w.say(
+            [
+                "{A} has {a} {item}. {He} gives {b} of them to {B}.",
+                "{A} had {a} {item} and ate {b}.",
+                "{A} has {a} {item}. {He} sells {b} {item}.",
+                "There were {a} {item}. {A} used {b} of them.",
+            ],
+            [
+                "{A} began with {a} {item} but lost {b} on the way home.",
+                "Out of {a} {item}, {A} hands {b} over to {B}.",
+            ],
+            A=a_name,
+            B=b_name,
+            He=_cap(he),
+            item=item,
+            a=w.num(a),
+            b=w.num(b),
+        )
+        ask = w.say(
+            ["How many {item} are left?", "How many {item} does {A} have left?", "How many {item} does {he} have now?"],
+            ["How many {item} remain?", "What number of {item} is still there?"],
+            A=a_name,
+            he=he,
+            item=item,
+        )
         return f"{story} {ask}", [f"{a} - {b} = {c} {item} are left."], c
     if kind == "fewer":
         c, b = r.randint(1, 30), r.randint(0, 60)
         a = _ok(b + c)
-        story = w.say(["{A} has {a} {item}. {B} has {b} {item}.", "{A} counted {a} {item} and {B} counted {b}."],
-                      ["{B} collected {b} {item}; {A} collected {a}."],
-                      A=a_name, B=b_name, item=item, a=w.num(a), b=w.num(b))
-        ask = w.say(["How many more {item} does {A} have than {B}?", "How many fewer {item} does {B} have than {A}?"],
-                     ["By how many {item} is {A} ahead of {B}?", "What is the difference between their {item}?"],
-                    A=a_name, B=b_name, item=item)
+        story = w.say(
+            ["{A} has {a} {item}. {B} has {b} {item}.", "{A} counted {a} {item} and {B} counted {b}."],
+            ["{B} collected {b} {item}; {A} collected {a}."],
+            A=a_name,
+            B=b_name,
+            item=item,
+            a=w.num(a),
+            b=w.num(b),
+        )
+        ask = w.say(
+            ["How many more {item} does {A} have than {B}?", "How many fewer {item} does {B} have than {A}?"],
+            ["By how many {item} is {A} ahead of {B}?", "What is the difference between their {item}?"],
+            A=a_name,
+            B=b_name,
+            item=item,
+        )
         return f"{story} {ask}", [f"The difference is {a} - {b} = {c} {item}."], c
     if kind == "each":
         a, b = r.randint(2, 12), r.randint(2, 10)
         c = _ok(a * b)
         box = w.pick(CONTAINERS)
-        q = w.say(["A {box} holds {a} {item}. How many {item} are in {b} {boxes}?",
-                   "There are {b} {boxes} with {a} {item} in each. How many {item} are there in all?",
-                   "{A} buys {b} {boxes} of {item}. Each {box} has {a} {item}. How many {item} does {he} buy?"],
-                  ["Every {box} contains {a} {item}. How many {item} do {b} {boxes} contain?",
-                   "{A} fills {b} {boxes} with {a} {item} apiece. How many {item} did {he} use?"],
-                  A=a_name, he=he, box=box, boxes=_plural(box), item=item, a=w.num(a), b=w.num(b))
+        q = w.say(
+            [
+                "A {box} holds {a} {item}. How many {item} are in {b} {boxes}?",
+                "There are {b} {boxes} with {a} {item} in each. How many {item} are there in all?",
+                "{A} buys {b} {boxes} of {item}. Each {box} has {a} {item}. How many {item} does {he} buy?",
+            ],
+            [
+                "Every {box} contains {a} {item}. How many {item} do {b} {boxes} contain?",
+                "{A} fills {b} {boxes} with {a} {item} apiece. How many {item} did {he} use?",
+            ],
+            A=a_name,
+            he=he,
+            box=box,
+            boxes=_plural(box),
+            item=item,
+            a=w.num(a),
+            b=w.num(b),
+        )
         return q, [f"{b} {_plural(box)} hold {b} * {a} = {c} {item}."], c
     if kind == "times":
         a, k = r.randint(2, 12), r.randint(2, 8)
         c = _ok(a * k)
-        story = w.say(["{A} has {a} {item}. {B} has {k} times as many {item}.",
-                       "{A} has {a} {item}, and {B} has {k} times as many as {A}."],
-                      ["{B} owns {k} times the number of {item} that {A} owns, and {A} owns {a}."],
-                      A=a_name, B=b_name, item=item, a=w.num(a), k=w.num(k))
+        story = w.say(
+            [
+                "{A} has {a} {item}. {B} has {k} times as many {item}.",
+                "{A} has {a} {item}, and {B} has {k} times as many as {A}.",
+            ],
+            ["{B} owns {k} times the number of {item} that {A} owns, and {A} owns {a}."],
+            A=a_name,
+            B=b_name,
+            item=item,
+            a=w.num(a),
+            k=w.num(k),
+        )
         ask = w.say(["How many {item} does {B} have?"], ["How many {item} belong to {B}?"], B=b_name, item=item)
         return f"{story} {ask}", [f"{b_name} has {a} * {k} = {c} {item}."], c
     if kind == "share":
         b, c = r.randint(2, 10), r.randint(1, 12)
         a = _ok(b * c)
-        q = w.say(["{A} shares {a} {item} equally among {b} friends. How many {item} does each friend get?",
-                   "{a} {item} are split into {b} equal groups. How many {item} are in each group?",
-                   "{A} puts {a} {item} into {b} bags with the same number in each. How many {item} go in each bag?"],
-                  ["{a} {item} are divided evenly between {b} children. How many does each child receive?"],
-                  A=a_name, item=item, a=w.num(a), b=w.num(b))
+        q = w.say(
+            [
+                "{A} shares {a} {item} equally among {b} friends. How many {item} does each friend get?",
+                "{a} {item} are split into {b} equal groups. How many {item} are in each group?",
+                "{A} puts {a} {item} into {b} bags with the same number in each. How many {item} go in each bag?",
+            ],
+            ["{a} {item} are divided evenly between {b} children. How many does each child receive?"],
+            A=a_name,
+            item=item,
+            a=w.num(a),
+            b=w.num(b),
+        )
         return q, [f"Each one gets {a} / {b} = {c} {item}."], c
     if kind == "part":
         k = r.choice([2, 2, 4, 3])
         frac = {2: "half", 3: "a third", 4: "a quarter"}[k]
         c = r.randint(1, 24)
         a = _ok(k * c)
-        q = w.say(["{A} has {a} {item} and gives {frac} of them to {B}. How many {item} does {A} give away?",
-                   "What is {frac} of {a}?", "{A} had {a} {item}. {He} ate {frac} of them. How many did {he} eat?"],
-                  ["{frac_cap} of the {a} {item} in the shop are sold. How many {item} is that?"],
-                  A=a_name, B=b_name, He=_cap(he), he=he, item=item, frac=frac, frac_cap=_cap(frac), a=w.num(a))
+        q = w.say(
+            [
+                "{A} has {a} {item} and gives {frac} of them to {B}. How many {item} does {A} give away?",
+                "What is {frac} of {a}?",
+                "{A} had {a} {item}. {He} ate {frac} of them. How many did {he} eat?",
+            ],
+            ["{frac_cap} of the {a} {item} in the shop are sold. How many {item} is that?"],
+            A=a_name,
+            B=b_name,
+            He=_cap(he),
+            he=he,
+            item=item,
+            frac=frac,
+            frac_cap=_cap(frac),
+            a=w.num(a),
+        )
         return q, [f"{_cap(frac)} of {a} is {a} / {k} = {c}."], c
     if kind == "change":
         bill = r.choice([10, 20, 50])
         price = r.randint(1, bill - 1)
         c = bill - price
         thing = w.pick(PRICED)
-        q = w.say(["{A} buys a {thing} for {p} dollars and pays with a {bill} dollar bill. How much change does {he} get?",
-                   "A {thing} costs {p} dollars. {A} pays with {bill} dollars. How much change does {A} get back?"],
-                  ["{A} hands over {bill} dollars for a {thing} that costs {p} dollars. How much money comes back?"],
-                  A=a_name, he=he, thing=thing, p=w.num(price), bill=bill)
+        q = w.say(
+            [
+                "{A} buys a {thing} for {p} dollars and pays with a {bill} dollar bill. How much change does {he} get?",
+                "A {thing} costs {p} dollars. {A} pays with {bill} dollars. How much change does {A} get back?",
+            ],
+            ["{A} hands over {bill} dollars for a {thing} that costs {p} dollars. How much money comes back?"],
+            A=a_name,
+            he=he,
+            thing=thing,
+            p=w.num(price),
+            bill=bill,
+        )
         return q, [f"The change is {bill} - {price} = {c} dollars."], c
     if kind == "rate":
         rate, hours = r.randint(2, 12), r.randint(2, 8)
         c = _ok(rate * hours)
         job = w.pick(JOBS)
-        q = w.say(["{A} {job} {r} dollars an hour. How much does {he} earn in {h} hours?",
-                   "{A} {job} {r} dollars per hour and works for {h} hours. How much money does {he} make?"],
-                  ["For every hour of work {A} {job} {r} dollars. What does {he} earn for {h} hours?"],
-                  A=a_name, he=he, job=job, r=w.num(rate), h=w.num(hours))
+        q = w.say(
+            [
+                "{A} {job} {r} dollars an hour. How much does {he} earn in {h} hours?",
+                "{A} {job} {r} dollars per hour and works for {h} hours. How much money does {he} make?",
+            ],
+            ["For every hour of work {A} {job} {r} dollars. What does {he} earn for {h} hours?"],
+            A=a_name,
+            he=he,
+            job=job,
+            r=w.num(rate),
+            h=w.num(hours),
+        )
         return q, [f"In {hours} hours {a_name} earns {hours} * {rate} = {c} dollars."], c
     if kind == "distance":
         speed, hours = r.randint(2, 12), r.randint(2, 8)
         c = _ok(speed * hours)
         vehicle, unit = w.pick(VEHICLES), w.pick(UNITS)
-        q = w.say(["A {v} travels {s} {u} per hour. How far does it go in {h} hours?",
-                   "A {v} goes {s} {u} every hour. How many {u} does it travel in {h} hours?"],
-                  ["Moving at {s} {u} an hour, how many {u} does a {v} cover in {h} hours?"],
-                  v=vehicle, u=unit, s=w.num(speed), h=w.num(hours))
+        q = w.say(
+            [
+                "A {v} travels {s} {u} per hour. How far does it go in {h} hours?",
+                "A {v} goes {s} {u} every hour. How many {u} does it travel in {h} hours?",
+            ],
+            ["Moving at {s} {u} an hour, how many {u} does a {v} cover in {h} hours?"],
+            v=vehicle,
+            u=unit,
+            s=w.num(speed),
+            h=w.num(hours),
+        )
         return q, [f"In {hours} hours it travels {hours} * {speed} = {c} {unit}."], c
     # age
     a, d = r.randint(2, 60), r.randint(1, 30)
     if r.random() < 0.5:
         c = _ok(a + d)
-        q = w.say(["{A} is {a} years old. {B} is {d} years older than {A}. How old is {B}?",
-                   "{A} is {a} years old. How old will {A} be in {d} years?"],
-                  ["{B} was born {d} years before {A}, who is now {a}. How old is {B}?"],
-                  A=a_name, B=b_name, a=w.num(a), d=w.num(d))
+        q = w.say(
+            [
+                "{A} is {a} years old. {B} is {d} years older than {A}. How old is {B}?",
+                "{A} is {a} years old. How old will {A} be in {d} years?",
+            ],
+            ["{B} was born {d} years before {A}, who is now {a}. How old is {B}?"],
+            A=a_name,
+            B=b_name,
+            a=w.num(a),
+            d=w.num(d),
+        )
         return q, [f"{a} + {d} = {c} years old."], c
     c = _ok(a - d)
-    q = w.say(["{A} is {a} years old. {B} is {d} years younger than {A}. How old is {B}?",
-               "{A} is {a} years old. How old was {A} {d} years ago?"],
-              ["{B} is {a}; {A} is {d} years younger. How old is {A}?"],
-              A=a_name, B=b_name, a=w.num(a), d=w.num(d))
+    q = w.say(
+        [
+            "{A} is {a} years old. {B} is {d} years younger than {A}. How old is {B}?",
+            "{A} is {a} years old. How old was {A} {d} years ago?",
+        ],
+        ["{B} is {a}; {A} is {d} years younger. How old is {A}?"],
+        A=a_name,
+        B=b_name,
+        a=w.num(a),
+        d=w.num(d),
+    )
     return q, [f"{a} - {d} = {c} years old."], c
 
 
@@ -288,57 +577,108 @@ def _chain(w: _Writer):
     (name, other), item = w.names(2), w.pick(ITEMS)
     he = _he(name)
     value = r.randint(2, 30)
-    story = [w.say(["{A} has {a} {item}.", "{A} starts the day with {a} {item}."],
-                   ["At first {A} owns {a} {item}."], A=name, a=w.num(value), item=item)]
+    story = [
+        w.say(
+            ["{A} has {a} {item}.", "{A} starts the day with {a} {item}."],
+            ["At first {A} owns {a} {item}."],
+            A=name,
+            a=w.num(value),
+            item=item,
+        )
+    ]
     lines = [f"{name} starts with {value} {item}."]
     for _ in range(r.randint(2, 4)):
         kind = r.choice(["add", "sub", "mul", "div"])
         if kind == "add":
             k = r.randint(1, 20)
             new = _ok(value + k)
-            story.append(w.say(["{He} buys {k} more.", "Then {he} finds {k} more {item}.",
-                                "{B} gives {him} {k} {item}."],
-                               ["After that {he} collects another {k}.", "Later {B} hands {him} {k} extra {item}."],
-                               He=_cap(he), he=he, him="her" if he == "she" else "him", B=other, k=w.num(k),
-                               item=item))
+            story.append(
+                w.say(
+                    ["{He} buys {k} more.", "Then {he} finds {k} more {item}.", "{B} gives {him} {k} {item}."],
+                    ["After that {he} collects another {k}.", "Later {B} hands {him} {k} extra {item}."],
+                    He=_cap(he),
+                    he=he,
+                    him="her" if he == "she" else "him",
+                    B=other,
+                    k=w.num(k),
+                    item=item,
+                )
+            )
             lines.append(f"Adding {k} gives {value} + {k} = {new} {item}.")
         elif kind == "sub":
             k = r.randint(1, min(20, value) if value else 1)
             new = _ok(value - k)
-            story.append(w.say(["{He} gives {k} to {B}.", "Then {he} loses {k} {item}.", "{He} eats {k} of them."],
-                               ["After that {he} drops {k}.", "{B} takes {k} of the {item} away."],
-                               He=_cap(he), he=he, B=other, k=w.num(k), item=item))
+            story.append(
+                w.say(
+                    ["{He} gives {k} to {B}.", "Then {he} loses {k} {item}.", "{He} eats {k} of them."],
+                    ["After that {he} drops {k}.", "{B} takes {k} of the {item} away."],
+                    He=_cap(he),
+                    he=he,
+                    B=other,
+                    k=w.num(k),
+                    item=item,
+                )
+            )
             lines.append(f"Taking away {k} leaves {value} - {k} = {new} {item}.")
         elif kind == "mul":
             k = r.randint(2, 4)
             new = _ok(value * k)
             word = {2: "doubles", 3: "triples"}.get(k)
-            story.append(w.say([f"Then the number of {{item}} {word}." if word else
-                                "Then {he} ends up with {k} times as many {item}.",
-                                "Then {he} gets {k} times as many {item}."],
-                               ["Later {his} pile of {item} grows to {k} times its size."],
-                               he=he, his=_his(name), k=w.num(k), item=item))
+            story.append(
+                w.say(
+                    [
+                        f"Then the number of {{item}} {word}."
+                        if word
+                        else "Then {he} ends up with {k} times as many {item}.",
+                        "Then {he} gets {k} times as many {item}.",
+                    ],
+                    ["Later {his} pile of {item} grows to {k} times its size."],
+                    he=he,
+                    his=_his(name),
+                    k=w.num(k),
+                    item=item,
+                )
+            )
             lines.append(f"{k} times as many is {value} * {k} = {new} {item}.")
         else:
             k = r.choice([2, 2, 3, 4])
             if value % k or value == 0:
                 raise _Reject
             new = value // k
-            story.append(w.say(["{He} gives away half of them." if k == 2 else
-                                "{He} splits them into {k} equal piles and keeps one.",
-                                "{He} shares them equally among {n} people, {him}self included, and keeps {his} share."],
-                               ["{He} keeps only one of {k} equal parts."],
-                               He=_cap(he), k=w.num(k), n=w.num(k),
-                               him="her" if he == "she" else "him", his=_his(name)))
+            story.append(
+                w.say(
+                    [
+                        "{He} gives away half of them."
+                        if k == 2
+                        else "{He} splits them into {k} equal piles and keeps one.",
+                        "{He} shares them equally among {n} people, {him}self included, and keeps {his} share.",
+                    ],
+                    ["{He} keeps only one of {k} equal parts."],
+                    He=_cap(he),
+                    k=w.num(k),
+                    n=w.num(k),
+                    him="her" if he == "she" else "him",
+                    his=_his(name),
+                )
+            )
             if "half" in story[-1]:
-                new, line = value - value // 2, f"Half of {value} is {value} / 2 = {value // 2}, so {value // 2} {item} are left."
+                new, line = (
+                    value - value // 2,
+                    f"Half of {value} is {value} / 2 = {value // 2}, so {value // 2} {item} are left.",
+                )
                 lines.append(line)
                 value = new
                 continue
             lines.append(f"One part is {value} / {k} = {new} {item}.")
         value = new
-    story.append(w.say(["How many {item} does {A} have now?", "How many {item} does {A} have at the end?"],
-                       ["In the end, how many {item} are left with {A}?"], A=name, item=item))
+    story.append(
+        w.say(
+            ["How many {item} does {A} have now?", "How many {item} does {A} have at the end?"],
+            ["In the end, how many {item} are left with {A}?"],
+            A=name,
+            item=item,
+        )
+    )
     return " ".join(story), lines, value
 
 
@@ -351,29 +691,45 @@ def _shopping(w: _Writer):
     n, price = r.randint(2, 6), r.randint(2, 9)
     cost = _ok(n * price)
     lines = [f"{n} {thing}s cost {n} * {price} = {cost} dollars."]
-    story = w.say(["{A} buys {n} {t}s that cost {p} dollars each.", "A {t} costs {p} dollars. {A} buys {n} of them."],
-                  ["{A} picks up {n} {t}s priced at {p} dollars apiece."],
-                  A=name, n=w.num(n), t=thing, p=w.num(price))
+    story = w.say(
+        ["{A} buys {n} {t}s that cost {p} dollars each.", "A {t} costs {p} dollars. {A} buys {n} of them."],
+        ["{A} picks up {n} {t}s priced at {p} dollars apiece."],
+        A=name,
+        n=w.num(n),
+        t=thing,
+        p=w.num(price),
+    )
     extra = r.random() < 0.5
     total = cost
     if extra:
         p2 = r.randint(1, 15)
         total = _ok(cost + p2)
-        story += " " + w.say(["{He} also buys a {o} for {p} dollars.", "Then {he} gets a {o} for {p} dollars."],
-                             ["A {o} for {p} dollars goes in the basket too."], He=_cap(he), he=he, o=other, p=w.num(p2))
+        story += " " + w.say(
+            ["{He} also buys a {o} for {p} dollars.", "Then {he} gets a {o} for {p} dollars."],
+            ["A {o} for {p} dollars goes in the basket too."],
+            He=_cap(he),
+            he=he,
+            o=other,
+            p=w.num(p2),
+        )
         lines.append(f"With the {other} that is {cost} + {p2} = {total} dollars.")
     if r.random() < 0.5:
         bill = next((b for b in (10, 20, 50, 100) if b > total), None)
         if bill is None or bill > 99:
             raise _Reject
         change = bill - total
-        story += " " + w.say(["{He} pays with a {b} dollar bill. How much change does {he} get?"],
-                             ["{He} hands the cashier {b} dollars. How much money does {he} get back?"],
-                             He=_cap(he), he=he, b=bill)
+        story += " " + w.say(
+            ["{He} pays with a {b} dollar bill. How much change does {he} get?"],
+            ["{He} hands the cashier {b} dollars. How much money does {he} get back?"],
+            He=_cap(he),
+            he=he,
+            b=bill,
+        )
         lines.append(f"The change is {bill} - {total} = {change} dollars.")
         return story, lines, change
-    story += " " + w.say(["How much does {A} spend?", "How much money does {A} spend in all?"],
-                         ["What does {A} pay altogether?"], A=name)
+    story += " " + w.say(
+        ["How much does {A} spend?", "How much money does {A} spend in all?"], ["What does {A} pay altogether?"], A=name
+    )
     return story, lines, total
 
 
@@ -385,30 +741,61 @@ def _two_people(w: _Writer):
     if r.random() < 0.5:
         d = r.randint(1, 20)
         b = _ok(a + d)
-        rel = w.say(["{B} has {d} more {item} than {A}."], ["{B} owns {d} {item} more than {A} does."],
-                    A=a_name, B=b_name, d=w.num(d), item=item)
+        rel = w.say(
+            ["{B} has {d} more {item} than {A}."],
+            ["{B} owns {d} {item} more than {A} does."],
+            A=a_name,
+            B=b_name,
+            d=w.num(d),
+            item=item,
+        )
         first = f"{b_name} has {a} + {d} = {b} {item}."
     else:
         k = r.randint(2, 4)
         b = _ok(a * k)
-        rel = w.say(["{B} has {k} times as many {item} as {A}."], ["{B} holds {k} times the {item} that {A} holds."],
-                    A=a_name, B=b_name, k=w.num(k), item=item)
+        rel = w.say(
+            ["{B} has {k} times as many {item} as {A}."],
+            ["{B} holds {k} times the {item} that {A} holds."],
+            A=a_name,
+            B=b_name,
+            k=w.num(k),
+            item=item,
+        )
         first = f"{b_name} has {a} * {k} = {b} {item}."
     total = _ok(a + b)
-    story = w.say(["{A} has {a} {item}.", "{A} collected {a} {item}."], ["{A} keeps {a} {item} in a drawer."],
-                  A=a_name, a=w.num(a), item=item)
-    ask = w.say(["How many {item} do they have together?", "How many {item} do {A} and {B} have in all?"],
-                ["How many {item} do the two have combined?"], A=a_name, B=b_name, item=item)
+    story = w.say(
+        ["{A} has {a} {item}.", "{A} collected {a} {item}."],
+        ["{A} keeps {a} {item} in a drawer."],
+        A=a_name,
+        a=w.num(a),
+        item=item,
+    )
+    ask = w.say(
+        ["How many {item} do they have together?", "How many {item} do {A} and {B} have in all?"],
+        ["How many {item} do the two have combined?"],
+        A=a_name,
+        B=b_name,
+        item=item,
+    )
     return f"{story} {rel} {ask}", [first, f"Together they have {a} + {b} = {total} {item}."], total
 
 
 def _distractor(w: _Writer, names_used: str) -> str:
     r = w.r
     name = r.choice([n for n in (NAMES[1] if w.test else NAMES[0]) if n not in names_used])
-    return w.say(["{N} has {x} {item} at home.", "It is a sunny day.", "{N} is {x} years old.",
-                  "The shop opens at {h} o'clock."],
-                 ["{N} owns {x} {item} too, but they are not part of this.", "The weather is cold."],
-                 N=name, x=r.randint(2, 40), item=w.pick(ITEMS), h=r.randint(7, 10))
+    return w.say(
+        [
+            "{N} has {x} {item} at home.",
+            "It is a sunny day.",
+            "{N} is {x} years old.",
+            "The shop opens at {h} o'clock.",
+        ],
+        ["{N} owns {x} {item} too, but they are not part of this.", "The weather is cold."],
+        N=name,
+        x=r.randint(2, 40),
+        item=w.pick(ITEMS),
+        h=r.randint(7, 10),
+    )
 
 
 GENERATORS = [_bare, _story_one, _story_one, _story_one, _chain, _shopping, _two_people]
@@ -499,8 +886,10 @@ class EverydayTask(Task):
     description = "arithmetic in everyday words (generated; phrasings and entities held out; 500 test items)"
 
     def load(self, data_dir=None, limit=None) -> list[Doc]:
-        docs = [Doc(f"everyday/{i}", i, {"question": p.question, "answer": p.answer}, str(p.value))
-                for i, p in enumerate(test_split())]
+        docs = [
+            Doc(f"everyday/{i}", i, {"question": p.question, "answer": p.answer}, str(p.value))
+            for i, p in enumerate(test_split())
+        ]
         return apply_limit(docs, limit)
 
     def prompt_text(self, doc, shots):
@@ -524,6 +913,8 @@ class EverydayProbeTask(EverydayTask):
     description = "32 hand-written everyday arithmetic questions (a probe of how a user's words fare)"
 
     def load(self, data_dir=None, limit=None) -> list[Doc]:
-        docs = [Doc(f"everyday-probe/{i}", i, {"question": q, "answer": f"#### {v}"}, str(v))
-                for i, (q, v) in enumerate(PROBE)]
+        docs = [
+            Doc(f"everyday-probe/{i}", i, {"question": q, "answer": f"#### {v}"}, str(v))
+            for i, (q, v) in enumerate(PROBE)
+        ]
         return apply_limit(docs, limit)

@@ -31,8 +31,10 @@ from .scoring import cut_at_stops, extract_fenced_code
 STOP_SEQUENCES = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 FULL_FUNCTION_TAIL = ["\nif __name__", "\nprint(", "\nassert ", "\n```"]
 
-CHAT_INSTRUCTION = ("Complete the following Python function. Answer with the whole function in one "
-                    "```python code block.\n\n```python\n{prompt}```")
+CHAT_INSTRUCTION = (
+    "Complete the following Python function. Answer with the whole function in one "
+    "```python code block.\n\n```python\n{prompt}```"
+)
 
 
 def prompt_imports(prompt: str) -> str:
@@ -47,7 +49,7 @@ def extract_program(prompt: str, entry_point: str, completion: str) -> str:
     if fenced is not None:
         code = fenced
     if prompt.strip() and prompt.strip() in code:  # the prompt is echoed: keep what follows it
-        rest = code[code.index(prompt.strip()) + len(prompt.strip()):]
+        rest = code[code.index(prompt.strip()) + len(prompt.strip()) :]
         return prompt.rstrip("\n") + cut_at_stops(rest, STOP_SEQUENCES)
     if re.search(rf"^def {re.escape(entry_point)}\s*\(", code, re.MULTILINE):
         return prompt_imports(prompt) + cut_at_stops(code, FULL_FUNCTION_TAIL)
@@ -81,6 +83,10 @@ class HumanEvalTask(Task):
         from ...sandbox import CodeCheck
 
         d = doc.data
-        return CodeCheck(solution=extract_program(d["prompt"], d["entry_point"], completion),
-                         tests=f"{d['test']}\n\ncheck({d['entry_point']})\n", remote=(d["entry_point"],),
-                         prelude=d["prompt"], label=doc.id)
+        return CodeCheck(
+            solution=extract_program(d["prompt"], d["entry_point"], completion),
+            tests=f"{d['test']}\n\ncheck({d['entry_point']})\n",
+            remote=(d["entry_point"],),
+            prelude=d["prompt"],
+            label=doc.id,
+        )

@@ -64,7 +64,7 @@ def format_example(problem: str, solution: str | None = None, answer: str | None
 
 
 class _MathScorer:
-    def __init__(self, task: "Math500Task", timeout: float | None, backend: str | None = None):
+    def __init__(self, task: Math500Task, timeout: float | None, backend: str | None = None):
         self.task = task
         self.checker = MathChecker(backend=backend, timeout=timeout or 5.0)
 

@@ -43,15 +43,17 @@ def _clean(code: str) -> str:
 
 def format_example(row: dict, code: str | None = None) -> str:
     tests = "\n".join(row["test_list"])
-    text = (f"You are an expert Python programmer, and here is your task: {row['text']} "
-            f"Your code should pass these tests:\n\n{tests}\n[BEGIN]\n")
+    text = (
+        f"You are an expert Python programmer, and here is your task: {row['text']} "
+        f"Your code should pass these tests:\n\n{tests}\n[BEGIN]\n"
+    )
     return text if code is None else f"{text}{_clean(code)}\n[DONE]"
 
 
 def extract_code(completion: str) -> str:
     code = completion.lstrip()
     if code.startswith("[BEGIN]"):
-        code = code[len("[BEGIN]"):]
+        code = code[len("[BEGIN]") :]
     code = cut_at_stops(code, STOP)
     fenced = extract_fenced_code(code)
     if fenced is not None:
@@ -103,5 +105,10 @@ class MBPPTask(Task):
 
         d = doc.data
         tests = "\n".join(d["test_list"]) + "\n"
-        return CodeCheck(solution=extract_code(completion), tests=tests, setup=d.get("test_setup_code") or "",
-                         remote=remote_names(tests, top_level_names(d["code"])), label=doc.id)
+        return CodeCheck(
+            solution=extract_code(completion),
+            tests=tests,
+            setup=d.get("test_setup_code") or "",
+            remote=remote_names(tests, top_level_names(d["code"])),
+            label=doc.id,
+        )

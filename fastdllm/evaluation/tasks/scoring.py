@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 
@@ -139,9 +139,16 @@ class MathChecker:
         env = dict(os.environ)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         code = f"from fastdllm.evaluation.tasks.scoring import _worker_main; _worker_main({self.memory_mb})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         import select
 
         ready, _, _ = select.select([self.proc.stdout], [], [], self.start_timeout)
