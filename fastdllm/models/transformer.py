@@ -5,8 +5,8 @@ Every family is Llama-shaped: pre-norm RMSNorm blocks, rotary position embedding
 RMSNorm of q and k before RoPE; LLaDA2's (BailingMoeV2) fuse q/k/v into one projection, rotate
 only the first part of each head (partial rotary) and replace the MLP of all but the first layers
 by a mixture of experts (`moe.MoEFeedForward`). Attention is bidirectional over the whole sequence
-(LLaDA, Dream, LLaDA-MoE) or *block-causal* (`block_size` > 0: SDAR, Fast-dLLM v2, LLaDA2): the position at RoPE index p belongs to
-block p // block_size and attends to every key of its own block and of earlier blocks, none
+(LLaDA, Dream, LLaDA-MoE) or *block-causal* (`block_size` > 0: SDAR, Fast-dLLM v2, LLaDA2): the
+position at RoPE index p belongs to block p // block_size and attends to every key of its own block and of earlier blocks, none
 after. The family files only translate their checkpoint's config fields and weight names into
 `ModelArgs` and the module names used here, and say whether the logits are shifted.
 
