@@ -6,9 +6,10 @@ RMSNorm of q and k before RoPE; LLaDA2's (BailingMoeV2) fuse q/k/v into one proj
 only the first part of each head (partial rotary) and replace the MLP of all but the first layers
 by a mixture of experts (`moe.MoEFeedForward`). Attention is bidirectional over the whole sequence
 (LLaDA, Dream, LLaDA-MoE) or *block-causal* (`block_size` > 0: SDAR, Fast-dLLM v2, LLaDA2): the
-position at RoPE index p belongs to block p // block_size and attends to every key of its own block and of earlier blocks, none
-after. The family files only translate their checkpoint's config fields and weight names into
-`ModelArgs` and the module names used here, and say whether the logits are shifted.
+position at RoPE index p belongs to block p // block_size and attends to every key of its own
+block and of earlier blocks, none after. The family files only translate their checkpoint's
+config fields and weight names into `ModelArgs` and the module names used here, and say whether
+the logits are shifted.
 
 The one forward that decoding needs is `Transformer.logits_for`: compute a window
 [ws, we) of the sequence, optionally against a KV cache holding everything else,
