@@ -9,25 +9,78 @@ validation raises `ConfigError`, a `ValueError` that names the parameter in `.pa
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import import_module
 from typing import Any
 
-# The names a config may give each kind of policy. The engine's registries (cache_policies:
-# CACHE_POLICIES, REFRESH_RULES; unmasking: SELECTION_RULES) hold a class for each; their built-in
-# names are declared here, with no import of the engine, so that reading and validating a config
-# needs no torch, and `register_policy_name` adds the name of a policy registered later.
-CACHE_POLICIES = ["none", "prefix", "dual", "sub-block"]
-REFRESH = ["full", "vicinity", "adaptive"]
-SELECTION_RULES = ["threshold", "factor", "linear", "dream_schedule", "quota"]
+
+# One registry per kind of policy: the names a config may give it, and the class each names.
+class Registry:
+    """The policies of one kind that configs may name: name -> class. The built-in ones are
+    declared here as where they live ("module:Class", imported on first use), so that reading and
+    validating a config needs no torch; `register` adds a class (a user's policy) under its
+    `name`. The CLI, the server and the lm-eval plugin read the names through the config's
+    validation; the engine resolves them here."""
+
+    def __init__(self, kind: str, builtins: dict[str, str]):
+        self.kind = kind
+        self._where: dict[str, str | None] = dict(builtins)
+        self._classes: dict[str, type] = {}
+
+    def __contains__(self, name) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(list(self._where))
+
+    def __getitem__(self, name: str) -> type:
+        if name not in self._classes:
+            if name not in self._where:
+                raise ValueError(f"{self.kind}: must be one of {', '.join(self)} (got {name!r})")
+            module, attr = self._where[name].split(":")
+            self._classes[name] = getattr(import_module(module), attr)
+        return self._classes[name]
+
+    def register(self, cls: type) -> type:
+        """Make `cls` a policy that configs name by `cls.name` (usable as a class decorator)."""
+        self._where[cls.name] = None
+        self._classes[cls.name] = cls
+        return cls
+
+
+_CACHE, _UNMASKING = "fastdllm.engine.cache_policies", "fastdllm.engine.unmasking"
+CACHE_POLICIES = Registry(
+    "cache",
+    {
+        "none": f"{_CACHE}:NoCache",
+        "prefix": f"{_CACHE}:PrefixCache",
+        "dual": f"{_CACHE}:DualCache",
+        "sub-block": f"{_CACHE}:SubBlockCache",
+    },
+)
+REFRESH_RULES = Registry(
+    "refresh",
+    {"full": f"{_CACHE}:FullRefresh", "vicinity": f"{_CACHE}:VicinityRefresh", "adaptive": f"{_CACHE}:AdaptiveRefresh"},
+)
+SELECTION_RULES = Registry(
+    "unmasking",
+    {
+        "threshold": f"{_UNMASKING}:Threshold",
+        "factor": f"{_UNMASKING}:Factor",
+        "linear": f"{_UNMASKING}:LinearSchedule",
+        "dream_schedule": f"{_UNMASKING}:DreamSchedule",
+        "quota": f"{_UNMASKING}:Quota",
+    },
+)
+# A model family's own proposal (`Family.proposal`).
+PROPOSALS = Registry(
+    "proposal",
+    {
+        "sdar": f"{_UNMASKING}:SDARProposal",
+        "fast_dllm_v2": f"{_UNMASKING}:FastDLLMv2Proposal",
+        "llada2": f"{_UNMASKING}:LLaDA2Proposal",
+    },
+)
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
-_NAMES = {"cache": CACHE_POLICIES, "refresh": REFRESH, "unmasking": SELECTION_RULES}
-
-
-def register_policy_name(kind: str, name: str) -> None:
-    """Let configs name a policy of `kind` ("cache", "refresh" or "unmasking") that the engine's
-    registry of that kind now holds."""
-    names = _NAMES[kind]
-    if name not in names:
-        names.append(name)
 
 
 def selection_rule_name(config: GenerationConfig) -> str:
@@ -137,7 +190,7 @@ class GenerationConfig:
         "vicinity",
         "str",
         "what a cache policy's block-start forward recomputes: "
-        + " | ".join(REFRESH)
+        + " | ".join(REFRESH_RULES)
         + " (vicinity: from the just-finished block on, after dInfer)",
     )
     refresh_every: int | None = _opt(None, "optional int", "with refresh=vicinity: a full refresh every N blocks")
@@ -412,7 +465,7 @@ class GenerationConfig:
                 "suffix_window",
                 "must be a non-negative integer or None",
             )
-        need(self.refresh in REFRESH, "refresh", f"must be one of {', '.join(REFRESH)}")
+        need(self.refresh in REFRESH_RULES, "refresh", f"must be one of {', '.join(REFRESH_RULES)}")
         need(
             is_num(self.refresh_tol) and finite(self.refresh_tol) and self.refresh_tol >= 0,
             "refresh_tol",

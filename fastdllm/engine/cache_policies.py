@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import config
+from ..config import CACHE_POLICIES, REFRESH_RULES
 from ..models.kv_cache import KVCache
 
 
@@ -233,15 +233,9 @@ class AdaptiveRefresh(VicinityRefresh):
         return logits
 
 
-REFRESH_RULES: dict[str, type[RefreshRule]] = {r.name: r for r in (FullRefresh, VicinityRefresh, AdaptiveRefresh)}
-assert list(REFRESH_RULES) == config.REFRESH
-
-
 def register_refresh_rule(cls: type[RefreshRule]) -> type[RefreshRule]:
     """Make `cls` a refresh rule that configs name by `cls.name` (usable as a class decorator)."""
-    REFRESH_RULES[cls.name] = cls
-    config.register_policy_name("refresh", cls.name)
-    return cls
+    return REFRESH_RULES.register(cls)
 
 
 def _refresh_rule(refresh: RefreshRule | str, every=None, tol=0.1) -> RefreshRule:
@@ -418,16 +412,10 @@ class SubBlockCache(DualCache):
         return self._logits
 
 
-CACHE_POLICIES: dict[str, type[CachePolicy]] = {p.name: p for p in (NoCache, PrefixCache, DualCache, SubBlockCache)}
-assert list(CACHE_POLICIES) == config.CACHE_POLICIES
-
-
 def register_cache_policy(cls: type[CachePolicy]) -> type[CachePolicy]:
     """Make `cls` a cache policy that configs name by `cls.name`; it is built by
     `cls.from_config(model, config)`."""
-    CACHE_POLICIES[cls.name] = cls
-    config.register_policy_name("cache", cls.name)
-    return cls
+    return CACHE_POLICIES.register(cls)
 
 
 def cache_policy(model, config) -> CachePolicy:

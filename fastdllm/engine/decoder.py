@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import GenerationConfig, selection_rule_name
+from ..config import SELECTION_RULES, GenerationConfig, selection_rule_name
 from ..models.transformer import positions_from_mask
 from .cache_policies import CachePolicy, SequenceView
 from .policies import Policies, policies_for
-from .unmasking import SELECTION_RULES, UnmaskingStrategy
+from .unmasking import UnmaskingStrategy
 
 
 def join_key(config: GenerationConfig):

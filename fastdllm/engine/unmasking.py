@@ -14,7 +14,7 @@ and passed to the loop. Two separate choices make it, each an object:
      threshold), top-1 minus top-2 probability (topk_margin), or negative entropy (entropy).
      With a threshold or factor rule the confidence is always the token's probability, whatever
      `alg` says: those rules are defined on probabilities, as in Fast-dLLM's Dream code.
-2. **How many / which** (a `SelectionRule`, registered by name in `SELECTION_RULES`; which one a
+2. **How many / which** (a `SelectionRule`, registered by name in `config.SELECTION_RULES`; which one a
    config means is `config.selection_rule_name`, the one statement of the precedence
    unmasking > factor > threshold > schedule; a new rule is one class and
    `register_selection_rule`):
@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import config as config_names
+from ..config import PROPOSALS, SELECTION_RULES
 
 NEG_INF = float("-inf")
 
@@ -360,18 +361,10 @@ class SubBlocks(SelectionRule):
         return self.inner.select(conf, here, step, generators, rows) & here
 
 
-SELECTION_RULES: dict[str, type[SelectionRule]] = {
-    r.name: r for r in (Threshold, Factor, LinearSchedule, DreamSchedule, Quota)
-}
-assert list(SELECTION_RULES) == config_names.SELECTION_RULES
-
-
 def register_selection_rule(cls: type[SelectionRule]) -> type[SelectionRule]:
     """Make `cls` a selection rule that configs name by `cls.name` (`unmasking=...`); usable as a
     class decorator."""
-    SELECTION_RULES[cls.name] = cls
-    config_names.register_policy_name("unmasking", cls.name)
-    return cls
+    return SELECTION_RULES.register(cls)
 
 
 # ---- proposals -----------------------------------------------------------------------------------
@@ -466,14 +459,6 @@ class LLaDA2Proposal(Proposal):
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-# A family's own proposal, by the name its declaration gives (`Family.proposal`).
-PROPOSALS: dict[str, type[Proposal]] = {
-    "sdar": SDARProposal,
-    "fast_dllm_v2": FastDLLMv2Proposal,
-    "llada2": LLaDA2Proposal,
-}
-
-
 def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None = None) -> Proposal:
     """LLaDA's proposal without `alg`, Dream's with it. Only Dream's own schedule reads `alg` as
     a score: the parallel rules (threshold, factor) compare probabilities (Fast-dLLM's Dream
@@ -523,7 +508,7 @@ class UnmaskingStrategy:
 
     @classmethod
     def from_config(cls, config, family_proposal: str | None = None) -> UnmaskingStrategy:
-        """`family_proposal`: the model family's own proposal (`PROPOSALS`), where it has one."""
+        """`family_proposal`: the model family's own proposal (`config.PROPOSALS`), where it has one."""
         rule = SELECTION_RULES[config_names.selection_rule_name(config)]
         proposal = proposal_for(config, rule, family_proposal)
         return cls(
