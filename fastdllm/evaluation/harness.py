@@ -248,16 +248,7 @@ def evaluate(
             "fastdllm_version": __version__,
         }
     )
-    if task.is_code:
-        from ..sandbox import protections
-
-        results["sandbox_protections"] = list(protections())
-        results["pass@1"] = results["accuracy"]
-        results["timeout_s"] = timeout or task.default_timeout
-    if task.name == "math500":
-        from .tasks.scoring import math_backend
-
-        results["equivalence_backend"] = math_backend()
+    results.update(task.result_fields(results, timeout))
     results["samples"] = all_records
     if log_samples is not None and rank == 0:
         write_samples(all_records, log_samples)

@@ -202,6 +202,19 @@ class Task:
         """Code tasks: the `sandbox.CodeCheck` (solution, tests, and what joins them) to judge."""
         raise NotImplementedError
 
+    def result_fields(self, results: dict, timeout: float | None = None) -> dict:
+        """What the task's scoring adds to `evaluate`'s results: for code, the sandbox's protections,
+        pass@1 and the time limit."""
+        if not self.is_code:
+            return {}
+        from ...sandbox import protections
+
+        return {
+            "sandbox_protections": list(protections()),
+            "pass@1": results["accuracy"],
+            "timeout_s": timeout or self.default_timeout,
+        }
+
     def scorer(self, workers: int = 2, timeout: float | None = None):
         if self.is_code:
             return _CodeScorer(self, workers, timeout)

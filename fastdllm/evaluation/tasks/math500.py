@@ -115,6 +115,9 @@ class Math500Task(Task):
     def scorer(self, workers=2, timeout=None, backend=None):
         return _MathScorer(self, timeout, backend)
 
+    def result_fields(self, results, timeout=None):
+        return {"equivalence_backend": math_backend()}
+
     @staticmethod
     def backend() -> str:
         return math_backend()
