@@ -95,11 +95,11 @@ def main(argv=None) -> int:
 
 def _prefill_equal(model, batch, padded, invariant: bool) -> str:
     """How many padded rows' logits of one full forward of the batch equal their own alone."""
-    width = max(map(len, batch))
-    ids = torch.full((len(batch), width), model.args.eos_token_id)
-    mask = torch.zeros(len(batch), width, dtype=torch.bool)
-    for i, x in enumerate(batch):
-        ids[i, width - len(x) :], mask[i, width - len(x) :] = torch.tensor(x), True
+    from fastdllm import GenerationConfig
+    from fastdllm.engine.decoder import prepare_inputs
+
+    ids, mask = prepare_inputs(model, batch, None, GenerationConfig(gen_length=32, block_length=32))
+    width = ids.shape[1]
     with torch.no_grad():
         full = model(ids, attention_mask=mask, batch_invariant=invariant)
         same = sum(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdllm import GenerationConfig, generate
-from fastdllm.engine.decoder import BlockDecoder
+from fastdllm.engine.decoder import BlockDecoder, prepare_inputs
 
 from .test_continuous import config_for
 
@@ -36,11 +36,8 @@ def prompts(model, lengths=(5, 19, 33, 58)):
 
 def test_a_padded_rows_logits_are_its_logits_alone(bf16):
     rows = prompts(bf16)
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), bf16.args.eos_token_id)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :], mask[i, width - len(r) :] = torch.tensor(r), True
+    ids, mask = prepare_inputs(bf16, rows, None, GenerationConfig(gen_length=8, block_length=8))
+    width = ids.shape[1]
     with torch.no_grad():
         loose = bf16(ids, attention_mask=mask)
         exact = bf16(ids, attention_mask=mask, batch_invariant=True)
