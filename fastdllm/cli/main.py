@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": ("fastdllm.cli.bench", "main", "the Fast-dLLM tables on your machine: baseline vs cache vs parallel"),
     "quantize": ("fastdllm.cli.quantize", "main", "write a weight-only int8 / int4 checkpoint"),
     "train-tiny": ("fastdllm.cli.train_tiny", "main", "train the embedded default model from a seed"),
+    "plan": ("fastdllm.cli.plan", "main", "weights and KV cache per rank under --tp / --ep, from config.json"),
 }
 
 EXAMPLES = """examples:

@@ -1,0 +1,86 @@
+"""`fastdllm plan`: weights and KV cache per rank under tensor / expert parallelism, and whether
+they fit a device, from config.json alone (`fastdllm.models.plan`)."""
+
+from __future__ import annotations
+
+import json
+
+from .args import UserError, parser
+
+EPILOG = """examples:
+  fastdllm plan --model GSAI-ML/LLaDA-8B-Instruct --tp 2 --batch 8 --max-len 2048 --memory 24
+  fastdllm plan --model inclusionAI/LLaDA2.0-flash --tp 8 --ep 8 --memory 80
+  fastdllm plan --model config.json --tp 4 --quantize int4
+"""
+GIB = 1024**3
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..models.plan import config_of, plan
+
+    p = parser("fastdllm plan", __doc__.split("\n\n")[0], EPILOG)
+    p.add_argument(
+        "--model", default=None, help="folder, hub id, embedded model or config.json (default: the embedded model)"
+    )
+    p.add_argument("--revision", default=None, help="for a hub id: the branch, tag or commit")
+    p.add_argument("--local-files-only", action="store_true", help="for a hub id: the hub cache only")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks among them (default 1)")
+    p.add_argument("--dtype", default="bfloat16", help="weights and KV cache: bfloat16, float16 or float32")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"], help="weight-only quantized linear layers")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group size (default 128)")
+    p.add_argument("--quantize-head", action="store_true", help="quantize the output head too")
+    p.add_argument("--vocab-parallel", action="store_true", help="split the embedding and head by vocabulary rows")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded at once (default 1)")
+    p.add_argument("--max-len", type=int, default=None, help="positions per row (default: the model's context)")
+    p.add_argument("--memory", type=float, default=None, metavar="GIB", help="device memory to fit, in GiB")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = p.parse_args(argv)
+    try:
+        config = config_of(args.model, args.revision, args.local_files_only)
+        r = plan(
+            config,
+            args.tp,
+            args.ep,
+            dtype=args.dtype,
+            quantize=args.quantize,
+            group_size=args.group_size,
+            quantize_head=args.quantize_head,
+            vocab_parallel=args.vocab_parallel,
+            batch=args.batch,
+            max_len=args.max_len,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    fits = None if args.memory is None else r.total_bytes <= args.memory * GIB
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "parameters": r.parameters,
+                    "active_parameters": r.active_parameters,
+                    "tp": r.tp,
+                    "ep": r.ep,
+                    "weight_bytes_per_rank": r.weight_bytes,
+                    "sharded_bytes": r.sharded_bytes,
+                    "replicated_bytes": r.replicated_bytes,
+                    "kv_cache_bytes_per_rank": r.kv_cache_bytes,
+                    "total_bytes_per_rank": r.total_bytes,
+                    "memory_gib": args.memory,
+                    "fits": fits,
+                }
+            )
+        )
+        return 0 if fits is not False else 1
+    print(
+        f"{args.model or 'llada-arith'}: {r.parameters / 1e9:.2f}B parameters, {r.active_parameters / 1e9:.2f}B "
+        f"per token; tp {r.tp}, ep {r.ep}, {args.quantize or args.dtype} weights"
+    )
+    print(
+        f"per rank: weights {r.weight_bytes / GIB:.2f} GiB (split {r.sharded_bytes / GIB:.2f} + whole "
+        f"{r.replicated_bytes / GIB:.2f}), KV cache {r.kv_cache_bytes / GIB:.2f} GiB for {args.batch} x "
+        f"{args.max_len or 'context'} positions, total {r.total_bytes / GIB:.2f} GiB"
+    )
+    if fits is not None:
+        print(f"fits {args.memory:g} GiB: {'yes' if fits else 'no'}")
+    return 0 if fits is not False else 1

@@ -1,0 +1,161 @@
+"""Memory planning from config.json alone: what one rank holds when a model is split over devices.
+
+`plan(config, tp=N, ep=M, ...)` builds the model the loader would build, on the meta device (no
+weights are read, nothing is allocated), and sorts every parameter by how tensor and expert
+parallelism split it, in gpt-fast's layout:
+
+- *column-parallel* (split by output rows: q/k/v by heads, the MLPs' gate and up) and
+  *row-parallel* (split by input columns: the attention output, the MLPs' down projection): 1/tp
+  of it per rank. With fewer kv heads than ranks, each rank keeps the one kv head its q heads use
+  (kv heads replicated, as GQA under tensor parallelism must);
+- routed experts: with `ep` ranks per expert group, each rank holds E/ep experts, each of those
+  split 1/(tp/ep) by the tensor-parallel ranks that share it;
+- *replicated*: embeddings, norms, routers and the output head (unless `vocab_parallel`, which
+  splits the embedding and head by vocabulary rows).
+
+Weight-only int8 / int4 (`quantize`) store the linear layers' weights in 1 byte / half a byte per
+parameter, plus one bf16 scale per output row (int8) or a bf16 scale and zero per group of
+`group_size` inputs (int4); the embedding, norms and routers stay in `dtype`, and the head too
+unless `quantize_head`. The KV cache per rank holds the rank's kv heads for `batch` rows of
+`max_len` positions in every layer, in `dtype`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .loading import EMBEDDED_MODELS, build_model, read_config, resolve_model_path
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+COLUMN = ("wq", "wk", "wv", "wqkv", "w1", "w3")  # split by output rows
+ROW = ("wo", "w2")  # split by input columns
+
+
+@dataclass
+class RankPlan:
+    """What one rank holds (bytes), and the whole model's parameter count."""
+
+    parameters: int  # the whole model's
+    active_parameters: int  # per token: every dense weight, the shared expert and the chosen routed ones
+    sharded_bytes: int  # this rank's part of the split layers
+    replicated_bytes: int  # what every rank holds whole
+    kv_cache_bytes: int
+    tp: int
+    ep: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.sharded_bytes + self.replicated_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_cache_bytes
+
+
+def check_split(args, tp: int, ep: int) -> None:
+    """A ValueError naming the field when `tp` / `ep` does not divide what they split."""
+    for name, value in (("tp", tp), ("ep", ep)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: must be a positive integer (got {value!r})")
+    if args.n_heads % tp:
+        ok = [d for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]
+        raise ValueError(f"tp: {tp} does not divide the {args.n_heads} attention heads (it may be one of {ok})")
+    if args.n_kv_heads % tp and tp % args.n_kv_heads:
+        raise ValueError(f"tp: {tp} neither divides nor is a multiple of the {args.n_kv_heads} kv heads")
+    if ep > 1:
+        if not args.n_experts:
+            raise ValueError("ep: this model has no experts to split")
+        if args.n_experts % ep or tp % ep:
+            ok = [d for d in range(1, args.n_experts + 1) if args.n_experts % d == 0 and tp % d == 0]
+            raise ValueError(f"ep: {ep} must divide the {args.n_experts} experts and tp={tp} (it may be one of {ok})")
+
+
+def _linear_bytes(numel: int, rows: int, quantize: str | None, group_size: int, dtype_bytes: int) -> float:
+    if quantize == "int8":
+        return numel + rows * 2
+    if quantize == "int4":
+        return numel / 2 + numel / group_size * 4
+    return numel * dtype_bytes
+
+
+def plan(
+    config: dict,
+    tp: int = 1,
+    ep: int = 1,
+    *,
+    dtype: str = "bfloat16",
+    quantize: str | None = None,
+    group_size: int = 128,
+    quantize_head: bool = False,
+    vocab_parallel: bool = False,
+    batch: int = 1,
+    max_len: int | None = None,
+) -> RankPlan:
+    """The plan of one rank (see the module docstring) for the model `config` describes."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype: must be one of {', '.join(DTYPE_BYTES)} (got {dtype!r})")
+    if quantize not in (None, "int8", "int4"):
+        raise ValueError(f"quantize: must be int8 or int4 (got {quantize!r})")
+    model = build_model(config, device="meta")
+    args = model.args
+    check_split(args, tp, ep)
+    size = DTYPE_BYTES[dtype]
+    max_len = args.max_seq_len if max_len is None else max_len
+    kv_per_rank = max(1, args.n_kv_heads // tp)
+    sharded = replicated = 0.0
+    total = active = 0
+    for name, p in model.named_parameters():
+        numel, leaf = p.numel(), name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+        total += numel
+        if ".feed_forward." in name and p.dim() == 3:  # routed experts (E, out, in)
+            active += numel // args.n_experts * args.n_active_experts
+            per_rank = numel // ep // (tp // ep)
+            sharded += _linear_bytes(per_rank, p.shape[1] // ep // (tp // ep), quantize, group_size, size)
+            continue
+        active += numel
+        linear = p.dim() == 2 and leaf in COLUMN + ROW
+        if linear and leaf in ("wk", "wv"):
+            per_rank = numel // args.n_kv_heads * kv_per_rank
+            sharded += _linear_bytes(per_rank, p.shape[0] // args.n_kv_heads * kv_per_rank, quantize, group_size, size)
+        elif linear and leaf == "wqkv":
+            q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+            rows = q_rows // tp + 2 * kv_rows // args.n_kv_heads * kv_per_rank
+            sharded += _linear_bytes(rows * p.shape[1], rows, quantize, group_size, size)
+        elif linear:
+            rows = p.shape[0] // tp if leaf in COLUMN else p.shape[0]
+            sharded += _linear_bytes(numel // tp, rows, quantize, group_size, size)
+        elif name in ("tok_embeddings.weight", "output.weight") and vocab_parallel:
+            head_q = quantize if name == "output.weight" and quantize_head else None
+            sharded += _linear_bytes(numel // tp, p.shape[0] // tp, head_q, group_size, size)
+        elif name == "output.weight" and quantize_head:
+            replicated += _linear_bytes(numel, p.shape[0], quantize, group_size, size)
+        else:
+            replicated += numel * (4 if p.dtype == torch.float32 and name.endswith("expert_bias") else size)
+    kv = 2 * args.n_layers * kv_per_rank * args.head_dim * batch * max_len * size
+    return RankPlan(total, active, int(sharded), int(replicated), kv, tp, ep)
+
+
+def config_of(path_or_repo_id: str | None, revision: str | None = None, local_files_only: bool = False) -> dict:
+    """config.json alone: of a folder, an embedded model, a .json file, or a hub repo id (only that
+    file is downloaded)."""
+    text = None if path_or_repo_id is None else str(path_or_repo_id)
+    if text is not None and text.endswith(".json") and Path(text).is_file():
+        try:
+            return json.loads(Path(text).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{text}: not valid JSON ({e})") from None
+    if text is None or text in EMBEDDED_MODELS or Path(text).expanduser().is_dir():
+        return read_config(resolve_model_path(text))
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(text, "config.json", revision=revision, local_files_only=local_files_only)
+    except Exception as e:  # network, auth, or unknown repo: say which id failed and why
+        raise FileNotFoundError(
+            f"model {text!r}: not a folder, and its config.json could not be had from the hub ({type(e).__name__})"
+        ) from None
+    return json.loads(Path(path).read_text())

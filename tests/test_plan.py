@@ -1,0 +1,87 @@
+"""`fastdllm plan`: bytes per rank under tensor / expert parallelism, from config.json alone, on the
+published configs each family keeps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fastdllm.models import dream, fast_dllm_v2, llada, llada2, llada_moe, sdar
+from fastdllm.models.loading import build_model
+from fastdllm.models.plan import plan
+
+# model: (its module, published total parameters in billions, read off the model cards)
+PUBLISHED = {
+    "LLaDA-8B": (llada, 8.0),
+    "Dream-7B": (dream, 7.6),
+    "Fast-dLLM-v2-7B": (fast_dllm_v2, 7.6),
+    "SDAR-4B": (sdar, 4.4),
+    "LLaDA2.0-mini": (llada2, 16.3),
+    "LLaDA-MoE-7B-A1B": (llada_moe, 7.4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_plan_counts_the_model_the_loader_builds(name):
+    module, billions = PUBLISHED[name]
+    config = module.REFERENCE_CONFIG
+    built = sum(p.numel() for p in build_model(config, device="meta").parameters())
+    whole = plan(config)
+    assert whole.parameters == built and abs(built / 1e9 - billions) < 0.06 * billions
+    assert whole.sharded_bytes + whole.replicated_bytes == whole.weight_bytes
+    assert whole.weight_bytes == 2 * built  # bfloat16, nothing split
+    halves = plan(config, tp=2)
+    assert halves.replicated_bytes == whole.replicated_bytes
+    assert abs(2 * halves.sharded_bytes - whole.sharded_bytes) <= 16  # the split layers, halved
+    assert halves.kv_cache_bytes * 2 == whole.kv_cache_bytes or build_model(config).args.n_kv_heads < 2
+
+
+def test_kv_heads_are_kept_whole_when_ranks_outnumber_them():
+    config = llada2.REFERENCE_CONFIG  # 4 kv heads
+    args = build_model(config).args
+    assert args.n_kv_heads < 8
+    four, eight = plan(config, tp=4, max_len=1024), plan(config, tp=8, max_len=1024)
+    assert four.kv_cache_bytes == eight.kv_cache_bytes == 2 * args.n_layers * args.head_dim * 1024 * 2
+
+
+def test_quantized_and_expert_parallel_plans():
+    config = llada2.REFERENCE_CONFIG
+    bf16, int4 = plan(config, tp=8), plan(config, tp=8, quantize="int4")
+    assert 0.25 < int4.sharded_bytes / bf16.sharded_bytes < 0.3 and int4.replicated_bytes == bf16.replicated_bytes
+    assert plan(config, tp=8, ep=8).weight_bytes == bf16.weight_bytes  # the same bytes, other experts
+    with pytest.raises(ValueError, match=r"tp: 3 does not divide the 16 attention heads"):
+        plan(config, tp=3)
+    with pytest.raises(ValueError, match="ep: 3"):
+        plan(config, tp=8, ep=3)
+    with pytest.raises(ValueError, match="ep: this model has no experts"):
+        plan(llada.REFERENCE_CONFIG, tp=2, ep=2)
+
+
+def test_the_command_says_whether_it_fits(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(llada.REFERENCE_CONFIG))
+    run = [
+        sys.executable,
+        "-m",
+        "fastdllm",
+        "plan",
+        "--model",
+        str(path),
+        "--tp",
+        "2",
+        "--batch",
+        "8",
+        "--max-len",
+        "2048",
+    ]
+    fits = subprocess.run(run + ["--memory", "24"], capture_output=True, text=True, timeout=120)
+    assert fits.returncode == 0 and "fits 24 GiB: yes" in fits.stdout, fits.stderr
+    short = subprocess.run(run + ["--memory", "8", "--json"], capture_output=True, text=True, timeout=120)
+    out = json.loads(short.stdout)
+    assert short.returncode == 1 and out["fits"] is False and out["tp"] == 2
+    assert out["total_bytes_per_rank"] == out["weight_bytes_per_rank"] + out["kv_cache_bytes_per_rank"]
+    bad = subprocess.run(run[:6] + ["--tp", "3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "tp: 3 does not divide" in bad.stderr
