@@ -617,6 +617,30 @@ def test_served_name_keeps_the_organisation():
     assert default_model_name(None) == "llada-arith"
 
 
+def test_ready_says_when_the_server_can_answer(loaded):
+    """/health: the process is alive. /ready: 200 once a warm-up decode has run and the scheduler
+    accepts work; 503 with the reason while it is paused or its queue is full; open without the key."""
+    server = LiveServer(*loaded, api_key="s3cret", max_queue=1)
+    try:
+        wait_for(lambda: httpx.get(server.url + "/ready").status_code == 200)
+        assert httpx.get(server.url + "/ready").json() == {"status": "ready", "model": MODEL}
+        server.scheduler.pause()
+        r = httpx.get(server.url + "/ready")
+        assert r.status_code == 503 and r.json()["reason"] == "paused"
+        headers = {"authorization": "Bearer s3cret"}
+        body = {"model": MODEL, "messages": MSG, "max_tokens": 8}
+        waiting = threading.Thread(target=lambda: httpx.post(server.url + CHAT, json=body, headers=headers, timeout=60))
+        waiting.start()
+        wait_for(lambda: server.health()["queued"] == 1)
+        r = httpx.get(server.url + "/ready")
+        assert r.status_code == 503 and r.json()["reason"] == "the queue is full (1 requests)"
+        server.scheduler.resume()
+        waiting.join(60)
+        assert httpx.get(server.url + "/ready").status_code == 200
+    finally:
+        server.stop()
+
+
 # ---- auth, limits, metrics, tokenizer routes ------------------------------------------------------------
 def test_api_key_is_required_when_set(loaded):
     server = LiveServer(*loaded, api_key="s3cret")

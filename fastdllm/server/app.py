@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError, GenerationConfig
 from ..engine.constraints import GrammarConstraint, response_format_constraint
+from ..engine.generation import generate
 from ..engine.likelihood import prefix_logprobs
 from ..text import tool_calls
 from .guard import Guard
@@ -86,6 +87,24 @@ class Server:
             continuous=settings.continuous,
         )
         self.created = int(time.time())
+        self.warmed, self.warm_error = False, None  # set by the app's warm-up decode
+
+    def not_ready(self) -> str | None:
+        """Why the server cannot answer a request now (None: it can)."""
+        if not self.warmed:
+            return "warming up"
+        if self.warm_error is not None:
+            return f"the warm-up decode failed: {self.warm_error}"
+        s = self.scheduler
+        if s.closing:
+            return "shutting down"
+        if not s.thread.is_alive():
+            return "the inference worker stopped"
+        if len(s.pending) >= s.max_queue:
+            return f"the queue is full ({len(s.pending)} requests)"
+        if s.paused:
+            return "paused"
+        return None
 
     # -- request -> rows and config
     def check_model(self, name: str) -> None:
@@ -293,7 +312,9 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
     server = Server(model, tokenizer, settings)
 
     async def lifespan(app):
+        warming = asyncio.create_task(warm_up())
         yield
+        warming.cancel()
         server.scheduler.close()
 
     app = FastAPI(
@@ -337,6 +358,16 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": settings.model_name, **server.scheduler.snapshot()}
+
+    @app.get("/ready")
+    async def ready():
+        """Ready to answer: the weights warmed by one decode through the scheduler, which is
+        accepting (its worker alive, not shutting down or paused, room in the queue). /health only
+        says the process is alive; a load balancer's health check (Ray Serve's) reads this."""
+        reason = server.not_ready()
+        if reason is not None:
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        return {"status": "ready", "model": settings.model_name}
 
     @app.get("/version")
     async def version():
@@ -384,6 +415,17 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
     async def model_info(model_id: str):
         server.check_model(model_id)
         return model_card(model_id)
+
+    async def warm_up():
+        """One short decode with the server's defaults (its kernels loaded, a compiled model's graphs
+        built); /ready waits for it. It runs beside the scheduler and counts as no request."""
+        config = settings.defaults.with_max_new_tokens(1)
+        try:
+            await asyncio.to_thread(generate, model, [[model.args.eos_token_id]], config=config)
+        except Exception as e:  # the model cannot decode: say so on /ready, keep serving /health
+            log.exception("warm-up failed")
+            server.warm_error = f"{type(e).__name__}: {e}"
+        server.warmed = True
 
     async def submit(prompts, seeds, config, constraints=None) -> Job:
         job = Job(prompts, seeds, config, asyncio.get_running_loop(), constraints=constraints)

@@ -2,8 +2,8 @@
 
 The body is read here, up to the cap, before the app sees the request: a body over the cap gets
 413 without being buffered whole (a 10 MB body no longer costs the event loop), and a client that
-disconnects mid-body ends the request quietly. With an API key, every route except /health and
-/version needs `Authorization: Bearer <key>` (401 otherwise, in OpenAI's error shape).
+disconnects mid-body ends the request quietly. With an API key, every route except /health,
+/ready and /version needs `Authorization: Bearer <key>` (401 otherwise, in OpenAI's error shape).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 
-OPEN_PATHS = ("/health", "/version")
+OPEN_PATHS = ("/health", "/ready", "/version")
 
 
 async def _send_error(send, status: int, message: str, type_: str, code: str, headers=()) -> None:
