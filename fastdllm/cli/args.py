@@ -5,6 +5,8 @@ field, the field's name with dashes), and the text flags of `generate` and `chat
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from ..config import PRESETS, ConfigError, GenerationConfig
 
@@ -52,6 +54,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="int4 group size: 32, 64, 128 or 256 (default 128, or the largest that fits the model)",
     )
     p.add_argument("--quantize-head", action="store_true", help="quantize the output head too")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor parallelism over N ranks, started by torchrun: torchrun --nproc-per-node N -m fastdllm ... --tp N",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -151,17 +160,25 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
         raise UserError(f"{flag(e.param)}: {e.detail} (with the checkpoint's generation_config.json)") from None
 
 
-def load_model_or_exit(args: argparse.Namespace):
+def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
+    """The model the flags name. With `--tp N` (where the command runs tensor-parallel:
+    `tensor_parallel`) the ranks torchrun started join, each keeps its part of the model, and only
+    rank 0 writes to stdout."""
     import torch
 
+    from ..models import tp
     from ..models.loading import load
 
     if getattr(args, "threads", None):
         if args.threads < 1:
             raise UserError("--threads: must be a positive integer")
         torch.set_num_threads(args.threads)
+    parts = getattr(args, "tp", 1)
+    if parts != 1 and not tensor_parallel:
+        raise UserError("--tp: this command does not run tensor-parallel yet (fastdllm generate does)")
     try:
-        return load(
+        rank, world = tp.init(parts, args.device)
+        model, tokenizer = load(
             args.model,
             dtype=args.dtype,
             device=args.device,
@@ -171,8 +188,12 @@ def load_model_or_exit(args: argparse.Namespace):
             group_size=getattr(args, "group_size", None),
             quantize_head=getattr(args, "quantize_head", False),
         )
+        tp.apply(model, rank, world)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
+    if rank:
+        sys.stdout = open(os.devnull, "w")  # rank 0 speaks for every rank
+    return model, tokenizer
 
 
 def add_text_args(p: argparse.ArgumentParser) -> None:

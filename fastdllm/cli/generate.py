@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = text_config(args)
     prompt = read_prompt(args.prompt)
-    model, tokenizer = load_model_or_exit(args)
+    model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
     config = with_model_defaults(args, config, model)
 
     templated = not args.raw and bool(tokenizer.chat_template)
