@@ -3,6 +3,7 @@
 "rows"}} as JSON to argv[1]. argv[2:]: the families (the conftest fixtures' names)."""
 
 import copy
+import functools
 import json
 import sys
 from pathlib import Path
@@ -26,6 +27,14 @@ FIXTURES = {
 }
 
 
+REDUCE = dist.all_reduce
+
+
+def _counted(calls, reduce, *args, **kwargs):
+    calls[0] += 1
+    return reduce(*args, **kwargs)
+
+
 def main():
     out_path, names = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
@@ -38,8 +47,11 @@ def main():
         whole = conftest.random_model(arch, tok, seed=seed, **kw)
         split = tp.apply(copy.deepcopy(whole), rank, world)
         ids = torch.tensor([tok.encode("Question: Tom has 5 apples and buys 3 more. How many?")])
+        calls = [0]
+        dist.all_reduce = functools.partial(_counted, calls, REDUCE)
         with torch.no_grad():
             diff = (whole(ids) - split(ids)).abs().max().item()
+        dist.all_reduce = REDUCE
         config = fastdllm.GenerationConfig.for_model(
             whole, fastdllm.GenerationConfig(gen_length=16, block_length=8, threshold=0.2, stop_at_eos=False)
         )
@@ -52,6 +64,9 @@ def main():
             "rows": len(prompts),
             "heads_per_rank": split.args.n_heads,
             "kv_heads_per_rank": split.args.n_kv_heads,
+            "all_reduces_per_layer": calls[0] / whole.args.n_layers,
+            "weight_bytes": sum(t.numel() * t.element_size() for t in whole.parameters()),
+            "weight_bytes_per_rank": sum(t.numel() * t.element_size() for t in split.parameters()),
         }
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
