@@ -52,6 +52,7 @@ def test_every_family_split_over_two_ranks_decodes_as_one_process(tmp_path):
     for name, r in results.items():
         assert r["max_logit_diff"] < 1e-4 and r["same_tokens"], (name, r)
         assert r["all_reduces_per_layer"] == 2  # one after attention, one after the MLP
+        assert r["read_parts_equal"]  # a rank reading only its parts from the files gets the same
         assert r["weight_bytes_per_rank"] < r["weight_bytes"]
     assert results["tiny_llada2"]["kv_heads_per_rank"] == 1 and results["tiny_v2"]["heads_per_rank"] == 2
 

@@ -187,8 +187,8 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
             quantize=getattr(args, "quantize", None),
             group_size=getattr(args, "group_size", None),
             quantize_head=getattr(args, "quantize_head", False),
+            tp=(rank, world),
         )
-        tp.apply(model, rank, world)
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
     if rank:

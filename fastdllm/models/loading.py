@@ -174,24 +174,41 @@ class CheckpointTensors:
     def file(self, name: str) -> Path:
         return self._file[name]
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, cut=None) -> torch.Tensor:
+        """The tensor, or only the part `cut` names (`tp.Cut`: its rows or columns), read alone."""
         if name not in self._file:
             raise ValueError(f"tensor {name} is missing from the safetensors files")
-        return self._handles[self._file[name]].get_tensor(name)
+        if cut is None:
+            return self._handles[self._file[name]].get_tensor(name)
+        whole = self._handles[self._file[name]].get_slice(name)
+        dim, segments = cut
+        parts = [whole[a:b] if dim == 0 else whole[:, a:b] for a, b in segments]
+        return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._file[name]].get_slice(name).get_shape())
 
 
-def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
+def load_model(folder: str | Path, dtype=None, device="cpu", tp: tuple[int, int] | None = None) -> Transformer:
     """The model of a checkpoint folder; a quantized checkpoint (compressed-tensors, GPTQ:
     `quant.formats`) loads its quantized layers as `QuantizedLinear`s (a quantized routed expert
-    is dequantized into its stack)."""
+    is dequantized into its stack). `tp` (rank, world): that rank's part of the model under tensor
+    parallelism (`models.tp`), read alone from the files."""
     from ..quant import install
     from ..quant.formats import decode, is_quantized, read_quant_format
+    from . import tp as tensor_parallel
 
     folder = Path(folder)
     config = read_config(folder)
     where = str(folder / "config.json")
     model = build_model(config, where)
     fmt = read_quant_format(folder, config)
+    parts: dict = {}
+    if tp is not None and tp[1] > 1:
+        if fmt is not None:
+            raise ValueError("tp: quantized checkpoints are not split yet")
+        parts = tensor_parallel.cuts(model.args, *tp)
+        tensor_parallel.apply(model, *tp)  # on the meta device: the rank's shapes and hooks
     dtype = resolve_dtype(dtype) or DTYPES.get(str(config.get("torch_dtype")), torch.float32)
     names = model.family.weight_names(model.args)  # ours -> theirs (a tuple: one tensor per expert)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -201,13 +218,13 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
     def quantized(theirs: str) -> bool:
         return fmt is not None and theirs.endswith(".weight") and is_quantized(fmt, present, theirs[: -len(".weight")])
 
-    def read(theirs: str, want: tuple) -> torch.Tensor:
+    def read(theirs: str, want: tuple, cut=None) -> torch.Tensor:
         if quantized(theirs):
             qw = decode(fmt, tensors.get, theirs[: -len(".weight")], tensors.has)
             if qw.shape != want:
                 raise ValueError(f"{theirs}: quantized weight of shape {qw.shape}, but {where} implies {want}")
             return qw
-        tensor = tensors.get(theirs)
+        tensor = tensors.get(theirs, cut)
         if tuple(tensor.shape) != want:
             raise ValueError(
                 f"{tensors.file(theirs).name}: tensor {theirs} has shape {tuple(tensor.shape)}, "
@@ -223,12 +240,14 @@ def load_model(folder: str | Path, dtype=None, device="cpu") -> Transformer:
                 missing += lost
                 continue
             stack = torch.empty(expected[ours], dtype=dtype, device=device)
+            cut = parts.get(ours)
+            per_expert = None if cut is None else (cut[0] - 1, cut[1])
             for e, name in enumerate(theirs):
-                w = read(name, tuple(expected[ours][1:]))
+                w = read(name, tuple(expected[ours][1:]), per_expert)
                 stack[e].copy_(w if isinstance(w, torch.Tensor) else w.dequantize(dtype))
             state[ours] = stack
         elif theirs in present or quantized(theirs):
-            w = read(theirs, tuple(expected[ours]))
+            w = read(theirs, tuple(expected[ours]), parts.get(ours))
             if isinstance(w, torch.Tensor):
                 state[ours] = w.to(device=device, dtype=dtype)
             else:
@@ -290,6 +309,7 @@ def load(
     quantize: str | None = None,
     group_size: int | None = None,
     quantize_head: bool = False,
+    tp: tuple[int, int] | None = None,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
 
@@ -300,8 +320,12 @@ def load(
     default 128 or the largest of 64 / 32 that fits the model): weight-only quantization of the
     linear layers at load (`fastdllm.quant`); `quantize_head` includes the output head. A checkpoint
     that is already quantized (compressed-tensors, GPTQ) loads quantized without it.
+    tp: (rank, world) under tensor parallelism: that rank's part of the model, read alone from the
+    files (`fastdllm.models.tp`; torchrun starts the ranks, `tp.init` joins them).
     """
     device = check_device(device)
+    if quantize is not None and tp is not None and tp[1] > 1:
+        raise ValueError("tp: quantized layers are not split yet; load the model unquantized")
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(QUANTIZE)}")
     if quantize is None and (group_size is not None or quantize_head):
@@ -320,7 +344,7 @@ def load(
             f"(vocabulary of {tokenizer.vocab_size}; {family.name} masks with "
             f"{family.special_tokens.get('mask_token_id')!r})"
         )
-    model = load_model(folder, dtype=dtype, device="cpu" if quantize else device)
+    model = load_model(folder, dtype=dtype, device="cpu" if quantize else device, tp=tp)
     if quantize:
         from ..quant import install, quantize_weights
 

@@ -19,9 +19,9 @@ Every rank then runs the same decoding loop on the same inputs and takes the sam
 all-reduce hands every rank the same bits); rank 0 speaks for them. A rank's sums are split
 differently from one process's, so logits differ by float rounding (~1e-6 in float32).
 
-Not yet: reading only a rank's shard from the safetensors (each rank loads the whole checkpoint,
-then keeps its part), quantized layers, expert parallelism, and `serve` / `eval` / `bench` /
-`chat` with `--tp` (they refuse it).
+The loader reads only a rank's parts from the safetensors (`load(..., tp=(rank, world))`, with
+`cuts`): no rank holds the whole model, even while loading. Not yet: quantized layers, expert
+parallelism, and `serve` / `eval` / `bench` / `chat` with `--tp` (they refuse it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .moe import MoEFeedForward
 from .plan import check_split
 
 
@@ -65,20 +64,58 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
-def _part(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Tensor:
-    return t.chunk(world, dim)[rank].contiguous()
+# A cut: (dim, [(start, stop), ...]): the rows (dim 0) or columns (dim 1) of the whole tensor a
+# rank keeps, its segments concatenated along dim.
+Cut = tuple[int, list[tuple[int, int]]]
 
 
-def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(bias, requires_grad=False)
-    linear.out_features, linear.in_features = weight.shape
+def cuts(args, rank: int, world: int) -> dict[str, Cut]:
+    """Per parameter (our names) that tensor parallelism splits, the part rank `rank` keeps; every
+    other parameter is kept whole. A routed expert's stack (E, out, in) is cut in its dims 1 / 2."""
+    check_split(args, world, 1)
+    for name in ("hidden_dim", "moe_hidden_dim", "shared_expert_hidden_dim"):
+        if getattr(args, name) % world:
+            raise ValueError(f"tp: {world} does not divide the MLP's {name} ({getattr(args, name)})")
+    hd, h = args.head_dim, args.n_heads // world
+    q = (rank * h * hd, (rank + 1) * h * hd)
+    if args.n_kv_heads >= world:
+        kv_n = args.n_kv_heads // world
+        kv = (rank * kv_n * hd, (rank + 1) * kv_n * hd)
+    else:  # the one kv head this rank's q heads read
+        head = rank * h // (args.n_heads // args.n_kv_heads)
+        kv = (head * hd, (head + 1) * hd)
+    qw, kvw = args.n_heads * hd, args.n_kv_heads * hd
+    out: dict[str, Cut] = {}
+
+    def mlp(prefix: str, width: int, stacked: bool = False) -> None:
+        part = (rank * width // world, (rank + 1) * width // world)
+        out[f"{prefix}w1{'' if stacked else '.weight'}"] = (1 if stacked else 0, [part])
+        out[f"{prefix}w3{'' if stacked else '.weight'}"] = (1 if stacked else 0, [part])
+        out[f"{prefix}w2{'' if stacked else '.weight'}"] = (2 if stacked else 1, [part])
+
+    for i in range(args.n_layers):
+        a = f"layers.{i}.attention."
+        if args.fused_qkv:
+            rows = [q, (qw + kv[0], qw + kv[1]), (qw + kvw + kv[0], qw + kvw + kv[1])]
+            out[a + "wqkv.weight"] = out[a + "wqkv.bias"] = (0, rows)
+        else:
+            for p, part in (("wq", q), ("wk", kv), ("wv", kv)):
+                out[f"{a}{p}.weight"] = out[f"{a}{p}.bias"] = (0, [part])
+        out[a + "wo.weight"] = (1, [q])
+        f = f"layers.{i}.feed_forward."
+        if args.is_moe_layer(i):
+            mlp(f, args.moe_hidden_dim, stacked=True)
+            if args.shared_expert_hidden_dim:
+                mlp(f + "shared.", args.shared_expert_hidden_dim)
+        else:
+            mlp(f, args.hidden_dim)
+    return out
 
 
-def _heads(n: int, head_dim: int, heads: range, offset: int = 0) -> torch.Tensor:
-    """Row indices of `heads` in a projection of n heads (starting at row `offset`)."""
-    return torch.cat([torch.arange(offset + h * head_dim, offset + (h + 1) * head_dim) for h in heads])
+def take(t: torch.Tensor, cut: Cut) -> torch.Tensor:
+    """The part of the whole tensor `t` that `cut` keeps."""
+    dim, segments = cut
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in segments], dim).contiguous()
 
 
 def _all_reduce_output(module: nn.Module) -> None:
@@ -89,63 +126,39 @@ def _all_reduce_output(module: nn.Module) -> None:
     module.register_forward_hook(hook)
 
 
-def _split_mlp(ff: nn.Module, rank: int, world: int) -> None:
-    _set(ff.w1, _part(ff.w1.weight.data, rank, world, 0))
-    _set(ff.w3, _part(ff.w3.weight.data, rank, world, 0))
-    _set(ff.w2, _part(ff.w2.weight.data, rank, world, 1))
-
-
-def apply(model, rank: int, world: int):
-    """Split `model` in place for rank `rank` of `world` (see the module docstring); returns it."""
+def apply(model, rank: int, world: int, split: bool = True):
+    """Make `model` rank `rank` of `world` (see the module docstring); returns it. `split=False`:
+    its parameters already hold the rank's parts (read so by the loader) and only the rest changes."""
     if world == 1:
         return model
-    args = model.args
     if getattr(model, "quantization", None):
         raise ValueError("tp: quantized layers are not split yet; load the model unquantized")
-    check_split(args, world, 1)
-    for name, width in (
-        ("hidden_dim", args.hidden_dim),
-        ("moe_hidden_dim", args.moe_hidden_dim),
-        ("shared_expert_hidden_dim", args.shared_expert_hidden_dim),
-    ):
-        if width % world:
-            raise ValueError(f"tp: {world} does not divide the MLP's {name} ({width})")
-    hd, h = args.head_dim, args.n_heads // world
-    q_heads = range(rank * h, (rank + 1) * h)
-    if args.n_kv_heads >= world:
-        kv = args.n_kv_heads // world
-        kv_heads = range(rank * kv, (rank + 1) * kv)
-    else:  # the one kv head this rank's q heads read
-        first = q_heads.start // (args.n_heads // args.n_kv_heads)
-        kv_heads = range(first, first + 1)
-    q_rows, kv_rows = _heads(args.n_heads, hd, q_heads), _heads(args.n_kv_heads, hd, kv_heads)
-    with torch.no_grad():
-        for layer in model.layers:
-            att = layer.attention
-            if hasattr(att, "wqkv"):
-                q_width, kv_width = args.n_heads * hd, args.n_kv_heads * hd
-                rows = torch.cat([q_rows, q_width + kv_rows, q_width + kv_width + kv_rows])
-                _set(att.wqkv, att.wqkv.weight.data[rows], None if att.wqkv.bias is None else att.wqkv.bias.data[rows])
-            else:
-                for proj, idx in ((att.wq, q_rows), (att.wk, kv_rows), (att.wv, kv_rows)):
-                    _set(proj, proj.weight.data[idx], None if proj.bias is None else proj.bias.data[idx])
-            _set(att.wo, att.wo.weight.data[:, q_rows].contiguous())
-            att.n_heads, att.n_kv_heads = len(q_heads), len(kv_heads)
-            _all_reduce_output(att.wo)
-            ff = layer.feed_forward
-            if isinstance(ff, MoEFeedForward):
-                ff.w1 = nn.Parameter(_part(ff.w1.data, rank, world, 1), requires_grad=False)
-                ff.w3 = nn.Parameter(_part(ff.w3.data, rank, world, 1), requires_grad=False)
-                ff.w2 = nn.Parameter(_part(ff.w2.data, rank, world, 2), requires_grad=False)
-                if ff.shared is not None:
-                    _split_mlp(ff.shared, rank, world)
-            else:
-                _split_mlp(ff, rank, world)
-            _all_reduce_output(ff)
+    args = model.args
+    parts = cuts(args, rank, world)
+    if split:
+        with torch.no_grad():
+            for name, param in list(model.named_parameters()):
+                if name in parts:
+                    module_name, attr = name.rsplit(".", 1)
+                    setattr(
+                        model.get_submodule(module_name),
+                        attr,
+                        nn.Parameter(take(param.data, parts[name]), requires_grad=False),
+                    )
+    hd = args.head_dim
+    n_heads = args.n_heads // world
+    n_kv = max(1, args.n_kv_heads // world)
+    for layer in model.layers:
+        att = layer.attention
+        att.n_heads, att.n_kv_heads = n_heads, n_kv
+        for linear in (m for m in att.modules() if isinstance(m, nn.Linear)):
+            linear.out_features, linear.in_features = linear.weight.shape
+        _all_reduce_output(att.wo)
+        _all_reduce_output(layer.feed_forward)
     model.args = replace(
         args,
-        n_heads=len(q_heads),
-        n_kv_heads=len(kv_heads),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
         head_size=hd,
         hidden_dim=args.hidden_dim // world,
         moe_hidden_dim=args.moe_hidden_dim // world,

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import fastdllm  # noqa: E402
 from fastdllm.models import tp  # noqa: E402
+from fastdllm.models.loading import load_model, save_pretrained  # noqa: E402
 from tests import conftest  # noqa: E402
 
 FIXTURES = {
@@ -46,6 +47,12 @@ def main():
         seed = kw.pop("seed")
         whole = conftest.random_model(arch, tok, seed=seed, **kw)
         split = tp.apply(copy.deepcopy(whole), rank, world)
+        folder = Path(out_path).parent / name
+        if rank == 0:
+            save_pretrained(whole, folder, tok, dtype=torch.float32)
+        dist.barrier()
+        read = load_model(folder, dtype=torch.float32, tp=(rank, world))  # the rank's parts alone
+        read_equal = all(torch.equal(a, b) for a, b in zip(read.state_dict().values(), split.state_dict().values()))
         ids = torch.tensor([tok.encode("Question: Tom has 5 apples and buys 3 more. How many?")])
         calls = [0]
         dist.all_reduce = functools.partial(_counted, calls, REDUCE)
@@ -65,6 +72,7 @@ def main():
             "heads_per_rank": split.args.n_heads,
             "kv_heads_per_rank": split.args.n_kv_heads,
             "all_reduces_per_layer": calls[0] / whole.args.n_layers,
+            "read_parts_equal": read_equal and set(read.state_dict()) == set(split.state_dict()),
             "weight_bytes": sum(t.numel() * t.element_size() for t in whole.parameters()),
             "weight_bytes_per_rank": sum(t.numel() * t.element_size() for t in split.parameters()),
         }
