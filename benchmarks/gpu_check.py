@@ -1,0 +1,202 @@
+"""The GPU table in one command: every family at its real width, replaying real decoding schedules.
+
+    python benchmarks/gpu_check.py                 # on a GPU: aim at under 8 minutes
+    python benchmarks/gpu_check.py --tiny          # anywhere (the slow test suite runs this)
+    python benchmarks/gpu_check.py --out docs/results/gpu_check.json
+
+Random weights decide nothing (their confidences are near-uniform, so a threshold would reveal one
+token per step), so the schedules come from the embedded models: each configuration (baseline,
+Fast-dLLM, default) decodes a few held-out arith problems on the family's embedded twin (llada-arith
+for LLaDA, Dream and LLaDA-MoE, sdar-arith for SDAR and Fast-dLLM v2, llada2-arith for LLaDA2),
+recording every forward's window. Each family's model is then built at the width of its published
+config (random bf16 weights, `--layers` of its layers: time per layer is what scales), and the
+windows are replayed on it for `--batch` rows at once: tokens/s of the generated tokens, and
+positions computed per token (the work, independent of the machine). Optional rows: int8 / int4
+weights (`--quant`), and torch.compile of the layers (`--compile`; CUDA graphs on a GPU).
+One table is printed (and written as JSON with `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+FAST_DLLM = dict(cache="dual", threshold=0.9, suffix_window=None, refresh="full", refresh_every=None)
+CONFIGS = {"baseline": dict(FAST_DLLM, cache="none", threshold=None), "fast-dllm": FAST_DLLM, "default": {}}
+FAMILIES = {  # family module -> the embedded twin whose schedules it replays
+    "llada": "llada-arith",
+    "dream": "dream-arith",
+    "llada_moe": "llada-arith",
+    "sdar": "sdar-arith",
+    "fast_dllm_v2": "sdar-arith",
+    "llada2": "llada2-arith",
+}
+
+
+def record(twin: str, config_name: str, gen_length: int, problems: int) -> tuple[list[list[tuple]], int]:
+    """Every forward's (window start, end, length, block start, end) of `problems` decodes, and the
+    tokens they generated."""
+    import fastdllm
+    from fastdllm.engine.policies import policies_for
+    from fastdllm.evaluation.tasks import arith
+
+    model, tok = fastdllm.load(twin, dtype="float32", device="cpu")
+    base = fastdllm.GenerationConfig.for_model(model, checkpoint_defaults=False)
+    config = base.replace(gen_length=gen_length, **CONFIGS[config_name])
+    if config_name == "baseline":
+        config = config.replace(steps=gen_length)
+    runs, tokens = [], 0
+    for p in arith.test_split()[:problems]:
+        policies = policies_for(model, config)
+        policies.cache.record()
+        out = fastdllm.generate(model, [arith.prompt_ids(tok, p.question, [])], config=config, policies=policies)
+        runs.append(policies.cache.history)
+        tokens += sum(out.num_tokens)
+    return runs, tokens
+
+
+def wide(family: str, layers: int, device, tiny: bool):
+    """The family's published config with `layers` layers (or a small width with --tiny), random bf16."""
+    import importlib
+
+    from fastdllm.models.loading import build_model
+
+    config = dict(importlib.import_module(f"fastdllm.models.{family}").REFERENCE_CONFIG)
+    for key in ("num_hidden_layers", "n_layers"):
+        if key in config:
+            depth, config[key] = config[key], layers
+            for name, value in list(config.items()):  # per-layer lists (LLaDA-MoE's moe_layer_freq)
+                if isinstance(value, list) and len(value) == depth:
+                    config[name] = value[:layers]
+    if tiny:  # a small model of the same layout
+        for key, value in (
+            ("hidden_size", 256),
+            ("d_model", 256),
+            ("intermediate_size", 512),
+            ("mlp_hidden_size", 512),
+            ("moe_intermediate_size", 64),
+            ("num_attention_heads", 4),
+            ("n_heads", 4),
+            ("num_key_value_heads", 2),
+            ("n_kv_heads", 4),
+            ("head_dim", 64),
+            ("vocab_size", 4096),
+            ("embedding_size", 4096),
+            ("num_experts", 8),
+            ("num_experts_per_tok", 2),
+            ("n_group", 1),
+            ("topk_group", 1),
+        ):
+            if key in config:
+                config[key] = value
+    model = build_model(config, device="meta").to_empty(device=device)
+    model.setup_rope(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def replay(model, windows: list[tuple], batch: int, device) -> None:
+    vocab = model.args.vocab_size
+    cache = None
+    for ws, we, length, start, end in windows:
+        x = torch.randint(0, vocab, (batch, length), device=device)
+        if ws == 0 and we == length:
+            cache = model.new_cache(batch, length)
+            model.logits_for(x, start, end, cache=cache)
+        else:
+            if cache is None or cache.length < length:
+                grown = model.new_cache(batch, length)
+                if cache is not None:
+                    grown.k[:, :, :, : cache.length] = cache.k
+                    grown.v[:, :, :, : cache.length] = cache.v
+                cache = grown
+            model.logits_for(x, start, end, window=(ws, we), cache=cache.narrow(batch, length))
+
+
+def timed(model, runs, batch, device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    replay(model, runs[0][:2], batch, device)  # warm up
+    sync()
+    t0 = time.perf_counter()
+    for windows in runs:
+        replay(model, windows, batch, device)
+    sync()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small widths, one problem, batch 1 and 2 (runs on a CPU)")
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    p.add_argument("--layers", type=int, default=None, help="layers built per model (default 4; --tiny 1)")
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="rows at once (default 1 8 32; --tiny 1 2)")
+    p.add_argument("--problems", type=int, default=None, help="schedules recorded per config (default 2)")
+    p.add_argument("--gen-length", type=int, default=256)
+    p.add_argument("--quant", nargs="*", default=[], choices=["int8", "int4"], help="also quantized weights")
+    p.add_argument("--compile", action="store_true", help="also torch.compile'd layers (CUDA graphs on a GPU)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers = args.layers or (1 if args.tiny else 4)
+    batches = args.batch or ([1, 2] if args.tiny else [1, 8, 32])
+    problems = args.problems or (1 if args.tiny else 2)
+    gen_length = 64 if args.tiny else args.gen_length
+    schedules = {}
+    for twin in sorted(set(FAMILIES[f] for f in args.families)):
+        for name in CONFIGS:
+            schedules[twin, name] = record(twin, name, gen_length, problems)
+    rows = []
+    print(f"{'family':<13} {'config':<10} {'batch':>5} {'weights':<8} {'compile':<7} {'tok/s':>9} {'pos/tok':>8}")
+    for family in args.families:
+        model = wide(family, layers, device, args.tiny)
+        variants = [("bf16", model)]
+        for q in args.quant:
+            from fastdllm.models.loading import QUANTIZE
+            from fastdllm.quant import install, quantize_weights
+
+            qm = wide(family, layers, device, args.tiny)
+            install(qm, quantize_weights(qm, QUANTIZE[q]), device=device)
+            variants.append((q, qm))
+        for weights, m in variants:
+            for compiled in [False, True] if args.compile else [False]:
+                if compiled:
+                    for layer in m.layers:
+                        layer.forward = torch.compile(
+                            layer.forward, mode="reduce-overhead" if device.type == "cuda" else "default", dynamic=True
+                        )
+                for name in CONFIGS:
+                    runs, tokens = schedules[FAMILIES[family], name]
+                    positions = sum(we - ws for r in runs for ws, we, *_ in r)
+                    for batch in batches:
+                        seconds = timed(m, runs, batch, device)
+                        row = {
+                            "family": family,
+                            "config": name,
+                            "batch": batch,
+                            "weights": weights,
+                            "compile": compiled,
+                            "layers": layers,
+                            "tokens_per_second": tokens * batch / seconds,
+                            "positions_per_token": positions / tokens,
+                            "device": str(device),
+                        }
+                        rows.append(row)
+                        print(
+                            f"{family:<13} {name:<10} {batch:>5} {weights:<8} {str(compiled):<7} "
+                            f"{row['tokens_per_second']:>9.1f} {row['positions_per_token']:>8.2f}",
+                            flush=True,
+                        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"tiny": args.tiny, "layers": layers, "gen_length": gen_length, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

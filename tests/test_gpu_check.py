@@ -1,0 +1,34 @@
+"""benchmarks/gpu_check.py, the command a lent GPU runs first, runs end to end here with --tiny."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_tiny_and_prints_its_table(tmp_path):
+    out = tmp_path / "gpu.json"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--tiny", "--quant", "int8", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    families = {"llada", "dream", "llada_moe", "sdar", "fast_dllm_v2", "llada2"}
+    assert {r["family"] for r in rows} == families
+    assert {(r["config"], r["batch"], r["weights"]) for r in rows if r["family"] == "llada"} == {
+        (c, b, w) for c in ("baseline", "fast-dllm", "default") for b in (1, 2) for w in ("bf16", "int8")
+    }
+    assert all(r["tokens_per_second"] > 0 for r in rows)
+    work = {r["config"]: r["positions_per_token"] for r in rows if r["family"] == "llada"}
+    assert work["baseline"] > work["fast-dllm"] >= work["default"]  # the schedules' work, as recorded
+    assert "tok/s" in run.stdout and len(run.stdout.splitlines()) == len(rows) + 1
