@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .loading import EMBEDDED_MODELS, build_model, read_config, resolve_model_path
+from .tp import check_split
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 COLUMN = ("wq", "wk", "wv", "wqkv", "w1", "w3")  # split by output rows
@@ -54,24 +55,6 @@ class RankPlan:
     @property
     def total_bytes(self) -> int:
         return self.weight_bytes + self.kv_cache_bytes
-
-
-def check_split(args, tp: int, ep: int) -> None:
-    """A ValueError naming the field when `tp` / `ep` does not divide what they split."""
-    for name, value in (("tp", tp), ("ep", ep)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}: must be a positive integer (got {value!r})")
-    if args.n_heads % tp:
-        ok = [d for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]
-        raise ValueError(f"tp: {tp} does not divide the {args.n_heads} attention heads (it may be one of {ok})")
-    if args.n_kv_heads % tp and tp % args.n_kv_heads:
-        raise ValueError(f"tp: {tp} neither divides nor is a multiple of the {args.n_kv_heads} kv heads")
-    if ep > 1:
-        if not args.n_experts:
-            raise ValueError("ep: this model has no experts to split")
-        if args.n_experts % ep or tp % ep:
-            ok = [d for d in range(1, args.n_experts + 1) if args.n_experts % d == 0 and tp % d == 0]
-            raise ValueError(f"ep: {ep} must divide the {args.n_experts} experts and tp={tp} (it may be one of {ok})")
 
 
 def _linear_bytes(numel: int, rows: int, quantize: str | None, group_size: int, dtype_bytes: int) -> float:

@@ -34,7 +34,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .plan import check_split
+
+def check_split(args, tp: int, ep: int) -> None:
+    """A ValueError naming the field when `tp` / `ep` does not divide what they split."""
+    for name, value in (("tp", tp), ("ep", ep)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: must be a positive integer (got {value!r})")
+    if args.n_heads % tp:
+        ok = [d for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]
+        raise ValueError(f"tp: {tp} does not divide the {args.n_heads} attention heads (it may be one of {ok})")
+    if args.n_kv_heads % tp and tp % args.n_kv_heads:
+        raise ValueError(f"tp: {tp} neither divides nor is a multiple of the {args.n_kv_heads} kv heads")
+    if ep > 1:
+        if not args.n_experts:
+            raise ValueError("ep: this model has no experts to split")
+        if args.n_experts % ep or tp % ep:
+            ok = [d for d in range(1, args.n_experts + 1) if args.n_experts % d == 0 and tp % d == 0]
+            raise ValueError(f"ep: {ep} must divide the {args.n_experts} experts and tp={tp} (it may be one of {ok})")
 
 
 def init(tp: int, device: str | None = None) -> tuple[int, int]:
