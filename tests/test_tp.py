@@ -83,10 +83,31 @@ def test_tp_says_how_to_launch_and_which_commands_take_it():
     )
     assert alone.returncode == 2 and "torchrun --nproc-per-node 2 -m fastdllm <command> --tp 2" in alone.stderr
     other = subprocess.run(
-        [sys.executable, "-m", "fastdllm", "eval", "--task", "arith", "--tp", "2"],
+        [sys.executable, "-m", "fastdllm", "bench", "--quick", "--tp", "2"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO,
     )
     assert other.returncode == 2 and "--tp: this command does not run tensor-parallel yet" in other.stderr
+
+
+@pytest.mark.slow
+def test_eval_with_tp_decodes_every_sample_on_every_rank(tmp_path):
+    """Not sharded by sample: both ranks decode all of them with their halves of the model; rank 0
+    writes the results, which are one process's."""
+    flags = ["--task", "arith", "--limit", "6", "--dtype", "float32"]
+    one = subprocess.run(
+        [sys.executable, "-m", "fastdllm", "eval", *flags, "--log-samples", str(tmp_path / "1.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    two = torchrun("-m", "fastdllm", "eval", *flags, "--tp", "2", "--log-samples", str(tmp_path / "2.jsonl"))
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    outputs = [
+        [json.loads(line)["output"] for line in (tmp_path / f).read_text().splitlines()] for f in ("1.jsonl", "2.jsonl")
+    ]
+    assert len(outputs[0]) == 6 and outputs[0] == outputs[1]
+    assert two.stdout.count("accuracy") == 1  # printed once

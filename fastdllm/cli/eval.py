@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     started = _init_distributed(args)
     try:
         rank, world = dist_info()
-        model, tokenizer = load_model_or_exit(args)
+        model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
         config = with_model_defaults(args, config, model)
         try:
             results = evaluate(

@@ -34,7 +34,8 @@ Sharding: with torch.distributed initialised (torchrun sets RANK / WORLD_SIZE; w
 CPU and NCCL on GPU), rank r takes samples r, r + W, r + 2W, ...; each sample decodes with its own
 random stream (seed + sample index), and a batch decodes token-identically to single rows, so
 the per-sample results do not depend on the world size or batch size. Rank 0 gathers every
-sample, computes the metrics, prints and writes the files.
+sample, computes the metrics, prints and writes the files. A tensor-parallel model (`--tp`,
+`models.tp`) is not sharded by sample: every rank decodes every sample with its part of the model.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def dist_info() -> tuple[int, int]:
     return 0, 1
 
 
-def _gather(records: list[dict], group=None) -> list[dict]:
-    rank, world = dist_info()
+def _gather(records: list[dict], group=None, world: int | None = None) -> list[dict]:
+    world = dist_info()[1] if world is None else world
     if world == 1:
         return records
     import torch.distributed as dist
@@ -153,6 +154,9 @@ def evaluate(
     stops = task.stop_strings(chat)
     stop_ids = list(getattr(model, "stop_token_ids", None) or tokenizer.stop_token_ids())
     rank, world = dist_info()
+    speaks = rank == 0
+    if getattr(model, "tp", None):  # tensor-parallel: every rank decodes every sample with its part
+        rank, world = 0, 1
     group = _object_group() if world > 1 else None
     seed = config.seed if config.seed is not None else 0
 
@@ -162,7 +166,7 @@ def evaluate(
     order = sorted(mine, key=lambda d: (-len(prompts[d.index]), d.index))
 
     warm_up(model, config)  # with compile: compiled now, so that the timings below exclude it
-    bar = _progress(len(docs), progress and rank == 0, f"{task.name}")
+    bar = _progress(len(docs), progress and speaks, f"{task.name}")
     records: list[dict] = []
     gen_time = score_time = forward_time = 0.0
     n_tokens = n_correct = n_done = kv_bytes = 0
@@ -226,8 +230,8 @@ def evaluate(
         "total_time_s": time.perf_counter() - t_start,
         "kv_cache_bytes": kv_bytes,
     }
-    all_records = _gather(records, group)
-    timings = _gather([timing], group)
+    all_records = _gather(records, group, world)
+    timings = _gather([timing], group, world)
     all_records.sort(key=lambda r: r["index"])
     results = summarize(all_records, timings)
     results.update(
@@ -250,7 +254,7 @@ def evaluate(
     )
     results.update(task.result_fields(results, timeout))
     results["samples"] = all_records
-    if log_samples is not None and rank == 0:
+    if log_samples is not None and speaks:
         write_samples(all_records, log_samples)
     return results
 
