@@ -83,7 +83,7 @@ def test_tp_says_how_to_launch_and_which_commands_take_it():
     )
     assert alone.returncode == 2 and "torchrun --nproc-per-node 2 -m fastdllm <command> --tp 2" in alone.stderr
     other = subprocess.run(
-        [sys.executable, "-m", "fastdllm", "bench", "--quick", "--tp", "2"],
+        [sys.executable, "-m", "fastdllm", "chat", "--tp", "2"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(limits) != len(args.gen_length):
         raise UserError("--limit: give one value, or one per --gen-length")
     args.limit, args.limits = limits[0], limits
-    model, tokenizer = load_model_or_exit(args)
+    model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
+    rank = getattr(model, "tp", (0, 1))[0]  # under --tp every rank measures; rank 0 writes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     table = "\n".join(lines)
     print(table)
+    if rank:
+        return 0
     (out / "bench.md").write_text(table + "\n")
     plot_files = plots(out, results, sweeps)
     record = {

@@ -23,9 +23,10 @@ block are not all equal (steps not a multiple of the number of blocks) rows must
 A row decodes in a batch as alone: its own schedule, threshold and random stream (a row whose block
 is done draws nothing while others finish theirs), its own refresh decisions (a row that just joined
 gets a full forward at its first block while the others refresh their vicinity). Rows of equal
-layout decode bit-identically in float32 whatever else is in the batch. Padding changes how
-attention's sums are split and rounded (a padded row's logits move by ~1e-5 in float32, ~1e-2 in
-bfloat16), so a near-tied token can then differ.
+layout decode bit-identically in float32 whatever else is in the batch. Padding and batch size
+change how the forwards' sums are split and rounded (a padded row's logits move by ~1e-5 in
+float32, up to ~1 in bfloat16), so a near-tied token can then differ; with `deterministic=True`
+every row decodes bit-identically to alone (`models.invariance`).
 
 A block ends at the step that reveals its last mask. *Deliberate difference*: Fast-dLLM's cached
 loops (prefix and DualCache) always run at least one cached forward after the block-start forward,

@@ -21,7 +21,7 @@ differently from one process's, so logits differ by float rounding (~1e-6 in flo
 
 The loader reads only a rank's parts from the safetensors (`load(..., tp=(rank, world))`, with
 `cuts`): no rank holds the whole model, even while loading. Not yet: quantized layers, expert
-parallelism, and `serve` / `bench` / `chat` with `--tp` (they refuse it; `generate` and `eval` take it).
+parallelism, and `serve` / `chat` with `--tp` (they refuse it; `generate`, `eval` and `bench` take it).
 """
 
 from __future__ import annotations
