@@ -71,6 +71,22 @@ class GenerationOutput:
 
 
 @dataclass
+class RunStats:
+    """What one run of the loop cost, per row (as each would alone), carried by its "done" event."""
+
+    nfe: int  # forwards of the batch
+    row_nfe: list[int]
+    tokens_per_step: list[list[int]]
+    unmask_step: torch.Tensor  # (B, gen_length) the step revealing each position
+    forward_time: float
+    finished: list[bool]
+    forward_positions: list[int]
+    attended_positions: list[int]
+    prompt_positions: list[int]
+    kv_cache_bytes: int
+
+
+@dataclass
 class StepEvent:
     """Given to `on_step` after every step, and yielded by `iter_generate`."""
 
@@ -81,6 +97,8 @@ class StepEvent:
     finished: list[bool] | None = None  # per row: stopped at a stop token
     chosen: torch.Tensor | None = field(default=None, repr=False)  # (len(rows), block_length)
     block_length: int = 0
+    nfe: int = 0  # the batch's forwards so far
+    stats: RunStats | None = field(default=None, repr=False)  # on "done": what the run cost, per row
 
     @property
     def revealed(self) -> torch.Tensor | None:
@@ -101,7 +119,6 @@ def iter_generate(
     config: GenerationConfig | None = None,
     attention_mask: torch.Tensor | None = None,
     row_seeds: Sequence[int] | None = None,
-    stats: dict | None = None,
     cache: CachePolicy | None = None,
     strategy: UnmaskingStrategy | None = None,
     policies: PolicySource = None,
@@ -121,7 +138,6 @@ def iter_generate(
     slot = {id(r): i for i, r in enumerate(rows)}
     # The answers as the caller sees them: (B, gen_length), the mask id where still masked.
     canvas = torch.full((bsz, config.gen_length), model.mask_token_id, dtype=torch.long, device=model.device)
-    stats = {} if stats is None else stats
     b = 0
     while decoder.active:
         batch = decoder.rows + decoder.joining  # the rows this block decodes
@@ -129,7 +145,6 @@ def iter_generate(
         idx = None if len(live) == bsz else torch.tensor(live, device=model.device)
         leads = any(r.lead for r in batch)
         for chosen in decoder.run_block():
-            stats["nfe"] = decoder.nfe
             if leads:  # rows whose region opens with prompt tokens: their own place in the answer
                 current = decoder.current_block()
                 for i, r in enumerate(batch):
@@ -139,12 +154,12 @@ def iter_generate(
                 canvas[:, b * blk : (b + 1) * blk] = decoder.current_block()
             else:
                 canvas[idx, b * blk : (b + 1) * blk] = decoder.current_block()
-            yield StepEvent("step", canvas, b, live, chosen=chosen, block_length=blk)
+            yield StepEvent("step", canvas, b, live, chosen=chosen, block_length=blk, nfe=decoder.nfe)
         for r in decoder.left:
             canvas[slot[id(r)]] = r.answer
-        yield StepEvent("block", canvas, b, live, finished=[r.finished for r in rows])
+        yield StepEvent("block", canvas, b, live, finished=[r.finished for r in rows], nfe=decoder.nfe)
 
-    stats.update(
+    stats = RunStats(
         nfe=decoder.nfe,
         row_nfe=[r.nfe for r in rows],
         tokens_per_step=[r.tokens_per_step for r in rows],
@@ -156,7 +171,8 @@ def iter_generate(
         prompt_positions=[r.prompt_positions for r in rows],
         kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0),
     )
-    yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=[r.finished for r in rows])
+    finished = [r.finished for r in rows]
+    yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=finished, nfe=decoder.nfe, stats=stats)
 
 
 def count_until_stop(seq: torch.Tensor, stop_ids: Sequence[int]) -> list[int]:
@@ -211,12 +227,11 @@ def generate(
             input_ids = [list(ids) for ids in input_ids for _ in range(k)]
         if row_seeds is not None:
             row_seeds = [s * k + j for s in row_seeds for j in range(k)]
-    stats: dict = {}
     t0 = time.perf_counter()
     last = None
     with torch.inference_mode():
         for event in iter_generate(
-            model, input_ids, config, attention_mask, row_seeds, stats, cache, strategy, policies, constraints
+            model, input_ids, config, attention_mask, row_seeds, cache, strategy, policies, constraints
         ):
             if on_step is not None and event.kind != "done":
                 on_step(event)
@@ -224,24 +239,24 @@ def generate(
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    sequences = last.canvas.clone()
-    unmask_step = stats["unmask_step"]
+    sequences, stats = last.canvas.clone(), last.stats
+    unmask_step = stats.unmask_step
     if cut is not None:
         sequences, unmask_step = sequences[:, :cut].clone(), unmask_step[:, :cut]
     return GenerationOutput(
         sequences=sequences,
-        nfe=stats["nfe"],
-        nfe_per_row=stats["row_nfe"],
-        tokens_per_step=stats["tokens_per_step"],
+        nfe=stats.nfe,
+        nfe_per_row=stats.row_nfe,
+        tokens_per_step=stats.tokens_per_step,
         unmask_step=unmask_step,
         num_tokens=count_until_stop(sequences, model.stop_token_ids),
         wall_time=wall,
-        forward_time=stats["forward_time"],
+        forward_time=stats.forward_time,
         config=config,
-        forward_positions=stats["forward_positions"],
-        attended_positions=stats["attended_positions"],
-        prompt_positions=stats["prompt_positions"],
-        kv_cache_bytes=stats["kv_cache_bytes"],
+        forward_positions=stats.forward_positions,
+        attended_positions=stats.attended_positions,
+        prompt_positions=stats.prompt_positions,
+        kv_cache_bytes=stats.kv_cache_bytes,
     )
 
 
@@ -265,17 +280,16 @@ def stream_blocks(
     config: GenerationConfig | None = None,
     attention_mask=None,
     row_seeds=None,
-    stats: dict | None = None,
     policies: PolicySource = None,
 ) -> Iterator[tuple[int, list[list[int]], list[bool]]]:
     """Yield (block index, per-row token ids of that block, per-row finished) as soon as each
     block is final: inside a block tokens settle out of order, so a block is the unit a server
-    can stream. Rows that already finished get an empty list. `stats["nfe"]` counts the forwards
-    so far (also when the caller stops early). `policies`: as for `iter_generate`."""
+    can stream. Rows that already finished get an empty list. `policies`: as for `iter_generate`
+    (whose events also count the forwards so far)."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     blk = config.block_length
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, stats, policies=policies):
+        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, policies=policies):
             if event.kind != "block":
                 continue
             b = event.block
