@@ -101,6 +101,11 @@ MIN_TEMPERATURE = 1e-3  # below it, dividing float32 logits overflows
 NONE_WORDS = ("none", "off", "null")
 
 
+def is_int(value) -> bool:
+    """An integer, and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class ConfigError(ValueError):
     """An invalid decoding option; `.param` is the field's name."""
 
@@ -291,10 +296,10 @@ class GenerationConfig:
         `max_new_tokens` means: `gen_length` is `n` rounded up to whole blocks (the caller cuts the
         answer back to `n`), and a fixed step schedule keeps its steps per token unless `changes`
         set `steps`."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not is_int(n) or n < 1:
             raise ConfigError("max_new_tokens", f"must be a positive integer (got {n!r})")
         block = changes.get("block_length", self.block_length)
-        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        if not is_int(block) or block < 1:
             return self.replace(**changes)  # names block_length
         gen_length = -(-n // block) * block
         if "steps" not in changes and self.steps is not None:
@@ -374,9 +379,6 @@ class GenerationConfig:
         def need(ok: bool, name: str, allowed: str) -> None:
             if not ok:
                 raise ConfigError(name, f"{allowed} (got {getattr(self, name)!r})")
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -530,12 +532,12 @@ def from_transformers_names(fields: dict) -> dict:
             fields["temperature"] = 1.0
     if "max_new_tokens" in fields:
         n = fields.pop("max_new_tokens")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not is_int(n) or n < 1:
             raise ConfigError("max_new_tokens", f"must be a positive integer (got {n!r})")
         if "gen_length" in fields:
             raise ConfigError("max_new_tokens", "give max_new_tokens or gen_length, not both")
         block = fields.get("block_length", GenerationConfig.block_length)
-        if isinstance(block, int) and not isinstance(block, bool) and block >= 1:
+        if is_int(block) and block >= 1:
             fields["gen_length"] = -(-n // block) * block
     return fields
 

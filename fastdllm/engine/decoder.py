@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import SELECTION_RULES, GenerationConfig, selection_rule_name
+from ..config import SELECTION_RULES, GenerationConfig, is_int, selection_rule_name
 from ..models.transformer import positions_from_mask
 from .cache_policies import CachePolicy, SequenceView
 from .policies import Policies, policies_for
@@ -153,7 +153,7 @@ def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
         )
         for r in rows:
             for t in r:
-                if not isinstance(t, int) or isinstance(t, bool):
+                if not is_int(t):
                     raise ValueError(f"input_ids: token ids must be integers, got {t!r} ({type(t).__name__})")
                 if not 0 <= t < vocab:
                     raise ValueError(f"input_ids: token id {t} is outside the vocabulary [0, {vocab})")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, is_int
 from .cache_policies import CachePolicy
 from .decoder import BlockDecoder
 from .policies import PolicySource, resolve
@@ -212,7 +212,7 @@ def generate(
     cut = options.get("max_new_tokens")
     if options:
         config = config.with_options(**options)
-    if not isinstance(num_return_sequences, int) or isinstance(num_return_sequences, bool) or num_return_sequences < 1:
+    if not is_int(num_return_sequences) or num_return_sequences < 1:
         raise ValueError(f"num_return_sequences: must be a positive integer (got {num_return_sequences!r})")
     if num_return_sequences > 1:
         k = num_return_sequences

@@ -34,11 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import is_int
+
 
 def check_split(args, tp: int, ep: int) -> None:
     """A ValueError naming the field when `tp` / `ep` does not divide what they split."""
     for name, value in (("tp", tp), ("ep", ep)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}: must be a positive integer (got {value!r})")
     if args.n_heads % tp:
         ok = [d for d in range(1, args.n_heads + 1) if args.n_heads % d == 0]
@@ -56,7 +58,7 @@ def check_split(args, tp: int, ep: int) -> None:
 def init(tp: int, device: str | None = None) -> tuple[int, int]:
     """Join torchrun's ranks for `tp`-way tensor parallelism: (rank, world). A ValueError naming
     `tp` when the processes were not started for it."""
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+    if not is_int(tp) or tp < 1:
         raise ValueError(f"tp: must be a positive integer (got {tp!r})")
     if tp == 1:
         return 0, 1

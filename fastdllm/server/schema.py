@@ -10,7 +10,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, is_int
 
 # Request fields that set a GenerationConfig field of the same name (declared there).
 DLLM_FIELDS = tuple(o["name"] for o in GenerationConfig.options() if o["server"])
@@ -318,7 +318,7 @@ class CompletionRequest(_Common):
     def check_unsupported(self, strict: bool = False) -> None:
         super().check_unsupported(strict)
         if self.echo:  # scoring the prompt (lm-eval's local-completions): log-probabilities, no decoding
-            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
+            if not is_int(self.logprobs) or not 0 <= self.logprobs <= 20:
                 raise APIError(
                     400,
                     "logprobs: with echo, an integer 0-20 (the top tokens reported per position)",
