@@ -32,6 +32,8 @@ EXAMPLES = """examples:
   fastdllm eval --task arith --limit 200
   fastdllm bench --quick
   fastdllm quantize llada-arith llada-arith-w4 --bits 4
+  fastdllm plan --model GSAI-ML/LLaDA-8B-Instruct --tp 2 --memory 24
+  torchrun --nproc-per-node 2 -m fastdllm generate --tp 2 "..."
 """
 
 
