@@ -14,6 +14,7 @@ from fastdllm import GenerationConfig, generate
 from fastdllm.engine.decoder import BlockDecoder, join_key
 from fastdllm.evaluation.tasks import arith
 from fastdllm.evaluation.tasks.arith import prompt_ids
+from fastdllm.server.scheduler import BlockFinal, JobEnded, JobFailed
 
 
 @pytest.fixture(scope="module", params=["llada-arith", "dream-arith"])
@@ -145,7 +146,7 @@ def _collect(job, timeout=120):
         while True:
             item = await asyncio.wait_for(job.events.get(), timeout)
             items.append(item)
-            if item[0] in ("end", "error"):
+            if isinstance(item, (JobEnded, JobFailed)):
                 return items
 
     return run()
@@ -190,8 +191,8 @@ def test_a_short_request_joins_a_long_one(fp32, continuous):
     assert order == (["short", "long"] if continuous else ["long", "short"])
     assert stats["joined"] == (1 if continuous else 0)
     for items, prompt, gen, seed in ((long_items, ps[0], 128, 7), (short_items, ps[1], 32, 8)):
-        assert items[-1] == ("end",)
-        ids = [t for item in items if item[0] == "block" for t in item[2][0]]
+        assert items[-1] == JobEnded()
+        ids = [t for item in items if isinstance(item, BlockFinal) for t in item.tokens[0]]
         ref = generate(model, [prompt], base.replace(gen_length=gen, seed=seed))
         assert ids == ref.sequences[0].tolist()
 
@@ -237,8 +238,10 @@ def test_a_failing_step_fails_only_its_culprit(fp32, monkeypatch):
         return got, stats
 
     (good_items, bad_items), stats = asyncio.run(scenario())
-    assert bad_items[-1][0] == "error" and stats["errors"] == 1
-    assert good_items[-1] == ("end",)
-    blocks = [item[1] for item in good_items if item[0] == "block"]
+    assert isinstance(bad_items[-1], JobFailed) and stats["errors"] == 1
+    assert good_items[-1] == JobEnded()
+    blocks = [item.block for item in good_items if isinstance(item, BlockFinal)]
     assert blocks == [0, 1, 2, 3]  # each block once
-    assert [t for item in good_items if item[0] == "block" for t in item[2][0]] == ref.sequences[0].tolist()
+    assert [t for item in good_items if isinstance(item, BlockFinal) for t in item.tokens[0]] == ref.sequences[
+        0
+    ].tolist()

@@ -97,6 +97,7 @@ def test_the_toy_rules_run_through_evaluate(model):
 
 def test_the_toy_rules_run_through_the_servers_scheduler(model):
     from fastdllm.server import Job, Scheduler
+    from fastdllm.server.scheduler import BlockFinal, JobEnded, JobFailed
 
     m, tok = model
     ids = [arith.prompt_ids(tok, arith.test_split()[0].question, [])]
@@ -107,15 +108,15 @@ def test_the_toy_rules_run_through_the_servers_scheduler(model):
         job = Job(ids, [3], TOY, asyncio.get_running_loop())
         sched.submit(job)
         items = []
-        while not items or items[-1][0] not in ("end", "error"):
+        while not items or not isinstance(items[-1], (JobEnded, JobFailed)):
             items.append(await asyncio.wait_for(job.events.get(), 120))
         sched.close()
         return items
 
     CONSULTED.clear()
     items = asyncio.run(scenario())
-    assert items[-1] == ("end",) and CONSULTED
-    assert [t for item in items if item[0] == "block" for t in item[2][0]] == ref.sequences[0].tolist()
+    assert items[-1] == JobEnded() and CONSULTED
+    assert [t for item in items if isinstance(item, BlockFinal) for t in item.tokens[0]] == ref.sequences[0].tolist()
 
 
 def test_a_bundle_of_policy_objects_is_accepted_everywhere(model):

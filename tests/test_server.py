@@ -20,6 +20,7 @@ import fastdllm
 from fastdllm.config import GenerationConfig
 from fastdllm.engine.generation import generate
 from fastdllm.server import ChoiceText, ServerSettings, create_app
+from fastdllm.server.scheduler import JobEnded, JobFailed
 from fastdllm.text.completion import complete
 
 MODEL = "llada-arith"
@@ -729,8 +730,8 @@ def test_a_failing_batch_is_retried_alone_and_only_the_culprit_fails(loaded):
         for j in jobs:
             while True:
                 item = await asyncio.wait_for(j.events.get(), 60)
-                if item[0] in ("end", "error"):
-                    ends.append(item[0])
+                if isinstance(item, (JobEnded, JobFailed)):
+                    ends.append("end" if isinstance(item, JobEnded) else "error")
                     break
         errors = sched.snapshot()["errors"]
         sched.close()

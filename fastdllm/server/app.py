@@ -27,7 +27,7 @@ from ..text import tool_calls
 from .guard import Guard
 from .incremental import ChoiceText
 from .metrics import ServerMetrics
-from .scheduler import Job, QueueFull, Scheduler
+from .scheduler import BlockFinal, Job, JobEnded, JobFailed, QueueFull, Scheduler
 from .schema import (
     DLLM_FIELDS,
     MAX_N,
@@ -449,7 +449,7 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             else:
                 item = await job.events.get()
             yield item
-            if item[0] in ("end", "error"):
+            if isinstance(item, (JobEnded, JobFailed)):
                 return
 
     async def run(endpoint, req, request: Request):
@@ -527,11 +527,10 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             metrics.on_block(arrival, last_block_at[0], now)
             last_block_at[0] = now
             out = []
-            _, b, parts, finished = item
             for i, ch in enumerate(choices):
                 if ch.final:
                     continue
-                delta = ch.feed(parts[i], finished[i], b == last_block)
+                delta = ch.feed(item.tokens[i], item.finished[i], item.block == last_block)
                 out.append((i, delta, ch.final))
             if all(ch.final for ch in choices):
                 job.satisfied = True
@@ -561,12 +560,12 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
             ended = False
             try:
                 async for item in events(job, request, watch_disconnect=True):
-                    if item[0] == "error":
+                    if isinstance(item, JobFailed):
                         ended = True
-                        raise item[1]
-                    if item[0] == "end":
+                        raise item.error
+                    if isinstance(item, JobEnded):
                         ended = True
-                    elif item[0] == "block":
+                    elif isinstance(item, BlockFinal):
                         on_block(item)
                         if job.satisfied:
                             ended = True
@@ -642,13 +641,12 @@ def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
                     for i in range(len(choices)):
                         yield chunk(i, None, None, role=True)
                 async for item in events(job, request, watch_disconnect=False):
-                    if item[0] == "error":
-                        err: APIError = item[1]
-                        yield _sse(err.body())
+                    if isinstance(item, JobFailed):
+                        yield _sse(item.error.body())
                         yield "data: [DONE]\n\n"
                         done = True
                         return
-                    if item[0] == "block":
+                    if isinstance(item, BlockFinal):
                         for s in render(on_block(item)):
                             yield s
                         if job.satisfied:

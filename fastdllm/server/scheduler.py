@@ -23,6 +23,28 @@ class QueueFull(Exception):
     pass
 
 
+# What the worker posts to a job, in order: blocks as they become final, then its end or failure.
+@dataclass
+class BlockFinal:
+    """A block became final: its tokens per row (empty for a row already done), which rows finished."""
+
+    block: int
+    tokens: list[list[int]]
+    finished: list[bool]
+
+
+@dataclass
+class JobEnded:
+    """Every row of the job is done."""
+
+
+@dataclass
+class JobFailed:
+    """The job failed; `error` is what its request answers."""
+
+    error: APIError
+
+
 @dataclass(eq=False)
 class Job:
     """One request: its rows (prompt x choice) with their seeds, decoded under one config."""
@@ -152,7 +174,7 @@ class Scheduler:
         with self.cond:
             self.closing = True
             for job in self.pending:
-                job.post(("error", APIError(503, "the server is shutting down", "server_error")))
+                job.post(JobFailed(APIError(503, "the server is shutting down", "server_error")))
             self.pending.clear()
             self.cond.notify_all()
         self.thread.join(timeout)
@@ -262,7 +284,7 @@ class Scheduler:
                     self.block_hook(max(b for _, b, _ in decoder.last_blocks))
                 for job in [j for j in running if not j.wanted]:  # nobody waits for its blocks
                     decoder.drop(running.pop(job))
-                    job.post(("end",))
+                    job.post(JobEnded())
                     with self.cond:
                         self.stats["stopped_early"] += 1
                 if self.continuous and not alone:
@@ -287,10 +309,10 @@ class Scheduler:
                 continue
             b = found[0][0]  # a job's rows joined together: one block index
             if job.wanted and b >= job.blocks_posted:
-                job.post(("block", b, [[] if m is None else m[1] for m in mine], [r.finished for r in rows]))
+                job.post(BlockFinal(b, [[] if m is None else m[1] for m in mine], [r.finished for r in rows]))
                 job.blocks_posted = b + 1
             if all(r.done for r in rows):
-                job.post(("end",))
+                job.post(JobEnded())
                 with self.cond:
                     self.stats["completed"] += 1
                 complete.append(job)
@@ -321,4 +343,4 @@ class Scheduler:
         else:
             err = APIError(500, f"generation failed: {type(error).__name__}: {error}", "server_error")
         for job in jobs:
-            job.post(("error", err))
+            job.post(JobFailed(err))
