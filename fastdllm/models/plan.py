@@ -23,17 +23,14 @@ unless `quantize_head`. The KV cache per rank holds the rank's kv heads for `bat
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .loading import EMBEDDED_MODELS, build_model, read_config, resolve_model_path
-from .tp import check_split
+from .tp import check_split, cuts
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-COLUMN = ("wq", "wk", "wv", "wqkv", "w1", "w3")  # split by output rows
-ROW = ("wo", "w2")  # split by input columns
 
 
 @dataclass
@@ -86,38 +83,30 @@ def plan(
     model = build_model(config, device="meta")
     args = model.args
     check_split(args, tp, ep)
+    parts = cuts(args, 0, tp)  # what tensor parallelism splits, exactly as `tp.apply` splits it
     size = DTYPE_BYTES[dtype]
     max_len = args.max_seq_len if max_len is None else max_len
     kv_per_rank = max(1, args.n_kv_heads // tp)
     sharded = replicated = 0.0
     total = active = 0
     for name, p in model.named_parameters():
-        numel, leaf = p.numel(), name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+        numel = p.numel()
         total += numel
-        if ".feed_forward." in name and p.dim() == 3:  # routed experts (E, out, in)
-            active += numel // args.n_experts * args.n_active_experts
-            per_rank = numel // ep // (tp // ep)
-            sharded += _linear_bytes(per_rank, p.shape[1] // ep // (tp // ep), quantize, group_size, size)
-            continue
-        active += numel
-        linear = p.dim() == 2 and leaf in COLUMN + ROW
-        if linear and leaf in ("wk", "wv"):
-            per_rank = numel // args.n_kv_heads * kv_per_rank
-            sharded += _linear_bytes(per_rank, p.shape[0] // args.n_kv_heads * kv_per_rank, quantize, group_size, size)
-        elif linear and leaf == "wqkv":
-            q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-            rows = q_rows // tp + 2 * kv_rows // args.n_kv_heads * kv_per_rank
-            sharded += _linear_bytes(rows * p.shape[1], rows, quantize, group_size, size)
-        elif linear:
-            rows = p.shape[0] // tp if leaf in COLUMN else p.shape[0]
-            sharded += _linear_bytes(numel // tp, rows, quantize, group_size, size)
+        routed = ".feed_forward." in name and p.dim() == 3  # routed experts (E, out, in)
+        active += numel // args.n_experts * args.n_active_experts if routed else numel
+        if name in parts:
+            dim, segments = parts[name]
+            shape = list(p.shape)
+            shape[dim] = sum(b - a for a, b in segments)
+            rows = shape[0] if p.dim() <= 2 else shape[0] * shape[1]  # output rows (each expert's)
+            sharded += _linear_bytes(math.prod(shape), rows, None if p.dim() == 1 else quantize, group_size, size)
         elif name in ("tok_embeddings.weight", "output.weight") and vocab_parallel:
             head_q = quantize if name == "output.weight" and quantize_head else None
             sharded += _linear_bytes(numel // tp, p.shape[0] // tp, head_q, group_size, size)
         elif name == "output.weight" and quantize_head:
             replicated += _linear_bytes(numel, p.shape[0], quantize, group_size, size)
         else:
-            replicated += numel * (4 if p.dtype == torch.float32 and name.endswith("expert_bias") else size)
+            replicated += numel * size
     kv = 2 * args.n_layers * kv_per_rank * args.head_dim * batch * max_len * size
     return RankPlan(total, active, int(sharded), int(replicated), kv, tp, ep)
 
