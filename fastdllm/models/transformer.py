@@ -117,7 +117,8 @@ class Attention(nn.Module):
                 q_lo, q_hi = max(lo - window_start, 0), min(hi - window_start, q.shape[2])
                 mask = None
                 if key_mask is not None:
-                    mask = key_mask[i : i + 1, :, q_lo : q_hi if key_mask.shape[2] > 1 else 1, lo:hi]
+                    queries = slice(q_lo, q_hi) if key_mask.shape[2] > 1 else slice(None)  # else one row for all
+                    mask = key_mask[i : i + 1, :, queries, lo:hi]
                     mask = None if bool(mask.all()) else mask
                 out[i : i + 1, :, q_lo:q_hi] = F.scaled_dot_product_attention(
                     q[i : i + 1, :, q_lo:q_hi],
