@@ -135,7 +135,7 @@ NO_TOOLS = (
 
 def test_server_gives_a_template_that_drops_tools_a_system_turn_with_them():
     from fastdllm import GenerationConfig
-    from fastdllm.server.app import Server, ServerSettings
+    from fastdllm.server import Server, ServerSettings
     from fastdllm.server.schema import ChatCompletionRequest
 
     model, tok = fastdllm.load()

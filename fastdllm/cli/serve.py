@@ -8,7 +8,7 @@ import os
 import threading
 
 from ..config import GenerationConfig
-from ..server.app import ServerSettings, create_app, default_model_name
+from ..server import ServerSettings, create_app, default_model_name
 
 log = logging.getLogger("fastdllm.server")
 

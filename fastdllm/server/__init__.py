@@ -34,16 +34,18 @@ request (malformed JSON, wrong types, unknown fields, out-of-range values, a pro
 context), 404 for an unknown route or model, 503 when the queue is full.
 
 Where things are: `schema` (request bodies, errors), `scheduler` (queue, inference thread),
-`incremental` (streamed text), `app` (routes); the command `fastdllm serve` is
+`incremental` (streamed text), `state` (a request read into rows and a config), `responses`
+(a job's answer, whole or streamed), `app` (routes); the command `fastdllm serve` is
 `fastdllm.cli.serve`.
 """
 
 from __future__ import annotations
 
-from .app import Server, ServerSettings, create_app, default_model_name
+from .app import create_app
 from .incremental import ChoiceText
 from .scheduler import Job, QueueFull, Scheduler
 from .schema import DLLM_FIELDS, MAX_N, MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest
+from .state import Server, ServerSettings, default_model_name
 
 __all__ = [
     "APIError",
