@@ -8,6 +8,7 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig, generate, stream_blocks
 from fastdllm.engine.cache_policies import DualCache, PrefixCache
+from fastdllm.engine.policies import Policies
 from fastdllm.engine.unmasking import Factor, Threshold, UnmaskingStrategy, linear_schedule
 
 
@@ -49,7 +50,7 @@ def test_refreshed_caches_equal_no_cache(arch, threshold, request, tokenizer):
     # The same unmasking policy as without a cache (Dream's block start differs with one: tested below).
     strategy = UnmaskingStrategy.from_config(cfg)
     for policy in (PrefixRefreshed, DualRefreshed):  # policy objects plug into the loop directly
-        out = generate(model, prompts(tokenizer), config=cfg, cache=policy(model), strategy=strategy)
+        out = generate(model, prompts(tokenizer), config=cfg, policies=Policies(policy(model), strategy))
         assert torch.equal(out.sequences, ref.sequences), policy.name
         assert out.nfe_per_row == ref.nfe_per_row
 

@@ -164,3 +164,19 @@ def test_the_family_contributes_its_block_start_rule(model):
     assert isinstance(policies_for(dream, cached).strategy.new_rule(), FirstPositionAtBlockStart)
     assert not isinstance(policies_for(dream, uncached).strategy.new_rule(), FirstPositionAtBlockStart)
     assert not isinstance(policies_for(llada, cached).strategy.new_rule(), FirstPositionAtBlockStart)
+
+
+def test_a_partial_bundle_takes_the_rest_from_the_config(model):
+    """`policies=` is the one way to hand objects in: a field left None is the config's own, and
+    `cache=` is then only the config's field (a name), as transformers-style options are."""
+    m, tok = model
+    ids = [arith.prompt_ids(tok, arith.test_split()[2].question, [])]
+    cfg = GenerationConfig(gen_length=64, block_length=16, stop_at_eos=False)
+    ref = fastdllm.generate(m, ids, config=cfg)
+    whole = policies_for(m, cfg)
+    only_cache = fastdllm.generate(m, ids, config=cfg, policies=Policies(cache=whole.cache))
+    assert torch.equal(only_cache.sequences, ref.sequences)
+    named = fastdllm.generate(m, ids, config=cfg, cache="prefix")
+    assert named.config.cache == "prefix"
+    with pytest.raises(ValueError, match="policies"):
+        fastdllm.generate(m, ids, config=cfg, policies=lambda model, config: "not a bundle")

@@ -44,9 +44,8 @@ import torch
 
 from ..config import SELECTION_RULES, GenerationConfig, is_int, selection_rule_name
 from ..models.transformer import positions_from_mask
-from .cache_policies import CachePolicy, SequenceView
-from .policies import Policies, policies_for
-from .unmasking import UnmaskingStrategy
+from .cache_policies import SequenceView
+from .policies import PolicySource, resolve
 
 
 def join_key(config: GenerationConfig):
@@ -200,9 +199,7 @@ class BlockDecoder:
         self,
         model,
         config: GenerationConfig,
-        cache: CachePolicy | None = None,
-        strategy: UnmaskingStrategy | None = None,
-        policies: Policies | None = None,
+        policies: PolicySource = None,
     ):
         self.model, self.config = model, config
         family = getattr(model, "family", None)
@@ -216,7 +213,7 @@ class BlockDecoder:
                 f"block-causal in blocks of {model.args.block_size} (got {config.block_length})"
             )
         self.key = join_key(config)
-        policies = policies or policies_for(model, config, cache, strategy)
+        policies = resolve(policies, model, config)
         self.policy, self.strategy = policies.cache, policies.strategy
         self.rule = self.strategy.new_rule()
         self.device = model.device

@@ -22,10 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GenerationConfig, is_int
-from .cache_policies import CachePolicy
 from .decoder import BlockDecoder
-from .policies import PolicySource, resolve
-from .unmasking import UnmaskingStrategy
+from .policies import PolicySource
 
 
 @dataclass
@@ -119,20 +117,16 @@ def iter_generate(
     config: GenerationConfig | None = None,
     attention_mask: torch.Tensor | None = None,
     row_seeds: Sequence[int] | None = None,
-    cache: CachePolicy | None = None,
-    strategy: UnmaskingStrategy | None = None,
     policies: PolicySource = None,
     constraints: Sequence | None = None,
 ) -> Iterator[StepEvent]:
     """The decoding loop (`decoder.BlockDecoder`) over one batch, as a generator of events.
     `generate` runs it to the end.
 
-    `policies` (a `Policies` bundle, or a callable (model, config) -> Policies), or `cache` (a
-    CachePolicy) / `strategy` (an UnmaskingStrategy) alone, replace the policies that the config
-    names: a new policy plugs in here."""
+    `policies` (a `policies.Policies` bundle, or a callable (model, config) -> Policies) replaces
+    the policies that the config names: a new policy plugs in here."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
-    bundle = resolve(policies, model, config) if policies is not None else None
-    decoder = BlockDecoder(model, config, cache=cache, strategy=strategy, policies=bundle)
+    decoder = BlockDecoder(model, config, policies=policies)
     rows = decoder.add(input_ids, attention_mask, row_seeds, constraints=constraints)
     bsz, blk = len(rows), config.block_length
     slot = {id(r): i for i, r in enumerate(rows)}
@@ -189,8 +183,6 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     on_step: Callable[[StepEvent], None] | None = None,
     row_seeds: Sequence[int] | None = None,
-    cache: CachePolicy | None = None,
-    strategy: UnmaskingStrategy | None = None,
     policies: PolicySource = None,
     num_return_sequences: int = 1,
     constraints: Sequence | None = None,
@@ -200,7 +192,7 @@ def generate(
 
     input_ids: a (B, P) tensor (left-padded, with `attention_mask`), or a list of token-id lists
     of any lengths (padded here). `row_seeds` gives each row its own random stream (else
-    `config.seed` + row). `policies`, `cache` and `strategy` plug in policy objects (see `iter_generate`).
+    `config.seed` + row). `policies` plugs in policy objects (see `iter_generate`).
     `options`: decoding fields that change `config` (`gen_length=128`), transformers' keywords
     included (`max_new_tokens=64` also cuts the sequences to 64 tokens; `do_sample`;
     `GenerationConfig.with_options`). `constraints`: per row, None or a `constraints.GrammarConstraint`
@@ -230,9 +222,7 @@ def generate(
     t0 = time.perf_counter()
     last = None
     with torch.inference_mode():
-        for event in iter_generate(
-            model, input_ids, config, attention_mask, row_seeds, cache, strategy, policies, constraints
-        ):
+        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, policies, constraints):
             if on_step is not None and event.kind != "done":
                 on_step(event)
             last = event

@@ -3,9 +3,10 @@
 `policies_for(model, config)` turns a config into the loop's two policy objects: the cache
 policy (`cache_policies`: which window each step recomputes, and its refresh rule) and the
 unmasking strategy (`unmasking`: the proposal and the selection rule), with the model family's own
-rules applied (Dream's block start with a cache). Callers that bring their own objects pass a
-`Policies` bundle, or a callable `(model, config) -> Policies`, wherever a config goes:
-`generate`, `iter_generate`, `stream_blocks`, `evaluate`, the server's scheduler.
+rules applied (Dream's block start with a cache). Callers that bring their own objects pass them
+one way, as `policies=`, wherever a config goes (`generate`, `iter_generate`, `stream_blocks`,
+`evaluate`, the server's scheduler): a `Policies` bundle, where a field left None is the one the
+config names (`Policies(cache=MyCache(model))`), or a callable `(model, config) -> Policies`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from .unmasking import UnmaskingStrategy
 
 @dataclass
 class Policies:
-    cache: CachePolicy
-    strategy: UnmaskingStrategy
+    """The loop's two policy objects; None: the one the config names."""
+
+    cache: CachePolicy | None = None
+    strategy: UnmaskingStrategy | None = None
 
 
 PolicySource = Policies | Callable[..., Policies] | None
@@ -51,10 +54,14 @@ def policies_for(
 
 
 def resolve(source: PolicySource, model, config: GenerationConfig) -> Policies:
-    """A bundle from what a caller passed: the bundle itself, a factory called with
-    (model, config), or None for the config's own policies."""
+    """A whole bundle from what a caller passed: a bundle (its None fields the config's own), a
+    factory called with (model, config), or None for the config's own policies."""
     if source is None:
         return policies_for(model, config)
-    if isinstance(source, Policies):
-        return source
-    return source(model, config)
+    if not isinstance(source, Policies):
+        source = source(model, config)
+        if not isinstance(source, Policies):
+            raise ValueError(f"policies: the factory returned {type(source).__name__}, not a Policies bundle")
+    if source.cache is None or source.strategy is None:
+        return policies_for(model, config, source.cache, source.strategy)
+    return source

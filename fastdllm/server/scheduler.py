@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..config import GenerationConfig
 from ..engine.decoder import BlockDecoder, join_key
-from ..engine.policies import PolicySource, resolve
+from ..engine.policies import PolicySource
 from .schema import APIError
 
 log = logging.getLogger("fastdllm.server")
@@ -230,7 +230,7 @@ class Scheduler:
         """Decode `jobs` and, unless `alone`, every compatible job that arrives while they run: it
         joins at the next block boundary (continuous batching)."""
         config = jobs[0].config
-        decoder = BlockDecoder(self.model, config, policies=resolve(self.policies, self.model, config))
+        decoder = BlockDecoder(self.model, config, policies=self.policies)
         running: dict[Job, list] = {}
         together = 0  # jobs that shared this batch
 
