@@ -15,7 +15,7 @@ import pytest
 
 from fastdllm.cli import main as cli
 from fastdllm.config import GenerationConfig
-from fastdllm.evaluation.harness import evaluate, summarize
+from fastdllm.evaluation.harness import evaluate, parse_indices, summarize
 from fastdllm.evaluation.tasks import DATA_DIR, DataError, UnknownTaskError, get_task, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -426,3 +426,20 @@ def test_elbo_loglikelihood_ranks_and_converges():
     )
     assert ll_right > ll_wrong
     assert len(lm.loglikelihood_rolling([_Req("Tom has 5 apples.")])) == 1
+
+
+def test_samples_selects_documents_by_index(tiny_llada, tokenizer):
+    m, tok = tiny_llada, tokenizer
+    cfg = GenerationConfig(gen_length=32, block_length=16)
+    picked = evaluate(m, tok, "arith", samples=[7, 3], config=cfg)
+    assert [r["index"] for r in picked["samples"]] == [3, 7] and picked["sample_indices"] == [3, 7]
+    first = evaluate(m, tok, "arith", limit=8, config=cfg)
+    same = {r["index"]: r["output"] for r in first["samples"]}
+    assert all(r["output"] == same[r["index"]] for r in picked["samples"])
+    with pytest.raises(ValueError, match="samples"):
+        evaluate(m, tok, "arith", samples=[3], limit=4, config=cfg)
+    with pytest.raises(ValueError, match="samples"):
+        evaluate(m, tok, "arith", samples=[10**9], config=cfg)
+    assert parse_indices("0-2, 9") == [0, 1, 2, 9]
+    with pytest.raises(ValueError, match="samples"):
+        parse_indices("5-2")

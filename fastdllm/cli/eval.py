@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..evaluation.harness import DEFAULT_BATCH_SIZE, dist_info, evaluate
+from ..evaluation.harness import DEFAULT_BATCH_SIZE, dist_info, evaluate, parse_indices
 from ..evaluation.tasks import DataError, UnknownTaskError, get_task, list_tasks
 
 
@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--task", required=True, help=f"one of {', '.join(list_tasks())}")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N samples only")
+    p.add_argument(
+        "--samples",
+        default=None,
+        help="evaluate these document indices instead of the first N (e.g. 0-99,150; as lm-eval's --samples)",
+    )
     p.add_argument(
         "--num-fewshot",
         type=int,
@@ -145,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--{name.replace('_', '-')}: must be a positive integer (got {value})")
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout: must be > 0 (got {args.timeout})")
+    try:
+        samples = None if args.samples is None else parse_indices(args.samples)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if samples is not None and args.limit is not None:
+        raise UserError("--samples: give it or --limit, not both")
     config = config_from_args(args)
     # Check the data before loading the model: a missing file is reported at once.
     try:
@@ -164,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer,
                 task,
                 limit=args.limit,
+                samples=samples,
                 num_fewshot=args.num_fewshot,
                 config=config,
                 batch_size=args.batch_size,

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, is_int
 from ..engine.generation import generate, warm_up
 from ..engine.policies import PolicySource
 from ..quant import weight_bytes
@@ -99,11 +99,6 @@ def _object_group():
 
 
 # ---- the evaluation ----------------------------------------------------------------------------
-def _batches(items: list, size: int):
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
-
-
 def _progress(total: int, enabled: bool, desc: str):
     if not enabled:
         return None
@@ -120,6 +115,7 @@ def evaluate(
     task: str | Task,
     *,
     limit: int | None = None,
+    samples: Sequence[int] | None = None,
     num_fewshot: int | None = None,
     config: GenerationConfig | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -136,103 +132,44 @@ def evaluate(
     per-sample records under "samples". Sharded over torch.distributed ranks when initialised
     (every rank returns the merged results; only rank 0 writes `log_samples`).
 
-    workers: sandbox processes for code tasks; timeout: seconds per program (code tasks) or per
-    equivalence check (math500); policies: the decoding policies (see `fastdllm.engine.policies`; default:
-    the config's); chat_template: prompts through the tokenizer's chat template (default: when it has
-    one) or, with False, as the task's plain text (`Question: ...\nAnswer:`). Raises ValueError
-    (UnknownTaskError, DataError) on bad input."""
+    limit: the first N documents; samples: the indices of the documents to evaluate instead (as
+    lm-eval's `--samples`); workers: sandbox processes for code tasks; timeout: seconds per
+    program (code tasks) or per equivalence check (math500); policies: the decoding policies (see
+    `fastdllm.engine.policies`; default: the config's); chat_template: prompts through the
+    tokenizer's chat template (default: when it has one) or, with False, as the task's plain text
+    (`Question: ...\nAnswer:`). Raises ValueError (UnknownTaskError, DataError) on bad input."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     task = get_task(task)
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size: must be a positive integer (got {batch_size!r})")
     k = task.check_num_fewshot(num_fewshot)
-    docs = task.load(data_dir, limit)
+    docs = _documents(task, data_dir, limit, samples)
     shots = task.fewshot(k, data_dir)
     chat = has_chat_template(tokenizer) if chat_template is None else bool(chat_template)
     if chat and not has_chat_template(tokenizer):
         raise ValueError("chat_template: the tokenizer has no chat template")
-    stops = task.stop_strings(chat)
-    stop_ids = list(getattr(model, "stop_token_ids", None) or tokenizer.stop_token_ids())
     rank, world = dist_info()
     speaks = rank == 0
     if getattr(model, "tp", None):  # tensor-parallel: every rank decodes every sample with its part
         rank, world = 0, 1
     group = _object_group() if world > 1 else None
-    seed = config.seed if config.seed is not None else 0
-
-    mine = docs[rank::world]
-    prompts = {d.index: task.encode(tokenizer, d, shots, chat) for d in mine}
-    # Longest prompts first: batches of similar length waste less padding.
-    order = sorted(mine, key=lambda d: (-len(prompts[d.index]), d.index))
 
     warm_up(model, config)  # with compile: compiled now, so that the timings below exclude it
     bar = _progress(len(docs), progress and speaks, f"{task.name}")
-    records: list[dict] = []
-    gen_time = score_time = forward_time = 0.0
-    n_tokens = n_correct = n_done = kv_bytes = 0
+    run = _Run(model, tokenizer, task, config, shots, chat, policies, rank)
     t_start = time.perf_counter()
     with task.scorer(workers=workers, timeout=timeout) as scorer:
-        for batch in _batches(order, batch_size):
-            ids = [prompts[d.index] for d in batch]
-            try:
-                out = generate(model, ids, config=config, row_seeds=[seed + d.index for d in batch], policies=policies)
-            except ValueError as e:
-                raise ValueError(f"{batch[0].id}: {e}") from None
-            gen_time += out.wall_time
-            forward_time += out.forward_time
-            kv_bytes = max(kv_bytes, out.kv_cache_bytes)
-            completions = [complete(tokenizer, out.sequences[i], stop_ids, stop=stops) for i in range(len(batch))]
-            t0 = time.perf_counter()
-            scores = scorer.score(batch, [c.text for c in completions])
-            score_time += time.perf_counter() - t0
-            for i, (doc, comp, sc) in enumerate(zip(batch, completions, scores)):
-                steps = out.tokens_per_step[i]
-                records.append(
-                    {
-                        "index": doc.index,
-                        "id": doc.id,
-                        "prompt": task.render(tokenizer, doc, shots, chat),
-                        "output": comp.text,
-                        "extracted": sc.extracted,
-                        "gold": doc.gold,
-                        "verdict": sc.verdict,
-                        "correct": bool(sc.correct),
-                        "reason": sc.reason,
-                        "finish_reason": comp.finish_reason,
-                        "num_tokens": comp.num_tokens,
-                        "nfe": int(out.nfe_per_row[i]),
-                        "forward_positions": int(out.forward_positions[i]),
-                        "attended_positions": int(out.attended_positions[i]),
-                        "prompt_positions": int(out.prompt_positions[i]),
-                        "revealed": int(sum(steps)),
-                        "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 0.0,
-                        "time_s": round(out.wall_time / len(batch), 5),
-                        "rank": rank,
-                    }
-                )
-                n_tokens += comp.num_tokens
-                n_correct += bool(sc.correct)
-            n_done += len(batch)
+        for batch in run.batches(docs[rank::world], batch_size):
+            run.decode(batch, scorer)
             if bar is not None:
-                bar.set_postfix(
-                    acc=f"{n_correct / n_done:.3f}", tok_s=f"{n_tokens / max(gen_time, 1e-9):.1f}", refresh=False
-                )
+                bar.set_postfix(**run.postfix(), refresh=False)
                 bar.update(len(batch) * world)  # the other ranks advance at about the same pace
     if bar is not None:
         bar.n = bar.total
         bar.close()
 
-    timing = {
-        "rank": rank,
-        "generation_time_s": gen_time,
-        "forward_time_s": forward_time,
-        "scoring_time_s": score_time,
-        "total_time_s": time.perf_counter() - t_start,
-        "kv_cache_bytes": kv_bytes,
-    }
-    all_records = _gather(records, group, world)
-    timings = _gather([timing], group, world)
-    all_records.sort(key=lambda r: r["index"])
+    all_records = sorted(_gather(run.records, group, world), key=lambda r: r["index"])
+    timings = _gather([run.timing(time.perf_counter() - t_start)], group, world)
     results = summarize(all_records, timings)
     results.update(
         {
@@ -241,6 +178,7 @@ def evaluate(
             "model": model_name or getattr(model, "name_or_path", None),
             "num_fewshot": k,
             "limit": limit,
+            "sample_indices": None if samples is None else sorted(set(samples)),
             "chat_template": chat,
             "batch_size": batch_size,
             "world_size": world,
@@ -257,6 +195,118 @@ def evaluate(
     if log_samples is not None and speaks:
         write_samples(all_records, log_samples)
     return results
+
+
+def parse_indices(text: str) -> list[int]:
+    """Document indices from "0-99,150" (ranges inclusive)."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise ValueError(f"samples: {part.strip()!r} is not an index or a range like 0-99") from None
+        if a < 0 or b < a:
+            raise ValueError(f"samples: {part.strip()!r} is not an index >= 0 or an increasing range")
+        out.extend(range(a, b + 1))
+    return out
+
+
+def _documents(task: Task, data_dir, limit: int | None, samples: Sequence[int] | None) -> list:
+    if samples is None:
+        return task.load(data_dir, limit)
+    if limit is not None:
+        raise ValueError("samples: give it or limit, not both")
+    wanted = set(samples)
+    if not wanted or not all(is_int(i) and i >= 0 for i in wanted):
+        raise ValueError(f"samples: must be non-empty document indices >= 0 (got {list(samples)[:5]!r})")
+    docs = [d for d in task.load(data_dir, None) if d.index in wanted]
+    missing = wanted - {d.index for d in docs}
+    if missing:
+        raise ValueError(f"samples: {task.name} has no documents {sorted(missing)[:5]} (it has {len(docs)} asked for)")
+    return docs
+
+
+class _Run:
+    """One rank's share of an evaluation: its documents decoded in batches, scored, and recorded."""
+
+    def __init__(self, model, tokenizer, task: Task, config: GenerationConfig, shots, chat, policies, rank: int):
+        self.model, self.tokenizer, self.task, self.config = model, tokenizer, task, config
+        self.shots, self.chat, self.policies, self.rank = shots, chat, policies, rank
+        self.stops = task.stop_strings(chat)
+        self.stop_ids = list(getattr(model, "stop_token_ids", None) or tokenizer.stop_token_ids())
+        self.seed = config.seed if config.seed is not None else 0
+        self.records: list[dict] = []
+        self.gen_time = self.score_time = self.forward_time = 0.0
+        self.n_tokens = self.n_correct = self.kv_bytes = 0
+        self.prompts: dict[int, list[int]] = {}
+
+    def batches(self, docs: list, size: int):
+        self.prompts = {d.index: self.task.encode(self.tokenizer, d, self.shots, self.chat) for d in docs}
+        # Longest prompts first: batches of similar length waste less padding.
+        order = sorted(docs, key=lambda d: (-len(self.prompts[d.index]), d.index))
+        for i in range(0, len(order), size):
+            yield order[i : i + size]
+
+    def decode(self, batch: list, scorer) -> None:
+        ids = [self.prompts[d.index] for d in batch]
+        seeds = [self.seed + d.index for d in batch]
+        try:
+            out = generate(self.model, ids, config=self.config, row_seeds=seeds, policies=self.policies)
+        except ValueError as e:
+            raise ValueError(f"{batch[0].id}: {e}") from None
+        self.gen_time += out.wall_time
+        self.forward_time += out.forward_time
+        self.kv_bytes = max(self.kv_bytes, out.kv_cache_bytes)
+        completions = [
+            complete(self.tokenizer, out.sequences[i], self.stop_ids, stop=self.stops) for i in range(len(batch))
+        ]
+        t0 = time.perf_counter()
+        scores = scorer.score(batch, [c.text for c in completions])
+        self.score_time += time.perf_counter() - t0
+        for i, (doc, comp, sc) in enumerate(zip(batch, completions, scores)):
+            self.records.append(self.record(doc, comp, sc, out, i, len(batch)))
+            self.n_tokens += comp.num_tokens
+            self.n_correct += bool(sc.correct)
+
+    def record(self, doc, comp, sc, out, i: int, batch_size: int) -> dict:
+        steps = out.tokens_per_step[i]
+        return {
+            "index": doc.index,
+            "id": doc.id,
+            "prompt": self.task.render(self.tokenizer, doc, self.shots, self.chat),
+            "output": comp.text,
+            "extracted": sc.extracted,
+            "gold": doc.gold,
+            "verdict": sc.verdict,
+            "correct": bool(sc.correct),
+            "reason": sc.reason,
+            "finish_reason": comp.finish_reason,
+            "num_tokens": comp.num_tokens,
+            "nfe": int(out.nfe_per_row[i]),
+            "forward_positions": int(out.forward_positions[i]),
+            "attended_positions": int(out.attended_positions[i]),
+            "prompt_positions": int(out.prompt_positions[i]),
+            "revealed": int(sum(steps)),
+            "tokens_per_step": round(sum(steps) / len(steps), 4) if steps else 0.0,
+            "time_s": round(out.wall_time / batch_size, 5),
+            "rank": self.rank,
+        }
+
+    def postfix(self) -> dict:
+        n = max(1, len(self.records))
+        return {"acc": f"{self.n_correct / n:.3f}", "tok_s": f"{self.n_tokens / max(self.gen_time, 1e-9):.1f}"}
+
+    def timing(self, total: float) -> dict:
+        return {
+            "rank": self.rank,
+            "generation_time_s": self.gen_time,
+            "forward_time_s": self.forward_time,
+            "scoring_time_s": self.score_time,
+            "total_time_s": total,
+            "kv_cache_bytes": self.kv_bytes,
+        }
 
 
 def summarize(records: Sequence[dict], timings: Sequence[dict] = ()) -> dict:
