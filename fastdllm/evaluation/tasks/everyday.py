@@ -19,6 +19,7 @@ Arithmetic facts: sums up to 99 with a second operand up to 30, differences of s
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .arith import Problem
@@ -298,19 +299,78 @@ def _bare(w: _Writer):
     return q, [f"{a} {sym} {b} = {c}."], c
 
 
-def _story_one(w: _Writer):
-    """A one-step story: more, altogether, left, fewer, each, times as many, share, half, change,
-    rates, distances, ages."""
-    r = w.r
-    kind = r.choice(
-        ["more", "together", "left", "fewer", "each", "times", "share", "part", "change", "rate", "distance", "age"]
-    )
-    a_name, b_name = w.names(2)
-    he, item = _he(a_name), w.pick(ITEMS)
-    if kind == "more":
-        a, b = r.randint(1, 60), r.randint(1, 30)
-        c = _ok(a + b)
-        story = w.say(
+@dataclass(frozen=True)
+class OneStep:
+    """One kind of one-step story, as data: its numbers, its phrasings, its worked line.
+
+    `draw(r)` gives the numbers (the answer as `c`) and any fixed words; `picks` are entity slots
+    drawn next, in order; `spoken` are the number slots that the question writes in digits or in
+    words (the worked line always in digits). `question` and `ask` are (train, test) phrasings; the
+    question is the story, then the ask when there is one. A `draw` that returns a `form` hands the
+    phrasing to that entry of ONE_STEP (one story, two directions)."""
+
+    question: tuple[list[str], list[str]] = ([], [])
+    work: str = ""
+    draw: Callable[[random.Random], dict] | None = None
+    ask: tuple[list[str], list[str]] | None = None
+    picks: tuple[tuple[str, tuple[list, list]], ...] = ()
+    spoken: tuple[str, ...] = ()
+
+
+def _more(r):
+    a, b = r.randint(1, 60), r.randint(1, 30)
+    return {"a": a, "b": b, "c": _ok(a + b)}
+
+
+def _less(r):
+    b, c = r.randint(1, 30), r.randint(0, 60)
+    return {"a": _ok(b + c), "b": b, "c": c}
+
+
+def _fewer(r):
+    c, b = r.randint(1, 30), r.randint(0, 60)
+    return {"a": _ok(b + c), "b": b, "c": c}
+
+
+def _product(r, x: str, y: str, hi: int):
+    a, k = r.randint(2, 12), r.randint(2, hi)
+    return {x: a, y: k, "c": _ok(a * k)}
+
+
+def _share(r):
+    b, c = r.randint(2, 10), r.randint(1, 12)
+    return {"a": _ok(b * c), "b": b, "c": c}
+
+
+def _part(r):
+    k = r.choice([2, 2, 4, 3])
+    frac = {2: "half", 3: "a third", 4: "a quarter"}[k]
+    c = r.randint(1, 24)
+    return {"a": _ok(k * c), "k": k, "c": c, "frac": frac, "frac_cap": _cap(frac)}
+
+
+def _change(r):
+    bill = r.choice([10, 20, 50])
+    price = r.randint(1, bill - 1)
+    return {"bill": bill, "p": price, "c": bill - price}
+
+
+def _age(r):
+    a, d = r.randint(2, 60), r.randint(1, 30)
+    if r.random() < 0.5:
+        return {"a": a, "d": d, "c": _ok(a + d), "form": "older"}
+    return {"a": a, "d": d, "c": _ok(a - d), "form": "younger"}
+
+
+_HOW_MANY_NOW = (
+    ["How many {item} does {A} have now?", "How many {item} are there now?", "How many {item} does {he} have?"],
+    ["What is the number of {item} now?", "How many {item} is that in the end?"],
+)
+
+ONE_STEP: dict[str, OneStep] = {
+    "more": OneStep(
+        draw=_more,
+        question=(
             [
                 "{A} has {a} {item}. {He} buys {b} more.",
                 "{A} had {a} {item} and found {b} more.",
@@ -321,35 +381,18 @@ def _story_one(w: _Writer):
                 "{A} starts with {a} {item}, then collects another {b}.",
                 "{A} owns {a} {item} and receives {b} extra {item} as a gift.",
             ],
-            A=a_name,
-            B=b_name,
-            He=_cap(he),
-            him="her" if he == "she" else "him",
-            item=item,
-            a=w.num(a),
-            b=w.num(b),
-        )
-        ask = w.say(
-            ["How many {item} does {A} have now?", "How many {item} are there now?", "How many {item} does {he} have?"],
-            ["What is the number of {item} now?", "How many {item} is that in the end?"],
-            A=a_name,
-            he=he,
-            item=item,
-        )
-        return f"{story} {ask}", [f"{a} + {b} = {c} {item}."], c
-    if kind == "together":
-        a, b = r.randint(1, 60), r.randint(1, 30)
-        c = _ok(a + b)
-        story = w.say(
+        ),
+        ask=_HOW_MANY_NOW,
+        spoken=("a", "b"),
+        work="{a} + {b} = {c} {item}.",
+    ),
+    "together": OneStep(
+        draw=_more,
+        question=(
             ["{A} has {a} {item} and {B} has {b} {item}.", "{A} picked {a} {item}. {B} picked {b}."],
             ["{A} brought {a} {item} while {B} brought {b} {item}."],
-            A=a_name,
-            B=b_name,
-            item=item,
-            a=w.num(a),
-            b=w.num(b),
-        )
-        ask = w.say(
+        ),
+        ask=(
             [
                 "How many {item} do they have altogether?",
                 "How many {item} do they have in total?",
@@ -357,13 +400,13 @@ def _story_one(w: _Writer):
                 "How many {item} are there in all?",
             ],
             ["How many {item} do the two of them have combined?", "Together, how many {item} is that?"],
-            item=item,
-        )
-        return f"{story} {ask}", [f"Together they have {a} + {b} = {c} {item}."], c
-    if kind == "left":
-        b, c = r.randint(1, 30), r.randint(0, 60)
-        a = _ok(b + c)
-        story = w.say(
+        ),
+        spoken=("a", "b"),
+        work="Together they have {a} + {b} = {c} {item}.",
+    ),
+    "left": OneStep(
+        draw=_less,
+        question=(
             [
                 "{A} has {a} {item}. {He} gives {b} of them to {B}.",
                 "{A} had {a} {item} and ate {b}.",
@@ -374,46 +417,31 @@ def _story_one(w: _Writer):
                 "{A} began with {a} {item} but lost {b} on the way home.",
                 "Out of {a} {item}, {A} hands {b} over to {B}.",
             ],
-            A=a_name,
-            B=b_name,
-            He=_cap(he),
-            item=item,
-            a=w.num(a),
-            b=w.num(b),
-        )
-        ask = w.say(
+        ),
+        ask=(
             ["How many {item} are left?", "How many {item} does {A} have left?", "How many {item} does {he} have now?"],
             ["How many {item} remain?", "What number of {item} is still there?"],
-            A=a_name,
-            he=he,
-            item=item,
-        )
-        return f"{story} {ask}", [f"{a} - {b} = {c} {item} are left."], c
-    if kind == "fewer":
-        c, b = r.randint(1, 30), r.randint(0, 60)
-        a = _ok(b + c)
-        story = w.say(
+        ),
+        spoken=("a", "b"),
+        work="{a} - {b} = {c} {item} are left.",
+    ),
+    "fewer": OneStep(
+        draw=_fewer,
+        question=(
             ["{A} has {a} {item}. {B} has {b} {item}.", "{A} counted {a} {item} and {B} counted {b}."],
             ["{B} collected {b} {item}; {A} collected {a}."],
-            A=a_name,
-            B=b_name,
-            item=item,
-            a=w.num(a),
-            b=w.num(b),
-        )
-        ask = w.say(
+        ),
+        ask=(
             ["How many more {item} does {A} have than {B}?", "How many fewer {item} does {B} have than {A}?"],
             ["By how many {item} is {A} ahead of {B}?", "What is the difference between their {item}?"],
-            A=a_name,
-            B=b_name,
-            item=item,
-        )
-        return f"{story} {ask}", [f"The difference is {a} - {b} = {c} {item}."], c
-    if kind == "each":
-        a, b = r.randint(2, 12), r.randint(2, 10)
-        c = _ok(a * b)
-        box = w.pick(CONTAINERS)
-        q = w.say(
+        ),
+        spoken=("a", "b"),
+        work="The difference is {a} - {b} = {c} {item}.",
+    ),
+    "each": OneStep(
+        draw=lambda r: _product(r, "a", "b", 10),
+        picks=(("box", CONTAINERS),),
+        question=(
             [
                 "A {box} holds {a} {item}. How many {item} are in {b} {boxes}?",
                 "There are {b} {boxes} with {a} {item} in each. How many {item} are there in all?",
@@ -423,260 +451,269 @@ def _story_one(w: _Writer):
                 "Every {box} contains {a} {item}. How many {item} do {b} {boxes} contain?",
                 "{A} fills {b} {boxes} with {a} {item} apiece. How many {item} did {he} use?",
             ],
-            A=a_name,
-            he=he,
-            box=box,
-            boxes=_plural(box),
-            item=item,
-            a=w.num(a),
-            b=w.num(b),
-        )
-        return q, [f"{b} {_plural(box)} hold {b} * {a} = {c} {item}."], c
-    if kind == "times":
-        a, k = r.randint(2, 12), r.randint(2, 8)
-        c = _ok(a * k)
-        story = w.say(
+        ),
+        spoken=("a", "b"),
+        work="{b} {boxes} hold {b} * {a} = {c} {item}.",
+    ),
+    "times": OneStep(
+        draw=lambda r: _product(r, "a", "k", 8),
+        question=(
             [
                 "{A} has {a} {item}. {B} has {k} times as many {item}.",
                 "{A} has {a} {item}, and {B} has {k} times as many as {A}.",
             ],
             ["{B} owns {k} times the number of {item} that {A} owns, and {A} owns {a}."],
-            A=a_name,
-            B=b_name,
-            item=item,
-            a=w.num(a),
-            k=w.num(k),
-        )
-        ask = w.say(["How many {item} does {B} have?"], ["How many {item} belong to {B}?"], B=b_name, item=item)
-        return f"{story} {ask}", [f"{b_name} has {a} * {k} = {c} {item}."], c
-    if kind == "share":
-        b, c = r.randint(2, 10), r.randint(1, 12)
-        a = _ok(b * c)
-        q = w.say(
+        ),
+        ask=(["How many {item} does {B} have?"], ["How many {item} belong to {B}?"]),
+        spoken=("a", "k"),
+        work="{B} has {a} * {k} = {c} {item}.",
+    ),
+    "share": OneStep(
+        draw=_share,
+        question=(
             [
                 "{A} shares {a} {item} equally among {b} friends. How many {item} does each friend get?",
                 "{a} {item} are split into {b} equal groups. How many {item} are in each group?",
                 "{A} puts {a} {item} into {b} bags with the same number in each. How many {item} go in each bag?",
             ],
             ["{a} {item} are divided evenly between {b} children. How many does each child receive?"],
-            A=a_name,
-            item=item,
-            a=w.num(a),
-            b=w.num(b),
-        )
-        return q, [f"Each one gets {a} / {b} = {c} {item}."], c
-    if kind == "part":
-        k = r.choice([2, 2, 4, 3])
-        frac = {2: "half", 3: "a third", 4: "a quarter"}[k]
-        c = r.randint(1, 24)
-        a = _ok(k * c)
-        q = w.say(
+        ),
+        spoken=("a", "b"),
+        work="Each one gets {a} / {b} = {c} {item}.",
+    ),
+    "part": OneStep(
+        draw=_part,
+        question=(
             [
                 "{A} has {a} {item} and gives {frac} of them to {B}. How many {item} does {A} give away?",
                 "What is {frac} of {a}?",
                 "{A} had {a} {item}. {He} ate {frac} of them. How many did {he} eat?",
             ],
             ["{frac_cap} of the {a} {item} in the shop are sold. How many {item} is that?"],
-            A=a_name,
-            B=b_name,
-            He=_cap(he),
-            he=he,
-            item=item,
-            frac=frac,
-            frac_cap=_cap(frac),
-            a=w.num(a),
-        )
-        return q, [f"{_cap(frac)} of {a} is {a} / {k} = {c}."], c
-    if kind == "change":
-        bill = r.choice([10, 20, 50])
-        price = r.randint(1, bill - 1)
-        c = bill - price
-        thing = w.pick(PRICED)
-        q = w.say(
+        ),
+        spoken=("a",),
+        work="{frac_cap} of {a} is {a} / {k} = {c}.",
+    ),
+    "change": OneStep(
+        draw=_change,
+        picks=(("thing", PRICED),),
+        question=(
             [
                 "{A} buys a {thing} for {p} dollars and pays with a {bill} dollar bill. How much change does {he} get?",
                 "A {thing} costs {p} dollars. {A} pays with {bill} dollars. How much change does {A} get back?",
             ],
             ["{A} hands over {bill} dollars for a {thing} that costs {p} dollars. How much money comes back?"],
-            A=a_name,
-            he=he,
-            thing=thing,
-            p=w.num(price),
-            bill=bill,
-        )
-        return q, [f"The change is {bill} - {price} = {c} dollars."], c
-    if kind == "rate":
-        rate, hours = r.randint(2, 12), r.randint(2, 8)
-        c = _ok(rate * hours)
-        job = w.pick(JOBS)
-        q = w.say(
+        ),
+        spoken=("p",),
+        work="The change is {bill} - {p} = {c} dollars.",
+    ),
+    "rate": OneStep(
+        draw=lambda r: _product(r, "r", "h", 8),
+        picks=(("job", JOBS),),
+        question=(
             [
                 "{A} {job} {r} dollars an hour. How much does {he} earn in {h} hours?",
                 "{A} {job} {r} dollars per hour and works for {h} hours. How much money does {he} make?",
             ],
             ["For every hour of work {A} {job} {r} dollars. What does {he} earn for {h} hours?"],
-            A=a_name,
-            he=he,
-            job=job,
-            r=w.num(rate),
-            h=w.num(hours),
-        )
-        return q, [f"In {hours} hours {a_name} earns {hours} * {rate} = {c} dollars."], c
-    if kind == "distance":
-        speed, hours = r.randint(2, 12), r.randint(2, 8)
-        c = _ok(speed * hours)
-        vehicle, unit = w.pick(VEHICLES), w.pick(UNITS)
-        q = w.say(
+        ),
+        spoken=("r", "h"),
+        work="In {h} hours {A} earns {h} * {r} = {c} dollars.",
+    ),
+    "distance": OneStep(
+        draw=lambda r: _product(r, "s", "h", 8),
+        picks=(("v", VEHICLES), ("u", UNITS)),
+        question=(
             [
                 "A {v} travels {s} {u} per hour. How far does it go in {h} hours?",
                 "A {v} goes {s} {u} every hour. How many {u} does it travel in {h} hours?",
             ],
             ["Moving at {s} {u} an hour, how many {u} does a {v} cover in {h} hours?"],
-            v=vehicle,
-            u=unit,
-            s=w.num(speed),
-            h=w.num(hours),
-        )
-        return q, [f"In {hours} hours it travels {hours} * {speed} = {c} {unit}."], c
-    # age
-    a, d = r.randint(2, 60), r.randint(1, 30)
-    if r.random() < 0.5:
-        c = _ok(a + d)
-        q = w.say(
+        ),
+        spoken=("s", "h"),
+        work="In {h} hours it travels {h} * {s} = {c} {u}.",
+    ),
+    "age": OneStep(draw=_age),
+    "older": OneStep(
+        question=(
             [
                 "{A} is {a} years old. {B} is {d} years older than {A}. How old is {B}?",
                 "{A} is {a} years old. How old will {A} be in {d} years?",
             ],
             ["{B} was born {d} years before {A}, who is now {a}. How old is {B}?"],
-            A=a_name,
-            B=b_name,
-            a=w.num(a),
-            d=w.num(d),
-        )
-        return q, [f"{a} + {d} = {c} years old."], c
-    c = _ok(a - d)
-    q = w.say(
-        [
-            "{A} is {a} years old. {B} is {d} years younger than {A}. How old is {B}?",
-            "{A} is {a} years old. How old was {A} {d} years ago?",
-        ],
-        ["{B} is {a}; {A} is {d} years younger. How old is {A}?"],
-        A=a_name,
-        B=b_name,
-        a=w.num(a),
-        d=w.num(d),
-    )
-    return q, [f"{a} - {d} = {c} years old."], c
+        ),
+        spoken=("a", "d"),
+        work="{a} + {d} = {c} years old.",
+    ),
+    "younger": OneStep(
+        question=(
+            [
+                "{A} is {a} years old. {B} is {d} years younger than {A}. How old is {B}?",
+                "{A} is {a} years old. How old was {A} {d} years ago?",
+            ],
+            ["{B} is {a}; {A} is {d} years younger. How old is {A}?"],
+        ),
+        spoken=("a", "d"),
+        work="{a} - {d} = {c} years old.",
+    ),
+}
+STORY_KINDS = [
+    "more",
+    "together",
+    "left",
+    "fewer",
+    "each",
+    "times",
+    "share",
+    "part",
+    "change",
+    "rate",
+    "distance",
+    "age",
+]
+
+
+def _story_one(w: _Writer):
+    """A one-step story of one of STORY_KINDS, written from its ONE_STEP entry."""
+    kind = w.r.choice(STORY_KINDS)
+    a_name, b_name = w.names(2)
+    he, item = _he(a_name), w.pick(ITEMS)
+    slots = ONE_STEP[kind].draw(w.r)
+    story = ONE_STEP[slots.pop("form", kind)]
+    for slot, pool in story.picks:
+        slots[slot] = w.pick(pool)
+    if "box" in slots:
+        slots["boxes"] = _plural(slots["box"])
+    him = "her" if he == "she" else "him"
+    words = {"A": a_name, "B": b_name, "He": _cap(he), "he": he, "him": him, "item": item, **slots}
+    said = {**words, **{s: w.num(slots[s]) for s in story.spoken}}
+    question = w.say(*story.question, **said)
+    if story.ask is not None:
+        question += " " + w.say(*story.ask, **said)
+    return question, [story.work.format(**words)], slots["c"]
 
 
 # ---- several steps -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChainStep:
+    """One change of a chain's count, as data. `draw(r, value)` gives `k` and the new value (`new`);
+    a phrasing is a string, or (slot, if-set, if-not) where it depends on a drawn word; `line` is
+    the answer's line, `said_line` = (word, line) replaces it when the chosen sentence has that word."""
+
+    draw: Callable[[random.Random, int], dict]
+    sentence: tuple[list, list]
+    line: str
+    spoken: tuple[str, ...] = ("k",)
+    said_line: tuple[str, str] | None = None
+
+
+def _chain_add(r, value):
+    k = r.randint(1, 20)
+    return {"k": k, "new": _ok(value + k)}
+
+
+def _chain_sub(r, value):
+    k = r.randint(1, min(20, value) if value else 1)
+    return {"k": k, "new": _ok(value - k)}
+
+
+def _chain_mul(r, value):
+    k = r.randint(2, 4)
+    return {"k": k, "new": _ok(value * k), "word": {2: "doubles", 3: "triples"}.get(k)}
+
+
+def _chain_div(r, value):
+    k = r.choice([2, 2, 3, 4])
+    if value % k or value == 0:
+        raise _Reject
+    return {"k": k, "n": k, "new": value // k, "halves": k == 2}
+
+
+CHAIN_STEPS: dict[str, ChainStep] = {
+    "add": ChainStep(
+        draw=_chain_add,
+        sentence=(
+            ["{He} buys {k} more.", "Then {he} finds {k} more {item}.", "{B} gives {him} {k} {item}."],
+            ["After that {he} collects another {k}.", "Later {B} hands {him} {k} extra {item}."],
+        ),
+        line="Adding {k} gives {value} + {k} = {new} {item}.",
+    ),
+    "sub": ChainStep(
+        draw=_chain_sub,
+        sentence=(
+            ["{He} gives {k} to {B}.", "Then {he} loses {k} {item}.", "{He} eats {k} of them."],
+            ["After that {he} drops {k}.", "{B} takes {k} of the {item} away."],
+        ),
+        line="Taking away {k} leaves {value} - {k} = {new} {item}.",
+    ),
+    "mul": ChainStep(
+        draw=_chain_mul,
+        sentence=(
+            [
+                ("word", "Then the number of {item} {word}.", "Then {he} ends up with {k} times as many {item}."),
+                "Then {he} gets {k} times as many {item}.",
+            ],
+            ["Later {his} pile of {item} grows to {k} times its size."],
+        ),
+        line="{k} times as many is {value} * {k} = {new} {item}.",
+    ),
+    "div": ChainStep(
+        draw=_chain_div,
+        sentence=(
+            [
+                ("halves", "{He} gives away half of them.", "{He} splits them into {k} equal piles and keeps one."),
+                "{He} shares them equally among {n} people, {him}self included, and keeps {his} share.",
+            ],
+            ["{He} keeps only one of {k} equal parts."],
+        ),
+        spoken=("k", "n"),
+        line="One part is {value} / {k} = {new} {item}.",
+        said_line=("half", "Half of {value} is {value} / 2 = {new}, so {new} {item} are left."),
+    ),
+}
+
+
+def _phrasing(entry, slots: dict) -> str:
+    if isinstance(entry, str):
+        return entry
+    slot, if_set, if_not = entry
+    return if_set if slots.get(slot) else if_not
+
+
 def _chain(w: _Writer):
-    """A count that changes two to four times (buys, gives away, doubles, halves, shares), asked for
-    at the end; every change is one line of the answer."""
+    """A count that changes two to four times (CHAIN_STEPS: buys, gives away, doubles, halves,
+    shares), asked for at the end; every change is one line of the answer."""
     r = w.r
     (name, other), item = w.names(2), w.pick(ITEMS)
     he = _he(name)
+    words = {"A": name, "B": other, "He": _cap(he), "he": he, "him": "her" if he == "she" else "him"}
+    words |= {"his": _his(name), "item": item}
     value = r.randint(2, 30)
     story = [
         w.say(
             ["{A} has {a} {item}.", "{A} starts the day with {a} {item}."],
             ["At first {A} owns {a} {item}."],
-            A=name,
             a=w.num(value),
-            item=item,
+            **words,
         )
     ]
     lines = [f"{name} starts with {value} {item}."]
     for _ in range(r.randint(2, 4)):
-        kind = r.choice(["add", "sub", "mul", "div"])
-        if kind == "add":
-            k = r.randint(1, 20)
-            new = _ok(value + k)
-            story.append(
-                w.say(
-                    ["{He} buys {k} more.", "Then {he} finds {k} more {item}.", "{B} gives {him} {k} {item}."],
-                    ["After that {he} collects another {k}.", "Later {B} hands {him} {k} extra {item}."],
-                    He=_cap(he),
-                    he=he,
-                    him="her" if he == "she" else "him",
-                    B=other,
-                    k=w.num(k),
-                    item=item,
-                )
-            )
-            lines.append(f"Adding {k} gives {value} + {k} = {new} {item}.")
-        elif kind == "sub":
-            k = r.randint(1, min(20, value) if value else 1)
-            new = _ok(value - k)
-            story.append(
-                w.say(
-                    ["{He} gives {k} to {B}.", "Then {he} loses {k} {item}.", "{He} eats {k} of them."],
-                    ["After that {he} drops {k}.", "{B} takes {k} of the {item} away."],
-                    He=_cap(he),
-                    he=he,
-                    B=other,
-                    k=w.num(k),
-                    item=item,
-                )
-            )
-            lines.append(f"Taking away {k} leaves {value} - {k} = {new} {item}.")
-        elif kind == "mul":
-            k = r.randint(2, 4)
-            new = _ok(value * k)
-            word = {2: "doubles", 3: "triples"}.get(k)
-            story.append(
-                w.say(
-                    [
-                        f"Then the number of {{item}} {word}."
-                        if word
-                        else "Then {he} ends up with {k} times as many {item}.",
-                        "Then {he} gets {k} times as many {item}.",
-                    ],
-                    ["Later {his} pile of {item} grows to {k} times its size."],
-                    he=he,
-                    his=_his(name),
-                    k=w.num(k),
-                    item=item,
-                )
-            )
-            lines.append(f"{k} times as many is {value} * {k} = {new} {item}.")
-        else:
-            k = r.choice([2, 2, 3, 4])
-            if value % k or value == 0:
-                raise _Reject
-            new = value // k
-            story.append(
-                w.say(
-                    [
-                        "{He} gives away half of them."
-                        if k == 2
-                        else "{He} splits them into {k} equal piles and keeps one.",
-                        "{He} shares them equally among {n} people, {him}self included, and keeps {his} share.",
-                    ],
-                    ["{He} keeps only one of {k} equal parts."],
-                    He=_cap(he),
-                    k=w.num(k),
-                    n=w.num(k),
-                    him="her" if he == "she" else "him",
-                    his=_his(name),
-                )
-            )
-            if "half" in story[-1]:
-                new, line = (
-                    value - value // 2,
-                    f"Half of {value} is {value} / 2 = {value // 2}, so {value // 2} {item} are left.",
-                )
-                lines.append(line)
-                value = new
-                continue
-            lines.append(f"One part is {value} / {k} = {new} {item}.")
-        value = new
+        step = CHAIN_STEPS[r.choice(["add", "sub", "mul", "div"])]
+        slots = {**words, **step.draw(r, value), "value": value}
+        said = {**slots, **{s: w.num(slots[s]) for s in step.spoken}}
+        train, test = ([_phrasing(e, slots) for e in group] for group in step.sentence)
+        story.append(w.say(train, test, **said))
+        line = step.line
+        if step.said_line is not None and step.said_line[0] in story[-1]:
+            line = step.said_line[1]
+        lines.append(line.format(**slots))
+        value = slots["new"]
     story.append(
         w.say(
             ["How many {item} does {A} have now?", "How many {item} does {A} have at the end?"],
             ["In the end, how many {item} are left with {A}?"],
-            A=name,
-            item=item,
+            **words,
         )
     )
     return " ".join(story), lines, value
