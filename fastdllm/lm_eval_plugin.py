@@ -51,185 +51,186 @@ def _config_kwargs(kwargs: dict) -> dict:
     return {k: GenerationConfig.parse(k, v) for k, v in kwargs.items() if k in names}
 
 
-def make_model_class(LM, register=None):
-    """Build the lm_eval model class on lm_eval's `LM` base (and register it when given
-    `register_model`). Kept a factory so the logic can be tested without lm_eval."""
+class LMMethods:
+    """The lm_eval model's behaviour, on no base class: `make_model_class` puts lm_eval's `LM`
+    under it, so that it can be tested without lm_eval."""
 
-    class FastDLLM(LM):
-        def __init__(
-            self,
-            pretrained: str | None = None,
-            device: str | None = None,
-            dtype: str | None = None,
-            batch_size: int | str | None = 1,
-            max_batch_size: int | None = None,
-            mc_num: int | str = 128,
-            mc_batch_size: int | str = 16,
-            mc_seed: int | str = 0,
-            **kwargs,
-        ):
-            super().__init__()
-            from .models.loading import load
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        batch_size: int | str | None = 1,
+        max_batch_size: int | None = None,
+        mc_num: int | str = 128,
+        mc_batch_size: int | str = 16,
+        mc_seed: int | str = 0,
+        **kwargs,
+    ):
+        super().__init__()
+        from .models.loading import load
 
-            self.mc_num, self.mc_batch_size, self.mc_seed = int(mc_num), int(mc_batch_size), int(mc_seed)
-            if self.mc_num < 1 or self.mc_batch_size < 1 or self.mc_num % self.mc_batch_size:
-                raise ValueError(
-                    f"mc_num: must be a positive multiple of mc_batch_size (got {self.mc_num} and {self.mc_batch_size})"
-                )
-            unknown = [k for k in kwargs if k not in GenerationConfig.field_names()]
-            if unknown:
-                raise ValueError(
-                    f"fastdllm: unknown model_args {', '.join(sorted(unknown))}; use pretrained, "
-                    f"device, dtype or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})"
-                )
-            self.gen_kwargs = _config_kwargs(kwargs)
-            self.fixed_gen_length = "gen_length" in self.gen_kwargs
-            self.base_config = GenerationConfig(**self.gen_kwargs)  # validates the values now
-            if device is not None and str(device).startswith("cuda"):
-                import torch
-
-                if not torch.cuda.is_available():  # lm_eval's CLI passes --device cuda by default
-                    device = None
-            self.model, self.tokenizer = load(pretrained, dtype=dtype, device=device)
-            self.pretrained = pretrained or "fastdllm/llada-arith"
-            self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
-            self._device = self.model.device
-            try:
-                import torch.distributed as dist
-
-                if dist.is_available() and dist.is_initialized():
-                    self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-            except ImportError:
-                pass
-
-        # -- the request types ------------------------------------------------------------
-        def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-            # As lm-eval's own models: encode the whole, so the boundary tokenises as in running text.
-            whole = self.tokenizer.encode(context + continuation, add_special_tokens=False)
-            prefix = self.tokenizer.encode(context, add_special_tokens=False)
-            if whole[: len(prefix)] != prefix:
-                return prefix, self.tokenizer.encode(continuation, add_special_tokens=False)
-            return prefix, whole[len(prefix) :]
-
-        def loglikelihood(self, requests):
-            from .engine.likelihood import elbo_loglikelihood, is_greedy
-
-            out = []
-            for req in requests:
-                prefix, target = self._split(*req.args[:2])
-                if not prefix:
-                    prefix = [self.model.args.eos_token_id]
-                ll = elbo_loglikelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, self.mc_seed)
-                out.append((ll, is_greedy(self.model, prefix, target)))
-            return out
-
-        def loglikelihood_rolling(self, requests):
-            from .engine.likelihood import elbo_loglikelihood
-
-            eos = self.model.args.eos_token_id
-            return [
-                elbo_loglikelihood(
-                    self.model,
-                    [eos],
-                    self.tokenizer.encode(req.args[0], add_special_tokens=False),
-                    self.mc_num,
-                    self.mc_batch_size,
-                    self.mc_seed,
-                )
-                for req in requests
-            ]
-
-        def _config_for(self, gen_kwargs: dict) -> GenerationConfig:
-            changes: dict[str, Any] = {}
-            if gen_kwargs.get("do_sample") and "temperature" not in self.gen_kwargs:
-                changes["temperature"] = float(gen_kwargs.get("temperature", 1.0) or 0.0)
-            if not self.fixed_gen_length and gen_kwargs.get("max_gen_toks"):
-                return self.base_config.with_max_new_tokens(int(gen_kwargs["max_gen_toks"]), **changes)
-            return self.base_config.replace(**changes) if changes else self.base_config
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            from .engine.generation import generate
-            from .text.completion import complete
-
-            stop_ids = list(getattr(self.model, "stop_token_ids", None) or self.tokenizer.stop_token_ids())
-            results: list[str | None] = [None] * len(requests)
-            # Group requests with the same settings; decode `batch_size` at a time.
-            groups: dict[tuple, list[int]] = {}
-            for i, req in enumerate(requests):
-                gen_kwargs = (req.args[1] if len(req.args) > 1 else {}) or {}
-                config = self._config_for(gen_kwargs)
-                until = gen_kwargs.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
-                key = (tuple(sorted(config.to_dict().items())), tuple(until))
-                groups.setdefault(key, []).append(i)
-            bar = None
-            if not disable_tqdm and self.rank == 0:
-                try:
-                    from tqdm.auto import tqdm
-
-                    bar = tqdm(total=len(requests), desc="fastdllm generate_until")
-                except ImportError:
-                    bar = None
-            for key, idxs in groups.items():
-                config = GenerationConfig(**dict(key[0]))
-                until = list(key[1])
-                for start in range(0, len(idxs), self.batch_size):
-                    chunk = idxs[start : start + self.batch_size]
-                    prompts = [self.tokenizer.encode(requests[i].args[0], add_special_tokens=False) for i in chunk]
-                    out = generate(
-                        self.model, prompts, config=config, row_seeds=[(config.seed or 0) + i for i in chunk]
-                    )
-                    for row, i in enumerate(chunk):
-                        text = complete(self.tokenizer, out.sequences[row], stop_ids, stop=until).text
-                        results[i] = text
-                        self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                    if bar is not None:
-                        bar.update(len(chunk))
-            if bar is not None:
-                bar.close()
-            return results
-
-        # -- chat templates -----------------------------------------------------------------
-        def apply_chat_template(self, chat_history, add_generation_prompt=True):
-            return self.tokenizer.render_chat(chat_history, add_generation_prompt=add_generation_prompt)
-
-        @property
-        def tokenizer_name(self) -> str:
-            return str(self.pretrained).replace("/", "__")
-
-        def chat_template(self, chat_template=False):
-            return self.tokenizer.chat_template or ""
-
-        # -- ranks (torchrun / accelerate launch with torch.distributed initialised) ----------
-        def all_gather(self, tensor):
-            if self.world_size == 1:
-                return tensor
+        self.mc_num, self.mc_batch_size, self.mc_seed = int(mc_num), int(mc_batch_size), int(mc_seed)
+        if self.mc_num < 1 or self.mc_batch_size < 1 or self.mc_num % self.mc_batch_size:
+            raise ValueError(
+                f"mc_num: must be a positive multiple of mc_batch_size (got {self.mc_num} and {self.mc_batch_size})"
+            )
+        unknown = [k for k in kwargs if k not in GenerationConfig.field_names()]
+        if unknown:
+            raise ValueError(
+                f"fastdllm: unknown model_args {', '.join(sorted(unknown))}; use pretrained, "
+                f"device, dtype or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})"
+            )
+        self.gen_kwargs = _config_kwargs(kwargs)
+        self.fixed_gen_length = "gen_length" in self.gen_kwargs
+        self.base_config = GenerationConfig(**self.gen_kwargs)  # validates the values now
+        if device is not None and str(device).startswith("cuda"):
             import torch
+
+            if not torch.cuda.is_available():  # lm_eval's CLI passes --device cuda by default
+                device = None
+        self.model, self.tokenizer = load(pretrained, dtype=dtype, device=device)
+        self.pretrained = pretrained or "fastdllm/llada-arith"
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
+        self._device = self.model.device
+        try:
             import torch.distributed as dist
 
-            parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
-            dist.all_gather(parts, tensor)
-            return torch.cat(parts)
+            if dist.is_available() and dist.is_initialized():
+                self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        except ImportError:
+            pass
 
-        def gather_object(self, obj, dst=0):
-            if self.world_size == 1:
-                return [obj]
+    # -- the request types ------------------------------------------------------------
+    def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        # As lm-eval's own models: encode the whole, so the boundary tokenises as in running text.
+        whole = self.tokenizer.encode(context + continuation, add_special_tokens=False)
+        prefix = self.tokenizer.encode(context, add_special_tokens=False)
+        if whole[: len(prefix)] != prefix:
+            return prefix, self.tokenizer.encode(continuation, add_special_tokens=False)
+        return prefix, whole[len(prefix) :]
+
+    def loglikelihood(self, requests):
+        from .engine.likelihood import elbo_loglikelihood, is_greedy
+
+        out = []
+        for req in requests:
+            prefix, target = self._split(*req.args[:2])
+            if not prefix:
+                prefix = [self.model.args.eos_token_id]
+            ll = elbo_loglikelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, self.mc_seed)
+            out.append((ll, is_greedy(self.model, prefix, target)))
+        return out
+
+    def loglikelihood_rolling(self, requests):
+        from .engine.likelihood import elbo_loglikelihood
+
+        eos = self.model.args.eos_token_id
+        return [
+            elbo_loglikelihood(
+                self.model,
+                [eos],
+                self.tokenizer.encode(req.args[0], add_special_tokens=False),
+                self.mc_num,
+                self.mc_batch_size,
+                self.mc_seed,
+            )
+            for req in requests
+        ]
+
+    def _config_for(self, gen_kwargs: dict) -> GenerationConfig:
+        changes: dict[str, Any] = {}
+        if gen_kwargs.get("do_sample") and "temperature" not in self.gen_kwargs:
+            changes["temperature"] = float(gen_kwargs.get("temperature", 1.0) or 0.0)
+        if not self.fixed_gen_length and gen_kwargs.get("max_gen_toks"):
+            return self.base_config.with_max_new_tokens(int(gen_kwargs["max_gen_toks"]), **changes)
+        return self.base_config.replace(**changes) if changes else self.base_config
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        from .engine.generation import generate
+        from .text.completion import complete
+
+        stop_ids = list(getattr(self.model, "stop_token_ids", None) or self.tokenizer.stop_token_ids())
+        results: list[str | None] = [None] * len(requests)
+        # Group requests with the same settings; decode `batch_size` at a time.
+        groups: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            gen_kwargs = (req.args[1] if len(req.args) > 1 else {}) or {}
+            config = self._config_for(gen_kwargs)
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            key = (tuple(sorted(config.to_dict().items())), tuple(until))
+            groups.setdefault(key, []).append(i)
+        bar = None
+        if not disable_tqdm and self.rank == 0:
+            try:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(requests), desc="fastdllm generate_until")
+            except ImportError:
+                bar = None
+        for key, idxs in groups.items():
+            config = GenerationConfig(**dict(key[0]))
+            until = list(key[1])
+            for start in range(0, len(idxs), self.batch_size):
+                chunk = idxs[start : start + self.batch_size]
+                prompts = [self.tokenizer.encode(requests[i].args[0], add_special_tokens=False) for i in chunk]
+                out = generate(self.model, prompts, config=config, row_seeds=[(config.seed or 0) + i for i in chunk])
+                for row, i in enumerate(chunk):
+                    text = complete(self.tokenizer, out.sequences[row], stop_ids, stop=until).text
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                if bar is not None:
+                    bar.update(len(chunk))
+        if bar is not None:
+            bar.close()
+        return results
+
+    # -- chat templates -----------------------------------------------------------------
+    def apply_chat_template(self, chat_history, add_generation_prompt=True):
+        return self.tokenizer.render_chat(chat_history, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.pretrained).replace("/", "__")
+
+    def chat_template(self, chat_template=False):
+        return self.tokenizer.chat_template or ""
+
+    # -- ranks (torchrun / accelerate launch with torch.distributed initialised) ----------
+    def all_gather(self, tensor):
+        if self.world_size == 1:
+            return tensor
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts)
+
+    def gather_object(self, obj, dst=0):
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, obj)
+        return parts if self.rank == dst else None
+
+    def barrier(self):
+        if self.world_size > 1:
             import torch.distributed as dist
 
-            parts = [None] * self.world_size
-            dist.all_gather_object(parts, obj)
-            return parts if self.rank == dst else None
+            dist.barrier()
 
-        def barrier(self):
-            if self.world_size > 1:
-                import torch.distributed as dist
 
-                dist.barrier()
-
-    FastDLLM.__name__ = FastDLLM.__qualname__ = "FastDLLM"
+def make_model_class(LM, register=None):
+    """The lm_eval model class: `LMMethods` on lm_eval's `LM` base (registered when given
+    `register_model`)."""
+    cls = type("FastDLLM", (LMMethods, LM), {"__module__": __name__})
     if register is not None:
-        register(MODEL_NAME)(FastDLLM)
-    return FastDLLM
+        register(MODEL_NAME)(cls)
+    return cls
 
 
 def register() -> Any:
