@@ -11,7 +11,7 @@ from ..evaluation.bench import HEADER, ROW_KEYS, environment, fmt_row, plots, ru
 from .args import UserError, add_model_args, load_model_or_exit
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fastdllm bench",
         description=__doc__.split("\n\n")[0],
@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: 4 samples, gen length 64, small sweeps")
     p.add_argument("--out", default="bench_out")
-    args = p.parse_args(argv)
+    return p
+
+
+def _per_gen_length(args) -> None:
+    """Samples and shots per gen length into `args.limits` / `args.shots`, checked."""
     if args.quick:
         args.limit = args.limit or [4]
         args.gen_length = [64]
@@ -71,88 +75,97 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("--num-fewshot: give one value per --gen-length")
     if len(limits) != len(args.gen_length):
         raise UserError("--limit: give one value, or one per --gen-length")
-    args.limit, args.limits = limits[0], limits
-    model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
-    rank = getattr(model, "tp", (0, 1))[0]  # under --tp every rank measures; rank 0 writes
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args.limit, args.limits, args.shots = limits[0], limits, shots
 
-    # Warm-up: the first forward passes of a process pay for allocation and kernel selection.
-    def row(config, num_fewshot, limit=args.limit, batch_size=args.batch_size):
-        return run_config(model, tokenizer, args.task, config, num_fewshot, limit, batch_size, args.data_dir)
 
-    block_causal = bool(model.args.block_size)
-    block_length = model.args.block_size if block_causal else args.block_length
+class Bench:
+    """One bench run on one loaded model: the table rows, the sweeps and the batch check."""
 
-    def method(**kw):  # the full method (Fast-dLLM's; a block-diffusion model's own), with changes
-        if block_causal:
-            return GenerationConfig.for_model(model, GenerationConfig(**kw), checkpoint_defaults=False)
-        return GenerationConfig.fast_dllm(block_length=block_length, **kw)
+    def __init__(self, model, tokenizer, args):
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.block_causal = bool(model.args.block_size)
+        self.block_length = model.args.block_size if self.block_causal else args.block_length
 
-    row(method(gen_length=args.gen_length[0]), shots[0], limit=1)
+    def row(self, config, num_fewshot, limit=None, batch_size=None) -> dict:
+        a = self.args
+        limit, batch_size = limit or a.limit, batch_size or a.batch_size
+        return run_config(self.model, self.tokenizer, a.task, config, num_fewshot, limit, batch_size, a.data_dir)
 
-    results: list[dict] = []
-    for gen_length, k, limit in zip(args.gen_length, shots, limits):
-        for table_row in table_rows(gen_length, block_length, args.stop_at_eos, args.rows, model=model):
-            r = row(table_row.config, k, limit=limit)
-            results.append(
+    def method(self, **kw) -> GenerationConfig:
+        """The full method (Fast-dLLM's; a block-diffusion model's own), with changes."""
+        if self.block_causal:
+            return GenerationConfig.for_model(self.model, GenerationConfig(**kw), checkpoint_defaults=False)
+        return GenerationConfig.fast_dllm(block_length=self.block_length, **kw)
+
+    def table(self) -> list[dict]:
+        a, results = self.args, []
+        for gen_length, k, limit in zip(a.gen_length, a.shots, a.limits):
+            for table_row in table_rows(gen_length, self.block_length, a.stop_at_eos, a.rows, model=self.model):
+                r = self.row(table_row.config, k, limit=limit)
+                group = f"{table_row.group}, {k}-shot"
+                results.append(
+                    {
+                        "name": table_row.name,
+                        "group": group,
+                        "config": table_row.config.to_dict(),
+                        "num_fewshot": k,
+                        **r,
+                    }
+                )
+                print(
+                    f"  {group:<22} {table_row.name:<40} acc {100 * r['accuracy']:5.1f}  "
+                    f"{r['tokens_per_second']:8.1f} tok/s  NFE {r['nfe_per_sample']:.1f}",
+                    flush=True,
+                )
+        for r in results:
+            base = next(b for b in results if b["group"] == r["group"] and b["name"].startswith("baseline"))
+            r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base["tokens_per_second"] else 0.0
+        return results
+
+    def sweeps(self) -> dict[str, list[dict]]:
+        a, g0, k0 = self.args, self.args.gen_length[0], self.args.shots[0]
+        if not a.sweeps:
+            return {}
+        thresholds = [0.5, 0.7, 0.9, 1.0] if a.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+        out = {
+            "threshold": [
+                {"value": t, **self.row(self.method(gen_length=g0, threshold=t, stop_at_eos=False), k0)}
+                for t in thresholds
+            ]
+        }
+        if not self.block_causal:  # a block-diffusion model's block is its attention's
+            blocks = [b for b in ([8, 32] if a.quick else [4, 8, 16, 32, 64]) if g0 % b == 0]
+            out["block_length"] = [
                 {
-                    "name": table_row.name,
-                    "group": f"{table_row.group}, {k}-shot",
-                    "config": table_row.config.to_dict(),
-                    "num_fewshot": k,
-                    **r,
+                    "value": b,
+                    **self.row(GenerationConfig.fast_dllm(gen_length=g0, block_length=b, stop_at_eos=False), k0),
                 }
-            )
-            print(
-                f"  {results[-1]['group']:<22} {table_row.name:<40} acc {100 * r['accuracy']:5.1f}  "
-                f"{r['tokens_per_second']:8.1f} tok/s  NFE {r['nfe_per_sample']:.1f}",
-                flush=True,
-            )
-    for r in results:
-        base = next(b for b in results if b["group"] == r["group"] and b["name"].startswith("baseline"))
-        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base["tokens_per_second"] else 0.0
-
-    sweeps: dict[str, list[dict]] = {}
-    g0, k0 = args.gen_length[0], shots[0]
-    if args.sweeps:
-        thresholds = [0.5, 0.7, 0.9, 1.0] if args.quick else [0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
-        blocks = [b for b in ([8, 32] if args.quick else [4, 8, 16, 32, 64]) if g0 % b == 0]
-        sweeps["threshold"] = [
-            {"value": t, **row(method(gen_length=g0, threshold=t, stop_at_eos=False), k0)} for t in thresholds
-        ]
-        if not block_causal:  # a block-diffusion model's block is its attention's
-            sweeps["block_length"] = [
-                {"value": b, **row(GenerationConfig.fast_dllm(gen_length=g0, block_length=b, stop_at_eos=False), k0)}
                 for b in blocks
             ]
-    batch = {}
-    if args.batch_check:
-        cfg = method(gen_length=g0, stop_at_eos=False)
-        one, eight = row(cfg, k0, batch_size=1), row(cfg, k0, batch_size=8)
-        batch = {
-            "batch_1": one,
-            "batch_8": eight,
-            "ratio": eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0,
-        }
+        return out
 
-    env = environment(model, model.device)
-    q = env["quantization"]
+    def batch_check(self) -> dict:
+        if not self.args.batch_check:
+            return {}
+        cfg = self.method(gen_length=self.args.gen_length[0], stop_at_eos=False)
+        k0 = self.args.shots[0]
+        one, eight = self.row(cfg, k0, batch_size=1), self.row(cfg, k0, batch_size=8)
+        ratio = eight["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0.0
+        return {"batch_1": one, "batch_8": eight, "ratio": ratio}
+
+
+def report(args, env: dict, results: list[dict], sweeps: dict, batch: dict) -> str:
+    g0, k0, q = args.gen_length[0], args.shots[0], env["quantization"]
     lines = [
-        f"fastdllm bench: task {args.task}, {'/'.join(map(str, limits))} samples per row, batch {args.batch_size}, "
-        f"device {model.device}; weights {env['weight_bytes'] / 2**20:.2f} MiB resident (linear layers "
-        f"{env['linear_weight_bytes'] / 2**20:.2f} MiB{', ' + str(q['bits'][0]) + '-bit' if q else ''})",
+        f"fastdllm bench: task {args.task}, {'/'.join(map(str, args.limits))} samples per row, batch "
+        f"{args.batch_size}, device {env['device']}; weights {env['weight_bytes'] / 2**20:.2f} MiB resident "
+        f"(linear layers {env['linear_weight_bytes'] / 2**20:.2f} MiB{', ' + str(q['bits'][0]) + '-bit' if q else ''})",
         "",
         HEADER,
     ] + [fmt_row(r) for r in results]
     for key, pts in sweeps.items():
-        lines += [
-            "",
-            f"{key} sweep (gen {g0}, {k0}-shot, the full method):",
-            "",
-            f"| {key} | accuracy % | tokens/s | NFE/sample |",
-            "|---|---|---|---|",
-        ]
+        lines += ["", f"{key} sweep (gen {g0}, {k0}-shot, the full method):", ""]
+        lines += [f"| {key} | accuracy % | tokens/s | NFE/sample |", "|---|---|---|---|"]
         lines += [
             f"| {p['value']} | {100 * p['accuracy']:.1f} | {p['tokens_per_second']:.1f} | {p['nfe_per_sample']:.1f} |"
             for p in pts
@@ -163,7 +176,22 @@ def main(argv: list[str] | None = None) -> int:
             f"batch 8 vs batch 1 (full method, gen {g0}): {batch['batch_8']['tokens_per_second']:.1f} vs "
             f"{batch['batch_1']['tokens_per_second']:.1f} tokens/s = {batch['ratio']:.1f}x",
         ]
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _per_gen_length(args)
+    model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
+    rank = getattr(model, "tp", (0, 1))[0]  # under --tp every rank measures; rank 0 writes
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(model, tokenizer, args)
+    # Warm-up: the first forward passes of a process pay for allocation and kernel selection.
+    bench.row(bench.method(gen_length=args.gen_length[0]), args.shots[0], limit=1)
+    results, sweeps, batch = bench.table(), bench.sweeps(), bench.batch_check()
+    env = environment(model, model.device)
+    table = report(args, env, results, sweeps, batch)
     print(table)
     if rank:
         return 0
@@ -171,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_files = plots(out, results, sweeps)
     record = {
         "command": "fastdllm bench " + " ".join(argv if argv is not None else []),
-        "settings": {k: v for k, v in vars(args).items()},
+        "settings": dict(vars(args)),
         "environment": env,
         "rows": results,
         "sweeps": sweeps,

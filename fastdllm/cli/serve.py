@@ -36,16 +36,8 @@ def _positive_int(text: str) -> int:
 _positive_int.__name__ = "positive integer"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .args import (
-        ArgumentParser,
-        UserError,
-        add_generation_args,
-        add_model_args,
-        config_from_args,
-        load_model_or_exit,
-        with_model_defaults,
-    )
+def build_parser():
+    from .args import ArgumentParser, add_generation_args, add_model_args
 
     p = ArgumentParser(
         prog="fastdllm serve",
@@ -124,18 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_generation_args(p, GenerationConfig())
-    args = p.parse_args(argv)
-    config = config_from_args(args)
-    if not 0 < args.port < 65536:
-        raise UserError(f"--port: must be in 1..65535 (got {args.port})")
-    if args.shutdown_grace < 0:
-        raise UserError("--shutdown-grace: must be >= 0")
-    if args.batch_wait_ms < 0:
-        raise UserError("--batch-wait-ms: must be >= 0")
-    model, tokenizer = load_model_or_exit(args)
-    config = with_model_defaults(args, config, model)
+    return p
+
+
+def settings_from_args(args, config: GenerationConfig) -> ServerSettings:
     names = args.served_model_name or [default_model_name(args.model)]
-    settings = ServerSettings(
+    return ServerSettings(
         names[0],
         config,
         args.max_batch_size,
@@ -148,20 +134,42 @@ def main(argv: list[str] | None = None) -> int:
         continuous=args.continuous,
         tool_call_parser=args.tool_call_parser,
     )
-    if config.compile:  # compiled before the first request, not during it
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .args import UserError, config_from_args, load_model_or_exit, with_model_defaults
+
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port: must be in 1..65535 (got {args.port})")
+    if args.shutdown_grace < 0:
+        raise UserError("--shutdown-grace: must be >= 0")
+    if args.batch_wait_ms < 0:
+        raise UserError("--batch-wait-ms: must be >= 0")
+    model, tokenizer = load_model_or_exit(args)
+    settings = settings_from_args(args, with_model_defaults(args, config, model))
+    if settings.defaults.compile:  # compiled before the first request, not during it
         from ..engine.generation import warm_up
 
         print("fastdllm serve: compiling the model's layers ...", flush=True)
-        print(f"fastdllm serve: compiled in {warm_up(model, config):.1f} s", flush=True)
+        print(f"fastdllm serve: compiled in {warm_up(model, settings.defaults):.1f} s", flush=True)
     app = create_app(model, tokenizer, settings)
-    import uvicorn
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     print(
-        f"fastdllm serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch_size}, "
-        f"max queue {args.max_queue})",
+        f"fastdllm serve: model {settings.model_name!r} on http://{args.host}:{args.port}/v1 "
+        f"(max batch {args.max_batch_size}, max queue {args.max_queue})",
         flush=True,
     )
+    run_uvicorn(app, args)
+    return 0
+
+
+def run_uvicorn(app, args) -> None:
+    """uvicorn until SIGTERM / SIGINT: then stop accepting, let running work finish for
+    --shutdown-grace seconds, answer every request still queued with a 503 error body, and stop."""
+    import uvicorn
+
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace + 5
     )
@@ -169,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     exit_now = server.handle_exit
 
     def handle_exit(sig, frame):
-        """On SIGTERM / SIGINT: stop accepting, let running work finish for --shutdown-grace
-        seconds, then answer every request still queued with a 503 error body, and stop."""
         if not server.should_exit:
             timer = threading.Timer(args.shutdown_grace, app.state.scheduler.close, kwargs={"timeout": 1.0})
             timer.daemon = True
@@ -179,4 +185,3 @@ def main(argv: list[str] | None = None) -> int:
 
     server.handle_exit = handle_exit
     server.run()
-    return 0
