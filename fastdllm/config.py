@@ -374,7 +374,10 @@ class GenerationConfig:
 
     # -- validation
     def validate(self) -> None:
-        """Every check in one place: a ConfigError naming the parameter and what is allowed."""
+        """Every check in one place: a ConfigError naming the parameter and what is allowed.
+
+        Long on purpose: one `need` per field, in declaration order, so that every rule a config
+        obeys reads as one list (the cross-field rules beside the fields they join)."""
 
         def need(ok: bool, name: str, allowed: str) -> None:
             if not ok:

@@ -195,7 +195,7 @@ def load_model(folder: str | Path, dtype=None, device="cpu", tp: tuple[int, int]
     is dequantized into its stack). `tp` (rank, world): that rank's part of the model under tensor
     parallelism (`models.tp`), read alone from the files."""
     from ..quant import install
-    from ..quant.formats import decode, is_quantized, read_quant_format
+    from ..quant.formats import read_quant_format
     from . import tp as tensor_parallel
 
     folder = Path(folder)
@@ -210,6 +210,28 @@ def load_model(folder: str | Path, dtype=None, device="cpu", tp: tuple[int, int]
         parts = tensor_parallel.cuts(model.args, *tp)
         tensor_parallel.apply(model, *tp)  # on the meta device: the rank's shapes and hooks
     dtype = resolve_dtype(dtype) or DTYPES.get(str(config.get("torch_dtype")), torch.float32)
+    state, layers = _read_weights(model, folder, fmt, dtype, device, parts)
+    if layers:  # the quantized layers replace their linear ones, with the checkpoint's biases
+        biases = {name: state.pop(f"{name}.bias", None) for name in layers}
+        install(model, layers, device=torch.device(device), dtype=dtype, biases=biases)
+        model.quantization.update(format=fmt.method)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    held = {f"{name}." for name in layers}
+    lost = [k for k in result.missing_keys if not k.startswith(tuple(held))]
+    if lost or result.unexpected_keys:
+        raise ValueError(
+            f"{folder}: weights do not match the model: missing {lost[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
+    model.setup_rope(torch.device(device))
+    return model.eval().requires_grad_(False)
+
+
+def _read_weights(model, folder: Path, fmt, dtype, device, parts: dict) -> tuple[dict, dict]:
+    """(state dict, quantized layers) of `model` from the folder's safetensors, checked against
+    the shapes config.json implies; `parts`: each tensor's cut for a tensor-parallel rank."""
+    from ..quant.formats import decode, is_quantized
+
+    where = str(folder / "config.json")
     names = model.family.weight_names(model.args)  # ours -> theirs (a tuple: one tensor per expert)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     tensors = CheckpointTensors(weight_files(folder))
@@ -260,19 +282,7 @@ def load_model(folder: str | Path, dtype=None, device="cpu", tp: tuple[int, int]
             f"{folder}: weights missing from the safetensors files: {', '.join(missing[:5])}"
             + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         )
-    if layers:  # the quantized layers replace their linear ones, with the checkpoint's biases
-        biases = {name: state.pop(f"{name}.bias", None) for name in layers}
-        install(model, layers, device=torch.device(device), dtype=dtype, biases=biases)
-        model.quantization.update(format=fmt.method)
-    result = model.load_state_dict(state, strict=False, assign=True)
-    held = {f"{name}." for name in layers}
-    lost = [k for k in result.missing_keys if not k.startswith(tuple(held))]
-    if lost or result.unexpected_keys:
-        raise ValueError(
-            f"{folder}: weights do not match the model: missing {lost[:5]}, unexpected {result.unexpected_keys[:5]}"
-        )
-    model.setup_rope(torch.device(device))
-    return model.eval().requires_grad_(False)
+    return state, layers
 
 
 def check_device(device) -> torch.device:
@@ -390,7 +400,6 @@ def save_pretrained(
     those layers quantized in `quant_format` ("compressed-tensors" or "gptq") with its
     `quantization_config` (`quantize_checkpoint` does this from a full-precision checkpoint)."""
     from ..quant import QuantizedLinear
-    from ..quant.formats import encode, quantization_config
 
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise ValueError(
@@ -410,23 +419,45 @@ def save_pretrained(
         config.pop("auto_map", None)
     names = family.weight_names(model.args)
     if quantized:
-        bits = {qw.bits for qw in quantized.values()}
-        # One group size for the checkpoint (None: per output channel); a layer whose input width
-        # is the group size has one group per channel either way.
-        sizes = {qw.group_size for qw in quantized.values()}
-        group = None if all(qw.per_channel for qw in quantized.values()) else min(sizes)
-        if len(bits) != 1 or any(
-            qw.group_size != group and not (group is None and qw.per_channel) for qw in quantized.values()
-        ):
-            raise ValueError("quantized: one bit width and one group size for the whole checkpoint")
-        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-        ignore = sorted(
-            names[f"{n}.weight"].removesuffix(".weight")
-            for n in linears
-            if n not in quantized and isinstance(names.get(f"{n}.weight"), str)
-        )
-        config["quantization_config"] = quantization_config(quant_format, bits.pop(), group, ignore)
+        config["quantization_config"] = _quantization_config(model, quantized, names, quant_format)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_safetensors(_checkpoint_tensors(model, names, dtype, quantized, quant_format), folder, max_shard_bytes)
+    writer = family.generation_config
+    if writer is not None:  # Dream's loader needs generation_config.json
+        gen = writer(model.args, getattr(model, "generation_config", None))
+        (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(folder)
+    return folder
+
+
+def _quantization_config(model, quantized: dict, names: dict, quant_format: str) -> dict:
+    """config.json's `quantization_config` for layers quantized with one bit width and group size."""
+    from ..quant.formats import quantization_config
+
+    bits = {qw.bits for qw in quantized.values()}
+    # One group size for the checkpoint (None: per output channel); a layer whose input width
+    # is the group size has one group per channel either way.
+    sizes = {qw.group_size for qw in quantized.values()}
+    group = None if all(qw.per_channel for qw in quantized.values()) else min(sizes)
+    if len(bits) != 1 or any(
+        qw.group_size != group and not (group is None and qw.per_channel) for qw in quantized.values()
+    ):
+        raise ValueError("quantized: one bit width and one group size for the whole checkpoint")
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    ignore = sorted(
+        names[f"{n}.weight"].removesuffix(".weight")
+        for n in linears
+        if n not in quantized and isinstance(names.get(f"{n}.weight"), str)
+    )
+    return quantization_config(quant_format, bits.pop(), group, ignore)
+
+
+def _checkpoint_tensors(model, names: dict, dtype, quantized: dict, quant_format: str) -> dict:
+    """The checkpoint's tensors under the family's names: quantized layers encoded, stacked
+    experts one tensor each."""
+    from ..quant.formats import encode
+
     tensors = {}
     for layer, qw in quantized.items():
         prefix = names[f"{layer}.weight"].removesuffix(".weight")
@@ -437,39 +468,38 @@ def save_pretrained(
         if k.removesuffix(".weight") in quantized:
             continue
         v = v.detach().to("cpu", dtype)
-        if isinstance(names[k], tuple):  # stacked experts: one tensor each
+        if isinstance(names[k], tuple):
             tensors.update({theirs: v[e].clone() for e, theirs in enumerate(names[k])})
         else:
             tensors[names[k]] = v.contiguous()
+    return tensors
+
+
+def write_safetensors(tensors: dict, folder: Path, max_shard_bytes: int | None = None) -> None:
+    """One model.safetensors, or shards with model.safetensors.index.json when larger than
+    `max_shard_bytes`; stale weight files in `folder` are removed first."""
     for stale in list(folder.glob("*.safetensors")) + list(folder.glob("model.safetensors.index.json")):
         stale.unlink()
     meta = {"format": "pt"}
-    if max_shard_bytes is None or sum(t.numel() * t.element_size() for t in tensors.values()) <= max_shard_bytes:
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
         save_file(tensors, str(folder / "model.safetensors"), metadata=meta)
-    else:
-        shards, current, size = [], {}, 0
-        for name in sorted(tensors):
-            nbytes = tensors[name].numel() * tensors[name].element_size()
-            if current and size + nbytes > max_shard_bytes:
-                shards.append(current)
-                current, size = {}, 0
-            current[name], size = tensors[name], size + nbytes
-        shards.append(current)
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(folder / fname), metadata=meta)
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    writer = family.generation_config
-    if writer is not None:  # Dream's loader needs generation_config.json
-        gen = writer(model.args, getattr(model, "generation_config", None))
-        (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save(folder)
-    return folder
+        return
+    shards, current, size = [], {}, 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name], size = tensors[name], size + nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata=meta)
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def quantize_checkpoint(

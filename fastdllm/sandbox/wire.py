@@ -190,6 +190,9 @@ def _items(payload, make_handle, depth):
 
 
 def _dec(t, mh, depth):
+    """One tagged node back into a value, checked as it is read (the bytes come from an untrusted
+    process). Long on purpose: one branch per tag, each with its own checks, so that what the
+    wire accepts is one readable list."""
     _need(depth <= 200, "value nested too deeply")
     _need(type(t) is list and len(t) >= 1 and type(t[0]) is str, "malformed node")
     tag, rest = t[0], t[1:]
