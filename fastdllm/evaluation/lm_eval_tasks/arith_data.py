@@ -7,7 +7,8 @@ def splits(**_metadata):
     """test: the 1000 fixed test problems; train: the 16-problem few-shot pool."""
     import datasets
 
-    from ..tasks import arith
+    # lm-eval loads this file alone, as a module outside any package: an absolute import
+    from fastdllm.evaluation.tasks import arith
 
     def rows(problems):
         return datasets.Dataset.from_list([{"question": p.question, "answer": p.answer} for p in problems])
