@@ -33,6 +33,7 @@ CONFIGS = {
 def record_windows(config_name: str, gen_length: int, num_fewshot: int, problems: int) -> list[list[tuple]]:
     import fastdllm
     from fastdllm.engine.cache_policies import cache_policy
+    from fastdllm.engine.policies import Policies
     from fastdllm.evaluation.tasks import arith
 
     model, tok = fastdllm.load(dtype="float32")
@@ -41,7 +42,9 @@ def record_windows(config_name: str, gen_length: int, num_fewshot: int, problems
     runs = []
     for p in arith.test_split()[:problems]:
         policy = cache_policy(model, cfg).record()
-        fastdllm.generate(model, [arith.prompt_ids(tok, p.question, shots)], config=cfg, cache=policy)
+        fastdllm.generate(
+            model, [arith.prompt_ids(tok, p.question, shots)], config=cfg, policies=Policies(cache=policy)
+        )
         runs.append(policy.history)
     return runs
 

@@ -71,7 +71,7 @@ SELECTION_RULES = Registry(
         "quota": f"{_UNMASKING}:Quota",
     },
 )
-# A model family's own proposal (`Family.proposal`).
+# A model family's own proposal (`DecodingRules.proposal`).
 PROPOSALS = Registry(
     "proposal",
     {

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
+from fastdllm.engine.policies import Policies
 from fastdllm.models.loading import save_pretrained
 
 FAMILIES = ["tiny_sdar", "tiny_v2"]
@@ -312,7 +313,7 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
 
     policy.block_logits = recording
     prompt = tokenizer.encode("Question: what is 12 + 30?\nAnswer:")
-    generate(tiny_v2, [prompt], config=config, cache=policy)
+    generate(tiny_v2, [prompt], config=config, policies=Policies(cache=policy))
     assert len(policy.history) == len(steps)
     last_whole, kinds = None, set()
     for (ws, we, _, lo, hi), (x, start, step, logits) in zip(policy.history, steps):

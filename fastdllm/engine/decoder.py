@@ -206,7 +206,7 @@ class BlockDecoder:
         if (
             model.args.block_size
             and config.block_length != model.args.block_size
-            and not (family is not None and family.any_decoding_block)
+            and not (family is not None and family.rules.any_decoding_block)
         ):
             raise ValueError(
                 f"block_length: must be {model.args.block_size} for this model, whose attention is "

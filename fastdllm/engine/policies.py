@@ -40,13 +40,13 @@ def policies_for(
     cache = cache if cache is not None else cache_policy(model, config)
     if strategy is None:
         family = getattr(model, "family", None)
-        strategy = UnmaskingStrategy.from_config(config, getattr(family, "proposal", None))
+        strategy = UnmaskingStrategy.from_config(config, family.rules.proposal if family is not None else None)
         if config.sub_block_length is not None:
             strategy = strategy.in_sub_blocks(config.sub_block_length)
         # Dream's rule belongs to its cached loops; a block-causal family's (Fast-dLLM v2's) to every loop
         if (
             family is not None
-            and family.block_start_reveals_first
+            and family.rules.block_start_reveals_first
             and (model.args.block_size or not isinstance(cache, NoCache))
         ):
             strategy = strategy.revealing_first_at_block_start()

@@ -100,7 +100,7 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None, 
         refresh_every=None,
     )
     table = BLOCK_DIFFUSION_ROWS if block_causal else TABLE_ROWS
-    if block_causal and model.family.proposal == "llada2":
+    if block_causal and model.family.rules.proposal == "llada2":
         table = table + EDITING_ROWS
 
     def config(**kw):

@@ -15,7 +15,7 @@ not token-identical with, the reference.
 from __future__ import annotations
 
 from . import qwen
-from .family import Family
+from .family import DecodingRules, Family, WeightNames
 from .transformer import ModelArgs
 
 SHIFTED_LOGITS = True
@@ -86,7 +86,6 @@ FAMILY = Family(
     special_tokens={"mask_token_id": "<|mask|>", "eos_token_id": "<|endoftext|>"},
     generation_defaults=GENERATION_DEFAULTS,
     generation_config=generation_config,
-    block_start_reveals_first=True,
     name="Dream",
     model_type=MODEL_TYPE,
     shifted_logits=SHIFTED_LOGITS,
@@ -96,9 +95,14 @@ FAMILY = Family(
     unsupported={"hidden_act": "silu"},
     check=qwen.check_no_rope_scaling,
     fixed={"qkv_bias": True},  # Qwen2: q/k/v always have biases
-    top_weights=qwen.TOP_WEIGHTS,
-    layer_weights=qwen.LAYER_WEIGHTS,
-    qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
+    weights=WeightNames(
+        top=qwen.TOP_WEIGHTS,
+        layer=qwen.LAYER_WEIGHTS,
+        qkv_bias=qwen.QKV_BIAS_WEIGHTS,
+    ),
+    rules=DecodingRules(
+        block_start_reveals_first=True,
+    ),
 )
 args_from_config = FAMILY.args_from_config
 config_from_args = FAMILY.config_from_args

@@ -32,6 +32,38 @@ class ConfigField:
 
 
 @dataclass(frozen=True)
+class WeightNames:
+    """Our parameter names -> the checkpoint's. "{i}" stands for the layer, "{p}" for q, k and v,
+    and "{e}" in a checkpoint name for the expert (one tensor each, stacked on our side)."""
+
+    top: dict[str, str]  # outside the layers (output.weight only when untied)
+    layer: dict[str, str]  # each layer's
+    qkv_bias: dict[str, str] = field(default_factory=dict)  # when args.qkv_bias
+    qk_norm: dict[str, str] = field(default_factory=dict)  # when args.qk_norm
+    moe: dict[str, str] = field(default_factory=dict)  # a mixture-of-experts layer's MLP, instead of the layer's
+    shared_expert: dict[str, str] = field(default_factory=dict)  # when args.shared_expert_hidden_dim
+    router_bias: dict[str, str] = field(default_factory=dict)  # when args.router_bias
+
+
+@dataclass(frozen=True)
+class DecodingRules:
+    """How the family's reference code decodes, where it differs from LLaDA's loop; the rest of a
+    Family is what its checkpoints hold."""
+
+    # Decoding fields the reference uses unless told otherwise (SDAR's selection rule).
+    defaults: dict[str, Any] = field(default_factory=dict)
+    # Its own way of proposing tokens and confidences (`config.PROPOSALS`); None: LLaDA's, or
+    # Dream's with `alg`.
+    proposal: str | None = None
+    # With a block cache, the block-start step (the one that refreshes the cache) reveals the
+    # block's first masked position (Fast-dLLM's Dream code).
+    block_start_reveals_first: bool = False
+    # A block-causal family whose reference builds the attention mask from the decoding block, so
+    # that any block_length decodes; False: block_length must be the model's block_size.
+    any_decoding_block: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     name: str  # as people write it: "LLaDA", "Dream"
     model_type: str
@@ -39,15 +71,7 @@ class Family:
     reference_config: dict
     fields: dict[str, ConfigField]  # ModelArgs field -> how config.json holds it
     required: tuple[str, ...]
-    top_weights: dict[str, str]  # ours -> theirs, outside the layers (output.weight only when untied)
-    layer_weights: dict[str, str]  # ours -> theirs for layer {i}; "{p}" stands for q, k and v
-    qkv_bias_weights: dict[str, str] = field(default_factory=dict)  # when args.qkv_bias
-    qk_norm_weights: dict[str, str] = field(default_factory=dict)  # when args.qk_norm
-    # A mixture-of-experts layer's MLP names (instead of the "layers.{i}.feed_forward." entries of
-    # layer_weights); "{e}" in a checkpoint name: one tensor per expert, stacked on our side.
-    moe_weights: dict[str, str] = field(default_factory=dict)
-    shared_expert_weights: dict[str, str] = field(default_factory=dict)  # when args.shared_expert_hidden_dim
-    router_bias_weights: dict[str, str] = field(default_factory=dict)  # when args.router_bias
+    weights: WeightNames
     unsupported: dict[str, Any] = field(default_factory=dict)  # config key -> the only value we run
     fixed: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields the family fixes
     check: Callable[[dict, str], None] | None = None  # further checks of a config
@@ -57,21 +81,10 @@ class Family:
     # (`GenerationConfig.for_model`), and the file a saved checkpoint writes (None: none)
     generation_defaults: tuple[str, ...] = ()
     generation_config: Callable[[ModelArgs, dict | None], dict] | None = None
-    # The family's own decoding rule with a block cache: the block-start step (the one that
-    # refreshes the cache) reveals the block's first masked position (Fast-dLLM's Dream code).
-    block_start_reveals_first: bool = False
-    # Decoding fields the family's own reference uses unless told otherwise (SDAR's selection rule).
-    decoding: dict[str, Any] = field(default_factory=dict)
-    # Its reference's own way of proposing tokens and confidences (`unmasking.PROPOSALS`); None:
-    # LLaDA's, or Dream's with `alg`.
-    proposal: str | None = None
-    # A block-causal family whose reference builds the attention mask from the decoding block, so
-    # that any block_length decodes (in blocks of that length, whatever the training block was);
-    # False: block_length must be the model's block_size.
-    any_decoding_block: bool = False
     # ModelArgs id fields -> the token's text in the family's vocabulary: where config.json does not
     # state the id, it is that token's id in the checkpoint's own tokenizer (`loading.read_config`).
     special_tokens: dict[str, str] = field(default_factory=dict)
+    rules: DecodingRules = field(default_factory=lambda: DecodingRules())
 
     def decoding_defaults(self, args: ModelArgs) -> dict:
         """Decoding fields a model of this family needs unless told otherwise. A block-causal model
@@ -80,14 +93,14 @@ class Family:
         current one, later steps the current block alone, and nothing after it is ever part of a
         forward (no later block is visible to it)."""
         if not args.block_size:
-            return dict(self.decoding)
+            return dict(self.rules.defaults)
         return {
             "block_length": args.block_size,
             "cache": "dual",
             "refresh": "vicinity",
             "refresh_every": None,
             "suffix_window": 0,
-            **self.decoding,
+            **self.rules.defaults,
         }
 
     # -- config.json -> ModelArgs
@@ -127,19 +140,19 @@ class Family:
         """Our parameter name -> the checkpoint's (a tuple for a stacked expert weight: the
         checkpoint's tensor of each expert, in order)."""
         names: dict[str, str | tuple[str, ...]] = {
-            k: v for k, v in self.top_weights.items() if k != "output.weight" or not args.tie_embeddings
+            k: v for k, v in self.weights.top.items() if k != "output.weight" or not args.tie_embeddings
         }
-        per_layer = dict(self.layer_weights)
+        per_layer = dict(self.weights.layer)
         if args.qk_norm:
-            per_layer.update(self.qk_norm_weights)
+            per_layer.update(self.weights.qk_norm)
         if args.qkv_bias:
-            per_layer.update(self.qkv_bias_weights)
+            per_layer.update(self.weights.qkv_bias)
         moe_layer = {k: v for k, v in per_layer.items() if not k.startswith("layers.{i}.feed_forward.")}
-        moe_layer.update(self.moe_weights)
+        moe_layer.update(self.weights.moe)
         if args.shared_expert_hidden_dim:
-            moe_layer.update(self.shared_expert_weights)
+            moe_layer.update(self.weights.shared_expert)
         if args.router_bias:
-            moe_layer.update(self.router_bias_weights)
+            moe_layer.update(self.weights.router_bias)
         for i in range(args.n_layers):
             for ours, theirs in (moe_layer if args.is_moe_layer(i) else per_layer).items():
                 if "{p}" in ours:

@@ -22,7 +22,7 @@ block: its first block's first token from the prompt's last logit.
 from __future__ import annotations
 
 from . import qwen
-from .family import ConfigField, Family
+from .family import ConfigField, DecodingRules, Family, WeightNames
 
 MODEL_TYPE = "fast_dllm_qwen"  # "Fast_dLLM_Qwen" in config.json (matched without case)
 MASK_TOKEN_ID = 151665  # |<MASK>|, added to the Qwen2.5 vocabulary
@@ -74,10 +74,14 @@ FAMILY = Family(
     unsupported={"hidden_act": "silu"},
     check=qwen.check_no_rope_scaling,
     fixed={"qkv_bias": True},
-    top_weights=qwen.TOP_WEIGHTS,
-    layer_weights=qwen.LAYER_WEIGHTS,
-    qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
-    block_start_reveals_first=True,
-    decoding={"sub_block_length": 8},  # batch_sample's small_block_size
-    proposal="fast_dllm_v2",
+    weights=WeightNames(
+        top=qwen.TOP_WEIGHTS,
+        layer=qwen.LAYER_WEIGHTS,
+        qkv_bias=qwen.QKV_BIAS_WEIGHTS,
+    ),
+    rules=DecodingRules(
+        block_start_reveals_first=True,
+        defaults={"sub_block_length": 8},  # batch_sample's small_block_size
+        proposal="fast_dllm_v2",
+    ),
 )

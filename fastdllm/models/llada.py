@@ -7,7 +7,7 @@ x += ff_out(silu(ff_proj(h)) * up_proj(h)) with h = ff_norm(x); final ln_f and o
 
 from __future__ import annotations
 
-from .family import ConfigField, Family
+from .family import ConfigField, Family, WeightNames
 
 SHIFTED_LOGITS = False
 MODEL_TYPE = "llada"
@@ -91,7 +91,6 @@ FAMILY = Family(
         "mask_token_id": ConfigField(("mask_token_id",)),
         "eos_token_id": ConfigField(("eos_token_id",)),
     },
-    # Settings of LLaDA's config that this (Llama-style) implementation does not support.
     unsupported={
         "alibi": False,
         "block_type": "llama",
@@ -104,21 +103,23 @@ FAMILY = Family(
     },
     adjust=lambda cfg, v: v.update(n_kv_heads=1) if cfg.get("multi_query_attention") else None,
     derived=lambda a: {"mlp_ratio": max(1, round(a.hidden_dim / a.dim))},
-    top_weights={
-        "tok_embeddings.weight": "model.transformer.wte.weight",
-        "norm.weight": "model.transformer.ln_f.weight",
-        "output.weight": "model.transformer.ff_out.weight",
-    },
-    layer_weights={
-        "layers.{i}.attention_norm.weight": "model.transformer.blocks.{i}.attn_norm.weight",
-        "layers.{i}.ffn_norm.weight": "model.transformer.blocks.{i}.ff_norm.weight",
-        "layers.{i}.attention.w{p}.weight": "model.transformer.blocks.{i}.{p}_proj.weight",
-        "layers.{i}.attention.wo.weight": "model.transformer.blocks.{i}.attn_out.weight",
-        "layers.{i}.feed_forward.w1.weight": "model.transformer.blocks.{i}.ff_proj.weight",
-        "layers.{i}.feed_forward.w3.weight": "model.transformer.blocks.{i}.up_proj.weight",
-        "layers.{i}.feed_forward.w2.weight": "model.transformer.blocks.{i}.ff_out.weight",
-    },
-    qkv_bias_weights={"layers.{i}.attention.w{p}.bias": "model.transformer.blocks.{i}.{p}_proj.bias"},
+    weights=WeightNames(
+        top={
+            "tok_embeddings.weight": "model.transformer.wte.weight",
+            "norm.weight": "model.transformer.ln_f.weight",
+            "output.weight": "model.transformer.ff_out.weight",
+        },
+        layer={
+            "layers.{i}.attention_norm.weight": "model.transformer.blocks.{i}.attn_norm.weight",
+            "layers.{i}.ffn_norm.weight": "model.transformer.blocks.{i}.ff_norm.weight",
+            "layers.{i}.attention.w{p}.weight": "model.transformer.blocks.{i}.{p}_proj.weight",
+            "layers.{i}.attention.wo.weight": "model.transformer.blocks.{i}.attn_out.weight",
+            "layers.{i}.feed_forward.w1.weight": "model.transformer.blocks.{i}.ff_proj.weight",
+            "layers.{i}.feed_forward.w3.weight": "model.transformer.blocks.{i}.up_proj.weight",
+            "layers.{i}.feed_forward.w2.weight": "model.transformer.blocks.{i}.ff_out.weight",
+        },
+        qkv_bias={"layers.{i}.attention.w{p}.bias": "model.transformer.blocks.{i}.{p}_proj.bias"},
+    ),
 )
 args_from_config = FAMILY.args_from_config
 config_from_args = FAMILY.config_from_args

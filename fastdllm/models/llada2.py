@@ -24,7 +24,7 @@ EOS; LLaDA2.1 adds token-to-token editing (`editing_threshold`, `max_post_steps`
 
 from __future__ import annotations
 
-from .family import ConfigField, Family
+from .family import ConfigField, DecodingRules, Family, WeightNames
 from .transformer import ModelArgs
 
 MODEL_TYPE = "llada2_moe"
@@ -192,23 +192,27 @@ FAMILY = Family(
     adjust=_adjust,
     derived=_derived,
     fixed={"fused_qkv": True, "router_bias": True, "router_score": "sigmoid", "normalize_expert_weights": True},
-    top_weights={
-        "tok_embeddings.weight": "model.word_embeddings.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    },
-    layer_weights=LAYER_WEIGHTS,
-    qk_norm_weights={
-        "layers.{i}.attention.q_norm.weight": "model.layers.{i}.attention.query_layernorm.weight",
-        "layers.{i}.attention.k_norm.weight": "model.layers.{i}.attention.key_layernorm.weight",
-    },
-    qkv_bias_weights={"layers.{i}.attention.wqkv.bias": "model.layers.{i}.attention.query_key_value.bias"},
-    moe_weights=MOE_WEIGHTS,
-    shared_expert_weights=SHARED_EXPERT_WEIGHTS,
-    router_bias_weights={"layers.{i}.feed_forward.expert_bias": "model.layers.{i}.mlp.gate.expert_bias"},
-    # The published generate's rule. Its default threshold (0.95) is not imposed: a threshold the
-    # caller leaves at the engine's default (0.9) stays.
-    decoding={"unmasking": "quota"},
-    proposal="llada2",
-    any_decoding_block=True,  # the published generate builds its mask from block_length
+    weights=WeightNames(
+        top={
+            "tok_embeddings.weight": "model.word_embeddings.weight",
+            "norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight",
+        },
+        layer=LAYER_WEIGHTS,
+        qk_norm={
+            "layers.{i}.attention.q_norm.weight": "model.layers.{i}.attention.query_layernorm.weight",
+            "layers.{i}.attention.k_norm.weight": "model.layers.{i}.attention.key_layernorm.weight",
+        },
+        qkv_bias={"layers.{i}.attention.wqkv.bias": "model.layers.{i}.attention.query_key_value.bias"},
+        moe=MOE_WEIGHTS,
+        shared_expert=SHARED_EXPERT_WEIGHTS,
+        router_bias={"layers.{i}.feed_forward.expert_bias": "model.layers.{i}.mlp.gate.expert_bias"},
+    ),
+    rules=DecodingRules(
+        # The published generate's rule. Its default threshold (0.95) is not imposed: a threshold the
+        # caller leaves at the engine's default (0.9) stays.
+        defaults={"unmasking": "quota"},
+        proposal="llada2",
+        any_decoding_block=True,  # the published generate builds its mask from block_length
+    ),
 )

@@ -18,7 +18,7 @@ tell them apart (`models.family_of`).
 from __future__ import annotations
 
 from . import qwen
-from .family import ConfigField, Family
+from .family import ConfigField, Family, WeightNames
 from .transformer import ModelArgs
 
 MODEL_TYPE = "lladamoe"
@@ -162,31 +162,33 @@ FAMILY = Family(
         "active_expert_groups": 1,
         "routed_scaling": 1.0,
     },
-    top_weights={
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    },
-    layer_weights={
-        "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-        "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-        "layers.{i}.attention.w{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
-        "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-        "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-        "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-        "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    },
-    qk_norm_weights=qwen.QK_NORM_WEIGHTS,  # its names are Qwen3's; loaded unless qk_layernorm is false
-    moe_weights={
-        "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
-        "layers.{i}.feed_forward.w1": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-        "layers.{i}.feed_forward.w3": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-        "layers.{i}.feed_forward.w2": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
-    },
-    router_bias_weights={"layers.{i}.feed_forward.expert_bias": "model.layers.{i}.mlp.expert_bias"},
-    shared_expert_weights={
-        "layers.{i}.feed_forward.shared.w1.weight": "model.layers.{i}.shared_expert.gate_proj.weight",
-        "layers.{i}.feed_forward.shared.w3.weight": "model.layers.{i}.shared_expert.up_proj.weight",
-        "layers.{i}.feed_forward.shared.w2.weight": "model.layers.{i}.shared_expert.down_proj.weight",
-    },
+    weights=WeightNames(
+        top={
+            "tok_embeddings.weight": "model.embed_tokens.weight",
+            "norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight",
+        },
+        layer={
+            "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+            "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+            "layers.{i}.attention.w{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
+            "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+            "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+            "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+            "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+        },
+        qk_norm=qwen.QK_NORM_WEIGHTS,  # its names are Qwen3's; loaded unless qk_layernorm is false
+        moe={
+            "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
+            "layers.{i}.feed_forward.w1": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+            "layers.{i}.feed_forward.w3": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+            "layers.{i}.feed_forward.w2": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+        },
+        router_bias={"layers.{i}.feed_forward.expert_bias": "model.layers.{i}.mlp.expert_bias"},
+        shared_expert={
+            "layers.{i}.feed_forward.shared.w1.weight": "model.layers.{i}.shared_expert.gate_proj.weight",
+            "layers.{i}.feed_forward.shared.w3.weight": "model.layers.{i}.shared_expert.up_proj.weight",
+            "layers.{i}.feed_forward.shared.w2.weight": "model.layers.{i}.shared_expert.down_proj.weight",
+        },
+    ),
 )

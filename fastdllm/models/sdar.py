@@ -15,7 +15,7 @@ mask in training, so quality may change.
 from __future__ import annotations
 
 from . import qwen
-from .family import ConfigField, Family
+from .family import ConfigField, DecodingRules, Family, WeightNames
 from .transformer import ModelArgs
 
 MODEL_TYPE = "sdar"
@@ -106,13 +106,17 @@ FAMILY = Family(
     unsupported={"hidden_act": "silu"},
     check=_check,
     fixed={"qk_norm": True},
-    top_weights=qwen.TOP_WEIGHTS,
-    layer_weights=qwen.LAYER_WEIGHTS,
-    qk_norm_weights=qwen.QK_NORM_WEIGHTS,
-    qkv_bias_weights=qwen.QKV_BIAS_WEIGHTS,
-    any_decoding_block=True,  # SDAR's evaluation builds its mask from the decoding block
     generation_defaults=GENERATION_DEFAULTS,
     generation_config=generation_config,
-    decoding={"unmasking": "quota"},  # its block_diffusion_generate's rule
-    proposal="sdar",
+    weights=WeightNames(
+        top=qwen.TOP_WEIGHTS,
+        layer=qwen.LAYER_WEIGHTS,
+        qk_norm=qwen.QK_NORM_WEIGHTS,
+        qkv_bias=qwen.QKV_BIAS_WEIGHTS,
+    ),
+    rules=DecodingRules(
+        any_decoding_block=True,  # SDAR's evaluation builds its mask from the decoding block
+        defaults={"unmasking": "quota"},  # its block_diffusion_generate's rule
+        proposal="sdar",
+    ),
 )
