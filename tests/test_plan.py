@@ -4,8 +4,6 @@ published configs each family keeps."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -60,28 +58,17 @@ def test_quantized_and_expert_parallel_plans():
         plan(llada.REFERENCE_CONFIG, tp=2, ep=2)
 
 
-def test_the_command_says_whether_it_fits(tmp_path):
+def test_the_command_says_whether_it_fits(tmp_path, capsys):
+    from fastdllm.cli.main import main as cli
+
     path = tmp_path / "config.json"
     path.write_text(json.dumps(llada.REFERENCE_CONFIG))
-    run = [
-        sys.executable,
-        "-m",
-        "fastdllm",
-        "plan",
-        "--model",
-        str(path),
-        "--tp",
-        "2",
-        "--batch",
-        "8",
-        "--max-len",
-        "2048",
-    ]
-    fits = subprocess.run(run + ["--memory", "24"], capture_output=True, text=True, timeout=120)
-    assert fits.returncode == 0 and "fits 24 GiB: yes" in fits.stdout, fits.stderr
-    short = subprocess.run(run + ["--memory", "8", "--json"], capture_output=True, text=True, timeout=120)
-    out = json.loads(short.stdout)
-    assert short.returncode == 1 and out["fits"] is False and out["tp"] == 2
+    run = ["plan", "--model", str(path), "--tp", "2", "--batch", "8", "--max-len", "2048"]
+    assert cli(run + ["--memory", "24"]) == 0
+    assert "fits 24 GiB: yes" in capsys.readouterr().out
+    assert cli(run + ["--memory", "8", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["tp"] == 2
     assert out["total_bytes_per_rank"] == out["weight_bytes_per_rank"] + out["kv_cache_bytes_per_rank"]
-    bad = subprocess.run(run[:6] + ["--tp", "3"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "tp: 3 does not divide" in bad.stderr
+    assert cli(run[:5] + ["--tp", "3"]) == 2
+    assert "tp: 3 does not divide" in capsys.readouterr().err
