@@ -114,10 +114,11 @@ class ConfigError(ValueError):
         self.param, self.detail = param, message
 
 
-def _opt(default, kind: str, help: str, server: bool = True):
+def _opt(default, kind: str, help: str, server: bool = True, search: tuple = ()):
     """A field: `kind` is int | float | str | bool, prefixed with "optional " when None is allowed;
-    `server` says whether an API request may set it under this name."""
-    return field(default=default, metadata={"kind": kind, "help": help, "server": server})
+    `server` says whether an API request may set it under this name; `search` lists the values
+    `fastdllm tune` tries for it (a speed knob; empty: tune leaves the field as given)."""
+    return field(default=default, metadata={"kind": kind, "help": help, "server": server, "search": search})
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class GenerationConfig:
     """
 
     gen_length: int = _opt(256, "int", "tokens to generate (a multiple of block_length)", server=False)
-    block_length: int = _opt(32, "int", "block size: blocks are decoded left to right")
+    block_length: int = _opt(32, "int", "block size: blocks are decoded left to right", search=(8, 16, 32, 64))
     steps: int | None = _opt(None, "optional int", "schedule steps over all blocks (default: gen_length)")
     temperature: float = _opt(0.0, "float", "sampling temperature (0: greedy)", server=False)
     remasking: str = _opt("low_confidence", "str", "LLaDA's confidence: " + " | ".join(REMASKING))
@@ -150,9 +151,12 @@ class GenerationConfig:
         0.9,
         "optional float",
         "parallel decoding: reveal every position at least this confident; 'none' for the schedule",
+        search=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99),
     )
     factor: float | None = _opt(None, "optional float", "factor-rule parallel decoding (takes precedence)")
-    cache: str = _opt("dual", "str", "KV cache policy: " + " | ".join(CACHE_POLICIES))
+    cache: str = _opt(
+        "dual", "str", "KV cache policy: " + " | ".join(CACHE_POLICIES), search=("none", "prefix", "dual")
+    )
     unmasking: str | None = _opt(
         None,
         "optional str",
@@ -184,12 +188,14 @@ class GenerationConfig:
         "token-to-token editing (LLaDA2.1): a revealed token of the current "
         "block is rewritten when the model's new token differs and is more "
         "confident than this; 'none': no editing",
+        search=(None, 0.5, 0.8, 0.95),
     )
     max_post_steps: int = _opt(16, "int", "with editing: at most this many steps of a block after its last mask")
     suffix_window: int | None = _opt(
         32,
         "optional int",
         "forwards see only this many positions after the current block (after DPad); 'none': the whole answer region",
+        search=(None, 0, 8, 16, 32, 64),
     )
     refresh: str = _opt(
         "vicinity",
@@ -197,8 +203,11 @@ class GenerationConfig:
         "what a cache policy's block-start forward recomputes: "
         + " | ".join(REFRESH_RULES)
         + " (vicinity: from the just-finished block on, after dInfer)",
+        search=("full", "vicinity", "adaptive"),
     )
-    refresh_every: int | None = _opt(None, "optional int", "with refresh=vicinity: a full refresh every N blocks")
+    refresh_every: int | None = _opt(
+        None, "optional int", "with refresh=vicinity: a full refresh every N blocks", search=(None, 2, 4)
+    )
     refresh_tol: float = _opt(
         0.1,
         "float",
@@ -265,6 +274,20 @@ class GenerationConfig:
         return getattr(cls, PRESETS[name])(**overrides)
 
     @classmethod
+    def from_preset(cls, path, family: str | None = None, **overrides) -> GenerationConfig:
+        """The config of a preset file (`fastdllm tune --out`), with `overrides`. `family`: the
+        model's family name; a preset tuned for another family is refused."""
+        preset = read_preset(path)
+        if family is not None and preset.get("family") not in (None, family):
+            raise ConfigError("preset", f"{path} was tuned for {preset['family']} models, not {family}")
+        return cls(**{**preset["config"], **overrides})
+
+    @classmethod
+    def search_space(cls) -> dict[str, tuple]:
+        """The values `fastdllm tune` tries, per field (the fields' `search` declarations)."""
+        return {f.name: f.metadata["search"] for f in fields(cls) if f.metadata.get("search")}
+
+    @classmethod
     def default(cls, **overrides) -> GenerationConfig:
         """The defaults: Fast-dLLM with a suffix window of 32 and the vicinity refresh."""
         return cls(**overrides)
@@ -287,6 +310,18 @@ class GenerationConfig:
         if "unmasking" in needed and ({"unmasking", "factor"} & set(overrides) or base.factor is not None):
             del needed["unmasking"]  # a rule the caller chose wins over the family's
         return base.replace(**{**needed, **checkpoint, **overrides})
+
+    def fit_to_model(self, model, keep=()) -> GenerationConfig:
+        """This config (a named preset) with what the model's family needs (a block-diffusion
+        model's block length, and its exact cache where the config has a cache), but for the
+        fields in `keep` (the ones a user gave)."""
+        family = getattr(model, "family", None)
+        needed = family.decoding_defaults(model.args) if family is not None else {}
+        if self.cache == "none":
+            needed = {
+                k: v for k, v in needed.items() if k not in ("cache", "refresh", "refresh_every", "suffix_window")
+            }
+        return self.replace(**{k: v for k, v in needed.items() if k not in keep})
 
     def replace(self, **changes) -> GenerationConfig:
         return replace(self, **changes)
@@ -486,6 +521,29 @@ class GenerationConfig:
             need(is_int(self.seed), "seed", "must be an integer or None")
         need(isinstance(self.compile, bool), "compile", "must be true or false")
         need(isinstance(self.deterministic, bool), "deterministic", "must be true or false")
+
+
+PRESET_FORMAT = "fastdllm-preset/1"
+
+
+def read_preset(path) -> dict:
+    """A preset file: {"format", "family", "model", "task", "config": {field: value}, ...}; a
+    ConfigError naming `preset` when it is not one."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError("preset", f"no preset file {path}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError("preset", f"{path} is not a JSON preset ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != PRESET_FORMAT or not isinstance(data.get("config"), dict):
+        raise ConfigError("preset", f"{path} is not a fastdllm preset (format {PRESET_FORMAT!r} with a config)")
+    unknown = sorted(set(data["config"]) - set(GenerationConfig.field_names()))
+    if unknown:
+        raise ConfigError("preset", f"{path} sets unknown fields {', '.join(unknown)}")
+    return data
 
 
 # --preset NAME -> the GenerationConfig classmethod that builds it.

@@ -18,7 +18,13 @@ LAYERS = [
     ("engine", ["fastdllm.engine"]),
     (
         "evaluation, serving, the embedded models",
-        ["fastdllm.evaluation", "fastdllm.server", "fastdllm.embedded", "fastdllm.lm_eval_plugin"],
+        [
+            "fastdllm.evaluation",
+            "fastdllm.tuning",
+            "fastdllm.server",
+            "fastdllm.embedded",
+            "fastdllm.lm_eval_plugin",
+        ],
     ),
     ("the command line and the package's front door", ["fastdllm.cli", "fastdllm.__main__", "fastdllm"]),
 ]

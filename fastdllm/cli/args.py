@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from ..config import PRESETS, ConfigError, GenerationConfig
+from ..config import PRESETS, ConfigError, GenerationConfig, read_preset
 
 
 class UserError(Exception):
@@ -103,9 +104,9 @@ def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig |
     g.add_argument(
         "--preset",
         default=None,
-        choices=list(PRESETS),
-        help="start from a named configuration (fast-dllm: as published; baseline: LLaDA's one token "
-        "per step); the flags below override it",
+        metavar="NAME|FILE",
+        help=f"start from a named configuration ({', '.join(PRESETS)}; fast-dllm: as published; baseline: "
+        "LLaDA's one token per step) or a preset file that `fastdllm tune` wrote; the flags below override it",
     )
     for opt in GenerationConfig.options():
         name, kind = opt["name"], opt["kind"]
@@ -130,7 +131,12 @@ def config_from_args(args: argparse.Namespace, **overrides) -> GenerationConfig:
     try:
         if getattr(args, "preset", None):
             given = {n: getattr(args, n) for n in names if n in getattr(args, "_explicit", ())}
-            return GenerationConfig.preset(args.preset, **{**given, **overrides})
+            if args.preset in PRESETS:
+                return GenerationConfig.preset(args.preset, **{**given, **overrides})
+            if not Path(args.preset).is_file():
+                raise UserError(f"--preset: one of {', '.join(PRESETS)}, or a preset file (no file {args.preset})")
+            args._preset_family = read_preset(args.preset).get("family")
+            return GenerationConfig.from_preset(args.preset, **{**given, **overrides})
         return GenerationConfig(**{**{n: getattr(args, n) for n in names}, **overrides})
     except ConfigError as e:
         raise UserError(f"{flag(e.param)}: {e.detail}") from None
@@ -141,16 +147,15 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
     flags the user did not give; none with a --preset, which says what to use, but for what the
     model's family needs (a block-diffusion model's block length, and its exact cache where the
     preset has a cache)."""
-    if getattr(args, "preset", None):
+    family_of_preset = getattr(args, "_preset_family", None)
+    if family_of_preset is not None:  # a tuned preset: made for this family, used as written
         family = getattr(model, "family", None)
-        needed = family.decoding_defaults(model.args) if family is not None else {}
-        if config.cache == "none":
-            needed = {
-                k: v for k, v in needed.items() if k not in ("cache", "refresh", "refresh_every", "suffix_window")
-            }
-        explicit = set(getattr(args, "_explicit", ()))
+        if family is not None and family.name != family_of_preset:
+            raise UserError(f"--preset: {args.preset} was tuned for {family_of_preset} models, not {family.name}")
+        return config
+    if getattr(args, "preset", None):
         try:
-            return config.replace(**{k: v for k, v in needed.items() if k not in explicit})
+            return config.fit_to_model(model, keep=set(getattr(args, "_explicit", ())))
         except ConfigError as e:
             raise UserError(f"{flag(e.param)}: {e.detail} (for this model)") from None
     given = {n: getattr(config, n) for n in getattr(args, "_explicit", ())}

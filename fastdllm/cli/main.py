@@ -2,7 +2,7 @@
 
 Each command lives in its own module of `fastdllm.cli` with a `main(argv)`; this file only
 dispatches (importing the command's module when it runs), and no module imports it. What the
-commands share (argument parser, model and decoding flags) is in `commands/args.py`.
+commands share (argument parser, model and decoding flags) is in `cli/args.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": ("fastdllm.cli.bench", "main", "the Fast-dLLM tables on your machine: baseline vs cache vs parallel"),
     "quantize": ("fastdllm.cli.quantize", "main", "write a weight-only int8 / int4 checkpoint"),
     "train-tiny": ("fastdllm.cli.train_tiny", "main", "train the embedded default model from a seed"),
+    "tune": ("fastdllm.cli.tune", "main", "the fastest decoding within an accuracy budget, as a preset"),
     "plan": ("fastdllm.cli.plan", "main", "weights and KV cache per rank under --tp / --ep, from config.json"),
 }
 
@@ -31,6 +32,7 @@ EXAMPLES = """examples:
   fastdllm serve --port 8000
   fastdllm eval --task arith --limit 200
   fastdllm bench --quick
+  fastdllm tune --task arith --budget 1 --out arith.json
   fastdllm quantize llada-arith llada-arith-w4 --bits 4
   fastdllm plan --model GSAI-ML/LLaDA-8B-Instruct --tp 2 --memory 24
   torchrun --nproc-per-node 2 -m fastdllm generate --tp 2 "..."

@@ -6,8 +6,9 @@ import argparse
 import logging
 import os
 import threading
+from pathlib import Path
 
-from ..config import GenerationConfig
+from ..config import PRESETS, ConfigError, GenerationConfig
 from ..server import ServerSettings, create_app, default_model_name
 
 log = logging.getLogger("fastdllm.server")
@@ -114,12 +115,28 @@ def build_parser():
         choices=["hermes", "llama3_json"],
         help="how tool calls are read from answers (default: the format the model's chat template teaches)",
     )
+    s.add_argument(
+        "--presets",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help='preset files (`fastdllm tune --out`) that requests may name by file stem: {"preset": "STEM"}, '
+        "beside the named ones (" + ", ".join(PRESETS) + ")",
+    )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_generation_args(p, GenerationConfig())
     return p
 
 
-def settings_from_args(args, config: GenerationConfig) -> ServerSettings:
+def settings_from_args(args, config: GenerationConfig, family: str | None = None) -> ServerSettings:
+    from .args import UserError
+
+    presets = {}
+    for path in args.presets:
+        try:
+            presets[Path(path).stem] = GenerationConfig.from_preset(path, family=family)
+        except ConfigError as e:
+            raise UserError(f"--presets: {e.detail}") from None
     names = args.served_model_name or [default_model_name(args.model)]
     return ServerSettings(
         names[0],
@@ -133,6 +150,7 @@ def settings_from_args(args, config: GenerationConfig) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         continuous=args.continuous,
         tool_call_parser=args.tool_call_parser,
+        presets=presets,
     )
 
 
@@ -148,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_wait_ms < 0:
         raise UserError("--batch-wait-ms: must be >= 0")
     model, tokenizer = load_model_or_exit(args)
-    settings = settings_from_args(args, with_model_defaults(args, config, model))
+    family = getattr(getattr(model, "family", None), "name", None)
+    settings = settings_from_args(args, with_model_defaults(args, config, model), family)
     if settings.defaults.compile:  # compiled before the first request, not during it
         from ..engine.generation import warm_up
 

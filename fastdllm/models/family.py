@@ -61,6 +61,8 @@ class DecodingRules:
     # A block-causal family whose reference builds the attention mask from the decoding block, so
     # that any block_length decodes; False: block_length must be the model's block_size.
     any_decoding_block: bool = False
+    # Its reference loop edits revealed tokens (LLaDA2.1's editing_threshold), so tuning tries it.
+    edits: bool = False
 
 
 @dataclass(frozen=True)

@@ -214,5 +214,6 @@ FAMILY = Family(
         defaults={"unmasking": "quota"},
         proposal="llada2",
         any_decoding_block=True,  # the published generate builds its mask from block_length
+        edits=True,  # LLaDA2.1's token editing
     ),
 )

@@ -187,6 +187,7 @@ _DecodingFields = create_model(
 
 class _Common(_DecodingFields):
     model: str
+    preset: str | None = None  # a named decoding preset the server knows (`fastdllm serve --presets`)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None

@@ -9,10 +9,10 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError, GenerationConfig
+from ..config import PRESETS, ConfigError, GenerationConfig
 from ..engine.constraints import GrammarConstraint, response_format_constraint
 from ..engine.generation import generate
 from ..text import tool_calls
@@ -37,6 +37,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     continuous: bool = True  # requests join the running batch at its next block boundary
     tool_call_parser: str | None = None  # "hermes" | "llama3_json" (None: the one the chat template teaches)
+    presets: dict[str, GenerationConfig] = field(default_factory=dict)  # more presets requests may name
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -68,6 +69,12 @@ class Server:
         self.metrics = ServerMetrics(self.scheduler, settings.model_name)
         self.scheduler.batch_hook = self.metrics.on_batch
         self.created = int(time.time())
+        d = settings.defaults
+        server_wide = {"compile": d.compile, "deterministic": d.deterministic}
+        # Named presets fitted to the model's family; tuned ones were made for it and stay as written.
+        self.presets = {name: GenerationConfig.preset(name).fit_to_model(model) for name in PRESETS}
+        self.presets.update(settings.presets)
+        self.presets = {name: c.replace(**server_wide) for name, c in self.presets.items()}
         self.warmed, self.warm_error = False, None  # set by the app's warm-up decode
 
     def not_ready(self) -> str | None:
@@ -99,8 +106,19 @@ class Server:
             )
 
     def config_for(self, req: _Common, max_tokens: int | None) -> tuple[GenerationConfig, int]:
-        """The request's GenerationConfig (seed None) and the number of tokens to keep."""
-        base = self.settings.defaults.replace(seed=None)
+        """The request's GenerationConfig (seed None) and the number of tokens to keep: the
+        server's defaults, or the preset it names, with the request's own fields."""
+        base = self.settings.defaults
+        if req.preset is not None:
+            if req.preset not in self.presets:
+                raise APIError(
+                    400,
+                    f"preset: {req.preset!r} is not one of {', '.join(self.presets)}",
+                    param="preset",
+                    code="invalid_value",
+                )
+            base = self.presets[req.preset]
+        base = base.replace(seed=None)
         overrides: dict[str, Any] = {}
         for name in DLLM_FIELDS:
             if name in req.model_fields_set:

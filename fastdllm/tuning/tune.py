@@ -1,0 +1,128 @@
+"""`tune()`: the calibration and held-out splits, the race (`search.Race`), the held-out check and
+the preset (`report`). `fastdllm tune` is its command line."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from ..config import GenerationConfig
+from ..evaluation.harness import evaluate
+from ..evaluation.tasks import get_task
+from .search import Candidate, Race, TuneResult, candidates
+from .stats import drop_interval, problems_needed
+
+
+def splits(num_docs: int, calibration: int, holdout: int, seed: int) -> tuple[list[int], list[int]]:
+    """Disjoint calibration and held-out document indices, drawn with `seed`."""
+    if calibration < 1:
+        raise ValueError(f"limit: must be a positive number of calibration problems (got {calibration})")
+    if holdout < 0:
+        raise ValueError(f"holdout: must be >= 0 (got {holdout})")
+    if calibration + holdout > num_docs:
+        raise ValueError(f"limit: {calibration} calibration + {holdout} held-out problems exceed the task's {num_docs}")
+    order = list(range(num_docs))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:calibration]), sorted(order[calibration : calibration + holdout])
+
+
+def evaluator(model, tokenizer, task, batch_size: int, data_dir=None) -> Callable:
+    def run(config: GenerationConfig, indices: list[int]) -> tuple[list[dict], float]:
+        res = evaluate(model, tokenizer, task, samples=indices, config=config, batch_size=batch_size, data_dir=data_dir)
+        return res["samples"], res["generation_time_s"]
+
+    return run
+
+
+def tune(
+    model,
+    tokenizer,
+    task: str,
+    base: GenerationConfig,
+    *,
+    budget: float = 1.0,
+    limit: int | None = None,
+    holdout: int | None = None,
+    confidence: float = 0.9,
+    metric: str = "positions_per_token",
+    time_budget: float | None = None,
+    random_candidates: int = 16,
+    seed: int = 0,
+    batch_size: int = 16,
+    data_dir=None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Tune `base` (fitted to the model) for `task`: the fastest setting whose accuracy is at most
+    `budget` points below the family's reference decoding on `limit` calibration problems, at
+    `confidence`; then checked on `holdout` other problems (defaults: 500 each, at most half the
+    task's problems for calibration and the rest held out). Returns the report (`report.preset`)."""
+    from .report import preset
+
+    task_obj = get_task(task)
+    num_docs = len(task_obj.load(data_dir, None))
+    limit = min(500, num_docs // 2) if limit is None else limit
+    holdout = min(500, num_docs - limit) if holdout is None else holdout
+    calib, held = splits(num_docs, limit, holdout, seed)
+    base = GenerationConfig.for_model(model, base, checkpoint_defaults=False)
+    keep = {"gen_length": base.gen_length, "block_length": base.block_length}
+    reference = GenerationConfig.baseline(**keep).fit_to_model(model)
+    named = {"fast-dllm": GenerationConfig.fast_dllm(**keep).fit_to_model(model)}
+    pool = candidates(model, base, named, random_candidates, seed)
+    log(
+        f"tune: {task} on {len(calib)} calibration problems ({len(held)} held out), budget {budget} points at "
+        f"{100 * confidence:.0f}% confidence, {len(pool)} settings, speed as {metric}"
+    )
+    needed = problems_needed(budget / 100, confidence)
+    if needed > len(calib):
+        log(
+            f"tune: on {len(calib)} problems no setting can be certified within {budget} points "
+            f"(that takes at least {needed}: raise --limit or the budget); the reference will be chosen"
+        )
+    run = evaluator(model, tokenizer, task, batch_size, data_dir)
+    race = Race(
+        run,
+        reference,
+        pool,
+        calib,
+        budget / 100,
+        confidence,
+        metric,
+        time_budget=time_budget,
+        log=log,
+    )
+    result = race.run()
+    held_out = check_held_out(result, run, held, pool, confidence, budget / 100) if held else None
+    return preset(model, task, budget, confidence, metric, seed, result, held_out)
+
+
+def check_held_out(result: TuneResult, run, held: list[int], pool: list[Candidate], confidence, budget) -> dict:
+    """The chosen setting, the reference, the default and Fast-dLLM's, decoded side by side on
+    problems the search never saw; the chosen one's drop there, with its bounds."""
+    named = {"reference": result.reference.config, "chosen": result.chosen.config}
+    for c in pool:
+        if c.label in ("default", "fast-dllm"):
+            named[c.label] = c.config
+    rows, correct = {}, {}
+    for name, config in named.items():
+        t0 = time.perf_counter()
+        records, seconds = run(config, held)
+        tokens = sum(r["num_tokens"] for r in records)
+        positions = sum(r["forward_positions"] for r in records)
+        correct[name] = [r["correct"] for r in sorted(records, key=lambda r: r["index"])]
+        rows[name] = {
+            "accuracy": sum(correct[name]) / len(records),
+            "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+            "positions_per_token": positions / max(1, tokens),
+            "nfe_per_sample": sum(r["nfe"] for r in records) / len(records),
+            "wall_s": time.perf_counter() - t0,
+        }
+    iv = drop_interval(correct["reference"], correct["chosen"], confidence)
+    return {
+        "problems": len(held),
+        "rows": rows,
+        "drop": iv.drop,
+        "drop_lower": iv.lower,
+        "drop_upper": iv.upper,
+        "exceeds_budget": iv.drop > budget,
+    }
