@@ -18,8 +18,9 @@ takes the same arguments as `lm_eval`, and adds this package's task folder (`TAS
 `--include_path` unless one is given: `--tasks fastdllm_arith` then runs the embedded models' own
 test split offline (in Python: `lm_eval.tasks.TaskManager(include_path=TASKS_DIR)`).
 
-model_args: `pretrained` (folder or hub id; default the embedded model), `device`, `dtype`, and
-any GenerationConfig field (gen_length, block_length, steps, threshold, factor, cache, alg,
+model_args: `pretrained` (folder or hub id; default the embedded model), `device`, `dtype`,
+`preset` (a file that `fastdllm tune` wrote; the fields given beside it override it), and any
+GenerationConfig field (gen_length, block_length, steps, threshold, factor, cache, alg,
 temperature, ...), e.g. `threshold=none` for the schedule. Without gen_length, each request's
 `max_gen_toks` is used (rounded up to a whole number of blocks). Each request's `until` strings
 cut the answer (`fastdllm.text.completion.complete`); `--batch_size N` decodes N prompts together.
@@ -65,6 +66,7 @@ class LMMethods:
         mc_num: int | str = 128,
         mc_batch_size: int | str = 16,
         mc_seed: int | str = 0,
+        preset: str | None = None,
         **kwargs,
     ):
         super().__init__()
@@ -79,7 +81,7 @@ class LMMethods:
         if unknown:
             raise ValueError(
                 f"fastdllm: unknown model_args {', '.join(sorted(unknown))}; use pretrained, "
-                f"device, dtype or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})"
+                f"device, dtype, preset or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})"
             )
         self.gen_kwargs = _config_kwargs(kwargs)
         self.fixed_gen_length = "gen_length" in self.gen_kwargs
@@ -90,6 +92,10 @@ class LMMethods:
             if not torch.cuda.is_available():  # lm_eval's CLI passes --device cuda by default
                 device = None
         self.model, self.tokenizer = load(pretrained, dtype=dtype, device=device)
+        if preset is not None:  # a tuned preset, with the model_args given beside it on top
+            family = getattr(getattr(self.model, "family", None), "name", None)
+            self.base_config = GenerationConfig.from_preset(preset, family=family, **self.gen_kwargs)
+            self.fixed_gen_length = True
         self.pretrained = pretrained or "fastdllm/llada-arith"
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
         self._device = self.model.device

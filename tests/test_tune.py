@@ -201,7 +201,7 @@ def test_tune_runs_end_to_end_and_its_preset_is_used(tmp_path, capsys):
     out = tmp_path / "arith.json"
     report = _tune(cli, None, out)
     text = capsys.readouterr().out
-    assert "frontier on 24 calibration problems" in text and "held out (8 problems" in text
+    assert "frontier of the race (reference on 24 calibration problems" in text and "held out (8 problems" in text
     assert report["format"] == PRESET_FORMAT and report["family"] == "LLaDA" and report["task"] == "arith"
     assert report["calibration"]["problems"] == 24 and report["held_out"]["problems"] == 8
     chosen = report["calibration"]["chosen"]
@@ -219,3 +219,20 @@ def test_tune_runs_on_every_embedded_model_and_a_real_layout_checkpoint(model, t
     report = _tune(cli, path, tmp_path / "p.json")
     assert report["config"] and report["held_out"]["problems"] == 8
     assert cli(["eval", "--task", "arith", "--limit", "2", "--model", path, "--preset", str(tmp_path / "p.json")]) == 0
+
+
+def test_lm_eval_and_bench_take_a_preset_file(tmp_path, tiny_llada_dir, capsys):
+    from fastdllm import lm_eval_plugin
+    from fastdllm.cli.main import main as cli
+
+    from .test_eval import _FakeLM
+
+    p = _preset(tmp_path / "tuned.json", threshold=0.6, block_length=16, gen_length=32)
+    lm = lm_eval_plugin.make_model_class(_FakeLM)(pretrained=str(tiny_llada_dir), preset=str(p), cache="prefix")
+    assert (lm.base_config.threshold, lm.base_config.cache, lm.base_config.gen_length) == (0.6, "prefix", 32)
+    wrong = _preset(tmp_path / "dream.json", family="Dream", threshold=0.6)
+    with pytest.raises(ConfigError, match="tuned for Dream models"):
+        lm_eval_plugin.make_model_class(_FakeLM)(pretrained=str(tiny_llada_dir), preset=str(wrong))
+    argv = ["bench", "--limit", "1", "--gen-length", "32", "--rows", "full", "--stop-at-eos", "off"]
+    assert cli([*argv, "--no-sweeps", "--no-batch-check", "--preset", str(p), "--out", str(tmp_path / "b")]) == 0
+    assert "tuned preset (tuned)" in capsys.readouterr().out

@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..config import GenerationConfig
-from ..evaluation.bench import HEADER, ROW_KEYS, environment, fmt_row, plots, run_config, table_rows
+from ..config import ConfigError, GenerationConfig
+from ..evaluation.bench import HEADER, ROW_KEYS, Row, environment, fmt_row, plots, run_config, table_rows
 from .args import UserError, add_model_args, load_model_or_exit
 
 
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-check", action=argparse.BooleanOptionalAction, default=True, help="full method at batch 1 vs batch 8"
     )
+    p.add_argument("--preset", default=None, metavar="FILE", help="add a row for a preset that `fastdllm tune` wrote")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: 4 samples, gen length 64, small sweeps")
     p.add_argument("--out", default="bench_out")
@@ -100,7 +101,8 @@ class Bench:
     def table(self) -> list[dict]:
         a, results = self.args, []
         for gen_length, k, limit in zip(a.gen_length, a.shots, a.limits):
-            for table_row in table_rows(gen_length, self.block_length, a.stop_at_eos, a.rows, model=self.model):
+            rows = table_rows(gen_length, self.block_length, a.stop_at_eos, a.rows, model=self.model)
+            for table_row in rows + self.preset_rows(rows, gen_length):
                 r = self.row(table_row.config, k, limit=limit)
                 group = f"{table_row.group}, {k}-shot"
                 results.append(
@@ -121,6 +123,20 @@ class Bench:
             base = next(b for b in results if b["group"] == r["group"] and b["name"].startswith("baseline"))
             r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base["tokens_per_second"] else 0.0
         return results
+
+    def preset_rows(self, rows: list[Row], gen_length: int) -> list[Row]:
+        """The tuned preset's row in each group of the table, at that group's gen length and stop rule."""
+        if self.args.preset is None:
+            return []
+        family = getattr(self.model.family, "name", None)
+        try:
+            tuned = GenerationConfig.from_preset(self.args.preset, family=family, gen_length=gen_length)
+        except ConfigError as e:
+            raise UserError(f"--preset: {e.detail}") from None
+        name = f"tuned preset ({Path(self.args.preset).stem})"
+        groups = {(r.group, r.config.stop_at_eos) for r in rows}
+        suffix = {True: " [stop@eos]", False: ""}
+        return [Row(name + suffix[stop], tuned.replace(stop_at_eos=stop), group) for group, stop in sorted(groups)]
 
     def sweeps(self) -> dict[str, list[dict]]:
         a, g0, k0 = self.args, self.args.gen_length[0], self.args.shots[0]

@@ -11,24 +11,24 @@ from ..version import __version__
 from .search import Candidate, TuneResult
 
 
-def frontier(cands: list[Candidate], indices: list[int]) -> list[Candidate]:
-    """The settings decoded on `indices` that no other one beats in both accuracy and positions
-    per token, fastest first."""
-    done = [c for c in cands if all(i in c.records for i in indices)]
-    points = sorted(done, key=lambda c: (c.positions_per_token(indices), -c.accuracy(indices)))
-    out, best = [], -1.0
+def frontier(cands: list[Candidate]) -> list[Candidate]:
+    """The settings that no other beats in both accuracy drop and positions per token, fastest
+    first; each read on the calibration problems it reached in the race (its drop is paired with
+    the reference on those)."""
+    done = [c for c in cands if c.interval is not None]
+    points = sorted(done, key=lambda c: (c.positions_per_token(sorted(c.records)), c.interval.drop))
+    out, best = [], float("inf")
     for c in points:
-        acc = c.accuracy(indices)
-        if acc > best:
+        if c.interval.drop < best:
             out.append(c)
-            best = acc
+            best = c.interval.drop
     return out
 
 
 def preset(model, task, budget, confidence, metric, seed, result: TuneResult, held_out) -> dict:
     family = getattr(model, "family", None)
     idx = result.indices
-    front = frontier([result.reference, *result.candidates], idx)
+    front = frontier(result.candidates)
     return {
         "format": PRESET_FORMAT,
         "family": family.name if family is not None else None,
@@ -48,7 +48,7 @@ def preset(model, task, budget, confidence, metric, seed, result: TuneResult, he
             "stopped_early": result.stopped_early,
         },
         "held_out": held_out,
-        "frontier": [c.summary(idx) for c in front],
+        "frontier": [c.summary(sorted(c.records)) for c in front],
         "settings": [{"label": c.label, "status": c.status} for c in result.candidates],
         "tuning_seconds": round(result.seconds, 1),
         "fastdllm_version": __version__,
@@ -59,17 +59,17 @@ def table(report: dict) -> str:
     cal = report["calibration"]
     ref = cal["reference"]
     lines = [
-        f"frontier on {cal['problems']} calibration problems (reference {100 * ref['accuracy']:.1f}%, "
+        f"frontier of the race (reference on {cal['problems']} calibration problems: {100 * ref['accuracy']:.1f}%, "
         f"{ref['positions_per_token']:.2f} positions/token; budget {report['budget_points']} points):",
         "",
-        "| setting | accuracy % | drop (upper bound) | positions/token | tokens/s |",
-        "|---|---|---|---|---|",
+        "| setting | problems | accuracy % | drop (upper bound) | positions/token | tokens/s |",
+        "|---|---|---|---|---|---|",
     ]
     for f in report["frontier"]:
         mark = " **chosen**" if f["status"] == "chosen" else ""
         lines.append(
-            f"| {f['label']}{mark} | {100 * f['accuracy']:.1f} | {100 * f['drop']:+.1f} ({100 * f['drop_upper']:+.1f}) "
-            f"| {f['positions_per_token']:.2f} | {f['tokens_per_second']:.1f} |"
+            f"| {f['label']}{mark} | {f['problems']} | {100 * f['accuracy']:.1f} | {100 * f['drop']:+.1f} "
+            f"({100 * f['drop_upper']:+.1f}) | {f['positions_per_token']:.2f} | {f['tokens_per_second']:.1f} |"
         )
     held = report["held_out"]
     if held:
@@ -100,27 +100,26 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Accuracy against positions per token: every setting decoded on the whole calibration
-    split, the frontier, the chosen point and the budget line."""
+    """Accuracy drop against positions per token: the frontier of the race, the chosen point and
+    the budget line (the reference is at drop 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cal, front = report["calibration"], report["frontier"]
-    ref = cal["reference"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     xs = [f["positions_per_token"] for f in front]
-    ax.plot(xs, [100 * f["accuracy"] for f in front], "o-", color="tab:blue", label="frontier")
-    ax.scatter([ref["positions_per_token"]], [100 * ref["accuracy"]], marker="s", color="black", label="reference")
-    ch = cal["chosen"]
-    ax.scatter([ch["positions_per_token"]], [100 * ch["accuracy"]], marker="*", s=200, color="tab:red", label="chosen")
-    ax.axhline(100 * ref["accuracy"] - report["budget_points"], color="tab:gray", linestyle="--", label="budget")
+    ax.plot(xs, [100 * f["drop"] for f in front], "o-", color="tab:blue", label="frontier")
+    ref, ch = cal["reference"], cal["chosen"]
+    ax.scatter([ref["positions_per_token"]], [0.0], marker="s", color="black", label="reference")
+    ax.scatter([ch["positions_per_token"]], [100 * ch["drop"]], marker="*", s=200, color="tab:red", label="chosen")
+    ax.axhline(report["budget_points"], color="tab:gray", linestyle="--", label="budget")
     ax.set_xscale("log")
     ax.set_xlabel("forward positions per generated token (log)")
-    ax.set_ylabel("accuracy %")
+    ax.set_ylabel("accuracy drop against the reference (points)")
     ax.set_title(f"fastdllm tune: {report['task']} ({cal['problems']} calibration problems)")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
