@@ -316,6 +316,15 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
     generate(tiny_v2, [prompt], config=config, policies=Policies(cache=policy))
     assert len(policy.history) == len(steps)
     last_whole, kinds = None, set()
+    # v2 reveals a block's first token at its block-start step, which makes no block cache: the
+    # block's next step is a whole-block forward even though its first sub-block opens revealed.
+    opened_masked = {start for x, start, step, _ in steps if step == 0 and x[start] == tiny_v2.mask_token_id}
+    assert opened_masked
+    assert all(
+        hi - lo == blk
+        for (_, _, _, lo, hi), (_, start, step, _) in zip(policy.history, steps)
+        if step == 1 and start in opened_masked
+    )
     for (ws, we, _, lo, hi), (x, start, step, logits) in zip(policy.history, steps):
         end = start + blk
         masked = (x[start:end] == tiny_v2.mask_token_id).nonzero().flatten() + start

@@ -369,7 +369,7 @@ class SubBlockCache(DualCache):
         # is the reference's commit forward, which makes no block cache; the block's first decoding
         # forward does, with the first token in place.
         family = getattr(model, "family", None)
-        self._first_at_start = bool(getattr(family, "block_start_reveals_first", False))
+        self._first_at_start = family is not None and family.rules.block_start_reveals_first
         self._uncached: list[bool] = []  # per row: no whole-block forward of this block yet
 
     @classmethod
