@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from ..config import SELECTION_RULES, GenerationConfig, is_int, selection_rule_name
 from ..models.transformer import positions_from_mask
@@ -187,6 +188,38 @@ def row_generators(config: GenerationConfig, batch: int, row_seeds, device) -> l
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
+class ForwardClock:
+    """Time inside the forwards, without waiting for the device: on a GPU each forward is
+    bracketed by CUDA events, read once when the total is asked for; on a CPU, the wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple] = []
+        self.wall = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.events.append((start, torch.cuda.Event(enable_timing=True)))
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.events[-1][1].record()
+        else:
+            self.wall += time.perf_counter() - self._t0
+
+    @property
+    def seconds(self) -> float:
+        if not self.events:
+            return self.wall
+        self.events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.events) / 1000
+
+
 class BlockDecoder:
     """The loop. `add` rows (they join at the next block boundary), then `run_block` decodes one
     block of every row; `rows` are the rows in the batch, `left` those that left after the last
@@ -223,7 +256,8 @@ class BlockDecoder:
         self.joining: list[Row] = []
         self.left: list[Row] = []
         self.last_blocks: list[tuple[Row, int, list[int]]] = []
-        self.nfe, self.forward_time = 0, 0.0
+        self.nfe = 0
+        self.forward_clock = ForwardClock(self.device)
         self.start = 0  # the column of every row's current block
         self.x = self.valid = self.step_of = self.row_nfe = None
 
@@ -288,6 +322,11 @@ class BlockDecoder:
         keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
         if len(keep) < len(self.rows):
             self._keep(keep)
+
+    @property
+    def forward_time(self) -> float:
+        """Seconds inside the model's forwards so far."""
+        return self.forward_clock.seconds
 
     @property
     def active(self) -> bool:
@@ -385,8 +424,7 @@ class BlockDecoder:
             else:
                 alive &= has_mask | edited.any(-1)
                 yield chosen | edited
-        self._charge(log)
-        self._finish_block(block)
+        self._finish_block(block, log)
 
     def _stop_early(self, block: torch.Tensor) -> None:
         """LLaDA2.0's `eos_early_stop`: a row whose block holds a revealed stop token with no masked
@@ -442,12 +480,8 @@ class BlockDecoder:
         choice (and the editing rule's, where there is one), written into the block. `live`: the
         rows taking part. Returns (chosen, edited (None without editing), the forwards' work)."""
         start, end = self.start, self.start + self.config.block_length
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        logits = self.policy.block_logits(seq, start, end, step)
-        sync()
-        self.forward_time += time.perf_counter() - t0
+        with self.forward_clock, record_function("fastdllm.forward"):
+            logits = self.policy.block_logits(seq, start, end, step)
         work = self.policy.take_work()
         self.nfe += len(work)
         # Rows whose block is already done draw no randomness: each row's stream must advance
@@ -456,18 +490,23 @@ class BlockDecoder:
         drawing = everyone
         if generators is not None and not bool(live.all()):
             drawing = [i if m else None for i, m in zip(everyone, live.tolist())]
-        tokens, conf = self.strategy.propose(logits, generators, drawing)
+        with record_function("fastdllm.propose"):
+            tokens, conf = self.strategy.propose(logits, generators, drawing)
         proposed_mask = tokens == self.mask_id
-        if bool(proposed_mask.any()):
-            # A model may rank [MASK] first (an untrained one does): revealing it would leave the
-            # position masked for ever. Those positions get the best other token instead; the
-            # references would loop or keep the mask there, and no other position changes.
+        # A model may rank [MASK] first (an untrained one does): revealing it would leave the
+        # position masked for ever. Those positions get the best other token instead; the
+        # references would loop or keep the mask there, and no other position changes. Greedy
+        # proposals draw nothing, so the other token is proposed every step and no host read
+        # decides it; sampled ones propose again only when needed, so that each row's random
+        # stream advances as in the reference.
+        if generators is None or bool(proposed_mask.any()):
             logits = logits.clone()
             logits[..., self.mask_id] = float("-inf")
             others, others_conf = self.strategy.propose(logits, generators, drawing)
             tokens = torch.where(proposed_mask, others, tokens)
             conf = torch.where(proposed_mask, others_conf, conf)
-        chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
+        with record_function("fastdllm.select"):
+            chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
         constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
         if constrained:  # the grammar's say: left to right, every revealed token accepted
             for i in constrained:
@@ -480,20 +519,21 @@ class BlockDecoder:
             if constrained:  # a checked token is never rewritten
                 editable[constrained] = False
             edited = self.strategy.editing.select(tokens, conf, block, editable)
-            block[edited] = tokens[edited]
-        block[chosen] = tokens[chosen]
+            block.copy_(torch.where(edited, tokens, block))
+        block.copy_(torch.where(chosen, tokens, block))  # not block[chosen] = ...: no host read
         region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
         self.row_nfe += live
         return chosen, edited, work
 
-    def _finish_block(self, block) -> None:
+    def _finish_block(self, block, log: list[tuple]) -> None:
         """Rows that hit a stop token or their last block leave; the others move to the next block."""
         bsz, end = block.shape[0], self.start + self.config.block_length
-        done = block.tolist()
         revealed = self.step_of[:, self.start : end] >= 0  # not a prompt token that opens the region
-        hit = (
-            (torch.isin(block, self.stop_ids) & revealed).any(-1).tolist() if self.config.stop_at_eos else [False] * bsz
-        )
+        hit = torch.isin(block, self.stop_ids) & revealed
+        hit = hit.any(-1) if self.config.stop_at_eos else torch.zeros_like(hit[:, 0])
+        # the block's tokens, its rows' stops and the block's step log: one read from the device
+        done, hit, counts, live = self._read_block(block, hit, log)
+        self._charge(log, counts, live)
         self.last_blocks, self.left, keep = [], [], []
         for i, r in enumerate(self.rows):
             _, _, b_lo, b_hi = r.answer_span(r.block, self.config.block_length)
@@ -508,20 +548,29 @@ class BlockDecoder:
         if len(keep) < bsz:
             self._keep(keep)
 
-    def _charge(self, log) -> None:
+    @staticmethod
+    def _read_block(block: torch.Tensor, hit: torch.Tensor, log: list[tuple]) -> tuple[list, list, list, list]:
+        """Per row: the block's tokens, whether it hit a stop, and per step of the log the tokens
+        it revealed and whether it took part; read from the device in one transfer."""
+        parts = [block, hit[:, None].long()]
+        if log:
+            parts += [torch.stack([c for c, _, _ in log], 1).long(), torch.stack([h for _, h, _ in log], 1).long()]
+        rows = torch.cat(parts, 1).tolist()
+        blk, steps = block.shape[1], len(log)
+        counts = [r[blk + 1 : blk + 1 + steps] for r in rows]
+        live = [r[blk + 1 + steps :] for r in rows]
+        return [r[:blk] for r in rows], [bool(r[blk]) for r in rows], counts, live
+
+    def _charge(self, log, counts: list[list[int]], live: list[list[int]]) -> None:
         """Per row: the tokens of each step it took part in and the work of every forward that
-        served it while it had masks (what it costs alone)."""
-        if not log:
-            return
-        counts = torch.stack([c for c, _, _ in log]).tolist()
-        live = torch.stack([h for _, h, _ in log]).tolist()
+        served it while it had masks (what it costs alone). counts[i][s], live[i][s]: row i at step s."""
         for s, (_, _, work) in enumerate(log):
             for i, r in enumerate(self.rows):
-                if live[s][i]:
-                    r.tokens_per_step.append(counts[s][i])
+                if live[i][s]:
+                    r.tokens_per_step.append(counts[i][s])
             for served, queries, keys in work:
                 for i in range(len(self.rows)) if served is None else served:
-                    if live[s][i]:
+                    if live[i][s]:
                         r = self.rows[i]
                         r.nfe += 1
                         r.forward_positions += queries

@@ -76,8 +76,8 @@ def tune(
     needed = problems_needed(budget / 100, confidence)
     if needed > len(calib):
         log(
-            f"tune: on {len(calib)} problems no setting can be certified within {budget} points "
-            f"(that takes at least {needed}: raise --limit or the budget); the reference will be chosen"
+            f"tune: on {len(calib)} problems a setting is certified within {budget} points only where it "
+            f"also solves problems the reference misses (without such gains it takes {needed} problems)"
         )
     run = evaluator(model, tokenizer, task, batch_size, data_dir)
     race = Race(

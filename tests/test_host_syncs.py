@@ -1,0 +1,45 @@
+"""A decoding step is arithmetic: per step one host read (does any row still have a mask?), per
+block a handful (the block's tokens and statistics in one read, a family's block-start rule),
+whatever the family. `engine.host_syncs.HostSyncs` counts every point where a GPU would make the
+host wait (value reads, boolean-mask indexing), here on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdllm import GenerationConfig, generate
+from fastdllm.engine.host_syncs import HostSyncs
+
+FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("cache", ["dual", "none"])
+def test_a_step_reads_the_device_once(name, cache, request, tokenizer):
+    model = request.getfixturevalue(name)
+    base = GenerationConfig(gen_length=32, block_length=8, threshold=0.2, stop_at_eos=False)
+    config = GenerationConfig.for_model(model, base, checkpoint_defaults=False)
+    if not model.args.block_size:
+        config = config.replace(cache=cache)
+    prompts = [tokenizer.encode("Question: 3 + 4 = ?"), tokenizer.encode("Question: what is 12 + 30?\nAnswer:")]
+    kinds = []
+    with HostSyncs(sites=True) as syncs:
+        generate(model, prompts, config=config, on_step=lambda e: kinds.append(e.kind))
+    steps, blocks = kinds.count("step"), kinds.count("block")
+    # input checks and the final count of tokens; per row its prompt, and its leaving the layout
+    setup = 4 + 3 * len(prompts)
+    assert steps >= blocks and syncs.count <= steps + 3 * blocks + setup, syncs.by_site.most_common()
+
+
+def test_the_counter_sees_every_kind_of_host_read():
+    x = torch.arange(6)
+    with HostSyncs() as syncs:
+        bool(x.any())
+        x.sum().item()
+        x.tolist()
+        x[x > 2] = 0
+        x.nonzero()
+        y = x + 1  # arithmetic reads nothing
+    assert syncs.count == 5 and y.shape == (6,)
+    assert torch.Tensor.tolist is not None and x.tolist() == [0, 1, 2, 0, 0, 0]
