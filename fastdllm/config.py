@@ -214,6 +214,13 @@ class GenerationConfig:
         "with refresh=adaptive: the relative change of the just-finished "
         "block's keys above which a row is refreshed fully",
     )
+    confidence_temperature: float = _opt(
+        1.0,
+        "float",
+        "divide the logits by this where the selection rule reads confidences, not where tokens are "
+        "chosen (a calibrated view for benchmarks: `fastdllm bench --calibrate`); greedy decoding only",
+        server=False,
+    )
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
     compile: bool = _opt(
         False,
@@ -517,6 +524,18 @@ class GenerationConfig:
                 "refresh_every",
                 "must be a positive integer or None",
             )
+        need(
+            is_num(self.confidence_temperature)
+            and finite(self.confidence_temperature)
+            and self.confidence_temperature > 0,
+            "confidence_temperature",
+            "must be a finite number > 0",
+        )
+        need(
+            self.confidence_temperature == 1 or self.temperature == 0,
+            "confidence_temperature",
+            "needs greedy decoding (temperature 0): sampled tokens would be drawn twice",
+        )
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")
         need(isinstance(self.compile, bool), "compile", "must be true or false")

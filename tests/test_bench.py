@@ -162,3 +162,14 @@ def test_plots_keep_every_label_readable(tmp_path):
     assert pareto([(1, 0.5), (2, 0.4), (3, 0.9)]) == [2]
     assert pareto([(1, 0.9), (2, 0.5), (3, 0.4)]) == [0, 1, 2]
     assert pareto([(5, 0.9), (1, 0.5)], higher_x_better=False) == [1, 0]
+
+
+@pytest.mark.slow
+def test_the_calibrated_view_reaches_its_tokens_per_step():
+    import fastdllm
+    from fastdllm.evaluation.bench import calibrate_confidence
+
+    model, tok = fastdllm.load(dtype="float32")
+    cfg = fastdllm.GenerationConfig.fast_dllm(gen_length=64, block_length=32)
+    temp, per_step = calibrate_confidence(model, tok, cfg, target=3.0, limit=8, rounds=8)
+    assert temp > 1.0 and abs(per_step - 3.0) < 0.75

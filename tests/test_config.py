@@ -40,6 +40,7 @@ BAD = {
     "refresh_tol": -1,
     "compile": 1,
     "deterministic": "yes",
+    "confidence_temperature": 0,
 }
 
 

@@ -180,3 +180,26 @@ def test_a_partial_bundle_takes_the_rest_from_the_config(model):
     assert named.config.cache == "prefix"
     with pytest.raises(ValueError, match="policies"):
         fastdllm.generate(m, ids, config=cfg, policies=lambda model, config: "not a bundle")
+
+
+def test_a_confidence_temperature_tempers_confidences_not_tokens(model):
+    from fastdllm.engine.unmasking import UnmaskingStrategy
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8, 50) * 4
+    plain = UnmaskingStrategy.from_config(GenerationConfig())
+    tempered = UnmaskingStrategy.from_config(GenerationConfig(confidence_temperature=3.0))
+    (t1, c1), (t3, c3) = plain.propose(logits, None, [0, 1]), tempered.propose(logits, None, [0, 1])
+    assert torch.equal(t1, t3) and (c3 < c1).all()
+    m, tok = model
+    ids = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:4]]
+
+    def per_step(t):
+        out = fastdllm.generate(m, ids, config=GenerationConfig(gen_length=64, confidence_temperature=t))
+        return sum(map(sum, out.tokens_per_step)) / sum(map(len, out.tokens_per_step))
+
+    assert per_step(1.0) > per_step(2.0) >= 1.0
+    with pytest.raises(ConfigError, match="confidence_temperature: needs greedy"):
+        GenerationConfig(confidence_temperature=2.0, temperature=0.5)
+    with pytest.raises(ConfigError, match="confidence_temperature"):
+        GenerationConfig(confidence_temperature=0.0)

@@ -7,7 +7,18 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError, GenerationConfig
-from ..evaluation.bench import HEADER, ROW_KEYS, Row, environment, fmt_row, plots, run_config, table_rows
+from ..evaluation.bench import (
+    HEADER,
+    REAL_TOKENS_PER_STEP,
+    ROW_KEYS,
+    Row,
+    calibrate_confidence,
+    environment,
+    fmt_row,
+    plots,
+    run_config,
+    table_rows,
+)
 from .args import UserError, add_model_args, load_model_or_exit
 
 
@@ -58,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-check", action=argparse.BooleanOptionalAction, default=True, help="full method at batch 1 vs batch 8"
     )
     p.add_argument("--preset", default=None, metavar="FILE", help="add a row for a preset that `fastdllm tune` wrote")
+    p.add_argument(
+        "--calibrate",
+        nargs="?",
+        type=float,
+        const=REAL_TOKENS_PER_STEP,
+        default=None,
+        metavar="TOKENS_PER_STEP",
+        help="also run every row in a calibrated view: confidences (not tokens) tempered so that the full "
+        f"method reveals this many tokens per step, as a real model does (default {REAL_TOKENS_PER_STEP}: "
+        "LLaDA-8B on GSM8K at gen 256)",
+    )
     p.add_argument("--data-dir", default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: 4 samples, gen length 64, small sweeps")
     p.add_argument("--out", default="bench_out")
@@ -98,13 +120,25 @@ class Bench:
             return GenerationConfig.for_model(self.model, GenerationConfig(**kw), checkpoint_defaults=False)
         return GenerationConfig.fast_dllm(block_length=self.block_length, **kw)
 
-    def table(self) -> list[dict]:
+    def calibration(self) -> dict | None:
+        """The calibrated view's confidence temperature (`--calibrate`), found on the full method."""
+        if self.args.calibrate is None:
+            return None
+        cfg = self.method(gen_length=self.args.gen_length[0], threshold=0.9)
+        t, tps = calibrate_confidence(self.model, self.tokenizer, cfg, self.args.task, self.args.calibrate)
+        print(f"  calibrated view: confidence temperature {t} -> {tps:.2f} tokens/step at threshold 0.9", flush=True)
+        return {"confidence_temperature": t, "tokens_per_step": tps, "target": self.args.calibrate}
+
+    def table(self, calibration: dict | None = None) -> list[dict]:
         a, results = self.args, []
-        for gen_length, k, limit in zip(a.gen_length, a.shots, a.limits):
+        views = [("", 1.0)] + ([(" calibrated", calibration["confidence_temperature"])] if calibration else [])
+        for (view, temp), (gen_length, k, limit) in (
+            (v, g) for v in views for g in zip(a.gen_length, a.shots, a.limits)
+        ):
             rows = table_rows(gen_length, self.block_length, a.stop_at_eos, a.rows, model=self.model)
             for table_row in rows + self.preset_rows(rows, gen_length):
-                r = self.row(table_row.config, k, limit=limit)
-                group = f"{table_row.group}, {k}-shot"
+                r = self.row(table_row.config.replace(confidence_temperature=temp), k, limit=limit)
+                group = f"{table_row.group}{view}, {k}-shot"
                 results.append(
                     {
                         "name": table_row.name,
@@ -170,7 +204,7 @@ class Bench:
         return {"batch_1": one, "batch_8": eight, "ratio": ratio}
 
 
-def report(args, env: dict, results: list[dict], sweeps: dict, batch: dict) -> str:
+def report(args, env: dict, results: list[dict], sweeps: dict, batch: dict, calibration: dict | None = None) -> str:
     g0, k0, q = args.gen_length[0], args.shots[0], env["quantization"]
     lines = [
         f"fastdllm bench: task {args.task}, {'/'.join(map(str, args.limits))} samples per row, batch "
@@ -185,6 +219,13 @@ def report(args, env: dict, results: list[dict], sweeps: dict, batch: dict) -> s
         lines += [
             f"| {p['value']} | {100 * p['accuracy']:.1f} | {p['tokens_per_second']:.1f} | {p['nfe_per_sample']:.1f} |"
             for p in pts
+        ]
+    if calibration:
+        lines += [
+            "",
+            f"calibrated view: confidence temperature {calibration['confidence_temperature']} (confidences only; "
+            f"tokens are the model's), {calibration['tokens_per_step']:.2f} tokens/step at threshold 0.9 "
+            f"(target {calibration['target']})",
         ]
     if batch:
         lines += [
@@ -205,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(model, tokenizer, args)
     # Warm-up: the first forward passes of a process pay for allocation and kernel selection.
     bench.row(bench.method(gen_length=args.gen_length[0]), args.shots[0], limit=1)
-    results, sweeps, batch = bench.table(), bench.sweeps(), bench.batch_check()
+    calibration = bench.calibration()
+    results, sweeps, batch = bench.table(calibration), bench.sweeps(), bench.batch_check()
     env = environment(model, model.device)
-    table = report(args, env, results, sweeps, batch)
+    table = report(args, env, results, sweeps, batch, calibration)
     print(table)
     if rank:
         return 0
@@ -220,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": results,
         "sweeps": sweeps,
         "batch": batch,
+        "calibration": calibration,
         "plots": plot_files,
     }
     (out / "bench.json").write_text(json.dumps(record, indent=2, default=str) + "\n")

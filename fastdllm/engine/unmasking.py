@@ -494,11 +494,20 @@ class Editing:
 class UnmaskingStrategy:
     """One unmasking policy: a proposal (tokens and confidences), a factory of the selection
     rule (rules keep per-block state, so each generation gets a fresh one), whether it draws
-    randomness (then each row gets a generator), and its token editing (`Editing`, or None)."""
+    randomness (then each row gets a generator), and its token editing (`Editing`, or None).
+    `confidence_temperature`: the confidences the rules read come from logits divided by it,
+    the tokens from the logits as they are (a benchmark's calibrated view; greedy only)."""
 
-    def __init__(self, proposal: Proposal, make_rule, draws_randomness: bool, editing: Editing | None = None):
+    def __init__(
+        self,
+        proposal: Proposal,
+        make_rule,
+        draws_randomness: bool,
+        editing: Editing | None = None,
+        confidence_temperature: float = 1.0,
+    ):
         self.proposal, self.make_rule, self.draws_randomness = proposal, make_rule, draws_randomness
-        self.editing = editing
+        self.editing, self.confidence_temperature = editing, confidence_temperature
 
     @classmethod
     def from_config(cls, config, family_proposal: str | None = None) -> UnmaskingStrategy:
@@ -510,12 +519,22 @@ class UnmaskingStrategy:
             lambda: rule.from_config(config),
             proposal.draws_randomness() or rule.draws_randomness(config),
             Editing.from_config(config),
+            config.confidence_temperature,
         )
 
     def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator
         of batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
-        return self.proposal(logits if self.proposal.model_dtype else logits.float(), generators, rows)
+        logits = logits if self.proposal.model_dtype else logits.float()
+        tokens, conf = self.proposal(logits, generators, rows)
+        if self.confidence_temperature != 1.0:  # greedy (checked by the config): no randomness drawn twice
+            _, conf = self.proposal(logits / self.confidence_temperature, generators, rows)
+        return tokens, conf
+
+    def _with_rule(self, make_rule) -> UnmaskingStrategy:
+        return UnmaskingStrategy(
+            self.proposal, make_rule, self.draws_randomness, self.editing, self.confidence_temperature
+        )
 
     def new_rule(self) -> SelectionRule:
         """A fresh selection rule for one generation."""
@@ -524,12 +543,10 @@ class UnmaskingStrategy:
     def in_sub_blocks(self, size: int) -> UnmaskingStrategy:
         """The same strategy, revealing each block sub-block by sub-block (`SubBlocks`)."""
         inner = self.make_rule
-        return UnmaskingStrategy(self.proposal, lambda: SubBlocks(inner(), size), self.draws_randomness, self.editing)
+        return self._with_rule(lambda: SubBlocks(inner(), size))
 
     def revealing_first_at_block_start(self) -> UnmaskingStrategy:
         """The same strategy whose block-start step reveals the block's first position
         (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache, Fast-dLLM v2)."""
         inner = self.make_rule
-        return UnmaskingStrategy(
-            self.proposal, lambda: FirstPositionAtBlockStart(inner()), self.draws_randomness, self.editing
-        )
+        return self._with_rule(lambda: FirstPositionAtBlockStart(inner()))
