@@ -49,7 +49,13 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(p)
-    s = p.add_argument_group("server")
+    add_server_args(p.add_argument_group("server"))
+    add_generation_args(p, GenerationConfig())
+    return p
+
+
+def add_server_args(s) -> None:
+    """The server's own flags (address, auth, limits, batching, tools, presets)."""
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     s.add_argument(
@@ -124,8 +130,6 @@ def build_parser():
         "beside the named ones (" + ", ".join(PRESETS) + ")",
     )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_generation_args(p, GenerationConfig())
-    return p
 
 
 def settings_from_args(args, config: GenerationConfig, family: str | None = None) -> ServerSettings:

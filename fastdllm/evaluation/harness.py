@@ -171,30 +171,33 @@ def evaluate(
     all_records = sorted(_gather(run.records, group, world), key=lambda r: r["index"])
     timings = _gather([run.timing(time.perf_counter() - t_start)], group, world)
     results = summarize(all_records, timings)
-    results.update(
-        {
-            "task": task.name,
-            "description": task.description,
-            "model": model_name or getattr(model, "name_or_path", None),
-            "num_fewshot": k,
-            "limit": limit,
-            "sample_indices": None if samples is None else sorted(set(samples)),
-            "chat_template": chat,
-            "batch_size": batch_size,
-            "world_size": world,
-            "config": config.to_dict(),
-            # memory: the weights as they sit in memory, and the largest KV cache a batch held
-            **(weight_bytes(model) if hasattr(model, "named_modules") else {}),
-            "quantization": getattr(model, "quantization", None),
-            "data_dir": str(data_dir) if data_dir is not None else "fastdllm/evaluation/data (bundled)",
-            "fastdllm_version": __version__,
-        }
-    )
+    results.update(_settings(model, task, k, limit, samples, chat, batch_size, world, config, data_dir, model_name))
     results.update(task.result_fields(results, timeout))
     results["samples"] = all_records
     if log_samples is not None and speaks:
         write_samples(all_records, log_samples)
     return results
+
+
+def _settings(model, task, k, limit, samples, chat, batch_size, world, config, data_dir, model_name) -> dict:
+    """What the results were measured with: task, model, prompt, batching, config, memory, data."""
+    return {
+        "task": task.name,
+        "description": task.description,
+        "model": model_name or getattr(model, "name_or_path", None),
+        "num_fewshot": k,
+        "limit": limit,
+        "sample_indices": None if samples is None else sorted(set(samples)),
+        "chat_template": chat,
+        "batch_size": batch_size,
+        "world_size": world,
+        "config": config.to_dict(),
+        # memory: the weights as they sit in memory, and the largest KV cache a batch held
+        **(weight_bytes(model) if hasattr(model, "named_modules") else {}),
+        "quantization": getattr(model, "quantization", None),
+        "data_dir": str(data_dir) if data_dir is not None else "fastdllm/evaluation/data (bundled)",
+        "fastdllm_version": __version__,
+    }
 
 
 def parse_indices(text: str) -> list[int]:
