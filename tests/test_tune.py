@@ -104,6 +104,14 @@ def test_with_nothing_certified_the_reference_is_chosen():
     assert result.chosen is result.reference and result.chosen.status == "chosen"
 
 
+def test_a_spent_time_budget_stops_the_race_and_says_so():
+    fake = FakeEvaluator({None: set(), 0.9: set()}, {None: 100, 0.9: 8})
+    pool = [Candidate("t0.9", GenerationConfig(threshold=0.9))]
+    result = Race(fake, GenerationConfig.baseline(), pool, list(range(40)), budget=0.5, time_budget=0.0).run()
+    assert result.stopped_early and result.chosen is result.reference
+    assert pool[0].status == "not decoded (time budget)" and [c[0] for c in fake.calls] == [None]
+
+
 def test_the_race_refuses_bad_parameters():
     fake = FakeEvaluator({None: set()}, {None: 1})
     with pytest.raises(ValueError, match="metric"):
