@@ -42,7 +42,8 @@ def torchrun(*args: str, ranks: int = 2, timeout: float = 300) -> subprocess.Com
 
 def test_every_family_split_over_two_ranks_decodes_as_one_process(tmp_path):
     """Logits within float32 rounding of the whole model's, the same tokens for a batch of two, and
-    every rank deciding alike; GQA with fewer kv heads than ranks (tiny_llada2) included."""
+    every rank deciding alike; GQA with fewer kv heads than ranks (tiny_llada2) included; and the
+    same for int8 and int4 checkpoints, each rank reading its part of the quantized layers."""
     out = tmp_path / "tp.json"
     run = torchrun(str(WORKER), str(out), *FAMILIES)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -54,6 +55,8 @@ def test_every_family_split_over_two_ranks_decodes_as_one_process(tmp_path):
         assert r["all_reduces_per_layer"] == 2  # one after attention, one after the MLP
         assert r["read_parts_equal"]  # a rank reading only its parts from the files gets the same
         assert r["weight_bytes_per_rank"] < r["weight_bytes"]
+        for bits, q in r["quantized"].items():  # int8 per channel, int4 in groups of 32 columns
+            assert q["max_logit_diff"] < 1e-4 and q["same_tokens"], (name, bits, q)
     assert results["tiny_llada2"]["kv_heads_per_rank"] == 1 and results["tiny_v2"]["heads_per_rank"] == 2
 
 

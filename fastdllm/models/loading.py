@@ -205,8 +205,6 @@ def load_model(folder: str | Path, dtype=None, device="cpu", tp: tuple[int, int]
     fmt = read_quant_format(folder, config)
     parts: dict = {}
     if tp is not None and tp[1] > 1:
-        if fmt is not None:
-            raise ValueError("tp: quantized checkpoints are not split yet")
         parts = tensor_parallel.cuts(model.args, *tp)
         tensor_parallel.apply(model, *tp)  # on the meta device: the rank's shapes and hooks
     dtype = resolve_dtype(dtype) or DTYPES.get(str(config.get("torch_dtype")), torch.float32)
@@ -242,7 +240,10 @@ def _read_weights(model, folder: Path, fmt, dtype, device, parts: dict) -> tuple
 
     def read(theirs: str, want: tuple, cut=None) -> torch.Tensor:
         if quantized(theirs):
+            # a quantized layer's packing does not split on file offsets: read whole, then cut
             qw = decode(fmt, tensors.get, theirs[: -len(".weight")], tensors.has)
+            if cut is not None:
+                qw = qw.cut(*cut)
             if qw.shape != want:
                 raise ValueError(f"{theirs}: quantized weight of shape {qw.shape}, but {where} implies {want}")
             return qw
@@ -335,7 +336,9 @@ def load(
     """
     device = check_device(device)
     if quantize is not None and tp is not None and tp[1] > 1:
-        raise ValueError("tp: quantized layers are not split yet; load the model unquantized")
+        raise ValueError(
+            "tp: quantize in memory is not split; write a quantized checkpoint (fastdllm quantize) and load it with tp"
+        )
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(QUANTIZE)}")
     if quantize is None and (group_size is not None or quantize_head):

@@ -20,7 +20,10 @@ all-reduce hands every rank the same bits); rank 0 speaks for them. A rank's sum
 differently from one process's, so logits differ by float rounding (~1e-6 in float32).
 
 The loader reads only a rank's parts from the safetensors (`load(..., tp=(rank, world))`, with
-`cuts`): no rank holds the whole model, even while loading. Not yet: quantized layers, expert
+`cuts`): no rank holds the whole model, even while loading. A quantized checkpoint (int8 / int4)
+splits the same way: each of its layers is read whole (its packing does not split on file
+offsets), cut (`QuantizedWeight.cut`: rows, or whole scale groups of columns) and the rest
+dropped. Not yet: quantizing in memory under `--tp` (write a quantized checkpoint first), expert
 parallelism, and `serve` / `chat` with `--tp` (they refuse it; `generate`, `eval` and `bench` take it).
 """
 
@@ -150,7 +153,10 @@ def apply(model, rank: int, world: int, split: bool = True):
     if world == 1:
         return model
     if getattr(model, "quantization", None):
-        raise ValueError("tp: quantized layers are not split yet; load the model unquantized")
+        raise ValueError(
+            "tp: a model quantized in memory is not split; write a quantized checkpoint (fastdllm quantize) "
+            "and load it with tp"
+        )
     args = model.args
     parts = cuts(args, rank, world)
     if split:

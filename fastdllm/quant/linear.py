@@ -226,9 +226,9 @@ def install(
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         bias = biases.get(name) if biases is not None else old.bias
-        setattr(
-            parent, attr, QuantizedLinear(qw.to(device or old.weight.device), bias, dtype=dtype or old.weight.dtype)
-        )
+        new = QuantizedLinear(qw.to(device or old.weight.device), bias, dtype=dtype or old.weight.dtype)
+        new._forward_hooks.update(old._forward_hooks)  # e.g. tensor parallelism's all-reduce
+        setattr(parent, attr, new)
     if weights:
         model._compiled_layers = None  # compiled layers closed over the old modules
         model.quantization = describe(model)

@@ -49,6 +49,35 @@ class QuantizedWeight:
             w = torch.empty_like(w).index_copy_(1, self.input_order, w)
         return w.to(dtype)
 
+    def cut(self, dim: int, segments: list[tuple[int, int]]) -> QuantizedWeight:
+        """The rows (dim 0) or input columns (dim 1) in `segments`, as tensor parallelism keeps
+        them: a column cut keeps whole scale groups (a per-channel scale serves the row's part),
+        in the layer's own column order."""
+        if dim == 0:
+            rows = torch.cat([torch.arange(a, b) for a, b in segments])
+
+            def pick(t):
+                return None if t is None else t[rows].contiguous()
+
+            return QuantizedWeight(
+                pick(self.values), pick(self.scale), pick(self.zero), self.bits, self.group_size, self.input_order
+            )
+        if self.input_order is not None:
+            raise ValueError("tp: a layer whose columns the checkpoint reorders (act-order) is not split by columns")
+        width = sum(b - a for a, b in segments)
+        if self.per_channel:
+            values = torch.cat([self.values[:, a:b] for a, b in segments], 1).contiguous()
+            return QuantizedWeight(values, self.scale, self.zero, self.bits, width)
+        g = self.group_size
+        if any(a % g or b % g for a, b in segments):
+            raise ValueError(f"tp: the split does not fall on the quantization groups of {g} input columns")
+        values = torch.cat([self.values[:, a:b] for a, b in segments], 1).contiguous()
+
+        def groups(t):
+            return None if t is None else torch.cat([t[:, a // g : b // g] for a, b in segments], 1).contiguous()
+
+        return QuantizedWeight(values, groups(self.scale), groups(self.zero), self.bits, g)
+
     def to(self, device) -> QuantizedWeight:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QuantizedWeight(

@@ -119,7 +119,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel("forward positions per generated token (log)")
     ax.set_ylabel("accuracy drop against the reference (points)")
     ax.set_title(f"fastdllm tune: {report['task']} ({cal['problems']} calibration problems)")
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

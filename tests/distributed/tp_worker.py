@@ -1,6 +1,7 @@
 """Run under torchrun (2 ranks, gloo): every family's tiny random model, whole and split by
-`fastdllm.models.tp`, on every rank; rank 0 writes {family: {"max_logit_diff", "same_tokens",
-"rows"}} as JSON to argv[1]. argv[2:]: the families (the conftest fixtures' names)."""
+`fastdllm.models.tp`, on every rank, and its int8 / int4 checkpoints read whole and split; rank 0
+writes {family: {"max_logit_diff", "same_tokens", "rows", "quantized", ...}} as JSON to argv[1].
+argv[2:]: the families (the conftest fixtures' names)."""
 
 import copy
 import functools
@@ -15,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import fastdllm  # noqa: E402
 from fastdllm.models import tp  # noqa: E402
-from fastdllm.models.loading import load_model, save_pretrained  # noqa: E402
+from fastdllm.models.loading import load_model, quantize_checkpoint, save_pretrained  # noqa: E402
 from tests import conftest  # noqa: E402
 
 FIXTURES = {
@@ -65,7 +66,23 @@ def main():
         prompts = [tok.encode("Question: 1 + 1"), tok.encode("Question: Tom has 5 apples and buys 3 more.")]
         alone = fastdllm.generate(whole, prompts, config=config).sequences
         shared = fastdllm.generate(split, prompts, config=config).sequences
+        quantized = {}
+        for bits in (8, 4):  # a quantized checkpoint: each rank reads its part of every layer
+            qfolder = Path(out_path).parent / f"{name}-int{bits}"
+            if rank == 0:
+                quantize_checkpoint(folder, qfolder, bits, group_size=None if bits == 8 else 32)
+            dist.barrier()
+            q_whole = load_model(qfolder, dtype=torch.float32)
+            q_split = load_model(qfolder, dtype=torch.float32, tp=(rank, world))
+            with torch.no_grad():
+                q_diff = (q_whole(ids) - q_split(ids)).abs().max().item()
+            same = torch.equal(
+                fastdllm.generate(q_whole, prompts, config=config).sequences,
+                fastdllm.generate(q_split, prompts, config=config).sequences,
+            )
+            quantized[f"int{bits}"] = {"max_logit_diff": q_diff, "same_tokens": bool(same)}
         results[name] = {
+            "quantized": quantized,
             "max_logit_diff": diff,
             "same_tokens": bool(torch.equal(alone, shared)),
             "rows": len(prompts),
