@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from ..config import GenerationConfig
 from ..evaluation.tasks import get_task, list_tasks
 from .args import UserError, add_generation_args, add_model_args
 
@@ -49,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", choices=METRICS, default="positions_per_token", help="what 'fastest' means")
     p.add_argument("--time-budget", type=seconds, default=None, help="stop racing after this long (e.g. 10m)")
     p.add_argument("--candidates", type=int, default=16, help="random combinations beside the one-field moves")
+    p.add_argument(
+        "--search",
+        nargs="+",
+        default=None,
+        metavar="FIELD",
+        help="search only these fields (default: every field that declares search values and the model's "
+        "family uses: " + ", ".join(GenerationConfig.search_space()) + ")",
+    )
     p.add_argument(
         "--split-seed", type=int, default=0, help="draws the calibration split and the random combinations (default 0)"
     )
@@ -94,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             metric=args.metric,
             time_budget=args.time_budget,
             random_candidates=args.candidates,
+            fields=args.search,
             seed=args.split_seed,
             batch_size=args.batch_size,
             data_dir=args.data_dir,

@@ -67,11 +67,17 @@ class Candidate:
 
 
 # ---- the space ----------------------------------------------------------------------------------
-def search_space(model) -> dict[str, tuple]:
-    """GenerationConfig's declared search values that make sense for this model's family."""
+def search_space(model, fields: Sequence[str] | None = None) -> dict[str, tuple]:
+    """GenerationConfig's declared search values that make sense for this model's family;
+    `fields`: only these (each must declare search values)."""
     family = getattr(model, "family", None)
     rules = family.rules if family is not None else None
     space = dict(GenerationConfig.search_space())
+    if fields is not None:
+        unknown = [f for f in fields if f not in space]
+        if unknown:
+            raise ValueError(f"search: {', '.join(unknown)} declare no search values; choose from {', '.join(space)}")
+        space = {f: space[f] for f in fields}
     if model.args.block_size:
         for name in EXACT_CACHE_FIELDS:
             space.pop(name, None)
@@ -100,12 +106,17 @@ def _label(config: GenerationConfig, base: GenerationConfig) -> str:
 
 
 def candidates(
-    model, base: GenerationConfig, extra: dict[str, GenerationConfig], random_count: int = 16, seed: int = 0
+    model,
+    base: GenerationConfig,
+    extra: dict[str, GenerationConfig],
+    random_count: int = 16,
+    seed: int = 0,
+    fields: Sequence[str] | None = None,
 ) -> list[Candidate]:
     """`base` and the `extra` named settings; `base` with each searched field moved to each of
     its values; and `random_count` random combinations of the searched fields. Invalid settings
     (a block that does not divide gen_length, ...) are left out."""
-    space = search_space(model)
+    space = search_space(model, fields)
     out: dict[tuple, Candidate] = {}
 
     def add(label: str | None, changes: dict | GenerationConfig) -> None:

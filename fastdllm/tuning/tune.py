@@ -48,6 +48,7 @@ def tune(
     metric: str = "positions_per_token",
     time_budget: float | None = None,
     random_candidates: int = 16,
+    fields: list[str] | None = None,
     seed: int = 0,
     batch_size: int = 16,
     data_dir=None,
@@ -55,8 +56,9 @@ def tune(
 ) -> dict:
     """Tune `base` (fitted to the model) for `task`: the fastest setting whose accuracy is at most
     `budget` points below the family's reference decoding on `limit` calibration problems, at
-    `confidence`; then checked on `holdout` other problems (defaults: 500 each, at most half the
-    task's problems for calibration and the rest held out). Returns the report (`report.preset`)."""
+    `confidence`, searching `fields` (default: every declared one); then checked on `holdout`
+    other problems (defaults: 500 each, at most half the task's problems for calibration and the
+    rest held out). Returns the report (`report.preset`)."""
     from .report import preset
 
     task_obj = get_task(task)
@@ -68,7 +70,7 @@ def tune(
     keep = {"gen_length": base.gen_length, "block_length": base.block_length}
     reference = GenerationConfig.baseline(**keep).fit_to_model(model)
     named = {"fast-dllm": GenerationConfig.fast_dllm(**keep).fit_to_model(model)}
-    pool = candidates(model, base, named, random_candidates, seed)
+    pool = candidates(model, base, named, random_candidates, seed, fields)
     log(
         f"tune: {task} on {len(calib)} calibration problems ({len(held)} held out), budget {budget} points at "
         f"{100 * confidence:.0f}% confidence, {len(pool)} settings, speed as {metric}"
