@@ -68,7 +68,9 @@ def tune(
     calib, held = splits(num_docs, limit, holdout, seed)
     base = GenerationConfig.for_model(model, base, checkpoint_defaults=False)
     keep = {"gen_length": base.gen_length, "block_length": base.block_length}
-    reference = GenerationConfig.baseline(**keep).fit_to_model(model)
+    # One token per step with a full refresh: for a block-causal family, with its exact cache (the
+    # same tokens as no cache, and far fewer positions)
+    reference = GenerationConfig.for_model(model, GenerationConfig.baseline(**keep), checkpoint_defaults=False)
     named = {"fast-dllm": GenerationConfig.fast_dllm(**keep).fit_to_model(model)}
     pool = candidates(model, base, named, random_candidates, seed, fields)
     log(
