@@ -93,8 +93,21 @@ def test_the_race_drops_settings_over_budget_early_and_picks_the_fastest_certifi
     assert result.chosen.label == "t0.7" and result.chosen.status == "chosen"
     by = {c.label: c for c in pool}
     assert by["t0.5"].status.startswith("over budget") and len(by["t0.5"].records) == race.rungs[0]
-    assert by["t0.9"].status.startswith("slower than a certified")
+    assert by["t0.9"].status.startswith("cut at") or by["t0.9"].status == "racing"
     assert result.indices == list(range(n)) and by["t0.7"].interval.within(0.02)
+
+
+def test_a_setting_certified_early_that_fails_later_leaves_its_backup():
+    """0.5 is fast and clean on the first half of the split, then wrong on the second; 0.7 is
+    clean throughout: certified at rung 2 beside it, it must still be there at the last rung."""
+    n = 800
+    wrong = {None: set(), 0.5: set(range(400, 800, 5)), 0.7: set(), 0.9: set()}
+    cost = {None: 100, 0.5: 2, 0.7: 4, 0.9: 8}
+    fake = FakeEvaluator(wrong, cost)
+    pool = [Candidate(f"t{t}", GenerationConfig(threshold=t)) for t in (0.5, 0.7, 0.9)]
+    result = Race(fake, GenerationConfig.baseline(), pool, list(range(n)), budget=0.02, min_keep=1).run()
+    by = {c.label: c for c in pool}
+    assert by["t0.5"].status.startswith("over budget at 800") and result.chosen.label == "t0.7"
 
 
 def test_with_nothing_certified_the_reference_is_chosen():

@@ -3,11 +3,12 @@ split against the family's reference decoding.
 
 Successive halving with racing: every candidate decodes the first rung's problems; one whose drop
 is over the budget at the stated confidence (`stats.drop_interval`) is dropped, as is every one
-slower than a setting already certified within the budget; of the rest the faster half (those
-whose observed drop is within the budget first) goes on to twice as many problems, until the last
-rung decodes the whole calibration split. The chosen setting is the fastest one certified there;
-when none is, the reference itself. Speed is positions per token (machine-independent) unless
-told tokens/s; both are recorded.
+slower than two settings already certified within the budget (a certificate on part of the split
+can fail on the rest: the two fastest certified ones go on as incumbent and backup); of the rest
+the faster half (those whose observed drop is within the budget first) goes on to twice as many
+problems, until the last rung decodes the whole calibration split. The chosen setting is the
+fastest one certified there; when none is, the reference itself. Speed is positions per token
+(machine-independent) unless told tokens/s; both are recorded.
 """
 
 from __future__ import annotations
@@ -243,21 +244,27 @@ class Race:
         )
 
     def thin(self, racing: list[Candidate], idx: list[int], final: bool) -> list[Candidate]:
-        """Racing: drop what is slower than a certified setting; halving: keep the faster part."""
-        certified = [c for c in racing if c.interval.within(self.budget)]
-        if certified:
-            best = min(c.cost(self.metric, idx) for c in certified)
+        """Racing: drop what is slower than two settings already certified (a certificate on part
+        of the split can still fail on the rest, so the fastest two stay as incumbent and
+        backup); halving: keep the faster part, the certified two always among it."""
+        certified = sorted(
+            (c for c in racing if c.interval.within(self.budget)), key=lambda c: c.cost(self.metric, idx)
+        )[:2]
+        if len(certified) == 2:
+            bar = certified[1].cost(self.metric, idx)
             for c in racing:
-                if c.cost(self.metric, idx) > best:
-                    c.status = f"slower than a certified setting at {len(idx)} problems"
+                if c.cost(self.metric, idx) > bar:
+                    c.status = f"slower than two certified settings at {len(idx)} problems"
             racing = [c for c in racing if c.status == "racing"]
         if final:
             return racing
         ranked = sorted(racing, key=lambda c: (c.interval.drop > self.budget, c.cost(self.metric, idx)))
-        kept = max(self.min_keep, math.ceil(len(ranked) * self.keep))
-        for c in ranked[kept:]:
-            c.status = f"cut at {len(idx)} problems (slower half)"
-        return ranked[:kept]
+        kept = ranked[: max(self.min_keep, math.ceil(len(ranked) * self.keep))]
+        kept += [c for c in certified if c not in kept]
+        for c in ranked:
+            if c not in kept:
+                c.status = f"cut at {len(idx)} problems (slower half)"
+        return kept
 
     def rung_line(self, k: int, idx: list[int], racing: list[Candidate], done: list[Candidate]) -> str:
         ref_acc = self.reference.accuracy(idx)
