@@ -15,7 +15,7 @@ FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("cache", ["dual", "none"])
+@pytest.mark.parametrize("cache", ["dual", pytest.param("none", marks=pytest.mark.slow)])
 def test_a_step_reads_the_device_once(name, cache, request, tokenizer):
     model = request.getfixturevalue(name)
     base = GenerationConfig(gen_length=32, block_length=8, threshold=0.2, stop_at_eos=False)

@@ -60,6 +60,7 @@ def test_a_setting_over_budget_is_certified_at_most_at_the_stated_rate():
     assert _simulate(0.02, 0.0, 400, 0.02, 300, 2) <= 0.10 + 0.04
 
 
+@pytest.mark.slow
 def test_a_setting_well_within_budget_is_certified_most_of_the_time():
     assert _simulate(0.002, 0.002, 1000, 0.02, 100, 3) >= 0.9
 
@@ -247,6 +248,7 @@ def test_tune_runs_on_every_embedded_model_and_a_real_layout_checkpoint(model, t
     assert cli(["eval", "--task", "arith", "--limit", "2", "--model", path, "--preset", str(tmp_path / "p.json")]) == 0
 
 
+@pytest.mark.slow
 def test_lm_eval_and_bench_take_a_preset_file(tmp_path, tiny_llada_dir, capsys):
     from fastdllm import lm_eval_plugin
     from fastdllm.cli.main import main as cli
