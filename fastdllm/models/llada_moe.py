@@ -163,20 +163,8 @@ FAMILY = Family(
         "routed_scaling": 1.0,
     },
     weights=WeightNames(
-        top={
-            "tok_embeddings.weight": "model.embed_tokens.weight",
-            "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight",
-        },
-        layer={
-            "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-            "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-            "layers.{i}.attention.w{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
-            "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-            "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-            "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-            "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-        },
+        top=qwen.TOP_WEIGHTS,  # its dense names are Qwen's
+        layer=qwen.LAYER_WEIGHTS,
         qk_norm=qwen.QK_NORM_WEIGHTS,  # its names are Qwen3's; loaded unless qk_layernorm is false
         moe={
             "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
