@@ -197,6 +197,33 @@ class GenerationConfig:
         "forwards see only this many positions after the current block (after DPad); 'none': the whole answer region",
         search=(None, 0, 8, 16, 32, 64),
     )
+    parallel_blocks: int = _opt(
+        1,
+        "int",
+        "multi-block decoding (after D2F): while the current block is finished, up to this many blocks "
+        "in all are decoded in the same forwards (1: one block at a time)",
+        search=(1, 2, 3),
+    )
+    block_add_threshold: float = _opt(
+        0.5,
+        "float",
+        "with parallel_blocks > 1: the next block joins the forwards once the block before it has "
+        "this fraction of its positions revealed (D2F's block_add_threshold)",
+        search=(0.25, 0.5, 0.75),
+    )
+    decoded_token_threshold: float = _opt(
+        0.9,
+        "float",
+        "with parallel_blocks > 1: a later block whose predecessor has this fraction revealed reveals "
+        "at least its most confident position each step (D2F's decoded_token_threshold)",
+    )
+    lookahead_threshold: float = _opt(
+        0.95,
+        "float",
+        "with parallel_blocks > 1: a block after the current one reveals the positions more "
+        "confident than this (D2F's skip_threshold; stricter than threshold)",
+        search=(0.9, 0.95, 0.99),
+    )
     refresh: str = _opt(
         "vicinity",
         "str",
@@ -252,6 +279,7 @@ class GenerationConfig:
                 "suffix_window": None,
                 "refresh": "full",
                 "refresh_every": None,
+                "parallel_blocks": 1,
                 **overrides,
             }
         )
@@ -270,6 +298,7 @@ class GenerationConfig:
             suffix_window=None,
             refresh="full",
             refresh_every=None,
+            parallel_blocks=1,
         )
         return cls(**{**published, **overrides})
 
@@ -316,6 +345,8 @@ class GenerationConfig:
         base = base or cls()
         if "unmasking" in needed and ({"unmasking", "factor"} & set(overrides) or base.factor is not None):
             del needed["unmasking"]  # a rule the caller chose wins over the family's
+        if overrides.get("parallel_blocks", base.parallel_blocks) > 1:
+            needed = _one_block_fields_dropped(needed)
         return base.replace(**{**needed, **checkpoint, **overrides})
 
     def fit_to_model(self, model, keep=()) -> GenerationConfig:
@@ -328,6 +359,8 @@ class GenerationConfig:
             needed = {
                 k: v for k, v in needed.items() if k not in ("cache", "refresh", "refresh_every", "suffix_window")
             }
+        if self.parallel_blocks > 1:
+            needed = _one_block_fields_dropped(needed)
         return self.replace(**{k: v for k, v in needed.items() if k not in keep})
 
     def replace(self, **changes) -> GenerationConfig:
@@ -512,6 +545,19 @@ class GenerationConfig:
                 "suffix_window",
                 "must be a non-negative integer or None",
             )
+        need(
+            is_int(self.parallel_blocks) and self.parallel_blocks >= 1,
+            "parallel_blocks",
+            "must be a positive integer",
+        )
+        for name in ("block_add_threshold", "decoded_token_threshold", "lookahead_threshold"):
+            value = getattr(self, name)
+            need(is_num(value) and 0 <= value <= 1, name, "must be in [0, 1]")
+        need(
+            self.parallel_blocks == 1 or (self.sub_block_length is None and self.cache != "sub-block"),
+            "parallel_blocks",
+            "sub-block decoding (sub_block_length) reveals one block at a time: use parallel_blocks=1",
+        )
         need(self.refresh in REFRESH_RULES, "refresh", f"must be one of {', '.join(REFRESH_RULES)}")
         need(
             is_num(self.refresh_tol) and finite(self.refresh_tol) and self.refresh_tol >= 0,
@@ -540,6 +586,12 @@ class GenerationConfig:
             need(is_int(self.seed), "seed", "must be an integer or None")
         need(isinstance(self.compile, bool), "compile", "must be true or false")
         need(isinstance(self.deterministic, bool), "deterministic", "must be true or false")
+
+
+def _one_block_fields_dropped(needed: dict) -> dict:
+    """A family's decoding defaults for multi-block decoding: without its sub-blocks (Fast-dLLM
+    v2's), which reveal one block at a time; the caller asked for several."""
+    return {k: v for k, v in needed.items() if k != "sub_block_length" and not (k == "cache" and v == "sub-block")}
 
 
 PRESET_FORMAT = "fastdllm-preset/1"

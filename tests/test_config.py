@@ -41,6 +41,10 @@ BAD = {
     "compile": 1,
     "deterministic": "yes",
     "confidence_temperature": 0,
+    "parallel_blocks": 0,
+    "block_add_threshold": 2,
+    "decoded_token_threshold": -0.5,
+    "lookahead_threshold": 1.01,
 }
 
 

@@ -14,7 +14,8 @@ block at this step". They differ only in the window they recompute (`Transformer
 The cache is refreshed when a new block starts, i.e. when the previous one completed. How much a
 block-start forward recomputes is the policy's refresh rule (a `RefreshRule`, named in `REFRESH_RULES`):
 - "full" (Fast-dLLM): the whole sequence;
-- "vicinity" (after dInfer's vicinity refresh): only from the just-finished block to the end
+- "vicinity" (after dInfer's vicinity refresh): only from the just-finished block (blocks, when
+  multi-block decoding finished more than one since the last block start) to the end
   (its tokens just became final, and the current block and what follows it see them), against
   the cached K/V of everything before it; the prompt's K/V are computed once per generation, at
   the first block. `refresh_every` N adds a full refresh every N blocks (1: every block, which is
@@ -51,6 +52,9 @@ class SequenceView:
     block_length: int = 0
     capacity: int | None = None  # the whole layout's length (L grows with a suffix window)
     row_blocks: tuple[int, ...] = ()  # each row's own block index ((): every row at `block`)
+    # how many blocks before the current one became final since the last block-start forward
+    # (more than one when multi-block decoding revealed a block whole before it was current)
+    refresh_blocks: int = 1
 
     def blocks(self) -> tuple[int, ...]:
         return self.row_blocks or (self.block,) * self.x.shape[0]
@@ -67,6 +71,7 @@ class SequenceView:
             block_length=self.block_length,
             capacity=self.capacity,
             row_blocks=tuple(blocks[i] for i in rows),
+            refresh_blocks=self.refresh_blocks,
         )
 
     def leading_padding(self) -> int:
@@ -88,6 +93,7 @@ class SequenceView:
             block_length=self.block_length,
             capacity=None if self.capacity is None else self.capacity - first,
             row_blocks=self.row_blocks,
+            refresh_blocks=self.refresh_blocks,
         )
 
 
@@ -202,7 +208,7 @@ class VicinityRefresh(RefreshRule):
         return block == 0 or bool(self.every and block % self.every == 0)
 
     def partial(self, policy, seq, start, end, cache, rows):
-        window = (max(0, start - seq.block_length), seq.x.shape[1])
+        window = (max(0, start - seq.refresh_blocks * seq.block_length), seq.x.shape[1])
         return policy.forward(seq, start, end, window=window, cache=cache, rows=rows)
 
 

@@ -259,6 +259,11 @@ class BlockDecoder:
         self.nfe = 0
         self.forward_clock = ForwardClock(self.device)
         self.start = 0  # the column of every row's current block
+        self.window_end = 0  # the end of the blocks the step decodes: the current one and those after it
+        self.lookahead = self.strategy.lookahead
+        # blocks that ended without a forward of their own (the blocks after the current one
+        # revealed them whole): a vicinity refresh recomputes them too
+        self.unrefreshed = 0
         self.x = self.valid = self.step_of = self.row_nfe = None
 
     # -- rows in
@@ -400,6 +405,10 @@ class BlockDecoder:
         # (tokens revealed per row, row took part, the step's forwards): charged to the rows at the
         # block's end, so a step does no host-side bookkeeping.
         log: list[tuple] = []
+        if not bool((block == self.mask_id).any()) and self.strategy.editing is None:
+            self.unrefreshed += 1  # revealed whole while it was a later block: nothing to decode
+        else:
+            self.unrefreshed = 0
         editing = self.strategy.editing
         if editing is not None:  # a row's block ends at its first post-mask step that edits nothing
             post = torch.zeros(block.shape[0], dtype=torch.long, device=self.device)
@@ -415,8 +424,8 @@ class BlockDecoder:
                 live = alive.clone()
             if not bool(live.any()):
                 break
-            chosen, edited, work = self._step(seq, block, masked, live, len(log))
-            log.append((chosen.sum(-1), live, work))
+            chosen, edited, work, revealed = self._step(seq, block, masked, live, len(log))
+            log.append((revealed, live, work))
             if self.config.eos_early_stop and editing is None:
                 self._stop_early(block)
             if edited is None:
@@ -455,10 +464,12 @@ class BlockDecoder:
         cfg, blk, rows = self.config, self.config.block_length, self.rows
         length = self.x.shape[1]
         end = self.start + blk
+        depth = 1 if self.lookahead is None else self.lookahead.depth
+        self.window_end = min(length, self.start + depth * blk)
         blocks = tuple(r.block for r in rows)
         # A suffix window: forwards see the sequence only up to `cut` (the masked tail after it
         # is not part of any forward until the window reaches it).
-        cut = length if cfg.suffix_window is None else min(length, end + cfg.suffix_window)
+        cut = length if cfg.suffix_window is None else min(length, self.window_end + cfg.suffix_window)
         km = self.key_mask
         seq = SequenceView(
             self.x[:, :cut],
@@ -468,6 +479,7 @@ class BlockDecoder:
             block_length=blk,
             capacity=length,
             row_blocks=blocks,
+            refresh_blocks=1 + self.unrefreshed,
         )
         block = self.x[:, self.start : end]  # a view: writes go straight into the layout
         steps = rows[0].config.steps_per_block()[blocks[0]]
@@ -478,10 +490,14 @@ class BlockDecoder:
     def _step(self, seq, block, masked, live, step: int):
         """One step: the block's logits from the cache policy, proposals and the selection rule's
         choice (and the editing rule's, where there is one), written into the block. `live`: the
-        rows taking part. Returns (chosen, edited (None without editing), the forwards' work)."""
-        start, end = self.start, self.start + self.config.block_length
+        rows taking part. With multi-block decoding the forwards also give the logits of the blocks
+        after the current one, up to `window_end`, and the lookahead rule reveals some of theirs.
+        Returns (chosen, edited (None without editing), the forwards' work, the positions each
+        row revealed)."""
+        blk = self.config.block_length
+        start, end = self.start, self.start + blk
         with self.forward_clock, record_function("fastdllm.forward"):
-            logits = self.policy.block_logits(seq, start, end, step)
+            logits = self.policy.block_logits(seq, start, self.window_end, step)
         work = self.policy.take_work()
         self.nfe += len(work)
         # Rows whose block is already done draw no randomness: each row's stream must advance
@@ -505,6 +521,10 @@ class BlockDecoder:
             others, others_conf = self.strategy.propose(logits, generators, drawing)
             tokens = torch.where(proposed_mask, others, tokens)
             conf = torch.where(proposed_mask, others_conf, conf)
+        ahead = None
+        if self.window_end > end:  # the blocks after the current one: their tokens split off
+            ahead = self._lookahead(tokens[:, blk:], conf[:, blk:], masked, live)
+            logits, tokens, conf = logits[:, :blk], tokens[:, :blk], conf[:, :blk]
         with record_function("fastdllm.select"):
             chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
         constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
@@ -523,7 +543,24 @@ class BlockDecoder:
         block.copy_(torch.where(chosen, tokens, block))  # not block[chosen] = ...: no host read
         region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
         self.row_nfe += live
-        return chosen, edited, work
+        revealed = chosen.sum(-1) if ahead is None else chosen.sum(-1) + ahead.sum(-1)
+        return chosen, edited, work, revealed
+
+    def _lookahead(self, tokens, conf, current_masked, live) -> torch.Tensor:
+        """The blocks after the current one: what the lookahead rule reveals of them, written into
+        the layout; (B, positions) True where revealed. A row whose answer follows a grammar
+        reveals only left to right, so its later blocks wait for the current one."""
+        end = self.start + self.config.block_length
+        later = self.x[:, end : self.window_end]
+        masked = (later == self.mask_id) & live[:, None]
+        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
+        if constrained:
+            masked[constrained] = False
+        chosen = self.lookahead.select(conf, masked, current_masked) & masked
+        later.copy_(torch.where(chosen, tokens, later))
+        region = self.step_of[:, end : self.window_end]
+        region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
+        return chosen
 
     def _finish_block(self, block, log: list[tuple]) -> None:
         """Rows that hit a stop token or their last block leave; the others move to the next block."""

@@ -491,10 +491,58 @@ class Editing:
         return editable & (tokens != current) & (conf > self.threshold)
 
 
+class Lookahead:
+    """Multi-block decoding, after D2F's pipelined block decoding: the blocks after the current one
+    (up to `depth` blocks in all) are decoded in the same forwards while the current one is being
+    finished, which the loop's selection rule alone decides. Each step, for block j after the
+    current one, read before the step reveals anything:
+    - it takes part once the block before it has at least `add` of its positions revealed (and
+      that block takes part), as D2F adds a block;
+    - it reveals every masked position whose confidence is strictly above `threshold` (D2F's
+      skip_threshold), stricter than the current block's rule;
+    - once the block before it has at least `activate` revealed (D2F's "complete" state), it also
+      reveals its single most confident masked position when none is above the threshold.
+    *Deliberate difference*: D2F keeps decoding any number of blocks, each until it is done, and
+    commits the finished prefix to its cache when its blocks end; here the current block is the
+    loop's and decides when the window moves on (then the exact cache commit runs as for one
+    block), and at most `depth` blocks take part."""
+
+    def __init__(self, depth: int, add: float, activate: float, threshold: float):
+        self.depth, self.add, self.activate, self.threshold = depth, add, activate, threshold
+
+    @classmethod
+    def from_config(cls, config) -> Lookahead | None:
+        if config.parallel_blocks == 1:
+            return None
+        return cls(
+            config.parallel_blocks,
+            config.block_add_threshold,
+            config.decoded_token_threshold,
+            config.lookahead_threshold,
+        )
+
+    def select(self, conf: torch.Tensor, masked: torch.Tensor, current_masked: torch.Tensor) -> torch.Tensor:
+        """(B, n * block_length) True where a later block reveals, for the confidences and masks
+        of the n blocks after the current one and the current block's masks (B, block_length)."""
+        bsz, blk = current_masked.shape
+        n = masked.shape[1] // blk
+        m, c = masked.view(bsz, n, blk), conf.view(bsz, n, blk)
+        # each block's predecessor's revealed fraction: the current block's, then the later ones'
+        done = 1 - torch.cat([current_masked[:, None], m[:, :-1]], 1).float().mean(-1)  # (B, n)
+        active = (done >= self.add).long().cumprod(-1).bool()
+        sure = m & (c > self.threshold) & active[..., None]
+        best = torch.where(m, c, NEG_INF).argmax(-1, keepdim=True)
+        forced = (active & (done >= self.activate) & m.any(-1) & ~sure.any(-1))[..., None] & (
+            torch.arange(blk, device=m.device) == best
+        )
+        return (sure | forced).view(bsz, n * blk)
+
+
 class UnmaskingStrategy:
     """One unmasking policy: a proposal (tokens and confidences), a factory of the selection
     rule (rules keep per-block state, so each generation gets a fresh one), whether it draws
-    randomness (then each row gets a generator), and its token editing (`Editing`, or None).
+    randomness (then each row gets a generator), its token editing (`Editing`, or None) and its
+    multi-block decoding (`Lookahead`, or None: one block at a time).
     `confidence_temperature`: the confidences the rules read come from logits divided by it,
     the tokens from the logits as they are (a benchmark's calibrated view; greedy only)."""
 
@@ -505,9 +553,11 @@ class UnmaskingStrategy:
         draws_randomness: bool,
         editing: Editing | None = None,
         confidence_temperature: float = 1.0,
+        lookahead: Lookahead | None = None,
     ):
         self.proposal, self.make_rule, self.draws_randomness = proposal, make_rule, draws_randomness
         self.editing, self.confidence_temperature = editing, confidence_temperature
+        self.lookahead = lookahead
 
     @classmethod
     def from_config(cls, config, family_proposal: str | None = None) -> UnmaskingStrategy:
@@ -520,6 +570,7 @@ class UnmaskingStrategy:
             proposal.draws_randomness() or rule.draws_randomness(config),
             Editing.from_config(config),
             config.confidence_temperature,
+            Lookahead.from_config(config),
         )
 
     def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -533,7 +584,7 @@ class UnmaskingStrategy:
 
     def _with_rule(self, make_rule) -> UnmaskingStrategy:
         return UnmaskingStrategy(
-            self.proposal, make_rule, self.draws_randomness, self.editing, self.confidence_temperature
+            self.proposal, make_rule, self.draws_randomness, self.editing, self.confidence_temperature, self.lookahead
         )
 
     def new_rule(self) -> SelectionRule:

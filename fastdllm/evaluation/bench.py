@@ -57,6 +57,21 @@ TABLE_ROWS = [
         dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity"),
     ),
 ]
+# Multi-block decoding (after D2F): the row it extends, with 2 and 3 blocks decoded at once.
+MULTI_BLOCK = {"default": (2, 3), "full": (2, 3)}
+
+
+def multi_block_rows(table: list[tuple]) -> list[tuple]:
+    """The rows of `table` that MULTI_BLOCK extends, each with parallel_blocks 2 and 3."""
+    return [
+        (f"multi-block-{n}", f"{name} +{n} blocks at once (after D2F)", dict(kw, parallel_blocks=n))
+        for key, name, kw in table
+        if key in MULTI_BLOCK
+        for n in MULTI_BLOCK[key]
+    ]
+
+
+TABLE_ROWS += multi_block_rows(TABLE_ROWS)
 # A block-diffusion model (block-causal attention) decodes in its own blocks and its cache is exact:
 # the rows are its one-token-per-step baseline, the exact cache, parallel decoding, and both (its
 # family's own decoding, `Family.decoding_defaults`).
@@ -67,6 +82,7 @@ BLOCK_DIFFUSION_ROWS = [
     ("parallel", "+parallel (threshold 0.9)", dict(NO_CACHE, threshold=0.9)),
     ("full", "+parallel +exact block cache", dict(threshold=0.9)),
 ]
+BLOCK_DIFFUSION_ROWS += multi_block_rows(BLOCK_DIFFUSION_ROWS)
 # LLaDA2.1's token editing, in its published quality and speed modes, for the LLaDA2 line's models.
 EDITING_ROWS = [
     (
@@ -119,7 +135,11 @@ def table_rows(gen_length: int, block_length: int, stop_at_eos: str, keys=None, 
         picked = (
             rows
             if stop_at_eos == "on"
-            else [row for row in rows if row[0] in ("baseline", "full", "beyond", "default")]
+            else [
+                row
+                for row in rows
+                if row[0] in ("baseline", "full", "beyond", "default") or row[0].startswith("multi-block")
+            ]
         )
         out += [Row(name + " [stop@eos]", config(**kw, stop_at_eos=True), g + " stop@eos") for _, name, kw in picked]
     return out

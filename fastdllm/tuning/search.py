@@ -89,10 +89,16 @@ def search_space(model, fields: Sequence[str] | None = None) -> dict[str, tuple]
     return space
 
 
+LOOKAHEAD_FIELDS = ("block_add_threshold", "decoded_token_threshold", "lookahead_threshold")
+
+
 def _normal(config: GenerationConfig, base: GenerationConfig) -> GenerationConfig:
     """Settings that decode alike made equal, so that each is tried once: without a cache the
-    refresh rule does nothing, and refresh_every only counts with the vicinity refresh."""
+    refresh rule does nothing, refresh_every only counts with the vicinity refresh, and the
+    multi-block thresholds only with parallel_blocks > 1."""
     changes = {}
+    if config.parallel_blocks == 1:
+        changes.update({name: getattr(base, name) for name in LOOKAHEAD_FIELDS})
     if config.cache == "none":
         changes.update(refresh=base.refresh, refresh_every=base.refresh_every)
     elif config.refresh != "vicinity":
@@ -139,7 +145,9 @@ def candidates(
         add(name, config)
     for name, values in space.items():
         for v in values:
-            add(None, {name: v})
+            # a multi-block threshold moves with several blocks at once, where it decodes anything
+            several = name in LOOKAHEAD_FIELDS and base.parallel_blocks == 1
+            add(None, {name: v, "parallel_blocks": 2} if several else {name: v})
     r = random.Random(seed)
     names = list(space)
     for _ in range(random_count):

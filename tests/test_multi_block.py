@@ -1,0 +1,146 @@
+"""Multi-block decoding (`parallel_blocks`): the blocks after the current one are decoded in the
+same forwards, for every family, through the one loop; with a lookahead that reveals nothing the
+decoding is the one-block loop's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm import GenerationConfig
+from fastdllm.config import ConfigError
+from fastdllm.engine.cache_policies import cache_policy
+from fastdllm.engine.policies import Policies
+from fastdllm.engine.unmasking import Lookahead
+
+FAMILIES = ["tiny_llada", "tiny_dream", "tiny_llada_moe", "tiny_sdar", "tiny_v2", "tiny_llada2"]
+# the later blocks take part but never reveal: confidences are never above 1, and the current
+# block always has a mask at a step's start, so no later block is ever "complete"
+SILENT = dict(parallel_blocks=3, block_add_threshold=0.0, lookahead_threshold=1.0, decoded_token_threshold=1.0)
+# the later blocks reveal one position per step each, from the start
+ONE_EACH = dict(parallel_blocks=2, block_add_threshold=0.0, lookahead_threshold=1.0, decoded_token_threshold=0.0)
+
+
+def prompts(model, lengths=(5, 9), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, model.args.vocab_size, (n,), generator=g)
+        ids[ids == model.mask_token_id] = 0
+        out.append(ids.tolist())
+    return out
+
+
+def config_for(model, **kw):
+    block = model.args.block_size or 8
+    base = GenerationConfig(gen_length=4 * block, block_length=block, threshold=0.5, stop_at_eos=False)
+    return GenerationConfig.for_model(model, base, checkpoint_defaults=False, **kw)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_lookahead_that_reveals_nothing_decodes_as_one_block_at_a_time(name, request):
+    """The wider forwards change nothing where later blocks cannot reach the current one: a
+    block-causal model's attention, and a prefix cache (its windows run to the end either way)."""
+    model = request.getfixturevalue(name)
+    ids = prompts(model)
+    cache = {} if model.args.block_size else {"cache": "prefix"}
+    one = fastdllm.generate(model, ids, config=config_for(model, **cache))
+    many = fastdllm.generate(model, ids, config=config_for(model, **cache, **SILENT))
+    assert torch.equal(one.sequences, many.sequences)
+    assert one.tokens_per_step == many.tokens_per_step and one.nfe == many.nfe
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_later_blocks_are_revealed_in_the_current_blocks_forwards(name, request):
+    model = request.getfixturevalue(name)
+    ids = prompts(model, lengths=(8, 16))  # whole blocks: the answer's blocks are the model's
+    config = config_for(model, threshold=0.99)  # the current block: about one position per step
+    one = fastdllm.generate(model, ids, config=config)
+    many = fastdllm.generate(model, ids, config=config_for(model, threshold=0.99, **ONE_EACH))
+    blk = config.block_length
+    assert (many.sequences != model.mask_token_id).all()
+    for row in range(len(ids)):
+        steps, one_steps = many.unmask_step[row], one.unmask_step[row]
+        # block 1 began while block 0 was still decoded; one block at a time, it waits
+        assert steps[blk : 2 * blk].min() <= steps[:blk].max()
+        for b in range(config.num_blocks - 1):
+            assert one_steps[(b + 1) * blk : (b + 2) * blk].min() > one_steps[b * blk : (b + 1) * blk].max()
+        assert steps.max() < one_steps.max() and max(many.tokens_per_step[row]) >= 2
+    assert many.nfe < one.nfe
+
+
+@pytest.mark.parametrize("name", ["tiny_llada", "tiny_sdar"])
+def test_a_row_decodes_the_same_in_a_batch_as_alone(name, request):
+    model = request.getfixturevalue(name)
+    ids = prompts(model, lengths=(7, 7, 7), seed=3)
+    config = config_for(model, threshold=0.99, **ONE_EACH)
+    batch = fastdllm.generate(model, ids, config=config)
+    for row, p in enumerate(ids):
+        alone = fastdllm.generate(model, [p], config=config)
+        assert torch.equal(alone.sequences[0], batch.sequences[row])
+        assert alone.tokens_per_step[0] == batch.tokens_per_step[row]
+
+
+def test_blocks_revealed_whole_ahead_of_time_are_refreshed_with_the_next_one(tiny_llada):
+    """A block finished before it was current had no block-start forward: the vicinity refresh of
+    the next block that has one starts that many blocks further back."""
+    model = tiny_llada
+    config = config_for(
+        model,
+        threshold=0.99,
+        cache="dual",
+        refresh="vicinity",
+        suffix_window=None,
+        gen_length=48,
+        parallel_blocks=3,
+        block_add_threshold=0.0,
+        lookahead_threshold=0.0,
+    )
+    policy = cache_policy(model, config).record()
+    out = fastdllm.generate(model, prompts(model, (6,)), config=config, policies=Policies(cache=policy))
+    assert (out.sequences != model.mask_token_id).all()
+    blk, length = config.block_length, policy.history[0][2]
+    starts = [(ws, start) for ws, we, seq_len, start, end in policy.history if we == seq_len and 0 < ws < start]
+    # block 0's first step reveals blocks 1 and 2 whole; block 3 is the next to have a forward
+    assert starts and all(start - ws == 3 * blk for ws, start in starts), (starts, length)
+
+
+def test_the_lookahead_rule():
+    rule = Lookahead(depth=3, add=0.5, activate=0.75, threshold=0.9)
+    current = torch.tensor([[True, True, False, False]])  # half revealed: block 1 takes part
+    masked = torch.tensor([[True, True, True, True, True, True, True, True]])
+    conf = torch.tensor([[0.95, 0.2, 0.3, 0.1, 0.99, 0.99, 0.99, 0.99]])
+    # block 1: only its confident position (not yet complete: 0.5 < 0.75); block 2: block 1 has
+    # nothing revealed yet, so it waits however confident it is
+    assert rule.select(conf, masked, current).tolist() == [[True, False, False, False] + [False] * 4]
+    current = torch.tensor([[False, False, False, True]])  # three quarters: block 1 is complete
+    conf = torch.tensor([[0.5, 0.2, 0.7, 0.1, 0.99, 0.99, 0.99, 0.99]])
+    assert rule.select(conf, masked, current).tolist() == [[False, False, True, False] + [False] * 4]
+    masked = torch.tensor([[False, False, False, True, True, True, True, True]])  # block 1: 3/4 revealed
+    assert rule.select(conf, masked, current).tolist() == [[False, False, False, True] + [True] * 4]
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(parallel_blocks=0), "parallel_blocks"),
+        (dict(parallel_blocks=1.5), "parallel_blocks"),
+        (dict(parallel_blocks=2, sub_block_length=8), "parallel_blocks"),
+        (dict(parallel_blocks=2, cache="sub-block", sub_block_length=8), "parallel_blocks"),
+        (dict(lookahead_threshold=1.5), "lookahead_threshold"),
+        (dict(block_add_threshold=-0.1), "block_add_threshold"),
+        (dict(decoded_token_threshold="high"), "decoded_token_threshold"),
+    ],
+)
+def test_bad_settings_name_their_field(kw, param):
+    with pytest.raises(ConfigError) as e:
+        GenerationConfig(**kw)
+    assert e.value.param == param and param in str(e.value)
+
+
+def test_published_settings_decode_one_block_at_a_time():
+    assert GenerationConfig().parallel_blocks == 1
+    assert GenerationConfig.fast_dllm(parallel_blocks=3).parallel_blocks == 3
+    assert GenerationConfig.replace(GenerationConfig(parallel_blocks=3), cache="none").parallel_blocks == 3
+    assert GenerationConfig.baseline().parallel_blocks == 1 and GenerationConfig.fast_dllm().parallel_blocks == 1
