@@ -245,3 +245,50 @@ def test_a_failing_step_fails_only_its_culprit(fp32, monkeypatch):
     assert [t for item in good_items if isinstance(item, BlockFinal) for t in item.tokens[0]] == ref.sequences[
         0
     ].tolist()
+
+
+def test_a_failing_batch_decodes_a_grammar_row_again_from_its_start(fp32, monkeypatch):
+    """The batch fails while a JSON-constrained row is halfway through its grammar: decoded again
+    alone, its grammar starts over with the answer, and it ends as it does alone."""
+    from fastdllm.engine.constraints import GrammarConstraint
+    from fastdllm.server import Job, Scheduler
+
+    model, tok = fp32
+    ps = questions(tok, 2)
+    base = GenerationConfig.fast_dllm().replace(block_length=16, stop_at_eos=False, seed=None)
+
+    def grammar():
+        return [GrammarConstraint.json(tok, model.stop_token_ids, budget=64)]
+
+    ref = generate(model, [ps[0]], base.replace(gen_length=64, seed=1), constraints=grammar())
+    mark = next(
+        t
+        for t in range(100, model.args.vocab_size)
+        if t not in ps[0] + ref.sequences[0].tolist() and t not in model.stop_token_ids
+    )
+    real = model.logits_for
+
+    def flaky(x, *a, **kw):
+        if bool((x == mark).any()):
+            raise RuntimeError("the kernel failed")
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(model, "logits_for", flaky)
+    first_block = threading.Event()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(model, max_batch_size=4, block_hook=lambda b: first_block.set())
+        good = Job([ps[0]], [1], base.replace(gen_length=64), loop, constraints=grammar())
+        bad = Job([[mark] + ps[1]], [2], base.replace(gen_length=32), loop)
+        sched.submit(good)
+        await asyncio.to_thread(first_block.wait, 60)
+        sched.submit(bad)
+        got = await asyncio.gather(_collect(good), _collect(bad))
+        sched.close()
+        return got
+
+    good_items, bad_items = asyncio.run(scenario())
+    assert isinstance(bad_items[-1], JobFailed) and good_items[-1] == JobEnded()
+    tokens = [t for item in good_items if isinstance(item, BlockFinal) for t in item.tokens[0]]
+    assert tokens == ref.sequences[0].tolist()

@@ -105,8 +105,23 @@ class GrammarConstraint:
             raise ValueError(f"{what}: {self.matcher.get_error()}")
         if budget is not None and (not isinstance(budget, int) or budget < 1):
             raise ValueError(f"budget: must be a positive number of tokens (got {budget!r})")
+        self.grammar, self.what, self.asked_budget = grammar, what, budget
         self.budget = budget  # answer tokens the grammar must finish in, its stop token included
         self.consumed: list[int] = []
+
+    def reset(self) -> None:
+        """Back to the answer's start (a batch that failed decodes the row again)."""
+        self.matcher = _llguidance().LLMatcher(self.tokenizer, self.grammar)
+        self.budget, self.consumed = self.asked_budget, []
+
+    def spec(self) -> tuple:
+        """What rebuilds this constraint, as it was made, elsewhere (another rank): `from_spec`."""
+        return (self.grammar, self.what, self.asked_budget)
+
+    @classmethod
+    def from_spec(cls, spec: tuple, tokenizer, stop_token_ids) -> GrammarConstraint:
+        grammar, what, budget = spec
+        return cls(grammar, tokenizer, stop_token_ids, what=what, budget=budget)
 
     def fit_within(self, positions: int) -> None:
         """The answer has `positions` positions: the grammar finishes in them (and in the budget)."""
