@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from .conftest import REPO
@@ -114,3 +119,115 @@ def test_eval_with_tp_decodes_every_sample_on_every_rank(tmp_path):
     ]
     assert len(outputs[0]) == 6 and outputs[0] == outputs[1]
     assert two.stdout.count("accuracy") == 1  # printed once
+
+
+# ---- serve --tp ---------------------------------------------------------------------------------
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def start(cmd: list[str], port: int, env: dict | None = None) -> subprocess.Popen:
+    """A server process (its own process group, so that torchrun and its ranks go together), once
+    /ready answers."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env, start_new_session=True
+    )
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("the server never became ready")
+
+
+def serve_tp(port: int) -> subprocess.Popen:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(free_port()), "-m", "fastdllm", "serve", "--tp", "2", "--dtype", "float32"]
+    return start(cmd + ["--port", str(port), "--max-batch-size", "2"], port, env)
+
+
+def ask(port: int) -> list[str]:
+    """Answers through the official client: plain, streamed, JSON-constrained, several blocks at
+    once, and scored."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": QUESTION}]
+    out = [client.chat.completions.create(model="llada-arith", messages=msgs, max_tokens=64).choices[0].message.content]
+    stream = client.chat.completions.create(model="llada-arith", messages=msgs, max_tokens=64, stream=True)
+    out.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    fmt = {"type": "json_object"}
+    r = client.chat.completions.create(model="llada-arith", messages=msgs, max_tokens=64, response_format=fmt)
+    out.append(r.choices[0].message.content)
+    extra = {"parallel_blocks": 2}
+    r = client.chat.completions.create(model="llada-arith", messages=msgs, max_tokens=96, extra_body=extra)
+    out.append(r.choices[0].message.content)
+    r = client.completions.create(model="llada-arith", prompt="Question: 2 + 3?", max_tokens=1, echo=True, logprobs=1)
+    out.append(json.dumps([round(x, 3) for x in r.choices[0].logprobs.token_logprobs[1:]]))
+    return out
+
+
+@pytest.mark.slow
+def test_serve_with_tp_answers_the_openai_client_as_one_process():
+    one_port, two_port = free_port(), free_port()
+    one = start([sys.executable, "-m", "fastdllm", "serve", "--dtype", "float32", "--port", str(one_port)], one_port)
+    try:
+        want = ask(one_port)
+    finally:
+        os.killpg(one.pid, signal.SIGTERM)
+        one.wait(60)
+    two = serve_tp(two_port)
+    try:
+        assert ask(two_port) == want
+    finally:
+        os.killpg(two.pid, signal.SIGTERM)
+        two.wait(60)
+    assert json.loads(want[2]) is not None and "####" in want[0]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_fails_the_requests_with_503_and_stops_the_server():
+    port = free_port()
+    server = serve_tp(port)
+    results: list = []
+
+    def request(i: int) -> None:
+        body = {"model": "llada-arith", "prompt": f"Question: Tom has {i} apples.\nAnswer:", "max_tokens": 256}
+        body.update(threshold=None, cache="none")  # one token per step: long enough to be cut short
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+            results.append((r.status_code, r.json()))
+        except httpx.HTTPError as e:
+            results.append((type(e).__name__, None))
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        ranks = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
+        rank1 = [p for p in ranks if "RANK=1" in Path(f"/proc/{p}/environ").read_text(errors="ignore").split("\0")]
+        assert len(rank1) == 1
+        os.kill(int(rank1[0]), signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive()  # no request hangs
+        server.wait(60)  # and the server stops
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    _, err = server.communicate()
+    assert server.returncode != 0
+    failed = [body for status, body in results if status == 503]
+    assert failed and all(b["error"]["type"] == "server_error" for b in failed), results
+    assert all(status in (200, 503) for status, _ in results), results
+    assert "a tensor-parallel rank is gone" in failed[0]["error"]["message"]
+    assert "a tensor-parallel rank is gone" in err

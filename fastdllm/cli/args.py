@@ -180,7 +180,7 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
         torch.set_num_threads(args.threads)
     parts = getattr(args, "tp", 1)
     if parts != 1 and not tensor_parallel:
-        raise UserError("--tp: this command does not run tensor-parallel yet (generate, eval and bench do)")
+        raise UserError("--tp: this command does not run tensor-parallel yet (generate, eval, bench and serve do)")
     try:
         rank, world = tp.init(parts, args.device)
         model, tokenizer = load(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("--shutdown-grace: must be >= 0")
     if args.batch_wait_ms < 0:
         raise UserError("--batch-wait-ms: must be >= 0")
-    model, tokenizer = load_model_or_exit(args)
+    model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
+    rank, world = getattr(model, "tp", (0, 1))
     family = getattr(getattr(model, "family", None), "name", None)
     settings = settings_from_args(args, with_model_defaults(args, config, model), family)
     if settings.defaults.compile:  # compiled before the first request, not during it
@@ -177,7 +179,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print("fastdllm serve: compiling the model's layers ...", flush=True)
         print(f"fastdllm serve: compiled in {warm_up(model, settings.defaults):.1f} s", flush=True)
-    app = create_app(model, tokenizer, settings)
+    if rank:  # every other rank repeats rank 0's commands (`server.ranks`)
+        return follow_rank_zero(model, tokenizer, rank)
+    commands = None
+    if world > 1:
+        from ..server.ranks import Commands
+
+        commands = Commands()
+    app = create_app(model, tokenizer, settings, commands)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     print(
         f"fastdllm serve: model {settings.model_name!r} on http://{args.host}:{args.port}/v1 "
@@ -185,6 +194,22 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     run_uvicorn(app, args)
+    lost = app.state.scheduler.rank_lost
+    if lost is not None:
+        print(f"fastdllm serve: stopped: {lost}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def follow_rank_zero(model, tokenizer, rank: int) -> int:
+    from ..models.tp import RankLost
+    from ..server.ranks import follow
+
+    try:
+        follow(model, tokenizer)
+    except RankLost as e:
+        print(f"fastdllm serve: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -207,4 +232,6 @@ def run_uvicorn(app, args) -> None:
         exit_now(sig, frame)
 
     server.handle_exit = handle_exit
+    # a tensor-parallel rank gone: every request has its 503; the server stops as on SIGTERM
+    app.state.scheduler.on_rank_lost = lambda error: setattr(server, "should_exit", True)
     server.run()

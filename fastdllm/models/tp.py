@@ -23,14 +23,16 @@ The loader reads only a rank's parts from the safetensors (`load(..., tp=(rank, 
 `cuts`): no rank holds the whole model, even while loading. A quantized checkpoint (int8 / int4)
 splits the same way: each of its layers is read whole (its packing does not split on file
 offsets), cut (`QuantizedWeight.cut`: rows, or whole scale groups of columns) and the rest
-dropped. Not yet: quantizing in memory under `--tp` (write a quantized checkpoint first), expert
-parallelism, and `serve` / `chat` with `--tp` (they refuse it; `generate`, `eval` and `bench` take it).
+dropped. `serve --tp` keeps the ranks in step with commands from rank 0 (`server/ranks.py`).
+Not yet: quantizing in memory under `--tp` (write a quantized checkpoint first), expert
+parallelism, and `chat` with `--tp` (it refuses it).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 from dataclasses import replace
 
 import torch
@@ -139,9 +141,29 @@ def take(t: torch.Tensor, cut: Cut) -> torch.Tensor:
     return torch.cat([t.narrow(dim, a, b - a) for a, b in segments], dim).contiguous()
 
 
+class RankLost(RuntimeError):
+    """A collective failed: another rank is gone (its process died, or its connection did). The
+    ranks can no longer decode together; the caller answers with an error and stops."""
+
+
+def collective(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, a torch.distributed collective; its failure raised as RankLost."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, ConnectionError, OSError) as e:  # gloo / NCCL report a lost peer so
+        raise RankLost(f"a tensor-parallel rank is gone ({_first_sentence(str(e))})") from e
+
+
+def _first_sentence(message: str) -> str:
+    """gloo's "[/path/pair.cc:537] Read error [127.0.0.1]:2793: Connection reset by peer. This is
+    typically ..." as "Read error [127.0.0.1]:2793: Connection reset by peer"."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", (message.splitlines() or [""])[0])
+    return text.split(". ")[0].rstrip(".") or message
+
+
 def _all_reduce_output(module: nn.Module) -> None:
     def hook(_module, _inputs, output):
-        dist.all_reduce(output)
+        collective(dist.all_reduce, output)
         return output
 
     module.register_forward_hook(hook)

@@ -62,8 +62,9 @@ class RequestMetrics:
             record()
 
 
-def create_app(model, tokenizer, settings: ServerSettings) -> FastAPI:
-    server = Server(model, tokenizer, settings)
+def create_app(model, tokenizer, settings: ServerSettings, commands=None) -> FastAPI:
+    """The app; `commands`: rank 0's `ranks.Commands` when the model is tensor-parallel."""
+    server = Server(model, tokenizer, settings, commands)
 
     async def lifespan(app):
         warming = asyncio.create_task(server.warm_up())

@@ -309,9 +309,14 @@ async def score(server: Server, req: CompletionRequest) -> JSONResponse:
                 code="context_length_exceeded",
             )
 
+    top = max(1, req.logprobs)
+
+    def each():
+        return [prefix_logprobs(model, p, top=top, extra=extra) for p in prompts]
+
     def compute():
         with server.scoring_lock:
-            return [prefix_logprobs(model, p, top=max(1, req.logprobs), extra=extra) for p in prompts]
+            return server.commands.run(("score", prompts, top, extra), each)
 
     def piece(t: int) -> str:
         return tokenizer.decode([t], skip_special_tokens=False)

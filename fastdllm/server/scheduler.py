@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from ..config import GenerationConfig
 from ..engine.decoder import BlockDecoder, join_key
 from ..engine.policies import PolicySource
+from ..models.tp import RankLost
+from .ranks import LocalCommands, constraint_specs
 from .schema import APIError
 
 log = logging.getLogger("fastdllm.server")
@@ -81,7 +83,11 @@ class Scheduler:
     Jobs whose configs differ at most in the answer's length (`decoder.join_key`) decode together.
     With `continuous` (the default), a job that arrives while a batch runs joins it at the next
     block boundary, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
-    without, it waits for the batch to finish."""
+    without, it waits for the batch to finish.
+
+    `commands` (`ranks.Commands` under tensor parallelism) carries each decoder command to the
+    other ranks; `on_rank_lost` is called once when one is gone (every request then failed with a
+    503 and the queue closed)."""
 
     def __init__(
         self,
@@ -92,8 +98,12 @@ class Scheduler:
         block_hook: Callable[[int], None] | None = None,
         continuous: bool = True,
         policies: PolicySource = None,
+        commands: LocalCommands | None = None,
     ):
         self.model = model
+        self.commands = commands or LocalCommands()
+        self.on_rank_lost: Callable[[RankLost], None] | None = None
+        self.rank_lost: RankLost | None = None
         self.policies = policies  # the decoding policies of every batch (default: each config's own)
         self.continuous = continuous
         self.block_hook = block_hook  # called in the worker after each block (tests, diagnostics)
@@ -128,7 +138,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self.cond:
             if self.closing:
-                raise QueueFull("the server is shutting down")
+                raise QueueFull(str(self.rank_lost) if self.rank_lost else "the server is shutting down")
             if len(self.pending) >= self.max_queue:
                 self.stats["rejected"] += 1
                 raise QueueFull(
@@ -184,7 +194,8 @@ class Scheduler:
         """The jobs a new batch starts with (None: the server is closing)."""
         with self.cond:
             while not self.closing and (self.paused or not self.pending):
-                self.cond.wait()
+                if not self.cond.wait(self.commands.idle_tick) and not self.pending:
+                    return []  # idle: the other ranks hear from rank 0 (`_loop` ticks)
             if self.closing:
                 return None
             if self.batch_wait > 0 and self.pending[0].rows < self.max_batch_size:
@@ -217,34 +228,61 @@ class Scheduler:
         return taken
 
     def _loop(self) -> None:
-        while True:
-            batch = self._take_batch()
-            if batch is None:
-                return
-            if batch:
-                self._run(batch)
-                with self.cond:
-                    self.running_jobs = 0
+        try:
+            while True:
+                batch = self._take_batch()
+                if batch is None:
+                    return
+                if batch:
+                    self._run(batch)
+                    with self.cond:
+                        self.running_jobs = 0
+                else:
+                    self.commands.tick()
+        except RankLost as e:
+            self._lose_rank(e)
+        finally:
+            if self.rank_lost is None:
+                self.commands.stop()
+
+    def _lose_rank(self, error: RankLost) -> None:
+        """Another rank is gone: every queued request gets a 503 (those running got theirs), and
+        nothing more is taken."""
+        log.error("%s: failing every request and stopping", error)
+        with self.cond:
+            self.rank_lost, self.closing = error, True
+            for job in self.pending:
+                job.post(JobFailed(APIError(503, str(error), "server_error")))
+            self.pending.clear()
+            self.cond.notify_all()
+        if self.on_rank_lost is not None:
+            self.on_rank_lost(error)
 
     def _run(self, jobs: list[Job], alone: bool = False) -> None:
         """Decode `jobs` and, unless `alone`, every compatible job that arrives while they run: it
         joins at the next block boundary (continuous batching)."""
         config = jobs[0].config
-        decoder = BlockDecoder(self.model, config, policies=self.policies)
+        run = self.commands.run
+        decoder = run(("new", config), BlockDecoder, self.model, config, policies=self.policies)
         running: dict[Job, list] = {}
         together = 0  # jobs that shared this batch
 
         def admit(new: list[Job]) -> None:
             nonlocal together
             for job in new:
+                command = ("add", job.prompts, job.seeds, job.config, constraint_specs(job.constraints))
                 try:
-                    running[job] = decoder.add(
+                    running[job] = run(
+                        command,
+                        decoder.add,
                         job.prompts,
                         row_seeds=job.seeds,
                         config=job.config,
                         tags=[job] * job.rows,
                         constraints=job.constraints,
                     )
+                except RankLost:
+                    raise
                 except Exception as e:  # a request the loop refuses fails alone
                     self._fail([job], e, log_it=False)
                     continue
@@ -269,8 +307,9 @@ class Scheduler:
                     s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
                 nfe = decoder.nfe
                 try:
-                    for _ in decoder.run_block():
-                        pass
+                    run(("block",), lambda: [None for _ in decoder.run_block()])
+                except RankLost:
+                    raise
                 except Exception as e:
                     self._recover(list(running), e, alone)
                     return
@@ -283,7 +322,10 @@ class Scheduler:
                 if self.block_hook is not None:
                     self.block_hook(max(b for _, b, _ in decoder.last_blocks))
                 for job in [j for j in running if not j.wanted]:  # nobody waits for its blocks
-                    decoder.drop(running.pop(job))
+                    rows = running.pop(job)
+                    batch = decoder.rows + decoder.joining
+                    indices = [i for i, r in enumerate(batch) if any(r is x for x in rows)]
+                    run(("drop", indices), decoder.drop, rows)
                     job.post(JobEnded())
                     with self.cond:
                         self.stats["stopped_early"] += 1
@@ -295,6 +337,9 @@ class Scheduler:
                             else self._compatible(decoder.accepts, sum(len(r) for r in running.values()))
                         )
                     admit(joining)
+        except RankLost as e:  # the ranks cannot go on: the requests in flight get a 503
+            self._fail(list(running), e, log_it=False)
+            raise
         except Exception as e:  # never let one bad batch kill the worker
             self._fail(list(running), e)
 
@@ -338,7 +383,9 @@ class Scheduler:
             log.exception("generation failed", exc_info=error)
         with self.cond:
             self.stats["errors"] += len(jobs)
-        if isinstance(error, ValueError):
+        if isinstance(error, RankLost):
+            err = APIError(503, str(error), "server_error")
+        elif isinstance(error, ValueError):
             err = APIError(400, str(error), "invalid_request_error")
         else:
             err = APIError(500, f"generation failed: {type(error).__name__}: {error}", "server_error")

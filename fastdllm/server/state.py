@@ -17,6 +17,7 @@ from ..engine.constraints import GrammarConstraint, response_format_constraint
 from ..engine.generation import generate
 from ..text import tool_calls
 from .metrics import ServerMetrics
+from .ranks import LocalCommands
 from .scheduler import Job, QueueFull, Scheduler
 from .schema import DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, _Common
 
@@ -55,8 +56,10 @@ def default_model_name(path: str | None) -> str:
 class Server:
     """The state behind the routes: model, tokenizer, server defaults and the scheduler."""
 
-    def __init__(self, model, tokenizer, settings: ServerSettings):
+    def __init__(self, model, tokenizer, settings: ServerSettings, commands: LocalCommands | None = None):
+        """`commands`: how forwards reach the other ranks of a tensor-parallel model (`ranks.py`)."""
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.commands = commands or LocalCommands()
         self.scoring_lock = threading.Lock()  # scoring forwards run one request at a time, off the event loop
         self.scheduler = Scheduler(
             model,
@@ -65,6 +68,7 @@ class Server:
             settings.batch_wait,
             settings.block_hook,
             continuous=settings.continuous,
+            commands=self.commands,
         )
         self.metrics = ServerMetrics(self.scheduler, settings.model_name)
         self.scheduler.batch_hook = self.metrics.on_batch
@@ -84,6 +88,8 @@ class Server:
         if self.warm_error is not None:
             return f"the warm-up decode failed: {self.warm_error}"
         s = self.scheduler
+        if s.rank_lost is not None:
+            return str(s.rank_lost)
         if s.closing:
             return "shutting down"
         if not s.thread.is_alive():
@@ -278,8 +284,11 @@ class Server:
         """One short decode with the server's defaults (its kernels loaded, a compiled model's graphs
         built); /ready waits for it. It runs beside the scheduler and counts as no request."""
         config = self.settings.defaults.with_max_new_tokens(1)
+        prompts = [[self.model.args.eos_token_id]]
         try:
-            await asyncio.to_thread(generate, self.model, [[self.model.args.eos_token_id]], config=config)
+            await asyncio.to_thread(
+                self.commands.run, ("generate", prompts, config), generate, self.model, prompts, config=config
+            )
         except Exception as e:  # the model cannot decode: say so on /ready, keep serving /health
             log.exception("warm-up failed")
             self.warm_error = f"{type(e).__name__}: {e}"
