@@ -15,11 +15,16 @@ FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("cache", ["dual", pytest.param("none", marks=pytest.mark.slow)])
-def test_a_step_reads_the_device_once(name, cache, request, tokenizer):
+@pytest.mark.parametrize(
+    "cache,blocks",
+    [("dual", 1), pytest.param("dual", 3, marks=pytest.mark.slow), pytest.param("none", 1, marks=pytest.mark.slow)],
+)
+def test_a_step_reads_the_device_once(name, cache, blocks, request, tokenizer):
+    """Also when later blocks are decoded in the same forwards (`parallel_blocks`)."""
     model = request.getfixturevalue(name)
     base = GenerationConfig(gen_length=32, block_length=8, threshold=0.2, stop_at_eos=False)
-    config = GenerationConfig.for_model(model, base, checkpoint_defaults=False)
+    lookahead = dict(parallel_blocks=blocks, block_add_threshold=0.0, lookahead_threshold=0.3)
+    config = GenerationConfig.for_model(model, base, checkpoint_defaults=False, **lookahead)
     if not model.args.block_size:
         config = config.replace(cache=cache)
     prompts = [tokenizer.encode("Question: 3 + 4 = ?"), tokenizer.encode("Question: what is 12 + 30?\nAnswer:")]

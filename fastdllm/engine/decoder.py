@@ -405,10 +405,6 @@ class BlockDecoder:
         # (tokens revealed per row, row took part, the step's forwards): charged to the rows at the
         # block's end, so a step does no host-side bookkeeping.
         log: list[tuple] = []
-        if not bool((block == self.mask_id).any()) and self.strategy.editing is None:
-            self.unrefreshed += 1  # revealed whole while it was a later block: nothing to decode
-        else:
-            self.unrefreshed = 0
         editing = self.strategy.editing
         if editing is not None:  # a row's block ends at its first post-mask step that edits nothing
             post = torch.zeros(block.shape[0], dtype=torch.long, device=self.device)
@@ -433,6 +429,8 @@ class BlockDecoder:
             else:
                 alive &= has_mask | edited.any(-1)
                 yield chosen | edited
+        # a block revealed whole while it was a later one takes no step (and no forward)
+        self.unrefreshed = 0 if log else self.unrefreshed + 1
         self._finish_block(block, log)
 
     def _stop_early(self, block: torch.Tensor) -> None:
