@@ -130,6 +130,14 @@ def add_server_args(s) -> None:
         help='preset files (`fastdllm tune --out`) that requests may name by file stem: {"preset": "STEM"}, '
         "beside the named ones (" + ", ".join(PRESETS) + ")",
     )
+    s.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="N copies of the server behind one endpoint, with Ray Serve's routing, health checks and "
+        "restarts (pip install 'fastdllm[ray]'); default: one process, no Ray",
+    )
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -160,25 +168,20 @@ def settings_from_args(args, config: GenerationConfig, family: str | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .args import UserError, config_from_args, load_model_or_exit, with_model_defaults
+    from .args import UserError, config_from_args
 
     args = build_parser().parse_args(argv)
-    config = config_from_args(args)
+    config_from_args(args)  # the decoding flags are checked before anything starts
     if not 0 < args.port < 65536:
         raise UserError(f"--port: must be in 1..65535 (got {args.port})")
     if args.shutdown_grace < 0:
         raise UserError("--shutdown-grace: must be >= 0")
     if args.batch_wait_ms < 0:
         raise UserError("--batch-wait-ms: must be >= 0")
-    model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
+    if args.replicas is not None:
+        return serve_replicas(args)
+    model, tokenizer, settings = prepare(args, tensor_parallel=True)
     rank, world = getattr(model, "tp", (0, 1))
-    family = getattr(getattr(model, "family", None), "name", None)
-    settings = settings_from_args(args, with_model_defaults(args, config, model), family)
-    if settings.defaults.compile:  # compiled before the first request, not during it
-        from ..engine.generation import warm_up
-
-        print("fastdllm serve: compiling the model's layers ...", flush=True)
-        print(f"fastdllm serve: compiled in {warm_up(model, settings.defaults):.1f} s", flush=True)
     if rank:  # every other rank repeats rank 0's commands (`server.ranks`)
         return follow_rank_zero(model, tokenizer, rank)
     commands = None
@@ -199,6 +202,50 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastdllm serve: stopped: {lost}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def serve_replicas(args) -> int:
+    """`--replicas N`: N servers behind one endpoint with Ray Serve (`server.replicas`); each
+    replica runs `prepare(args)`."""
+    import functools
+    import importlib.util
+
+    import torch
+
+    from .args import UserError
+
+    if args.tp != 1:
+        raise UserError("--replicas: each replica is one process; --tp inside replicas is not supported")
+    try:
+        found = importlib.util.find_spec("ray.serve") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise UserError("--replicas: needs Ray Serve: pip install 'fastdllm[ray]'")
+    from ..server import replicas
+
+    gpu = str(args.device).startswith("cuda") if args.device else torch.cuda.is_available()
+    build = functools.partial(prepare, args)
+    app = replicas.deployment(build, args.replicas, gpu, args.max_queue + args.max_batch_size)
+    print(f"fastdllm serve: starting {args.replicas} replicas of {args.model or 'llada-arith'!r} ...", flush=True)
+    replicas.serve_replicas(app, args.host, args.port)
+    return 0
+
+
+def prepare(args, tensor_parallel: bool = False):
+    """The model, tokenizer and server settings the flags name (a replica of `--replicas` runs
+    this too), the model compiled first where asked."""
+    from .args import config_from_args, load_model_or_exit, with_model_defaults
+
+    model, tokenizer = load_model_or_exit(args, tensor_parallel=tensor_parallel)
+    family = getattr(getattr(model, "family", None), "name", None)
+    settings = settings_from_args(args, with_model_defaults(args, config_from_args(args), model), family)
+    if settings.defaults.compile:  # compiled before the first request, not during it
+        from ..engine.generation import warm_up
+
+        print("fastdllm serve: compiling the model's layers ...", flush=True)
+        print(f"fastdllm serve: compiled in {warm_up(model, settings.defaults):.1f} s", flush=True)
+    return model, tokenizer, settings
 
 
 def follow_rank_zero(model, tokenizer, rank: int) -> int:

@@ -81,19 +81,28 @@ class Server:
         self.presets = {name: c.replace(**server_wide) for name, c in self.presets.items()}
         self.warmed, self.warm_error = False, None  # set by the app's warm-up decode
 
-    def not_ready(self) -> str | None:
-        """Why the server cannot answer a request now (None: it can)."""
-        if not self.warmed:
-            return "warming up"
+    def broken(self) -> str | None:
+        """Why this server will never answer again (None: it may): what a supervisor restarts it
+        for (Ray Serve's health check), unlike a full queue or a warm-up still running."""
         if self.warm_error is not None:
             return f"the warm-up decode failed: {self.warm_error}"
         s = self.scheduler
         if s.rank_lost is not None:
             return str(s.rank_lost)
+        if not s.thread.is_alive() and not s.closing:
+            return "the inference worker stopped"
+        return None
+
+    def not_ready(self) -> str | None:
+        """Why the server cannot answer a request now (None: it can)."""
+        if not self.warmed:
+            return "warming up"
+        broken = self.broken()
+        if broken is not None:
+            return broken
+        s = self.scheduler
         if s.closing:
             return "shutting down"
-        if not s.thread.is_alive():
-            return "the inference worker stopped"
         if len(s.pending) >= s.max_queue:
             return f"the queue is full ({len(s.pending)} requests)"
         if s.paused:
