@@ -63,6 +63,16 @@ def test_every_family_split_over_two_ranks_decodes_as_one_process(tmp_path):
         for bits, q in r["quantized"].items():  # int8 per channel, int4 in groups of 32 columns
             assert q["max_logit_diff"] < 1e-4 and q["same_tokens"], (name, bits, q)
     assert results["tiny_llada2"]["kv_heads_per_rank"] == 1 and results["tiny_v2"]["heads_per_rank"] == 2
+    # expert parallelism: each rank holds half the routed experts whole, read alone from the files
+    for name in ("tiny_llada2", "tiny_llada_moe"):
+        experts = results[name]["experts"]
+        assert set(experts) == {"all-reduce", "all-to-all"}
+        for dispatch, e in experts.items():
+            assert e["max_logit_diff"] < 1e-4 and e["same_tokens"] and e["read_parts_equal"], (name, dispatch, e)
+        reduce, a2a = experts["all-reduce"]["collectives_per_layer"], experts["all-to-all"]["collectives_per_layer"]
+        assert reduce == {"all_reduce": 2, "all_to_all_single": 0}  # no collective of its own
+        share = experts["all-to-all"]["moe_layer_share"]  # their first layer is dense
+        assert a2a["all_reduce"] == 2 and a2a["all_to_all_single"] == 4 * share  # counts, tokens, ids, outputs
 
 
 @pytest.mark.slow
@@ -79,6 +89,30 @@ def test_generate_with_tp_prints_one_processes_answer():
     assert json.loads(two.stdout)["text"] == json.loads(one.stdout)["text"]  # printed once, by rank 0
     wrong = torchrun("-m", "fastdllm", "generate", "--tp", "4", QUESTION)
     assert wrong.returncode != 0 and "tp: 4, but torchrun started 2 processes" in wrong.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_expert_parallelism_prints_one_processes_answer():
+    flags = ["--model", "llada2-arith", "--dtype", "float32", "--json", QUESTION]
+    one = subprocess.run(
+        [sys.executable, "-m", "fastdllm", "generate", *flags], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    for dispatch in ("all-reduce", "all-to-all"):
+        two = torchrun("-m", "fastdllm", "generate", "--tp", "2", "--ep", "2", "--ep-dispatch", dispatch, *flags)
+        assert two.returncode == 0, two.stderr[-3000:]
+        assert json.loads(two.stdout)["text"] == json.loads(one.stdout)["text"], dispatch
+
+
+def test_ep_must_match_tp():
+    bad = subprocess.run(
+        [sys.executable, "-m", "fastdllm", "generate", "--tp", "2", "--ep", "3", QUESTION],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert bad.returncode == 2 and "--ep: must be 1 or the --tp ranks (2); got 3" in bad.stderr
 
 
 def test_tp_says_how_to_launch_and_which_commands_take_it():

@@ -63,6 +63,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="tensor parallelism over N ranks, started by torchrun: torchrun --nproc-per-node N -m fastdllm ... --tp N",
     )
     p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="N",
+        help="expert parallelism: with --tp N, each rank holds 1/N of the routed experts whole (default 1: "
+        "every expert split by --tp)",
+    )
+    p.add_argument(
+        "--ep-dispatch",
+        default="all-reduce",
+        choices=["all-reduce", "all-to-all"],
+        help="how tokens reach their experts' ranks under --ep (default %(default)s: each rank computes its "
+        "experts' share for every token, summed by the layer's all-reduce)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -181,6 +196,9 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
     parts = getattr(args, "tp", 1)
     if parts != 1 and not tensor_parallel:
         raise UserError("--tp: this command does not run tensor-parallel yet (generate, eval, bench and serve do)")
+    ep = getattr(args, "ep", 1)
+    if ep not in (1, parts):
+        raise UserError(f"--ep: must be 1 or the --tp ranks ({parts}); got {ep}")
     try:
         rank, world = tp.init(parts, args.device)
         model, tokenizer = load(
@@ -193,6 +211,8 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
             group_size=getattr(args, "group_size", None),
             quantize_head=getattr(args, "quantize_head", False),
             tp=(rank, world),
+            ep=ep,
+            ep_dispatch=getattr(args, "ep_dispatch", "all-reduce"),
         )
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None

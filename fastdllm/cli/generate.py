@@ -91,6 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(c.text)
     sys.stdout.flush()
-    if not args.no_stats:
+    if not args.no_stats and getattr(model, "tp", (0, 1))[0] == 0:  # rank 0 speaks for every rank
         print(answer.stats_line(), file=sys.stderr)
     return 0

@@ -189,11 +189,19 @@ class CheckpointTensors:
         return tuple(self._handles[self._file[name]].get_slice(name).get_shape())
 
 
-def load_model(folder: str | Path, dtype=None, device="cpu", tp: tuple[int, int] | None = None) -> Transformer:
+def load_model(
+    folder: str | Path,
+    dtype=None,
+    device="cpu",
+    tp: tuple[int, int] | None = None,
+    ep: int = 1,
+    ep_dispatch: str = "all-reduce",
+) -> Transformer:
     """The model of a checkpoint folder; a quantized checkpoint (compressed-tensors, GPTQ:
     `quant.formats`) loads its quantized layers as `QuantizedLinear`s (a quantized routed expert
     is dequantized into its stack). `tp` (rank, world): that rank's part of the model under tensor
-    parallelism (`models.tp`), read alone from the files."""
+    parallelism (`models.tp`), read alone from the files; `ep` (1 or world): whole routed experts
+    per rank (expert parallelism), their tokens reached by `ep_dispatch`."""
     from ..quant import install
     from ..quant.formats import read_quant_format
     from . import tp as tensor_parallel
@@ -204,9 +212,11 @@ def load_model(folder: str | Path, dtype=None, device="cpu", tp: tuple[int, int]
     model = build_model(config, where)
     fmt = read_quant_format(folder, config)
     parts: dict = {}
+    if ep > 1 and fmt is not None:
+        raise ValueError("ep: a quantized checkpoint's experts are split by tensor parallelism only (use ep=1)")
     if tp is not None and tp[1] > 1:
-        parts = tensor_parallel.cuts(model.args, *tp)
-        tensor_parallel.apply(model, *tp)  # on the meta device: the rank's shapes and hooks
+        parts = tensor_parallel.cuts(model.args, *tp, ep)
+        tensor_parallel.apply(model, *tp, ep=ep, dispatch=ep_dispatch)  # on the meta device: shapes, hooks
     dtype = resolve_dtype(dtype) or DTYPES.get(str(config.get("torch_dtype")), torch.float32)
     state, layers = _read_weights(model, folder, fmt, dtype, device, parts)
     if layers:  # the quantized layers replace their linear ones, with the checkpoint's biases
@@ -264,8 +274,13 @@ def _read_weights(model, folder: Path, fmt, dtype, device, parts: dict) -> tuple
                 continue
             stack = torch.empty(expected[ours], dtype=dtype, device=device)
             cut = parts.get(ours)
-            per_expert = None if cut is None else (cut[0] - 1, cut[1])
-            for e, name in enumerate(theirs):
+            held = list(theirs)
+            per_expert = None
+            if cut is not None and cut[0] == 0:  # expert parallelism: whole experts, the rank's alone
+                held = [name for a, b in cut[1] for name in theirs[a:b]]
+            elif cut is not None:
+                per_expert = (cut[0] - 1, cut[1])
+            for e, name in enumerate(held):
                 w = read(name, tuple(expected[ours][1:]), per_expert)
                 stack[e].copy_(w if isinstance(w, torch.Tensor) else w.dequantize(dtype))
             state[ours] = stack
@@ -321,6 +336,8 @@ def load(
     group_size: int | None = None,
     quantize_head: bool = False,
     tp: tuple[int, int] | None = None,
+    ep: int = 1,
+    ep_dispatch: str = "all-reduce",
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
 
@@ -332,7 +349,9 @@ def load(
     linear layers at load (`fastdllm.quant`); `quantize_head` includes the output head. A checkpoint
     that is already quantized (compressed-tensors, GPTQ) loads quantized without it.
     tp: (rank, world) under tensor parallelism: that rank's part of the model, read alone from the
-    files (`fastdllm.models.tp`; torchrun starts the ranks, `tp.init` joins them).
+    files (`fastdllm.models.tp`; torchrun starts the ranks, `tp.init` joins them). ep: 1, or the
+    number of ranks for expert parallelism (each rank holds E / ep whole routed experts; a model
+    with experts), their tokens dispatched by `ep_dispatch` ("all-reduce" or "all-to-all").
     """
     device = check_device(device)
     if quantize is not None and tp is not None and tp[1] > 1:
@@ -357,7 +376,9 @@ def load(
             f"(vocabulary of {tokenizer.vocab_size}; {family.name} masks with "
             f"{family.special_tokens.get('mask_token_id')!r})"
         )
-    model = load_model(folder, dtype=dtype, device="cpu" if quantize else device, tp=tp)
+    if ep != 1 and (tp is None or ep != tp[1]):
+        raise ValueError(f"ep: must be 1 or the number of tensor-parallel ranks ({1 if tp is None else tp[1]})")
+    model = load_model(folder, dtype=dtype, device="cpu" if quantize else device, tp=tp, ep=ep, ep_dispatch=ep_dispatch)
     if quantize:
         from ..quant import install, quantize_weights
 

@@ -68,6 +68,10 @@ def expert_linear(
 
 
 class MoEFeedForward(nn.Module):
+    """The routed experts (stacked: w1, w3, w2 of shape (E, ...)) and the shared expert. Under expert
+    parallelism (`models.tp`) a module holds experts [first_expert, first_expert + w1.shape[0])
+    and `dispatch` may be replaced by one that sends tokens to the ranks holding their experts."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -81,6 +85,8 @@ class MoEFeedForward(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.kaiming_uniform_(w.view(-1, w.shape[-1]), a=5**0.5)
         self.shared = FeedForward(args, args.shared_expert_hidden_dim) if args.shared_expert_hidden_dim else None
+        self.first_expert = 0
+        self.dispatch = self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -90,25 +96,49 @@ class MoEFeedForward(nn.Module):
         else:
             logits = self.router(flat_x).float()
         chosen, weights = route(logits, self.args, getattr(self, "expert_bias", None))
+        y = self.dispatch(flat_x, chosen, weights).view(shape)
+        return y if self.shared is None else y + self.shared(x)
+
+    def experts(self, flat_x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """(N, dim): each token's chosen experts' outputs, weighted and summed; a pair whose expert
+        this module does not hold adds nothing."""
         k = chosen.shape[1]
-        pairs = chosen.reshape(-1)
-        order = pairs.argsort(stable=True)
-        experts = pairs[order]
-        xs = flat_x[order // k]
-        counts = torch.zeros(self.args.n_experts, dtype=torch.int32, device=x.device)
-        counts.index_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))
-        offsets = counts.cumsum(0, dtype=torch.int32)
+        held = self.w1.shape[0]
+        pairs = chosen.reshape(-1) - self.first_expert
+        everything = held == self.args.n_experts
+        local = None if everything else (pairs >= 0) & (pairs < held)
+        if local is not None:
+            pairs = torch.where(local, pairs, held)  # sorted after every expert held here
+        out = self.pair_outputs(flat_x, pairs, k)
+        if local is not None:
+            out = torch.where(local[:, None], out, 0)
+        return self.combine(out, weights, flat_x.dtype)
+
+    def pair_outputs(self, x: torch.Tensor, experts: torch.Tensor, per_row: int = 1) -> torch.Tensor:
+        """Pair r (row r // per_row of `x`) through expert `experts[r]` of those held here; pairs
+        whose expert index is past them (`w1.shape[0]`) get undefined values."""
+        held = self.w1.shape[0]
+        order = experts.argsort(stable=True)
+        sorted_experts = experts[order]
+        rows = x[order // per_row]
+        counts = torch.zeros(held + 1, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, experts, torch.ones_like(experts, dtype=torch.int32))
         if self.training:
-            self.load = counts  # for the trainer's expert-bias balancing (`train.balance_experts`)
-        grouped = None if torch.is_grad_enabled() and self.w1.requires_grad else _grouped_mm_ok(xs, self.w1, self.w2)
-        h = F.silu(expert_linear(xs, self.w1, offsets, experts, grouped)) * expert_linear(
-            xs, self.w3, offsets, experts, grouped
+            self.load = counts[:held]  # for the trainer's expert-bias balancing (`train.balance_experts`)
+        offsets = counts[:held].cumsum(0, dtype=torch.int32)
+        grouped = None if torch.is_grad_enabled() and self.w1.requires_grad else _grouped_mm_ok(rows, self.w1, self.w2)
+        clamped = sorted_experts.clamp(max=held - 1)
+        h = F.silu(expert_linear(rows, self.w1, offsets, clamped, grouped)) * expert_linear(
+            rows, self.w3, offsets, clamped, grouped
         )
-        ys = expert_linear(h, self.w2, offsets, experts, grouped)
+        ys = expert_linear(h, self.w2, offsets, clamped, grouped)
         out = torch.empty_like(ys)
         out[order] = ys
+        return out
+
+    def combine(self, out: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+        """(N, dim) from the pairs' outputs (N * k, dim) and their weights (N, k)."""
+        k, dim = weights.shape[1], out.shape[-1]
         if self.args.combine_in_float32:
-            y = (out.view(-1, k, shape[-1]).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(shape)
-        else:
-            y = (out.view(-1, k, shape[-1]) * weights.to(x.dtype).unsqueeze(-1)).sum(1).view(shape)
-        return y if self.shared is None else y + self.shared(x)
+            return (out.view(-1, k, dim).float() * weights.unsqueeze(-1)).sum(1).to(dtype)
+        return (out.view(-1, k, dim) * weights.to(dtype).unsqueeze(-1)).sum(1)

@@ -24,8 +24,13 @@ The loader reads only a rank's parts from the safetensors (`load(..., tp=(rank, 
 splits the same way: each of its layers is read whole (its packing does not split on file
 offsets), cut (`QuantizedWeight.cut`: rows, or whole scale groups of columns) and the rest
 dropped. `serve --tp` keeps the ranks in step with commands from rank 0 (`server/ranks.py`).
-Not yet: quantizing in memory under `--tp` (write a quantized checkpoint first), expert
-parallelism, and `chat` with `--tp` (it refuses it).
+
+Expert parallelism (`ep` = world): each rank holds E / world routed experts whole (`cuts` by
+experts, `MoEFeedForward.first_expert`), and the tokens reach them by `AllToAll` or, by default,
+by each rank computing its experts' pairs for every token, added up by the layer's all-reduce.
+
+Not yet: quantizing in memory under `--tp` (write a quantized checkpoint first), `ep` between 1
+and world, and `chat` with `--tp` (it refuses it).
 """
 
 from __future__ import annotations
@@ -92,10 +97,13 @@ def _leave() -> None:
 Cut = tuple[int, list[tuple[int, int]]]
 
 
-def cuts(args, rank: int, world: int) -> dict[str, Cut]:
+def cuts(args, rank: int, world: int, ep: int = 1) -> dict[str, Cut]:
     """Per parameter (our names) that tensor parallelism splits, the part rank `rank` keeps; every
-    other parameter is kept whole. A routed expert's stack (E, out, in) is cut in its dims 1 / 2."""
-    check_split(args, world, 1)
+    other parameter is kept whole. A routed expert's stack (E, out, in) is cut in its dims 1 / 2,
+    or, with expert parallelism (`ep` = world), by whole experts in dim 0."""
+    check_split(args, world, ep)
+    if ep not in (1, world):
+        raise ValueError(f"ep: must be 1 or the number of ranks ({world}); got {ep}")
     for name in ("hidden_dim", "moe_hidden_dim", "shared_expert_hidden_dim"):
         if getattr(args, name) % world:
             raise ValueError(f"tp: {world} does not divide the MLP's {name} ({getattr(args, name)})")
@@ -126,7 +134,13 @@ def cuts(args, rank: int, world: int) -> dict[str, Cut]:
                 out[f"{a}{p}.weight"] = out[f"{a}{p}.bias"] = (0, [part])
         out[a + "wo.weight"] = (1, [q])
         f = f"layers.{i}.feed_forward."
-        if args.is_moe_layer(i):
+        if args.is_moe_layer(i) and ep > 1:
+            held = args.n_experts // ep
+            for w in ("w1", "w3", "w2"):
+                out[f + w] = (0, [(rank * held, (rank + 1) * held)])
+            if args.shared_expert_hidden_dim:
+                mlp(f + "shared.", args.shared_expert_hidden_dim)
+        elif args.is_moe_layer(i):
             mlp(f, args.moe_hidden_dim, stacked=True)
             if args.shared_expert_hidden_dim:
                 mlp(f + "shared.", args.shared_expert_hidden_dim)
@@ -169,9 +183,13 @@ def _all_reduce_output(module: nn.Module) -> None:
     module.register_forward_hook(hook)
 
 
-def apply(model, rank: int, world: int, split: bool = True):
+def apply(model, rank: int, world: int, split: bool = True, ep: int = 1, dispatch: str = "all-reduce"):
     """Make `model` rank `rank` of `world` (see the module docstring); returns it. `split=False`:
-    its parameters already hold the rank's parts (read so by the loader) and only the rest changes."""
+    its parameters already hold the rank's parts (read so by the loader) and only the rest changes.
+    `ep` = world: expert parallelism, each rank holding E / world whole routed experts, their
+    tokens reached by `dispatch` ("all-reduce" or "all-to-all", see `AllToAll`)."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"ep_dispatch: must be one of {', '.join(DISPATCHES)} (got {dispatch!r})")
     if world == 1:
         return model
     if getattr(model, "quantization", None):
@@ -180,7 +198,7 @@ def apply(model, rank: int, world: int, split: bool = True):
             "and load it with tp"
         )
     args = model.args
-    parts = cuts(args, rank, world)
+    parts = cuts(args, rank, world, ep)
     if split:
         with torch.no_grad():
             for name, param in list(model.named_parameters()):
@@ -201,14 +219,61 @@ def apply(model, rank: int, world: int, split: bool = True):
             linear.out_features, linear.in_features = linear.weight.shape
         _all_reduce_output(att.wo)
         _all_reduce_output(layer.feed_forward)
+        ff = layer.feed_forward
+        if ep > 1 and hasattr(ff, "first_expert"):
+            ff.first_expert = rank * (args.n_experts // ep)
+            ff.dispatch = AllToAll(ff, rank, world) if dispatch == "all-to-all" else ff.experts
     model.args = replace(
         args,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_size=hd,
         hidden_dim=args.hidden_dim // world,
-        moe_hidden_dim=args.moe_hidden_dim // world,
+        moe_hidden_dim=args.moe_hidden_dim // (1 if ep > 1 else world),
         shared_expert_hidden_dim=args.shared_expert_hidden_dim // world,
     )
-    model.tp = (rank, world)
+    model.tp, model.ep = (rank, world), ep
     return model
+
+
+DISPATCHES = ("all-reduce", "all-to-all")
+
+
+class AllToAll:
+    """Expert parallelism's token dispatch by all-to-all: each rank takes its share of the tokens
+    (every rank holds all of them: attention's all-reduce made them whole), sends each (token,
+    expert) pair to the rank holding that expert, computes the pairs it received, sends the
+    outputs back and weights them for its own tokens; other tokens' rows are zero, and the layer's
+    all-reduce (with the shared expert's partial sums) makes the output whole. The other dispatch,
+    "all-reduce", has every rank compute the pairs of its own experts for all tokens and lets the
+    same all-reduce add them up: no collective of its own."""
+
+    def __init__(self, module, rank: int, world: int):
+        self.module, self.rank, self.world = module, rank, world
+
+    def __call__(self, flat_x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        m, world = self.module, self.world
+        n, k = chosen.shape
+        share = -(-n // world)
+        lo, hi = min(n, self.rank * share), min(n, (self.rank + 1) * share)
+        pairs = chosen[lo:hi].reshape(-1)
+        held = m.w1.shape[0]
+        owner = pairs // held
+        order = owner.argsort(stable=True)
+        send = torch.bincount(owner, minlength=world)
+        recv = torch.empty_like(send)
+        collective(dist.all_to_all_single, recv, send)
+        sends, recvs = send.tolist(), recv.tolist()  # the split sizes: one host read per layer
+        rows = flat_x[lo:hi][order // k]
+        got_x = rows.new_empty((sum(recvs), rows.shape[-1]))
+        collective(dist.all_to_all_single, got_x, rows, recvs, sends)
+        got_e = pairs.new_empty(sum(recvs))
+        collective(dist.all_to_all_single, got_e, pairs[order], recvs, sends)
+        ys = m.pair_outputs(got_x, got_e - m.first_expert)
+        back = ys.new_empty((sum(sends), ys.shape[-1]))
+        collective(dist.all_to_all_single, back, ys, sends, recvs)
+        out = torch.empty_like(back)
+        out[order] = back
+        y = flat_x.new_zeros(flat_x.shape)
+        y[lo:hi] = m.combine(out, weights[lo:hi], flat_x.dtype)
+        return y

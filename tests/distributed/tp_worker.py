@@ -81,7 +81,31 @@ def main():
                 fastdllm.generate(q_split, prompts, config=config).sequences,
             )
             quantized[f"int{bits}"] = {"max_logit_diff": q_diff, "same_tokens": bool(same)}
+        experts = {}
+        for dispatch in ("all-reduce", "all-to-all") if whole.args.n_experts else ():
+            # expert parallelism: whole routed experts per rank, split in memory and read alone
+            ep_split = tp.apply(copy.deepcopy(whole), rank, world, ep=world, dispatch=dispatch)
+            ep_read = load_model(folder, dtype=torch.float32, tp=(rank, world), ep=world, ep_dispatch=dispatch)
+            counts = {"all_reduce": [0], "all_to_all_single": [0]}
+            real = {op: getattr(dist, op) for op in counts}
+            for op in counts:
+                setattr(dist, op, functools.partial(_counted, counts[op], real[op]))
+            with torch.no_grad():
+                ep_diff = (whole(ids) - ep_read(ids)).abs().max().item()
+            for op in counts:
+                setattr(dist, op, real[op])
+            experts[dispatch] = {
+                "max_logit_diff": ep_diff,
+                "same_tokens": bool(torch.equal(alone, fastdllm.generate(ep_read, prompts, config=config).sequences)),
+                "read_parts_equal": all(
+                    torch.equal(a, b) for a, b in zip(ep_read.state_dict().values(), ep_split.state_dict().values())
+                ),
+                "experts_per_rank": ep_read.layers[-1].feed_forward.w1.shape[0],
+                "collectives_per_layer": {op: c[0] / whole.args.n_layers for op, c in counts.items()},
+                "moe_layer_share": sum(map(whole.args.is_moe_layer, range(whole.args.n_layers))) / whole.args.n_layers,
+            }
         results[name] = {
+            "experts": experts,
             "quantized": quantized,
             "max_logit_diff": diff,
             "same_tokens": bool(torch.equal(alone, shared)),
