@@ -32,6 +32,15 @@ CONFIGS = {
     "adaptive+suffix32": dict(FAST_DLLM, refresh="adaptive", suffix_window=32),
     "fast-dllm+compile": dict(FAST_DLLM, compile=True),
     "vicinity+suffix32+compile": dict(FAST_DLLM, refresh="vicinity", suffix_window=32, compile=True),
+    # several blocks at once (after D2F), the setting within a point on llada-arith (docs/results.md)
+    "vicinity+suffix32+blocks2": dict(
+        FAST_DLLM,
+        refresh="vicinity",
+        suffix_window=32,
+        parallel_blocks=2,
+        block_add_threshold=0.0,
+        lookahead_threshold=0.99,
+    ),
 }
 
 
@@ -42,6 +51,12 @@ def main(argv=None) -> int:
     p.add_argument("--num-fewshot", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument(
+        "--confidence-temperature",
+        type=float,
+        default=1.0,
+        help="the calibrated view for every row (`fastdllm bench --calibrate`): a real model's tokens per step",
+    )
     p.add_argument("--out", default=None, help="write the rows as JSON")
     args = p.parse_args(argv)
 
@@ -62,10 +77,12 @@ def main(argv=None) -> int:
         batch_size=16,
     )
     rows = []
-    print("| configuration | accuracy | tokens/s | NFE/sample | positions/token | attended/token |")
-    print("|---|---|---|---|---|---|")
+    print("| configuration | accuracy | tokens/s | NFE/sample | tokens/step | positions/token | attended/token |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.configs:
-        cfg = fastdllm.GenerationConfig(gen_length=args.gen_length, **CONFIGS[name])
+        cfg = fastdllm.GenerationConfig(
+            gen_length=args.gen_length, confidence_temperature=args.confidence_temperature, **CONFIGS[name]
+        )
         r = evaluate(model, tok, "arith", limit=args.limit, num_fewshot=args.num_fewshot, config=cfg, batch_size=16)
         row = {
             "name": name,
@@ -76,6 +93,7 @@ def main(argv=None) -> int:
                     "accuracy",
                     "tokens_per_second",
                     "nfe_per_sample",
+                    "tokens_per_step",
                     "positions_per_token",
                     "attended_per_token",
                     "num_samples",
@@ -85,7 +103,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(
             f"| {name} | {100 * row['accuracy']:.1f}% | {row['tokens_per_second']:.1f} | "
-            f"{row['nfe_per_sample']:.2f} | {row['positions_per_token']:.1f} | {row['attended_per_token']:.0f} |",
+            f"{row['nfe_per_sample']:.2f} | {row['tokens_per_step']:.2f} | {row['positions_per_token']:.1f} | "
+            f"{row['attended_per_token']:.0f} |",
             flush=True,
         )
     if args.out:
