@@ -173,3 +173,13 @@ def test_the_calibrated_view_reaches_its_tokens_per_step():
     cfg = fastdllm.GenerationConfig.fast_dllm(gen_length=64, block_length=32)
     temp, per_step = calibrate_confidence(model, tok, cfg, target=3.0, limit=8, rounds=8)
     assert temp > 1.0 and abs(per_step - 3.0) < 0.75
+
+
+def test_multi_block_rows_extend_the_default_and_a_block_diffusion_models_own_decoding(tiny_sdar):
+    from fastdllm.evaluation.bench import table_rows
+
+    rows = table_rows(256, 32, "off", keys=["multi-block-2", "multi-block-3"])
+    assert [r.config.parallel_blocks for r in rows] == [1, 2, 3]  # the baseline, then the two
+    assert all(r.config.suffix_window == 32 and r.config.refresh == "vicinity" for r in rows[1:])
+    block = table_rows(64, 32, "off", keys=["multi-block-2"], model=tiny_sdar)
+    assert [r.config.parallel_blocks for r in block] == [1, 2] and block[1].config.block_length == 4

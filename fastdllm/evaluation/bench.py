@@ -57,21 +57,19 @@ TABLE_ROWS = [
         dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity"),
     ),
 ]
-# Multi-block decoding (after D2F): the row it extends, with 2 and 3 blocks decoded at once.
-MULTI_BLOCK = {"default": (2, 3), "full": (2, 3)}
-
-
-def multi_block_rows(table: list[tuple]) -> list[tuple]:
-    """The rows of `table` that MULTI_BLOCK extends, each with parallel_blocks 2 and 3."""
+# Multi-block decoding (after D2F): the row it extends (the default; a block-diffusion model's own
+# decoding), with 2 and 3 blocks decoded at once.
+def multi_block_rows(table: list[tuple], base: str) -> list[tuple]:
+    """Row `base` of `table` with parallel_blocks 2 and 3 (keys multi-block-2, multi-block-3)."""
     return [
         (f"multi-block-{n}", f"{name} +{n} blocks at once (after D2F)", dict(kw, parallel_blocks=n))
         for key, name, kw in table
-        if key in MULTI_BLOCK
-        for n in MULTI_BLOCK[key]
+        if key == base
+        for n in (2, 3)
     ]
 
 
-TABLE_ROWS += multi_block_rows(TABLE_ROWS)
+TABLE_ROWS += multi_block_rows(TABLE_ROWS, "default")
 # A block-diffusion model (block-causal attention) decodes in its own blocks and its cache is exact:
 # the rows are its one-token-per-step baseline, the exact cache, parallel decoding, and both (its
 # family's own decoding, `Family.decoding_defaults`).
@@ -82,7 +80,7 @@ BLOCK_DIFFUSION_ROWS = [
     ("parallel", "+parallel (threshold 0.9)", dict(NO_CACHE, threshold=0.9)),
     ("full", "+parallel +exact block cache", dict(threshold=0.9)),
 ]
-BLOCK_DIFFUSION_ROWS += multi_block_rows(BLOCK_DIFFUSION_ROWS)
+BLOCK_DIFFUSION_ROWS += multi_block_rows(BLOCK_DIFFUSION_ROWS, "full")
 # LLaDA2.1's token editing, in its published quality and speed modes, for the LLaDA2 line's models.
 EDITING_ROWS = [
     (

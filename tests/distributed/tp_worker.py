@@ -1,11 +1,14 @@
 """Run under torchrun (2 ranks, gloo): every family's tiny random model, whole and split by
 `fastdllm.models.tp`, on every rank, and its int8 / int4 checkpoints read whole and split; rank 0
 writes {family: {"max_logit_diff", "same_tokens", "rows", "quantized", ...}} as JSON to argv[1].
-argv[2:]: the families (the conftest fixtures' names)."""
+argv[2:]: the families (the conftest fixtures' names). TP_WORKER_HEADS: every model with that many
+attention heads (for more ranks than the fixtures have heads); TP_WORKER_BITS: the quantized
+checkpoints tried (default "8,4"; int4's groups of 32 columns do not split 4 ways at these widths)."""
 
 import copy
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,12 +43,14 @@ def _counted(calls, reduce, *args, **kwargs):
 def main():
     out_path, names = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
-    rank, world = tp.init(int(__import__("os").environ["WORLD_SIZE"]))
+    rank, world = tp.init(int(os.environ["WORLD_SIZE"]))
     tok = conftest.build_tokenizer()
     results = {}
     for name in names:
         arch, kw = FIXTURES[name]
         seed = kw.pop("seed")
+        if "TP_WORKER_HEADS" in os.environ:  # more ranks than the fixtures' heads: more heads
+            kw["n_heads"] = int(os.environ["TP_WORKER_HEADS"])
         whole = conftest.random_model(arch, tok, seed=seed, **kw)
         split = tp.apply(copy.deepcopy(whole), rank, world)
         folder = Path(out_path).parent / name
@@ -67,7 +72,8 @@ def main():
         alone = fastdllm.generate(whole, prompts, config=config).sequences
         shared = fastdllm.generate(split, prompts, config=config).sequences
         quantized = {}
-        for bits in (8, 4):  # a quantized checkpoint: each rank reads its part of every layer
+        bits_tried = [int(b) for b in os.environ.get("TP_WORKER_BITS", "8,4").split(",")]
+        for bits in bits_tried:  # a quantized checkpoint: each rank reads its part of every layer
             qfolder = Path(out_path).parent / f"{name}-int{bits}"
             if rank == 0:
                 quantize_checkpoint(folder, qfolder, bits, group_size=None if bits == 8 else 32)
