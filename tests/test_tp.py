@@ -3,6 +3,7 @@ start them; every family split by `fastdllm.models.tp` against one process."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -92,6 +93,25 @@ def test_generate_with_tp_prints_one_processes_answer():
 
 
 @pytest.mark.slow
+def test_chat_with_tp_answers_as_one_process():
+    turns = f"{QUESTION}\n/reset\nAnn has 2 pens. She buys 4 more pens. How many pens does Ann have now?\n"
+    flags = ["--dtype", "float32", "--no-stats"]
+    one = subprocess.run(
+        [sys.executable, "-m", "fastdllm", "chat", *flags], input=turns, capture_output=True, text=True, cwd=REPO
+    )
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(port), "-m", "fastdllm", "chat", "--tp", "2", *flags]
+    two = subprocess.run(cmd, input=turns, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.count("####") == 2  # two turns, printed once
+
+
+@pytest.mark.slow
 def test_generate_with_expert_parallelism_prints_one_processes_answer():
     flags = ["--model", "llada2-arith", "--dtype", "float32", "--json", QUESTION]
     one = subprocess.run(
@@ -125,13 +145,13 @@ def test_tp_says_how_to_launch_and_which_commands_take_it():
     )
     assert alone.returncode == 2 and "torchrun --nproc-per-node 2 -m fastdllm <command> --tp 2" in alone.stderr
     other = subprocess.run(
-        [sys.executable, "-m", "fastdllm", "chat", "--tp", "2"],
+        [sys.executable, "-m", "fastdllm", "tune", "--tp", "2", "--task", "arith", "--out", "unused"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO,
     )
-    assert other.returncode == 2 and "--tp: this command does not run tensor-parallel yet" in other.stderr
+    assert other.returncode == 2 and "--tp: this command does not run tensor-parallel (generate, chat" in other.stderr
 
 
 @pytest.mark.slow
@@ -206,6 +226,16 @@ def ask(port: int) -> list[str]:
     out.append(r.choices[0].message.content)
     r = client.completions.create(model="llada-arith", prompt="Question: 2 + 3?", max_tokens=1, echo=True, logprobs=1)
     out.append(json.dumps([round(x, 3) for x in r.choices[0].logprobs.token_logprobs[1:]]))
+
+    def one(i: int) -> str:  # at once: rows join the running batch at block boundaries
+        q = f"Ann has {i + 2} pens. She buys {i + 3} more pens. How many pens does Ann have now?"  # one length
+        r = client.chat.completions.create(
+            model="llada-arith", messages=[{"role": "user", "content": q}], max_tokens=64
+        )
+        return r.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        out += list(pool.map(one, range(6)))
     return out
 
 

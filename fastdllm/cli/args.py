@@ -195,7 +195,7 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
         torch.set_num_threads(args.threads)
     parts = getattr(args, "tp", 1)
     if parts != 1 and not tensor_parallel:
-        raise UserError("--tp: this command does not run tensor-parallel yet (generate, eval, bench and serve do)")
+        raise UserError("--tp: this command does not run tensor-parallel (generate, chat, eval, bench and serve do)")
     ep = getattr(args, "ep", 1)
     if ep not in (1, parts):
         raise UserError(f"--ep: must be 1 or the --tp ranks ({parts}); got {ep}")
@@ -219,6 +219,20 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
     if rank:
         sys.stdout = open(os.devnull, "w")  # rank 0 speaks for every rank
     return model, tokenizer
+
+
+def follow_rank_zero(model, tokenizer, rank: int, command: str) -> int:
+    """A tensor-parallel rank other than 0: repeat rank 0's commands until it stops (`engine.ranks`);
+    one line and exit status 1 when rank 0 is gone."""
+    from ..engine.ranks import follow
+    from ..models.tp import RankLost
+
+    try:
+        follow(model, tokenizer)
+    except RankLost as e:
+        print(f"fastdllm {command}: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def add_text_args(p: argparse.ArgumentParser) -> None:

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import sys
 
-from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
+from .args import (
+    UserError,
+    add_text_args,
+    follow_rank_zero,
+    load_model_or_exit,
+    parser,
+    text_config,
+    with_model_defaults,
+)
 from .session import ChatSession
 
 CHAT_EXAMPLES = """examples:
   fastdllm chat
   fastdllm chat --show --threshold 0.7
   printf 'Tom has 5 apples. He buys 3 more. How many now?\\n/reset\\nhi\\n' | fastdllm chat
+  torchrun --nproc-per-node 2 -m fastdllm chat --tp 2
 
 commands inside the chat:
   /reset   forget the conversation so far
@@ -30,12 +39,31 @@ def main(argv: list[str] | None = None) -> int:
     add_text_args(p)
     args = p.parse_args(argv)
     config = text_config(args)
-    model, tokenizer = load_model_or_exit(args)
+    model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
     config = with_model_defaults(args, config, model)
+    rank, world = getattr(model, "tp", (0, 1))
+    if rank:  # the other ranks decode what rank 0 reads (`engine.ranks`)
+        return follow_rank_zero(model, tokenizer, rank, "chat")
+    commands = None
+    if world > 1:
+        from ..engine.ranks import Commands
+
+        commands = Commands()
     try:
-        session = ChatSession(model, tokenizer, config, system=args.system, stop=args.stop, keep=args.max_new_tokens)
+        session = ChatSession(
+            model, tokenizer, config, system=args.system, stop=args.stop, keep=args.max_new_tokens, commands=commands
+        )
     except ValueError as e:
         raise UserError(str(e)) from None
+    try:
+        return converse(session, args)
+    finally:
+        if commands is not None:
+            commands.stop()
+
+
+def converse(session: ChatSession, args) -> int:
+    """Read messages from stdin until /exit or its end, and answer each."""
     interactive = sys.stdin.isatty()
     if interactive:
         print("fastdllm chat: type a message; /reset to forget the conversation, /exit to quit.", file=sys.stderr)

@@ -168,7 +168,7 @@ def settings_from_args(args, config: GenerationConfig, family: str | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .args import UserError, config_from_args
+    from .args import UserError, config_from_args, follow_rank_zero
 
     args = build_parser().parse_args(argv)
     config_from_args(args)  # the decoding flags are checked before anything starts
@@ -182,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         return serve_replicas(args)
     model, tokenizer, settings = prepare(args, tensor_parallel=True)
     rank, world = getattr(model, "tp", (0, 1))
-    if rank:  # every other rank repeats rank 0's commands (`server.ranks`)
-        return follow_rank_zero(model, tokenizer, rank)
+    if rank:  # every other rank repeats rank 0's commands (`engine.ranks`)
+        return follow_rank_zero(model, tokenizer, rank, "serve")
     commands = None
     if world > 1:
-        from ..server.ranks import Commands
+        from ..engine.ranks import Commands
 
         commands = Commands()
     app = create_app(model, tokenizer, settings, commands)
@@ -246,18 +246,6 @@ def prepare(args, tensor_parallel: bool = False):
         print("fastdllm serve: compiling the model's layers ...", flush=True)
         print(f"fastdllm serve: compiled in {warm_up(model, settings.defaults):.1f} s", flush=True)
     return model, tokenizer, settings
-
-
-def follow_rank_zero(model, tokenizer, rank: int) -> int:
-    from ..models.tp import RankLost
-    from ..server.ranks import follow
-
-    try:
-        follow(model, tokenizer)
-    except RankLost as e:
-        print(f"fastdllm serve: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
 
 
 def run_uvicorn(app, args) -> None:

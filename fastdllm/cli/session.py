@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..config import GenerationConfig
 from ..engine.generation import GenerationOutput, generate
+from ..engine.ranks import LocalCommands
 from ..text.completion import Completion, complete
 
 
@@ -41,9 +42,11 @@ def run_prompt(
     show_delay: float = 0.0,
     console=None,
     keep: int | None = None,
+    commands=None,
 ) -> Answer:
     """Generate for one prompt (token ids), with the live view if asked; a prompt or config the
-    model cannot take raises ValueError. `keep`: cut the answer to that many tokens."""
+    model cannot take raises ValueError. `keep`: cut the answer to that many tokens. `commands`
+    (`engine.ranks.Commands`): the other ranks of a tensor-parallel model decode it too."""
     limit = model.args.max_seq_len
     if len(ids) + config.gen_length > limit:
         raise ValueError(
@@ -58,11 +61,12 @@ def run_prompt(
             tokenizer, model.mask_token_id, config.block_length, model.stop_token_ids, console=console, delay=show_delay
         )
         on_step = view.on_step if view.enabled else None
+    run = LocalCommands() if commands is None else commands
     if view is not None and view.enabled:
         with view:
-            out = generate(model, [ids], config, on_step=on_step)
+            out = run.run(("generate", [ids], config), generate, model, [ids], config, on_step=on_step)
     else:
-        out = generate(model, [ids], config)
+        out = run.run(("generate", [ids], config), generate, model, [ids], config)
     completion = complete(tokenizer, out.sequences[0][:keep], model.stop_token_ids, stop)
     return Answer(completion, out, len(ids))
 
@@ -74,12 +78,19 @@ class ChatSession:
     (the system message stays)."""
 
     def __init__(
-        self, model, tokenizer, config: GenerationConfig, system: str | None = None, stop=None, keep: int | None = None
+        self,
+        model,
+        tokenizer,
+        config: GenerationConfig,
+        system: str | None = None,
+        stop=None,
+        keep: int | None = None,
+        commands=None,
     ):
         if not tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use `fastdllm generate --raw` instead")
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.system, self.stop, self.keep = system, stop, keep
+        self.system, self.stop, self.keep, self.commands = system, stop, keep, commands
         self.messages: list[dict] = []
         self.dropped_turns = 0
         self.reset()
@@ -109,6 +120,7 @@ class ChatSession:
                 keep=self.keep,
                 show=show,
                 show_delay=show_delay,
+                commands=self.commands,
             )
         except BaseException:
             self.messages.pop()

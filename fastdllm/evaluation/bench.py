@@ -57,6 +57,8 @@ TABLE_ROWS = [
         dict(cache="dual", threshold=0.9, suffix_window=32, refresh="vicinity"),
     ),
 ]
+
+
 # Multi-block decoding (after D2F): the row it extends (the default; a block-diffusion model's own
 # decoding), with 2 and 3 blocks decoded at once.
 def multi_block_rows(table: list[tuple], base: str) -> list[tuple]:

@@ -23,14 +23,15 @@ The loader reads only a rank's parts from the safetensors (`load(..., tp=(rank, 
 `cuts`): no rank holds the whole model, even while loading. A quantized checkpoint (int8 / int4)
 splits the same way: each of its layers is read whole (its packing does not split on file
 offsets), cut (`QuantizedWeight.cut`: rows, or whole scale groups of columns) and the rest
-dropped. `serve --tp` keeps the ranks in step with commands from rank 0 (`server/ranks.py`).
+dropped. `serve --tp` and `chat --tp` keep the ranks in step with commands from rank 0
+(`engine/ranks.py`).
 
 Expert parallelism (`ep` = world): each rank holds E / world routed experts whole (`cuts` by
 experts, `MoEFeedForward.first_expert`), and the tokens reach them by `AllToAll` or, by default,
 by each rank computing its experts' pairs for every token, added up by the layer's all-reduce.
 
-Not yet: quantizing in memory under `--tp` (write a quantized checkpoint first), `ep` between 1
-and world, and `chat` with `--tp` (it refuses it).
+Not yet: quantizing in memory under `--tp` (write a quantized checkpoint first), and `ep`
+between 1 and world.
 """
 
 from __future__ import annotations

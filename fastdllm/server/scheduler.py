@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from ..config import GenerationConfig
 from ..engine.decoder import BlockDecoder, join_key
 from ..engine.policies import PolicySource
+from ..engine.ranks import LocalCommands, constraint_specs
 from ..models.tp import RankLost
-from .ranks import LocalCommands, constraint_specs
 from .schema import APIError
 
 log = logging.getLogger("fastdllm.server")

@@ -15,9 +15,9 @@ from typing import Any
 from ..config import PRESETS, ConfigError, GenerationConfig
 from ..engine.constraints import GrammarConstraint, response_format_constraint
 from ..engine.generation import generate
+from ..engine.ranks import LocalCommands
 from ..text import tool_calls
 from .metrics import ServerMetrics
-from .ranks import LocalCommands
 from .scheduler import Job, QueueFull, Scheduler
 from .schema import DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, _Common
 

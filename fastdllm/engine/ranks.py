@@ -1,11 +1,12 @@
-"""Serving a tensor-parallel model: rank 0 answers HTTP, and every rank runs the same forwards.
+"""Keeping the ranks of a tensor-parallel model in step: rank 0 decides, every rank runs the same
+forwards.
 
-Under `torchrun --nproc-per-node N -m fastdllm serve --tp N`, each rank holds its part of the model
-and every forward ends in all-reduces that all ranks must join, in the same order. Rank 0 runs
-the app and the scheduler; before it does anything that leads to forwards or changes the batch
-(a batch starts, rows join or leave, a block is decoded, the warm-up, a scoring request), it sends
-that command to the other ranks (`Commands.run`, one broadcast), under one lock, so that commands
-and their collectives reach every rank in one order. The other ranks (`follow`) repeat each
+Under `torchrun --nproc-per-node N -m fastdllm serve|chat --tp N`, each rank holds its part of the
+model and every forward ends in all-reduces that all ranks must join, in the same order. Rank 0
+runs the app and the scheduler (or reads the chat); before it does anything that leads to forwards
+or changes the batch (a batch starts, rows join or leave, a block is decoded, the warm-up, a
+scoring request, a chat turn), it sends that command to the other ranks (`Commands.run`, one
+broadcast), under one lock, so that commands and their collectives reach every rank in one order. The other ranks (`follow`) repeat each
 command on their own decoder: the same inputs and the same all-reduced bits give the same
 decisions, so nothing else needs sending. A grammar-constrained row's grammar is sent as its
 source (`GrammarConstraint.spec`) and built again there.
@@ -22,11 +23,11 @@ import threading
 
 import torch.distributed as dist
 
-from ..engine.constraints import GrammarConstraint
-from ..engine.decoder import BlockDecoder
-from ..engine.generation import generate
-from ..engine.likelihood import prefix_logprobs
 from ..models.tp import RankLost, collective
+from .constraints import GrammarConstraint
+from .decoder import BlockDecoder
+from .generation import generate
+from .likelihood import prefix_logprobs
 
 IDLE_TICK_SECONDS = 60.0  # well inside torch.distributed's default 30-minute timeout
 
