@@ -4,6 +4,7 @@ published configs each family keeps."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from fastdllm.models import dream, fast_dllm_v2, llada, llada2, llada_moe, sdar
 from fastdllm.models.loading import build_model
 from fastdllm.models.plan import plan
 
+DATA = Path(__file__).parent / "data"
 # model: (its module, published total parameters in billions, read off the model cards)
 PUBLISHED = {
     "LLaDA-8B": (llada, 8.0),
@@ -72,3 +74,14 @@ def test_the_command_says_whether_it_fits(tmp_path, capsys):
     assert out["total_bytes_per_rank"] == out["weight_bytes_per_rank"] + out["kv_cache_bytes_per_rank"]
     assert cli(run[:5] + ["--tp", "3"]) == 2
     assert "tp: 3 does not divide" in capsys.readouterr().err
+
+
+def test_llada2_flash_fits_eight_80_gb_devices_split_either_way():
+    """LLaDA2.0-flash's layout (tests/data: LLaDA2.0-mini's config with flash's widths, as recalled;
+    the count checks them against the published 100B total / 6.1B active parameters)."""
+    config = json.loads((DATA / "llada2.0-flash.config.json").read_text())
+    whole = plan(config)
+    assert abs(whole.parameters / 1e9 - 100) < 6 and abs(whole.active_parameters / 1e9 - 6.1) < 0.3
+    tp8, ep8 = plan(config, tp=8), plan(config, tp=8, ep=8)
+    assert tp8.weight_bytes == ep8.weight_bytes < 30 * 2**30  # ~26 GiB of bfloat16 per rank
+    assert plan(config).weight_bytes > 80 * 2**30  # and not on one device
