@@ -12,7 +12,9 @@ recording every forward's window. Each family's model is then built at the width
 config (random bf16 weights, `--layers` of its layers: time per layer is what scales), and the
 windows are replayed on it for `--batch` rows at once: tokens/s of the generated tokens, and
 positions computed per token (the work, independent of the machine). Optional rows: int8 / int4
-weights (`--quant`), and torch.compile of the layers (`--compile`; CUDA graphs on a GPU).
+weights (`--quant`), the cached steps through the fixed-shape step that `cuda_graphs` captures
+(`--graphs`: CUDA graphs on a GPU, compiled once per batch size), and torch.compile of the
+layers with dynamic shapes (`--compile`).
 One table is printed (and written as JSON with `--out`).
 """
 
@@ -101,11 +103,30 @@ def wide(family: str, layers: int, device, tiny: bool):
 
 
 @torch.inference_mode()
-def replay(model, windows: list[tuple], batch: int, device) -> None:
+def replay(model, windows: list[tuple], batch: int, device, graphs: bool = False) -> None:
+    """The recorded forwards on `model`; with `graphs`, DualCache's cached steps (the window is the
+    block) through the fixed-shape step that `cuda_graphs` captures, over a cache of the run's
+    largest length."""
     vocab = model.args.vocab_size
     cache = None
+    capacity = max(w[2] for w in windows)
+    shift = int(model.args.shifted_logits)
     for ws, we, length, start, end in windows:
         x = torch.randint(0, vocab, (batch, length), device=device)
+        if graphs and cache is not None and (ws, we) == (start, end) and start - shift > 0:
+            positions = torch.arange(capacity, device=device).expand(batch, capacity)
+            key_ok = (torch.arange(capacity, device=device) < length).expand(batch, capacity)
+            column = torch.full((), start - shift, dtype=torch.long, device=device)
+            tokens = torch.randint(0, vocab, (batch, end - start + shift), device=device)
+            step = model.graphed_window_logits()
+            step(tokens, positions[:, start - shift : end], column, key_ok, positions, cache, None, end - start)
+            continue
+        if graphs and cache is None:
+            cache = model.new_cache(batch, capacity)
+        if graphs:
+            model.logits_for(x, start, end, window=None if ws == 0 and we == length else (ws, we),
+                             cache=cache.narrow(batch, length))  # fmt: skip
+            continue
         if ws == 0 and we == length:
             cache = model.new_cache(batch, length)
             model.logits_for(x, start, end, cache=cache)
@@ -119,13 +140,13 @@ def replay(model, windows: list[tuple], batch: int, device) -> None:
             model.logits_for(x, start, end, window=(ws, we), cache=cache.narrow(batch, length))
 
 
-def timed(model, runs, batch, device) -> float:
+def timed(model, runs, batch, device, graphs: bool = False) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    replay(model, runs[0][:2], batch, device)  # warm up
+    replay(model, runs[0], batch, device, graphs)  # warm up (with graphs: compiled and captured)
     sync()
     t0 = time.perf_counter()
     for windows in runs:
-        replay(model, windows, batch, device)
+        replay(model, windows, batch, device, graphs)
     sync()
     return time.perf_counter() - t0
 
@@ -139,7 +160,12 @@ def main(argv=None) -> int:
     p.add_argument("--problems", type=int, default=None, help="schedules recorded per config (default 2)")
     p.add_argument("--gen-length", type=int, default=256)
     p.add_argument("--quant", nargs="*", default=[], choices=["int8", "int4"], help="also quantized weights")
-    p.add_argument("--compile", action="store_true", help="also torch.compile'd layers (CUDA graphs on a GPU)")
+    p.add_argument("--compile", action="store_true", help="also torch.compile'd layers (dynamic shapes)")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also the cached steps through the fixed-shape step `cuda_graphs` captures (CUDA graphs on a GPU)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -152,7 +178,7 @@ def main(argv=None) -> int:
         for name in CONFIGS:
             schedules[twin, name] = record(twin, name, gen_length, problems)
     rows = []
-    print(f"{'family':<13} {'config':<10} {'batch':>5} {'weights':<8} {'compile':<7} {'tok/s':>9} {'pos/tok':>8}")
+    print(f"{'family':<13} {'config':<10} {'batch':>5} {'weights':<8} {'mode':<8} {'tok/s':>9} {'pos/tok':>8}")
     for family in args.families:
         model = wide(family, layers, device, args.tiny)
         variants = [("bf16", model)]
@@ -163,8 +189,10 @@ def main(argv=None) -> int:
             qm = wide(family, layers, device, args.tiny)
             install(qm, quantize_weights(qm, QUANTIZE[q]), device=device)
             variants.append((q, qm))
+        modes = ["eager"] + (["graphs"] if args.graphs else []) + (["compile"] if args.compile else [])
         for weights, m in variants:
-            for compiled in [False, True] if args.compile else [False]:
+            for mode in modes:  # compile last: it replaces the layers' forwards
+                compiled = mode == "compile"
                 if compiled:
                     for layer in m.layers:
                         layer.forward = torch.compile(
@@ -174,13 +202,13 @@ def main(argv=None) -> int:
                     runs, tokens = schedules[FAMILIES[family], name]
                     positions = sum(we - ws for r in runs for ws, we, *_ in r)
                     for batch in batches:
-                        seconds = timed(m, runs, batch, device)
+                        seconds = timed(m, runs, batch, device, graphs=mode == "graphs")
                         row = {
                             "family": family,
                             "config": name,
                             "batch": batch,
                             "weights": weights,
-                            "compile": compiled,
+                            "mode": mode,
                             "layers": layers,
                             "tokens_per_second": tokens * batch / seconds,
                             "positions_per_token": positions / tokens,
@@ -188,7 +216,7 @@ def main(argv=None) -> int:
                         }
                         rows.append(row)
                         print(
-                            f"{family:<13} {name:<10} {batch:>5} {weights:<8} {str(compiled):<7} "
+                            f"{family:<13} {name:<10} {batch:>5} {weights:<8} {mode:<8} "
                             f"{row['tokens_per_second']:>9.1f} {row['positions_per_token']:>8.2f}",
                             flush=True,
                         )

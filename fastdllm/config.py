@@ -256,6 +256,13 @@ class GenerationConfig:
         "first use compiles: eval and serve do it before timing or serving)",
         server=False,
     )
+    cuda_graphs: bool = _opt(
+        False,
+        "bool",
+        "DualCache's cached steps with fixed shapes through torch.compile(mode='reduce-overhead'): "
+        "CUDA graphs on a GPU, replayed at every block (the first use compiles)",
+        server=False,
+    )
     deterministic: bool = _opt(
         False,
         "bool",
@@ -586,6 +593,12 @@ class GenerationConfig:
             need(is_int(self.seed), "seed", "must be an integer or None")
         need(isinstance(self.compile, bool), "compile", "must be true or false")
         need(isinstance(self.deterministic, bool), "deterministic", "must be true or false")
+        need(isinstance(self.cuda_graphs, bool), "cuda_graphs", "must be true or false")
+        need(
+            not (self.cuda_graphs and self.deterministic),
+            "cuda_graphs",
+            "not with deterministic (its forwards attend row by row)",
+        )
 
 
 def _one_block_fields_dropped(needed: dict) -> dict:

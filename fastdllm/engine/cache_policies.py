@@ -109,6 +109,9 @@ class CachePolicy:
         self.compiled = compiled  # forwards through the model's torch.compile'd layers
         # each row's logits exactly as computed alone, whatever the batch (`models.invariance`)
         self.batch_invariant = False
+        # DualCache's steps after a block's first through fixed shapes, captured as CUDA graphs
+        # (`PrefixCache._graphed_step`)
+        self.graphs = False
         self.work: list[tuple[list[int] | None, int, int]] = []
         self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
         self.peak_cache_bytes = 0  # the largest KV cache this policy held at once (memory accounting)
@@ -304,6 +307,9 @@ class PrefixCache(CachePolicy):
 
     def block_logits(self, seq, start, end, step_in_block):
         bsz, length = seq.x.shape
+        shift = int(self.model.args.shifted_logits)
+        if step_in_block > 0 and self.graphs and self.reuse_suffix and start - shift > 0:
+            return self._graphed_step(seq, start, end)
         if step_in_block > 0:
             window = (start, end if self.reuse_suffix else length)
             return self.forward(seq, start, end, window=window, cache=self.cache)
@@ -328,6 +334,36 @@ class PrefixCache(CachePolicy):
                 logits = out.new_empty((bsz,) + tuple(out.shape[1:]))
             logits[torch.tensor(rows, device=out.device)] = out
         return logits
+
+    def _graphed_step(self, seq, start: int, end: int) -> torch.Tensor:
+        """A cached step of DualCache with the shapes of every step of this layout: the window
+        (the block, and the column before it with shifted logits) attends over the whole cache
+        buffer, the keys past what the step sees masked rather than cut off, and its column is a
+        tensor (`Transformer.window_logits_static`). The same arithmetic as the eager step over
+        more (masked) keys."""
+        bsz, seen = seq.x.shape
+        capacity = seq.capacity or seen
+        first = start - int(self.model.args.shifted_logits)
+        cache = self._buffer.narrow(bsz, capacity)
+        key_ok = torch.ones(bsz, seen, dtype=torch.bool, device=seq.x.device)
+        if seq.key_mask is not None:
+            key_ok = seq.key_mask[:, 0, 0, :]
+        key_ok = torch.nn.functional.pad(key_ok, (0, capacity - seen), value=False)
+        key_positions = torch.nn.functional.pad(seq.positions, (0, capacity - seen))
+        self.work.append((None, end - first, capacity))
+        if self.history is not None:
+            self.history.append((first, end, seen, start, end))
+        column = torch.full((), first, dtype=torch.long, device=seq.x.device)
+        return self.model.graphed_window_logits()(
+            seq.x[:, first:end],
+            seq.positions[:, first:end],
+            column,
+            key_ok,
+            key_positions,
+            cache,
+            seq.block_length or None,
+            end - start,
+        )
 
     def _full(self, seq, start, end, cache, rows):
         return self.forward(seq, start, end, cache=cache, rows=rows)
@@ -429,4 +465,5 @@ def cache_policy(model, config) -> CachePolicy:
     `config.deterministic`)."""
     policy = CACHE_POLICIES[config.cache].from_config(model, config)
     policy.batch_invariant = config.deterministic
+    policy.graphs = config.cuda_graphs
     return policy

@@ -6,10 +6,11 @@ model and every forward ends in all-reduces that all ranks must join, in the sam
 runs the app and the scheduler (or reads the chat); before it does anything that leads to forwards
 or changes the batch (a batch starts, rows join or leave, a block is decoded, the warm-up, a
 scoring request, a chat turn), it sends that command to the other ranks (`Commands.run`, one
-broadcast), under one lock, so that commands and their collectives reach every rank in one order. The other ranks (`follow`) repeat each
-command on their own decoder: the same inputs and the same all-reduced bits give the same
-decisions, so nothing else needs sending. A grammar-constrained row's grammar is sent as its
-source (`GrammarConstraint.spec`) and built again there.
+broadcast), under one lock, so that commands and their collectives reach every rank in one
+order. The other ranks (`follow`) repeat each command on their own decoder: the same inputs and
+the same all-reduced bits give the same decisions, so nothing else needs sending. A
+grammar-constrained row's grammar is sent as its source (`GrammarConstraint.spec`) and built
+again there.
 
 A rank that is gone makes the next collective fail (`tp.RankLost`): rank 0 answers every request
 in flight or queued with a 503 and stops; a following rank stops with one line. torchrun then ends

@@ -82,9 +82,16 @@ class LayerKV:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, start, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the K/V of positions [start, start + T) in place; return the whole cached K/V
-        (positions outside the window keep what an earlier forward wrote)."""
+        (positions outside the window keep what an earlier forward wrote). `start` an int, or a
+        0-d tensor: the write's place is then data, not shape, so a captured graph replays it
+        at every block."""
+        if isinstance(start, torch.Tensor):
+            where = start + torch.arange(k.shape[2], device=k.device)
+            self.k.index_copy_(2, where, k)
+            self.v.index_copy_(2, where, v)
+            return self.k, self.v
         end = start + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v

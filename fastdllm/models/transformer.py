@@ -231,6 +231,7 @@ class Transformer(nn.Module):
         self.setup_rope()
         self.stop_token_ids: list[int] = list(stop_token_ids) if stop_token_ids else [args.eos_token_id]
         self._compiled_layers: list | None = None  # built on first use (not modules: no second state_dict)
+        self._graphed_window = None  # `graphed_window_logits`, compiled on first use
 
     def setup_rope(self, device=None) -> None:
         if device is None:
@@ -299,6 +300,36 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+
+    def window_logits_static(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        start: torch.Tensor,
+        key_ok: torch.Tensor,
+        key_positions: torch.Tensor,
+        cache: KVCache,
+        block_size: int | None,
+        keep: int,
+    ) -> torch.Tensor:
+        """A cached window's logits with every shape fixed for a layout, so that the step can be
+        captured once as a CUDA graph and replayed at every block (`graphed_window_logits`): the
+        window's tokens and positions (B, T) at column `start` (a 0-d tensor), attending over the
+        whole cache buffer (B, ..., S) where `key_ok` (B, S) allows it (the keys after what the
+        step sees are masked, not cut off); `key_positions` (B, S). Returns the logits of the
+        window's first `keep` hidden states (B, keep, V): with shifted logits the window starts one
+        column before the block."""
+        key_mask = key_ok[:, None, None, :]
+        if self.args.block_size:
+            key_mask = block_causal_mask(positions, key_positions, block_size or self.args.block_size, key_mask)
+        return self.head(self.hidden(tokens, positions, key_mask, cache, start)[:, :keep])
+
+    def graphed_window_logits(self):
+        """`window_logits_static` through torch.compile(mode="reduce-overhead"): on a GPU its steps
+        replay a captured CUDA graph; elsewhere, a compiled function of fixed shapes."""
+        if self._graphed_window is None:
+            self._graphed_window = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=False)
+        return self._graphed_window
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, batch_invariant: bool = False

@@ -1,0 +1,77 @@
+"""`cuda_graphs`: DualCache's cached steps with the shapes of every step of a layout (the window
+attends over the whole cache buffer, the unseen keys masked, its column a tensor), so that one
+captured graph replays at every block. Token-identical to the eager steps in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm import GenerationConfig
+from fastdllm.config import ConfigError
+from fastdllm.evaluation.tasks import arith
+from fastdllm.models.transformer import Transformer
+
+FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe"]
+
+
+def prompts(model, lengths=(6, 11)):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, model.args.vocab_size, (n,), generator=g)
+        ids[ids == model.mask_token_id] = 0
+        out.append(ids.tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatch):
+    """The fixed-shape step run eagerly (no compile): the same tokens, batched with padding, and a
+    suffix window that hides part of the cache."""
+    model = request.getfixturevalue(name)
+    calls = []
+
+    def eager(self):
+        def run(*args):
+            calls.append(args[2].item())  # the window's column, a tensor
+            return self.window_logits_static(*args)
+
+        return run
+
+    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    block = model.args.block_size or 8
+    base = GenerationConfig(gen_length=6 * block, block_length=block, threshold=0.6, stop_at_eos=False)
+    base = GenerationConfig.for_model(model, base, checkpoint_defaults=False, cache="dual", sub_block_length=None)
+    for window in (None, block):
+        config = base.replace(suffix_window=window)
+        eager_out = fastdllm.generate(model, prompts(model), config=config)
+        graphed = fastdllm.generate(model, prompts(model), config=config.replace(cuda_graphs=True))
+        assert torch.equal(eager_out.sequences, graphed.sequences)
+    assert len(set(calls)) > 1  # steps at several blocks went through it
+
+
+def test_cuda_graphs_is_checked():
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        GenerationConfig(cuda_graphs="yes")
+    with pytest.raises(ConfigError, match="cuda_graphs: not with deterministic"):
+        GenerationConfig(cuda_graphs=True, deterministic=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llada-arith", "sdar-arith", "dream-arith"])
+def test_compiled_once_per_layout_and_token_identical(name):
+    import torch._dynamo
+
+    model, tok = fastdllm.load(name, dtype=torch.float32)
+    ids = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:3]]
+    base = GenerationConfig(gen_length=96, stop_at_eos=False, threshold=0.99)
+    config = GenerationConfig.for_model(model, base, checkpoint_defaults=False)
+    eager = fastdllm.generate(model, ids, config=config)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    graphed = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+    again = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+    assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.sequences, again.sequences)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one layout, every block
