@@ -40,6 +40,7 @@ BAD = {
     "refresh_tol": -1,
     "compile": 1,
     "deterministic": "yes",
+    "cuda_graphs": "yes",
     "confidence_temperature": 0,
     "parallel_blocks": 0,
     "block_add_threshold": 2,

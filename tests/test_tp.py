@@ -124,34 +124,21 @@ def test_generate_with_expert_parallelism_prints_one_processes_answer():
         assert json.loads(two.stdout)["text"] == json.loads(one.stdout)["text"], dispatch
 
 
-def test_ep_must_match_tp():
-    bad = subprocess.run(
-        [sys.executable, "-m", "fastdllm", "generate", "--tp", "2", "--ep", "3", QUESTION],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert bad.returncode == 2 and "--ep: must be 1 or the --tp ranks (2); got 3" in bad.stderr
+def test_ep_must_match_tp(capsys):
+    from fastdllm.cli.main import main
+
+    assert main(["generate", "--tp", "2", "--ep", "3", QUESTION]) == 2
+    assert "--ep: must be 1 or the --tp ranks (2); got 3" in capsys.readouterr().err
 
 
-def test_tp_says_how_to_launch_and_which_commands_take_it():
-    alone = subprocess.run(
-        [sys.executable, "-m", "fastdllm", "generate", "--tp", "2", QUESTION],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert alone.returncode == 2 and "torchrun --nproc-per-node 2 -m fastdllm <command> --tp 2" in alone.stderr
-    other = subprocess.run(
-        [sys.executable, "-m", "fastdllm", "tune", "--tp", "2", "--task", "arith", "--out", "unused"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert other.returncode == 2 and "--tp: this command does not run tensor-parallel (generate, chat" in other.stderr
+def test_tp_says_how_to_launch_and_which_commands_take_it(capsys, monkeypatch):
+    from fastdllm.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["generate", "--tp", "2", QUESTION]) == 2
+    assert "torchrun --nproc-per-node 2 -m fastdllm <command> --tp 2" in capsys.readouterr().err
+    assert main(["tune", "--tp", "2", "--task", "arith", "--out", "unused"]) == 2
+    assert "--tp: this command does not run tensor-parallel (generate, chat" in capsys.readouterr().err
 
 
 @pytest.mark.slow
