@@ -33,9 +33,10 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     assert "+parallel +dual cache (Fast-dLLM)" in table and "| baseline |" in table
     record = json.loads((out / "bench.json").read_text())
     rows = record["rows"]
-    # the paper's seven rows, the three beyond it and the default, then baseline, Fast-dLLM, the
-    # combined policies and the default with stop-at-EOS
-    assert len(rows) == len(bench.TABLE_ROWS) + 4 and len(bench.TABLE_ROWS) == 11
+    # the paper's seven rows, the three beyond it, the default and the default with 2 and 3 blocks at
+    # once; then baseline, Fast-dLLM, the combined policies, the default and its multi-block rows
+    # with stop-at-EOS
+    assert len(rows) == len(bench.TABLE_ROWS) + 6 and len(bench.TABLE_ROWS) == 13
     default = next(r for r in rows if r["name"].startswith("default (") and "stop@eos" not in r["name"])
     d = GenerationConfig()
     assert [default["config"][k] for k in ("cache", "threshold", "suffix_window", "refresh")] == [
