@@ -38,12 +38,19 @@ def sandbox_files() -> list[str]:
     uids, found = own_uids(), []
     for top in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
         for root, dirs, files in os.walk(top):
+            keep = []
             for name in dirs + files:
                 try:
-                    if os.lstat(os.path.join(root, name)).st_uid in uids:
-                        found.append(os.path.join(root, name))
+                    st = os.lstat(os.path.join(root, name))
                 except OSError:
-                    pass
+                    continue
+                if st.st_uid in uids:
+                    found.append(os.path.join(root, name))
+                # a sandbox uid writes only in folders it owns or that others may write: the rest
+                # (a virtual environment, a clone) cannot hold its files and is not walked
+                if name in dirs and (st.st_uid in uids or st.st_mode & 0o022):
+                    keep.append(name)
+            dirs[:] = keep
     return found
 
 

@@ -25,12 +25,12 @@ FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "
 QUESTION = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
 
 
-def torchrun(*args: str, ranks: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(*args: str, ranks: int = 2, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [
         sys.executable,
         "-m",
@@ -46,12 +46,9 @@ def torchrun(*args: str, ranks: int = 2, timeout: float = 300) -> subprocess.Com
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def test_every_family_split_over_two_ranks_decodes_as_one_process(tmp_path):
-    """Logits within float32 rounding of the whole model's, the same tokens for a batch of two, and
-    every rank deciding alike; GQA with fewer kv heads than ranks (tiny_llada2) included; and the
-    same for int8 and int4 checkpoints, each rank reading its part of the quantized layers."""
+def run_worker(tmp_path, **env) -> dict:
     out = tmp_path / "tp.json"
-    run = torchrun(str(WORKER), str(out), *FAMILIES)
+    run = torchrun(str(WORKER), str(out), *FAMILIES, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results.pop("ranks_agree") is True
@@ -66,14 +63,30 @@ def test_every_family_split_over_two_ranks_decodes_as_one_process(tmp_path):
     assert results["tiny_llada2"]["kv_heads_per_rank"] == 1 and results["tiny_v2"]["heads_per_rank"] == 2
     # expert parallelism: each rank holds half the routed experts whole, read alone from the files
     for name in ("tiny_llada2", "tiny_llada_moe"):
-        experts = results[name]["experts"]
-        assert set(experts) == {"all-reduce", "all-to-all"}
-        for dispatch, e in experts.items():
+        for dispatch, e in results[name]["experts"].items():
             assert e["max_logit_diff"] < 1e-4 and e["same_tokens"] and e["read_parts_equal"], (name, dispatch, e)
-        reduce, a2a = experts["all-reduce"]["collectives_per_layer"], experts["all-to-all"]["collectives_per_layer"]
-        assert reduce == {"all_reduce": 2, "all_to_all_single": 0}  # no collective of its own
-        share = experts["all-to-all"]["moe_layer_share"]  # their first layer is dense
-        assert a2a["all_reduce"] == 2 and a2a["all_to_all_single"] == 4 * share  # counts, tokens, ids, outputs
+            share = e["moe_layer_share"]  # their first layer is dense
+            per_layer = {"all_reduce": 2, "all_to_all_single": 4 * share if dispatch == "all-to-all" else 0}
+            assert e["collectives_per_layer"] == per_layer, (name, dispatch)  # counts, tokens, ids, outputs
+    return results
+
+
+def test_every_family_split_over_two_ranks_decodes_as_one_process(tmp_path):
+    """Logits within float32 rounding of the whole model's, the same tokens for a batch of two, and
+    every rank deciding alike; GQA with fewer kv heads than ranks (tiny_llada2) included; and the
+    same for int8 checkpoints, each rank reading its part of the quantized layers, and for expert
+    parallelism with the all-reduce dispatch."""
+    results = run_worker(tmp_path, TP_WORKER_BITS="8", TP_WORKER_DISPATCHES="all-reduce")
+    assert set(results["tiny_llada2"]["quantized"]) == {"int8"} and set(results["tiny_llada2"]["experts"]) == {
+        "all-reduce"
+    }
+
+
+@pytest.mark.slow
+def test_int4_checkpoints_and_the_all_to_all_dispatch_split_over_two_ranks(tmp_path):
+    results = run_worker(tmp_path)
+    assert set(results["tiny_llada_moe"]["quantized"]) == {"int8", "int4"}
+    assert set(results["tiny_llada_moe"]["experts"]) == {"all-reduce", "all-to-all"}
 
 
 @pytest.mark.slow

@@ -222,6 +222,7 @@ def _tune(cli, model: str | None, out, limit: int = 24, gen_length: int = 32) ->
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_tune_runs_end_to_end_and_its_preset_is_used(tmp_path, capsys):
     from fastdllm.cli.main import main as cli
 

@@ -3,7 +3,8 @@
 writes {family: {"max_logit_diff", "same_tokens", "rows", "quantized", ...}} as JSON to argv[1].
 argv[2:]: the families (the conftest fixtures' names). TP_WORKER_HEADS: every model with that many
 attention heads (for more ranks than the fixtures have heads); TP_WORKER_BITS: the quantized
-checkpoints tried (default "8,4"; int4's groups of 32 columns do not split 4 ways at these widths)."""
+checkpoints tried (default "8,4"; int4's groups of 32 columns do not split 4 ways at these widths);
+TP_WORKER_DISPATCHES: the expert-parallel dispatches tried (default both)."""
 
 import copy
 import functools
@@ -88,7 +89,8 @@ def main():
             )
             quantized[f"int{bits}"] = {"max_logit_diff": q_diff, "same_tokens": bool(same)}
         experts = {}
-        for dispatch in ("all-reduce", "all-to-all") if whole.args.n_experts else ():
+        dispatches = os.environ.get("TP_WORKER_DISPATCHES", "all-reduce,all-to-all").split(",")
+        for dispatch in dispatches if whole.args.n_experts else ():
             # expert parallelism: whole routed experts per rank, split in memory and read alone
             ep_split = tp.apply(copy.deepcopy(whole), rank, world, ep=world, dispatch=dispatch)
             ep_read = load_model(folder, dtype=torch.float32, tp=(rank, world), ep=world, ep_dispatch=dispatch)
