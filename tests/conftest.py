@@ -65,6 +65,17 @@ def nothing_of_the_sandbox_survives():
     assert sandbox_files() == []
 
 
+def random_prompts(model, lengths, seed: int = 0) -> list[list[int]]:
+    """Prompts of random token ids (no mask token) of the given lengths, for a random model."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, model.args.vocab_size, (n,), generator=g)
+        ids[ids == model.mask_token_id] = 0
+        out.append(ids.tolist())
+    return out
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer()

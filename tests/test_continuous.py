@@ -197,23 +197,18 @@ def test_a_short_request_joins_a_long_one(fp32, continuous):
         assert ids == ref.sequences[0].tolist()
 
 
-def test_a_failing_step_fails_only_its_culprit(fp32, monkeypatch):
-    """A forward fails whenever a certain row is in the batch: that row joined a running job, so the
-    batch fails after blocks were already sent. The running job is decoded again alone (no block
-    sent twice) and ends as alone; only the culprit gets the error."""
+def _a_culprit_joins(model, monkeypatch, good_prompt, culprit_prompt, base, ref, constraints=None):
+    """A forward fails whenever the culprit's row is in the batch; the culprit joins a running job
+    (given `constraints`) after its first block. Returns the good job's items, the culprit's, and
+    the scheduler's stats."""
     from fastdllm.server import Job, Scheduler
 
-    model, tok = fp32
-    ps = questions(tok, 2)
-    base = GenerationConfig.fast_dllm().replace(block_length=16, stop_at_eos=False, seed=None)
-    ref = generate(model, [ps[0]], base.replace(gen_length=64, seed=1))
     # A token in neither the good prompt nor its answer marks the culprit's row.
     mark = next(
         t
         for t in range(100, model.args.vocab_size)
-        if t not in ps[0] + ref.sequences[0].tolist() and t not in model.stop_token_ids
+        if t not in good_prompt + ref.sequences[0].tolist() and t not in model.stop_token_ids
     )
-    poison = [mark] + ps[1]
     real = model.logits_for
 
     def flaky(x, *a, **kw):
@@ -227,8 +222,8 @@ def test_a_failing_step_fails_only_its_culprit(fp32, monkeypatch):
     async def scenario():
         loop = asyncio.get_running_loop()
         sched = Scheduler(model, max_batch_size=4, block_hook=lambda b: first_block.set())
-        good = Job([ps[0]], [1], base.replace(gen_length=64), loop)
-        bad = Job([poison], [2], base.replace(gen_length=32), loop)
+        good = Job([good_prompt], [1], base.replace(gen_length=64), loop, constraints=constraints)
+        bad = Job([[mark] + culprit_prompt], [2], base.replace(gen_length=32), loop)
         sched.submit(good)
         await asyncio.to_thread(first_block.wait, 60)
         sched.submit(bad)
@@ -238,6 +233,18 @@ def test_a_failing_step_fails_only_its_culprit(fp32, monkeypatch):
         return got, stats
 
     (good_items, bad_items), stats = asyncio.run(scenario())
+    return good_items, bad_items, stats
+
+
+def test_a_failing_step_fails_only_its_culprit(fp32, monkeypatch):
+    """A forward fails whenever a certain row is in the batch: that row joined a running job, so the
+    batch fails after blocks were already sent. The running job is decoded again alone (no block
+    sent twice) and ends as alone; only the culprit gets the error."""
+    model, tok = fp32
+    ps = questions(tok, 2)
+    base = GenerationConfig.fast_dllm().replace(block_length=16, stop_at_eos=False, seed=None)
+    ref = generate(model, [ps[0]], base.replace(gen_length=64, seed=1))
+    good_items, bad_items, stats = _a_culprit_joins(model, monkeypatch, ps[0], ps[1], base, ref)
     assert isinstance(bad_items[-1], JobFailed) and stats["errors"] == 1
     assert good_items[-1] == JobEnded()
     blocks = [item.block for item in good_items if isinstance(item, BlockFinal)]
@@ -251,7 +258,6 @@ def test_a_failing_batch_decodes_a_grammar_row_again_from_its_start(fp32, monkey
     """The batch fails while a JSON-constrained row is halfway through its grammar: decoded again
     alone, its grammar starts over with the answer, and it ends as it does alone."""
     from fastdllm.engine.constraints import GrammarConstraint
-    from fastdllm.server import Job, Scheduler
 
     model, tok = fp32
     ps = questions(tok, 2)
@@ -261,34 +267,7 @@ def test_a_failing_batch_decodes_a_grammar_row_again_from_its_start(fp32, monkey
         return [GrammarConstraint.json(tok, model.stop_token_ids, budget=64)]
 
     ref = generate(model, [ps[0]], base.replace(gen_length=64, seed=1), constraints=grammar())
-    mark = next(
-        t
-        for t in range(100, model.args.vocab_size)
-        if t not in ps[0] + ref.sequences[0].tolist() and t not in model.stop_token_ids
-    )
-    real = model.logits_for
-
-    def flaky(x, *a, **kw):
-        if bool((x == mark).any()):
-            raise RuntimeError("the kernel failed")
-        return real(x, *a, **kw)
-
-    monkeypatch.setattr(model, "logits_for", flaky)
-    first_block = threading.Event()
-
-    async def scenario():
-        loop = asyncio.get_running_loop()
-        sched = Scheduler(model, max_batch_size=4, block_hook=lambda b: first_block.set())
-        good = Job([ps[0]], [1], base.replace(gen_length=64), loop, constraints=grammar())
-        bad = Job([[mark] + ps[1]], [2], base.replace(gen_length=32), loop)
-        sched.submit(good)
-        await asyncio.to_thread(first_block.wait, 60)
-        sched.submit(bad)
-        got = await asyncio.gather(_collect(good), _collect(bad))
-        sched.close()
-        return got
-
-    good_items, bad_items = asyncio.run(scenario())
+    good_items, bad_items, _ = _a_culprit_joins(model, monkeypatch, ps[0], ps[1], base, ref, grammar())
     assert isinstance(bad_items[-1], JobFailed) and good_items[-1] == JobEnded()
     tokens = [t for item in good_items if isinstance(item, BlockFinal) for t in item.tokens[0]]
     assert tokens == ref.sequences[0].tolist()

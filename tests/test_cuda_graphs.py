@@ -13,17 +13,9 @@ from fastdllm.config import ConfigError
 from fastdllm.evaluation.tasks import arith
 from fastdllm.models.transformer import Transformer
 
+from .conftest import random_prompts
+
 FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe"]
-
-
-def prompts(model, lengths=(6, 11)):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for n in lengths:
-        ids = torch.randint(0, model.args.vocab_size, (n,), generator=g)
-        ids[ids == model.mask_token_id] = 0
-        out.append(ids.tolist())
-    return out
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -46,8 +38,8 @@ def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatc
     base = GenerationConfig.for_model(model, base, checkpoint_defaults=False, cache="dual", sub_block_length=None)
     for window in (None, block):
         config = base.replace(suffix_window=window)
-        eager_out = fastdllm.generate(model, prompts(model), config=config)
-        graphed = fastdllm.generate(model, prompts(model), config=config.replace(cuda_graphs=True))
+        eager_out = fastdllm.generate(model, random_prompts(model, (6, 11)), config=config)
+        graphed = fastdllm.generate(model, random_prompts(model, (6, 11)), config=config.replace(cuda_graphs=True))
         assert torch.equal(eager_out.sequences, graphed.sequences)
     assert len(set(calls)) > 1  # steps at several blocks went through it
 

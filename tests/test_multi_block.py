@@ -14,6 +14,8 @@ from fastdllm.engine.cache_policies import cache_policy
 from fastdllm.engine.policies import Policies
 from fastdllm.engine.unmasking import Lookahead
 
+from .conftest import random_prompts
+
 FAMILIES = ["tiny_llada", "tiny_dream", "tiny_llada_moe", "tiny_sdar", "tiny_v2", "tiny_llada2"]
 # the later blocks take part but never reveal: confidences are never above 1, and the current
 # block always has a mask at a step's start, so no later block is ever "complete"
@@ -23,13 +25,7 @@ ONE_EACH = dict(parallel_blocks=2, block_add_threshold=0.0, lookahead_threshold=
 
 
 def prompts(model, lengths=(5, 9), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(0, model.args.vocab_size, (n,), generator=g)
-        ids[ids == model.mask_token_id] = 0
-        out.append(ids.tolist())
-    return out
+    return random_prompts(model, lengths, seed)
 
 
 def config_for(model, **kw):

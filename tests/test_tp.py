@@ -25,11 +25,16 @@ FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "
 QUESTION = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
 
 
-def torchrun(*args: str, ranks: int = 2, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
+    return port
+
+
+def torchrun(*args: str, ranks: int = 2, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    port = free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [
         sys.executable,
@@ -112,13 +117,9 @@ def test_chat_with_tp_answers_as_one_process():
     one = subprocess.run(
         [sys.executable, "-m", "fastdllm", "chat", *flags], input=turns, capture_output=True, text=True, cwd=REPO
     )
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    cmd += ["--master-port", str(port), "-m", "fastdllm", "chat", "--tp", "2", *flags]
+    cmd += ["--master-port", str(free_port()), "-m", "fastdllm", "chat", "--tp", "2", *flags]
     two = subprocess.run(cmd, input=turns, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     assert two.stdout == one.stdout and one.stdout.count("####") == 2  # two turns, printed once
@@ -176,14 +177,6 @@ def test_eval_with_tp_decodes_every_sample_on_every_rank(tmp_path):
 
 
 # ---- serve --tp ---------------------------------------------------------------------------------
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def start(cmd: list[str], port: int, env: dict | None = None) -> subprocess.Popen:
     """A server process (its own process group, so that torchrun and its ranks go together), once
     /ready answers."""

@@ -345,8 +345,9 @@ class PrefixCache(CachePolicy):
         capacity = seq.capacity or seen
         first = start - int(self.model.args.shifted_logits)
         cache = self._buffer.narrow(bsz, capacity)
-        key_ok = torch.ones(bsz, seen, dtype=torch.bool, device=seq.x.device)
-        if seq.key_mask is not None:
+        if seq.key_mask is None:
+            key_ok = torch.ones(bsz, seen, dtype=torch.bool, device=seq.x.device)
+        else:
             key_ok = seq.key_mask[:, 0, 0, :]
         key_ok = torch.nn.functional.pad(key_ok, (0, capacity - seen), value=False)
         key_positions = torch.nn.functional.pad(seq.positions, (0, capacity - seen))

@@ -519,13 +519,13 @@ class BlockDecoder:
             others, others_conf = self.strategy.propose(logits, generators, drawing)
             tokens = torch.where(proposed_mask, others, tokens)
             conf = torch.where(proposed_mask, others_conf, conf)
+        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
         ahead = None
         if self.window_end > end:  # the blocks after the current one: their tokens split off
-            ahead = self._lookahead(tokens[:, blk:], conf[:, blk:], masked, live)
+            ahead = self._lookahead(tokens[:, blk:], conf[:, blk:], masked, live, constrained)
             logits, tokens, conf = logits[:, :blk], tokens[:, :blk], conf[:, :blk]
         with record_function("fastdllm.select"):
             chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
-        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
         if constrained:  # the grammar's say: left to right, every revealed token accepted
             for i in constrained:
                 if bool(live[i]):
@@ -544,14 +544,13 @@ class BlockDecoder:
         revealed = chosen.sum(-1) if ahead is None else chosen.sum(-1) + ahead.sum(-1)
         return chosen, edited, work, revealed
 
-    def _lookahead(self, tokens, conf, current_masked, live) -> torch.Tensor:
+    def _lookahead(self, tokens, conf, current_masked, live, constrained: list[int]) -> torch.Tensor:
         """The blocks after the current one: what the lookahead rule reveals of them, written into
         the layout; (B, positions) True where revealed. A row whose answer follows a grammar
         reveals only left to right, so its later blocks wait for the current one."""
         end = self.start + self.config.block_length
         later = self.x[:, end : self.window_end]
         masked = (later == self.mask_id) & live[:, None]
-        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
         if constrained:
             masked[constrained] = False
         chosen = self.lookahead.select(conf, masked, current_masked) & masked
