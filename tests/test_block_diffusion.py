@@ -153,7 +153,7 @@ def test_sdar_decoding_is_the_same_with_the_exact_cache_and_without_any(tiny_sda
         assert (exact.block_length, exact.cache, exact.suffix_window) == (4, "dual", 0)
         none = exact.replace(cache="none", suffix_window=None, refresh="full")
         a, n = generate(tiny_sdar, prompts, config=exact), generate(tiny_sdar, prompts, config=none)
-        assert torch.equal(a.sequences, n.sequences) and a.nfe == n.nfe, rule
+        assert torch.equal(a.sequences, n.sequences) and a.nfe_per_row == n.nfe_per_row, rule
         assert a.forward_positions[0] < n.forward_positions[0]  # windows, not the whole sequence
         for i, p in enumerate(prompts):  # a row decodes in a batch as alone
             alone = generate(tiny_sdar, [p], config=exact)
@@ -226,45 +226,53 @@ def test_an_unknown_model_type_names_the_families_we_know(tmp_path, tiny_sdar, t
 
 # ---- the references' decoding rules, on hand-checkable cases ----------------------------------------
 def test_sdar_quota_rule():
-    from fastdllm.engine.unmasking import Quota
+    from fastdllm.engine.unmasking import BlockClock, Quota
 
     conf = torch.tensor([[0.95, 0.2, 0.91, 0.3], [0.95, 0.2, 0.9, 0.3]], dtype=torch.float64)
     masked = torch.ones(2, 4, dtype=torch.bool)
     rule = Quota(0.9)
-    rule.begin_block(masked, 2, None, [0, 1])  # the quota: 4 positions over 2 steps, 2 each
-    chosen = rule.select(conf, masked, 0, None, [0, 1])
+    chosen = rule.select(conf, masked, BlockClock.uniform(masked, 2), None, [0, 1])  # 4 positions over 2 steps
     # row 0: two above 0.9 fill the quota; row 1: 0.9 is not above it, so the top-2 instead
     assert chosen.tolist() == [[True, False, True, False], [True, False, True, False]]
     strict = Quota(0.92)
-    strict.begin_block(masked[:1], 2, None, [0])
-    assert strict.select(conf[:1], masked[:1], 0, None, [0]).tolist() == [[True, False, True, False]]  # 1 < quota
+    assert strict.select(conf[:1], masked[:1], BlockClock.uniform(masked[:1], 2), None, [0]).tolist() == [
+        [True, False, True, False]
+    ]  # 1 < quota
     many = Quota(0.1)
-    many.begin_block(masked[:1], 2, None, [0])
-    assert many.select(conf[:1], masked[:1], 0, None, [0]).tolist() == [[True, True, True, True]]  # all above
+    assert many.select(conf[:1], masked[:1], BlockClock.uniform(masked[:1], 2), None, [0]).tolist() == [
+        [True, True, True, True]
+    ]  # all above
     # a block that opens with prompt tokens: the quota is still the block length's share
     lead = torch.tensor([[False, False, True, True]])
     static = Quota(None)
-    static.begin_block(lead, 4, None, [0])
-    assert static.select(conf[:1], lead, 0, None, [0]).tolist() == [[False, False, True, False]]
+    assert static.select(conf[:1], lead, BlockClock.uniform(lead, 4), None, [0]).tolist() == [
+        [False, False, True, False]
+    ]
 
 
 def test_fast_dllm_v2_rules_sub_blocks_and_the_first_position():
-    from fastdllm.engine.unmasking import FirstPositionAtBlockStart, SubBlocks, Threshold
+    from fastdllm.engine.unmasking import BlockClock, FirstPositionAtBlockStart, SubBlocks, Threshold
 
     conf = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.99, 0.99, 0.99, 0.99]])
     masked = torch.ones(1, 8, dtype=torch.bool)
     rule = FirstPositionAtBlockStart(SubBlocks(Threshold(0.9), 4))
-    rule.begin_block(masked, 8, None, [0])
-    assert rule.select(conf, masked, 0, None, [0]).tolist() == [[True] + [False] * 7]  # the block's first token
+    assert rule.select(conf, masked, BlockClock.uniform(masked, 8), None, [0]).tolist() == [
+        [True] + [False] * 7
+    ]  # the block's first token
     masked[0, 0] = False
     # then the first sub-block only: its most confident, although the second's are all above 0.9
-    assert rule.select(conf, masked, 1, None, [0]).tolist() == [[False, False, False, True] + [False] * 4]
+    assert rule.select(conf, masked, BlockClock.uniform(masked, 8, step=1), None, [0]).tolist() == [
+        [False, False, False, True] + [False] * 4
+    ]
     masked[0, :4] = False
-    assert rule.select(conf, masked, 2, None, [0]).tolist() == [[False] * 4 + [True] * 4]
+    assert rule.select(conf, masked, BlockClock.uniform(masked, 8, step=2), None, [0]).tolist() == [
+        [False] * 4 + [True] * 4
+    ]
     # a block opening with prompt tokens has no first token to reveal: the rule decides
     lead = torch.tensor([[False, False, True, True, True, True, True, True]])
-    rule.begin_block(lead, 8, None, [0])
-    assert rule.select(conf, lead, 0, None, [0]).tolist() == [[False, False, False, True] + [False] * 4]
+    assert rule.select(conf, lead, BlockClock.uniform(lead, 8), None, [0]).tolist() == [
+        [False, False, False, True] + [False] * 4
+    ]
 
 
 def test_fast_dllm_v2_decoding_is_the_same_with_the_exact_cache_and_without_any(tiny_v2, tokenizer):
@@ -277,7 +285,7 @@ def test_fast_dllm_v2_decoding_is_the_same_with_the_exact_cache_and_without_any(
     assert (exact.block_length, exact.sub_block_length, exact.suffix_window) == (8, 8, 0)
     none = exact.replace(cache="none", suffix_window=None, refresh="full")
     a, n = generate(tiny_v2, prompts, config=exact), generate(tiny_v2, prompts, config=none)
-    assert torch.equal(a.sequences, n.sequences) and a.nfe == n.nfe
+    assert torch.equal(a.sequences, n.sequences) and a.nfe_per_row == n.nfe_per_row
     for i, p in enumerate(prompts):
         alone = generate(tiny_v2, [p], config=exact)
         assert torch.equal(alone.sequences[0], a.sequences[i])
@@ -305,10 +313,10 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
     steps = []
     block_logits = policy.block_logits
 
-    def recording(seq, start, end, step):
+    def recording(seq, start, end, row_steps):
         x = seq.x[0].clone()
-        out = block_logits(seq, start, end, step)
-        steps.append((x, start, step, out[0].clone()))
+        out = block_logits(seq, start, end, row_steps)
+        steps.append((x, start, row_steps[0], out[0].clone()))
         return out
 
     policy.block_logits = recording

@@ -1,4 +1,4 @@
-"""Continuous batching: rows join a running batch at a block boundary and decode as they would alone."""
+"""Continuous batching: rows join a running batch at any step and decode as they would alone."""
 
 from __future__ import annotations
 
@@ -35,18 +35,18 @@ def config_for(base: GenerationConfig, gen_length: int) -> GenerationConfig:
 
 
 def run_with_joins(model, arrivals, base: GenerationConfig, seeds):
-    """`arrivals`: {block boundary: [(prompt, gen_length)]}; every row decoded by one BlockDecoder,
-    later rows added while the earlier ones run. Returns each row's answer, in arrival order."""
+    """`arrivals`: {step: [(prompt, gen_length)]}; every row decoded by one BlockDecoder, later rows
+    added while the earlier ones run (in the middle of their blocks). Returns each row's answer,
+    in arrival order."""
     decoder = BlockDecoder(model, base)
-    rows, boundary = [], 0
-    while decoder.active or any(k >= boundary for k in arrivals):
-        for prompt, gen in arrivals.get(boundary, []):
+    rows, step = [], 0
+    while decoder.active or any(k >= step for k in arrivals):
+        for prompt, gen in arrivals.get(step, []):
             cfg = config_for(base, gen)
             rows += decoder.add([prompt], row_seeds=[seeds[len(rows)]], config=cfg)
         if decoder.active:
-            for _ in decoder.run_block():
-                pass
-        boundary += 1
+            decoder.step()
+        step += 1
     return rows
 
 
@@ -80,14 +80,15 @@ CONFIGS = {
     "name", [pytest.param(n, marks=pytest.mark.slow) if n == "no-cache-schedule" else n for n in CONFIGS]
 )
 def test_rows_that_join_decode_as_alone(fp32, name):
-    """A long row runs; a short one joins at block 1 and one with a longer prompt (the running rows
-    move right) at block 2: every answer is token-identical to the row decoded alone (float32)."""
+    """A long row runs; a short one joins at step 1 and one with a longer prompt (the running rows
+    move right) at step 3, in the middle of the others' blocks: every answer is token-identical to
+    the row decoded alone (float32)."""
     model, tok = fp32
     ps = questions(tok, 3)
     long_prompt = prompt_ids(tok, arith.test_split()[5].question, arith.fewshot_pool()[:2])
     assert len(long_prompt) > max(len(p) for p in ps) + 32
     base = CONFIGS[name]
-    arrivals = {0: [(ps[0], 96), (ps[1], 64)], 1: [(ps[2], 32)], 2: [(long_prompt, 48)]}
+    arrivals = {0: [(ps[0], 96), (ps[1], 64)], 1: [(ps[2], 32)], 3: [(long_prompt, 48)]}
     seeds = [11, 12, 13, 14]
     rows = run_with_joins(model, arrivals, base, seeds)
     alone = [(p, g) for k in sorted(arrivals) for p, g in arrivals[k]]
@@ -105,7 +106,7 @@ def test_join_key_and_accepts():
     assert join_key(base) != join_key(base.replace(threshold=0.8))
     sched = GenerationConfig(gen_length=64, block_length=32, steps=64, threshold=None)  # 32 steps per block
     assert join_key(sched) == join_key(sched.replace(gen_length=128, steps=128))
-    assert join_key(sched) != join_key(sched.replace(gen_length=128, steps=64))  # 16 per block
+    assert join_key(sched) == join_key(sched.replace(gen_length=128, steps=64))  # each row keeps its own schedule
 
 
 def test_rows_that_cannot_join_are_refused(tiny_llada, tokenizer):
@@ -113,14 +114,13 @@ def test_rows_that_cannot_join_are_refused(tiny_llada, tokenizer):
     decoder.add([tokenizer.encode("Hi")])
     with pytest.raises(ValueError, match="config"):
         decoder.add([tokenizer.encode("Hi")], config=GenerationConfig(gen_length=64, block_length=16, threshold=0.9))
-    # Uneven steps per block (3 steps over 2 blocks): rows must start together.
+    # Uneven steps per block (3 steps over 2 blocks): every row follows its own schedule, so rows
+    # join whenever they come.
     uneven = GenerationConfig(gen_length=64, block_length=32, steps=3, threshold=None)
     d = BlockDecoder(tiny_llada, uneven)
     d.add([tokenizer.encode("Hi")])
-    assert d.accepts(uneven)
-    for _ in d.run_block():
-        pass
-    assert not d.accepts(uneven)
+    d.step()
+    assert d.accepts(uneven) and d.accepts(uneven.replace(gen_length=32, steps=5))
 
 
 def test_dropped_rows_leave_and_the_others_continue(fp32):
@@ -129,12 +129,10 @@ def test_dropped_rows_leave_and_the_others_continue(fp32):
     base = GenerationConfig.fast_dllm().replace(gen_length=64, block_length=16, stop_at_eos=False)
     decoder = BlockDecoder(model, base)
     a, b = decoder.add(ps, row_seeds=[0, 1])
-    for _ in decoder.run_block():
-        pass
+    decoder.step()
     decoder.drop([a])
     while decoder.active:
-        for _ in decoder.run_block():
-            pass
+        decoder.step()
     assert not a.done and b.done
     assert torch.equal(b.answer, generate(model, [ps[1]], base).sequences[0])
 

@@ -9,7 +9,7 @@ import fastdllm
 from fastdllm import GenerationConfig, generate, stream_blocks
 from fastdllm.engine.cache_policies import DualCache, PrefixCache
 from fastdllm.engine.policies import Policies
-from fastdllm.engine.unmasking import Factor, Threshold, UnmaskingStrategy, linear_schedule
+from fastdllm.engine.unmasking import BlockClock, Factor, Threshold, UnmaskingStrategy, linear_schedule
 
 
 def prompts(tokenizer):
@@ -25,11 +25,11 @@ class _RefreshEveryStep:
     """Before every windowed step, refill the cache with a full forward of the current canvas, then
     take the logits from the window: with a fresh cache the window must reproduce the full forward."""
 
-    def block_logits(self, seq, start, end, step_in_block):
-        if step_in_block > 0:
-            super().block_logits(seq, start, end, 0)  # full forward: refresh every cached position
+    def block_logits(self, seq, start, end, steps):
+        if any(steps):
+            super().block_logits(seq, start, end, [0] * len(steps))  # refresh every cached position
             self.take_work()  # the anchor's own forward: not the policy's work
-        return super().block_logits(seq, start, end, step_in_block)
+        return super().block_logits(seq, start, end, steps)
 
 
 class PrefixRefreshed(_RefreshEveryStep, PrefixCache):
@@ -307,10 +307,13 @@ def test_on_step_and_stream_blocks(trained):
     events = []
     out = generate(model, ps, config=cfg, on_step=events.append)
     steps = [e for e in events if e.kind == "step"]
-    assert len(steps) == out.nfe
+    # every row takes part in every step until it leaves: the steps are the longest row's forwards
+    assert len(steps) == max(out.nfe_per_row) <= out.nfe
+    assert [sum(r in e.rows for e in steps) for r in range(2)] == out.nfe_per_row
     assert sum(int(e.revealed.sum()) for e in steps) == 2 * 96
     blocks = list(stream_blocks(model, ps, cfg))
-    assert [b for b, _, _ in blocks] == [0, 1, 2]
+    for r in range(2):  # each row's blocks in order, each once, as it became final
+        assert [b for b, parts, _ in blocks if parts[r]] == [0, 1, 2]
     for r in range(2):
         assert sum((parts[r] for _, parts, _ in blocks), []) == out.sequences[r].tolist()
 
@@ -371,8 +374,7 @@ def test_llada_ranks_confidences_in_float64():
     assert conf.dtype == torch.float64 and conf[0, 1] > conf[0, 0]
     rule = strategy.new_rule()
     masked = torch.ones(1, 2, dtype=torch.bool)
-    rule.begin_block(masked, 2, None, [0])
-    assert rule.select(conf, masked, 0, None, [0]).tolist() == [[False, True]]
+    assert rule.select(conf, masked, BlockClock.uniform(masked, 2), None, [0]).tolist() == [[False, True]]
 
 
 def test_llada_confidence_is_the_references_softmax_not_its_logsumexp_form():
@@ -395,8 +397,7 @@ def test_llada_confidence_is_the_references_softmax_not_its_logsumexp_form():
     assert torch.equal(conf, torch.softmax(logits.double(), -1)[..., 0]) and conf[0, 1] > conf[0, 0]
     rule = strategy.new_rule()
     masked = torch.ones(1, 2, dtype=torch.bool)
-    rule.begin_block(masked, 2, None, [0])
-    assert rule.select(conf, masked, 0, None, [0]).tolist() == [[False, True]]
+    assert rule.select(conf, masked, BlockClock.uniform(masked, 2), None, [0]).tolist() == [[False, True]]
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

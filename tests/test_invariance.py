@@ -75,12 +75,10 @@ def test_rows_that_join_a_running_batch_decode_as_alone(bf16):
     first, late = prompts(bf16, (7, 40)), prompts(bf16, (25,))
     decoder = BlockDecoder(bf16, base)
     rows = decoder.add(first, row_seeds=[0, 1], config=config_for(base, 16))
-    for _ in decoder.run_block():
-        pass
+    decoder.step()
     rows += decoder.add(late, row_seeds=[2], config=base)
     while decoder.active:
-        for _ in decoder.run_block():
-            pass
+        decoder.step()
     for row, prompt, gen in zip(rows, first + late, (16, 16, 8)):
         alone = generate(bf16, [prompt], config=config_for(base, gen))
         assert torch.equal(row.answer, alone.sequences[0])

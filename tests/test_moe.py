@@ -344,7 +344,7 @@ class Scripted(CachePolicy):
         super().__init__(model)
         self.steps, self.calls = steps, 0
 
-    def block_logits(self, seq, start, end, step_in_block):
+    def block_logits(self, seq, start, end, steps):
         self.work.append((None, end - start, seq.x.shape[1]))
         out = self.steps[min(self.calls, len(self.steps) - 1)]
         self.calls += 1

@@ -44,7 +44,7 @@ def test_a_lookahead_that_reveals_nothing_decodes_as_one_block_at_a_time(name, r
     one = fastdllm.generate(model, ids, config=config_for(model, **cache))
     many = fastdllm.generate(model, ids, config=config_for(model, **cache, **SILENT))
     assert torch.equal(one.sequences, many.sequences)
-    assert one.tokens_per_step == many.tokens_per_step and one.nfe == many.nfe
+    assert one.tokens_per_step == many.tokens_per_step and one.nfe_per_row == many.nfe_per_row
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -43,7 +43,7 @@ from ..models.kv_cache import KVCache
 @dataclass
 class SequenceView:
     """What a policy needs about the rows being decoded. Every row's current block sits at the same
-    columns; rows may be at different blocks of their own answers (a row that joined later)."""
+    columns; rows are at different blocks of their own answers, each on its own clock."""
 
     x: torch.Tensor  # (B, L) token ids (L: up to the end of the suffix window)
     positions: torch.Tensor  # (B, L) RoPE positions (padding aware)
@@ -53,8 +53,13 @@ class SequenceView:
     capacity: int | None = None  # the whole layout's length (L grows with a suffix window)
     row_blocks: tuple[int, ...] = ()  # each row's own block index ((): every row at `block`)
     # how many blocks before the current one became final since the last block-start forward
-    # (more than one when multi-block decoding revealed a block whole before it was current)
+    # (more than one when multi-block decoding revealed a block whole before it was current): of
+    # the first row, and of each row ((): every row's is `refresh_blocks`)
     refresh_blocks: int = 1
+    row_refresh: tuple[int, ...] = ()
+
+    def refreshes(self) -> tuple[int, ...]:
+        return self.row_refresh or (self.refresh_blocks,) * self.x.shape[0]
 
     def blocks(self) -> tuple[int, ...]:
         return self.row_blocks or (self.block,) * self.x.shape[0]
@@ -62,7 +67,7 @@ class SequenceView:
     def take(self, rows: list[int]) -> SequenceView:
         """The view of some rows alone."""
         idx = torch.tensor(rows, device=self.x.device)
-        blocks = self.blocks()
+        blocks, refreshes = self.blocks(), self.refreshes()
         return SequenceView(
             self.x[idx],
             self.positions[idx],
@@ -71,7 +76,8 @@ class SequenceView:
             block_length=self.block_length,
             capacity=self.capacity,
             row_blocks=tuple(blocks[i] for i in rows),
-            refresh_blocks=self.refresh_blocks,
+            refresh_blocks=refreshes[rows[0]],
+            row_refresh=tuple(refreshes[i] for i in rows),
         )
 
     def leading_padding(self) -> int:
@@ -94,6 +100,7 @@ class SequenceView:
             capacity=None if self.capacity is None else self.capacity - first,
             row_blocks=self.row_blocks,
             refresh_blocks=self.refresh_blocks,
+            row_refresh=self.row_refresh,
         )
 
 
@@ -130,12 +137,14 @@ class CachePolicy:
         work, self.work = self.work, []
         return work
 
-    def block_logits(self, seq: SequenceView, start: int, end: int, step_in_block: int) -> torch.Tensor:
+    def block_logits(self, seq: SequenceView, start: int, end: int, steps: list[int]) -> torch.Tensor:
+        """Logits (B, end - start, V) of every row's current block (and, up to `end`, the blocks
+        after it), where row i has taken `steps[i]` steps in its block (0: the block begins)."""
         raise NotImplementedError
 
-    def relayout(self, sources: list[int | None], shift: int, length: int) -> None:
+    def relayout(self, sources: list[int | None], shifts: list[int | None], length: int) -> None:
         """The decoding loop moved its rows: new row i is old row `sources[i]` (None: a row that just
-        joined) moved right by `shift` columns (left, when negative), in a layout of `length`
+        joined) moved right by `shifts[i]` columns (left, when negative), in a layout of `length`
         columns."""
 
     def forward(self, seq: SequenceView, start: int, end: int, window=None, cache=None, rows=None) -> torch.Tensor:
@@ -157,11 +166,28 @@ class CachePolicy:
             batch_invariant=self.batch_invariant,
         )
 
+    def split(self, seq: SequenceView, start: int, end: int, cache, rows, groups) -> torch.Tensor:
+        """Logits of rows that need different forwards: `groups` are (rows of `seq`, run), each run
+        as `run(seq, start, end, cache, rows)` over those rows alone, on a copy of their cache rows
+        written back after. A group leaves out the leading columns all its rows pad. `rows`: the
+        batch rows of `seq`'s rows (None: the same)."""
+        logits = None
+        for local, run in groups:
+            part, sub = cache.take_rows(local), seq.take(local)
+            first = sub.leading_padding()
+            served = local if rows is None else [rows[i] for i in local]
+            out = run(sub.from_column(first), start - first, end - first, part.columns_from(first), served)
+            cache.put_rows(local, part)
+            if logits is None:
+                logits = out.new_empty((seq.x.shape[0],) + tuple(out.shape[1:]))
+            logits[torch.tensor(local, device=out.device)] = out
+        return logits
+
 
 class NoCache(CachePolicy):
     name = "none"
 
-    def block_logits(self, seq, start, end, step_in_block):
+    def block_logits(self, seq, start, end, steps):
         return self.forward(seq, start, end)
 
 
@@ -278,62 +304,71 @@ class PrefixCache(CachePolicy):
     def from_config(cls, model, config) -> PrefixCache:
         return cls(model, refresh=REFRESH_RULES[config.refresh].from_config(config), compiled=config.compile)
 
-    def _cache_for(self, batch: int, length: int, capacity: int) -> KVCache:
-        # One allocation per layout; when finished rows drop out we use the leading rows.
-        if self._buffer is None or self._buffer.batch < batch or self._buffer.length != capacity:
-            self._buffer = None  # freed before its successor is allocated
-            self._buffer = self.model.new_cache(batch, capacity)
-            self.peak_cache_bytes = max(self.peak_cache_bytes, self._buffer.nbytes())
-        return self._buffer.narrow(batch, length)
-
-    def relayout(self, sources, shift, length):
+    def relayout(self, sources, shifts, length):
         old = self._buffer
-        if old is None or not self.refresh.keeps_cache:
-            return  # every block-start forward rewrites the whole cache
-        if shift == 0 and length == old.length and None not in sources:
+        if old is None:
+            return
+        if not sources:
+            self._buffer = self.cache = None
+            return
+        if length == old.length and all(s == 0 for s in shifts):
             old.keep_rows(sources)  # rows left the batch: the others move to the front
             return
-        # Rows joined (or the layout's width changed): a new buffer, the kept rows' K/V moved with them.
-        # (A negative shift: columns that every row padded were dropped on the left.)
+        # Rows joined or moved on (or the layout's width changed): a new buffer, each kept row's
+        # K/V moved with it (a negative shift: to the left).
         self._buffer = new = self.model.new_cache(len(sources), length)
         # Both buffers are alive while the kept rows move over.
         self.peak_cache_bytes = max(self.peak_cache_bytes, old.nbytes() + new.nbytes())
-        src_lo, dst_lo = max(0, -shift), max(0, shift)
-        width = min(old.length - src_lo, length - dst_lo)
-        for i, src in enumerate(sources):
-            if src is not None:
-                new.k[:, i, :, dst_lo : dst_lo + width] = old.k[:, src, :, src_lo : src_lo + width]
-                new.v[:, i, :, dst_lo : dst_lo + width] = old.v[:, src, :, src_lo : src_lo + width]
+        for i, (src, shift) in enumerate(zip(sources, shifts)):
+            if src is None:
+                continue
+            src_lo, dst_lo = max(0, -shift), max(0, shift)
+            width = min(old.length - src_lo, length - dst_lo)
+            new.k[:, i, :, dst_lo : dst_lo + width] = old.k[:, src, :, src_lo : src_lo + width]
+            new.v[:, i, :, dst_lo : dst_lo + width] = old.v[:, src, :, src_lo : src_lo + width]
 
-    def block_logits(self, seq, start, end, step_in_block):
+    def block_logits(self, seq, start, end, steps):
         bsz, length = seq.x.shape
-        shift = int(self.model.args.shifted_logits)
-        if step_in_block > 0 and self.graphs and self.reuse_suffix and start - shift > 0:
+        capacity = seq.capacity or length
+        if self._buffer is None or self._buffer.batch < bsz or self._buffer.length != capacity:
+            if any(steps):
+                raise RuntimeError("the cache lost rows in the middle of their blocks")
+            self._buffer = None  # freed before its successor is allocated
+            self._buffer = self.model.new_cache(bsz, capacity)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self._buffer.nbytes())
+        self.cache = self._buffer.narrow(bsz, length)
+        starting = [i for i, s in enumerate(steps) if s == 0]
+        if len(starting) == bsz:
+            return self._start(seq, start, end, self.cache, None)
+        if not starting:
+            return self._continue(seq, start, end, self.cache, None)
+        # Rows at their block's first step get its block-start forward, the others their cached step.
+        continuing = [i for i, s in enumerate(steps) if s > 0]
+        return self.split(seq, start, end, self.cache, None, [(continuing, self._continue), (starting, self._start)])
+
+    def _continue(self, seq, start, end, cache, rows):
+        """A step after a block's first: the block (DualCache) or everything from it (prefix
+        cache), against the cached rest."""
+        if rows is None and self.graphs and self.reuse_suffix and start - int(self.model.args.shifted_logits) > 0:
             return self._graphed_step(seq, start, end)
-        if step_in_block > 0:
-            window = (start, end if self.reuse_suffix else length)
-            return self.forward(seq, start, end, window=window, cache=self.cache)
-        self.cache = self._cache_for(bsz, length, seq.capacity or length)
-        full = [i for i, b in enumerate(seq.blocks()) if self.refresh.needs_full(b)]
-        if len(full) == bsz:
-            return self.forward(seq, start, end, cache=self.cache)
-        if not full:
-            return self.refresh.partial(self, seq, start, end, self.cache, None)
-        # Rows at different blocks (one joined this block, or is due a periodic full refresh): each
-        # group gets its own forward, on a copy of its cache rows written back after.
-        # A group leaves out the leading columns all its rows pad (rows that joined with a shorter
-        # prompt than the running ones').
-        rest = [i for i in range(bsz) if i not in set(full)]
-        logits = None
-        for rows, run in ((rest, self._partial), (full, self._full)):
-            part, sub = self.cache.take_rows(rows), seq.take(rows)
-            first = sub.leading_padding()
-            out = run(sub.from_column(first), start - first, end - first, part.columns_from(first), rows)
-            self.cache.put_rows(rows, part)
-            if logits is None:
-                logits = out.new_empty((bsz,) + tuple(out.shape[1:]))
-            logits[torch.tensor(rows, device=out.device)] = out
-        return logits
+        window = (start, end if self.reuse_suffix else seq.x.shape[1])
+        return self.forward(seq, start, end, window=window, cache=cache, rows=rows)
+
+    def _start(self, seq, start, end, cache, rows):
+        """A block's first step: the refresh rule's forward (the whole sequence for a row whose
+        refresh is full). Rows whose refresh differs (a row's first block, a periodic full
+        refresh, blocks that multi-block decoding finished without a forward) get forwards of
+        their own."""
+        groups: dict[object, list[int]] = {}
+        for i, (b, k) in enumerate(zip(seq.blocks(), seq.refreshes())):
+            groups.setdefault("full" if self.refresh.needs_full(b) else k, []).append(i)
+        if len(groups) == 1:
+            if "full" in groups:
+                return self.forward(seq, start, end, cache=cache, rows=rows)
+            return self.refresh.partial(self, seq, start, end, cache, rows)
+        return self.split(
+            seq, start, end, cache, rows, [(g, self._full if k == "full" else self._partial) for k, g in groups.items()]
+        )
 
     def _graphed_step(self, seq, start: int, end: int) -> torch.Tensor:
         """A cached step of DualCache with the shapes of every step of this layout: the window
@@ -424,35 +459,55 @@ class SubBlockCache(DualCache):
             compiled=config.compile,
         )
 
-    def block_logits(self, seq, start, end, step_in_block):
-        if step_in_block == 0:
-            self._logits = super().block_logits(seq, start, end, step_in_block)
-            opens = seq.x[:, start] == self.model.mask_token_id
-            self._uncached = (opens & self._first_at_start).tolist()
-            return self._logits
+    def relayout(self, sources, shifts, length):
+        super().relayout(sources, shifts, length)
+        if self._logits is not None and sources:
+            kept = [(i, j) for i, j in enumerate(sources) if j is not None]
+            logits = self._logits.new_zeros((len(sources),) + tuple(self._logits.shape[1:]))
+            if kept:
+                dst, src = (torch.tensor(t, device=logits.device) for t in zip(*kept))
+                logits[dst] = self._logits[src]
+            self._logits = logits
+        self._uncached = [False if j is None else self._uncached[j] for j in sources]
+
+    def _start(self, seq, start, end, cache, rows):
+        out = super()._start(seq, start, end, cache, rows)
+        batch = list(range(seq.x.shape[0])) if rows is None else rows
+        if self._logits is None or self._logits.shape[0] < max(batch) + 1:
+            self._logits = out.new_zeros((max(batch) + 1,) + tuple(out.shape[1:]))
+        self._logits[torch.tensor(batch, device=out.device)] = out.to(self._logits.dtype)
+        opens = (seq.x[:, start] == self.model.mask_token_id).tolist()
+        self._uncached += [False] * (len(self._logits) - len(self._uncached))
+        for g, o in zip(batch, opens):
+            self._uncached[g] = o and self._first_at_start
+        return out
+
+    def _continue(self, seq, start, end, cache, rows):
         size, shift = self.sub_block_length, int(self.model.args.shifted_logits)
         bsz = seq.x.shape[0]
+        batch = list(range(bsz)) if rows is None else rows
         masked = seq.x[:, start:end] == self.model.mask_token_id
         opening = masked.view(bsz, -1, size).any(-1).long().argmax(-1) * size  # (B,) the current sub-block
         opens_masked = masked.gather(1, opening[:, None]).squeeze(1)
         groups: dict[int | None, list[int]] = {}  # sub-block start (None: the whole block) -> rows
         for i, (o, m, live) in enumerate(zip(*torch.stack([opening, opens_masked, masked.any(-1)]).tolist())):
             if live:  # a row whose block is done needs no logits
-                groups.setdefault(None if m or self._uncached[i] else start + o, []).append(i)
-        for sub, rows in groups.items():
+                groups.setdefault(None if m or self._uncached[batch[i]] else start + o, []).append(i)
+        for sub, local in groups.items():
             lo, hi, window = (start, end, (start, end)) if sub is None else (sub + shift, sub + size, (sub, sub + size))
-            if len(rows) == bsz:
-                out = self.forward(seq, lo, hi, window=window, cache=self.cache)
+            served = [batch[i] for i in local]
+            if len(local) == bsz:
+                out = self.forward(seq, lo, hi, window=window, cache=cache, rows=rows)
             else:
-                part = self.cache.take_rows(rows)
-                out = self.forward(seq.take(rows), lo, hi, window=window, cache=part, rows=rows)
-                self.cache.put_rows(rows, part)
-            index = torch.tensor(rows, device=out.device)
+                part = cache.take_rows(local)
+                out = self.forward(seq.take(local), lo, hi, window=window, cache=part, rows=served)
+                cache.put_rows(local, part)
+            index = torch.tensor(served, device=out.device)
             self._logits[index, lo - start : hi - start] = out.to(self._logits.dtype)
             if sub is None:
-                for i in rows:
-                    self._uncached[i] = False
-        return self._logits
+                for g in served:
+                    self._uncached[g] = False
+        return self._logits[torch.tensor(batch, device=self._logits.device)]
 
 
 def register_cache_policy(cls: type[CachePolicy]) -> type[CachePolicy]:

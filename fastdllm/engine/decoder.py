@@ -1,30 +1,29 @@
-"""The decoding loop: a batch of rows decoded block by block, which rows join and leave at block
-boundaries.
+"""The decoding loop: a batch of rows, each on its own clock.
 
 Every row's answer region (its `gen_length` positions after its prompt) starts as all [MASK] and is
-decoded in blocks of `block_length`, left to right. Inside a block, each step asks the *cache
-policy* (`cache_policies.py`) for the block's logits and the *unmasking policy* (`unmasking.py`)
-which masked positions to reveal, until the block has no masks left. Then the next block starts (and
-a caching policy refreshes its cache). Positions after the current block are never revealed.
+decoded in blocks of `block_length`, left to right. A step is one forward of every row in the batch
+(`step`): the *cache policy* (`cache_policies.py`) gives each row's current block its logits, the
+*unmasking strategy* (`unmasking.py`) decides what each row reveals (`UnmaskingStrategy.decide`),
+and the loop writes it. A row's block ends at the step that reveals its last mask; at the next
+step the row starts its next block (and a caching policy refreshes its cache), whatever the other
+rows are doing. A row that stops (a stop token in a finished block, or its last block) leaves the
+batch at once, and a row that `add` queues joins at the next step. So every row in a forward needs
+it: no row waits in the batch for another row's block to end. Positions after the current block
+are never revealed (but with multi-block decoding, the blocks right after it).
 
 The layout: the rows sit in one (B, L) tensor so that every row's current block occupies the same
-columns [start, start + block_length). A row's prompt and finished blocks lie to the left of it
+columns [start, start + block_length): a row's prompt and finished blocks lie to the left of it
 (left-padded), its masked rest to the right (right-padded when rows have less of their answers left
-than others). Padding is masked out of attention and RoPE positions count only real tokens, so a
-row sees what it would see alone. When every row starts together the layout is the plain left-padded
-batch. A row that joins later (`add` while the batch runs) is laid out at the next block boundary:
-its first block lines up with the others' current ones (the running rows move right if its prompt
-is longer, their cached K/V with them) and from then on it decodes in step with them. Rows that are
-done (a stop token in a finished block, or their last block) leave after each block.
+than others). When rows leave, join or move to their next block, the layout is rebuilt (`_relayout`)
+and each row's cached K/V move with it. Padding is masked out of attention and RoPE positions
+count only real tokens, so a row sees what it would see alone.
 
-Rows may join when their configs differ at most in the answer's length: the decoding fields, block
-length and steps per block are the batch's (`join_key`); under a step schedule whose steps per
-block are not all equal (steps not a multiple of the number of blocks) rows must start together.
-A row decodes in a batch as alone: its own schedule, threshold and random stream (a row whose block
-is done draws nothing while others finish theirs), its own refresh decisions (a row that just joined
-gets a full forward at its first block while the others refresh their vicinity). Rows of equal
-layout decode bit-identically in float32 whatever else is in the batch. Padding and batch size
-change how the forwards' sums are split and rounded (a padded row's logits move by ~1e-5 in
+Rows may join when their configs differ at most in the answer's length and its steps (`join_key`):
+each row follows its own schedule, threshold and random stream (a row draws only at its own
+steps), and its own refresh decisions (a row at its block's first step gets its block-start
+forward while the others take their cached steps, each group in a forward of its own). Rows of
+equal layout decode bit-identically in float32 whatever else is in the batch. Padding and batch
+size change how the forwards' sums are split and rounded (a padded row's logits move by ~1e-5 in
 float32, up to ~1 in bfloat16), so a near-tied token can then differ; with `deterministic=True`
 every row decodes bit-identically to alone (`models.invariance`).
 
@@ -43,21 +42,17 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from ..config import SELECTION_RULES, GenerationConfig, is_int, selection_rule_name
+from ..config import GenerationConfig, is_int
 from ..models.transformer import positions_from_mask
 from .cache_policies import SequenceView
 from .policies import PolicySource, resolve
+from .unmasking import BlockClock
 
 
 def join_key(config: GenerationConfig):
-    """What must be equal for rows to decode in one batch: the config but the answer's length
-    (and, with a step schedule, the total steps, when every block has the same number of steps)."""
-    if not SELECTION_RULES[selection_rule_name(config)].uses_steps:  # e.g. the parallel rules
-        return config.replace(gen_length=config.block_length, steps=None)
-    per_block = set(config.steps_per_block())
-    if len(per_block) == 1:
-        return config.replace(gen_length=config.block_length, steps=per_block.pop())
-    return config
+    """What must be equal for rows to decode in one batch: the config but the answer's length and
+    its steps (every row follows its own step schedule)."""
+    return config.replace(gen_length=config.block_length, steps=None)
 
 
 @dataclass(eq=False)
@@ -68,7 +63,11 @@ class Row:
     config: GenerationConfig  # its region's length (gen_length) and steps; the decoding fields are the batch's
     generator: torch.Generator | None
     tag: object = None  # the caller's handle (the server's job)
-    block: int = 0  # the block it decodes next
+    block: int = 0  # the block it decodes now (or next, once it left)
+    step: int = 0  # the steps it took in that block
+    # blocks before the current one that became final without a forward of their own since its
+    # last block-start forward (multi-block decoding revealed them whole): a refresh recomputes them
+    unrefreshed: int = 0
     finished: bool = False  # stopped at a stop token
     answer: torch.Tensor | None = None  # (gen_length,) once it left the batch (EOS-filled after a stop)
     unmask_step: torch.Tensor | None = None  # (gen_length,) the row's step revealing each position
@@ -109,6 +108,19 @@ class Row:
     @property
     def done(self) -> bool:
         return self.answer is not None
+
+
+@dataclass
+class Step:
+    """What one step did: the rows that took part (all of the batch), each one's block at the
+    step, the block's tokens after it (B, block_length), and what it revealed (`chosen`) and
+    rewrote (`edited`, None without editing) there."""
+
+    rows: list[Row]
+    blocks: list[int]
+    tokens: torch.Tensor
+    chosen: torch.Tensor
+    edited: torch.Tensor | None = None
 
 
 def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
@@ -221,9 +233,9 @@ class ForwardClock:
 
 
 class BlockDecoder:
-    """The loop. `add` rows (they join at the next block boundary), then `run_block` decodes one
-    block of every row; `rows` are the rows in the batch, `left` those that left after the last
-    block and `last_blocks` what each row of it decoded.
+    """The loop. `add` rows (they join at the next step), then `step` decodes one step of every
+    row in the batch; `rows` are the rows in the batch, and after a step `last_blocks` holds the
+    blocks that became final in it ((row, block, tokens)) and `left` the rows that left.
 
     `policies` (see `fastdllm.engine.policies`; default: those the config names, `policies_for`), or
     `cache` / `strategy` alone, are the objects it decodes with: a new policy plugs in here."""
@@ -248,7 +260,6 @@ class BlockDecoder:
         self.key = join_key(config)
         policies = resolve(policies, model, config)
         self.policy, self.strategy = policies.cache, policies.strategy
-        self.rule = self.strategy.new_rule()
         self.device = model.device
         self.mask_id = model.mask_token_id
         self.stop_ids = torch.tensor(sorted(set(model.stop_token_ids)), device=self.device)
@@ -256,23 +267,25 @@ class BlockDecoder:
         self.joining: list[Row] = []
         self.left: list[Row] = []
         self.last_blocks: list[tuple[Row, int, list[int]]] = []
-        self.nfe = 0
+        self.nfe = 0  # forwards
+        # what the forwards computed: rows summed over them, and query positions (padding included)
+        self.row_forwards = self.computed_positions = 0
         self.forward_clock = ForwardClock(self.device)
         self.start = 0  # the column of every row's current block
-        self.window_end = 0  # the end of the blocks the step decodes: the current one and those after it
+        self.window_end = 0  # the end of the blocks a step decodes: the current one and those after it
         self.lookahead = self.strategy.lookahead
-        # blocks that ended without a forward of their own (the blocks after the current one
-        # revealed them whole): a vicinity refresh recomputes them too
-        self.unrefreshed = 0
-        self.x = self.valid = self.step_of = self.row_nfe = None
+        self.editing = self.strategy.editing
+        # per row of the layout: tokens, whether a column is the row's (not padding), the row's
+        # step that revealed each position (-1: masked or a prompt token)
+        self.x = self.valid = self.step_of = None
+        # per row: its steps so far (the index `step_of` records), its current block's masks when
+        # it began, and with editing the block's steps after its last mask and whether it goes on
+        self.row_nfe = self.opened = self.post = self.alive = None
 
     # -- rows in
     def accepts(self, config: GenerationConfig) -> bool:
-        """Whether rows of `config` can join this batch now."""
-        if join_key(config) != self.key:
-            return False
-        schedule_varies = self.key == self.config and len(set(self.config.steps_per_block())) > 1
-        return not (schedule_varies and any(r.block > 0 for r in self.rows))
+        """Whether rows of `config` can join this batch."""
+        return join_key(config) == self.key
 
     def add(
         self,
@@ -283,8 +296,8 @@ class BlockDecoder:
         tags=None,
         constraints=None,
     ) -> list[Row]:
-        """Rows that join at the next block boundary (validated now: a bad prompt is refused here,
-        alone). `config` may differ from the batch's in gen_length only (see `join_key`).
+        """Rows that join at the next step (validated now: a bad prompt is refused here, alone).
+        `config` may differ from the batch's in gen_length and steps only (see `join_key`).
         `constraints`: per row, None or the grammar its answer follows (`constraints.py`)."""
         config = config or self.config
         if not self.accepts(config):
@@ -321,12 +334,11 @@ class BlockDecoder:
         return Row(prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:])
 
     def drop(self, rows: list[Row]) -> None:
-        """Rows that stop now (their caller no longer wants them): they leave before the next block."""
+        """Rows that stop now (their caller no longer wants them): they leave before the next step."""
         gone = set(map(id, rows))
         self.joining = [r for r in self.joining if id(r) not in gone]
-        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
-        if len(keep) < len(self.rows):
-            self._keep(keep)
+        if any(id(r) in gone for r in self.rows):
+            self._relayout([(r, i, 0) for i, r in enumerate(self.rows) if id(r) not in gone])
 
     @property
     def forward_time(self) -> float:
@@ -341,97 +353,117 @@ class BlockDecoder:
         """(B, block_length) the rows' current blocks (a view)."""
         return self.x[:, self.start : self.start + self.config.block_length]
 
-    # -- layout
-    def _admit(self) -> None:
-        new, self.joining = self.joining, []
-        blk, old = self.config.block_length, self.rows
-        old_start = self.start if old else 0
-        start = max([old_start] + [len(r.prompt) for r in new])
-        shift = start - old_start
-        remaining = [r.config.gen_length - r.block * blk for r in old] + [r.config.gen_length for r in new]
-        bsz, length = len(old) + len(new), start + max(remaining)
-        x = torch.full((bsz, length), self.model.args.eos_token_id, dtype=torch.long, device=self.device)
-        valid = torch.zeros((bsz, length), dtype=torch.bool, device=self.device)
-        step_of = torch.full((bsz, length), -1, dtype=torch.long, device=self.device)
-        if old:
-            width = self.x.shape[1]
-            x[: len(old), shift : shift + width] = self.x
-            valid[: len(old), shift : shift + width] = self.valid
-            step_of[: len(old), shift : shift + width] = self.step_of
-        for j, r in enumerate(new):
-            i, p = len(old) + j, len(r.prompt)
-            x[i, start - p : start] = r.prompt
-            x[i, start : start + r.config.gen_length] = self.mask_id
-            if r.lead:
-                x[i, start : start + r.lead] = r.lead_tokens
-            valid[i, start - p : start + r.config.gen_length] = True
-        self.row_nfe = (
-            torch.cat([self.row_nfe, torch.zeros(len(new), dtype=torch.long, device=self.device)])
-            if old
-            else torch.zeros(bsz, dtype=torch.long, device=self.device)
-        )
-        self.policy.relayout(list(range(len(old))) + [None] * len(new), shift, length)
-        self.rows, self.start = old + new, start
-        self._set(x, valid, step_of)
-
-    def _set(self, x, valid, step_of) -> None:
-        self.x, self.valid, self.step_of = x, valid, step_of
-        self.positions = positions_from_mask(valid, *valid.shape, self.device)
-        self.key_mask = None if bool(valid.all()) else valid[:, None, None, :]
-        self.generators = [r.generator for r in self.rows]
-
-    def _keep(self, keep: list[int]) -> None:
-        """Rows `keep` stay; the layout loses the columns no remaining row needs (padding of every
-        one of them on the left, and on the right)."""
-        self.rows = [self.rows[i] for i in keep]
+    # -- one step
+    def step(self) -> Step | None:
+        """One step of every row in the batch (rows that joined are laid out first): the forward,
+        the strategy's decision, written into the layout; then the rows whose block it ended move
+        to their next block or leave. None when no row is left."""
+        self.last_blocks, self.left = [], []
+        if self.joining:
+            new, self.joining = self.joining, []
+            self._relayout([(r, i, 0) for i, r in enumerate(self.rows)] + [(r, None, 0) for r in new])
         if not self.rows:
-            self.x = self.valid = self.step_of = self.row_nfe = None
-            return
-        blk = self.config.block_length
-        length = self.start + max(r.config.gen_length - r.block * blk for r in self.rows)
-        idx = torch.tensor(keep, device=self.device)
-        valid = self.valid[idx, :length]
-        first = int(valid.any(0).long().argmax())  # columns every remaining row pads on the left
-        self.row_nfe = self.row_nfe[idx]
-        self.policy.relayout(keep, -first, length - first)
-        self.start -= first
-        self._set(self.x[idx, first:length], valid[:, first:], self.step_of[idx, first:length])
+            return None
+        rows, blk, mask_id = self.rows, self.config.block_length, self.mask_id
+        start, end = self.start, self.start + blk
+        block = self.x[:, start:end]  # a view: writes go straight into the layout
+        with self.forward_clock, record_function("fastdllm.forward"):
+            logits = self.policy.block_logits(self._view(), start, self.window_end, [r.step for r in rows])
+        work = self.policy.take_work()
+        self.nfe += len(work)
+        region = self.step_of[:, start:end]  # the row's step index of each revealed position
+        later = self.x[:, end : self.window_end] if self.window_end > end else None
+        had_mask = (block == mask_id).any(-1)
+        editable = None if self.editing is None else (region >= 0) & (block != mask_id)  # not a prompt token
+        clock = BlockClock([r.step for r in rows], [r.config.steps_per_block()[r.block] for r in rows], self.opened)
+        generators = [r.generator for r in rows] if self.strategy.draws_randomness else None
+        constraints = {i: r.constraint for i, r in enumerate(rows) if r.constraint is not None}
+        decision = self.strategy.decide(logits, block, clock, generators, mask_id, later, editable, constraints)
+        # the decision, written without a host read (torch.where, not block[chosen] = ...)
+        if decision.edited is not None:
+            block.copy_(torch.where(decision.edited, decision.tokens, block))
+        block.copy_(torch.where(decision.chosen, decision.tokens, block))
+        region.copy_(torch.where(decision.chosen, self.row_nfe[:, None], region))
+        if later is not None:
+            later.copy_(torch.where(decision.ahead, decision.ahead_tokens, later))
+            later_region = self.step_of[:, end : self.window_end]
+            later_region.copy_(torch.where(decision.ahead, self.row_nfe[:, None], later_region))
+        self.row_nfe += 1
+        if self.config.eos_early_stop and self.editing is None:
+            self._stop_early(block)
+        for r in rows:
+            r.step += 1
+        done = self._block_over(block, had_mask, decision.edited)
+        record = Step(list(rows), [r.block for r in rows], block.clone(), decision.chosen, decision.edited)
+        self._after_step(record, done, decision.revealed(), work)
+        return record
 
-    # -- one block: start it, step until it has no masks, finish it
-    def run_block(self):
-        """Decode the current block of every row (rows that joined are laid out first), yielding
-        the step's `chosen` (B, block_length) after every step. After it: `last_blocks`, `left`."""
-        seq, block = self._start_block()
-        # (tokens revealed per row, row took part, the step's forwards): charged to the rows at the
-        # block's end, so a step does no host-side bookkeeping.
-        log: list[tuple] = []
-        editing = self.strategy.editing
-        if editing is not None:  # a row's block ends at its first post-mask step that edits nothing
-            post = torch.zeros(block.shape[0], dtype=torch.long, device=self.device)
-            alive = torch.ones(block.shape[0], dtype=torch.bool, device=self.device)
-        while True:
-            masked = block == self.mask_id
-            has_mask = masked.any(-1)
-            if editing is None:
-                live = has_mask
+    def _block_over(self, block, had_mask, edited) -> torch.Tensor:
+        """(B,) whether each row's block is over after this step: it has no mask left; with
+        editing, its first step after the last mask that edits nothing, or `max_post_steps` such
+        steps, ends it."""
+        has_mask = (block == self.mask_id).any(-1)
+        if self.editing is None:
+            return ~has_mask
+        self.alive &= had_mask | edited.any(-1)
+        self.post += ~has_mask & self.alive
+        self.alive &= has_mask | (self.post <= self.editing.max_post_steps)
+        return ~self.alive
+
+    def _after_step(self, record: Step, done: torch.Tensor, revealed: torch.Tensor, work) -> None:
+        """Charge the step to its rows, then end the blocks that are over: those rows leave or
+        move to their next block (past any that the blocks before revealed whole). One read from
+        the device: the window's tokens, and per row whether its block is over, what it revealed
+        and whether the block holds a stop token."""
+        blk, rows = self.config.block_length, self.rows
+        start, end = self.start, self.start + blk
+        window = self.x[:, start : self.window_end]
+        hit = torch.isin(window[:, :blk], self.stop_ids) & (self.step_of[:, start:end] >= 0)
+        hit = hit.any(-1) if self.config.stop_at_eos else torch.zeros_like(done)
+        # blocks after the current one that are whole already (multi-block decoding)
+        n_later = (self.window_end - end) // blk
+        whole = torch.zeros_like(revealed)
+        if n_later and (self.editing is None or self.editing.max_post_steps == 0):
+            later_masked = (window[:, blk : blk + n_later * blk] == self.mask_id).view(len(rows), n_later, blk)
+            whole = (~later_masked.any(-1)).long().cumprod(-1).sum(-1)
+        parts = [done.long()[:, None], revealed[:, None], hit.long()[:, None], whole[:, None], window]
+        host = torch.cat(parts, 1).tolist()
+        for i, r in enumerate(rows):
+            r.tokens_per_step.append(host[i][1])
+        for served, queries, keys in work:
+            self.row_forwards += len(rows) if served is None else len(served)
+            self.computed_positions += queries * (len(rows) if served is None else len(served))
+            for i in range(len(rows)) if served is None else served:
+                r = rows[i]
+                r.nfe += 1
+                r.forward_positions += queries
+                r.attended_positions += queries * keys
+        if not any(h[0] for h in host):
+            return
+        stops = set(self.stop_ids.tolist())
+        moves = []
+        for i, (r, h) in enumerate(zip(rows, host)):
+            if not h[0]:
+                moves.append((r, i, 0))
+                continue
+            tokens, first = h[4:], r.block
+            r.finished, r.unrefreshed = bool(h[2]), 0
+            k = 0
+            while True:
+                _, _, b_lo, b_hi = r.answer_span(r.block, blk)
+                self.last_blocks.append((r, r.block, tokens[k * blk + b_lo : k * blk + b_hi]))
+                r.block += 1
+                k += 1
+                if r.finished or r.block == r.num_blocks or k > h[3]:
+                    break
+                r.unrefreshed += 1  # revealed whole while it was a later block: no forward of its own
+                r.finished = self.config.stop_at_eos and any(t in stops for t in tokens[k * blk : (k + 1) * blk])
+            if r.finished or r.block == r.num_blocks:
+                self._leave(i, r, start - first * blk)
             else:
-                post += ~has_mask & alive
-                alive &= has_mask | (post <= editing.max_post_steps)
-                live = alive.clone()
-            if not bool(live.any()):
-                break
-            chosen, edited, work, revealed = self._step(seq, block, masked, live, len(log))
-            log.append((revealed, live, work))
-            if self.config.eos_early_stop and editing is None:
-                self._stop_early(block)
-            if edited is None:
-                yield chosen
-            else:
-                alive &= has_mask | edited.any(-1)
-                yield chosen | edited
-        # a block revealed whole while it was a later one takes no step (and no forward)
-        self.unrefreshed = 0 if log else self.unrefreshed + 1
-        self._finish_block(block, log)
+                r.step = 0
+                moves.append((r, i, k))
+        self._relayout(moves)
 
     def _stop_early(self, block: torch.Tensor) -> None:
         """LLaDA2.0's `eos_early_stop`: a row whose block holds a revealed stop token with no masked
@@ -454,167 +486,101 @@ class BlockDecoder:
         stopped = stop.any(-1) & (masked.cumsum(-1).gather(-1, first).squeeze(-1) == 0)
         block[stopped[:, None] & masked] = self.model.args.eos_token_id
 
-    def _start_block(self) -> tuple[SequenceView, torch.Tensor]:
-        """Lay out the rows that joined, and set up the block: the view the forwards see and the
-        block itself (a view into the layout); the selection rule starts the block."""
-        if self.joining:
-            self._admit()
-        cfg, blk, rows = self.config, self.config.block_length, self.rows
-        length = self.x.shape[1]
-        end = self.start + blk
-        depth = 1 if self.lookahead is None else self.lookahead.depth
-        self.window_end = min(length, self.start + depth * blk)
-        blocks = tuple(r.block for r in rows)
-        # A suffix window: forwards see the sequence only up to `cut` (the masked tail after it
-        # is not part of any forward until the window reaches it).
-        cut = length if cfg.suffix_window is None else min(length, self.window_end + cfg.suffix_window)
-        km = self.key_mask
-        seq = SequenceView(
-            self.x[:, :cut],
-            self.positions[:, :cut],
-            None if km is None else km[..., :cut],
-            block=blocks[0],
-            block_length=blk,
-            capacity=length,
-            row_blocks=blocks,
-            refresh_blocks=1 + self.unrefreshed,
-        )
-        block = self.x[:, self.start : end]  # a view: writes go straight into the layout
-        steps = rows[0].config.steps_per_block()[blocks[0]]
-        self._drawing = self.generators if self.strategy.draws_randomness else None
-        self.rule.begin_block(block == self.mask_id, steps, self._drawing, list(range(len(rows))))
-        return seq, block
-
-    def _step(self, seq, block, masked, live, step: int):
-        """One step: the block's logits from the cache policy, proposals and the selection rule's
-        choice (and the editing rule's, where there is one), written into the block. `live`: the
-        rows taking part. With multi-block decoding the forwards also give the logits of the blocks
-        after the current one, up to `window_end`, and the lookahead rule reveals some of theirs.
-        Returns (chosen, edited (None without editing), the forwards' work, the positions each
-        row revealed)."""
-        blk = self.config.block_length
-        start, end = self.start, self.start + blk
-        with self.forward_clock, record_function("fastdllm.forward"):
-            logits = self.policy.block_logits(seq, start, self.window_end, step)
-        work = self.policy.take_work()
-        self.nfe += len(work)
-        # Rows whose block is already done draw no randomness: each row's stream must advance
-        # exactly as when it is decoded alone, whatever the other rows still need.
-        generators, everyone = self._drawing, list(range(block.shape[0]))
-        drawing = everyone
-        if generators is not None and not bool(live.all()):
-            drawing = [i if m else None for i, m in zip(everyone, live.tolist())]
-        with record_function("fastdllm.propose"):
-            tokens, conf = self.strategy.propose(logits, generators, drawing)
-        proposed_mask = tokens == self.mask_id
-        # A model may rank [MASK] first (an untrained one does): revealing it would leave the
-        # position masked for ever. Those positions get the best other token instead; the
-        # references would loop or keep the mask there, and no other position changes. Greedy
-        # proposals draw nothing, so the other token is proposed every step and no host read
-        # decides it; sampled ones propose again only when needed, so that each row's random
-        # stream advances as in the reference.
-        if generators is None or bool(proposed_mask.any()):
-            logits = logits.clone()
-            logits[..., self.mask_id] = float("-inf")
-            others, others_conf = self.strategy.propose(logits, generators, drawing)
-            tokens = torch.where(proposed_mask, others, tokens)
-            conf = torch.where(proposed_mask, others_conf, conf)
-        constrained = [i for i, r in enumerate(self.rows) if r.constraint is not None]
-        ahead = None
-        if self.window_end > end:  # the blocks after the current one: their tokens split off
-            ahead = self._lookahead(tokens[:, blk:], conf[:, blk:], masked, live, constrained)
-            logits, tokens, conf = logits[:, :blk], tokens[:, :blk], conf[:, :blk]
-        with record_function("fastdllm.select"):
-            chosen = self.rule.select(conf, masked, step, generators, drawing) & masked
-        if constrained:  # the grammar's say: left to right, every revealed token accepted
-            for i in constrained:
-                if bool(live[i]):
-                    self.rows[i].constraint.amend(logits[i], tokens[i], chosen[i], masked[i])
-        region = self.step_of[:, start:end]  # the row's step index of each revealed position
-        edited = None
-        if self.strategy.editing is not None:  # revealed earlier by decoding: not masked, not a prompt token
-            editable = (region >= 0) & ~masked & live[:, None]
-            if constrained:  # a checked token is never rewritten
-                editable[constrained] = False
-            edited = self.strategy.editing.select(tokens, conf, block, editable)
-            block.copy_(torch.where(edited, tokens, block))
-        block.copy_(torch.where(chosen, tokens, block))  # not block[chosen] = ...: no host read
-        region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
-        self.row_nfe += live
-        revealed = chosen.sum(-1) if ahead is None else chosen.sum(-1) + ahead.sum(-1)
-        return chosen, edited, work, revealed
-
-    def _lookahead(self, tokens, conf, current_masked, live, constrained: list[int]) -> torch.Tensor:
-        """The blocks after the current one: what the lookahead rule reveals of them, written into
-        the layout; (B, positions) True where revealed. A row whose answer follows a grammar
-        reveals only left to right, so its later blocks wait for the current one."""
-        end = self.start + self.config.block_length
-        later = self.x[:, end : self.window_end]
-        masked = (later == self.mask_id) & live[:, None]
-        if constrained:
-            masked[constrained] = False
-        chosen = self.lookahead.select(conf, masked, current_masked) & masked
-        later.copy_(torch.where(chosen, tokens, later))
-        region = self.step_of[:, end : self.window_end]
-        region.copy_(torch.where(chosen, self.row_nfe[:, None], region))
-        return chosen
-
-    def _finish_block(self, block, log: list[tuple]) -> None:
-        """Rows that hit a stop token or their last block leave; the others move to the next block."""
-        bsz, end = block.shape[0], self.start + self.config.block_length
-        revealed = self.step_of[:, self.start : end] >= 0  # not a prompt token that opens the region
-        hit = torch.isin(block, self.stop_ids) & revealed
-        hit = hit.any(-1) if self.config.stop_at_eos else torch.zeros_like(hit[:, 0])
-        # the block's tokens, its rows' stops and the block's step log: one read from the device
-        done, hit, counts, live = self._read_block(block, hit, log)
-        self._charge(log, counts, live)
-        self.last_blocks, self.left, keep = [], [], []
-        for i, r in enumerate(self.rows):
-            _, _, b_lo, b_hi = r.answer_span(r.block, self.config.block_length)
-            self.last_blocks.append((r, r.block, done[i][b_lo:b_hi]))
-            r.block += 1
-            r.finished = hit[i]
-            if hit[i] or r.block == r.num_blocks:
-                self._leave(i, r)
-            else:
-                keep.append(i)
-        self.start = end
-        if len(keep) < bsz:
-            self._keep(keep)
-
-    @staticmethod
-    def _read_block(block: torch.Tensor, hit: torch.Tensor, log: list[tuple]) -> tuple[list, list, list, list]:
-        """Per row: the block's tokens, whether it hit a stop, and per step of the log the tokens
-        it revealed and whether it took part; read from the device in one transfer."""
-        parts = [block, hit[:, None].long()]
-        if log:
-            parts += [torch.stack([c for c, _, _ in log], 1).long(), torch.stack([h for _, h, _ in log], 1).long()]
-        rows = torch.cat(parts, 1).tolist()
-        blk, steps = block.shape[1], len(log)
-        counts = [r[blk + 1 : blk + 1 + steps] for r in rows]
-        live = [r[blk + 1 + steps :] for r in rows]
-        return [r[:blk] for r in rows], [bool(r[blk]) for r in rows], counts, live
-
-    def _charge(self, log, counts: list[list[int]], live: list[list[int]]) -> None:
-        """Per row: the tokens of each step it took part in and the work of every forward that
-        served it while it had masks (what it costs alone). counts[i][s], live[i][s]: row i at step s."""
-        for s, (_, _, work) in enumerate(log):
-            for i, r in enumerate(self.rows):
-                if live[i][s]:
-                    r.tokens_per_step.append(counts[i][s])
-            for served, queries, keys in work:
-                for i in range(len(self.rows)) if served is None else served:
-                    if live[i][s]:
-                        r = self.rows[i]
-                        r.nfe += 1
-                        r.forward_positions += queries
-                        r.attended_positions += queries * keys
-
-    def _leave(self, i: int, r: Row) -> None:
+    def _leave(self, i: int, r: Row, region_start: int) -> None:
         blk, n = self.config.block_length, r.asked
-        first = self.start - (r.block - 1) * blk + r.lead  # the row's answer starts here
+        first = region_start + r.lead  # the row's answer starts here
         r.answer = self.x[i, first : first + n].clone()
         r.unmask_step = self.step_of[i, first : first + n].clone()
         if r.finished:
             r.answer[r.block * blk - r.lead :] = self.model.args.eos_token_id
         self.left.append(r)
+
+    # -- layout
+    def _view(self) -> SequenceView:
+        """What the forwards see: with a suffix window, the sequence only up to `cut` (the masked
+        tail after it is not part of any forward until the window reaches it)."""
+        cfg, rows, length = self.config, self.rows, self.x.shape[1]
+        cut = length if cfg.suffix_window is None else min(length, self.window_end + cfg.suffix_window)
+        km = self.key_mask
+        return SequenceView(
+            self.x[:, :cut],
+            self.positions[:, :cut],
+            None if km is None else km[..., :cut],
+            block=rows[0].block,
+            block_length=cfg.block_length,
+            capacity=length,
+            row_blocks=tuple(r.block for r in rows),
+            refresh_blocks=1 + rows[0].unrefreshed,
+            row_refresh=tuple(1 + r.unrefreshed for r in rows),
+        )
+
+    def _relayout(self, moves: list[tuple[Row, int | None, int]]) -> None:
+        """Lay the rows out again: `moves` are the new layout's rows in order, each with its index in
+        the old layout (None: a row that joins) and the blocks it moved on since. Every row's current
+        block lands at the new `start`; a row's cached K/V move with it (`CachePolicy.relayout`)."""
+        blk, dev = self.config.block_length, self.device
+        self.rows = [r for r, _, _ in moves]
+        if not moves:
+            self.x = self.valid = self.step_of = self.row_nfe = self.opened = self.post = self.alive = None
+            self.policy.relayout([], [], 0)
+            return
+        lefts = [len(r.prompt) + r.block * blk for r, _, _ in moves]
+        rights = [r.config.gen_length - r.block * blk for r, _, _ in moves]
+        start = max(lefts)
+        length = start + max(rights)
+        bsz = len(moves)
+        x = torch.full((bsz, length), self.model.args.eos_token_id, dtype=torch.long, device=dev)
+        valid = torch.zeros((bsz, length), dtype=torch.bool, device=dev)
+        step_of = torch.full((bsz, length), -1, dtype=torch.long, device=dev)
+        shifts: list[int | None] = []
+        for i, ((r, src, moved), left, right) in enumerate(zip(moves, lefts, rights)):
+            lo = start - left
+            if src is None:
+                p = len(r.prompt)
+                x[i, lo : lo + p] = r.prompt
+                x[i, start : start + right] = self.mask_id
+                if r.lead:
+                    x[i, start : start + r.lead] = r.lead_tokens
+                valid[i, lo : start + right] = True
+                shifts.append(None)
+                continue
+            old_lo = self.start + moved * blk - left  # where its columns began in the old layout
+            shift = lo - old_lo
+            x[i, lo : start + right] = self.x[src, old_lo : old_lo + left + right]
+            valid[i, lo : start + right] = True
+            step_of[i, lo : start + right] = self.step_of[src, old_lo : old_lo + left + right]
+            shifts.append(shift)
+        sources = [src for _, src, _ in moves]
+        self.row_nfe = self._carry(self.row_nfe, sources, 0)
+        self.opened = self._carry(self.opened, sources, 0)
+        if self.editing is not None:
+            self.post = self._carry(self.post, sources, 0)
+            self.alive = self._carry(self.alive, sources, True)
+        self.policy.relayout(sources, shifts, length)
+        self.start = start
+        self.x, self.valid, self.step_of = x, valid, step_of
+        self.positions = positions_from_mask(valid, bsz, length, dev)
+        padded = any(left != start for left in lefts) or any(right != length - start for right in rights)
+        self.key_mask = valid[:, None, None, :] if padded else None
+        depth = 1 if self.lookahead is None else self.lookahead.depth
+        self.window_end = min(length, start + depth * blk)
+        # rows that begin a block: its masks now, and with editing its state
+        began = [i for i, (r, src, moved) in enumerate(moves) if src is None or moved]
+        if began:
+            idx = torch.tensor(began, device=dev)
+            masked = x[idx, start : start + blk] == self.mask_id
+            self.opened[idx] = masked.sum(-1)
+            if self.editing is not None:
+                self.post[idx] = (~masked.any(-1)).long()
+                self.alive[idx] = True
+
+    def _carry(self, values: torch.Tensor | None, sources: list[int | None], fill) -> torch.Tensor:
+        """Per-row values for the new layout: a kept row's own, `fill` for a row that joins."""
+        dtype = torch.bool if isinstance(fill, bool) else torch.long
+        out = torch.full((len(sources),), fill, dtype=dtype, device=self.device)
+        kept = [(i, s) for i, s in enumerate(sources) if s is not None]
+        if kept and values is not None:
+            out[torch.tensor([i for i, _ in kept], device=self.device)] = values[
+                torch.tensor([s for _, s in kept], device=self.device)
+            ]
+        return out

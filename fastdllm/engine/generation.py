@@ -43,6 +43,10 @@ class GenerationOutput:
     attended_positions: list[int] = field(default_factory=list)
     prompt_positions: list[int] = field(default_factory=list)  # per row: its prompt's length
     kv_cache_bytes: int = 0  # the most KV cache memory the run held at once (0 without a cache)
+    # What the batch's forwards computed: rows summed over them (against sum(nfe_per_row), what
+    # the rows needed), and query positions, padding included (against sum(forward_positions)).
+    row_forwards: int = 0
+    computed_positions: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -82,21 +86,27 @@ class RunStats:
     attended_positions: list[int]
     prompt_positions: list[int]
     kv_cache_bytes: int
+    row_forwards: int = 0
+    computed_positions: int = 0
 
 
 @dataclass
 class StepEvent:
-    """Given to `on_step` after every step, and yielded by `iter_generate`."""
+    """Given to `on_step` after every step, and yielded by `iter_generate`. Rows advance on their
+    own clocks: `blocks[j]` is the block of row `rows[j]` at this step. A "block" event names the
+    rows whose block `block` became final at that step."""
 
     kind: str  # "step" or "block" (a block became final) or "done"
     canvas: torch.Tensor  # (B, gen_length) current answer region, mask id where still masked
-    block: int  # index of the current block
-    rows: list[int]  # batch rows that took part in this step
+    block: int  # index of the current block (of the first row in `rows`)
+    rows: list[int]  # batch rows that took part in this step (that finished `block`, on "block")
     finished: list[bool] | None = None  # per row: stopped at a stop token
     chosen: torch.Tensor | None = field(default=None, repr=False)  # (len(rows), block_length)
     block_length: int = 0
     nfe: int = 0  # the batch's forwards so far
     stats: RunStats | None = field(default=None, repr=False)  # on "done": what the run cost, per row
+    blocks: list[int] | None = None  # per row of `rows`: its block at this step (None: every one at `block`)
+    leads: list[int] | None = None  # per row of `rows`: prompt tokens that open its first block (block-causal)
 
     @property
     def revealed(self) -> torch.Tensor | None:
@@ -105,8 +115,14 @@ class StepEvent:
         if self.chosen is None:
             return None
         out = torch.zeros(self.canvas.shape, dtype=torch.bool, device=self.canvas.device)
-        offset = self.block * self.block_length
-        out[self.rows, offset : offset + self.chosen.shape[1]] = self.chosen
+        blocks = self.blocks or [self.block] * len(self.rows)
+        leads = self.leads or [0] * len(self.rows)
+        width = self.canvas.shape[1]
+        for j, (row, b, lead) in enumerate(zip(self.rows, blocks, leads)):
+            lo, hi = b * self.block_length - lead, (b + 1) * self.block_length - lead
+            a_lo, a_hi = max(0, lo), min(width, hi)
+            if a_hi > a_lo:
+                out[row, a_lo:a_hi] = self.chosen[j, a_lo - lo : a_hi - lo]
         return out
 
 
@@ -128,30 +144,44 @@ def iter_generate(
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     decoder = BlockDecoder(model, config, policies=policies)
     rows = decoder.add(input_ids, attention_mask, row_seeds, constraints=constraints)
-    bsz, blk = len(rows), config.block_length
+    blk = config.block_length
     slot = {id(r): i for i, r in enumerate(rows)}
     # The answers as the caller sees them: (B, gen_length), the mask id where still masked.
-    canvas = torch.full((bsz, config.gen_length), model.mask_token_id, dtype=torch.long, device=model.device)
-    b = 0
-    while decoder.active:
-        batch = decoder.rows + decoder.joining  # the rows this block decodes
-        b, live = batch[0].block, [slot[id(r)] for r in batch]
-        idx = None if len(live) == bsz else torch.tensor(live, device=model.device)
-        leads = any(r.lead for r in batch)
-        for chosen in decoder.run_block():
-            if leads:  # rows whose region opens with prompt tokens: their own place in the answer
-                current = decoder.current_block()
-                for i, r in enumerate(batch):
-                    a_lo, a_hi, b_lo, b_hi = r.answer_span(b, blk)
-                    canvas[slot[id(r)], a_lo:a_hi] = current[i, b_lo:b_hi]
-            elif idx is None:
-                canvas[:, b * blk : (b + 1) * blk] = decoder.current_block()
-            else:
-                canvas[idx, b * blk : (b + 1) * blk] = decoder.current_block()
-            yield StepEvent("step", canvas, b, live, chosen=chosen, block_length=blk, nfe=decoder.nfe)
+    canvas = torch.full((len(rows), config.gen_length), model.mask_token_id, dtype=torch.long, device=model.device)
+
+    def show(r, block: int, tokens) -> None:
+        a_lo, a_hi, b_lo, b_hi = r.answer_span(block, blk)
+        if a_hi > a_lo:
+            canvas[slot[id(r)], a_lo:a_hi] = tokens[b_lo:b_hi]
+
+    while True:
+        step = decoder.step()
+        if step is None:
+            break
+        live = [slot[id(r)] for r in step.rows]
+        for i, (r, b) in enumerate(zip(step.rows, step.blocks)):
+            show(r, b, step.tokens[i])
         for r in decoder.left:
             canvas[slot[id(r)]] = r.answer
-        yield StepEvent("block", canvas, b, live, finished=[r.finished for r in rows], nfe=decoder.nfe)
+        yield StepEvent(
+            "step",
+            canvas,
+            step.blocks[0],
+            live,
+            chosen=step.chosen if step.edited is None else step.chosen | step.edited,
+            block_length=blk,
+            nfe=decoder.nfe,
+            blocks=step.blocks,
+            leads=[r.lead for r in step.rows],
+        )
+        by_block: dict[int, list] = {}
+        for r, b, tokens in decoder.last_blocks:
+            a_lo, a_hi, _, _ = r.answer_span(b, blk)
+            if not r.done and a_hi > a_lo:  # also a block revealed whole while it was a later one
+                canvas[slot[id(r)], a_lo:a_hi] = torch.tensor(tokens, device=canvas.device)
+            by_block.setdefault(b, []).append(slot[id(r)])
+        for b in sorted(by_block):
+            yield StepEvent("block", canvas, b, by_block[b], finished=[r.finished for r in rows], nfe=decoder.nfe)
 
     stats = RunStats(
         nfe=decoder.nfe,
@@ -164,6 +194,8 @@ def iter_generate(
         attended_positions=[r.attended_positions for r in rows],
         prompt_positions=[r.prompt_positions for r in rows],
         kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0),
+        row_forwards=decoder.row_forwards,
+        computed_positions=decoder.computed_positions,
     )
     finished = [r.finished for r in rows]
     yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=finished, nfe=decoder.nfe, stats=stats)
@@ -247,6 +279,8 @@ def generate(
         attended_positions=stats.attended_positions,
         prompt_positions=stats.prompt_positions,
         kv_cache_bytes=stats.kv_cache_bytes,
+        row_forwards=stats.row_forwards,
+        computed_positions=stats.computed_positions,
     )
 
 

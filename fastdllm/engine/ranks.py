@@ -4,7 +4,7 @@ forwards.
 Under `torchrun --nproc-per-node N -m fastdllm serve|chat --tp N`, each rank holds its part of the
 model and every forward ends in all-reduces that all ranks must join, in the same order. Rank 0
 runs the app and the scheduler (or reads the chat); before it does anything that leads to forwards
-or changes the batch (a batch starts, rows join or leave, a block is decoded, the warm-up, a
+or changes the batch (a batch starts, rows join or leave, a step is decoded, the warm-up, a
 scoring request, a chat turn), it sends that command to the other ranks (`Commands.run`, one
 broadcast), under one lock, so that commands and their collectives reach every rank in one
 order. The other ranks (`follow`) repeat each command on their own decoder: the same inputs and
@@ -113,9 +113,8 @@ def follow(model, tokenizer, policies=None) -> None:
                 if specs is not None:
                     constraints = [s and GrammarConstraint.from_spec(s, tokenizer, stops) for s in specs]
                 decoder.add(prompts, row_seeds=seeds, config=config, constraints=constraints)
-            elif op == "block":
-                for _ in decoder.run_block():
-                    pass
+            elif op == "step":
+                decoder.step()
             elif op == "drop":
                 (indices,) = args
                 batch = decoder.rows + decoder.joining

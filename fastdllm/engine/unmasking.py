@@ -50,8 +50,11 @@ block, so batched and single runs consume identical random streams.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .. import config as config_names
 from ..config import PROPOSALS, SELECTION_RULES
@@ -146,10 +149,43 @@ def _top_k_mask(conf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return _ranks(conf) < k.unsqueeze(-1)
 
 
+class BlockClock:
+    """Where each row stands in its own block: `step` the steps it has taken in it and `steps`
+    the steps its schedule gives the block (host lists: the loop knows them without reading the
+    device), and `opened` (B,) its masks when the block began. Rows advance on their own, so
+    these differ from row to row; a rule reads them instead of keeping state of its own."""
+
+    def __init__(self, step: list[int], steps: list[int], opened: torch.Tensor):
+        self.step, self.steps, self.opened = list(step), list(steps), opened
+        dev = opened.device
+        self.step_t = torch.tensor(self.step, dtype=torch.long, device=dev)
+        self.steps_t = torch.tensor(self.steps, dtype=torch.long, device=dev)
+
+    @classmethod
+    def uniform(cls, masked: torch.Tensor, steps: int, step: int = 0, opened: torch.Tensor | None = None) -> BlockClock:
+        """Every row at `step` of a block of `steps` steps that opened with the masks `opened`
+        (default: those of `masked`)."""
+        bsz = masked.shape[0]
+        return cls([step] * bsz, [steps] * bsz, masked.sum(-1) if opened is None else opened)
+
+    def take(self, rows: list[int]) -> BlockClock:
+        idx = torch.tensor(rows, device=self.opened.device)
+        return BlockClock([self.step[i] for i in rows], [self.steps[i] for i in rows], self.opened[idx])
+
+
+def _scheduled(counts_of: torch.Tensor, clock: BlockClock, masked: torch.Tensor) -> torch.Tensor:
+    """LLaDA's split of `counts_of` (B,) positions over each row's steps (`linear_schedule`), read
+    at the row's step; every masked position once its schedule is spent."""
+    steps = clock.steps_t.clamp_min(1)
+    k = counts_of // steps + (clock.step_t < counts_of % steps).long()
+    return torch.where(clock.step_t < clock.steps_t, k, masked.sum(-1))
+
+
 class SelectionRule:
-    """Decides which masked positions of a block to reveal at one step. `uses_steps`: whether it
-    follows the config's step schedule (rules that do not ignore `steps`); `draws_randomness`:
-    whether it needs each row's generator."""
+    """Decides which masked positions of a block to reveal at one step, for each row at its own
+    point of its own block (`BlockClock`). `uses_steps`: whether it follows the config's step
+    schedule (rules that do not ignore `steps`); `draws_randomness`: whether it needs each row's
+    generator."""
 
     name = ""
     uses_steps = False
@@ -162,10 +198,9 @@ class SelectionRule:
     def draws_randomness(config) -> bool:
         return False
 
-    def begin_block(self, masked: torch.Tensor, steps: int, generators, rows) -> None:
-        """Called when a block starts; `masked` (B, T) is the block's mask pattern."""
-
-    def select(self, conf, masked, step, generators, rows) -> torch.Tensor:
+    def select(self, conf, masked, clock: BlockClock, generators, rows) -> torch.Tensor:
+        """(B, T) True where a row reveals; `conf` and `masked` (B, T) the block's confidences and
+        masks, `rows[i]` row i's generator index (None: it draws nothing)."""
         raise NotImplementedError
 
 
@@ -181,7 +216,7 @@ class Threshold(SelectionRule):
             raise ValueError("threshold: the threshold rule needs a threshold")
         return cls(config.threshold)
 
-    def select(self, conf, masked, step, generators, rows):
+    def select(self, conf, masked, clock, generators, rows):
         conf = conf.masked_fill(~masked, NEG_INF)
         chosen = masked & (conf >= self.threshold)
         best = conf.argmax(-1, keepdim=True)  # argmax returns the first maximum: leftmost on ties
@@ -201,7 +236,7 @@ class Factor(SelectionRule):
             raise ValueError("factor: the factor rule needs a factor")
         return cls(config.factor)
 
-    def select(self, conf, masked, step, generators, rows):
+    def select(self, conf, masked, clock, generators, rows):
         conf = conf.masked_fill(~masked, NEG_INF)
         sorted_conf = conf.sort(dim=-1, descending=True, stable=True).values
         rank = torch.arange(1, conf.shape[-1] + 1, device=conf.device, dtype=conf.dtype)  # m = 1, 2, ...
@@ -225,12 +260,8 @@ class LinearSchedule(SelectionRule):
     name = "linear"
     uses_steps = True
 
-    def begin_block(self, masked, steps, generators, rows):
-        self.counts = linear_schedule(masked.sum(-1), steps)
-        self.steps = steps
-
-    def select(self, conf, masked, step, generators, rows):
-        k = self.counts[:, step] if step < self.steps else masked.sum(-1)
+    def select(self, conf, masked, clock, generators, rows):
+        k = _scheduled(clock.opened, clock, masked)  # linear_schedule(masks at the block's start)
         return _top_k_mask(conf.masked_fill(~masked, NEG_INF), k) & masked
 
 
@@ -249,21 +280,26 @@ class DreamSchedule(SelectionRule):
     def draws_randomness(config) -> bool:
         return config.alg == "origin" or bool(config.alg_temp)
 
-    def begin_block(self, masked, steps, generators, rows):
-        self.steps = steps
-        self.timesteps = torch.linspace(1, self.eps, steps + 1, device=masked.device)
+    def _times(self, clock: BlockClock) -> tuple[list[bool], torch.Tensor, torch.Tensor]:
+        """Per row: whether this is its last step, and its t and s (Dream's timesteps
+        linspace(1, eps, steps + 1) at its step and the next; 1 on a last step)."""
+        steps, step, dev = clock.steps, clock.step, clock.opened.device
+        last = [k >= n - 1 for k, n in zip(step, steps)]
+        tables = {n: torch.linspace(1, self.eps, n + 1, device=dev) for n in set(steps)}
+        one = torch.ones((), device=dev)
+        t = torch.stack([one if e else tables[n][k] for e, k, n in zip(last, step, steps)])
+        s = torch.stack([one if e else tables[n][k + 1] for e, k, n in zip(last, step, steps)])
+        return last, t, s
 
-    def select(self, conf, masked, step, generators, rows):
-        last = step >= self.steps - 1
-        t, s = (self.timesteps[step], self.timesteps[step + 1]) if not last else (None, None)
+    def select(self, conf, masked, clock, generators, rows):
+        last, t, s = self._times(clock)
+        last_t = torch.tensor(last, device=masked.device)
         if self.alg == "origin":
-            if last:
-                return masked.clone()
-            p_transfer = 1 - s / t
-            u = _rows_rand(masked.shape[1:], generators, rows, torch.float32, masked.device)
-            return masked & (u < p_transfer)
+            drawing = [None if e else r for e, r in zip(last, rows)]
+            u = _rows_rand(masked.shape[1:], generators, drawing, torch.float32, masked.device)
+            return masked & ((u < (1 - s / t)[:, None]) | last_t[:, None])
         n_masked = masked.sum(-1)
-        k = n_masked if last else (n_masked.float() * (1 - s / t)).long()
+        k = torch.where(last_t, n_masked, (n_masked.float() * (1 - s / t)).long())
         conf = conf.masked_fill(~masked, NEG_INF)
         if not self.alg_temp:
             return _top_k_mask(conf, k) & masked
@@ -295,13 +331,9 @@ class Quota(SelectionRule):
     def from_config(cls, config):
         return cls(config.threshold)
 
-    def begin_block(self, masked, steps, generators, rows):
-        length = torch.full((masked.shape[0],), masked.shape[-1], dtype=torch.long, device=masked.device)
-        self.counts, self.steps = linear_schedule(length, steps), steps
-
-    def select(self, conf, masked, step, generators, rows):
-        k = self.counts[:, step] if step < self.steps else masked.sum(-1)
-        k = torch.minimum(k, masked.sum(-1))
+    def select(self, conf, masked, clock, generators, rows):
+        length = torch.full_like(clock.step_t, masked.shape[-1])
+        k = torch.minimum(_scheduled(length, clock, masked), masked.sum(-1))
         conf = conf.masked_fill(~masked, NEG_INF)
         chosen = _top_k_mask(conf, k)
         if self.threshold is not None:
@@ -321,18 +353,20 @@ class FirstPositionAtBlockStart(SelectionRule):
     def __init__(self, inner: SelectionRule):
         self.inner = inner
 
-    def begin_block(self, masked, steps, generators, rows):
-        self.inner.begin_block(masked, steps, generators, rows)
-
-    def select(self, conf, masked, step, generators, rows):
-        if step > 0:
-            return self.inner.select(conf, masked, step, generators, rows)
+    def select(self, conf, masked, clock, generators, rows):
         first = torch.zeros_like(masked)
         first[:, 0] = True
-        opens = masked[:, :1]
-        if bool(opens.all()):  # the inner rule is not asked (it draws nothing at this step)
+        if not any(k == 0 for k in clock.step):
+            return self.inner.select(conf, masked, clock, generators, rows)
+        opens = [bool(o) and k == 0 for o, k in zip(masked[:, 0].tolist(), clock.step)]
+        if all(opens):  # the inner rule is not asked (it draws nothing at this step)
             return first & masked
-        return torch.where(opens, first, self.inner.select(conf, masked, step, generators, rows)) & masked
+        if not any(opens):
+            return self.inner.select(conf, masked, clock, generators, rows)
+        # a row that reveals its first position draws nothing from the inner rule
+        drawing = None if rows is None else [None if o else r for o, r in zip(opens, rows)]
+        inner = self.inner.select(conf, masked, clock, generators, drawing)
+        return torch.where(torch.tensor(opens, device=masked.device)[:, None], first, inner) & masked
 
 
 class SubBlocks(SelectionRule):
@@ -343,16 +377,13 @@ class SubBlocks(SelectionRule):
     def __init__(self, inner: SelectionRule, size: int):
         self.inner, self.size = inner, size
 
-    def begin_block(self, masked, steps, generators, rows):
-        self.inner.begin_block(masked, steps, generators, rows)
-
-    def select(self, conf, masked, step, generators, rows):
+    def select(self, conf, masked, clock, generators, rows):
         bsz, length = masked.shape
         sub = masked.view(bsz, length // self.size, self.size).any(-1)  # (B, sub-blocks) with masks
         current = sub.long().argmax(-1, keepdim=True)  # the first such sub-block
         index = torch.arange(length, device=masked.device) // self.size
         here = masked & (index[None, :] == current)
-        return self.inner.select(conf, here, step, generators, rows) & here
+        return self.inner.select(conf, here, clock, generators, rows) & here
 
 
 def register_selection_rule(cls: type[SelectionRule]) -> type[SelectionRule]:
@@ -538,9 +569,28 @@ class Lookahead:
         return (sure | forced).view(bsz, n * blk)
 
 
+@dataclass
+class Decision:
+    """What one step decides for every row: the tokens proposed for its current block, which of
+    its masked positions they reveal (`chosen`), which revealed ones they rewrite (`edited`, None
+    without editing), and for the blocks after the current one (multi-block decoding) their
+    proposals and what they reveal (`ahead_tokens`, `ahead`; None with one block at a time)."""
+
+    tokens: torch.Tensor
+    chosen: torch.Tensor
+    edited: torch.Tensor | None = None
+    ahead_tokens: torch.Tensor | None = None
+    ahead: torch.Tensor | None = None
+
+    def revealed(self) -> torch.Tensor:
+        """(B,) positions each row revealed (edits not counted)."""
+        n = self.chosen.sum(-1)
+        return n if self.ahead is None else n + self.ahead.sum(-1)
+
+
 class UnmaskingStrategy:
     """One unmasking policy: a proposal (tokens and confidences), a factory of the selection
-    rule (rules keep per-block state, so each generation gets a fresh one), whether it draws
+    rule (`rule`: one object, as rules keep no state), whether it draws
     randomness (then each row gets a generator), its token editing (`Editing`, or None) and its
     multi-block decoding (`Lookahead`, or None: one block at a time).
     `confidence_temperature`: the confidences the rules read come from logits divided by it,
@@ -558,6 +608,7 @@ class UnmaskingStrategy:
         self.proposal, self.make_rule, self.draws_randomness = proposal, make_rule, draws_randomness
         self.editing, self.confidence_temperature = editing, confidence_temperature
         self.lookahead = lookahead
+        self._rule: SelectionRule | None = None
 
     @classmethod
     def from_config(cls, config, family_proposal: str | None = None) -> UnmaskingStrategy:
@@ -582,13 +633,75 @@ class UnmaskingStrategy:
             _, conf = self.proposal(logits / self.confidence_temperature, generators, rows)
         return tokens, conf
 
+    def decide(
+        self,
+        logits: torch.Tensor,
+        block: torch.Tensor,
+        clock: BlockClock,
+        generators,
+        mask_id: int,
+        later: torch.Tensor | None = None,
+        editable: torch.Tensor | None = None,
+        constraints: dict | None = None,
+    ) -> Decision:
+        """One step's decision for every row: `logits` (B, W, V) of the current block (B, T) and,
+        with multi-block decoding, of the blocks after it (`later`, (B, W - T) their tokens);
+        `editable` (B, T) the revealed positions an editing rule may rewrite; `constraints`
+        {row: grammar} the rows whose answers follow one. Every row takes part."""
+        rule = self.rule
+        blk = block.shape[1]
+        masked = block == mask_id
+        drawing = None if generators is None else list(range(block.shape[0]))
+        with record_function("fastdllm.propose"):
+            tokens, conf = self.propose(logits, generators, drawing)
+        proposed_mask = tokens == mask_id
+        # A model may rank [MASK] first (an untrained one does): revealing it would leave the
+        # position masked for ever. Those positions get the best other token instead; the
+        # references would loop or keep the mask there, and no other position changes. Greedy
+        # proposals draw nothing, so the other token is proposed every step and no host read
+        # decides it; sampled ones propose again only when needed, so that each row's random
+        # stream advances as in the reference.
+        if generators is None or bool(proposed_mask.any()):
+            logits = logits.clone()
+            logits[..., mask_id] = NEG_INF
+            others, others_conf = self.propose(logits, generators, drawing)
+            tokens = torch.where(proposed_mask, others, tokens)
+            conf = torch.where(proposed_mask, others_conf, conf)
+        constraints = constraints or {}
+        ahead_tokens = ahead = None
+        if later is not None:  # the blocks after the current one: what the lookahead rule reveals
+            ahead_tokens = tokens[:, blk:]
+            later_masked = later == mask_id
+            if constraints:  # a grammar reveals left to right: its later blocks wait
+                later_masked[list(constraints)] = False
+            ahead = self.lookahead.select(conf[:, blk:], later_masked, masked) & later_masked
+            logits, tokens, conf = logits[:, :blk], tokens[:, :blk], conf[:, :blk]
+        with record_function("fastdllm.select"):
+            chosen = rule.select(conf, masked, clock, generators, drawing) & masked
+        for i, constraint in constraints.items():  # the grammar's say: left to right, each token accepted
+            constraint.amend(logits[i], tokens[i], chosen[i], masked[i])
+        edited = None
+        if self.editing is not None:
+            if constraints:  # a checked token is never rewritten
+                editable = editable.clone()
+                editable[list(constraints)] = False
+            edited = self.editing.select(tokens, conf, block, editable)
+        return Decision(tokens, chosen, edited, ahead_tokens, ahead)
+
+    @property
+    def rule(self) -> SelectionRule:
+        """The selection rule (rules keep no state: one serves every generation)."""
+        if self._rule is None:
+            self._rule = self.make_rule()
+        return self._rule
+
     def _with_rule(self, make_rule) -> UnmaskingStrategy:
         return UnmaskingStrategy(
             self.proposal, make_rule, self.draws_randomness, self.editing, self.confidence_temperature, self.lookahead
         )
 
     def new_rule(self) -> SelectionRule:
-        """A fresh selection rule for one generation."""
+        """A fresh selection rule."""
         return self.make_rule()
 
     def in_sub_blocks(self, size: int) -> UnmaskingStrategy:

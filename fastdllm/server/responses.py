@@ -124,7 +124,6 @@ class Answer:
         self.choices = [ChoiceText(tokenizer, model.stop_token_ids, req.stop_list(), plan.keep) for _ in plan.rows]
         self.job: Job = server.submit(plan)
         self.meta = new_meta(endpoint.id_prefix, server.settings.model_name)
-        self.last_block = plan.config.num_blocks - 1
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         parser = server.settings.tool_call_parser or tool_calls.parser_for_template(tokenizer.chat_template)
         self.parse = tool_calls.PARSERS[parser]
@@ -143,7 +142,7 @@ class Answer:
         out = []
         for i, ch in enumerate(self.choices):
             if not ch.final:
-                delta = ch.feed(item.tokens[i], item.finished[i], item.block == self.last_block)
+                delta = ch.feed(item.tokens[i], item.finished[i], item.last[i])
                 out.append((i, delta, ch.final))
         if all(ch.final for ch in self.choices):
             self.job.satisfied = True

@@ -28,11 +28,14 @@ class QueueFull(Exception):
 # What the worker posts to a job, in order: blocks as they become final, then its end or failure.
 @dataclass
 class BlockFinal:
-    """A block became final: its tokens per row (empty for a row already done), which rows finished."""
+    """Blocks became final at a step: per row the tokens of those that did (in order; empty for a
+    row with none), which rows finished (a stop token), which rows' answers are now complete;
+    `block` the latest block among them (rows move on their own clocks)."""
 
     block: int
     tokens: list[list[int]]
     finished: list[bool]
+    last: list[bool]
 
 
 @dataclass
@@ -58,7 +61,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # the client went away
     satisfied: bool = False  # the consumer needs no more blocks (every choice final)
-    blocks_posted: int = 0  # blocks sent so far (a job decoded again alone does not send them twice)
+    # per row, blocks sent so far (a job decoded again alone does not send them twice)
+    blocks_posted: list[int] = field(default_factory=list)
     # Per row, the grammar its answer follows (`constraints.py`; response_format), or None.
     constraints: list | None = None
 
@@ -80,10 +84,10 @@ class Job:
 class Scheduler:
     """One bounded FIFO queue of jobs, served by one inference thread that batches them.
 
-    Jobs whose configs differ at most in the answer's length (`decoder.join_key`) decode together.
-    With `continuous` (the default), a job that arrives while a batch runs joins it at the next
-    block boundary, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
-    without, it waits for the batch to finish.
+    Jobs whose configs differ at most in the answer's length and steps (`decoder.join_key`) decode
+    together. With `continuous` (the default), a job that arrives while a batch runs joins it at the
+    next step, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
+    without, it waits for the batch to finish. A row leaves as soon as it is done.
 
     `commands` (`ranks.Commands` under tensor parallelism) carries each decoder command to the
     other ranks; `on_rank_lost` is called once when one is gone (every request then failed with a
@@ -106,7 +110,7 @@ class Scheduler:
         self.rank_lost: RankLost | None = None
         self.policies = policies  # the decoding policies of every batch (default: each config's own)
         self.continuous = continuous
-        self.block_hook = block_hook  # called in the worker after each block (tests, diagnostics)
+        self.block_hook = block_hook  # called in the worker after each step that ended a block (tests, diagnostics)
         self.batch_hook: Callable[[int, int], None] | None = None  # (rows, forward passes) after each batch
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
@@ -127,6 +131,7 @@ class Scheduler:
             max_batch_rows=0,
             max_batch_requests=0,
             rows=0,
+            steps=0,
             blocks=0,
             stopped_early=0,
             joined=0,
@@ -260,7 +265,7 @@ class Scheduler:
 
     def _run(self, jobs: list[Job], alone: bool = False) -> None:
         """Decode `jobs` and, unless `alone`, every compatible job that arrives while they run: it
-        joins at the next block boundary (continuous batching)."""
+        joins at the next step (continuous batching)."""
         config = jobs[0].config
         run = self.commands.run
         decoder = run(("new", config), BlockDecoder, self.model, config, policies=self.policies)
@@ -307,19 +312,20 @@ class Scheduler:
                     s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
                 nfe = decoder.nfe
                 try:
-                    run(("block",), lambda: [None for _ in decoder.run_block()])
+                    run(("step",), decoder.step)
                 except RankLost:
                     raise
                 except Exception as e:
                     self._recover(list(running), e, alone)
                     return
                 with self.cond:
-                    self.stats["blocks"] += 1
+                    self.stats["steps"] += 1
+                    self.stats["blocks"] += len({b for _, b, _ in decoder.last_blocks})
                 if self.batch_hook is not None:
                     self.batch_hook(rows, decoder.nfe - nfe)
                 for job in self._post_blocks(decoder, running):
                     del running[job]
-                if self.block_hook is not None:
+                if self.block_hook is not None and decoder.last_blocks:
                     self.block_hook(max(b for _, b, _ in decoder.last_blocks))
                 for job in [j for j in running if not j.wanted]:  # nobody waits for its blocks
                     rows = running.pop(job)
@@ -344,18 +350,27 @@ class Scheduler:
             self._fail(list(running), e)
 
     def _post_blocks(self, decoder: BlockDecoder, running: dict) -> list[Job]:
-        """Send each job the block its rows just decoded; returns the jobs that are complete."""
-        decoded = {id(r): (b, ids) for r, b, ids in decoder.last_blocks}
+        """Send each job the blocks its rows just ended; returns the jobs that are complete."""
+        decoded: dict[int, list[tuple[int, list[int]]]] = {}
+        for r, b, ids in decoder.last_blocks:
+            decoded.setdefault(id(r), []).append((b, ids))
         complete = []
         for job, rows in running.items():
-            mine = [decoded.get(id(r)) for r in rows]
-            found = [m for m in mine if m is not None]
-            if not found:  # every row of the job left earlier
+            mine = [decoded.get(id(r), []) for r in rows]
+            if not any(mine):
                 continue
-            b = found[0][0]  # a job's rows joined together: one block index
-            if job.wanted and b >= job.blocks_posted:
-                job.post(BlockFinal(b, [[] if m is None else m[1] for m in mine], [r.finished for r in rows]))
-                job.blocks_posted = b + 1
+            if len(job.blocks_posted) != len(rows):
+                job.blocks_posted = [0] * len(rows)
+            tokens, latest = [], 0
+            for j, blocks in enumerate(mine):
+                new = [(b, ids) for b, ids in blocks if b >= job.blocks_posted[j]]
+                tokens.append([t for _, ids in new for t in ids])
+                if new:
+                    job.blocks_posted[j] = new[-1][0] + 1
+                    latest = max(latest, new[-1][0])
+            if job.wanted and any(tokens):
+                last = [r.done for r in rows]
+                job.post(BlockFinal(latest, tokens, [r.finished for r in rows], last))
             if all(r.done for r in rows):
                 job.post(JobEnded())
                 with self.cond:
