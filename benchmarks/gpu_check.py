@@ -39,7 +39,7 @@ FAMILIES = {  # family module -> the embedded twin whose schedules it replays
 
 
 def record(twin: str, config_name: str, gen_length: int, problems: int) -> tuple[list[list[tuple]], int]:
-    """Every forward's (window start, end, length, block start, end) of `problems` decodes, and the
+    """Every forward's windows (`CachePolicy.history`) of `problems` decodes, one row each, and the
     tokens they generated."""
     import fastdllm
     from fastdllm.engine.policies import policies_for
@@ -103,50 +103,37 @@ def wide(family: str, layers: int, device, tiny: bool):
 
 
 @torch.inference_mode()
-def replay(model, windows: list[tuple], batch: int, device, graphs: bool = False) -> None:
-    """The recorded forwards on `model`; with `graphs`, DualCache's cached steps (the window is the
-    block) through the fixed-shape step that `cuda_graphs` captures, over a cache of the run's
-    largest length."""
+def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "eager") -> None:
+    """The recorded forwards of one row on `batch` copies of it (random tokens: only the shapes
+    matter), each forward one packed call over the rows' windows; with `graphs`, DualCache's
+    cached steps (the window is the block) through the fixed-shape step that `cuda_graphs`
+    captures, over a cache of the run's largest length; with `compile`, the layers' dense math
+    through torch.compile (dynamic shapes)."""
+    graphs = mode == "graphs"
     vocab = model.args.vocab_size
-    cache = None
-    capacity = max(w[2] for w in windows)
+    capacity = max(max(hi, keys) for forward in history for _, _, hi, keys, _ in forward)
+    x = torch.randint(0, vocab, (batch, capacity), device=device)
+    cache = model.new_cache(batch, capacity)
     shift = int(model.args.shifted_logits)
-    for ws, we, length, start, end in windows:
-        x = torch.randint(0, vocab, (batch, length), device=device)
-        if graphs and cache is not None and (ws, we) == (start, end) and start - shift > 0:
-            positions = torch.arange(capacity, device=device).expand(batch, capacity)
-            key_ok = (torch.arange(capacity, device=device) < length).expand(batch, capacity)
-            column = torch.full((), start - shift, dtype=torch.long, device=device)
-            tokens = torch.randint(0, vocab, (batch, end - start + shift), device=device)
+    positions = torch.arange(capacity, device=device).expand(batch, capacity)
+    for forward in history:
+        _, lo, hi, keys, start = forward[0]
+        if graphs and lo == start - shift > 0:
+            columns = (lo + torch.arange(hi - lo, device=device)).expand(batch, hi - lo)
+            key_ok = (torch.arange(capacity, device=device) < keys).expand(batch, capacity)
             step = model.graphed_window_logits()
-            step(tokens, positions[:, start - shift : end], column, key_ok, positions, cache, None, end - start)
+            step(x.gather(1, columns), columns, columns, key_ok, positions, cache, None, hi - start)
             continue
-        if graphs and cache is None:
-            cache = model.new_cache(batch, capacity)
-        if graphs:
-            model.logits_for(x, start, end, window=None if ws == 0 and we == length else (ws, we),
-                             cache=cache.narrow(batch, length))  # fmt: skip
-            continue
-        if ws == 0 and we == length:
-            cache = model.new_cache(batch, length)
-            model.logits_for(x, start, end, cache=cache)
-        else:
-            if cache is None or cache.length < length:
-                grown = model.new_cache(batch, length)
-                if cache is not None:
-                    grown.k[:, :, :, : cache.length] = cache.k
-                    grown.v[:, :, :, : cache.length] = cache.v
-                cache = grown
-            model.logits_for(x, start, end, window=(ws, we), cache=cache.narrow(batch, length))
+        model.packed_logits(x, [(b, lo, hi, keys, start) for b in range(batch)], cache, compiled=mode == "compile")
 
 
-def timed(model, runs, batch, device, graphs: bool = False) -> float:
+def timed(model, runs, batch, device, mode: str = "eager") -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    replay(model, runs[0], batch, device, graphs)  # warm up (with graphs: compiled and captured)
+    replay(model, runs[0], batch, device, mode)  # warm up (compiled, and with graphs captured)
     sync()
     t0 = time.perf_counter()
     for windows in runs:
-        replay(model, windows, batch, device, graphs)
+        replay(model, windows, batch, device, mode)
     sync()
     return time.perf_counter() - t0
 
@@ -191,18 +178,12 @@ def main(argv=None) -> int:
             variants.append((q, qm))
         modes = ["eager"] + (["graphs"] if args.graphs else []) + (["compile"] if args.compile else [])
         for weights, m in variants:
-            for mode in modes:  # compile last: it replaces the layers' forwards
-                compiled = mode == "compile"
-                if compiled:
-                    for layer in m.layers:
-                        layer.forward = torch.compile(
-                            layer.forward, mode="reduce-overhead" if device.type == "cuda" else "default", dynamic=True
-                        )
+            for mode in modes:
                 for name in CONFIGS:
                     runs, tokens = schedules[FAMILIES[family], name]
-                    positions = sum(we - ws for r in runs for ws, we, *_ in r)
+                    positions = sum(hi - lo for r in runs for forward in r for _, lo, hi, _, _ in forward)
                     for batch in batches:
-                        seconds = timed(m, runs, batch, device, graphs=mode == "graphs")
+                        seconds = timed(m, runs, batch, device, mode)
                         row = {
                             "family": family,
                             "config": name,

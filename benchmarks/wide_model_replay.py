@@ -77,22 +77,15 @@ def wide_model(layers: int, dtype):
 
 
 @torch.inference_mode()
-def replay(model, windows: list[tuple]) -> float:
-    """Seconds to run one generation's forwards (tokens are random: only the shapes matter)."""
+def replay(model, history: list[list[tuple]]) -> float:
+    """Seconds to run one generation's forwards, each a list of row windows (row, first column,
+    end column, keys, first logit column); tokens are random: only the shapes matter."""
+    length = max(max(hi, keys) for windows in history for _, _, hi, keys, _ in windows)
+    x = torch.randint(0, 1000, (1, length))
+    cache = model.new_cache(1, length)
     t0 = time.perf_counter()
-    cache = None
-    for ws, we, length, start, end in windows:
-        x = torch.randint(0, 1000, (1, length))
-        if ws == 0 and we == length:  # a full forward refills the cache
-            cache = model.new_cache(1, length)
-            model.logits_for(x, start, end, cache=cache)
-        else:
-            if cache.length < length:  # a suffix window grew: keep what is there
-                grown = model.new_cache(1, length)
-                grown.k[:, :, :, : cache.length] = cache.k
-                grown.v[:, :, :, : cache.length] = cache.v
-                cache = grown
-            model.logits_for(x, start, end, window=(ws, we), cache=cache.narrow(1, length))
+    for windows in history:
+        model.packed_logits(x, windows, cache)
     return time.perf_counter() - t0
 
 
@@ -109,7 +102,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     runs = {c: record_windows(c, args.gen_length, args.num_fewshot, args.problems) for c in args.configs}
     for c, rs in runs.items():
-        positions = [sum(we - ws for ws, we, *_ in r) for r in rs]
+        positions = [sum(hi - lo for windows in r for _, lo, hi, _, _ in windows) for r in rs]
         print(
             f"{c}: {statistics.mean(len(r) for r in rs):.1f} forwards/problem, "
             f"{statistics.mean(positions):.0f} query positions/problem"

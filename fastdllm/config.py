@@ -114,11 +114,14 @@ class ConfigError(ValueError):
         self.param, self.detail = param, message
 
 
-def _opt(default, kind: str, help: str, server: bool = True, search: tuple = ()):
+def _opt(default, kind: str, help: str, server: bool = True, search: tuple = (), row: bool = False):
     """A field: `kind` is int | float | str | bool, prefixed with "optional " when None is allowed;
     `server` says whether an API request may set it under this name; `search` lists the values
-    `fastdllm tune` tries for it (a speed knob; empty: tune leaves the field as given)."""
-    return field(default=default, metadata={"kind": kind, "help": help, "server": server, "search": search})
+    `fastdllm tune` tries for it (a speed knob; empty: tune leaves the field as given); `row` that
+    it decides only what a row reveals, not what a forward computes, so rows that differ in it
+    share forwards (`engine.decoder.join_key`)."""
+    meta = {"kind": kind, "help": help, "server": server, "search": search, "row": row}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -142,18 +145,19 @@ class GenerationConfig:
     reference requires divisibility). `steps` defaults to gen_length.
     """
 
-    gen_length: int = _opt(256, "int", "tokens to generate (a multiple of block_length)", server=False)
+    gen_length: int = _opt(256, "int", "tokens to generate (a multiple of block_length)", server=False, row=True)
     block_length: int = _opt(32, "int", "block size: blocks are decoded left to right", search=(8, 16, 32, 64))
-    steps: int | None = _opt(None, "optional int", "schedule steps over all blocks (default: gen_length)")
-    temperature: float = _opt(0.0, "float", "sampling temperature (0: greedy)", server=False)
-    remasking: str = _opt("low_confidence", "str", "LLaDA's confidence: " + " | ".join(REMASKING))
+    steps: int | None = _opt(None, "optional int", "schedule steps over all blocks (default: gen_length)", row=True)
+    temperature: float = _opt(0.0, "float", "sampling temperature (0: greedy)", server=False, row=True)
+    remasking: str = _opt("low_confidence", "str", "LLaDA's confidence: " + " | ".join(REMASKING), row=True)
     threshold: float | None = _opt(
         0.9,
         "optional float",
         "parallel decoding: reveal every position at least this confident; 'none' for the schedule",
         search=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99),
+        row=True,
     )
-    factor: float | None = _opt(None, "optional float", "factor-rule parallel decoding (takes precedence)")
+    factor: float | None = _opt(None, "optional float", "factor-rule parallel decoding (takes precedence)", row=True)
     cache: str = _opt(
         "dual", "str", "KV cache policy: " + " | ".join(CACHE_POLICIES), search=("none", "prefix", "dual")
     )
@@ -163,19 +167,21 @@ class GenerationConfig:
         "the selection rule by name: "
         + " | ".join(SELECTION_RULES)
         + " (default: factor if set, else threshold, else the step schedule)",
+        row=True,
     )
-    alg: str | None = _opt(None, "optional str", "Dream's confidence: " + " | ".join(DREAM_ALGS))
-    alg_temp: float | None = _opt(None, "optional float", "Dream: sample positions with this temperature")
-    eps: float = _opt(1e-3, "float", "Dream: the final timestep")
-    top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False)
-    top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)")
-    stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token")
+    alg: str | None = _opt(None, "optional str", "Dream's confidence: " + " | ".join(DREAM_ALGS), row=True)
+    alg_temp: float | None = _opt(None, "optional float", "Dream: sample positions with this temperature", row=True)
+    eps: float = _opt(1e-3, "float", "Dream: the final timestep", row=True)
+    top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False, row=True)
+    top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)", row=True)
+    stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token", row=True)
     eos_early_stop: bool = _opt(
         False,
         "bool",
         "LLaDA2's eos_early_stop (needs stop_at_eos): without editing "
         "(2.0), stop a row inside a block as soon as it holds a stop token with every "
         "position before it revealed; with editing (2.1), after the block, as stop_at_eos",
+        row=True,
     )
     sub_block_length: int | None = _opt(
         None,
@@ -210,12 +216,14 @@ class GenerationConfig:
         "with parallel_blocks > 1: the next block joins the forwards once the block before it has "
         "this fraction of its positions revealed (D2F's block_add_threshold)",
         search=(0.25, 0.5, 0.75),
+        row=True,
     )
     decoded_token_threshold: float = _opt(
         0.9,
         "float",
         "with parallel_blocks > 1: a later block whose predecessor has this fraction revealed reveals "
         "at least its most confident position each step (D2F's decoded_token_threshold)",
+        row=True,
     )
     lookahead_threshold: float = _opt(
         0.95,
@@ -223,6 +231,7 @@ class GenerationConfig:
         "with parallel_blocks > 1: a block after the current one reveals the positions more "
         "confident than this (D2F's skip_threshold; stricter than threshold)",
         search=(0.9, 0.95, 0.99),
+        row=True,
     )
     refresh: str = _opt(
         "vicinity",
@@ -247,8 +256,9 @@ class GenerationConfig:
         "divide the logits by this where the selection rule reads confidences, not where tokens are "
         "chosen (a calibrated view for benchmarks: `fastdllm bench --calibrate`); greedy decoding only",
         server=False,
+        row=True,
     )
-    seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False)
+    seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False, row=True)
     compile: bool = _opt(
         False,
         "bool",
@@ -418,6 +428,11 @@ class GenerationConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def row_fields(cls) -> list[str]:
+        """The fields each row of a batch decides with on its own (declared `row`)."""
+        return [f.name for f in fields(cls) if f.metadata.get("row")]
 
     @classmethod
     def options(cls) -> list[dict]:

@@ -313,16 +313,18 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
     steps = []
     block_logits = policy.block_logits
 
-    def recording(seq, start, end, row_steps):
+    def recording(seq, row_steps):
         x = seq.x[0].clone()
-        out = block_logits(seq, start, end, row_steps)
-        steps.append((x, start, row_steps[0], out[0].clone()))
+        out = block_logits(seq, row_steps)
+        steps.append((x, seq.starts[0], row_steps[0], out[0].clone()))
         return out
 
     policy.block_logits = recording
     prompt = tokenizer.encode("Question: what is 12 + 30?\nAnswer:")
     generate(tiny_v2, [prompt], config=config, policies=Policies(cache=policy))
     assert len(policy.history) == len(steps)
+    # one row: per forward its window [ws, we) and the logits' columns [lo, hi)
+    history = [(ws, we, lo, we) for (_, ws, we, _, lo) in (windows[0] for windows in policy.history)]
     last_whole, kinds = None, set()
     # v2 reveals a block's first token at its block-start step, which makes no block cache: the
     # block's next step is a whole-block forward even though its first sub-block opens revealed.
@@ -330,10 +332,10 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
     assert opened_masked
     assert all(
         hi - lo == blk
-        for (_, _, _, lo, hi), (_, start, step, _) in zip(policy.history, steps)
+        for (_, _, lo, hi), (_, start, step, _) in zip(history, steps)
         if step == 1 and start in opened_masked
     )
-    for (ws, we, _, lo, hi), (x, start, step, logits) in zip(policy.history, steps):
+    for (ws, we, lo, hi), (x, start, step, logits) in zip(history, steps):
         end = start + blk
         masked = (x[start:end] == tiny_v2.mask_token_id).nonzero().flatten() + start
         if hi - lo == blk:  # the whole block

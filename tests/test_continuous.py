@@ -103,7 +103,8 @@ def test_join_key_and_accepts():
     base = GenerationConfig(threshold=0.9)
     assert join_key(base) == join_key(base.replace(gen_length=64))  # only the length differs
     assert join_key(base) != join_key(base.replace(block_length=16))
-    assert join_key(base) != join_key(base.replace(threshold=0.8))
+    assert join_key(base) != join_key(base.replace(cache="prefix"))  # the forwards differ
+    assert join_key(base) == join_key(base.replace(threshold=0.8, temperature=0.7, stop_at_eos=False))
     sched = GenerationConfig(gen_length=64, block_length=32, steps=64, threshold=None)  # 32 steps per block
     assert join_key(sched) == join_key(sched.replace(gen_length=128, steps=128))
     assert join_key(sched) == join_key(sched.replace(gen_length=128, steps=64))  # each row keeps its own schedule
@@ -121,6 +122,30 @@ def test_rows_that_cannot_join_are_refused(tiny_llada, tokenizer):
     d.add([tokenizer.encode("Hi")])
     d.step()
     assert d.accepts(uneven) and d.accepts(uneven.replace(gen_length=32, steps=5))
+
+
+def test_rows_with_their_own_settings_share_forwards(fp32):
+    """Rows whose thresholds, rules, temperatures and stop rules differ decode in one batch, each as
+    alone (the same tokens, forwards and steps), and share the forwards."""
+    model, tok = fp32
+    ps = questions(tok, 4)
+    base = GenerationConfig(gen_length=64, block_length=16, stop_at_eos=False)
+    configs = [
+        base.replace(threshold=0.5),
+        base.replace(threshold=0.99, stop_at_eos=True),
+        base.replace(threshold=None, steps=32),
+        base.replace(threshold=0.9, temperature=0.8, seed=5),
+    ]
+    decoder = BlockDecoder(model, base)
+    rows = [decoder.add([p], config=c)[0] for p, c in zip(ps, configs)]
+    while decoder.active:
+        decoder.step()
+    for r, p, c in zip(rows, ps, configs):
+        alone = generate(model, [p], config=c)
+        assert torch.equal(r.answer, alone.sequences[0]), c
+        assert r.nfe == alone.nfe_per_row[0] and r.tokens_per_step == alone.tokens_per_step[0]
+    assert len({tuple(r.tokens_per_step) for r in rows}) > 1  # the settings really differ
+    assert decoder.nfe < sum(r.nfe for r in rows) and decoder.row_forwards == sum(r.nfe for r in rows)
 
 
 def test_dropped_rows_leave_and_the_others_continue(fp32):
@@ -207,14 +232,14 @@ def _a_culprit_joins(model, monkeypatch, good_prompt, culprit_prompt, base, ref,
         for t in range(100, model.args.vocab_size)
         if t not in good_prompt + ref.sequences[0].tolist() and t not in model.stop_token_ids
     )
-    real = model.logits_for
+    real = model.packed_logits
 
     def flaky(x, *a, **kw):
         if bool((x == mark).any()):
             raise RuntimeError("the kernel failed")
         return real(x, *a, **kw)
 
-    monkeypatch.setattr(model, "logits_for", flaky)
+    monkeypatch.setattr(model, "packed_logits", flaky)
     first_block = threading.Event()
 
     async def scenario():

@@ -25,11 +25,11 @@ class _RefreshEveryStep:
     """Before every windowed step, refill the cache with a full forward of the current canvas, then
     take the logits from the window: with a fresh cache the window must reproduce the full forward."""
 
-    def block_logits(self, seq, start, end, steps):
+    def block_logits(self, seq, steps):
         if any(steps):
-            super().block_logits(seq, start, end, [0] * len(steps))  # refresh every cached position
+            super().block_logits(seq, [0] * len(steps))  # refresh every cached position
             self.take_work()  # the anchor's own forward: not the policy's work
-        return super().block_logits(seq, start, end, steps)
+        return super().block_logits(seq, steps)
 
 
 class PrefixRefreshed(_RefreshEveryStep, PrefixCache):
@@ -58,13 +58,13 @@ def test_refreshed_caches_equal_no_cache(arch, threshold, request, tokenizer):
 def test_stale_caches_run_fewer_full_forwards(tiny_llada, tokenizer):
     """Without refreshes the caches really are used (window forwards), and decode everything."""
     calls = []
-    orig = tiny_llada.logits_for
+    orig = tiny_llada.packed_logits
 
-    def spy(x, start, end, **kw):
-        calls.append(kw.get("window"))
-        return orig(x, start, end, **kw)
+    def spy(x, windows, cache, **kw):
+        calls.append([(lo, hi) for _, lo, hi, _, _ in windows])
+        return orig(x, windows, cache, **kw)
 
-    tiny_llada.logits_for = spy
+    tiny_llada.packed_logits = spy
     try:
         out = generate(
             tiny_llada,
@@ -72,10 +72,10 @@ def test_stale_caches_run_fewer_full_forwards(tiny_llada, tokenizer):
             config=GenerationConfig.fast_dllm(gen_length=32, block_length=8, threshold=None, cache="dual"),
         )
     finally:
-        del tiny_llada.logits_for
-    full = sum(w is None for w in calls)
+        del tiny_llada.packed_logits
+    full = sum(all(lo == 0 for lo, _ in w) for w in calls)
     assert full == 4 and len(calls) == out.nfe == 32
-    assert all(w[1] - w[0] == 8 for w in calls if w is not None)
+    assert all(hi - lo == 8 for w in calls for lo, hi in w if lo > 0)
     assert not (out.sequences == tiny_llada.mask_token_id).any()
 
 

@@ -344,8 +344,8 @@ class Scripted(CachePolicy):
         super().__init__(model)
         self.steps, self.calls = steps, 0
 
-    def block_logits(self, seq, start, end, steps):
-        self.work.append((None, end - start, seq.x.shape[1]))
+    def block_logits(self, seq, steps):
+        self.work.append([(i, seq.width, seq.x.shape[1]) for i in range(len(steps))])
         out = self.steps[min(self.calls, len(self.steps) - 1)]
         self.calls += 1
         return out

@@ -1,7 +1,9 @@
-"""Cache policies: which part of the sequence each decoding step recomputes.
+"""Cache policies: which part of each row each decoding step recomputes.
 
-Every policy answers one question for the generation loop: "give me the logits of the current
-block at this step". They differ only in the window they recompute (`Transformer.logits_for`):
+Every policy answers one question for the generation loop: "give me the logits of every row's
+current block at this step". They differ only in the window they recompute of each row, and all
+rows' windows go into one packed forward (`Transformer.packed_logits`): no padding, each row
+attending over its own keys:
 
 - `NoCache`: the whole sequence at every step (LLaDA's baseline).
 - `PrefixCache`: at a block's first step a full forward fills the cache (and decodes); later steps
@@ -11,16 +13,17 @@ block at this step". They differ only in the window they recompute (`Transformer
 - `SubBlockCache`: DualCache, and with sub-blocks, later steps of a sub-block recompute only that
   sub-block against the cached block (Fast-dLLM v2's block cache).
 
-The cache is refreshed when a new block starts, i.e. when the previous one completed. How much a
-block-start forward recomputes is the policy's refresh rule (a `RefreshRule`, named in `REFRESH_RULES`):
+Rows are on their own clocks: in one step some rows are at their block's first step and others in
+the middle of theirs; each gets its own window in the same forward. The cache is refreshed when a
+row's new block starts, i.e. when its previous one completed. How much a block-start forward
+recomputes is the policy's refresh rule (a `RefreshRule`, named in `REFRESH_RULES`):
 - "full" (Fast-dLLM): the whole sequence;
 - "vicinity" (after dInfer's vicinity refresh): only from the just-finished block (blocks, when
   multi-block decoding finished more than one since the last block start) to the end
   (its tokens just became final, and the current block and what follows it see them), against
   the cached K/V of everything before it; the prompt's K/V are computed once per generation, at
   the first block. `refresh_every` N adds a full refresh every N blocks (1: every block, which is
-  "full"). When rows leave or join the batch, the cache rows of the others move with them
-  (`relayout`); a row that joined gets a full forward at its first block, in a forward of its own;
+  "full"). A row that joins gets a full forward at its first block;
 - "adaptive": the vicinity refresh, then a test of whether it sufficed. The current block's
   positions are all still masked, so their tokens did not change since their keys were cached:
   any change of their last-layer keys, cached against recomputed now, is the effect of the
@@ -42,72 +45,40 @@ from ..models.kv_cache import KVCache
 
 @dataclass
 class SequenceView:
-    """What a policy needs about the rows being decoded. Every row's current block sits at the same
-    columns; rows are at different blocks of their own answers, each on its own clock."""
+    """What a policy needs about the rows being decoded: the layout `x` (B, L), where row i holds
+    its prompt and answer region from column 0 on (a column's RoPE position is its index), and
+    per row its current block's first column (`starts`), how far its forwards see (`seen`: its
+    keys are the columns [0, seen), a suffix window's cut), its block's index and how many blocks
+    before it became final since its last block-start forward (`refreshes`: more than one when
+    multi-block decoding revealed a block whole before it was current). Every row's logits cover
+    `width` columns from its start: its block, and with multi-block decoding those after it."""
 
-    x: torch.Tensor  # (B, L) token ids (L: up to the end of the suffix window)
-    positions: torch.Tensor  # (B, L) RoPE positions (padding aware)
-    key_mask: torch.Tensor | None  # (B, 1, 1, L) True where attention may look, None: no padding
-    block: int = 0  # index of the current block (of the first row)
-    block_length: int = 0
-    capacity: int | None = None  # the whole layout's length (L grows with a suffix window)
-    row_blocks: tuple[int, ...] = ()  # each row's own block index ((): every row at `block`)
-    # how many blocks before the current one became final since the last block-start forward
-    # (more than one when multi-block decoding revealed a block whole before it was current): of
-    # the first row, and of each row ((): every row's is `refresh_blocks`)
-    refresh_blocks: int = 1
-    row_refresh: tuple[int, ...] = ()
+    x: torch.Tensor
+    starts: tuple[int, ...]
+    seen: tuple[int, ...]
+    blocks: tuple[int, ...]
+    block_length: int
+    width: int
+    refreshes: tuple[int, ...] = ()
 
-    def refreshes(self) -> tuple[int, ...]:
-        return self.row_refresh or (self.refresh_blocks,) * self.x.shape[0]
+    def refresh(self, i: int) -> int:
+        return self.refreshes[i] if self.refreshes else 1
 
-    def blocks(self) -> tuple[int, ...]:
-        return self.row_blocks or (self.block,) * self.x.shape[0]
+    def end(self, i: int) -> int:
+        """The last column (exclusive) a forward of row i must compute: what it sees, and at least
+        its logits' columns (past its region: padding, whose logits nothing reads)."""
+        return max(self.seen[i], self.starts[i] + self.width)
 
-    def take(self, rows: list[int]) -> SequenceView:
-        """The view of some rows alone."""
-        idx = torch.tensor(rows, device=self.x.device)
-        blocks, refreshes = self.blocks(), self.refreshes()
-        return SequenceView(
-            self.x[idx],
-            self.positions[idx],
-            None if self.key_mask is None else self.key_mask[idx],
-            block=blocks[rows[0]],
-            block_length=self.block_length,
-            capacity=self.capacity,
-            row_blocks=tuple(blocks[i] for i in rows),
-            refresh_blocks=refreshes[rows[0]],
-            row_refresh=tuple(refreshes[i] for i in rows),
-        )
 
-    def leading_padding(self) -> int:
-        """How many leading columns every row pads (a row that joined a batch with a longer prompt)."""
-        if self.key_mask is None:
-            return 0
-        return int(self.key_mask[:, 0, 0, :].any(0).long().argmax())
-
-    def from_column(self, first: int) -> SequenceView:
-        """The same rows without columns [0, first) (padding for all of them): positions are
-        absolute, so the forward is the same with fewer masked keys."""
-        if first == 0:
-            return self
-        return SequenceView(
-            self.x[:, first:],
-            self.positions[:, first:],
-            self.key_mask[..., first:],
-            block=self.block,
-            block_length=self.block_length,
-            capacity=None if self.capacity is None else self.capacity - first,
-            row_blocks=self.row_blocks,
-            refresh_blocks=self.refresh_blocks,
-            row_refresh=self.row_refresh,
-        )
+# A row's part of a forward: (row, first column, end column, keys, first column whose logits are
+# returned); `Transformer.packed_logits`.
+Window = tuple[int, int, int, int, int]
 
 
 class CachePolicy:
-    """Answers "the block's logits at this step" by forwards over some window of the sequence.
-    `forward` runs one and records its work in `work`: (the batch rows it served, None for all;
-    query positions; key positions), which the loop charges to those rows (`take_work`)."""
+    """Answers "every row's block logits at this step" by one packed forward over a window of each
+    row. `forward` runs one and records its work in `work`: per forward, (row, query positions,
+    key positions) for each row it computed, which the loop charges to those rows (`take_work`)."""
 
     name = "none"
 
@@ -119,88 +90,108 @@ class CachePolicy:
         # DualCache's steps after a block's first through fixed shapes, captured as CUDA graphs
         # (`PrefixCache._graphed_step`)
         self.graphs = False
-        self.work: list[tuple[list[int] | None, int, int]] = []
-        self.history: list[tuple[int, int, int, int, int]] | None = None  # set to [] to record windows
+        self.work: list[list[tuple[int, int, int]]] = []
+        self.history: list[list[Window]] | None = None  # set to [] to record windows
         self.peak_cache_bytes = 0  # the largest KV cache this policy held at once (memory accounting)
+        self._buffer: KVCache | None = None
 
     @classmethod
     def from_config(cls, model, config) -> CachePolicy:
         return cls(model, compiled=config.compile)
 
     def record(self) -> CachePolicy:
-        """Record every forward's (window start, window end, sequence length, block start, block end)
-        in `history`: the schedule a benchmark can replay on another model."""
+        """Record every forward's windows in `history`: the schedule a benchmark can replay on
+        another model."""
         self.history = []
         return self
 
-    def take_work(self) -> list[tuple[list[int] | None, int, int]]:
+    def take_work(self) -> list[list[tuple[int, int, int]]]:
         work, self.work = self.work, []
         return work
 
-    def block_logits(self, seq: SequenceView, start: int, end: int, steps: list[int]) -> torch.Tensor:
-        """Logits (B, end - start, V) of every row's current block (and, up to `end`, the blocks
-        after it), where row i has taken `steps[i]` steps in its block (0: the block begins)."""
+    def block_logits(self, seq: SequenceView, steps: list[int]) -> torch.Tensor:
+        """Logits (B, seq.width, V) of every row's current block (and the blocks after it, up to
+        the width), where row i has taken `steps[i]` steps in its block (0: the block begins)."""
         raise NotImplementedError
 
-    def relayout(self, sources: list[int | None], shifts: list[int | None], length: int) -> None:
-        """The decoding loop moved its rows: new row i is old row `sources[i]` (None: a row that just
-        joined) moved right by `shifts[i]` columns (left, when negative), in a layout of `length`
-        columns."""
+    # -- the rows' K/V: one buffer, a row per layout row
+    def cache_for(self, seq: SequenceView) -> KVCache:
+        bsz, length = seq.x.shape
+        if self._buffer is None or self._buffer.batch != bsz or self._buffer.length < length:
+            self._buffer = None  # freed before its successor is allocated
+            self._buffer = self.model.new_cache(bsz, length)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self._buffer.nbytes())
+        return self._buffer
 
-    def forward(self, seq: SequenceView, start: int, end: int, window=None, cache=None, rows=None) -> torch.Tensor:
-        length = seq.x.shape[1]
-        ws, we = (0, length) if window is None else window
-        self.work.append((rows, we - ws, length))  # a window's queries attend over the whole sequence
+    def relayout(self, sources: list[int | None], length: int) -> None:
+        """The decoding loop laid its rows out again: new row i is old row `sources[i]` (None: a row
+        that just joined), in a layout of `length` columns. Each kept row's cached K/V move with it."""
+        old = self._buffer
+        if old is None:
+            return
+        if not sources or all(s is None for s in sources):
+            self._buffer = None
+            return
+        if length <= old.length and None not in sources:
+            old.keep_rows(sources)  # rows left the batch: the others move to the front
+            self._buffer = old.narrow(len(sources))
+            return
+        self._buffer = new = self.model.new_cache(len(sources), max(length, old.length))
+        # Both buffers are alive while the kept rows move over.
+        self.peak_cache_bytes = max(self.peak_cache_bytes, old.nbytes() + new.nbytes())
+        kept = [(i, j) for i, j in enumerate(sources) if j is not None]
+        dst, src = (torch.tensor(t, device=new.k.device) for t in zip(*kept))
+        width = min(old.length, new.length)
+        new.k[:, dst, :, :width] = old.k[:, src, :, :width]
+        new.v[:, dst, :, :width] = old.v[:, src, :, :width]
+
+    def forward(self, seq: SequenceView, windows: list[Window]) -> list[torch.Tensor]:
+        """One packed forward of `windows`; per window, the logits from its start column on."""
+        self.work.append([(row, hi - lo, keys) for row, lo, hi, keys, _ in windows])
         if self.history is not None:
-            self.history.append((ws, we, length, start, end))
-        return self.model.logits_for(
+            self.history.append(list(windows))
+        return self.model.packed_logits(
             seq.x,
-            start,
-            end,
-            window=window,
-            cache=cache,
-            positions=seq.positions,
-            key_mask=seq.key_mask,
+            windows,
+            self.cache_for(seq),
             compiled=self.compiled,
             block_size=seq.block_length or None,
             batch_invariant=self.batch_invariant,
         )
 
-    def split(self, seq: SequenceView, start: int, end: int, cache, rows, groups) -> torch.Tensor:
-        """Logits of rows that need different forwards: `groups` are (rows of `seq`, run), each run
-        as `run(seq, start, end, cache, rows)` over those rows alone, on a copy of their cache rows
-        written back after. A group leaves out the leading columns all its rows pad. `rows`: the
-        batch rows of `seq`'s rows (None: the same)."""
-        logits = None
-        for local, run in groups:
-            part, sub = cache.take_rows(local), seq.take(local)
-            first = sub.leading_padding()
-            served = local if rows is None else [rows[i] for i in local]
-            out = run(sub.from_column(first), start - first, end - first, part.columns_from(first), served)
-            cache.put_rows(local, part)
-            if logits is None:
-                logits = out.new_empty((seq.x.shape[0],) + tuple(out.shape[1:]))
-            logits[torch.tensor(local, device=out.device)] = out
-        return logits
+    def full_window(self, seq: SequenceView, i: int) -> Window:
+        return (i, 0, seq.end(i), seq.seen[i], seq.starts[i])
+
+    @staticmethod
+    def stack(seq: SequenceView, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-row logits (each `seq.width` wide) as one (B, width, V) tensor."""
+        return torch.stack([p[: seq.width] for p in parts])
 
 
 class NoCache(CachePolicy):
     name = "none"
 
-    def block_logits(self, seq, start, end, steps):
-        return self.forward(seq, start, end)
+    def cache_for(self, seq):
+        """Each forward's own K/V (every key a row reads is one its window writes): working memory
+        of one forward, not a cache (`peak_cache_bytes` stays 0)."""
+        bsz, length = seq.x.shape
+        if self._buffer is None or self._buffer.batch != bsz or self._buffer.length < length:
+            self._buffer = None
+            self._buffer = self.model.new_cache(bsz, length)
+        return self._buffer
+
+    def block_logits(self, seq, steps):
+        return self.stack(seq, self.forward(seq, [self.full_window(seq, i) for i in range(len(steps))]))
 
 
 # ---- refresh rules: what a block-start forward recomputes --------------------------------------
 class RefreshRule:
-    """How a caching policy's block-start forward refreshes the cache. `needs_full(block)`: whether
-    a row at `block` recomputes its whole sequence (it is then the plain full forward); the other
-    rows get `partial`, a forward over less of the sequence against their cached K/V.
-    `keeps_cache`: whether cached K/V outlive a block (then they move with rows that join or
-    leave the batch)."""
+    """How a caching policy's block-start forward refreshes a row's cache. `needs_full(block)`:
+    whether a row at `block` recomputes its whole sequence; the other rows recompute from
+    `first_column` on, against their cached K/V. `check` may then ask for full forwards of some
+    of those rows (their cache did not suffice)."""
 
     name = ""
-    keeps_cache = True
 
     def __init__(self, every: int | None = None, tol: float = 0.1):
         self.every, self.tol = every, tol
@@ -212,15 +203,22 @@ class RefreshRule:
     def needs_full(self, block: int) -> bool:
         raise NotImplementedError
 
-    def partial(self, policy: PrefixCache, seq: SequenceView, start: int, end: int, cache, rows) -> torch.Tensor:
+    def first_column(self, seq: SequenceView, i: int) -> int:
         raise NotImplementedError
+
+    def probe(self, cache: KVCache, seq: SequenceView, rows: list[int]):
+        """What `check` compares against, read before the forward."""
+        return None
+
+    def check(self, cache: KVCache, seq: SequenceView, rows: list[int], before) -> list[int]:
+        """The rows (of `rows`, refreshed partially) that need a full forward now."""
+        return []
 
 
 class FullRefresh(RefreshRule):
     """Fast-dLLM: every block-start forward recomputes the whole sequence."""
 
     name = "full"
-    keeps_cache = False
 
     def needs_full(self, block):
         return True
@@ -236,9 +234,8 @@ class VicinityRefresh(RefreshRule):
     def needs_full(self, block):
         return block == 0 or bool(self.every and block % self.every == 0)
 
-    def partial(self, policy, seq, start, end, cache, rows):
-        window = (max(0, start - seq.refresh_blocks * seq.block_length), seq.x.shape[1])
-        return policy.forward(seq, start, end, window=window, cache=cache, rows=rows)
+    def first_column(self, seq, i):
+        return max(0, seq.starts[i] - seq.refresh(i) * seq.block_length)
 
 
 class AdaptiveRefresh(VicinityRefresh):
@@ -248,24 +245,17 @@ class AdaptiveRefresh(VicinityRefresh):
 
     name = "adaptive"
 
-    def partial(self, policy, seq, start, end, cache, rows):
-        probe = slice(start, min(end, seq.x.shape[1]))
-        before = cache.k[-1, :, :, probe].float().clone()
-        logits = super().partial(policy, seq, start, end, cache, rows)
-        after = cache.k[-1, :, :, probe].float()
-        drift = ((after - before).flatten(1).norm(dim=-1) / before.flatten(1).norm(dim=-1).clamp_min(1e-12)).tolist()
-        stale = [i for i, d in enumerate(drift) if d > self.tol]
-        if stale:
-            # A full forward for those rows alone, in a cache of their own, copied back: the other
-            # rows keep exactly what the vicinity refresh gave them.
-            part = cache.take_rows(stale)
-            full = policy.forward(
-                seq.take(stale), start, end, cache=part, rows=stale if rows is None else [rows[i] for i in stale]
-            )
-            cache.put_rows(stale, part)
-            logits = logits.clone()
-            logits[torch.tensor(stale, device=logits.device)] = full.to(logits.dtype)
-        return logits
+    def _keys(self, cache, seq, rows):
+        blk = seq.block_length
+        return [cache.k[-1, i, :, seq.starts[i] : seq.starts[i] + blk].float() for i in rows]
+
+    def probe(self, cache, seq, rows):
+        return [k.clone() for k in self._keys(cache, seq, rows)]
+
+    def check(self, cache, seq, rows, before):
+        after = self._keys(cache, seq, rows)
+        drift = [float((a - b).norm() / b.norm().clamp_min(1e-12)) if b.numel() else 0.0 for a, b in zip(after, before)]
+        return [i for i, d in zip(rows, drift) if d > self.tol]
 
 
 def register_refresh_rule(cls: type[RefreshRule]) -> type[RefreshRule]:
@@ -297,115 +287,74 @@ class PrefixCache(CachePolicy):
     ):
         super().__init__(model, compiled)
         self.refresh = _refresh_rule(refresh, refresh_every, refresh_tol)
-        self._buffer: KVCache | None = None
-        self.cache: KVCache | None = None
 
     @classmethod
     def from_config(cls, model, config) -> PrefixCache:
         return cls(model, refresh=REFRESH_RULES[config.refresh].from_config(config), compiled=config.compile)
 
-    def relayout(self, sources, shifts, length):
-        old = self._buffer
-        if old is None:
-            return
-        if not sources:
-            self._buffer = self.cache = None
-            return
-        if length == old.length and all(s == 0 for s in shifts):
-            old.keep_rows(sources)  # rows left the batch: the others move to the front
-            return
-        # Rows joined or moved on (or the layout's width changed): a new buffer, each kept row's
-        # K/V moved with it (a negative shift: to the left).
-        self._buffer = new = self.model.new_cache(len(sources), length)
-        # Both buffers are alive while the kept rows move over.
-        self.peak_cache_bytes = max(self.peak_cache_bytes, old.nbytes() + new.nbytes())
-        for i, (src, shift) in enumerate(zip(sources, shifts)):
-            if src is None:
-                continue
-            src_lo, dst_lo = max(0, -shift), max(0, shift)
-            width = min(old.length - src_lo, length - dst_lo)
-            new.k[:, i, :, dst_lo : dst_lo + width] = old.k[:, src, :, src_lo : src_lo + width]
-            new.v[:, i, :, dst_lo : dst_lo + width] = old.v[:, src, :, src_lo : src_lo + width]
+    def block_logits(self, seq, steps):
+        n = len(steps)
+        shift = int(self.model.args.shifted_logits)
+        if self.graphs and self.reuse_suffix and all(steps) and min(seq.starts) - shift > 0:
+            return self._graphed_step(seq)
+        windows, partial = [], []
+        for i, k in enumerate(steps):
+            if k > 0:
+                windows.append(self.step_window(seq, i))
+            elif self.refresh.needs_full(seq.blocks[i]):
+                windows.append(self.full_window(seq, i))
+            else:
+                partial.append(i)
+                windows.append((i, self.refresh.first_column(seq, i), seq.end(i), seq.seen[i], seq.starts[i]))
+        cache = self.cache_for(seq)
+        before = self.refresh.probe(cache, seq, partial) if partial else None
+        parts = self.forward(seq, windows)
+        stale = self.refresh.check(cache, seq, partial, before) if partial else []
+        if stale:  # a full forward for those rows, replacing their logits and cache
+            for i, out in zip(stale, self.forward(seq, [self.full_window(seq, i) for i in stale])):
+                parts[i] = out
+        assert len(parts) == n
+        return self.stack(seq, parts)
 
-    def block_logits(self, seq, start, end, steps):
-        bsz, length = seq.x.shape
-        capacity = seq.capacity or length
-        if self._buffer is None or self._buffer.batch < bsz or self._buffer.length != capacity:
-            if any(steps):
-                raise RuntimeError("the cache lost rows in the middle of their blocks")
-            self._buffer = None  # freed before its successor is allocated
-            self._buffer = self.model.new_cache(bsz, capacity)
-            self.peak_cache_bytes = max(self.peak_cache_bytes, self._buffer.nbytes())
-        self.cache = self._buffer.narrow(bsz, length)
-        starting = [i for i, s in enumerate(steps) if s == 0]
-        if len(starting) == bsz:
-            return self._start(seq, start, end, self.cache, None)
-        if not starting:
-            return self._continue(seq, start, end, self.cache, None)
-        # Rows at their block's first step get its block-start forward, the others their cached step.
-        continuing = [i for i, s in enumerate(steps) if s > 0]
-        return self.split(seq, start, end, self.cache, None, [(continuing, self._continue), (starting, self._start)])
+    def step_window(self, seq, i) -> Window:
+        """A step after the block's first: the block and the blocks after it in the logits
+        (DualCache), or everything from the block on (prefix cache), against the cached rest. With
+        shifted logits the window starts one column earlier (the block's first token's logit)."""
+        start = seq.starts[i]
+        lo = max(0, start - int(self.model.args.shifted_logits))
+        hi = start + seq.width if self.reuse_suffix else seq.end(i)
+        return (i, lo, hi, seq.seen[i], start)
 
-    def _continue(self, seq, start, end, cache, rows):
-        """A step after a block's first: the block (DualCache) or everything from it (prefix
-        cache), against the cached rest."""
-        if rows is None and self.graphs and self.reuse_suffix and start - int(self.model.args.shifted_logits) > 0:
-            return self._graphed_step(seq, start, end)
-        window = (start, end if self.reuse_suffix else seq.x.shape[1])
-        return self.forward(seq, start, end, window=window, cache=cache, rows=rows)
-
-    def _start(self, seq, start, end, cache, rows):
-        """A block's first step: the refresh rule's forward (the whole sequence for a row whose
-        refresh is full). Rows whose refresh differs (a row's first block, a periodic full
-        refresh, blocks that multi-block decoding finished without a forward) get forwards of
-        their own."""
-        groups: dict[object, list[int]] = {}
-        for i, (b, k) in enumerate(zip(seq.blocks(), seq.refreshes())):
-            groups.setdefault("full" if self.refresh.needs_full(b) else k, []).append(i)
-        if len(groups) == 1:
-            if "full" in groups:
-                return self.forward(seq, start, end, cache=cache, rows=rows)
-            return self.refresh.partial(self, seq, start, end, cache, rows)
-        return self.split(
-            seq, start, end, cache, rows, [(g, self._full if k == "full" else self._partial) for k, g in groups.items()]
-        )
-
-    def _graphed_step(self, seq, start: int, end: int) -> torch.Tensor:
-        """A cached step of DualCache with the shapes of every step of this layout: the window
-        (the block, and the column before it with shifted logits) attends over the whole cache
-        buffer, the keys past what the step sees masked rather than cut off, and its column is a
-        tensor (`Transformer.window_logits_static`). The same arithmetic as the eager step over
-        more (masked) keys."""
-        bsz, seen = seq.x.shape
-        capacity = seq.capacity or seen
-        first = start - int(self.model.args.shifted_logits)
-        cache = self._buffer.narrow(bsz, capacity)
-        if seq.key_mask is None:
-            key_ok = torch.ones(bsz, seen, dtype=torch.bool, device=seq.x.device)
-        else:
-            key_ok = seq.key_mask[:, 0, 0, :]
-        key_ok = torch.nn.functional.pad(key_ok, (0, capacity - seen), value=False)
-        key_positions = torch.nn.functional.pad(seq.positions, (0, capacity - seen))
-        self.work.append((None, end - first, capacity))
+    def _graphed_step(self, seq) -> torch.Tensor:
+        """A cached step of DualCache with the shapes of every step of a layout: each row's window
+        (its block, and the column before it with shifted logits) attends over its whole cache row,
+        the keys past what the step sees masked rather than cut off, and the windows' columns
+        are a tensor (`Transformer.window_logits_static`). The same arithmetic as the eager step
+        over more (masked) keys."""
+        bsz = seq.x.shape[0]
+        cache = self.cache_for(seq)
+        capacity = cache.length
+        shift = int(self.model.args.shifted_logits)
+        width = seq.width + shift
+        dev = seq.x.device
+        first = torch.tensor([s - shift for s in seq.starts], device=dev)
+        columns = first[:, None] + torch.arange(width, device=dev)
+        key_ok = torch.arange(capacity, device=dev)[None, :] < torch.tensor(seq.seen, device=dev)[:, None]
+        key_positions = torch.arange(capacity, device=dev).expand(bsz, capacity)
+        self.work.append([(i, width, seq.seen[i]) for i in range(bsz)])
         if self.history is not None:
-            self.history.append((first, end, seen, start, end))
-        column = torch.full((), first, dtype=torch.long, device=seq.x.device)
+            self.history.append([(i, s - shift, s + seq.width, seq.seen[i], s) for i, s in enumerate(seq.starts)])
+        padded = torch.nn.functional.pad(seq.x, (0, max(0, capacity - seq.x.shape[1])), value=0)
         return self.model.graphed_window_logits()(
-            seq.x[:, first:end],
-            seq.positions[:, first:end],
-            column,
+            padded.gather(1, columns),
+            columns,
+            columns,
             key_ok,
             key_positions,
             cache,
             seq.block_length or None,
-            end - start,
+            seq.width,
         )
-
-    def _full(self, seq, start, end, cache, rows):
-        return self.forward(seq, start, end, cache=cache, rows=rows)
-
-    def _partial(self, seq, start, end, cache, rows):
-        return self.refresh.partial(self, seq, start, end, cache, rows)
 
 
 class DualCache(PrefixCache):
@@ -459,9 +408,9 @@ class SubBlockCache(DualCache):
             compiled=config.compile,
         )
 
-    def relayout(self, sources, shifts, length):
-        super().relayout(sources, shifts, length)
-        if self._logits is not None and sources:
+    def relayout(self, sources, length):
+        super().relayout(sources, length)
+        if self._logits is not None:
             kept = [(i, j) for i, j in enumerate(sources) if j is not None]
             logits = self._logits.new_zeros((len(sources),) + tuple(self._logits.shape[1:]))
             if kept:
@@ -470,44 +419,53 @@ class SubBlockCache(DualCache):
             self._logits = logits
         self._uncached = [False if j is None else self._uncached[j] for j in sources]
 
-    def _start(self, seq, start, end, cache, rows):
-        out = super()._start(seq, start, end, cache, rows)
-        batch = list(range(seq.x.shape[0])) if rows is None else rows
-        if self._logits is None or self._logits.shape[0] < max(batch) + 1:
-            self._logits = out.new_zeros((max(batch) + 1,) + tuple(out.shape[1:]))
-        self._logits[torch.tensor(batch, device=out.device)] = out.to(self._logits.dtype)
-        opens = (seq.x[:, start] == self.model.mask_token_id).tolist()
-        self._uncached += [False] * (len(self._logits) - len(self._uncached))
-        for g, o in zip(batch, opens):
-            self._uncached[g] = o and self._first_at_start
-        return out
-
-    def _continue(self, seq, start, end, cache, rows):
-        size, shift = self.sub_block_length, int(self.model.args.shifted_logits)
-        bsz = seq.x.shape[0]
-        batch = list(range(bsz)) if rows is None else rows
-        masked = seq.x[:, start:end] == self.model.mask_token_id
-        opening = masked.view(bsz, -1, size).any(-1).long().argmax(-1) * size  # (B,) the current sub-block
-        opens_masked = masked.gather(1, opening[:, None]).squeeze(1)
-        groups: dict[int | None, list[int]] = {}  # sub-block start (None: the whole block) -> rows
-        for i, (o, m, live) in enumerate(zip(*torch.stack([opening, opens_masked, masked.any(-1)]).tolist())):
-            if live:  # a row whose block is done needs no logits
-                groups.setdefault(None if m or self._uncached[batch[i]] else start + o, []).append(i)
-        for sub, local in groups.items():
-            lo, hi, window = (start, end, (start, end)) if sub is None else (sub + shift, sub + size, (sub, sub + size))
-            served = [batch[i] for i in local]
-            if len(local) == bsz:
-                out = self.forward(seq, lo, hi, window=window, cache=cache, rows=rows)
+    def block_logits(self, seq, steps):
+        bsz, blk = len(steps), seq.block_length
+        size, shift, mask_id = self.sub_block_length, int(self.model.args.shifted_logits), self.model.mask_token_id
+        starting = [i for i, k in enumerate(steps) if k == 0]
+        if starting:
+            firsts = seq.x[starting, [seq.starts[i] for i in starting]]
+            opens = [bool(o) for o in (firsts == mask_id).tolist()]
+        # the block-start rows as the DualCache does; the others' whole block or current sub-block
+        windows, places = [], []
+        if len(starting) < bsz:
+            idx = torch.tensor([[seq.starts[i] + j for j in range(blk)] for i in range(bsz)], device=seq.x.device)
+            masked = seq.x.gather(1, idx) == mask_id
+            opening = masked.view(bsz, -1, size).any(-1).long().argmax(-1) * size  # (B,) the current sub-block
+            opens_masked = masked.gather(1, opening[:, None]).squeeze(1)
+            flags = torch.stack([opening, opens_masked, masked.any(-1)]).tolist()
+        for i in range(bsz):
+            start = seq.starts[i]
+            if steps[i] == 0:
+                windows.append(self._start_window(seq, i))
+                places.append((i, 0))
+                continue
+            o, m, live = flags[0][i], flags[1][i], flags[2][i]
+            if not live:  # a row whose block is done needs no logits
+                continue
+            if m or self._uncached[i]:
+                windows.append((i, max(0, start - shift), start + blk, seq.seen[i], start))
+                places.append((i, 0))
+                self._uncached[i] = False
             else:
-                part = cache.take_rows(local)
-                out = self.forward(seq.take(local), lo, hi, window=window, cache=part, rows=served)
-                cache.put_rows(local, part)
-            index = torch.tensor(served, device=out.device)
-            self._logits[index, lo - start : hi - start] = out.to(self._logits.dtype)
-            if sub is None:
-                for g in served:
-                    self._uncached[g] = False
-        return self._logits[torch.tensor(batch, device=self._logits.device)]
+                sub = start + o
+                windows.append((i, sub, sub + size, seq.seen[i], sub + shift))
+                places.append((i, o + shift))
+        parts = self.forward(seq, windows)
+        if self._logits is None or self._logits.shape[0] != bsz:
+            self._logits = parts[0].new_zeros((bsz, blk, parts[0].shape[-1]))
+            self._uncached = [False] * bsz
+        for (i, at), out in zip(places, parts):
+            width = min(out.shape[0], blk - at)
+            self._logits[i, at : at + width] = out[:width].to(self._logits.dtype)
+        for i, o in zip(starting, opens if starting else []):
+            self._uncached[i] = o and self._first_at_start
+        return self._logits.clone()
+
+    def _start_window(self, seq, i) -> Window:
+        if self.refresh.needs_full(seq.blocks[i]):
+            return self.full_window(seq, i)
+        return (i, self.refresh.first_column(seq, i), seq.end(i), seq.seen[i], seq.starts[i])
 
 
 def register_cache_policy(cls: type[CachePolicy]) -> type[CachePolicy]:

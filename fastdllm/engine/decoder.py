@@ -11,21 +11,21 @@ batch at once, and a row that `add` queues joins at the next step. So every row 
 it: no row waits in the batch for another row's block to end. Positions after the current block
 are never revealed (but with multi-block decoding, the blocks right after it).
 
-The layout: the rows sit in one (B, L) tensor so that every row's current block occupies the same
-columns [start, start + block_length): a row's prompt and finished blocks lie to the left of it
-(left-padded), its masked rest to the right (right-padded when rows have less of their answers left
-than others). When rows leave, join or move to their next block, the layout is rebuilt (`_relayout`)
-and each row's cached K/V move with it. Padding is masked out of attention and RoPE positions
-count only real tokens, so a row sees what it would see alone.
+The layout: the rows sit in one (B, L) tensor, each from column 0: its prompt, then its region (a
+column's RoPE position is its index), padding after it. A row never moves while it decodes; its
+current block starts at its own column. A step's forward packs each row's window end to end
+(`Transformer.packed_logits`): the dense math sees no padding, and each row attends over its own
+keys in its own cache row. The layout is rebuilt only when rows join or leave (`_relayout`), each
+kept row's cached K/V moving with it.
 
-Rows may join when their configs differ at most in the answer's length and its steps (`join_key`):
-each row follows its own schedule, threshold and random stream (a row draws only at its own
-steps), and its own refresh decisions (a row at its block's first step gets its block-start
-forward while the others take their cached steps, each group in a forward of its own). Rows of
-equal layout decode bit-identically in float32 whatever else is in the batch. Padding and batch
-size change how the forwards' sums are split and rounded (a padded row's logits move by ~1e-5 in
-float32, up to ~1 in bfloat16), so a near-tied token can then differ; with `deterministic=True`
-every row decodes bit-identically to alone (`models.invariance`).
+Rows may join when their configs differ at most in the fields declared per row (`join_key`: the
+answer's length, steps, threshold, temperature, stop rules, ...): each row follows its own
+schedule, selection rule and random stream (a row draws only at its own steps), and its own
+refresh decisions (a row at its block's first step gets its block-start window while the others
+take their cached steps, in the same forward). Rows decode in a batch as alone: each row's keys
+are its own, and only the dense math's row count changes how its sums are rounded (~1e-6 of a
+logit in float32, up to ~1e-2 in bfloat16), so a near-tied token can differ; with
+`deterministic=True` every row decodes bit-identically to alone (`models.invariance`).
 
 A block ends at the step that reveals its last mask. *Deliberate difference*: Fast-dLLM's cached
 loops (prefix and DualCache) always run at least one cached forward after the block-start forward,
@@ -43,15 +43,23 @@ import torch
 from torch.profiler import record_function
 
 from ..config import GenerationConfig, is_int
-from ..models.transformer import positions_from_mask
 from .cache_policies import SequenceView
-from .policies import PolicySource, resolve
-from .unmasking import BlockClock
+from .policies import Policies, PolicySource, policies_for, resolve
+from .unmasking import BlockClock, Decision
 
 
-def join_key(config: GenerationConfig):
-    """What must be equal for rows to decode in one batch: the config but the answer's length and
-    its steps (every row follows its own step schedule)."""
+def join_key(config: GenerationConfig) -> tuple:
+    """What must be equal for rows to decode in one batch: what the forwards depend on (block
+    length, cache policy, window, ...). The fields declared per row (`GenerationConfig.row_fields`:
+    the answer's length, steps, threshold, temperature, stop rules, ...) may differ: each row
+    decides with its own."""
+    rows = set(GenerationConfig.row_fields())
+    return tuple((f, getattr(config, f)) for f in GenerationConfig.field_names() if f not in rows)
+
+
+def decision_key(config: GenerationConfig) -> GenerationConfig:
+    """The config but what the loop reads per row (its length and step schedule): rows equal in
+    it decide with one strategy object."""
     return config.replace(gen_length=config.block_length, steps=None)
 
 
@@ -84,6 +92,7 @@ class Row:
     # A grammar its answer must follow (`constraints.GrammarConstraint`): it amends every step's
     # choice so the answer is revealed left to right, each token checked.
     constraint: object = None
+    strategy: object = None  # the unmasking strategy it decides with (`unmasking.UnmaskingStrategy`)
 
     @property
     def lead(self) -> int:
@@ -92,6 +101,10 @@ class Row:
     @property
     def num_blocks(self) -> int:
         return self.config.num_blocks
+
+    def column(self, block_length: int) -> int:
+        """Where its current block starts in the layout (its prompt fills the columns before its region)."""
+        return len(self.prompt) + self.block * block_length
 
     @property
     def prompt_positions(self) -> int:
@@ -257,9 +270,13 @@ class BlockDecoder:
                 f"block_length: must be {model.args.block_size} for this model, whose attention is "
                 f"block-causal in blocks of {model.args.block_size} (got {config.block_length})"
             )
-        self.key = join_key(config)
+        # A strategy the caller brought serves every row, and so rows must agree on every
+        # decision field; otherwise each row decides with the strategy its own config names.
+        self.own_strategy = policies is not None and not (isinstance(policies, Policies) and policies.strategy is None)
+        self.key = decision_key(config) if self.own_strategy else join_key(config)
         policies = resolve(policies, model, config)
         self.policy, self.strategy = policies.cache, policies.strategy
+        self.strategies = {decision_key(config): self.strategy}
         self.device = model.device
         self.mask_id = model.mask_token_id
         self.stop_ids = torch.tensor(sorted(set(model.stop_token_ids)), device=self.device)
@@ -271,13 +288,14 @@ class BlockDecoder:
         # what the forwards computed: rows summed over them, and query positions (padding included)
         self.row_forwards = self.computed_positions = 0
         self.forward_clock = ForwardClock(self.device)
-        self.start = 0  # the column of every row's current block
-        self.window_end = 0  # the end of the blocks a step decodes: the current one and those after it
         self.lookahead = self.strategy.lookahead
         self.editing = self.strategy.editing
-        # per row of the layout: tokens, whether a column is the row's (not padding), the row's
-        # step that revealed each position (-1: masked or a prompt token)
-        self.x = self.valid = self.step_of = None
+        # the columns a step decodes from each row's current block on: the block, and with
+        # multi-block decoding the blocks after it
+        self.width = config.block_length * (1 if self.lookahead is None else self.lookahead.depth)
+        # per row of the layout (its prompt, then its region, from column 0): tokens, and the
+        # row's step that revealed each position (-1: masked or a prompt token)
+        self.x = self.step_of = None
         # per row: its steps so far (the index `step_of` records), its current block's masks when
         # it began, and with editing the block's steps after its last mask and whether it goes on
         self.row_nfe = self.opened = self.post = self.alive = None
@@ -285,7 +303,13 @@ class BlockDecoder:
     # -- rows in
     def accepts(self, config: GenerationConfig) -> bool:
         """Whether rows of `config` can join this batch."""
-        return join_key(config) == self.key
+        return (decision_key(config) if self.own_strategy else join_key(config)) == self.key
+
+    def _strategy_for(self, config: GenerationConfig):
+        key = decision_key(config)
+        if key not in self.strategies:
+            self.strategies[key] = policies_for(self.model, config, cache=self.policy).strategy
+        return self.strategies[key]
 
     def add(
         self,
@@ -303,13 +327,16 @@ class BlockDecoder:
         if not self.accepts(config):
             raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
         ids, mask = prepare_inputs(self.model, input_ids, attention_mask, config)
+        strategy = self._strategy_for(config)
         gens = (
             row_generators(config, ids.shape[0], row_seeds, self.device)
-            if self.strategy.draws_randomness
+            if strategy.draws_randomness
             else [None] * ids.shape[0]
         )
         tags = [None] * ids.shape[0] if tags is None else list(tags)
         rows = [self._row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
+        for r in rows:
+            r.strategy = strategy
         if constraints is not None:
             if len(constraints) != len(rows):
                 raise ValueError(f"constraints: {len(constraints)} given for {len(rows)} rows")
@@ -338,7 +365,7 @@ class BlockDecoder:
         gone = set(map(id, rows))
         self.joining = [r for r in self.joining if id(r) not in gone]
         if any(id(r) in gone for r in self.rows):
-            self._relayout([(r, i, 0) for i, r in enumerate(self.rows) if id(r) not in gone])
+            self._relayout([(r, i) for i, r in enumerate(self.rows) if id(r) not in gone])
 
     @property
     def forward_time(self) -> float:
@@ -349,10 +376,6 @@ class BlockDecoder:
     def active(self) -> bool:
         return bool(self.rows or self.joining)
 
-    def current_block(self) -> torch.Tensor:
-        """(B, block_length) the rows' current blocks (a view)."""
-        return self.x[:, self.start : self.start + self.config.block_length]
-
     # -- one step
     def step(self) -> Step | None:
         """One step of every row in the batch (rows that joined are laid out first): the forward,
@@ -361,42 +384,86 @@ class BlockDecoder:
         self.last_blocks, self.left = [], []
         if self.joining:
             new, self.joining = self.joining, []
-            self._relayout([(r, i, 0) for i, r in enumerate(self.rows)] + [(r, None, 0) for r in new])
+            self._relayout([(r, i) for i, r in enumerate(self.rows)] + [(r, None) for r in new])
         if not self.rows:
             return None
         rows, blk, mask_id = self.rows, self.config.block_length, self.mask_id
-        start, end = self.start, self.start + blk
-        block = self.x[:, start:end]  # a view: writes go straight into the layout
+        view = self._view()
+        # each row's current block (and the blocks after it): gathered from its own columns
+        columns = torch.tensor(view.starts, device=self.device)[:, None] + torch.arange(self.width, device=self.device)
+        window, steps_of = self.x.gather(1, columns), self.step_of.gather(1, columns)
+        block, region = window[:, :blk], steps_of[:, :blk]
         with self.forward_clock, record_function("fastdllm.forward"):
-            logits = self.policy.block_logits(self._view(), start, self.window_end, [r.step for r in rows])
+            logits = self.policy.block_logits(view, [r.step for r in rows])
         work = self.policy.take_work()
         self.nfe += len(work)
-        region = self.step_of[:, start:end]  # the row's step index of each revealed position
-        later = self.x[:, end : self.window_end] if self.window_end > end else None
+        later = window[:, blk:] if self.width > blk else None
         had_mask = (block == mask_id).any(-1)
         editable = None if self.editing is None else (region >= 0) & (block != mask_id)  # not a prompt token
         clock = BlockClock([r.step for r in rows], [r.config.steps_per_block()[r.block] for r in rows], self.opened)
-        generators = [r.generator for r in rows] if self.strategy.draws_randomness else None
-        constraints = {i: r.constraint for i, r in enumerate(rows) if r.constraint is not None}
-        decision = self.strategy.decide(logits, block, clock, generators, mask_id, later, editable, constraints)
+        decision = self._decide(logits, block, clock, later, editable)
         # the decision, written without a host read (torch.where, not block[chosen] = ...)
         if decision.edited is not None:
-            block.copy_(torch.where(decision.edited, decision.tokens, block))
-        block.copy_(torch.where(decision.chosen, decision.tokens, block))
-        region.copy_(torch.where(decision.chosen, self.row_nfe[:, None], region))
+            block = torch.where(decision.edited, decision.tokens, block)
+        block = torch.where(decision.chosen, decision.tokens, block)
+        region = torch.where(decision.chosen, self.row_nfe[:, None], region)
         if later is not None:
-            later.copy_(torch.where(decision.ahead, decision.ahead_tokens, later))
-            later_region = self.step_of[:, end : self.window_end]
-            later_region.copy_(torch.where(decision.ahead, self.row_nfe[:, None], later_region))
+            later = torch.where(decision.ahead, decision.ahead_tokens, later)
+            later_region = torch.where(decision.ahead, self.row_nfe[:, None], steps_of[:, blk:])
+            block, region = torch.cat([block, later], 1), torch.cat([region, later_region], 1)
         self.row_nfe += 1
-        if self.config.eos_early_stop and self.editing is None:
-            self._stop_early(block)
+        early = [r.config.eos_early_stop for r in rows]
+        if any(early) and self.editing is None:
+            self._stop_early(block, region, early)
+        self.x.scatter_(1, columns, block)
+        self.step_of.scatter_(1, columns, region)
         for r in rows:
             r.step += 1
-        done = self._block_over(block, had_mask, decision.edited)
-        record = Step(list(rows), [r.block for r in rows], block.clone(), decision.chosen, decision.edited)
-        self._after_step(record, done, decision.revealed(), work)
+        done = self._block_over(block[:, :blk], had_mask, decision.edited)
+        record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
+        self._after_step(block, region, done, decision.revealed(), work)
         return record
+
+    def _decide(self, logits, block, clock, later, editable):
+        """Each row's decision, by the strategy it decides with: rows that share one in one call."""
+        rows, mask_id = self.rows, self.mask_id
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(id(r.strategy), []).append(i)
+
+        def decide(strategy, members: list[int], idx=None):
+            pick = (lambda t: t) if idx is None else (lambda t: None if t is None else t[idx])
+            generators = [rows[i].generator for i in members] if strategy.draws_randomness else None
+            constraints = {j: rows[i].constraint for j, i in enumerate(members) if rows[i].constraint is not None}
+            return strategy.decide(
+                pick(logits),
+                pick(block),
+                clock if idx is None else clock.take(members),
+                generators,
+                mask_id,
+                pick(later),
+                pick(editable),
+                constraints,
+            )
+
+        if len(groups) == 1:
+            return decide(rows[0].strategy, list(range(len(rows))))
+        parts = []
+        for members in groups.values():
+            idx = torch.tensor(members, device=self.device)
+            parts.append((idx, decide(rows[members[0]].strategy, members, idx)))
+        # one decision for the batch, each group's rows in their places
+        first = parts[0][1]
+
+        def merged(name):
+            if getattr(first, name) is None:
+                return None
+            out = getattr(first, name).new_empty((len(rows),) + tuple(getattr(first, name).shape[1:]))
+            for idx, d in parts:
+                out[idx] = getattr(d, name)
+            return out
+
+        return Decision(*(merged(n) for n in ("tokens", "chosen", "edited", "ahead_tokens", "ahead")))
 
     def _block_over(self, block, had_mask, edited) -> torch.Tensor:
         """(B,) whether each row's block is over after this step: it has no mask left; with
@@ -410,43 +477,42 @@ class BlockDecoder:
         self.alive &= has_mask | (self.post <= self.editing.max_post_steps)
         return ~self.alive
 
-    def _after_step(self, record: Step, done: torch.Tensor, revealed: torch.Tensor, work) -> None:
+    def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
         move to their next block (past any that the blocks before revealed whole). One read from
-        the device: the window's tokens, and per row whether its block is over, what it revealed
-        and whether the block holds a stop token."""
+        the device: the rows' windows (their current block and those after it), and per row
+        whether its block is over, what it revealed and whether the block holds a stop token."""
         blk, rows = self.config.block_length, self.rows
-        start, end = self.start, self.start + blk
-        window = self.x[:, start : self.window_end]
-        hit = torch.isin(window[:, :blk], self.stop_ids) & (self.step_of[:, start:end] >= 0)
-        hit = hit.any(-1) if self.config.stop_at_eos else torch.zeros_like(done)
+        hit = torch.isin(window[:, :blk], self.stop_ids) & (steps_of[:, :blk] >= 0)
+        stopping = torch.tensor([r.config.stop_at_eos for r in rows], device=self.device)
+        hit = hit.any(-1) & stopping
         # blocks after the current one that are whole already (multi-block decoding)
-        n_later = (self.window_end - end) // blk
+        n_later = self.width // blk - 1
         whole = torch.zeros_like(revealed)
         if n_later and (self.editing is None or self.editing.max_post_steps == 0):
-            later_masked = (window[:, blk : blk + n_later * blk] == self.mask_id).view(len(rows), n_later, blk)
+            later_masked = (window[:, blk:] == self.mask_id).view(len(rows), n_later, blk)
             whole = (~later_masked.any(-1)).long().cumprod(-1).sum(-1)
         parts = [done.long()[:, None], revealed[:, None], hit.long()[:, None], whole[:, None], window]
         host = torch.cat(parts, 1).tolist()
         for i, r in enumerate(rows):
             r.tokens_per_step.append(host[i][1])
-        for served, queries, keys in work:
-            self.row_forwards += len(rows) if served is None else len(served)
-            self.computed_positions += queries * (len(rows) if served is None else len(served))
-            for i in range(len(rows)) if served is None else served:
+        for forward in work:
+            self.row_forwards += len(forward)
+            for i, queries, keys in forward:
                 r = rows[i]
                 r.nfe += 1
                 r.forward_positions += queries
                 r.attended_positions += queries * keys
+                self.computed_positions += queries
         if not any(h[0] for h in host):
             return
         stops = set(self.stop_ids.tolist())
-        moves = []
+        kept = []
         for i, (r, h) in enumerate(zip(rows, host)):
             if not h[0]:
-                moves.append((r, i, 0))
+                kept.append((r, i))
                 continue
-            tokens, first = h[4:], r.block
+            tokens = h[4:]
             r.finished, r.unrefreshed = bool(h[2]), 0
             k = 0
             while True:
@@ -457,15 +523,26 @@ class BlockDecoder:
                 if r.finished or r.block == r.num_blocks or k > h[3]:
                     break
                 r.unrefreshed += 1  # revealed whole while it was a later block: no forward of its own
-                r.finished = self.config.stop_at_eos and any(t in stops for t in tokens[k * blk : (k + 1) * blk])
+                r.finished = r.config.stop_at_eos and any(t in stops for t in tokens[k * blk : (k + 1) * blk])
             if r.finished or r.block == r.num_blocks:
-                self._leave(i, r, start - first * blk)
+                self._leave(i, r)
             else:
                 r.step = 0
-                moves.append((r, i, k))
-        self._relayout(moves)
+                kept.append((r, i))
+                self._begin(i, r)
+        if len(kept) < len(rows):
+            self._relayout(kept)
 
-    def _stop_early(self, block: torch.Tensor) -> None:
+    def _begin(self, i: int, r: Row) -> None:
+        """Row i starts a block: its masks now, and with editing its state."""
+        start = r.column(self.config.block_length)
+        masked = self.x[i, start : start + self.config.block_length] == self.mask_id
+        self.opened[i] = masked.sum()
+        if self.editing is not None:
+            self.post[i] = (~masked.any()).long()
+            self.alive[i] = True
+
+    def _stop_early(self, window: torch.Tensor, steps_of: torch.Tensor, rows: list[bool]) -> None:
         """LLaDA2.0's `eos_early_stop`: a row whose block holds a revealed stop token with no masked
         position before it is done now; the block's masks after it become EOS (as everything after a
         stop is), so it takes no more steps.
@@ -479,16 +556,18 @@ class BlockDecoder:
         LLaDA2.1's loop (token editing on) has its own rule, which is `stop_at_eos`'s: it stops only
         after a block, once the answer so far has no mask and holds EOS, so editing may still
         rewrite an early EOS and the tokens before it. With editing this is therefore not called."""
-        start, end = self.start, self.start + self.config.block_length
+        blk = self.config.block_length
+        block = window[:, :blk]
         masked = block == self.mask_id
-        stop = torch.isin(block, self.stop_ids) & (self.step_of[:, start:end] >= 0)
+        stop = torch.isin(block, self.stop_ids) & (steps_of[:, :blk] >= 0)
         first = stop.int().argmax(-1, keepdim=True)
         stopped = stop.any(-1) & (masked.cumsum(-1).gather(-1, first).squeeze(-1) == 0)
+        stopped &= torch.tensor(rows, device=block.device)  # the rows whose config asks for it
         block[stopped[:, None] & masked] = self.model.args.eos_token_id
 
-    def _leave(self, i: int, r: Row, region_start: int) -> None:
+    def _leave(self, i: int, r: Row) -> None:
         blk, n = self.config.block_length, r.asked
-        first = region_start + r.lead  # the row's answer starts here
+        first = len(r.prompt) + r.lead  # the row's answer starts here
         r.answer = self.x[i, first : first + n].clone()
         r.unmask_step = self.step_of[i, first : first + n].clone()
         if r.finished:
@@ -497,82 +576,63 @@ class BlockDecoder:
 
     # -- layout
     def _view(self) -> SequenceView:
-        """What the forwards see: with a suffix window, the sequence only up to `cut` (the masked
-        tail after it is not part of any forward until the window reaches it)."""
-        cfg, rows, length = self.config, self.rows, self.x.shape[1]
-        cut = length if cfg.suffix_window is None else min(length, self.window_end + cfg.suffix_window)
-        km = self.key_mask
+        """What the forwards see of each row: with a suffix window, its columns only up to the cut
+        (the masked tail after it is not part of any forward until the window reaches it)."""
+        cfg, rows, blk = self.config, self.rows, self.config.block_length
+        starts = tuple(r.column(blk) for r in rows)
+        ends = [len(r.prompt) + r.config.gen_length for r in rows]
+        if cfg.suffix_window is not None:
+            ends = [min(e, s + self.width + cfg.suffix_window) for e, s in zip(ends, starts)]
         return SequenceView(
-            self.x[:, :cut],
-            self.positions[:, :cut],
-            None if km is None else km[..., :cut],
-            block=rows[0].block,
-            block_length=cfg.block_length,
-            capacity=length,
-            row_blocks=tuple(r.block for r in rows),
-            refresh_blocks=1 + rows[0].unrefreshed,
-            row_refresh=tuple(1 + r.unrefreshed for r in rows),
+            self.x,
+            starts,
+            tuple(ends),
+            tuple(r.block for r in rows),
+            blk,
+            self.width,
+            tuple(1 + r.unrefreshed for r in rows),
         )
 
-    def _relayout(self, moves: list[tuple[Row, int | None, int]]) -> None:
-        """Lay the rows out again: `moves` are the new layout's rows in order, each with its index in
-        the old layout (None: a row that joins) and the blocks it moved on since. Every row's current
-        block lands at the new `start`; a row's cached K/V move with it (`CachePolicy.relayout`)."""
-        blk, dev = self.config.block_length, self.device
-        self.rows = [r for r, _, _ in moves]
+    def _relayout(self, moves: list[tuple[Row, int | None]]) -> None:
+        """Lay the rows out again when rows join or leave: `moves` are the new layout's rows in
+        order, each with its index in the old layout (None: a row that joins). A row keeps its
+        columns (its prompt from column 0, then its region), and its cached K/V move with it
+        (`CachePolicy.relayout`); rows that move on to their next block stay where they are."""
+        dev = self.device
+        self.rows = [r for r, _ in moves]
         if not moves:
-            self.x = self.valid = self.step_of = self.row_nfe = self.opened = self.post = self.alive = None
-            self.policy.relayout([], [], 0)
+            self.x = self.step_of = self.row_nfe = self.opened = self.post = self.alive = None
+            self.policy.relayout([], 0)
             return
-        lefts = [len(r.prompt) + r.block * blk for r, _, _ in moves]
-        rights = [r.config.gen_length - r.block * blk for r, _, _ in moves]
-        start = max(lefts)
-        length = start + max(rights)
+        # room after the longest row for the columns a step reads past a row's region
+        length = max(len(r.prompt) + r.config.gen_length for r, _ in moves) + self.width
         bsz = len(moves)
         x = torch.full((bsz, length), self.model.args.eos_token_id, dtype=torch.long, device=dev)
-        valid = torch.zeros((bsz, length), dtype=torch.bool, device=dev)
         step_of = torch.full((bsz, length), -1, dtype=torch.long, device=dev)
-        shifts: list[int | None] = []
-        for i, ((r, src, moved), left, right) in enumerate(zip(moves, lefts, rights)):
-            lo = start - left
+        kept = [(i, src) for i, (_, src) in enumerate(moves) if src is not None]
+        if kept:
+            dst, src = (torch.tensor(t, device=dev) for t in zip(*kept))
+            width = min(length, self.x.shape[1])
+            x[dst, :width] = self.x[src, :width]
+            step_of[dst, :width] = self.step_of[src, :width]
+        for i, (r, src) in enumerate(moves):
             if src is None:
                 p = len(r.prompt)
-                x[i, lo : lo + p] = r.prompt
-                x[i, start : start + right] = self.mask_id
+                x[i, :p] = r.prompt
+                x[i, p : p + r.config.gen_length] = self.mask_id
                 if r.lead:
-                    x[i, start : start + r.lead] = r.lead_tokens
-                valid[i, lo : start + right] = True
-                shifts.append(None)
-                continue
-            old_lo = self.start + moved * blk - left  # where its columns began in the old layout
-            shift = lo - old_lo
-            x[i, lo : start + right] = self.x[src, old_lo : old_lo + left + right]
-            valid[i, lo : start + right] = True
-            step_of[i, lo : start + right] = self.step_of[src, old_lo : old_lo + left + right]
-            shifts.append(shift)
-        sources = [src for _, src, _ in moves]
+                    x[i, p : p + r.lead] = r.lead_tokens
+        sources = [src for _, src in moves]
         self.row_nfe = self._carry(self.row_nfe, sources, 0)
         self.opened = self._carry(self.opened, sources, 0)
         if self.editing is not None:
             self.post = self._carry(self.post, sources, 0)
             self.alive = self._carry(self.alive, sources, True)
-        self.policy.relayout(sources, shifts, length)
-        self.start = start
-        self.x, self.valid, self.step_of = x, valid, step_of
-        self.positions = positions_from_mask(valid, bsz, length, dev)
-        padded = any(left != start for left in lefts) or any(right != length - start for right in rights)
-        self.key_mask = valid[:, None, None, :] if padded else None
-        depth = 1 if self.lookahead is None else self.lookahead.depth
-        self.window_end = min(length, start + depth * blk)
-        # rows that begin a block: its masks now, and with editing its state
-        began = [i for i, (r, src, moved) in enumerate(moves) if src is None or moved]
-        if began:
-            idx = torch.tensor(began, device=dev)
-            masked = x[idx, start : start + blk] == self.mask_id
-            self.opened[idx] = masked.sum(-1)
-            if self.editing is not None:
-                self.post[idx] = (~masked.any(-1)).long()
-                self.alive[idx] = True
+        self.policy.relayout(sources, length)
+        self.x, self.step_of = x, step_of
+        for i, (r, src) in enumerate(moves):
+            if src is None:
+                self._begin(i, r)
 
     def _carry(self, values: torch.Tensor | None, sources: list[int | None], fill) -> torch.Tensor:
         """Per-row values for the new layout: a kept row's own, `fill` for a row that joins."""

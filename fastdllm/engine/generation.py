@@ -5,8 +5,8 @@ The loop itself (block-wise masked diffusion decoding, one loop for every strate
 server's scheduler drives it with rows that join later).
 
 Beyond the reference implementations:
-- batches of prompts of different lengths (left padding) decode as each row alone: every row
-  follows its own schedule, threshold and random stream (see `decoder`);
+- batches of prompts of different lengths decode as each row alone, packed without padding: every
+  row follows its own clock, schedule, threshold and random stream (see `decoder`);
 - stop at EOS: once a completed block holds a stop token (EOS or end-of-turn), later blocks cannot
   change anything before it, so the row stops and the rest is filled with EOS; finished rows leave
   the batch;
@@ -44,7 +44,7 @@ class GenerationOutput:
     prompt_positions: list[int] = field(default_factory=list)  # per row: its prompt's length
     kv_cache_bytes: int = 0  # the most KV cache memory the run held at once (0 without a cache)
     # What the batch's forwards computed: rows summed over them (against sum(nfe_per_row), what
-    # the rows needed), and query positions, padding included (against sum(forward_positions)).
+    # the rows needed), and query positions (against sum(forward_positions)).
     row_forwards: int = 0
     computed_positions: int = 0
 
@@ -61,8 +61,7 @@ class GenerationOutput:
     @property
     def decode_positions_per_token(self) -> float:
         """Query positions per generated token beyond one prefill of each prompt: 1 is the
-        autoregressive limit (a prompt's positions once, then one per token). Counts the windows as
-        computed, so in a batch it includes the left padding of shorter prompts."""
+        autoregressive limit (a prompt's positions once, then one per token)."""
         extra = sum(self.forward_positions) - sum(self.prompt_positions)
         return extra / max(1, sum(self.num_tokens))
 

@@ -40,15 +40,6 @@ class KVCache:
         view.k, view.v = self.k[:, :batch, :, :length], self.v[:, :batch, :, :length]
         return view
 
-    def columns_from(self, first: int) -> KVCache:
-        """A view of positions [first, length) (no copy): a forward of rows that all pad the
-        columns before `first` leaves them out."""
-        if first == 0:
-            return self
-        view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, :, :, first:], self.v[:, :, :, first:]
-        return view
-
     def keep_rows(self, rows: list[int]) -> None:
         """Move rows `rows` (in this order) to the front, in place: when finished rows leave the
         batch, the cached K/V of the remaining ones stay usable."""
@@ -56,19 +47,6 @@ class KVCache:
         n = len(rows)
         self.k[:, :n] = self.k.index_select(1, idx)
         self.v[:, :n] = self.v.index_select(1, idx)
-
-    def take_rows(self, rows: list[int]) -> KVCache:
-        """A copy of rows `rows` (a cache a forward of those rows alone can write)."""
-        idx = torch.tensor(rows, device=self.k.device)
-        out = KVCache.__new__(KVCache)
-        out.k, out.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
-        return out
-
-    def put_rows(self, rows: list[int], part: KVCache) -> None:
-        """Write `part` (from `take_rows(rows)`) back into rows `rows`."""
-        idx = torch.tensor(rows, device=self.k.device)
-        self.k.index_copy_(1, idx, part.k)
-        self.v.index_copy_(1, idx, part.v)
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -82,11 +60,23 @@ class LayerKV:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
 
+    def update_row(self, row: int, start: int, k, v, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one row's K/V (1, heads, T, head_dim) of positions [start, start + T) in place;
+        return that row's cached K/V of positions [0, keys) (views)."""
+        self.k[row : row + 1, :, start : start + k.shape[2]] = k
+        self.v[row : row + 1, :, start : start + k.shape[2]] = v
+        return self.k[row : row + 1, :, :keys], self.v[row : row + 1, :, :keys]
+
     def update(self, start, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the K/V of positions [start, start + T) in place; return the whole cached K/V
         (positions outside the window keep what an earlier forward wrote). `start` an int, or a
-        0-d tensor: the write's place is then data, not shape, so a captured graph replays it
-        at every block."""
+        0-d tensor, or a (B, T) tensor of each row's columns: the write's place is then data, not
+        shape, so a captured graph replays it at every step."""
+        if isinstance(start, torch.Tensor) and start.dim() == 2:  # (B, T): each row's own columns
+            where = start[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            self.k.scatter_(2, where, k)
+            self.v.scatter_(2, where, v)
+            return self.k, self.v
         if isinstance(start, torch.Tensor):
             where = start + torch.arange(k.shape[2], device=k.device)
             self.k.index_copy_(2, where, k)

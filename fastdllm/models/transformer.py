@@ -132,6 +132,35 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, key_mask, layer_cache, window_start: int) -> torch.Tensor:
         return self.wo(self.attend(*self.project(x, cos, sin), key_mask, layer_cache, window_start))
 
+    def attend_segments(self, q, k, v, segments, layer_cache) -> torch.Tensor:
+        """Attention of packed rows (`Segment`s of the one sequence (1, heads, N, head_dim)): each
+        row's window K/V written into its own cache row, its queries attending over its own keys
+        (views into the cache: no padding, no copy). (1, N, heads * head_dim)."""
+        gqa = self.n_kv_heads != self.n_heads
+        out = q.new_empty(q.shape)
+        for s in segments:
+            ks, vs = k[:, :, s.offset : s.offset + s.width], v[:, :, s.offset : s.offset + s.width]
+            keys, values = layer_cache.update_row(s.row, s.lo, ks, vs, s.keys)
+            out[:, :, s.offset : s.offset + s.width] = F.scaled_dot_product_attention(
+                q[:, :, s.offset : s.offset + s.width], keys, values, attn_mask=s.mask, enable_gqa=gqa
+            )
+        return out.transpose(1, 2).reshape(1, q.shape[2], -1)
+
+
+class Segment:
+    """One row's part of a packed forward: its query columns [lo, hi) (their K/V written into its
+    cache row), at `offset` in the packed sequence, attending to its keys [0, keys) with `mask`
+    ((width, keys) bool, block-causal attention) or none."""
+
+    __slots__ = ("row", "lo", "hi", "keys", "offset", "mask")
+
+    def __init__(self, row: int, lo: int, hi: int, keys: int, offset: int, mask=None):
+        self.row, self.lo, self.hi, self.keys, self.offset, self.mask = row, lo, hi, keys, offset, mask
+
+    @property
+    def width(self) -> int:
+        return self.hi - self.lo
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, index: int = 0):
@@ -150,6 +179,11 @@ class TransformerBlock(nn.Module):
         before, after = dense or (self.before_attention, self.after_attention)
         q, k, v = before(x, cos, sin)
         return after(x, self.attention.attend(q, k, v, key_mask, layer_cache, window_start, spans))
+
+    def forward_segments(self, x, cos, sin, segments, layer_cache, dense=None):
+        before, after = dense or (self.before_attention, self.after_attention)
+        q, k, v = before(x, cos, sin)
+        return after(x, self.attention.attend_segments(q, k, v, segments, layer_cache))
 
     # The dense math on either side of attention (what `torch.compile` fuses); the attention itself,
     # which writes the cache in place, stays eager.
@@ -298,6 +332,57 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, key_mask, None if cache is None else cache.layer(i), window_start, dense[i], spans)
         return self.norm(x)
 
+    def packed_logits(
+        self,
+        x: torch.Tensor,
+        windows: list[tuple[int, int, int, int, int]],
+        cache: KVCache,
+        *,
+        compiled: bool = False,
+        block_size: int | None = None,
+        batch_invariant: bool = False,
+    ) -> list[torch.Tensor]:
+        """Rows' windows in one forward, packed end to end (no padding): `windows` are per row
+        (row, lo, hi, keys, start): compute the columns [lo, hi) of row `row` of the layout `x`
+        (B, L), write their K/V into its cache row, attend over its keys [0, keys) (the window's own
+        and what the cache holds), and return the logits of [start, hi) (in which entry j
+        predicts token start + j; a shifted family reads them one column earlier, which the
+        window must cover). A column's RoPE position is its index: every row starts at column 0.
+        A block-causal model's queries see the keys of their block and the blocks before it, in
+        blocks of `block_size` (default its own). Returns one (hi - start, V) tensor per window."""
+        shift = 1 if self.args.shifted_logits else 0
+        bs = block_size or self.args.block_size
+        tokens, positions, segments, offset = [], [], [], 0
+        for row, lo, hi, keys, start in windows:
+            first = start == 0 and shift  # position 0 predicts itself (as in `logits_for`)
+            if not (0 <= lo <= start - shift + first and start < hi <= x.shape[1] and keys <= x.shape[1]):
+                raise ValueError(f"window {(lo, hi)} with keys {keys} does not cover logits for [{start}, {hi})")
+            cols = torch.arange(lo, hi, device=x.device)
+            mask = None
+            if self.args.block_size:
+                mask = (torch.arange(keys, device=x.device) // bs)[None, :] <= (cols // bs)[:, None]
+            segments.append(Segment(row, lo, hi, keys, offset, mask))
+            tokens.append(x[row, lo:hi])
+            positions.append(cols)
+            offset += hi - lo
+        tokens, positions = torch.cat(tokens)[None], torch.cat(positions)[None]
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext():
+            h = self.tok_embeddings(tokens)
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+            dense = self.compiled_layers() if compiled else [None] * len(self.layers)
+            for i, layer in enumerate(self.layers):
+                h = layer.forward_segments(h, cos, sin, segments, cache.layer(i), dense[i])
+            h = self.norm(h)[0]
+            picks = []
+            for s, (_, lo, hi, _, start) in zip(segments, windows):
+                a = s.offset + start - shift - lo
+                if start == 0 and shift:
+                    picks.append(torch.cat([h[s.offset : s.offset + 1], h[s.offset : s.offset + hi - shift - lo]]))
+                else:
+                    picks.append(h[a : a + hi - start])
+            out = self.head(torch.cat(picks))
+        return list(out.split([hi - start for _, _, hi, _, start in windows]))
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
 
@@ -314,7 +399,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """A cached window's logits with every shape fixed for a layout, so that the step can be
         captured once as a CUDA graph and replayed at every block (`graphed_window_logits`): the
-        window's tokens and positions (B, T) at column `start` (a 0-d tensor), attending over the
+        window's tokens and positions (B, T) at columns `start` (a 0-d tensor, or (B, T): each
+        row's own), attending over the
         whole cache buffer (B, ..., S) where `key_ok` (B, S) allows it (the keys after what the
         step sees are masked, not cut off); `key_positions` (B, S). Returns the logits of the
         window's first `keep` hidden states (B, keep, V): with shifted logits the window starts one
