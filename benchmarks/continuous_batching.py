@@ -2,7 +2,7 @@
 
 One scheduler (the server's, without HTTP) on the embedded model. A long request (`--long` tokens)
 starts; short requests (`--short` tokens, one block) arrive at evenly spread moments while it runs.
-With continuous batching each short request joins the running batch at its next block boundary;
+With continuous batching each short request joins the running batch at its next step;
 without, it waits for the long one to finish. Both modes replay the same arrivals, alternating, in
 one process. Reported: p50 / p95 of the short requests' latency (submit to last block), the long
 request's latency, and whether every answer equals the request decoded alone.
@@ -26,6 +26,7 @@ from fastdllm import GenerationConfig, generate
 from fastdllm.evaluation.tasks import arith
 from fastdllm.evaluation.tasks.arith import prompt_ids
 from fastdllm.server import Job, Scheduler
+from fastdllm.server.scheduler import BlockFinal, JobEnded
 
 
 async def one_run(model, long_prompt, shorts, base, long_len, short_len, gaps, continuous):
@@ -40,9 +41,9 @@ async def one_run(model, long_prompt, shorts, base, long_len, short_len, gaps, c
         ids = []
         while True:
             item = await job.events.get()
-            if item[0] == "block":
-                ids += item[2][0]
-            elif item[0] == "end":
+            if isinstance(item, BlockFinal):
+                ids += item.tokens[0]
+            elif isinstance(item, JobEnded):
                 return time.perf_counter(), ids
             else:
                 raise RuntimeError(item)

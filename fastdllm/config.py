@@ -97,6 +97,9 @@ def selection_rule_name(config: GenerationConfig) -> str:
 
 
 REMASKING = ("low_confidence", "random")
+# Prompt K/V shared across rows and requests (`models.prefix_store`): where exact (block-causal
+# attention), also where approximate (bidirectional), or never.
+PREFIX_CACHE = ("exact", "approximate", "off")
 MIN_TEMPERATURE = 1e-3  # below it, dividing float32 logits overflows
 NONE_WORDS = ("none", "off", "null")
 
@@ -249,6 +252,15 @@ class GenerationConfig:
         "float",
         "with refresh=adaptive: the relative change of the just-finished "
         "block's keys above which a row is refreshed fully",
+    )
+    prefix_cache: str = _opt(
+        "exact",
+        "str",
+        "share prompt K/V across rows and requests, block by block: "
+        + " | ".join(PREFIX_CACHE)
+        + " (exact: where a prompt block's K/V depend on it alone, block-causal models; "
+        "approximate: bidirectional models too, like Fast-dLLM's prefix cache)",
+        search=("exact", "approximate"),
     )
     confidence_temperature: float = _opt(
         1.0,
@@ -581,6 +593,7 @@ class GenerationConfig:
             "sub-block decoding (sub_block_length) reveals one block at a time: use parallel_blocks=1",
         )
         need(self.refresh in REFRESH_RULES, "refresh", f"must be one of {', '.join(REFRESH_RULES)}")
+        need(self.prefix_cache in PREFIX_CACHE, "prefix_cache", f"must be one of {', '.join(PREFIX_CACHE)}")
         need(
             is_num(self.refresh_tol) and finite(self.refresh_tol) and self.refresh_tol >= 0,
             "refresh_tol",

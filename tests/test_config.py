@@ -36,6 +36,7 @@ BAD = {
     "editing_threshold": 1.5,
     "max_post_steps": -1,
     "refresh": "sometimes",
+    "prefix_cache": "always",
     "refresh_every": 0,
     "refresh_tol": -1,
     "compile": 1,

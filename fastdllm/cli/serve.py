@@ -105,6 +105,12 @@ def add_server_args(s) -> None:
         help="most requests waiting; beyond it, 503 (default %(default)s)",
     )
     s.add_argument(
+        "--prefix-cache-memory",
+        type=_positive_int,
+        default=256,
+        help="MiB of prompt K/V kept for requests that share a prefix (prefix_cache; default %(default)s)",
+    )
+    s.add_argument(
         "--batch-wait-ms",
         type=float,
         default=0.0,
@@ -114,7 +120,7 @@ def add_server_args(s) -> None:
         "--no-continuous-batching",
         dest="continuous",
         action="store_false",
-        help="a request waits for the running batch to finish instead of joining it at the next block boundary",
+        help="a request waits for the running batch to finish instead of joining it at its next step",
     )
     s.add_argument(
         "--tool-call-parser",
@@ -238,6 +244,7 @@ def prepare(args, tensor_parallel: bool = False):
     from .args import config_from_args, load_model_or_exit, with_model_defaults
 
     model, tokenizer = load_model_or_exit(args, tensor_parallel=tensor_parallel)
+    model.prefix_cache_bytes = args.prefix_cache_memory << 20  # the budget of `models.prefix_store`
     family = getattr(getattr(model, "family", None), "name", None)
     settings = settings_from_args(args, with_model_defaults(args, config_from_args(args), model), family)
     if settings.defaults.compile:  # compiled before the first request, not during it

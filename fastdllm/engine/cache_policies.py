@@ -41,6 +41,7 @@ import torch
 
 from ..config import CACHE_POLICIES, REFRESH_RULES
 from ..models.kv_cache import KVCache
+from ..models.prefix_store import store_for
 
 
 @dataclass
@@ -60,6 +61,9 @@ class SequenceView:
     block_length: int
     width: int
     refreshes: tuple[int, ...] = ()
+    # per row: its prompt's leading columns whose K/V the prefix store gave it when it joined
+    # (its first full forward starts after them)
+    reused: tuple[int, ...] = ()
 
     def refresh(self, i: int) -> int:
         return self.refreshes[i] if self.refreshes else 1
@@ -94,6 +98,9 @@ class CachePolicy:
         self.history: list[list[Window]] | None = None  # set to [] to record windows
         self.peak_cache_bytes = 0  # the largest KV cache this policy held at once (memory accounting)
         self._buffer: KVCache | None = None
+        # prompt K/V shared across rows and requests (`models.prefix_store`), None: not shared
+        self.store = None
+        self._unstored: dict[int, tuple[int, list[int]]] = {}  # row -> (first block to store, prompt)
 
     @classmethod
     def from_config(cls, model, config) -> CachePolicy:
@@ -116,7 +123,9 @@ class CachePolicy:
 
     # -- the rows' K/V: one buffer, a row per layout row
     def cache_for(self, seq: SequenceView) -> KVCache:
-        bsz, length = seq.x.shape
+        return self._cache(*seq.x.shape)
+
+    def _cache(self, bsz: int, length: int) -> KVCache:
         if self._buffer is None or self._buffer.batch != bsz or self._buffer.length < length:
             self._buffer = None  # freed before its successor is allocated
             self._buffer = self.model.new_cache(bsz, length)
@@ -145,6 +154,33 @@ class CachePolicy:
         new.k[:, dst, :, :width] = old.k[:, src, :, :width]
         new.v[:, dst, :, :width] = old.v[:, src, :, :width]
 
+    def reuse(self, bsz: int, length: int, prompts: dict[int, list[int]]) -> dict[int, int]:
+        """Rows that just joined (row -> its prompt): the stored K/V of each prompt's longest stored
+        prefix of blocks, copied into the row's cache; per row, the columns reused. The blocks it
+        then computes itself are stored after its first forward."""
+        if self.store is None:
+            return {}
+        cache, bs, out = self._cache(bsz, length), self.store.block_size, {}
+        for i, tokens in prompts.items():
+            found = self.store.lookup(tokens)
+            for j, entry in enumerate(found):
+                cache.k[:, i, :, j * bs : (j + 1) * bs] = entry.k
+                cache.v[:, i, :, j * bs : (j + 1) * bs] = entry.v
+            out[i] = len(found) * bs
+            if len(found) < len(tokens) // bs:
+                self._unstored[i] = (len(found), tokens)
+        return out
+
+    def _store_prompts(self) -> None:
+        """After the forward of rows that just joined: their prompts' blocks that the store lacked."""
+        if not self._unstored:
+            return
+        cache, bs = self._buffer, self.store.block_size
+        for i, (first, tokens) in self._unstored.items():
+            end = len(tokens) // bs * bs
+            self.store.insert(tokens, first, cache.k[:, i, :, first * bs : end], cache.v[:, i, :, first * bs : end])
+        self._unstored.clear()
+
     def forward(self, seq: SequenceView, windows: list[Window]) -> list[torch.Tensor]:
         """One packed forward of `windows`; per window, the logits from its start column on."""
         self.work.append([(row, hi - lo, keys) for row, lo, hi, keys, _ in windows])
@@ -160,7 +196,12 @@ class CachePolicy:
         )
 
     def full_window(self, seq: SequenceView, i: int) -> Window:
-        return (i, 0, seq.end(i), seq.seen[i], seq.starts[i])
+        """The whole row; at its first block, after what the prefix store gave it (as far as the
+        first logit's column allows)."""
+        lo = 0
+        if seq.reused and seq.blocks[i] == 0:
+            lo = min(seq.reused[i], seq.starts[i] - int(self.model.args.shifted_logits))
+        return (i, max(0, lo), seq.end(i), seq.seen[i], seq.starts[i])
 
     @staticmethod
     def stack(seq: SequenceView, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -309,6 +350,7 @@ class PrefixCache(CachePolicy):
         cache = self.cache_for(seq)
         before = self.refresh.probe(cache, seq, partial) if partial else None
         parts = self.forward(seq, windows)
+        self._store_prompts()
         stale = self.refresh.check(cache, seq, partial, before) if partial else []
         if stale:  # a full forward for those rows, replacing their logits and cache
             for i, out in zip(stale, self.forward(seq, [self.full_window(seq, i) for i in stale])):
@@ -452,6 +494,7 @@ class SubBlockCache(DualCache):
                 windows.append((i, sub, sub + size, seq.seen[i], sub + shift))
                 places.append((i, o + shift))
         parts = self.forward(seq, windows)
+        self._store_prompts()
         if self._logits is None or self._logits.shape[0] != bsz:
             self._logits = parts[0].new_zeros((bsz, blk, parts[0].shape[-1]))
             self._uncached = [False] * bsz
@@ -480,4 +523,8 @@ def cache_policy(model, config) -> CachePolicy:
     policy = CACHE_POLICIES[config.cache].from_config(model, config)
     policy.batch_invariant = config.deterministic
     policy.graphs = config.cuda_graphs
+    exact = bool(model.args.block_size)  # a block-causal prompt block's K/V depend on it alone
+    wanted = config.prefix_cache == "approximate" or (config.prefix_cache == "exact" and exact)
+    if wanted and not isinstance(policy, NoCache):
+        policy.store = store_for(model, config.block_length)
     return policy

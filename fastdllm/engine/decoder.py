@@ -76,6 +76,7 @@ class Row:
     # blocks before the current one that became final without a forward of their own since its
     # last block-start forward (multi-block decoding revealed them whole): a refresh recomputes them
     unrefreshed: int = 0
+    reused: int = 0  # its prompt's leading columns whose K/V the prefix store gave it
     finished: bool = False  # stopped at a stop token
     answer: torch.Tensor | None = None  # (gen_length,) once it left the batch (EOS-filled after a stop)
     unmask_step: torch.Tensor | None = None  # (gen_length,) the row's step revealing each position
@@ -383,7 +384,7 @@ class BlockDecoder:
         to their next block or leave. None when no row is left."""
         self.last_blocks, self.left = [], []
         if self.joining:
-            new, self.joining = self.joining, []
+            new, self.joining = self._admissible(self.joining)
             self._relayout([(r, i) for i, r in enumerate(self.rows)] + [(r, None) for r in new])
         if not self.rows:
             return None
@@ -423,6 +424,26 @@ class BlockDecoder:
         record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
         self._after_step(block, region, done, decision.revealed(), work)
         return record
+
+    def _admissible(self, joining: list[Row]) -> tuple[list[Row], list[Row]]:
+        """The rows that join now, and those that wait a step: a row whose prompt's first block
+        missing from the prefix store is one that a row joining now computes waits for it to be
+        stored, rather than compute it too (a batch of prompts sharing few-shot exemplars computes
+        them once)."""
+        store = self.policy.store
+        if store is None:
+            return joining, []
+        now, later, computing = [], [], set()
+        for r in joining:
+            tokens = r.prompt.tolist()
+            keys = store.keys(tokens)
+            first = store.match(tokens)
+            if first < len(keys) and keys[first] in computing:
+                later.append(r)
+            else:
+                computing.update(keys[first:])
+                now.append(r)
+        return now, later
 
     def _decide(self, logits, block, clock, later, editable):
         """Each row's decision, by the strategy it decides with: rows that share one in one call."""
@@ -591,6 +612,7 @@ class BlockDecoder:
             blk,
             self.width,
             tuple(1 + r.unrefreshed for r in rows),
+            tuple(r.reused for r in rows),
         )
 
     def _relayout(self, moves: list[tuple[Row, int | None]]) -> None:
@@ -630,9 +652,11 @@ class BlockDecoder:
             self.alive = self._carry(self.alive, sources, True)
         self.policy.relayout(sources, length)
         self.x, self.step_of = x, step_of
-        for i, (r, src) in enumerate(moves):
-            if src is None:
-                self._begin(i, r)
+        joined = {i: r for i, (r, src) in enumerate(moves) if src is None}
+        reused = self.policy.reuse(bsz, length, {i: r.prompt.tolist() for i, r in joined.items()})
+        for i, r in joined.items():
+            r.reused = reused.get(i, 0)
+            self._begin(i, r)
 
     def _carry(self, values: torch.Tensor | None, sources: list[int | None], fill) -> torch.Tensor:
         """Per-row values for the new layout: a kept row's own, `fill` for a row that joins."""

@@ -22,12 +22,14 @@ a block boundary could still change is held back, so the chunks concatenate to e
 non-streamed text. `stream_options.include_usage` adds a last chunk with usage and no choices.
 
 Concurrency: every request becomes a job in one bounded queue served by ONE inference thread.
-The thread takes the oldest job plus any other queued jobs whose GenerationConfig is equal (up to
---max-batch-size rows) and decodes them as one batch with per-row seeds; the generation loop
-decodes each row with its own schedule and random stream, as alone (bit-identical in float32 for
-prompts of equal length; left padding moves logits by float rounding, which can flip a near-tie). A full
-queue answers 503. A job whose client went away is dropped from the queue; a running batch stops
-at the next block once none of its jobs needs more output (client gone, stop string reached).
+The thread takes the oldest job plus any other queued jobs whose forwards can be shared
+(`engine.decoder.join_key`: thresholds, steps, temperatures and lengths may differ; up to
+--max-batch-size rows) and decodes them step by step, every row on its own clock, with per-row
+seeds: a job that arrives later joins at the next step, and a row leaves as soon as it is done.
+Each row decodes with its own settings and random stream, as alone (the dense math's row count can
+move a logit by float rounding, which can flip a near-tie; `--deterministic` rules that out). A
+full queue answers 503. A job whose client went away is dropped from the queue, and its rows leave
+a running batch after the step in flight.
 
 Errors come in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, HTTP 400 for a bad
 request (malformed JSON, wrong types, unknown fields, out-of-range values, a prompt beyond the

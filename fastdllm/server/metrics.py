@@ -3,13 +3,16 @@
 Besides fastdllm's own series, the ones whose meaning is vLLM's carry vLLM's names and its
 `model_name` label (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:time_to_first_token_seconds`,
-`vllm:e2e_request_latency_seconds`), so dashboards built for vLLM read this server unchanged. A
+`vllm:e2e_request_latency_seconds`, and the prefix cache's `vllm:prefix_cache_queries_total` and
+`vllm:prefix_cache_hits_total`, in prompt tokens), so dashboards built for vLLM read this server
+unchanged. A
 diffusion model's first output is its first finished block: time to first token is the time to
 that block, and `fastdllm_time_per_block_seconds` the time between a request's blocks."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -69,6 +72,7 @@ class ServerMetrics:
             "vllm:num_requests_waiting", "Requests waiting for the inference worker", label, registry=r
         )
         vllm_waiting.labels(model_name).set_function(lambda: scheduler.snapshot()["queued"])
+        r.register(PrefixStores(scheduler.model, model_name))
 
     def on_block(self, arrival: float, previous: float | None, now: float) -> None:
         """A request's block became final at `now` (its previous one at `previous`)."""
@@ -91,3 +95,26 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixStores:
+    """The model's prefix stores (`models.prefix_store`), read at each scrape: prompt tokens looked
+    up and found (vLLM's names) and the bytes they hold."""
+
+    def __init__(self, model, model_name: str):
+        self.model, self.model_name = model, model_name
+
+    def collect(self):
+        stores = list(self.model.__dict__.get("_prefix_stores", {}).values())
+        label = ["model_name"]
+        queries = CounterMetricFamily(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=label
+        )
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels=label)
+        held = GaugeMetricFamily(
+            "fastdllm_prefix_cache_bytes", "Bytes of prompt K/V the prefix cache holds", labels=label
+        )
+        queries.add_metric([self.model_name], sum(s.queries for s in stores))
+        hits.add_metric([self.model_name], sum(s.hits for s in stores))
+        held.add_metric([self.model_name], sum(s.bytes for s in stores))
+        return [queries, hits, held]

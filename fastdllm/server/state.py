@@ -36,7 +36,7 @@ class ServerSettings:
     strict: bool = False  # refuse the fields that are otherwise accepted and ignored
     api_key: str | None = None  # when set, every route but /health and /version needs "Bearer <key>"
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
-    continuous: bool = True  # requests join the running batch at its next block boundary
+    continuous: bool = True  # requests join the running batch at its next step
     tool_call_parser: str | None = None  # "hermes" | "llama3_json" (None: the one the chat template teaches)
     presets: dict[str, GenerationConfig] = field(default_factory=dict)  # more presets requests may name
 

@@ -82,6 +82,7 @@ def search_space(model, fields: Sequence[str] | None = None) -> dict[str, tuple]
     if model.args.block_size:
         for name in EXACT_CACHE_FIELDS:
             space.pop(name, None)
+        space.pop("prefix_cache", None)  # block-causal: the shared prompt K/V are exact either way
         if rules is None or not rules.any_decoding_block:
             space.pop("block_length", None)
     if rules is None or not rules.edits:
@@ -100,7 +101,7 @@ def _normal(config: GenerationConfig, base: GenerationConfig) -> GenerationConfi
     if config.parallel_blocks == 1:
         changes.update({name: getattr(base, name) for name in LOOKAHEAD_FIELDS})
     if config.cache == "none":
-        changes.update(refresh=base.refresh, refresh_every=base.refresh_every)
+        changes.update(refresh=base.refresh, refresh_every=base.refresh_every, prefix_cache=base.prefix_cache)
     elif config.refresh != "vicinity":
         changes.update(refresh_every=None)
     return config.replace(**changes) if changes else config
