@@ -73,13 +73,19 @@ def start_server(args, batch_size: int) -> tuple[subprocess.Popen, str]:
         env["OMP_NUM_THREADS"] = str(args.threads)
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    wait_until_up(proc, url)
+    return proc, url
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, route: str = "/health", seconds: float = 300) -> None:
+    """Until the server answers `route` with 200; its stderr if it exits first."""
+    deadline = time.time() + seconds
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read()}")
+            raise SystemExit(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+            if httpx.get(url + route, timeout=1).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
@@ -97,6 +103,13 @@ def questions(n: int) -> list[str]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
+def chunks_of(response):
+    """The JSON chunks of a streamed (SSE) response, up to `[DONE]`."""
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def one_request(url: str, model: str, question: str, seed: int, args) -> dict:
     body = {
         "model": model,
@@ -111,10 +124,7 @@ def one_request(url: str, model: str, question: str, seed: int, args) -> dict:
     first, tokens, chunks = None, 0, 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in chunks_of(r):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             for c in chunk.get("choices", []):

@@ -13,7 +13,7 @@ default (`exact`); LLaDA's bidirectional prompts only with `approximate` (accura
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +22,9 @@ import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.evaluation.tasks import arith
 from fastdllm.models.prefix_store import store_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.row_clocks import emit, write_rows  # noqa: E402
 
 CASES = [("sdar-arith", 4, "exact"), ("llada2-arith", 4, "exact"), ("llada-arith", 4, "approximate")]
 
@@ -39,12 +42,14 @@ def main() -> None:
         ids = [arith.prompt_ids(tok, p.question, pool) for p in arith.test_split()[: args.rows]]
         config = GenerationConfig.for_model(model, checkpoint_defaults=False, prefix_cache=mode)
         store = store_for(model, config.block_length)
+        runs, rates = {}, {}
         with torch.inference_mode():
             generate(model, ids[:2], config.replace(prefix_cache="off"))  # warm-up
             store.clear()
-            runs = {"off": generate(model, ids, config.replace(prefix_cache="off"))}
-            runs["on"] = generate(model, ids, config)
-            runs["again"] = generate(model, ids, config)
+            for run in ("off", "on", "again"):
+                hits, queries = store.hits, store.queries
+                runs[run] = generate(model, ids, config.replace(prefix_cache="off") if run == "off" else config)
+                rates[run] = (store.hits - hits) / (store.queries - queries) if store.queries > queries else None
         for run, out in runs.items():
             row = {
                 "model": name,
@@ -58,13 +63,10 @@ def main() -> None:
                 "tokens_per_s": round(out.tokens_per_second, 1),
                 "nfe": out.nfe,
                 "same_tokens_as_off": torch.equal(out.sequences, runs["off"].sequences),
-                "store_hit_rate": round(store.hits / store.queries, 3) if store.queries else None,
+                "store_hit_rate": None if rates[run] is None else round(rates[run], 3),
             }
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            emit(row, rows)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,19 @@ def measure(model, ids: list[list[int]], config: GenerationConfig) -> dict:
     }
 
 
+def emit(row: dict, rows: list[dict]) -> None:
+    """Print a result row as JSON and keep it."""
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
+
+def write_rows(path: Path | None, rows: list[dict]) -> None:
+    """The rows as JSON lines at `path` (none: nothing written)."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16)
@@ -86,12 +99,8 @@ def main() -> None:
                 for _ in range(args.repeats):
                     m = measure(model, ids, config)
                     best = m if best is None or m["wall_s"] < best["wall_s"] else best
-            row = {"model": name, "shots": int(shots), "view": view, "rows": args.rows, **best, "code": version}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            emit({"model": name, "shots": int(shots), "view": view, "rows": args.rows, **best, "code": version}, rows)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ def test_compiled_once_per_layout_and_token_identical(name):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     graphed = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     again = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
     assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.sequences, again.sequences)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one layout, every block
+    # one per layout: a batch size, as rows leave on their own clocks; none again for the same batch
+    assert 1 <= compiled <= len(ids) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled

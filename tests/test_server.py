@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -868,7 +869,11 @@ def test_metrics_time_streams_to_their_end_with_vllm_names(loaded):
         # a stream of several blocks, delayed per block, so its end is well after its headers
         server.scheduler.block_hook = lambda _: time.sleep(0.15)
         stream = server.client.chat.completions.create(
-            model=MODEL, messages=MSG, max_tokens=96, stream=True, extra_body={"stop_at_eos": False}
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi " * 40}],  # a prompt of full blocks to look up
+            max_tokens=96,
+            stream=True,
+            extra_body={"stop_at_eos": False, "prefix_cache": "approximate"},
         )
         t0 = time.perf_counter()
         chunks = list(stream)
@@ -895,6 +900,9 @@ def test_metrics_time_streams_to_their_end_with_vllm_names(loaded):
         assert value("vllm:generation_tokens_total", label) > 0 and value("vllm:prompt_tokens_total", label) > 0
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
             assert value(name, label) >= 0
+        queries = value("vllm:prefix_cache_queries_total", label)  # the prompt's full blocks
+        assert queries >= 32 and 0 <= value("vllm:prefix_cache_hits_total", label) <= queries
+        assert value("fastdllm_prefix_cache_bytes", label) > 0
         assert took < 30
     finally:
         server.stop()
@@ -945,3 +953,36 @@ def test_echo_logprobs_score_prompts_as_lm_eval_reads_them(srv, loaded):
     ]:
         bad_req = srv.post("/v1/completions", {**body, **extra})
         assert bad_req.status_code == 400 and bad_req.json()["error"]["param"] == param, bad_req.text
+
+
+def test_a_kv_budget_queues_what_does_not_fit_and_refuses_what_never_could(loaded):
+    """--kv-cache-memory: requests whose K/V together exceed it decode one after the other (each
+    answered, as alone), one that alone exceeds it gets a 400 naming max_tokens, and the usage
+    gauge reads the budget's share in use."""
+    model, tok = loaded
+    token = model.new_cache(1, 1).nbytes()
+    prompt = tok.encode_chat(MSG)
+    one = (len(prompt) + 64 + 2 * DEFAULTS.block_length) * token  # a 64-token request's layout
+    server = LiveServer(model, tok, kv_cache_bytes=int(1.5 * one))
+    try:
+        server.scheduler.pause()
+        with ThreadPoolExecutor(3) as pool:
+            asked = [
+                pool.submit(server.client.chat.completions.create, model=MODEL, messages=MSG, max_tokens=64, seed=i)
+                for i in range(3)
+            ]
+            time.sleep(0.3)
+            server.scheduler.resume()
+            answers = [a.result().choices[0].message.content for a in asked]
+        assert server.scheduler.snapshot()["max_batch_rows"] == 1  # never two at once
+        alone = server.client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=64, seed=0)
+        assert answers[0] == alone.choices[0].message.content
+        r = server.post("/v1/chat/completions", {"model": MODEL, "messages": MSG, "max_tokens": 256})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "kv-cache-memory" in r.json()["error"]["message"]
+        gauge = [
+            x for x in httpx.get(server.url + "/metrics").text.splitlines() if x.startswith("vllm:kv_cache_usage_perc")
+        ]
+        assert gauge and 0 <= float(gauge[0].rsplit(" ", 1)[1]) <= 1
+    finally:
+        server.stop()

@@ -105,6 +105,13 @@ def add_server_args(s) -> None:
         help="most requests waiting; beyond it, 503 (default %(default)s)",
     )
     s.add_argument(
+        "--kv-cache-memory",
+        type=_positive_int,
+        default=None,
+        help="MiB of K/V the running rows may hold: requests wait until theirs fits, and one that "
+        "never could is refused (default: unbounded)",
+    )
+    s.add_argument(
         "--prefix-cache-memory",
         type=_positive_int,
         default=256,
@@ -170,6 +177,7 @@ def settings_from_args(args, config: GenerationConfig, family: str | None = None
         continuous=args.continuous,
         tool_call_parser=args.tool_call_parser,
         presets=presets,
+        kv_cache_bytes=None if args.kv_cache_memory is None else args.kv_cache_memory << 20,
     )
 
 

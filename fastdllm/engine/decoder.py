@@ -57,6 +57,13 @@ def join_key(config: GenerationConfig) -> tuple:
     return tuple((f, getattr(config, f)) for f in GenerationConfig.field_names() if f not in rows)
 
 
+def layout_columns(prompt_length: int, config: GenerationConfig) -> int:
+    """The most columns a row of this prompt length and config takes in the loop's layout (and its
+    cache): its prompt and region (one block more where a block-causal prompt ends inside a
+    block), and the columns a step reads past it."""
+    return prompt_length + config.gen_length + config.block_length * (1 + config.parallel_blocks)
+
+
 def decision_key(config: GenerationConfig) -> GenerationConfig:
     """The config but what the loop reads per row (its length and step schedule): rows equal in
     it decide with one strategy object."""

@@ -359,7 +359,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not cover logits for [{start}, {hi})")
             cols = torch.arange(lo, hi, device=x.device)
             mask = None
-            if self.args.block_size:
+            if self.args.block_size and lo // bs < (keys - 1) // bs:  # else every query sees every key
                 mask = (torch.arange(keys, device=x.device) // bs)[None, :] <= (cols // bs)[:, None]
             segments.append(Segment(row, lo, hi, keys, offset, mask))
             tokens.append(x[row, lo:hi])

@@ -3,11 +3,11 @@
 Besides fastdllm's own series, the ones whose meaning is vLLM's carry vLLM's names and its
 `model_name` label (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:time_to_first_token_seconds`,
-`vllm:e2e_request_latency_seconds`, and the prefix cache's `vllm:prefix_cache_queries_total` and
-`vllm:prefix_cache_hits_total`, in prompt tokens), so dashboards built for vLLM read this server
-unchanged. A
-diffusion model's first output is its first finished block: time to first token is the time to
-that block, and `fastdllm_time_per_block_seconds` the time between a request's blocks."""
+`vllm:e2e_request_latency_seconds`, `vllm:kv_cache_usage_perc`, and the prefix cache's
+`vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`, in prompt tokens), so
+dashboards built for vLLM read this server unchanged. A diffusion model's first output is its
+first finished block: time to first token is the time to that block, and
+`fastdllm_time_per_block_seconds` the time between a request's blocks."""
 
 from __future__ import annotations
 
@@ -72,6 +72,8 @@ class ServerMetrics:
             "vllm:num_requests_waiting", "Requests waiting for the inference worker", label, registry=r
         )
         vllm_waiting.labels(model_name).set_function(lambda: scheduler.snapshot()["queued"])
+        usage = Gauge("vllm:kv_cache_usage_perc", "K/V of the running rows over --kv-cache-memory", label, registry=r)
+        usage.labels(model_name).set_function(lambda: _usage(scheduler.snapshot()))
         r.register(PrefixStores(scheduler.model, model_name))
 
     def on_block(self, arrival: float, previous: float | None, now: float) -> None:
@@ -95,6 +97,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _usage(snapshot: dict) -> float:
+    budget = snapshot["kv_cache_bytes"]
+    return snapshot["kv_bytes_in_use"] / budget if budget else 0.0
 
 
 class PrefixStores:

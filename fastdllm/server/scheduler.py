@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import GenerationConfig
-from ..engine.decoder import BlockDecoder, join_key
+from ..engine.decoder import BlockDecoder, join_key, layout_columns
 from ..engine.policies import PolicySource
 from ..engine.ranks import LocalCommands, constraint_specs
 from ..models.tp import RankLost
@@ -71,6 +71,11 @@ class Job:
         return len(self.prompts)
 
     @property
+    def columns(self) -> int:
+        """The layout columns its longest row takes (`decoder.layout_columns`)."""
+        return layout_columns(max(len(p) for p in self.prompts), self.config)
+
+    @property
     def wanted(self) -> bool:
         return not (self.cancelled or self.satisfied)
 
@@ -89,6 +94,10 @@ class Scheduler:
     next step, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
     without, it waits for the batch to finish. A row leaves as soon as it is done.
 
+    `kv_cache_bytes` bounds the K/V of the running rows: the batch's rows times its longest row's
+    columns (`decoder.layout_columns`) times a token's K/V bytes. A job is admitted while that fits;
+    the others wait in the queue (`never_fits`: one that could never fit, which a server refuses).
+
     `commands` (`ranks.Commands` under tensor parallelism) carries each decoder command to the
     other ranks; `on_rank_lost` is called once when one is gone (every request then failed with a
     503 and the queue closed)."""
@@ -103,8 +112,12 @@ class Scheduler:
         continuous: bool = True,
         policies: PolicySource = None,
         commands: LocalCommands | None = None,
+        kv_cache_bytes: int | None = None,
     ):
         self.model = model
+        self.kv_cache_bytes = kv_cache_bytes
+        self.token_kv_bytes = model.new_cache(1, 1).nbytes()  # one position of every layer, on this rank
+        self.kv_in_use = 0  # bytes the running batch's layout holds (what `kv_cache_bytes` bounds)
         self.commands = commands or LocalCommands()
         self.on_rank_lost: Callable[[RankLost], None] | None = None
         self.rank_lost: RankLost | None = None
@@ -154,6 +167,13 @@ class Scheduler:
             self.stats["requests"] += 1
             self.cond.notify_all()
 
+    def kv_bytes(self, rows: int, columns: int) -> int:
+        return rows * columns * self.token_kv_bytes
+
+    def never_fits(self, job: Job) -> bool:
+        """Whether the job's rows alone exceed `kv_cache_bytes`."""
+        return self.kv_cache_bytes is not None and self.kv_bytes(job.rows, job.columns) > self.kv_cache_bytes
+
     def cancel(self, job: Job) -> None:
         with self.cond:
             if job.cancelled:
@@ -181,6 +201,8 @@ class Scheduler:
                 "running": self.running_jobs,
                 "max_batch_size": self.max_batch_size,
                 "max_queue": self.max_queue,
+                "kv_cache_bytes": self.kv_cache_bytes,
+                "kv_bytes_in_use": self.kv_in_use,
                 "paused": self.paused,
                 **self.stats,
             }
@@ -213,21 +235,27 @@ class Scheduler:
                 if self.closing or not self.pending:
                     return None if self.closing else []
             first = self.pending.popleft()
-            return [first] + self._compatible(lambda c: join_key(c) == join_key(first.config), first.rows, skip=True)
+            same = self._compatible(lambda c: join_key(c) == join_key(first.config), [first], skip=True)
+            return [first] + same
 
-    def _compatible(self, fits, rows: int, skip: bool = False) -> list[Job]:
-        """Queued jobs that can decode with the batch, in queue order, up to max_batch_size rows.
-        With `skip` (a batch starting) the whole queue is looked through; otherwise (joining a
-        running batch) it stops at the first job that cannot join: that job waits for the batch to
-        drain, and no later one overtakes it. Call with the lock held."""
+    def _compatible(self, fits, batch: list[Job], skip: bool = False) -> list[Job]:
+        """Queued jobs that can decode with `batch` (its jobs), in queue order, up to
+        max_batch_size rows and within `kv_cache_bytes`. With `skip` (a batch starting) the whole
+        queue is looked through; otherwise (joining a running batch) it stops at the first job that
+        cannot join: that job waits for the batch to drain, and no later one overtakes it. Call
+        with the lock held."""
         taken = []
+        rows = sum(j.rows for j in batch)
+        columns = max((j.columns for j in batch), default=0)
         for job in list(self.pending):
             if rows >= self.max_batch_size or self.paused:
                 break
-            if fits(job.config) and rows + job.rows <= self.max_batch_size:
+            wide = max(columns, job.columns)
+            room = self.kv_cache_bytes is None or self.kv_bytes(rows + job.rows, wide) <= self.kv_cache_bytes
+            if fits(job.config) and rows + job.rows <= self.max_batch_size and room:
                 self.pending.remove(job)
                 taken.append(job)
-                rows += job.rows
+                rows, columns = rows + job.rows, wide
             elif not skip:
                 break
         return taken
@@ -241,7 +269,7 @@ class Scheduler:
                 if batch:
                     self._run(batch)
                     with self.cond:
-                        self.running_jobs = 0
+                        self.running_jobs, self.kv_in_use = 0, 0
                 else:
                     self.commands.tick()
         except RankLost as e:
@@ -308,6 +336,7 @@ class Scheduler:
                 with self.cond:
                     s = self.stats
                     self.running_jobs = len(running)
+                    self.kv_in_use = self.kv_bytes(rows, max(j.columns for j in running))
                     s["max_batch_rows"] = max(s["max_batch_rows"], rows)
                     s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
                 nfe = decoder.nfe
@@ -337,11 +366,7 @@ class Scheduler:
                         self.stats["stopped_early"] += 1
                 if self.continuous and not alone:
                     with self.cond:
-                        joining = (
-                            []
-                            if self.closing
-                            else self._compatible(decoder.accepts, sum(len(r) for r in running.values()))
-                        )
+                        joining = [] if self.closing else self._compatible(decoder.accepts, list(running))
                     admit(joining)
         except RankLost as e:  # the ranks cannot go on: the requests in flight get a 503
             self._fail(list(running), e, log_it=False)

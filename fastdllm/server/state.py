@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import PRESETS, ConfigError, GenerationConfig
 from ..engine.constraints import GrammarConstraint, response_format_constraint
+from ..engine.decoder import layout_columns
 from ..engine.generation import generate
 from ..engine.ranks import LocalCommands
 from ..text import tool_calls
@@ -39,6 +40,7 @@ class ServerSettings:
     continuous: bool = True  # requests join the running batch at its next step
     tool_call_parser: str | None = None  # "hermes" | "llama3_json" (None: the one the chat template teaches)
     presets: dict[str, GenerationConfig] = field(default_factory=dict)  # more presets requests may name
+    kv_cache_bytes: int | None = None  # the running rows' K/V budget (`Scheduler`); None: unbounded
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -69,6 +71,7 @@ class Server:
             settings.block_hook,
             continuous=settings.continuous,
             commands=self.commands,
+            kv_cache_bytes=settings.kv_cache_bytes,
         )
         self.metrics = ServerMetrics(self.scheduler, settings.model_name)
         self.scheduler.batch_hook = self.metrics.on_batch
@@ -283,6 +286,19 @@ class Server:
 
     def submit(self, plan: RequestPlan) -> Job:
         job = Job(plan.rows, plan.seeds, plan.config, asyncio.get_running_loop(), constraints=plan.constraints)
+        sched = self.scheduler
+        if sched.never_fits(job):
+            mib = sched.kv_cache_bytes / 2**20
+            need = sched.kv_bytes(job.rows, job.columns) / 2**20
+            prompt_columns = layout_columns(max(map(len, plan.rows)), plan.config) - plan.config.gen_length
+            param = "prompt" if sched.kv_bytes(job.rows, prompt_columns) > sched.kv_cache_bytes else "max_tokens"
+            raise APIError(
+                400,
+                f"{param}: this request's K/V ({need:.1f} MiB for {job.rows} row(s) of {job.columns} positions) "
+                f"would never fit the server's --kv-cache-memory ({mib:.1f} MiB); ask for fewer tokens",
+                param=param,
+                code="kv_cache_exceeded",
+            )
         try:
             self.scheduler.submit(job)
         except QueueFull as e:
