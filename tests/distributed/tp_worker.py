@@ -131,6 +131,9 @@ def main():
         # every rank decoded the same tokens as rank 0
         results["ranks_agree"] = all(g == gathered[0] for g in gathered)
         Path(out_path).write_text(json.dumps(results))
+    # Leave together: a rank whose peer tore its process group down while it was still writing can
+    # abort at exit on a loaded machine.
+    dist.barrier()
 
 
 if __name__ == "__main__":
