@@ -116,8 +116,9 @@ class Row:
 
     @property
     def prompt_positions(self) -> int:
-        """Its prompt's length: the work of one prefill (an autoregressive model's share of the prompt)."""
-        return len(self.prompt) + self.lead
+        """Its prompt's length less what the prefix store gave it: the work of one prefill (an
+        autoregressive model's share of the prompt, with the same prefix cache)."""
+        return len(self.prompt) + self.lead - self.reused
 
     def answer_span(self, block: int, block_length: int) -> tuple[int, int, int, int]:
         """Where block `block` of the region lies in the answer: (answer from, to, block from, to),
