@@ -294,7 +294,7 @@ class BlockDecoder:
         self.left: list[Row] = []
         self.last_blocks: list[tuple[Row, int, list[int]]] = []
         self.nfe = 0  # forwards
-        # what the forwards computed: rows summed over them, and query positions (padding included)
+        # what the forwards computed: rows summed over them, and query positions
         self.row_forwards = self.computed_positions = 0
         self.forward_clock = ForwardClock(self.device)
         self.lookahead = self.strategy.lookahead

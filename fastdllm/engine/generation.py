@@ -27,26 +27,44 @@ from .policies import PolicySource
 
 
 @dataclass
-class GenerationOutput:
-    sequences: torch.Tensor  # (B, gen_length) generated ids (EOS-filled after a stop)
+class RunStats:
+    """What one run of the loop cost, per row (as each would alone), carried by its "done" event."""
+
     nfe: int  # forward passes of the batch
     nfe_per_row: list[int]  # forward passes each row needed (what it would cost alone)
     tokens_per_step: list[list[int]]  # per row: tokens revealed at each of its steps
-    unmask_step: torch.Tensor  # (B, gen_length): the row's step at which each position was revealed
-    num_tokens: list[int]  # per row: generated tokens up to (not including) the first stop token
-    wall_time: float
+    unmask_step: torch.Tensor  # (B, gen_length) the row's step revealing each position
     forward_time: float  # seconds inside the model's forward passes
-    config: GenerationConfig = field(repr=False, default=None)
+    finished: list[bool]  # per row: stopped at a stop token
     # Work, per row, hardware-independent: query positions processed by all of the row's forwards,
     # and query x key positions attended (the attention's cost).
-    forward_positions: list[int] = field(default_factory=list)
-    attended_positions: list[int] = field(default_factory=list)
-    prompt_positions: list[int] = field(default_factory=list)  # per row: its prompt's length
-    kv_cache_bytes: int = 0  # the most KV cache memory the run held at once (0 without a cache)
+    forward_positions: list[int]
+    attended_positions: list[int]
+    prompt_positions: list[int]  # per row: its prompt's positions that its prefill computed
+    kv_cache_bytes: int  # the most KV cache memory the run held at once (0 without a cache)
     # What the batch's forwards computed: rows summed over them (against sum(nfe_per_row), what
     # the rows needed), and query positions (against sum(forward_positions)).
     row_forwards: int = 0
     computed_positions: int = 0
+
+
+@dataclass
+class GenerationOutput:
+    """The generated ids and what the run cost: `stats` (a `RunStats`) and its fields read here
+    directly (`out.nfe`, `out.nfe_per_row`, `out.forward_positions`, ...)."""
+
+    sequences: torch.Tensor  # (B, gen_length) generated ids (EOS-filled after a stop)
+    stats: RunStats = field(repr=False)
+    unmask_step: torch.Tensor  # (B, gen_length) as `stats.unmask_step`, cut as `sequences` is
+    num_tokens: list[int]  # per row: generated tokens up to (not including) the first stop token
+    wall_time: float
+    config: GenerationConfig = field(repr=False, default=None)
+
+    def __getattr__(self, name: str):
+        # the run's statistics, as attributes of the output (dataclass fields are found first)
+        if name != "stats" and name in RunStats.__dataclass_fields__:
+            return getattr(self.stats, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def tokens_per_second(self) -> float:
@@ -56,37 +74,19 @@ class GenerationOutput:
     def positions_per_token(self) -> float:
         """Query positions computed per generated token (tokens up to the first stop, as
         tokens/s counts them): ~1 for autoregressive decoding after the prompt."""
-        return sum(self.forward_positions) / max(1, sum(self.num_tokens))
+        return sum(self.stats.forward_positions) / max(1, sum(self.num_tokens))
 
     @property
     def decode_positions_per_token(self) -> float:
         """Query positions per generated token beyond one prefill of each prompt: 1 is the
         autoregressive limit (a prompt's positions once, then one per token)."""
-        extra = sum(self.forward_positions) - sum(self.prompt_positions)
+        extra = sum(self.stats.forward_positions) - sum(self.stats.prompt_positions)
         return extra / max(1, sum(self.num_tokens))
 
     @property
     def attended_per_token(self) -> float:
         """Query x key positions attended per generated token."""
-        return sum(self.attended_positions) / max(1, sum(self.num_tokens))
-
-
-@dataclass
-class RunStats:
-    """What one run of the loop cost, per row (as each would alone), carried by its "done" event."""
-
-    nfe: int  # forwards of the batch
-    row_nfe: list[int]
-    tokens_per_step: list[list[int]]
-    unmask_step: torch.Tensor  # (B, gen_length) the step revealing each position
-    forward_time: float
-    finished: list[bool]
-    forward_positions: list[int]
-    attended_positions: list[int]
-    prompt_positions: list[int]
-    kv_cache_bytes: int
-    row_forwards: int = 0
-    computed_positions: int = 0
+        return sum(self.stats.attended_positions) / max(1, sum(self.num_tokens))
 
 
 @dataclass
@@ -184,7 +184,7 @@ def iter_generate(
 
     stats = RunStats(
         nfe=decoder.nfe,
-        row_nfe=[r.nfe for r in rows],
+        nfe_per_row=[r.nfe for r in rows],
         tokens_per_step=[r.tokens_per_step for r in rows],
         unmask_step=torch.stack([r.unmask_step for r in rows]),
         forward_time=decoder.forward_time,
@@ -266,20 +266,11 @@ def generate(
         sequences, unmask_step = sequences[:, :cut].clone(), unmask_step[:, :cut]
     return GenerationOutput(
         sequences=sequences,
-        nfe=stats.nfe,
-        nfe_per_row=stats.row_nfe,
-        tokens_per_step=stats.tokens_per_step,
+        stats=stats,
         unmask_step=unmask_step,
         num_tokens=count_until_stop(sequences, model.stop_token_ids),
         wall_time=wall,
-        forward_time=stats.forward_time,
         config=config,
-        forward_positions=stats.forward_positions,
-        attended_positions=stats.attended_positions,
-        prompt_positions=stats.prompt_positions,
-        kv_cache_bytes=stats.kv_cache_bytes,
-        row_forwards=stats.row_forwards,
-        computed_positions=stats.computed_positions,
     )
 
 

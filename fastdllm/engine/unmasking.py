@@ -63,27 +63,27 @@ NEG_INF = float("-inf")
 
 
 # ---- proposals ---------------------------------------------------------------------------------
-def _rows_rand(shape, generators, rows, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """Uniform draws, row i from generators[rows[i]]. A row named None has nothing to reveal at this
-    step (its block is done while other rows' are not): it draws nothing and gets 0.5, so that its
+def _draw_uniform(shape, generators, draws, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """Uniform draws, row i from generators[draws[i]]. A row drawing None takes no part in this
+    draw (its rule reveals by another way at this step): it draws nothing and gets 0.5, so that its
     stream advances exactly as when it is decoded alone."""
-    out = torch.full((len(rows),) + tuple(shape), 0.5, dtype=dtype, device=device)
-    for i, r in enumerate(rows):
+    out = torch.full((len(draws),) + tuple(shape), 0.5, dtype=dtype, device=device)
+    for i, r in enumerate(draws):
         if r is not None:
             out[i] = torch.rand(shape, generator=generators[r], dtype=dtype, device=device)
     return out
 
 
-def _propose_llada(logits, config, generators, rows):
+def _propose_llada(logits, config, generators, draws):
     if config.temperature > 0:
         # Gumbel-max in float64 (LLaDA's add_gumbel_noise): argmax of exp(l) / (-log u)^temperature.
         l64 = logits.double()
-        noise = _rows_rand(logits.shape[1:], generators, rows, torch.float64, logits.device)
+        noise = _draw_uniform(logits.shape[1:], generators, draws, torch.float64, logits.device)
         tokens = (l64.exp() / (-torch.log(noise)) ** config.temperature).argmax(-1)
     else:
         tokens = logits.argmax(-1)
     if config.remasking == "random":
-        conf = _rows_rand(logits.shape[1:2], generators, rows, torch.float32, logits.device)
+        conf = _draw_uniform(logits.shape[1:2], generators, draws, torch.float32, logits.device)
     else:  # the reference's float64 softmax, in its form: its rounding ranks near-certain positions
         conf = F.softmax(logits.double(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, conf
@@ -103,7 +103,7 @@ def _filter_top_p_top_k(logits, top_p, top_k):
     return logits
 
 
-def _sample_rows(probs, generators, rows) -> torch.Tensor:
+def _sample_each(probs, generators, draws) -> torch.Tensor:
     """A token per position from `probs` (B, T, V), each row with its own generator; a row without
     one (None: nothing to reveal, it draws nothing) takes the argmax."""
     return torch.stack(
@@ -111,18 +111,18 @@ def _sample_rows(probs, generators, rows) -> torch.Tensor:
             probs[i].argmax(-1)
             if r is None
             else torch.multinomial(probs[i].float(), 1, generator=generators[r]).squeeze(-1)
-            for i, r in enumerate(rows)
+            for i, r in enumerate(draws)
         ]
     )
 
 
-def _propose_dream(logits, config, generators, rows, score):
+def _propose_dream(logits, config, generators, draws, score):
     if config.temperature > 0:
         logits = logits / config.temperature
     logits = _filter_top_p_top_k(logits, config.top_p, config.top_k)
     probs = logits.softmax(-1)
     if config.temperature > 0:
-        tokens = _sample_rows(probs, generators, rows)
+        tokens = _sample_each(probs, generators, draws)
         conf = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     else:
         conf, tokens = probs.max(-1)
@@ -168,9 +168,9 @@ class BlockClock:
         bsz = masked.shape[0]
         return cls([step] * bsz, [steps] * bsz, masked.sum(-1) if opened is None else opened)
 
-    def take(self, rows: list[int]) -> BlockClock:
-        idx = torch.tensor(rows, device=self.opened.device)
-        return BlockClock([self.step[i] for i in rows], [self.steps[i] for i in rows], self.opened[idx])
+    def take(self, indices: list[int]) -> BlockClock:
+        idx = torch.tensor(indices, device=self.opened.device)
+        return BlockClock([self.step[i] for i in indices], [self.steps[i] for i in indices], self.opened[idx])
 
 
 def _scheduled(counts_of: torch.Tensor, clock: BlockClock, masked: torch.Tensor) -> torch.Tensor:
@@ -198,9 +198,10 @@ class SelectionRule:
     def draws_randomness(config) -> bool:
         return False
 
-    def select(self, conf, masked, clock: BlockClock, generators, rows) -> torch.Tensor:
+    def select(self, conf, masked, clock: BlockClock, generators, draws) -> torch.Tensor:
         """(B, T) True where a row reveals; `conf` and `masked` (B, T) the block's confidences and
-        masks, `rows[i]` row i's generator index (None: it draws nothing)."""
+        masks; `draws[i]` the index in `generators` of row i's random stream (None: it draws
+        nothing)."""
         raise NotImplementedError
 
 
@@ -216,7 +217,7 @@ class Threshold(SelectionRule):
             raise ValueError("threshold: the threshold rule needs a threshold")
         return cls(config.threshold)
 
-    def select(self, conf, masked, clock, generators, rows):
+    def select(self, conf, masked, clock, generators, draws):
         conf = conf.masked_fill(~masked, NEG_INF)
         chosen = masked & (conf >= self.threshold)
         best = conf.argmax(-1, keepdim=True)  # argmax returns the first maximum: leftmost on ties
@@ -236,7 +237,7 @@ class Factor(SelectionRule):
             raise ValueError("factor: the factor rule needs a factor")
         return cls(config.factor)
 
-    def select(self, conf, masked, clock, generators, rows):
+    def select(self, conf, masked, clock, generators, draws):
         conf = conf.masked_fill(~masked, NEG_INF)
         sorted_conf = conf.sort(dim=-1, descending=True, stable=True).values
         rank = torch.arange(1, conf.shape[-1] + 1, device=conf.device, dtype=conf.dtype)  # m = 1, 2, ...
@@ -260,7 +261,7 @@ class LinearSchedule(SelectionRule):
     name = "linear"
     uses_steps = True
 
-    def select(self, conf, masked, clock, generators, rows):
+    def select(self, conf, masked, clock, generators, draws):
         k = _scheduled(clock.opened, clock, masked)  # linear_schedule(masks at the block's start)
         return _top_k_mask(conf.masked_fill(~masked, NEG_INF), k) & masked
 
@@ -291,12 +292,12 @@ class DreamSchedule(SelectionRule):
         s = torch.stack([one if e else tables[n][k + 1] for e, k, n in zip(last, step, steps)])
         return last, t, s
 
-    def select(self, conf, masked, clock, generators, rows):
+    def select(self, conf, masked, clock, generators, draws):
         last, t, s = self._times(clock)
         last_t = torch.tensor(last, device=masked.device)
         if self.alg == "origin":
-            drawing = [None if e else r for e, r in zip(last, rows)]
-            u = _rows_rand(masked.shape[1:], generators, drawing, torch.float32, masked.device)
+            drawing = [None if e else r for e, r in zip(last, draws)]
+            u = _draw_uniform(masked.shape[1:], generators, drawing, torch.float32, masked.device)
             return masked & ((u < (1 - s / t)[:, None]) | last_t[:, None])
         n_masked = masked.sum(-1)
         k = torch.where(last_t, n_masked, (n_masked.float() * (1 - s / t)).long())
@@ -305,7 +306,7 @@ class DreamSchedule(SelectionRule):
             return _top_k_mask(conf, k) & masked
         chosen = torch.zeros_like(masked)
         weights = (conf / self.alg_temp).softmax(-1)
-        for i, r in enumerate(rows):
+        for i, r in enumerate(draws):
             if k[i] > 0 and r is not None:
                 picked = torch.multinomial(weights[i], int(k[i]), replacement=False, generator=generators[r])
                 chosen[i, picked] = True
@@ -331,7 +332,7 @@ class Quota(SelectionRule):
     def from_config(cls, config):
         return cls(config.threshold)
 
-    def select(self, conf, masked, clock, generators, rows):
+    def select(self, conf, masked, clock, generators, draws):
         length = torch.full_like(clock.step_t, masked.shape[-1])
         k = torch.minimum(_scheduled(length, clock, masked), masked.sum(-1))
         conf = conf.masked_fill(~masked, NEG_INF)
@@ -353,18 +354,18 @@ class FirstPositionAtBlockStart(SelectionRule):
     def __init__(self, inner: SelectionRule):
         self.inner = inner
 
-    def select(self, conf, masked, clock, generators, rows):
+    def select(self, conf, masked, clock, generators, draws):
         first = torch.zeros_like(masked)
         first[:, 0] = True
         if not any(k == 0 for k in clock.step):
-            return self.inner.select(conf, masked, clock, generators, rows)
+            return self.inner.select(conf, masked, clock, generators, draws)
         opens = [bool(o) and k == 0 for o, k in zip(masked[:, 0].tolist(), clock.step)]
         if all(opens):  # the inner rule is not asked (it draws nothing at this step)
             return first & masked
         if not any(opens):
-            return self.inner.select(conf, masked, clock, generators, rows)
+            return self.inner.select(conf, masked, clock, generators, draws)
         # a row that reveals its first position draws nothing from the inner rule
-        drawing = None if rows is None else [None if o else r for o, r in zip(opens, rows)]
+        drawing = None if draws is None else [None if o else r for o, r in zip(opens, draws)]
         inner = self.inner.select(conf, masked, clock, generators, drawing)
         return torch.where(torch.tensor(opens, device=masked.device)[:, None], first, inner) & masked
 
@@ -377,13 +378,13 @@ class SubBlocks(SelectionRule):
     def __init__(self, inner: SelectionRule, size: int):
         self.inner, self.size = inner, size
 
-    def select(self, conf, masked, clock, generators, rows):
+    def select(self, conf, masked, clock, generators, draws):
         bsz, length = masked.shape
         sub = masked.view(bsz, length // self.size, self.size).any(-1)  # (B, sub-blocks) with masks
         current = sub.long().argmax(-1, keepdim=True)  # the first such sub-block
         index = torch.arange(length, device=masked.device) // self.size
         here = masked & (index[None, :] == current)
-        return self.inner.select(conf, here, clock, generators, rows) & here
+        return self.inner.select(conf, here, clock, generators, draws) & here
 
 
 def register_selection_rule(cls: type[SelectionRule]) -> type[SelectionRule]:
@@ -405,7 +406,7 @@ class Proposal:
     def draws_randomness(self) -> bool:
         return self.config.temperature > 0
 
-    def __call__(self, logits, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits, generators, draws) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
@@ -413,8 +414,8 @@ class LLaDAProposal(Proposal):
     def draws_randomness(self) -> bool:
         return self.config.temperature > 0 or self.config.remasking == "random"
 
-    def __call__(self, logits, generators, rows):
-        return _propose_llada(logits, self.config, generators, rows)
+    def __call__(self, logits, generators, draws):
+        return _propose_llada(logits, self.config, generators, draws)
 
 
 class DreamProposal(Proposal):
@@ -424,21 +425,21 @@ class DreamProposal(Proposal):
         super().__init__(config)
         self.score = score
 
-    def __call__(self, logits, generators, rows):
-        return _propose_dream(logits, self.config, generators, rows, self.score)
+    def __call__(self, logits, generators, draws):
+        return _propose_dream(logits, self.config, generators, draws, self.score)
 
 
 class SDARProposal(Proposal):
     """SDAR's sampling: logits / temperature; the token sampled from them after top-k / top-p
     filtering (greedy at temperature 0), its confidence read from the unfiltered softmax."""
 
-    def __call__(self, logits, generators, rows):
+    def __call__(self, logits, generators, draws):
         c = self.config
         if c.temperature > 0:
             logits = logits / c.temperature
         probs = logits.softmax(-1)
         if c.temperature > 0:
-            tokens = _sample_rows(_filter_top_p_top_k(logits, c.top_p, c.top_k).softmax(-1), generators, rows)
+            tokens = _sample_each(_filter_top_p_top_k(logits, c.top_p, c.top_k).softmax(-1), generators, draws)
         else:
             tokens = probs.argmax(-1)
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -452,14 +453,14 @@ class FastDLLMv2Proposal(Proposal):
 
     model_dtype = True
 
-    def __call__(self, logits, generators, rows):
+    def __call__(self, logits, generators, draws):
         c = self.config
         if c.temperature <= 0:
             probs = logits.softmax(-1)
             tokens = probs.argmax(-1)
         else:  # top-p truncated and renormalised: softmax over the logits that survive
             probs = _filter_top_p_top_k(logits / c.temperature, c.top_p, None).softmax(-1)
-            tokens = _sample_rows(probs, generators, rows)
+            tokens = _sample_each(probs, generators, draws)
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -471,7 +472,7 @@ class LLaDA2Proposal(Proposal):
     here temperature 0 is greedy (the argmax and its softmax probability; deterministic, as
     LLaDA2.1's own sampler does it), and the published draws are temperature=1."""
 
-    def __call__(self, logits, generators, rows):
+    def __call__(self, logits, generators, draws):
         c = self.config
         if c.temperature <= 0:
             probs = logits.softmax(-1)
@@ -480,7 +481,7 @@ class LLaDA2Proposal(Proposal):
             if c.temperature != 1:
                 logits = logits / c.temperature
             probs = _filter_top_p_top_k(logits, c.top_p, c.top_k).softmax(-1)
-            tokens = _sample_rows(probs, generators, rows)
+            tokens = _sample_each(probs, generators, draws)
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -624,13 +625,13 @@ class UnmaskingStrategy:
             Lookahead.from_config(config),
         )
 
-    def propose(self, logits: torch.Tensor, generators, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, confidence), each (B, T), for logits (B, T, V). `rows[i]` names the generator
+    def propose(self, logits: torch.Tensor, generators, draws) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, confidence), each (B, T), for logits (B, T, V). `draws[i]` names the generator
         of batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
         logits = logits if self.proposal.model_dtype else logits.float()
-        tokens, conf = self.proposal(logits, generators, rows)
+        tokens, conf = self.proposal(logits, generators, draws)
         if self.confidence_temperature != 1.0:  # greedy (checked by the config): no randomness drawn twice
-            _, conf = self.proposal(logits / self.confidence_temperature, generators, rows)
+            _, conf = self.proposal(logits / self.confidence_temperature, generators, draws)
         return tokens, conf
 
     def decide(

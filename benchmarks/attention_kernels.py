@@ -1,0 +1,142 @@
+"""The packed step's attention on this machine: PyTorch's ways of attending ragged rows.
+
+A step of the loop packs every row's window end to end; each row's queries attend over its own
+keys (its cache row up to what it sees). Measured here on one layer's shapes (random tensors,
+float32), for a batch of rows at typical places: most rows in the middle of a block (a window of
+one block over a long cache), a few at a block's start (a wider window):
+
+- `sdpa per row`: `scaled_dot_product_attention` once per row, on views of the cache (what
+  `Attention.attend_segments` does);
+- `sdpa padded`: one call over the batch padded to the longest window and the longest keys, a
+  boolean mask for the padding (what the lockstep loop did);
+- `flex eager` / `flex compiled`: `torch.nn.attention.flex_attention` over the packed queries and
+  the rows' keys laid end to end, with a block mask that keeps each query to its row's keys
+  (`create_block_mask`; the keys gathered from the cache rows each call).
+
+Reported: milliseconds per call (median of `--repeats`) and the largest difference from the
+per-row result.
+
+    python benchmarks/attention_kernels.py --out docs/results/attention_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+
+def layout(rows: int, heads: int, dim: int, prompt: int, block: int, starting: int, seed: int = 0):
+    """Per row (window width, keys) and the tensors: packed queries (1, H, N, D), cache K/V
+    (rows, H, L, D)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = []
+    for i in range(rows):
+        keys = prompt + block * (1 + i % 7)
+        width = 3 * block if i < starting else block
+        shapes.append((width, keys))
+    length = max(k for _, k in shapes)
+    n = sum(w for w, _ in shapes)
+    q = torch.randn(1, heads, n, dim, generator=g)
+    k = torch.randn(rows, heads, length, dim, generator=g)
+    v = torch.randn(rows, heads, length, dim, generator=g)
+    return shapes, q, k, v
+
+
+def per_row(shapes, q, k, v):
+    out, off = torch.empty_like(q), 0
+    for i, (w, keys) in enumerate(shapes):
+        out[:, :, off : off + w] = F.scaled_dot_product_attention(
+            q[:, :, off : off + w], k[i : i + 1, :, :keys], v[i : i + 1, :, :keys]
+        )
+        off += w
+    return out
+
+
+def padded(shapes, q, k, v):
+    rows, width, keys = len(shapes), max(w for w, _ in shapes), max(kk for _, kk in shapes)
+    qp = q.new_zeros(rows, q.shape[1], width, q.shape[3])
+    off = 0
+    for i, (w, _) in enumerate(shapes):
+        qp[i, :, :w] = q[0, :, off : off + w]
+        off += w
+    mask = torch.arange(keys)[None, :] < torch.tensor([kk for _, kk in shapes])[:, None]
+    o = F.scaled_dot_product_attention(qp, k[:, :, :keys], v[:, :, :keys], attn_mask=mask[:, None, None, :])
+    return torch.cat([o[i : i + 1, :, :w] for i, (w, _) in enumerate(shapes)], 2)
+
+
+def flex_inputs(shapes, k, v):
+    """The rows' keys end to end (1, H, S, D) and a block mask: query row == key row."""
+    ks = torch.cat([k[i : i + 1, :, :keys] for i, (_, keys) in enumerate(shapes)], 2)
+    vs = torch.cat([v[i : i + 1, :, :keys] for i, (_, keys) in enumerate(shapes)], 2)
+    q_row = torch.cat([torch.full((w,), i) for i, (w, _) in enumerate(shapes)])
+    k_row = torch.cat([torch.full((keys,), i) for i, (_, keys) in enumerate(shapes)])
+
+    def same_row(b, h, qi, ki):
+        return q_row[qi] == k_row[ki]
+
+    mask = create_block_mask(same_row, None, None, len(q_row), len(k_row), device="cpu")
+    return ks, vs, mask
+
+
+def flex(attend, shapes, q, k, v):
+    """One step's flex attention, its block mask and gathered keys built for the step's layout."""
+    ks, vs, mask = flex_inputs(shapes, k, v)
+    return attend(q, ks, vs, block_mask=mask)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=320)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    compiled = torch.compile(flex_attention)
+    results = []
+    with torch.inference_mode():
+        for rows in args.rows:
+            shapes, q, k, v = layout(rows, args.heads, args.head_dim, args.prompt, args.block, max(1, rows // 4))
+            ref = per_row(shapes, q, k, v)
+            row = {"rows": rows, "queries": q.shape[2], "keys": sum(kk for _, kk in shapes)}
+            ways = {
+                "sdpa per row": lambda: per_row(shapes, q, k, v),
+                "sdpa padded": lambda: padded(shapes, q, k, v),
+                "flex eager": lambda: flex(flex_attention, shapes, q, k, v),
+                "flex compiled": lambda: flex(compiled, shapes, q, k, v),
+            }
+            for name, fn in ways.items():
+                try:
+                    row[name + " ms"] = round(timed(fn, args.repeats), 3)
+                    row[name + " max diff"] = float((fn() - ref).abs().max())
+                except Exception as e:  # a way this torch build cannot run here
+                    row[name + " ms"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
