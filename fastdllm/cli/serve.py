@@ -109,7 +109,8 @@ def add_server_args(s) -> None:
         type=_positive_int,
         default=None,
         help="MiB of K/V the running rows may hold: requests wait until theirs fits, and one that "
-        "never could is refused (default: unbounded)",
+        "never could is refused (default: unbounded; `fastdllm plan --batch B --max-len L` states "
+        "what B rows of L positions hold)",
     )
     s.add_argument(
         "--prefix-cache-memory",

@@ -40,6 +40,7 @@ import atexit
 import os
 import re
 from dataclasses import replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,12 @@ def init(tp: int, device: str | None = None) -> tuple[int, int]:
 
 def _leave() -> None:
     if dist.is_initialized():
+        try:
+            # Every rank reaches the teardown before any closes its connections: a rank whose peer
+            # closed them first can abort at exit. A rank that is gone does not hold the others.
+            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=30))
+        except Exception:
+            pass
         dist.destroy_process_group()
 
 
