@@ -61,7 +61,7 @@ def render_canvas(
     """Render row `row` of a StepEvent's canvas as rich Text.
 
     Masked positions are `MASK_GLYPH` (dim); stop tokens are `STOP_GLYPH` (dim); tokens revealed by
-    this step carry `STYLE_NEW`; the current block (`event.block`) is underlined and enclosed in
+    this step carry `STYLE_NEW`; the row's current block (`event.blocks`) is underlined and enclosed in
     bold cyan brackets unless the row is finished. With `header`, a first line says which block and
     step this is and how much of the canvas is revealed.
     """
@@ -72,11 +72,14 @@ def render_canvas(
     gen_len = len(ids)
     num_blocks = max(1, gen_len // block_length)
     done = event.kind == "done" or (event.finished is not None and event.finished[row])
-    current = None if done else event.block
+    block = event.block  # rows move on their own clocks: this row's own block where the event says
+    if event.blocks is not None and row in event.rows:
+        block = event.blocks[event.rows.index(row)]
+    current = None if done else block
     out = Text()
     if header:
         masked = sum(1 for t in ids if t == mask_id)
-        parts = [f"block {min(event.block + 1, num_blocks)}/{num_blocks}"]
+        parts = [f"block {min(block + 1, num_blocks)}/{num_blocks}"]
         if step is not None:
             parts.append(f"step {step}")
         parts.append(f"{gen_len - masked}/{gen_len} revealed")
