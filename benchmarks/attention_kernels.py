@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.quantized_kernels import timed  # noqa: E402  (milliseconds, the median of repeats)
 
 
 def layout(rows: int, heads: int, dim: int, prompt: int, block: int, starting: int, seed: int = 0):
@@ -89,16 +91,6 @@ def flex(attend, shapes, q, k, v):
     """One step's flex attention, its block mask and gathered keys built for the step's layout."""
     ks, vs, mask = flex_inputs(shapes, k, v)
     return attend(q, ks, vs, block_mask=mask)
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:
