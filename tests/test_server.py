@@ -986,3 +986,27 @@ def test_a_kv_budget_queues_what_does_not_fit_and_refuses_what_never_could(loade
         assert gauge and 0 <= float(gauge[0].rsplit(" ", 1)[1]) <= 1
     finally:
         server.stop()
+
+
+def test_requests_with_other_thresholds_and_lengths_share_a_batch(loaded):
+    """Per-row settings share forwards: two requests that differ in threshold, max_tokens and
+    temperature decode in one batch, each answered as alone."""
+    model, tok = loaded
+    server = LiveServer(model, tok)
+    try:
+        asks = [
+            dict(max_tokens=64, extra_body={"threshold": 0.5}),
+            dict(max_tokens=32, temperature=0.7, seed=3, extra_body={"threshold": 0.95}),
+        ]
+        alone = [server.client.chat.completions.create(model=MODEL, messages=MSG, **a) for a in asks]
+        server.scheduler.pause()
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(server.client.chat.completions.create, model=MODEL, messages=MSG, **a) for a in asks]
+            time.sleep(0.3)
+            server.scheduler.resume()
+            together = [f.result() for f in futures]
+        assert server.scheduler.snapshot()["max_batch_requests"] == 2
+        for a, b in zip(alone, together):
+            assert a.choices[0].message.content == b.choices[0].message.content
+    finally:
+        server.stop()
