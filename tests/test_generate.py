@@ -9,7 +9,7 @@ import fastdllm
 from fastdllm import GenerationConfig, generate, stream_blocks
 from fastdllm.engine.cache_policies import DualCache, PrefixCache
 from fastdllm.engine.policies import Policies
-from fastdllm.engine.unmasking import BlockClock, Factor, Threshold, UnmaskingStrategy, linear_schedule
+from fastdllm.engine.unmasking import BlockClock, Factor, Threshold, UnmaskingStrategy, linear_schedule_at
 
 
 def prompts(tokenizer):
@@ -122,7 +122,9 @@ def test_factor_rule_takes_exactly_the_passing_ranks():
 )
 def test_linear_schedule_matches_llada(masks, steps, expected):
     # LLaDA's get_num_transfer_tokens: base = masks // steps, the remainder to the first steps
-    assert linear_schedule(torch.tensor([masks]), steps)[0].tolist() == expected
+    opened, masked = torch.tensor([masks]), torch.ones(1, max(masks, 1), dtype=torch.bool)
+    counts = [linear_schedule_at(opened, BlockClock([k], [steps], opened), masked).item() for k in range(steps)]
+    assert counts == expected
     assert sum(expected) == masks
 
 

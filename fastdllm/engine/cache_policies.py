@@ -471,7 +471,7 @@ class SubBlockCache(DualCache):
         # the block-start rows as the DualCache does; the others' whole block or current sub-block
         windows, places = [], []
         if len(starting) < bsz:
-            idx = torch.tensor([[seq.starts[i] + j for j in range(blk)] for i in range(bsz)], device=seq.x.device)
+            idx = torch.tensor(seq.starts, device=seq.x.device)[:, None] + torch.arange(blk, device=seq.x.device)
             masked = seq.x.gather(1, idx) == mask_id
             opening = masked.view(bsz, -1, size).any(-1).long().argmax(-1) * size  # (B,) the current sub-block
             opens_masked = masked.gather(1, opening[:, None]).squeeze(1)

@@ -289,6 +289,7 @@ class BlockDecoder:
         self.device = model.device
         self.mask_id = model.mask_token_id
         self.stop_ids = torch.tensor(sorted(set(model.stop_token_ids)), device=self.device)
+        self.stop_set = set(model.stop_token_ids)
         self.rows: list[Row] = []
         self.joining: list[Row] = []
         self.left: list[Row] = []
@@ -305,6 +306,7 @@ class BlockDecoder:
         # per row of the layout (its prompt, then its region, from column 0): tokens, and the
         # row's step that revealed each position (-1: masked or a prompt token)
         self.x = self.step_of = None
+        self.stopping = None  # per row: whether its config stops at a stop token (stop_at_eos)
         # per row: its steps so far (the index `step_of` records), its current block's masks when
         # it began, and with editing the block's steps after its last mask and whether it goes on
         self.row_nfe = self.opened = self.post = self.alive = None
@@ -513,8 +515,7 @@ class BlockDecoder:
         whether its block is over, what it revealed and whether the block holds a stop token."""
         blk, rows = self.config.block_length, self.rows
         hit = torch.isin(window[:, :blk], self.stop_ids) & (steps_of[:, :blk] >= 0)
-        stopping = torch.tensor([r.config.stop_at_eos for r in rows], device=self.device)
-        hit = hit.any(-1) & stopping
+        hit = hit.any(-1) & self.stopping
         # blocks after the current one that are whole already (multi-block decoding)
         n_later = self.width // blk - 1
         whole = torch.zeros_like(revealed)
@@ -535,7 +536,6 @@ class BlockDecoder:
                 self.computed_positions += queries
         if not any(h[0] for h in host):
             return
-        stops = set(self.stop_ids.tolist())
         kept = []
         for i, (r, h) in enumerate(zip(rows, host)):
             if not h[0]:
@@ -552,7 +552,7 @@ class BlockDecoder:
                 if r.finished or r.block == r.num_blocks or k > h[3]:
                     break
                 r.unrefreshed += 1  # revealed whole while it was a later block: no forward of its own
-                r.finished = r.config.stop_at_eos and any(t in stops for t in tokens[k * blk : (k + 1) * blk])
+                r.finished = r.config.stop_at_eos and any(t in self.stop_set for t in tokens[k * blk : (k + 1) * blk])
             if r.finished or r.block == r.num_blocks:
                 self._leave(i, r)
             else:
@@ -660,6 +660,7 @@ class BlockDecoder:
             self.alive = self._carry(self.alive, sources, True)
         self.policy.relayout(sources, length)
         self.x, self.step_of = x, step_of
+        self.stopping = torch.tensor([r.config.stop_at_eos for r, _ in moves], device=dev)  # per row
         joined = {i: r for i, (r, src) in enumerate(moves) if src is None}
         reused = self.policy.reuse(bsz, length, {i: r.prompt.tolist() for i, r in joined.items()})
         for i, r in joined.items():

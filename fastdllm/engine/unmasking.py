@@ -51,6 +51,7 @@ block, so batched and single runs consume identical random streams.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -157,9 +158,15 @@ class BlockClock:
 
     def __init__(self, step: list[int], steps: list[int], opened: torch.Tensor):
         self.step, self.steps, self.opened = list(step), list(steps), opened
-        dev = opened.device
-        self.step_t = torch.tensor(self.step, dtype=torch.long, device=dev)
-        self.steps_t = torch.tensor(self.steps, dtype=torch.long, device=dev)
+
+    @cached_property
+    def step_t(self) -> torch.Tensor:
+        """`step` as a (B,) tensor (made only for the rules that read it)."""
+        return torch.tensor(self.step, dtype=torch.long, device=self.opened.device)
+
+    @cached_property
+    def steps_t(self) -> torch.Tensor:
+        return torch.tensor(self.steps, dtype=torch.long, device=self.opened.device)
 
     @classmethod
     def uniform(cls, masked: torch.Tensor, steps: int, step: int = 0, opened: torch.Tensor | None = None) -> BlockClock:
@@ -173,9 +180,10 @@ class BlockClock:
         return BlockClock([self.step[i] for i in indices], [self.steps[i] for i in indices], self.opened[idx])
 
 
-def _scheduled(counts_of: torch.Tensor, clock: BlockClock, masked: torch.Tensor) -> torch.Tensor:
-    """LLaDA's split of `counts_of` (B,) positions over each row's steps (`linear_schedule`), read
-    at the row's step; every masked position once its schedule is spent."""
+def linear_schedule_at(counts_of: torch.Tensor, clock: BlockClock, masked: torch.Tensor) -> torch.Tensor:
+    """LLaDA's get_num_transfer_tokens read at each row's step: `counts_of` (B,) positions split
+    over the row's steps, base = count // steps and the remainder to the first steps; every masked
+    position once its schedule is spent."""
     steps = clock.steps_t.clamp_min(1)
     k = counts_of // steps + (clock.step_t < counts_of % steps).long()
     return torch.where(clock.step_t < clock.steps_t, k, masked.sum(-1))
@@ -248,21 +256,12 @@ class Factor(SelectionRule):
         return _top_k_mask(conf, count) & masked
 
 
-def linear_schedule(num_masked: torch.Tensor, steps: int) -> torch.Tensor:
-    """LLaDA's get_num_transfer_tokens: (B,) mask counts -> (B, steps) tokens per step."""
-    base = num_masked // steps
-    remainder = num_masked % steps
-    counts = base.unsqueeze(-1).repeat(1, steps)
-    counts += (torch.arange(steps, device=num_masked.device) < remainder.unsqueeze(-1)).long()
-    return counts
-
-
 class LinearSchedule(SelectionRule):
     name = "linear"
     uses_steps = True
 
     def select(self, conf, masked, clock, generators, draws):
-        k = _scheduled(clock.opened, clock, masked)  # linear_schedule(masks at the block's start)
+        k = linear_schedule_at(clock.opened, clock, masked)  # the masks at the block's start, split
         return _top_k_mask(conf.masked_fill(~masked, NEG_INF), k) & masked
 
 
@@ -334,7 +333,7 @@ class Quota(SelectionRule):
 
     def select(self, conf, masked, clock, generators, draws):
         length = torch.full_like(clock.step_t, masked.shape[-1])
-        k = torch.minimum(_scheduled(length, clock, masked), masked.sum(-1))
+        k = torch.minimum(linear_schedule_at(length, clock, masked), masked.sum(-1))
         conf = conf.masked_fill(~masked, NEG_INF)
         chosen = _top_k_mask(conf, k)
         if self.threshold is not None:
