@@ -177,8 +177,8 @@ def test_tail_mix_puts_more_batches_in_512_and_1024_token_regions(tokenizer):
     assert 0.25 < few_shot < 0.55 and 0.55 < word_problems < 0.75
 
 
-def _args(out, steps, resume=False):
-    return train.TrainSettings(
+def _args(out, steps, resume=False, **settings):
+    fields = dict(
         arch="llada",
         preset="micro",
         out=str(out),
@@ -199,6 +199,7 @@ def _args(out, steps, resume=False):
         command_line="test",
         data_mix="v1",
     )
+    return train.TrainSettings(**{**fields, **settings})
 
 
 def test_training_steps_resume_exactly(tmp_path):
@@ -370,3 +371,47 @@ def test_tools_mix_answers_in_every_form_the_server_decodes_with_the_storys_numb
         assert all(train.make_batch(tokenizer, s, 10, 8192, "tools", max_len)[0].shape[1] <= max_len for s in range(30))
     with pytest.raises(ValueError, match="max_len"):
         train.make_batch(tokenizer, 0, 10, 8192, "tools", max_len=60)
+
+
+def test_paired_mix_puts_each_question_in_one_batch_as_chat_and_plain(tokenizer):
+    eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
+    header = "<|start_header_id|>user<|end_header_id|>"
+    kinds = collections.Counter()
+    for step in range(6):
+        ids, starts = train.make_batch(tokenizer, step, 3, 8192, mix="paired")
+        rows = [(tokenizer.decode(r[:s], skip_special_tokens=False), r[s:].tolist()) for r, s in zip(ids, starts)]
+        chat = {t.split(header, 1)[1].split("<|eot_id|>")[0].strip(): a for t, a in rows if header in t}
+        plain = {t: a for t, a in rows if "<|" not in t and ("Question" in t or t.endswith("?"))}
+        assert len(plain) >= 4
+        for text, answer in plain.items():
+            # the plain row's text is a chat row's user turn, and both carry the same answer
+            assert text in chat, text
+            kinds["fewshot" if text.count("Question:") > 1 else "question" if "Question:" in text else "bare"] += 1
+            other = chat[text]
+            assert answer[: answer.index(eos)] != [] and eot in other
+            assert tokenizer.decode(answer[: answer.index(eos)]).strip() == tokenizer.decode(
+                other[: other.index(eot)]
+            ).strip()
+    assert set(kinds) == {"bare", "question", "fewshot"}
+
+
+def test_keep_best_saves_the_evaluation_with_the_highest_lowest_form(tmp_path, monkeypatch):
+    scores = iter([(0.5, 0.1), (0.4, 0.3), (0.9, 0.2)])  # (chat, plain); the lower: 0.1, 0.3, 0.2
+    current = None
+
+    def measured(model, tokenizer, n, chat_template=True, **config):
+        nonlocal current
+        if chat_template:
+            current = next(scores)
+            return {"accuracy": current[0]}
+        return {"accuracy": current[1]}
+
+    monkeypatch.setattr(train, "heldout_accuracy", measured)
+    train.train(_args(tmp_path / "run", 3, eval_every=1, eval_plain=True, keep_best=True))
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    evals = [r for r in log if "heldout" in r]
+    assert [r["heldout_plain"]["accuracy"] for r in evals] == [0.1, 0.3, 0.2]
+    assert [r.get("best", False) for r in evals] == [True, True, False]
+    state = json.loads((tmp_path / "run" / "best" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["score"] == 0.3
+    assert fastdllm.load(tmp_path / "run" / "best", device="cpu")[0] is not None

@@ -87,6 +87,7 @@ DATA_MIXES["talk-arith"] = DATA_MIXES["talk"]  # the same shapes; the arith stor
 # an answer token's weight is over its region's length, and a new skill's answers are ~50 tokens
 DATA_MIXES["tools"] = (0.0, [(0.55, [64]), (0.7, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
 DATA_MIXES["plain"] = DATA_MIXES["tools"]  # the same shapes; rows from train_data (few-shot there)
+DATA_MIXES["paired"] = DATA_MIXES["tools"]  # the same shapes; each question as a chat and a plain row
 # The fewest exemplars a few-shot batch draws, per mix (default 1; the most is always 8).
 MIN_SHOTS = {"shots": 4, "tail": 4}
 
@@ -126,14 +127,15 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     rows = []
     redrawn = 0
     while True:
-        pids, aids = rows_of()
-        need = max(region, len(aids) + 1)
-        if max([len(pids)] + [len(p) for p, _, _ in rows]) + max([need] + [n for *_, n in rows]) > max_len:
+        drawn = rows_of()
+        drawn = drawn if isinstance(drawn, list) else [drawn]  # a pair stays together
+        drawn = [(pids, aids, max(region, len(aids) + 1)) for pids, aids in drawn]
+        if max(len(p) for p, _, _ in rows + drawn) + max(n for *_, n in rows + drawn) > max_len:
             redrawn += 1
             if redrawn > 1000:
                 raise ValueError(f"max_len: {max_len} tokens cannot hold the {mix!r} mix's rows")
             continue
-        rows.append((pids, aids, need))
+        rows += drawn
         longest = max(len(a) for a, _, _ in rows) + max(n for *_, n in rows)
         if longest * (len(rows) + 1) > token_budget or len(rows) >= 256:
             break
@@ -441,9 +443,10 @@ def trainable_parameters(model: Transformer, which: str) -> list[torch.nn.Parame
 
 
 # ---- evaluation during training ----------------------------------------------------------------
-def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
+def heldout_accuracy(model, tokenizer, n: int, chat_template: bool = True, **config) -> dict:
     """Accuracy and NFE on the first `n` held-out arith problems, through `fastdllm.evaluation.harness`
-    (the one arith evaluator), 0-shot, batches of 16."""
+    (the one arith evaluator), 0-shot, batches of 16; with `chat_template=False` as plain prompts
+    (`fastdllm eval --no-chat-template`)."""
     from ..config import GenerationConfig
     from ..evaluation.harness import evaluate  # lazy: the engine and the harness sit above this module
 
@@ -451,7 +454,9 @@ def heldout_accuracy(model, tokenizer, n: int, **config) -> dict:
     model.eval()
     try:
         config = GenerationConfig.for_model(model, GenerationConfig(**config), **config)  # what its family needs
-        r = evaluate(model, tokenizer, "arith", limit=n, num_fewshot=0, config=config, batch_size=16)
+        r = evaluate(
+            model, tokenizer, "arith", limit=n, num_fewshot=0, config=config, batch_size=16, chat_template=chat_template
+        )
     finally:
         model.train(was_training)
     return {"accuracy": r["accuracy"], "nfe_per_sample": r["nfe_per_sample"], "eval_seconds": time.time() - t0}
@@ -478,6 +483,8 @@ class TrainSettings:
     save_every: int = 100
     eval_every: int = 200
     eval_n: int = 64
+    eval_plain: bool = False  # also evaluate plain prompts (no chat template) at each evaluation
+    keep_best: bool = False  # save OUT/best at the evaluation whose lowest accuracy (chat, plain) is highest
     resume: bool = False  # continue from OUT/checkpoint if present
     init_from: str | None = None  # start from this model folder's weights and tokenizer
     tokenizer_corpus: str = "arith"  # what a fresh run's BPE is trained on (embedded.TOKENIZER_CORPORA)
@@ -485,6 +492,23 @@ class TrainSettings:
     trainable: str = "all"  # "experts": only the routed experts and their routers learn (see trainable_parameters)
     editing_noise: float = 0.0  # share of unmasked answer tokens corrupted for the token-to-token objective (sft_loss)
     command_line: str = ""  # recorded in the checkpoint's metadata
+
+
+def _evaluate(model, tokenizer, n: int, chat_template: bool = True) -> dict:
+    """The run's held-out measure: 128-token answers at threshold 0.9, with the dual cache over
+    blocks of 32 for a family without blocks of its own."""
+    try:
+        return heldout_accuracy(
+            model,
+            tokenizer,
+            n,
+            chat_template=chat_template,
+            gen_length=128,
+            threshold=0.9,
+            **({} if model.args.block_size else {"block_length": 32, "cache": "dual"}),
+        )
+    except Exception as e:  # the engine may be absent in a partial install: log, keep training
+        return {"eval_error": f"{type(e).__name__}: {e}"}
 
 
 def train(args: TrainSettings) -> Path:
@@ -512,6 +536,8 @@ def train(args: TrainSettings) -> Path:
         sample, _ = make_batch(tokenizer, 0, args.seed, args.token_budget, args.data_mix, model.args.max_seq_len)
         transplant_weights(model, load_model(args.init_from, dtype=torch.float32), sample)
         print(f"initialised weights from {args.init_from}", flush=True)
+    best = out / "best" / "trainer_state.json"
+    best_score = json.loads(best.read_text())["score"] if args.resume and best.is_file() else -1.0
     log = (out / "train_log.jsonl").open("a")
     model.train()
     t_start, tokens = time.time(), 0
@@ -550,18 +576,16 @@ def train(args: TrainSettings) -> Path:
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(out, model, tokenizer, opt, step, meta)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            try:
-                acc = heldout_accuracy(
-                    model,
-                    tokenizer,
-                    args.eval_n,
-                    gen_length=128,
-                    threshold=0.9,
-                    **({} if model.args.block_size else {"block_length": 32, "cache": "dual"}),
-                )
-            except Exception as e:  # the engine may be absent in a partial install: log, keep training
-                acc = {"eval_error": f"{type(e).__name__}: {e}"}
-            rec = {"step": step, "heldout": acc, "elapsed_s": round(time.time() - t_start, 1)}
+            rec = {"step": step, "heldout": _evaluate(model, tokenizer, args.eval_n)}
+            if args.eval_plain:
+                rec["heldout_plain"] = _evaluate(model, tokenizer, args.eval_n, chat_template=False)
+            score = min(r.get("accuracy", -1.0) for k, r in rec.items() if k.startswith("heldout"))
+            if args.keep_best and score > best_score:
+                best_score = score
+                save_pretrained(model, out / "best", tokenizer, dtype=torch.bfloat16, remote_code=False)
+                best.write_text(json.dumps({"step": step, "score": score, **meta}, indent=2))
+                rec["best"] = True
+            rec["elapsed_s"] = round(time.time() - t_start, 1)
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(json.dumps(rec), flush=True)

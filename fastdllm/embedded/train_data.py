@@ -41,6 +41,9 @@ MIX_SOURCES = {
     "tools": {"arith": 0.45, "drill": 0.15, "tools": 0.4},
     # the embedded arith model's own questions behind the plain wrappers users send
     "plain": {"arith": 0.85, "drill": 0.15},
+    # each arith question twice in one batch, as a chat turn and behind the same text without the
+    # template (`paired_rows`): the wrapper is the only difference the loss sees between the two
+    "paired": {"paired": 0.8, "drill": 0.2},
 }
 # Within a question row: the prompt format's shares.
 FORMATS = {"chat": 0.5, "chat2": 0.12, "plain": 0.26, "plain-bare": 0.12}
@@ -112,11 +115,14 @@ def talk_row(
     streams: dict,
     sources: dict[str, float] | None = None,
     formats: dict[str, float] | None = None,
-) -> tuple[list[int], list[int]]:
-    """One row: (prompt ids, answer ids including its end token); `sources` and `formats`: the
-    shares of its sources and prompt formats (default `SOURCES`, `FORMATS`)."""
+) -> tuple[list[int], list[int]] | list[tuple[list[int], list[int]]]:
+    """One row: (prompt ids, answer ids including its end token), or a list of rows that belong
+    in one batch (`paired_rows`); `sources` and `formats`: the shares of its sources and prompt
+    formats (default `SOURCES`, `FORMATS`)."""
     eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
     source = _draw(r, sources or SOURCES)
+    if source == "paired":
+        return paired_rows(r, tokenizer, streams)
     if source == "tools":
         return tool_data.tool_row(r, tokenizer)
     if source == "text":
@@ -149,6 +155,30 @@ def talk_row(
         content = arith.format_prompt(p.question, [next(streams["arith"]) for _ in range(k)])
     messages.append({"role": "user", "content": content})
     return tokenizer.encode_chat(messages), tokenizer.encode(p.answer, add_special_tokens=False) + [eot]
+
+
+# A paired question's text (the same in both rows): the bare question, "Question: ...\nAnswer:", or
+# lm-eval gsm8k's few-shot layout behind 1-8 solved examples.
+PAIRED_TEXTS = {"bare": 0.3, "question": 0.5, "fewshot": 0.2}
+
+
+def paired_rows(r: random.Random, tokenizer, streams: dict) -> list[tuple[list[int], list[int]]]:
+    """One arith problem as two rows: its text as the chat template's user turn (answer, then
+    `<|eot_id|>`), and the same text as a plain prompt (a space, the answer, then end-of-text)."""
+    eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
+    p = next(streams["arith"])
+    kind = _draw(r, PAIRED_TEXTS)
+    if kind == "bare":
+        text = p.question
+    else:
+        shots = [next(streams["arith"]) for _ in range(r.randint(1, 8))] if kind == "fewshot" else []
+        text = arith.format_prompt(p.question, shots)
+    chat = tokenizer.encode_chat([{"role": "user", "content": text}])
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    return [
+        (chat, tokenizer.encode(p.answer, add_special_tokens=False) + [eot]),
+        (plain, tokenizer.encode(" " + p.answer, add_special_tokens=False) + [eos]),
+    ]
 
 
 def talk_streams(r: random.Random) -> dict:
