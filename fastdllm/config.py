@@ -270,6 +270,20 @@ class GenerationConfig:
         server=False,
         row=True,
     )
+    fixed: tuple = _opt(
+        (),
+        "fixed",
+        "infilling: text fixed at answer positions, POS:TEXT (0-based; a text of several tokens takes "
+        "the positions after POS; encoded as written); never masked, never edited",
+        row=True,
+    )
+    suffix: str | tuple | None = _opt(
+        None,
+        "optional text",
+        "infilling: text after the answer region, which the answer leads into (LLaDA, Dream: "
+        "bidirectional attention; block-causal families cannot see it)",
+        row=True,
+    )
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False, row=True)
     compile: bool = _opt(
         False,
@@ -294,6 +308,11 @@ class GenerationConfig:
     )
 
     def __post_init__(self) -> None:
+        # `fixed` as given ({pos: text or ids}, or pairs) -> sorted (pos, text | ids tuple) pairs,
+        # so that a config stays hashable and two spellings of one constraint compare equal
+        object.__setattr__(self, "fixed", _fixed_pairs(self.fixed))
+        if isinstance(self.suffix, (list, tuple)):
+            object.__setattr__(self, "suffix", tuple(self.suffix))
         self.validate()
 
     @classmethod
@@ -425,6 +444,12 @@ class GenerationConfig:
         return asdict(self)
 
     @property
+    def fixed_end(self) -> int:
+        """The answer position after the last fixed token (0: none fixed): stop tokens before it are
+        the fill's padding, not the answer's end (`text.completion.complete`)."""
+        return max((p + (1 if isinstance(v, str) else len(v)) for p, v in self.fixed), default=0)
+
+    @property
     def num_blocks(self) -> int:
         return self.gen_length // self.block_length
 
@@ -465,6 +490,11 @@ class GenerationConfig:
         base = kind.removeprefix("optional ")
         if optional and text.strip().lower() in NONE_WORDS:
             return None
+        if base == "fixed":  # one POS:TEXT; the CLI's repeated --fix adds them up
+            pos, sep, value = text.partition(":")
+            if not sep or not pos.strip().isdigit():
+                raise ConfigError(name, f"expected POS:TEXT (an answer position, a colon, the text), got {text!r}")
+            return ((int(pos), value),)
         try:
             if base == "int":
                 return int(text)
@@ -617,6 +647,31 @@ class GenerationConfig:
             "confidence_temperature",
             "needs greedy decoding (temperature 0): sampled tokens would be drawn twice",
         )
+        for pos, value in self.fixed:
+            need(is_int(pos) and pos >= 0, "fixed", f"positions must be integers >= 0 (got {pos!r})")
+            need(
+                (isinstance(value, str) and value != "")
+                or (isinstance(value, tuple) and value and all(is_int(t) for t in value)),
+                "fixed",
+                f"at {pos}: a non-empty text or token ids",
+            )
+            if not isinstance(value, str):
+                need(pos + len(value) <= self.gen_length, "fixed", f"at {pos}: beyond gen_length={self.gen_length}")
+        need(
+            all(p < self.gen_length for p, _ in self.fixed),
+            "fixed",
+            f"positions must be below gen_length={self.gen_length}",
+        )
+        spans = [(p, p + len(v)) for p, v in self.fixed if not isinstance(v, str)]
+        for (a, a_end), (b, _) in zip(spans, spans[1:]):
+            need(a_end <= b, "fixed", f"the spans at {a} and {b} overlap")
+        if self.suffix is not None:
+            need(
+                (isinstance(self.suffix, str) and self.suffix != "")
+                or (isinstance(self.suffix, tuple) and self.suffix and all(is_int(t) for t in self.suffix)),
+                "suffix",
+                "must be a non-empty text, token ids, or None",
+            )
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")
         need(isinstance(self.compile, bool), "compile", "must be true or false")
@@ -627,6 +682,32 @@ class GenerationConfig:
             "cuda_graphs",
             "not with deterministic (its forwards attend row by row)",
         )
+
+
+def _fixed_pairs(fixed) -> tuple:
+    """`fixed` in its one form: (pos, text) or (pos, token-id tuple) pairs sorted by position."""
+    if fixed is None:
+        return ()
+    if isinstance(fixed, dict):
+        items = list(fixed.items())
+    elif isinstance(fixed, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in fixed):
+        items = list(fixed)
+    else:
+        raise ConfigError("fixed", f"a {{position: text}} mapping or (position, text) pairs (got {fixed!r})")
+    pairs = []
+    for pos, value in items:
+        if isinstance(pos, str) and pos.strip().isdigit():  # JSON object keys are strings
+            pos = int(pos)
+        if not is_int(pos):
+            raise ConfigError("fixed", f"positions must be integers (got {pos!r})")
+        pairs.append(
+            (pos, value if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else value)
+        )
+    pairs.sort(key=lambda pv: pv[0])
+    for (a, _), (b, _) in zip(pairs, pairs[1:]):
+        if a == b:
+            raise ConfigError("fixed", f"position {a} is fixed twice")
+    return tuple(pairs)
 
 
 def _one_block_fields_dropped(needed: dict) -> dict:

@@ -155,6 +155,7 @@ class LMMethods:
     def generate_until(self, requests, disable_tqdm: bool = False):
         from .engine.generation import generate
         from .text.completion import complete
+        from .text.infill import encode_infill
 
         stop_ids = list(getattr(self.model, "stop_token_ids", None) or self.tokenizer.stop_token_ids())
         results: list[str | None] = [None] * len(requests)
@@ -176,14 +177,14 @@ class LMMethods:
             except ImportError:
                 bar = None
         for key, idxs in groups.items():
-            config = GenerationConfig(**dict(key[0]))
+            config = encode_infill(GenerationConfig(**dict(key[0])), self.tokenizer, self.model.mask_token_id)
             until = list(key[1])
             for start in range(0, len(idxs), self.batch_size):
                 chunk = idxs[start : start + self.batch_size]
                 prompts = [self.tokenizer.encode(requests[i].args[0], add_special_tokens=False) for i in chunk]
                 out = generate(self.model, prompts, config=config, row_seeds=[(config.seed or 0) + i for i in chunk])
                 for row, i in enumerate(chunk):
-                    text = complete(self.tokenizer, out.sequences[row], stop_ids, stop=until).text
+                    text = complete(self.tokenizer, out.sequences[row], stop_ids, until, config.fixed_end).text
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
                 if bar is not None:

@@ -47,6 +47,8 @@ BAD = {
     "block_add_threshold": 2,
     "decoded_token_threshold": -0.5,
     "lookahead_threshold": 1.01,
+    "fixed": {300: "x"},
+    "suffix": "",
 }
 
 

@@ -358,6 +358,11 @@ def test_lm_eval_plugin_logic(tiny_llada_dir, tokenizer):
         seq = generate(lm.model, [lm.tokenizer.encode(p)], config=lm._config_for({"max_gen_toks": 16})).sequences[0]
         assert complete(lm.tokenizer, seq, lm.model.stop_token_ids, stop=["Question:"]).text == o
     assert lm.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("assistant<|end_header_id|>\n\n")
+    # infilling from model_args, as lm-eval passes them (text)
+    fill = cls(pretrained=str(tiny_llada_dir), block_length=16, fixed="3: apples", suffix=" The end.")
+    assert fill.base_config.fixed == ((3, " apples"),) and fill.base_config.suffix == " The end."
+    texts = fill.generate_until([_Req(p, {"until": [], "max_gen_toks": 16}) for p in prompts], disable_tqdm=True)
+    assert all(" apples" in t for t in texts)
 
 
 def test_lm_eval_plugin_registers_with_lm_eval():

@@ -24,6 +24,7 @@ LAYERS = [
             "fastdllm.server",
             "fastdllm.embedded",
             "fastdllm.lm_eval_plugin",
+            "fastdllm.demo",
         ],
     ),
     ("the command line and the package's front door", ["fastdllm.cli", "fastdllm.__main__", "fastdllm"]),

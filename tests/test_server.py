@@ -213,6 +213,47 @@ def test_stream_chat_equals_non_streamed(srv):
         assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+def test_infilling_requests_match_direct_generation(srv, loaded):
+    model, tok = loaded
+    prompt = "Question: Tom has 5 apples. He buys"
+    suffix = " more apples. How many apples does Tom have now?\nAnswer: 8"
+    r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, seed=0, suffix=suffix)
+    want = fastdllm.generate_text(model, tok, prompt, max_new_tokens=32, config=DEFAULTS, suffix=suffix)
+    assert r.choices[0].text == want.text
+    fixed = {"40": "\n#### 8"}
+    r = srv.client.chat.completions.create(
+        model=MODEL, messages=user(QUESTIONS[0]), max_tokens=64, seed=0, extra_body={"fixed": fixed}
+    )
+    want = fastdllm.generate_text(
+        model, tok, messages=user(QUESTIONS[0]), max_new_tokens=64, config=DEFAULTS, fixed=fixed
+    )
+    assert r.choices[0].message.content == want.text and want.text.endswith("#### 8")
+
+
+def test_canvas_stream_passes_through_the_official_client(srv):
+    kw = dict(model=MODEL, messages=user(QUESTIONS[1]), max_tokens=64, seed=0)
+    plain = list(srv.client.chat.completions.create(**kw, stream=True))
+    chunks = list(srv.client.chat.completions.create(**kw, stream=True, stream_options={"include_canvas": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
+    assert not any((c.model_extra or {}).get("canvas") for c in plain)
+    canvases = [c.model_extra["canvas"] for c in chunks if not c.choices]
+    assert len(canvases) >= 3 and all(len(c["tokens"]) == 64 for c in canvases)
+    masked = [c["tokens"].count("<|mdm_mask|>") for c in canvases]
+    assert masked == sorted(masked, reverse=True) and masked[0] > 0
+    assert all(c["revealed"] for c in canvases[:-1]) and [c["nfe"] for c in canvases] == list(
+        range(1, len(canvases) + 1)
+    )
+    # the last canvas is the answer: its text up to the first stop token
+    final = "".join(canvases[-1]["tokens"]).split("<|eot_id|>")[0]
+    assert final == text
+    # raw SSE: named events, which a client that did not ask never gets
+    raw = srv.post(
+        CHAT, {**kw, "messages": user(QUESTIONS[1]), "stream": True, "stream_options": {"include_canvas": True}}
+    ).text
+    assert raw.count("event: canvas\n") == len(canvases)
+
+
 def test_stream_completion_with_n_and_raw_sse(srv):
     body = {
         "model": MODEL,
@@ -442,6 +483,18 @@ BAD_REQUESTS = [
     ),
     (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
     (CHAT, {"model": MODEL, "messages": MSG, "stop": ["\ud800"]}, 400, "stop"),
+    (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 32, "fixed": {"40": "x"}}, 400, "fixed"),
+    (CHAT, {"model": MODEL, "messages": MSG, "fixed": {"3": ""}}, 400, "fixed"),
+    (CHAT, {"model": MODEL, "messages": MSG, "fixed": {"3": " a b c", "4": " d"}}, 400, "fixed"),
+    (CHAT, {"model": MODEL, "messages": MSG, "fixed": "3:x"}, 400, "fixed"),
+    (CHAT, {"model": MODEL, "messages": MSG, "fixed": {"0": "<|mdm_mask|>"}}, 400, "fixed"),
+    (COMP, {"model": MODEL, "prompt": "hi", "suffix": "a<|mdm_mask|>"}, 400, "suffix"),
+    (
+        CHAT,
+        {"model": MODEL, "messages": MSG, "suffix": " ok", "response_format": {"type": "json_object"}},
+        400,
+        "suffix",
+    ),
     ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, 400, "prompt"),
     ("/v1/nothing", {"model": MODEL}, 404, None),
 ]

@@ -389,9 +389,10 @@ def test_paired_mix_puts_each_question_in_one_batch_as_chat_and_plain(tokenizer)
             kinds["fewshot" if text.count("Question:") > 1 else "question" if "Question:" in text else "bare"] += 1
             other = chat[text]
             assert answer[: answer.index(eos)] != [] and eot in other
-            assert tokenizer.decode(answer[: answer.index(eos)]).strip() == tokenizer.decode(
-                other[: other.index(eot)]
-            ).strip()
+            assert (
+                tokenizer.decode(answer[: answer.index(eos)]).strip()
+                == tokenizer.decode(other[: other.index(eot)]).strip()
+            )
     assert set(kinds) == {"bare", "question", "fewshot"}
 
 

@@ -109,6 +109,17 @@ def _recording(action_cls):
 
 
 _StoreRecording = _recording(argparse._StoreAction)
+
+
+class _AddUp(argparse.Action):
+    """A repeatable flag whose parsed values are tuples that add up (--fix 0:A --fix 9:B)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest) if self.dest in getattr(namespace, "_explicit", ()) else ()
+        setattr(namespace, self.dest, tuple(given) + tuple(values))
+
+
+_AddUpRecording = _recording(_AddUp)
 _BoolRecording = _recording(argparse.BooleanOptionalAction)
 
 
@@ -129,6 +140,17 @@ def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig |
         text = f"{opt['help']} (default: {default})"
         if kind == "bool":
             g.add_argument(flag(name), dest=name, action=_BoolRecording, default=default, help=text)
+        elif kind == "fixed":  # --fix POS:TEXT, repeated
+            g.add_argument(
+                "--fix",
+                flag(name),
+                dest=name,
+                action=_AddUpRecording,
+                type=_parser_for(name, kind),
+                default=default,
+                help=opt["help"] + "; repeat for more",
+                metavar="POS:TEXT",
+            )
         else:
             g.add_argument(
                 flag(name),

@@ -15,6 +15,8 @@ GENERATE_EXAMPLES = """examples:
   fastdllm generate --json --seed 0 --temperature 0.7 "..."
   echo "Mia has 3 books." | fastdllm generate -
   fastdllm generate --raw "Question: 2 + 3 = ?\\nAnswer:"        # no chat template
+  fastdllm generate --fix "40:#### 8" "Tom has 5 apples. He buys 3 more apples. How many now?"   # infilling
+  fastdllm generate --raw --gen-length 32 --suffix " more apples." "Tom has 5 apples. He buys"
 """
 
 

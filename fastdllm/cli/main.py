@@ -23,6 +23,7 @@ COMMANDS = {
     "train-tiny": ("fastdllm.cli.train_tiny", "main", "train the embedded default model from a seed"),
     "tune": ("fastdllm.cli.tune", "main", "the fastest decoding within an accuracy budget, as a preset"),
     "plan": ("fastdllm.cli.plan", "main", "weights and KV cache per rank under --tp / --ep, from config.json"),
+    "demo": ("fastdllm.cli.demo", "main", "two chat panes side by side, each canvas denoising live (Gradio)"),
 }
 
 EXAMPLES = """examples:
@@ -30,6 +31,7 @@ EXAMPLES = """examples:
   fastdllm generate --show --threshold 0.7 "..."     # watch the canvas denoise
   fastdllm chat
   fastdllm serve --port 8000
+  fastdllm demo                                    # http://127.0.0.1:7860
   fastdllm eval --task arith --limit 200
   fastdllm bench --quick
   fastdllm tune --task arith --budget 1 --out arith.json

@@ -10,6 +10,7 @@ from ..config import GenerationConfig
 from ..engine.generation import GenerationOutput, generate
 from ..engine.ranks import LocalCommands
 from ..text.completion import Completion, complete
+from ..text.infill import encode_infill
 
 
 @dataclass
@@ -48,10 +49,13 @@ def run_prompt(
     model cannot take raises ValueError. `keep`: cut the answer to that many tokens. `commands`
     (`engine.ranks.Commands`): the other ranks of a tensor-parallel model decode it too."""
     limit = model.args.max_seq_len
-    if len(ids) + config.gen_length > limit:
+    config = encode_infill(config, tokenizer, model.mask_token_id, keep)
+    suffix = len(config.suffix or ())
+    if len(ids) + config.gen_length + suffix > limit:
         raise ValueError(
-            f"the prompt ({len(ids)} tokens) + gen_length ({config.gen_length}) exceeds the "
-            f"model's context of {limit} tokens"
+            f"the prompt ({len(ids)} tokens) + gen_length ({config.gen_length})"
+            + (f" + suffix ({suffix} tokens)" if suffix else "")
+            + f" exceeds the model's context of {limit} tokens"
         )
     on_step, view = None, None
     if show:
@@ -67,7 +71,7 @@ def run_prompt(
             out = run.run(("generate", [ids], config), generate, model, [ids], config, on_step=on_step)
     else:
         out = run.run(("generate", [ids], config), generate, model, [ids], config)
-    completion = complete(tokenizer, out.sequences[0][:keep], model.stop_token_ids, stop)
+    completion = complete(tokenizer, out.sequences[0][:keep], model.stop_token_ids, stop, config.fixed_end)
     return Answer(completion, out, len(ids))
 
 

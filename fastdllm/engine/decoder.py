@@ -59,15 +59,16 @@ def join_key(config: GenerationConfig) -> tuple:
 
 def layout_columns(prompt_length: int, config: GenerationConfig) -> int:
     """The most columns a row of this prompt length and config takes in the loop's layout (and its
-    cache): its prompt and region (one block more where a block-causal prompt ends inside a
-    block), and the columns a step reads past it."""
-    return prompt_length + config.gen_length + config.block_length * (1 + config.parallel_blocks)
+    cache): its prompt, region (one block more where a block-causal prompt ends inside a block)
+    and suffix, and the columns a step reads past it."""
+    suffix = len(config.suffix) if config.suffix is not None else 0  # text: about its length in tokens
+    return prompt_length + config.gen_length + suffix + config.block_length * (1 + config.parallel_blocks)
 
 
 def decision_key(config: GenerationConfig) -> GenerationConfig:
     """The config but what the loop reads per row (its length and step schedule): rows equal in
     it decide with one strategy object."""
-    return config.replace(gen_length=config.block_length, steps=None)
+    return config.replace(gen_length=config.block_length, steps=None, fixed=(), suffix=None)
 
 
 @dataclass(eq=False)
@@ -101,6 +102,22 @@ class Row:
     # choice so the answer is revealed left to right, each token checked.
     constraint: object = None
     strategy: object = None  # the unmasking strategy it decides with (`unmasking.UnmaskingStrategy`)
+    # Infilling: tokens fixed at answer positions ((position, id) pairs), laid out before the first
+    # step and never masked (their step is -1, as a prompt token's: no rule reveals or edits them),
+    # and the suffix after the region, which every forward of a bidirectional model sees.
+    fixed: tuple = ()
+    suffix: torch.Tensor | None = None
+
+    @property
+    def stop_block(self) -> int:
+        """The first of its region's blocks whose stop tokens end the row: the block of its last
+        fixed token (a stop token before it pads the fill; the fixed tokens stay)."""
+        return max(((self.lead + p) // self.config.block_length for p, _ in self.fixed), default=0)
+
+    @property
+    def extent(self) -> int:
+        """Its columns in the layout: prompt, region and suffix."""
+        return len(self.prompt) + self.config.gen_length + (0 if self.suffix is None else len(self.suffix))
 
     @property
     def lead(self) -> int:
@@ -203,10 +220,12 @@ def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
         raise ValueError("input_ids: empty prompt (every row needs at least one token)")
     if ((ids == model.mask_token_id) & mask).any():
         raise ValueError(f"input_ids: a prompt contains the mask token (id {model.mask_token_id})")
-    if ids.shape[1] + config.gen_length > model.args.max_seq_len:
+    suffix = 0 if config.suffix is None else len(config.suffix)
+    if ids.shape[1] + config.gen_length + suffix > model.args.max_seq_len:
         raise ValueError(
-            f"gen_length: prompt ({ids.shape[1]} tokens) + gen_length ({config.gen_length}) exceeds the "
-            f"model's max_sequence_length ({model.args.max_seq_len})"
+            f"gen_length: prompt ({ids.shape[1]} tokens) + gen_length ({config.gen_length})"
+            + (f" + suffix ({suffix})" if suffix else "")
+            + f" exceeds the model's max_sequence_length ({model.args.max_seq_len})"
         )
     return ids, mask
 
@@ -344,8 +363,11 @@ class BlockDecoder:
             if strategy.draws_randomness
             else [None] * ids.shape[0]
         )
+        fixed, suffix = self._infill(config, constraints)
         tags = [None] * ids.shape[0] if tags is None else list(tags)
         rows = [self._row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
+        for r in rows:
+            r.fixed, r.suffix = fixed, suffix
         for r in rows:
             r.strategy = strategy
         if constraints is not None:
@@ -359,6 +381,33 @@ class BlockDecoder:
                 r.constraint = c
         self.joining.extend(rows)
         return rows
+
+    def _infill(self, config: GenerationConfig, constraints) -> tuple[tuple, torch.Tensor | None]:
+        """A config's fixed tokens and suffix, checked against this model: token ids (text is
+        encoded by the front ends, `text.infill.encode_infill`), not the mask token, and a suffix
+        only where attention is bidirectional."""
+        if not config.fixed and config.suffix is None:
+            return (), None
+        for name, value in [("fixed", v) for _, v in config.fixed] + [("suffix", config.suffix)]:
+            if isinstance(value, str):
+                raise ValueError(
+                    f"{name}: give token ids to generate(); text is encoded by generate_text, the CLI "
+                    "and the server (fastdllm.text.infill.encode_infill)"
+                )
+            if value is not None and any(not 0 <= t < self.model.args.vocab_size for t in value):
+                raise ValueError(f"{name}: token ids must be in [0, {self.model.args.vocab_size})")
+            if value is not None and self.mask_id in value:
+                raise ValueError(f"{name}: holds the mask token (id {self.mask_id})")
+        if config.suffix is not None and self.model.args.block_size:
+            raise ValueError(
+                f"suffix: this model's attention is block-causal (blocks of {self.model.args.block_size}): "
+                "no block sees text after it, so an answer cannot lead into a suffix; fixed tokens work"
+            )
+        if constraints is not None and any(c is not None for c in constraints):
+            raise ValueError("fixed: not with a grammar constraint, which reveals the answer left to right")
+        fixed = tuple((p + k, t) for p, ids in config.fixed for k, t in enumerate(ids))
+        suffix = None if config.suffix is None else torch.tensor(config.suffix, dtype=torch.long, device=self.device)
+        return fixed, suffix
 
     def _row(self, prompt, config, generator, tag) -> Row:
         blk = self.config.block_length
@@ -542,7 +591,7 @@ class BlockDecoder:
                 kept.append((r, i))
                 continue
             tokens = h[4:]
-            r.finished, r.unrefreshed = bool(h[2]), 0
+            r.finished, r.unrefreshed = bool(h[2]) and r.block >= r.stop_block, 0
             k = 0
             while True:
                 _, _, b_lo, b_hi = r.answer_span(r.block, blk)
@@ -552,7 +601,11 @@ class BlockDecoder:
                 if r.finished or r.block == r.num_blocks or k > h[3]:
                     break
                 r.unrefreshed += 1  # revealed whole while it was a later block: no forward of its own
-                r.finished = r.config.stop_at_eos and any(t in self.stop_set for t in tokens[k * blk : (k + 1) * blk])
+                r.finished = (
+                    r.config.stop_at_eos
+                    and r.block >= r.stop_block
+                    and any(t in self.stop_set for t in tokens[k * blk : (k + 1) * blk])
+                )
             if r.finished or r.block == r.num_blocks:
                 self._leave(i, r)
             else:
@@ -609,9 +662,12 @@ class BlockDecoder:
         (the masked tail after it is not part of any forward until the window reaches it)."""
         cfg, rows, blk = self.config, self.rows, self.config.block_length
         starts = tuple(r.column(blk) for r in rows)
-        ends = [len(r.prompt) + r.config.gen_length for r in rows]
-        if cfg.suffix_window is not None:
-            ends = [min(e, s + self.width + cfg.suffix_window) for e, s in zip(ends, starts)]
+        ends = [r.extent for r in rows]
+        if cfg.suffix_window is not None:  # a row with a suffix sees it whole
+            ends = [
+                e if r.suffix is not None else min(e, s + self.width + cfg.suffix_window)
+                for r, e, s in zip(rows, ends, starts)
+            ]
         return SequenceView(
             self.x,
             starts,
@@ -635,7 +691,7 @@ class BlockDecoder:
             self.policy.relayout([], 0)
             return
         # room after the longest row for the columns a step reads past a row's region
-        length = max(len(r.prompt) + r.config.gen_length for r, _ in moves) + self.width
+        length = max(r.extent for r, _ in moves) + self.width
         bsz = len(moves)
         x = torch.full((bsz, length), self.model.args.eos_token_id, dtype=torch.long, device=dev)
         step_of = torch.full((bsz, length), -1, dtype=torch.long, device=dev)
@@ -652,6 +708,10 @@ class BlockDecoder:
                 x[i, p : p + r.config.gen_length] = self.mask_id
                 if r.lead:
                     x[i, p : p + r.lead] = r.lead_tokens
+                for pos, t in r.fixed:
+                    x[i, p + r.lead + pos] = t
+                if r.suffix is not None:
+                    x[i, p + r.config.gen_length : r.extent] = r.suffix
         sources = [src for _, src in moves]
         self.row_nfe = self._carry(self.row_nfe, sources, 0)
         self.opened = self._carry(self.opened, sources, 0)

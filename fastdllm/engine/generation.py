@@ -147,6 +147,9 @@ def iter_generate(
     slot = {id(r): i for i, r in enumerate(rows)}
     # The answers as the caller sees them: (B, gen_length), the mask id where still masked.
     canvas = torch.full((len(rows), config.gen_length), model.mask_token_id, dtype=torch.long, device=model.device)
+    for i, r in enumerate(rows):  # fixed tokens are there from the start
+        for pos, t in r.fixed:
+            canvas[i, pos] = t
 
     def show(r, block: int, tokens) -> None:
         a_lo, a_hi, b_lo, b_hi = r.answer_span(block, blk)
@@ -200,9 +203,11 @@ def iter_generate(
     yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=finished, nfe=decoder.nfe, stats=stats)
 
 
-def count_until_stop(seq: torch.Tensor, stop_ids: Sequence[int]) -> list[int]:
-    """Per row: tokens before the first stop token (all of them when there is none)."""
+def count_until_stop(seq: torch.Tensor, stop_ids: Sequence[int], start: int = 0) -> list[int]:
+    """Per row: tokens before the first stop token at or after `start` (all of them when there is
+    none; `start`: the end of the fixed tokens, before which stop tokens pad the fill)."""
     is_stop = torch.isin(seq, torch.tensor(list(stop_ids), device=seq.device))
+    is_stop[:, :start] = False
     first = torch.where(is_stop.any(-1), is_stop.long().argmax(-1), torch.full_like(seq[:, 0], seq.shape[1]))
     return first.tolist()
 
@@ -268,7 +273,7 @@ def generate(
         sequences=sequences,
         stats=stats,
         unmask_step=unmask_step,
-        num_tokens=count_until_stop(sequences, model.stop_token_ids),
+        num_tokens=count_until_stop(sequences, model.stop_token_ids, config.fixed_end),
         wall_time=wall,
         config=config,
     )

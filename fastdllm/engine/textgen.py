@@ -8,6 +8,11 @@ pipeline does with a string; `messages` (a conversation, or a list of them) go t
 tokenizer's chat template. `max_new_tokens` is rounded up to whole blocks for decoding and the
 text cut back to that many tokens, as the server does with `max_tokens`. Every other keyword is a
 `GenerationConfig` field (`threshold=0.7`, `cache="prefix"`, ...), applied over `config`.
+
+Infilling: `fixed={5: " apples"}` fixes text at answer positions, `suffix="..."` gives the text
+after the answer (LLaDA, Dream); the texts are encoded as written:
+
+    fastdllm.generate_text(model, tokenizer, "The sky is", suffix=" and the grass is green.")
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 from ..config import GenerationConfig
 from ..text.completion import complete
+from ..text.infill import encode_infill
 from .generation import generate
 
 
@@ -63,11 +69,12 @@ def generate_text(
     config = (
         config.replace(**options) if max_new_tokens is None else config.with_max_new_tokens(max_new_tokens, **options)
     )
-    out = generate(model, ids, config=config)
     keep = max_new_tokens if max_new_tokens is not None else config.gen_length
+    config = encode_infill(config, tokenizer, model.mask_token_id, keep)
+    out = generate(model, ids, config=config)
     results = []
     for i, row in enumerate(out.sequences.tolist()):
-        c = complete(tokenizer, row[:keep], model.stop_token_ids, stop)
+        c = complete(tokenizer, row[:keep], model.stop_token_ids, stop, config.fixed_end)
         reason = c.finish_reason if c.finish_reason == "stop" or keep >= config.gen_length else "length"
         results.append(
             TextOutput(

@@ -53,6 +53,7 @@ from ..engine.generation import generate, warm_up
 from ..engine.policies import PolicySource
 from ..quant import weight_bytes
 from ..text.completion import complete
+from ..text.infill import encode_infill
 from ..version import __version__
 from .tasks import Task, get_task, has_chat_template
 
@@ -235,7 +236,8 @@ class _Run:
     """One rank's share of an evaluation: its documents decoded in batches, scored, and recorded."""
 
     def __init__(self, model, tokenizer, task: Task, config: GenerationConfig, shots, chat, policies, rank: int):
-        self.model, self.tokenizer, self.task, self.config = model, tokenizer, task, config
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.config = encode_infill(config, tokenizer, model.mask_token_id)
         self.shots, self.chat, self.policies, self.rank = shots, chat, policies, rank
         self.stops = task.stop_strings(chat)
         self.stop_ids = list(getattr(model, "stop_token_ids", None) or tokenizer.stop_token_ids())
@@ -263,7 +265,8 @@ class _Run:
         self.forward_time += out.forward_time
         self.kv_bytes = max(self.kv_bytes, out.kv_cache_bytes)
         completions = [
-            complete(self.tokenizer, out.sequences[i], self.stop_ids, stop=self.stops) for i in range(len(batch))
+            complete(self.tokenizer, out.sequences[i], self.stop_ids, self.stops, self.config.fixed_end)
+            for i in range(len(batch))
         ]
         t0 = time.perf_counter()
         scores = scorer.score(batch, [c.text for c in completions])

@@ -20,9 +20,10 @@ class ChoiceText:
     could be the start of a stop string. Once final (stop token, stop string, max_tokens reached or
     the last block), the text equals `complete()` of the whole output cut to max_tokens."""
 
-    def __init__(self, tokenizer, stop_token_ids, stop: list[str], max_tokens: int):
+    def __init__(self, tokenizer, stop_token_ids, stop: list[str], max_tokens: int, fixed_end: int = 0):
         self.tokenizer, self.stop_token_ids, self.stop = tokenizer, stop_token_ids, stop
         self.max_tokens = max_tokens
+        self.fixed_end = fixed_end  # infilling: stop tokens before it pad the fill (`complete`)
         self.ids: list[int] = []
         self.sent = ""
         self.final = False
@@ -46,7 +47,7 @@ class ChoiceText:
         self.ids.extend(block_ids)
         ids = self.ids[: self.max_tokens]
         stops = set(self.stop_token_ids)
-        end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+        end = next((i for i, t in enumerate(ids) if t in stops and i >= self.fixed_end), len(ids))
         text = self.tokenizer.decode(ids[:end])
         found = [text.find(s) for s in self.stop if s in text]
         cut = min(found) if found else -1
@@ -59,7 +60,7 @@ class ChoiceText:
             or (cut >= 0 and cut <= held_from)
         )
         if final:
-            c = complete(self.tokenizer, ids, self.stop_token_ids, self.stop)
+            c = complete(self.tokenizer, ids, self.stop_token_ids, self.stop, self.fixed_end)
             self.final, self.text, self.num_tokens, self.finish_reason = True, c.text, c.num_tokens, c.finish_reason
             safe = c.text
         else:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..engine.likelihood import prefix_logprobs
 from ..text import tool_calls
 from .incremental import ChoiceText
-from .scheduler import BlockFinal, Job, JobEnded, JobFailed
+from .scheduler import BlockFinal, CanvasStep, Job, JobEnded, JobFailed
 from .schema import APIError, ChatCompletionRequest, CompletionRequest
 from .state import RequestPlan, Server
 
@@ -121,13 +121,17 @@ class Answer:
         self.server, self.endpoint, self.req, self.request, self.plan = server, endpoint, req, request, plan
         self.arrival, self.last_block_at = arrival, None
         tokenizer, model = server.tokenizer, server.model
-        self.choices = [ChoiceText(tokenizer, model.stop_token_ids, req.stop_list(), plan.keep) for _ in plan.rows]
+        self.choices = [
+            ChoiceText(tokenizer, model.stop_token_ids, req.stop_list(), plan.keep, plan.config.fixed_end)
+            for _ in plan.rows
+        ]
         self.job: Job = server.submit(plan)
         self.meta = new_meta(endpoint.id_prefix, server.settings.model_name)
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         parser = server.settings.tool_call_parser or tool_calls.parser_for_template(tokenizer.chat_template)
         self.parse = tool_calls.PARSERS[parser]
         ignored = plan.ignored
+        self.token_texts: dict[int, str] = {}
         self.headers = {"X-Fastdllm-Ignored": ", ".join(ignored)} if ignored else {}
 
     # -- the choices
@@ -222,6 +226,30 @@ class Answer:
     def text_chunk(self, i: int, delta: str | None, finish: str | None, role: bool = False) -> str:
         return self.chunk(self.endpoint.chunk_choice(i, delta, finish, role))
 
+    def canvas_chunks(self, item: CanvasStep) -> list[str]:
+        """A step's canvas, one `event: canvas` chunk per choice: no choices (a client that did not
+        ask never sees one; the official clients read it as a chunk without choices), and under
+        `canvas` the answer region's tokens as text (the mask as the model's mask text), the
+        positions the step revealed and edited, the block, and the forwards so far."""
+        out = []
+        for i, ids, revealed, edited, block, nfe in item.rows:
+            canvas = {
+                "index": i,
+                "tokens": [self.token_text(t) for t in ids[: self.plan.keep]],
+                "revealed": [p for p in revealed if p < self.plan.keep],
+                "edited": [p for p in edited if p < self.plan.keep],
+                "block": block,
+                "nfe": nfe,
+            }
+            body = {**envelope(self.meta, self.endpoint.chunk_object, []), "canvas": canvas}
+            out.append(f"event: canvas\n{_sse(body)}")
+        return out
+
+    def token_text(self, t: int) -> str:
+        if t not in self.token_texts:
+            self.token_texts[t] = self.server.tokenizer.decode([t], skip_special_tokens=False)
+        return self.token_texts[t]
+
     def render(self, updates) -> list[str]:
         """The chunks for a block's updates. A tool-calling answer is sent whole once final: the
         calls, or its text when it called none."""
@@ -260,6 +288,9 @@ class Answer:
                     yield "data: [DONE]\n\n"
                     done = True
                     return
+                if isinstance(item, CanvasStep):
+                    for s in self.canvas_chunks(item):
+                        yield s
                 if isinstance(item, BlockFinal):
                     for s in self.render(self.on_block(item)):
                         yield s

@@ -39,6 +39,16 @@ class BlockFinal:
 
 
 @dataclass
+class CanvasStep:
+    """A step's state of a job's rows (`stream_options.include_canvas`): per row that took part,
+    (choice index, its answer region's token ids, the positions the step revealed, those it
+    edited, its block, its forwards so far). Positions are answer positions; a block revealed whole
+    while it was a later one (multi-block decoding) shows when it becomes final."""
+
+    rows: list[tuple[int, list[int], list[int], list[int], int, int]]
+
+
+@dataclass
 class JobEnded:
     """Every row of the job is done."""
 
@@ -65,6 +75,8 @@ class Job:
     blocks_posted: list[int] = field(default_factory=list)
     # Per row, the grammar its answer follows (`constraints.py`; response_format), or None.
     constraints: list | None = None
+    canvas: bool = False  # post each step's state of its rows (`CanvasStep`)
+    canvases: list[list[int]] | None = None  # per row, its answer region as the canvas shows it
 
     @property
     def rows(self) -> int:
@@ -341,7 +353,7 @@ class Scheduler:
                     s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
                 nfe = decoder.nfe
                 try:
-                    run(("step",), decoder.step)
+                    step = run(("step",), decoder.step)
                 except RankLost:
                     raise
                 except Exception as e:
@@ -352,6 +364,7 @@ class Scheduler:
                     self.stats["blocks"] += len({b for _, b, _ in decoder.last_blocks})
                 if self.batch_hook is not None:
                     self.batch_hook(rows, decoder.nfe - nfe)
+                self._post_canvas(decoder, step, running)
                 for job in self._post_blocks(decoder, running):
                     del running[job]
                 if self.block_hook is not None and decoder.last_blocks:
@@ -373,6 +386,44 @@ class Scheduler:
             raise
         except Exception as e:  # never let one bad batch kill the worker
             self._fail(list(running), e)
+
+    def _post_canvas(self, decoder: BlockDecoder, step, running: dict) -> None:
+        """Send each job that asked for it the state of its rows after this step."""
+        jobs = [j for j in running if j.canvas and j.wanted]
+        if not jobs or step is None:
+            return
+        blk, mask = decoder.config.block_length, decoder.mask_id
+        where = {id(r): j for j, r in enumerate(step.rows)}
+        tokens, chosen = step.tokens.tolist(), step.chosen.tolist()
+        edited = None if step.edited is None else step.edited.tolist()
+        final: dict[int, list] = {}
+        for r, b, ids in decoder.last_blocks:
+            final.setdefault(id(r), []).append((b, ids))
+        for job in jobs:
+            rows = running[job]
+            if job.canvases is None:
+                job.canvases = [[mask] * r.asked for r in rows]
+                for canvas, r in zip(job.canvases, rows):
+                    for pos, t in r.fixed:
+                        canvas[pos] = t
+            updates = []
+            for k, r in enumerate(rows):
+                j = where.get(id(r))
+                if j is None:
+                    continue
+                canvas, block = job.canvases[k], step.blocks[j]
+                a_lo, a_hi, b_lo, b_hi = r.answer_span(block, blk)
+                canvas[a_lo:a_hi] = tokens[j][b_lo:b_hi]
+                for b, ids in final.get(id(r), []):
+                    lo, hi, _, _ = r.answer_span(b, blk)
+                    canvas[lo:hi] = ids
+                if r.done:
+                    canvas[:] = r.answer.tolist()
+                revealed = [a_lo + p - b_lo for p in range(b_lo, b_hi) if chosen[j][p]]
+                edits = [] if edited is None else [a_lo + p - b_lo for p in range(b_lo, b_hi) if edited[j][p]]
+                updates.append((k, list(canvas), revealed, edits, block, r.nfe))
+            if updates:
+                job.post(CanvasStep(updates))
 
     def _post_blocks(self, decoder: BlockDecoder, running: dict) -> list[Job]:
         """Send each job the blocks its rows just ended; returns the jobs that are complete."""

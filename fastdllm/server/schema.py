@@ -14,7 +14,8 @@ from ..config import GenerationConfig, is_int
 
 # Request fields that set a GenerationConfig field of the same name (declared there).
 DLLM_FIELDS = tuple(o["name"] for o in GenerationConfig.options() if o["server"])
-_KIND_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+# `fixed` in a request: {"5": " apples"} (JSON object keys are strings; positions as integers)
+_KIND_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "text": str, "fixed": dict[str, str]}
 MAX_N = 32
 MAX_STOP = 16
 IGNORABLE = (
@@ -172,6 +173,8 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # an extension: each step's canvas as `event: canvas` chunks with no choices (`Answer.canvas_chunks`)
+    include_canvas: bool = False
 
 
 _DecodingFields = create_model(
@@ -313,7 +316,6 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
     def check_unsupported(self, strict: bool = False) -> None:
@@ -335,8 +337,6 @@ class CompletionRequest(_Common):
                 )
             if self.stream or self.n != 1:
                 raise APIError(400, "echo: not with stream or n > 1", param="echo", code="invalid_value")
-        if self.suffix:
-            raise APIError(400, "suffix: not supported", param="suffix", code="unsupported_value")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: not supported (only 1)", param="best_of", code="unsupported_value")
 

@@ -18,6 +18,7 @@ from ..engine.decoder import layout_columns
 from ..engine.generation import generate
 from ..engine.ranks import LocalCommands
 from ..text import tool_calls
+from ..text.infill import encode_infill
 from .metrics import ServerMetrics
 from .scheduler import Job, QueueFull, Scheduler
 from .schema import DLLM_FIELDS, MAX_N, APIError, ChatCompletionRequest, CompletionRequest, _Common
@@ -161,7 +162,7 @@ class Server:
 
     def check_context(self, prompts: list[list[int]], config: GenerationConfig, param: str) -> None:
         limit = self.model.args.max_seq_len
-        longest = max(len(p) for p in prompts)
+        longest = max(len(p) for p in prompts) + len(config.suffix or ())
         if longest + config.gen_length > limit:
             raise APIError(
                 400,
@@ -225,6 +226,18 @@ class Server:
         self.check_prompt_chars(endpoint, req)
         prompts = endpoint.prompts(self, req)
         config, keep = self.config_for(req, endpoint.max_tokens(req))
+        try:
+            config = encode_infill(config, self.tokenizer, self.model.mask_token_id, keep)
+        except ConfigError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        if config.suffix is not None and self.model.args.block_size:
+            raise APIError(
+                400,
+                "suffix: this model's attention is block-causal: no block sees text after it, so an "
+                "answer cannot lead into a suffix (fixed words work)",
+                param="suffix",
+                code="unsupported_value",
+            )
         self.check_context(prompts, config, endpoint.prompt_param)
         limit = max(MAX_N, self.settings.max_batch_size)
         if len(prompts) * req.n > limit:
@@ -239,8 +252,17 @@ class Server:
         seeds = [seed + i for _ in prompts for i in range(req.n)]
         tool_mode = self.tool_mode(endpoint, req)
         constraints = self.constraints(req, tool_mode, len(rows), keep)
+        if constraints is not None and (config.fixed or config.suffix is not None):
+            param = "fixed" if config.fixed else "suffix"
+            raise APIError(
+                400,
+                f"{param}: not with response_format or forced tool calls (a grammar reveals the answer left to right)",
+                param=param,
+                code="invalid_value",
+            )
         prompt_tokens = sum(len(p) for p in prompts)
-        return RequestPlan(rows, seeds, config, keep, constraints, tool_mode, prompt_tokens, ignored)
+        canvas = bool(req.stream and req.stream_options and req.stream_options.include_canvas)
+        return RequestPlan(rows, seeds, config, keep, constraints, tool_mode, prompt_tokens, ignored, canvas)
 
     def check_prompt_chars(self, endpoint, req) -> None:
         """A prompt of more characters than the context could hold tokens (~32 characters per token
@@ -285,7 +307,14 @@ class Server:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
     def submit(self, plan: RequestPlan) -> Job:
-        job = Job(plan.rows, plan.seeds, plan.config, asyncio.get_running_loop(), constraints=plan.constraints)
+        job = Job(
+            plan.rows,
+            plan.seeds,
+            plan.config,
+            asyncio.get_running_loop(),
+            constraints=plan.constraints,
+            canvas=plan.canvas,
+        )
         sched = self.scheduler
         if sched.never_fits(job):
             mib = sched.kv_cache_bytes / 2**20
@@ -332,3 +361,4 @@ class RequestPlan:
     tool_mode: str | None
     prompt_tokens: int
     ignored: list[str]
+    canvas: bool = False  # stream each step's canvas (`stream_options.include_canvas`)

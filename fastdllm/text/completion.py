@@ -17,18 +17,26 @@ class Completion:
     finish_reason: str  # "stop" (stop token or stop string) or "length"
 
 
-def first_stop_index(ids: Sequence[int], stop_token_ids: Sequence[int]) -> int | None:
+def first_stop_index(ids: Sequence[int], stop_token_ids: Sequence[int], start: int = 0) -> int | None:
     stops = set(stop_token_ids)
     for i, t in enumerate(ids):
-        if t in stops:
+        if t in stops and i >= start:
             return i
     return None
 
 
-def complete(tokenizer, ids, stop_token_ids: Sequence[int], stop: Sequence[str] | None = None) -> Completion:
-    """Decode generated ids up to the first stop token, then cut at the earliest stop string."""
+def complete(
+    tokenizer, ids, stop_token_ids: Sequence[int], stop: Sequence[str] | None = None, fixed_end: int = 0
+) -> Completion:
+    """Decode generated ids up to the first stop token, then cut at the earliest stop string.
+    `fixed_end` (`GenerationConfig.fixed_end`): with tokens fixed up to there, the stop tokens
+    before it are the fill's padding: dropped, and the answer ends at the first stop after it."""
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    end = first_stop_index(ids, stop_token_ids)
+    end = first_stop_index(ids, stop_token_ids, fixed_end)
+    if fixed_end:
+        stops = set(stop_token_ids)
+        kept = [t for t in ids[: len(ids) if end is None else end] if t not in stops]
+        ids, end = kept + ([] if end is None else ids[end:]), None if end is None else len(kept)
     reason = "stop" if end is not None else "length"
     ids = ids[: len(ids) if end is None else end]
     text = tokenizer.decode(ids)

@@ -1,0 +1,176 @@
+"""`fastdllm demo`: two chat panes decoding the same conversation side by side, each under its own
+preset, each showing its canvas denoise step by step (after Fast-dLLM's `llada/app.py`).
+
+The page: a model picker (the embedded twins, or any folder or hub id), per pane a preset (a name
+or a preset file from `fastdllm tune`), a chat and its canvas; one message box; fixed words
+("position:word", Fast-dLLM's format) and a suffix for infilling; and a control for each decoding
+option, made from `GenerationConfig`'s declarations (blank: the pane's preset decides). The panes
+take turns step by step on one thread, so both canvases move together and each pane's tokens/s
+counts only its own decoding."""
+
+from __future__ import annotations
+
+import time
+
+import gradio as gr
+
+from ..config import ConfigError
+from ..models.loading import EMBEDDED_MODELS, load
+from .frames import LABELS, Frame, figures_line, frames, page_fields, pane_config, parse_fixed_words
+
+PANES = ("left", "right")
+COLORS = {LABELS["mask"]: "#444444", LABELS["new"]: "#ff9933", LABELS["text"]: "#6699cc", LABELS["fixed"]: "#66aa66"}
+EXAMPLE = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
+
+
+class Models:
+    """The models the page has loaded, by name (one at a time stays in memory)."""
+
+    def __init__(self, name: str, model, tokenizer, dtype=None, device=None):
+        self.dtype, self.device = dtype, device
+        self.loaded = {name: (model, tokenizer)}
+
+    def get(self, name: str):
+        if name not in self.loaded:
+            try:
+                pair = load(name or None, dtype=self.dtype, device=self.device)
+            except (FileNotFoundError, ValueError, OSError) as e:
+                raise gr.Error(f"model: {e}") from None
+            self.loaded = {name: pair}
+        return self.loaded[name]
+
+
+def turn(models: Models, model_name, message, histories, presets, fixed_text, suffix, delay, options):
+    """One user message, answered by both panes: yields (histories, frames) after every step."""
+    if not message or not message.strip():
+        raise gr.Error("message: type a question first")
+    model, tokenizer = models.get(model_name)
+    try:
+        fixed = parse_fixed_words(fixed_text)
+        configs = [pane_config(model, p, options).replace(fixed=fixed, suffix=suffix or None) for p in presets]
+    except ConfigError as e:
+        raise gr.Error(str(e)) from None
+    histories = [h + [{"role": "user", "content": message}] for h in histories]
+    runs = []
+    for history, config in zip(histories, configs):
+        ids = tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in history])
+        try:
+            runs.append(frames(model, tokenizer, ids, config))
+        except ValueError as e:
+            raise gr.Error(str(e)) from None
+    latest: list[Frame | None] = [None] * len(runs)
+    live = list(range(len(runs)))
+    while live:
+        for i in list(live):
+            try:
+                latest[i] = next(runs[i])
+            except ValueError as e:  # a setting this model cannot take
+                raise gr.Error(str(e)) from None
+            if latest[i].done:
+                live.remove(i)
+        yield histories, latest
+        if delay:
+            time.sleep(delay)
+    answered = [h + [{"role": "assistant", "content": f.text}] for h, f in zip(histories, latest)]
+    yield answered, latest
+
+
+def build(models: Models, model_name: str, presets: tuple[str, str]) -> gr.Blocks:
+    with gr.Blocks(title="fastdllm demo") as page:
+        gr.Markdown(
+            "# fastdllm: diffusion decoding, side by side\n"
+            "Each pane answers the same conversation under its own preset; its canvas shows the answer "
+            "denoising: masked, revealed at this step, revealed, fixed."
+        )
+        with gr.Row():
+            model_box = gr.Dropdown(
+                choices=list(dict.fromkeys([model_name, *EMBEDDED_MODELS])),
+                value=model_name,
+                allow_custom_value=True,
+                label="Model (an embedded twin, a folder or a hub id)",
+                elem_id="model",
+            )
+        histories = [gr.State([]) for _ in PANES]
+        preset_boxes, chats, canvases, figures = [], [], [], []
+        with gr.Row():
+            for side, preset in zip(PANES, presets):
+                with gr.Column():
+                    preset_boxes.append(
+                        gr.Dropdown(
+                            choices=list(dict.fromkeys([preset, "baseline", "fast-dllm", "default"])),
+                            value=preset,
+                            allow_custom_value=True,
+                            label="Preset (a name, or a preset file from fastdllm tune)",
+                            elem_id=f"preset-{side}",
+                        )
+                    )
+                    chats.append(
+                        gr.Chatbot(label=f"{side} pane", height=320, render_markdown=False, elem_id=f"chat-{side}")
+                    )
+                    canvases.append(
+                        gr.HighlightedText(
+                            label="Canvas",
+                            combine_adjacent=False,
+                            show_legend=True,
+                            color_map=COLORS,
+                            elem_id=f"canvas-{side}",
+                        )
+                    )
+                    figures.append(gr.Markdown("", elem_id=f"figures-{side}"))
+        with gr.Row():
+            message = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="message")
+            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+            clear = gr.Button("Clear", scale=1, elem_id="clear")
+        gr.Examples([[EXAMPLE]], inputs=message)
+        with gr.Row():
+            fixed = gr.Textbox(
+                label="Fixed words (infilling)",
+                placeholder="0:Tom, 12:apples",
+                info="position:word, comma-separated: each word fixed at that answer position",
+                elem_id="fixed",
+            )
+            suffix = gr.Textbox(
+                label="Suffix (infilling; LLaDA and Dream)",
+                info="text after the answer, which the answer leads into",
+                elem_id="suffix",
+            )
+            delay = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Delay between steps (s)")
+        option_boxes = {}
+        with gr.Accordion(
+            "Decoding options (GenerationConfig; blank: the pane's preset)", open=False, elem_id="options"
+        ):
+            for opt in page_fields():
+                option_boxes[opt["name"]] = gr.Textbox(
+                    label=opt["name"], info=opt["help"], placeholder=opt["kind"], elem_id=f"opt-{opt['name']}"
+                )
+        names = list(option_boxes)
+
+        def respond(
+            model_name, text, left_history, right_history, left_preset, right_preset, fixed, suffix, delay, *opts
+        ):
+            run = turn(
+                models,
+                model_name,
+                text,
+                [left_history, right_history],
+                [left_preset, right_preset],
+                fixed,
+                suffix,
+                delay,
+                dict(zip(names, opts)),
+            )
+            for hs, latest in run:
+                yield (
+                    *hs,
+                    *hs,
+                    *[f.canvas if f else None for f in latest],
+                    *[figures_line(f.figures) if f and f.done else f"step… NFE {f.nfe}" if f else "" for f in latest],
+                    "",
+                )
+
+        inputs = [model_box, message, *histories, *preset_boxes, fixed, suffix, delay, *option_boxes.values()]
+        outputs = [*histories, *chats, *canvases, *figures, message]
+        send.click(respond, inputs, outputs)
+        message.submit(respond, inputs, outputs)
+        clear.click(lambda: ([], [], [], [], None, None, "", ""), None, [*histories, *chats, *canvases, *figures])
+    return page
