@@ -140,8 +140,8 @@ def test_the_demo_in_a_browser(tmp_path):
             time.sleep(0.1)
         option.send_keys("8")
         driver.execute_script(RECORDER)
-        t0 = time.time()
         driver.find_element(By.CSS_SELECTOR, "#message textarea").send_keys(QUESTION)
+        t0 = time.time()
         driver.find_element(By.ID, "send").click()
         first = None
         while True:
