@@ -69,6 +69,7 @@ SELECTION_RULES = Registry(
         "linear": f"{_UNMASKING}:LinearSchedule",
         "dream_schedule": f"{_UNMASKING}:DreamSchedule",
         "quota": f"{_UNMASKING}:Quota",
+        "entropy": f"{_UNMASKING}:EntropyThreshold",
     },
 )
 # A model family's own proposal (`DecodingRules.proposal`).
@@ -156,7 +157,8 @@ class GenerationConfig:
     threshold: float | None = _opt(
         0.9,
         "optional float",
-        "parallel decoding: reveal every position at least this confident; 'none' for the schedule",
+        "parallel decoding: reveal every position at least this confident (with unmasking=entropy: "
+        "at most this entropy, in nats); 'none' for the schedule",
         search=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99),
         row=True,
     )
@@ -351,8 +353,28 @@ class GenerationConfig:
         return cls(**{**published, **overrides})
 
     @classmethod
+    def dparallel(cls, **overrides) -> GenerationConfig:
+        """dParallel's decoding, as its LLaDA `generate` and Dream `alg="entropy_threshold"`: no
+        cache, blocks of 32, every masked position of entropy at most 0.5 nats (always the lowest);
+        gen length 256."""
+        published = dict(
+            gen_length=256,
+            block_length=32,
+            steps=None,
+            threshold=0.5,
+            factor=None,
+            unmasking="entropy",
+            cache="none",
+            suffix_window=None,
+            refresh="full",
+            refresh_every=None,
+            parallel_blocks=1,
+        )
+        return cls(**{**published, **overrides})
+
+    @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
-        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline")."""
+        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel")."""
         if name not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
         return getattr(cls, PRESETS[name])(**overrides)
@@ -548,7 +570,9 @@ class GenerationConfig:
             f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}",
         )
         need(self.remasking in REMASKING, "remasking", f"must be one of {', '.join(REMASKING)}")
-        if self.threshold is not None:
+        if self.threshold is not None and self.unmasking == "entropy":  # an entropy, in nats
+            need(is_num(self.threshold) and 0 < self.threshold < float("inf"), "threshold", "must be > 0 (nats)")
+        elif self.threshold is not None:
             need(is_num(self.threshold) and 0 < self.threshold <= 1, "threshold", "must be in (0, 1] or None")
         if self.factor is not None:
             need(is_num(self.factor) and self.factor > 0, "factor", "must be > 0 or None")
@@ -560,6 +584,11 @@ class GenerationConfig:
         )
         for rule in ("threshold", "factor"):  # the rule named needs its parameter
             need(self.unmasking != rule or getattr(self, rule) is not None, rule, f"unmasking={rule} needs a {rule}")
+        need(
+            self.unmasking != "entropy" or self.threshold is not None,
+            "threshold",
+            "unmasking=entropy needs a threshold (an entropy, in nats)",
+        )
         need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
         if self.alg_temp is not None:
             need(
@@ -740,7 +769,7 @@ def read_preset(path) -> dict:
 
 
 # --preset NAME -> the GenerationConfig classmethod that builds it.
-PRESETS = {"default": "default", "fast-dllm": "fast_dllm", "baseline": "baseline"}
+PRESETS = {"default": "default", "fast-dllm": "fast_dllm", "baseline": "baseline", "dparallel": "dparallel"}
 
 
 # ---- transformers' names -------------------------------------------------------------------------

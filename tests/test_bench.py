@@ -15,6 +15,7 @@ FIGURES = {
     "tokens_per_second",
     "nfe_per_sample",
     "tokens_per_step",
+    "aup",
     "latency_s",
     "speedup",
     "outside_forward",
@@ -61,7 +62,11 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path, capsys):
     assert record["environment"]["torch"] and record["settings"]["quick"] is True
     for name in record["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(record["plots"]) == 4
+    assert len(record["plots"]) == 5 and "accuracy_vs_parallelism.png" in record["plots"]
+    # AUP from the group's baseline: the baseline's is its own point, one with more tokens per
+    # forward and its accuracy holding scores above it
+    assert baseline["aup"] == pytest.approx(baseline["tokens_per_step"] * 100 * baseline["accuracy"])
+    assert "| AUP |" in table
     # the baseline without stop-at-EOS computes the whole sequence once per generated position
     assert baseline["positions_per_token"] > full["positions_per_token"] > 0
 

@@ -17,6 +17,11 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   `modeling_llada2_moe.py` and `configuration_llada2_moe.py`, and FASTDLLM_LLADA2_PYTHON to an
   interpreter with transformers==4.57.1 and torch.
 
+- dParallel's `LLaDA/generate.py` (its entropy threshold, with no cache, the prefix cache and the
+  dual cache) with its own `modeling_llada.py`, on the embedded LLaDA: set FASTDLLM_DPARALLEL_REFERENCE
+  to a czg1225/dParallel checkout and FASTDLLM_DPARALLEL_PYTHON to an interpreter with
+  transformers==4.49.0, numpy and torch.
+
 Without them the tests are skipped."""
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ LLADA2_REFERENCE = os.environ.get("FASTDLLM_LLADA2_REFERENCE")
 LLADA2_PYTHON = os.environ.get("FASTDLLM_LLADA2_PYTHON")
 LLADA2_RUNNER = Path(__file__).parent / "reference" / "llada2_moe.py"
 LLADA2_FILES = ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
+
+DPARALLEL_CHECKOUT = os.environ.get("FASTDLLM_DPARALLEL_REFERENCE")
+DPARALLEL_PYTHON = os.environ.get("FASTDLLM_DPARALLEL_PYTHON")
+DPARALLEL_RUNNER = Path(__file__).parent / "reference" / "dparallel_llada.py"
 
 pytestmark = pytest.mark.slow
 needs_fast_dllm = pytest.mark.skipif(
@@ -93,6 +102,46 @@ def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
             assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
             # The reference's cached loops run one more forward, revealing nothing, after a block
             # that its block-start forward completed; we stop there (see `fastdllm.engine.decoder`).
+            blocks = ours.unmask_step[0].view(-1, c["block_length"])
+            finished_at_start = sum(len(set(b.tolist())) == 1 for b in blocks) if c["cache"] != "none" else 0
+            assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)
+
+
+DPARALLEL_CONFIGS = [
+    dict(gen_length=gen, block_length=32, cache=cache, threshold=threshold)
+    for gen in (64, 128)
+    for cache in ("none", "prefix", "dual")
+    for threshold in (0.5, 0.2)
+]
+
+
+@pytest.mark.skipif(
+    not (DPARALLEL_CHECKOUT and DPARALLEL_PYTHON and Path(DPARALLEL_CHECKOUT, "LLaDA", "generate.py").exists()),
+    reason="set FASTDLLM_DPARALLEL_REFERENCE (a czg1225/dParallel checkout) and FASTDLLM_DPARALLEL_PYTHON",
+)
+def test_the_entropy_rule_decodes_as_dparallels_llada_code(tmp_path):
+    model, tok = fastdllm.load()
+    folder = save_pretrained(model, tmp_path / "llada", tok, dtype=torch.float32)
+    for name in ("configuration_llada.py", "modeling_llada.py"):
+        shutil.copy(Path(DPARALLEL_CHECKOUT, "LLaDA", "model", name), folder / name)
+    task = get_task("arith")
+    prompts = [task.encode(tok, doc, []) for doc in task.load(limit=3)]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"mask_id": model.args.mask_token_id, "prompts": prompts, "configs": DPARALLEL_CONFIGS}))
+    out = subprocess.run(
+        [DPARALLEL_PYTHON, str(DPARALLEL_RUNNER), DPARALLEL_CHECKOUT, str(folder), str(job)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    for c in DPARALLEL_CONFIGS:
+        config = GenerationConfig.dparallel(stop_at_eos=False, **c)
+        for prompt in prompts:
+            ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
+            assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
+            # their cached loops run one more forward after a block its block-start forward completed
             blocks = ours.unmask_step[0].view(-1, c["block_length"])
             finished_at_start = sum(len(set(b.tolist())) == 1 for b in blocks) if c["cache"] != "none" else 0
             assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)

@@ -70,14 +70,21 @@ class FakeEvaluator:
     """Settings named by threshold: each is right on a known set of problems and costs a known
     number of positions per token."""
 
-    def __init__(self, wrong: dict[float | None, set[int]], cost: dict[float | None, int]):
+    def __init__(self, wrong: dict[float | None, set[int]], cost: dict[float | None, int], nfe=None):
         self.wrong, self.cost, self.calls = wrong, cost, []
+        self.nfe = nfe or cost  # forwards per problem (10 tokens each)
 
     def __call__(self, config, indices):
         self.calls.append((config.threshold, list(indices)))
         t = config.threshold
         records = [
-            {"index": i, "correct": i not in self.wrong[t], "forward_positions": self.cost[t] * 10, "num_tokens": 10}
+            {
+                "index": i,
+                "correct": i not in self.wrong[t],
+                "forward_positions": self.cost[t] * 10,
+                "num_tokens": 10,
+                "nfe": self.nfe[t],
+            }
             for i in indices
         ]
         return records, 0.01 * len(indices)
@@ -96,6 +103,26 @@ def test_the_race_drops_settings_over_budget_early_and_picks_the_fastest_certifi
     assert by["t0.5"].status.startswith("over budget") and len(by["t0.5"].records) == race.rungs[0]
     assert by["t0.9"].status.startswith("cut at") or by["t0.9"].status == "racing"
     assert result.indices == list(range(n)) and by["t0.7"].interval.within(0.02)
+
+
+def test_the_aup_metric_weighs_accuracy_against_tokens_per_forward():
+    """0.7 costs the fewest positions but loses 2 points; 0.9 loses nothing with a few more forwards:
+    work per token picks 0.7, AUP (d3LLM's) picks 0.9."""
+    n = 400
+    wrong = {None: set(), 0.7: set(range(0, n, 50)), 0.9: set()}
+    cost = {None: 100, 0.7: 4, 0.9: 5}
+    nfe = {None: 100, 0.7: 4, 0.9: 4.1}
+    chosen = {}
+    for metric in ("positions_per_token", "aup"):
+        pool = [Candidate(f"t{t}", GenerationConfig(threshold=t)) for t in (0.7, 0.9)]
+        race = Race(
+            FakeEvaluator(wrong, cost, nfe), GenerationConfig.baseline(), pool, list(range(n)), 0.05, metric=metric
+        )
+        chosen[metric] = race.run().chosen.label
+    assert chosen == {"positions_per_token": "t0.7", "aup": "t0.9"}
+    by = {c.label: c for c in pool}
+    idx = list(range(n))
+    assert by["t0.9"].aup(race.reference, idx, 100.0) == pytest.approx(0.1 * 100 + 0.5 * (10 / 4.1 - 0.1) * 200)
 
 
 def test_a_setting_certified_early_that_fails_later_leaves_its_backup():
@@ -215,8 +242,9 @@ def test_a_request_names_a_preset(tmp_path):
 
 
 # ---- end to end ---------------------------------------------------------------------------------
-def _tune(cli, model: str | None, out, limit: int = 24, gen_length: int = 32) -> dict:
+def _tune(cli, model: str | None, out, limit: int = 24, gen_length: int = 32, extra=()) -> dict:
     argv = ["tune", "--task", "arith", "--limit", str(limit), "--holdout", "8", "--candidates", "1", "--budget", "30"]
+    argv += list(extra)
     argv += ["--search", "threshold", "block_length", "--dtype", "float32", "--gen-length", str(gen_length)]
     assert cli([*argv, "--block-length", "8", "--out", str(out)] + (["--model", model] if model else [])) == 0
     return json.loads(out.read_text())
@@ -227,8 +255,12 @@ def test_tune_runs_end_to_end_and_its_preset_is_used(tmp_path, capsys):
     from fastdllm.cli.main import main as cli
 
     out = tmp_path / "arith.json"
-    report = _tune(cli, None, out, limit=12, gen_length=16)
+    report = _tune(cli, None, out, limit=12, gen_length=16, extra=["--against", "default", "--metric", "aup"])
     text = capsys.readouterr().out
+    # the budget counted from the defaults (with the flags given), and the race read by AUP
+    assert report["against"] == "default" and report["metric"] == "aup"
+    reference = report["calibration"]["reference"]["config"]
+    assert (reference["threshold"], reference["cache"], reference["gen_length"]) == (0.9, "dual", 16)
     assert "frontier of the race (reference on 12 calibration problems" in text and "held out (8 problems" in text
     assert report["format"] == PRESET_FORMAT and report["family"] == "LLaDA" and report["task"] == "arith"
     assert report["calibration"]["problems"] == 12 and report["held_out"]["problems"] == 8

@@ -12,6 +12,7 @@ from ..evaluation.bench import (
     REAL_TOKENS_PER_STEP,
     ROW_KEYS,
     Row,
+    add_aup,
     calibrate_confidence,
     environment,
     fmt_row,
@@ -156,6 +157,7 @@ class Bench:
         for r in results:
             base = next(b for b in results if b["group"] == r["group"] and b["name"].startswith("baseline"))
             r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"] if base["tokens_per_second"] else 0.0
+        add_aup(results)
         return results
 
     def preset_rows(self, rows: list[Row], gen_length: int) -> list[Row]:

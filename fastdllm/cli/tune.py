@@ -28,6 +28,7 @@ def seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     from ..tuning.search import METRICS
+    from ..tuning.tune import AGAINST
 
     p = argparse.ArgumentParser(
         prog="fastdllm tune",
@@ -47,7 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--holdout", type=int, default=None, help="held-out problems for the check (default 500 or the rest; 0: none)"
     )
-    p.add_argument("--metric", choices=METRICS, default="positions_per_token", help="what 'fastest' means")
+    p.add_argument(
+        "--metric",
+        choices=METRICS,
+        default="positions_per_token",
+        help="what 'fastest' means: work per token, tokens/s, or the AUP (d3LLM's accuracy under "
+        "parallelism) of the budget's reference point and the setting's",
+    )
+    p.add_argument(
+        "--against",
+        choices=AGAINST,
+        default="reference",
+        help="what the budget is counted from: the family's one token per step (reference) or the "
+        "defaults with the flags given (default: no worse than what you run now)",
+    )
     p.add_argument("--time-budget", type=seconds, default=None, help="stop racing after this long (e.g. 10m)")
     p.add_argument("--candidates", type=int, default=16, help="random combinations beside the one-field moves")
     p.add_argument(
@@ -107,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.split_seed,
             batch_size=args.batch_size,
             data_dir=args.data_dir,
+            against=args.against,
         )
     except ValueError as e:
         raise UserError(str(e)) from None

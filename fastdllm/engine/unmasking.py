@@ -75,7 +75,7 @@ def _draw_uniform(shape, generators, draws, dtype=torch.float32, device="cpu") -
     return out
 
 
-def _propose_llada(logits, config, generators, draws):
+def _propose_llada(logits, config, generators, draws, score="probability"):
     if config.temperature > 0:
         # Gumbel-max in float64 (LLaDA's add_gumbel_noise): argmax of exp(l) / (-log u)^temperature.
         l64 = logits.double()
@@ -85,6 +85,9 @@ def _propose_llada(logits, config, generators, draws):
         tokens = logits.argmax(-1)
     if config.remasking == "random":
         conf = _draw_uniform(logits.shape[1:2], generators, draws, torch.float32, logits.device)
+    elif score == "entropy":  # dParallel's and d3LLM's LLaDA form: float64, log(p + 1e-12)
+        p = F.softmax(logits.double(), -1)
+        conf = (p * torch.log(p + 1e-12)).sum(-1)  # the negative entropy: higher is surer
     else:  # the reference's float64 softmax, in its form: its rounding ranks near-certain positions
         conf = F.softmax(logits.double(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, conf
@@ -118,6 +121,9 @@ def _sample_each(probs, generators, draws) -> torch.Tensor:
 
 
 def _propose_dream(logits, config, generators, draws, score):
+    if score == "unfiltered_entropy":  # dParallel's Dream: the entropy of the raw logits, log(p + 1e-8)
+        p = logits.softmax(-1)
+        raw = (p * torch.log(p + 1e-8)).sum(-1)
     if config.temperature > 0:
         logits = logits / config.temperature
     logits = _filter_top_p_top_k(logits, config.top_p, config.top_k)
@@ -132,6 +138,8 @@ def _propose_dream(logits, config, generators, draws, score):
         conf = top2[..., 0] - top2[..., 1]
     elif score == "entropy":
         conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+    elif score == "unfiltered_entropy":
+        conf = raw
     return tokens, conf
 
 
@@ -231,6 +239,33 @@ class Threshold(SelectionRule):
         best = conf.argmax(-1, keepdim=True)  # argmax returns the first maximum: leftmost on ties
         has_mask = masked.any(-1, keepdim=True)
         return chosen | (torch.zeros_like(masked).scatter_(-1, best, True) & has_mask)
+
+
+class EntropyThreshold(SelectionRule):
+    """dParallel's rule (`get_transfer_index_entropy`; Dream's `alg="entropy_threshold"`): every
+    masked position whose entropy is at most `threshold` (in nats), and always the one of lowest
+    entropy. It reads the negative entropy as its confidence (`score`: the proposal computes it:
+    LLaDA's form in float64 with log(p + 1e-12); Dream's, from the unfiltered logits in float32
+    with log(p + 1e-8), strictly below the threshold). Ties go to the leftmost position, where the
+    reference's `topk` leaves them to the device."""
+
+    name = "entropy"
+    score = "entropy"
+
+    def __init__(self, threshold: float, strict: bool = False):
+        self.threshold, self.strict = threshold, strict
+
+    @classmethod
+    def from_config(cls, config):
+        if config.threshold is None:
+            raise ValueError("threshold: the entropy rule needs a threshold (an entropy, in nats)")
+        return cls(config.threshold, strict=config.alg is not None)
+
+    def select(self, conf, masked, clock, generators, draws):
+        conf = conf.masked_fill(~masked, NEG_INF)
+        chosen = masked & ((conf > -self.threshold) if self.strict else (conf >= -self.threshold))
+        best = conf.argmax(-1, keepdim=True)
+        return chosen | (torch.zeros_like(masked).scatter_(-1, best, True) & masked.any(-1, keepdim=True))
 
 
 class Factor(SelectionRule):
@@ -410,11 +445,17 @@ class Proposal:
 
 
 class LLaDAProposal(Proposal):
+    """LLaDA's proposal; `score`: "probability" (the token's) or "entropy" (the negative entropy)."""
+
+    def __init__(self, config, score: str = "probability"):
+        super().__init__(config)
+        self.score = score
+
     def draws_randomness(self) -> bool:
         return self.config.temperature > 0 or self.config.remasking == "random"
 
     def __call__(self, logits, generators, draws):
-        return _propose_llada(logits, self.config, generators, draws)
+        return _propose_llada(logits, self.config, generators, draws, self.score)
 
 
 class DreamProposal(Proposal):
@@ -489,6 +530,8 @@ def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None 
     a score: the parallel rules (threshold, factor) compare probabilities (Fast-dLLM's Dream
     "confidence_threshold"); a margin or a negative entropy is on another scale (an entropy score
     is never >= 0.9, so every step would reveal one token)."""
+    if getattr(rule, "score", None) == "entropy":  # dParallel's entropy, in its LLaDA or Dream form
+        return LLaDAProposal(config, "entropy") if config.alg is None else DreamProposal(config, "unfiltered_entropy")
     if family_proposal is not None:
         return PROPOSALS[family_proposal](config)
     if config.alg is None:

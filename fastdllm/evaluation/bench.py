@@ -25,6 +25,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..quant import weight_bytes
+from .aup import aup
 
 
 @dataclass
@@ -220,20 +221,35 @@ def run_config(
     }
 
 
+def add_aup(rows: list[dict]) -> None:
+    """Each row's AUP (`evaluation.aup`, d3LLM's accuracy under parallelism): of the curve from its
+    group's baseline (one token per step) to the row, tokens per forward against accuracy, y_max the
+    group's best accuracy. The baseline's own is its one point, rho_1 y_1."""
+    for r in rows:
+        group = [g for g in rows if g["group"] == r["group"]]
+        base = next(b for b in group if b["name"].startswith("baseline"))
+        y_max = 100 * max(g["accuracy"] for g in group)
+        if r is base:
+            r["aup"] = aup([base["tokens_per_step"]], [100 * base["accuracy"]], max(y_max, 1e-9))
+            continue
+        rho = [base["tokens_per_step"], r["tokens_per_step"]]
+        r["aup"] = aup(rho, [100 * base["accuracy"], 100 * r["accuracy"]], max(y_max, 1e-9))
+
+
 def fmt_row(r: dict) -> str:
     outside = "" if r.get("outside_forward") is None else f"{100 * r['outside_forward']:.1f}%"
     return (
         f"| {r['group']} | {r['name']} | {100 * r['accuracy']:.1f} | {r['tokens_per_second']:.1f} | "
-        f"{r['speedup']:.1f}x | {r['nfe_per_sample']:.1f} | {r['tokens_per_step']:.2f} | "
+        f"{r['speedup']:.1f}x | {r['nfe_per_sample']:.1f} | {r['tokens_per_step']:.2f} | {r.get('aup', 0.0):.1f} | "
         f"{r['positions_per_token']:.1f} | {r['attended_per_token']:.0f} | {r['latency_s']:.2f} | {outside} | "
         f"{r.get('kv_cache_bytes', 0) / 2**20:.2f} |"
     )
 
 
 HEADER = (
-    "| setting | configuration | accuracy % | tokens/s | speed-up | NFE/sample | tokens/step | "
+    "| setting | configuration | accuracy % | tokens/s | speed-up | NFE/sample | tokens/step | AUP | "
     "positions/token | attended/token | latency s | outside fwd | KV cache MiB |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -277,6 +293,7 @@ def scatter_plot(
     title: str,
     higher_x_better: bool,
     reference_line: float | None = None,
+    annotate=None,
 ):
     """One point per row, each configuration a marker and colour named in a legend beside the
     axes (so no label sits on another), the Pareto frontier drawn through the points it keeps,
@@ -322,6 +339,9 @@ def scatter_plot(
             zorder=3,
             label=labels[k],
         )
+    if annotate is not None:  # a figure beside each point (the AUP)
+        for r, (x, y) in zip(rows, pts):
+            ax.annotate(annotate(r), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=6.5, color="0.25")
     if reference_line is not None:
         ax.axvline(reference_line, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log")
@@ -378,6 +398,18 @@ def plots(out: Path, rows: list[dict], sweeps: dict) -> list[str]:
     )
     plt.close(fig)
     files.append("accuracy_vs_work.png")
+    # Against parallelism, each point with its AUP (d3LLM's score, from its group's baseline)
+    fig = scatter_plot(
+        out / "accuracy_vs_parallelism.png",
+        rows,
+        lambda r: r["tokens_per_step"],
+        "tokens per forward (log)",
+        "accuracy vs parallelism, with each row's AUP",
+        higher_x_better=True,
+        annotate=lambda r: f"{r.get('aup', 0.0):.0f}",
+    )
+    plt.close(fig)
+    files.append("accuracy_vs_parallelism.png")
     for key, label in (("threshold", "threshold"), ("block_length", "block length")):
         pts = sweeps.get(key) or []
         if not pts:

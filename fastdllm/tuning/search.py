@@ -20,9 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..config import ConfigError, GenerationConfig
+from ..evaluation.aup import aup
 from .stats import DropInterval, drop_interval
 
-METRICS = ("positions_per_token", "tokens_per_second")
+# What "fastest" means: work per token, wall-clock speed, or d3LLM's AUP of the two-point curve
+# (the reference's tokens per forward and accuracy, then the setting's; `evaluation.aup`).
+METRICS = ("positions_per_token", "tokens_per_second", "aup")
 # A block-causal model's cache is exact and no later block is visible to it: these fields change
 # no token and little work there, so its search leaves them as its family sets them.
 EXACT_CACHE_FIELDS = ("cache", "suffix_window", "refresh", "refresh_every")
@@ -48,8 +51,20 @@ class Candidate:
         tokens = sum(r["num_tokens"] for r in self.records.values())
         return tokens / self.seconds if self.seconds > 0 else 0.0
 
+    def tokens_per_forward(self, indices: Sequence[int]) -> float:
+        """AUP's parallelism: generated tokens per forward (NFE) of each problem, summed over them."""
+        return sum(self.records[i]["num_tokens"] for i in indices) / max(
+            1, sum(self.records[i]["nfe"] for i in indices)
+        )
+
+    def aup(self, reference: Candidate, indices: Sequence[int], y_max: float) -> float:
+        """AUP of the curve from the reference's point to this setting's (accuracy in percent)."""
+        y = [100 * reference.accuracy(indices), 100 * self.accuracy(indices)]
+        rho = [reference.tokens_per_forward(indices), self.tokens_per_forward(indices)]
+        return aup(rho, y, y_max)
+
     def cost(self, metric: str, indices: Sequence[int]) -> float:
-        """Lower is faster."""
+        """Lower is faster (AUP: `Race.cost`, which compares every setting against one y_max)."""
         return self.positions_per_token(indices) if metric == "positions_per_token" else -self.tokens_per_second()
 
     def summary(self, indices: Sequence[int]) -> dict:
@@ -63,6 +78,7 @@ class Candidate:
             "drop_upper": iv.upper if iv else 0.0,
             "positions_per_token": self.positions_per_token(indices),
             "tokens_per_second": self.tokens_per_second(),
+            "tokens_per_forward": self.tokens_per_forward(indices),
             "config": self.config.to_dict(),
         }
 
@@ -189,6 +205,7 @@ class Race:
         min_keep: int = 3,
         time_budget: float | None = None,
         log: Callable[[str], None] = lambda s: None,
+        reference_label: str = "reference",
     ):
         if metric not in METRICS:
             raise ValueError(f"metric: must be one of {', '.join(METRICS)} (got {metric!r})")
@@ -197,7 +214,7 @@ class Race:
         if not calibration:
             raise ValueError("calibration: no problems to tune on")
         self.evaluate, self.pool, self.calibration = evaluate, pool, list(calibration)
-        self.reference = Candidate("reference", reference)
+        self.reference = Candidate(reference_label, reference)
         self.budget, self.confidence, self.metric = budget, confidence, metric
         n = len(self.calibration)
         self.rungs = sorted({max(1, math.ceil(n * keep ** (rungs - 1 - k))) for k in range(rungs)})
@@ -240,7 +257,7 @@ class Race:
             if self.stopped_early:
                 break
         certified = [c for c in racing if c.interval is not None and c.interval.within(self.budget)]
-        chosen = min(certified, key=lambda c: c.cost(self.metric, last)) if certified else self.reference
+        chosen = min(certified, key=lambda c: self.cost(c, last)) if certified else self.reference
         chosen.status = "chosen"
         return TuneResult(
             chosen,
@@ -256,24 +273,31 @@ class Race:
         """Racing: drop what is slower than two settings already certified (a certificate on part
         of the split can still fail on the rest, so the fastest two stay as incumbent and
         backup); halving: keep the faster part, the certified two always among it."""
-        certified = sorted(
-            (c for c in racing if c.interval.within(self.budget)), key=lambda c: c.cost(self.metric, idx)
-        )[:2]
+        certified = sorted((c for c in racing if c.interval.within(self.budget)), key=lambda c: self.cost(c, idx))[:2]
         if len(certified) == 2:
-            bar = certified[1].cost(self.metric, idx)
+            bar = self.cost(certified[1], idx)
             for c in racing:
-                if c.cost(self.metric, idx) > bar:
+                if self.cost(c, idx) > bar:
                     c.status = f"slower than two certified settings at {len(idx)} problems"
             racing = [c for c in racing if c.status == "racing"]
         if final:
             return racing
-        ranked = sorted(racing, key=lambda c: (c.interval.drop > self.budget, c.cost(self.metric, idx)))
+        ranked = sorted(racing, key=lambda c: (c.interval.drop > self.budget, self.cost(c, idx)))
         kept = ranked[: max(self.min_keep, math.ceil(len(ranked) * self.keep))]
         kept += [c for c in certified if c not in kept]
         for c in ranked:
             if c not in kept:
                 c.status = f"cut at {len(idx)} problems (slower half)"
         return kept
+
+    def cost(self, c: Candidate, idx: list[int]) -> float:
+        """Lower is better: the metric's cost; for AUP, minus the AUP of the reference's point and
+        the setting's, y_max the best accuracy of every setting decoded on these problems."""
+        if self.metric != "aup":
+            return c.cost(self.metric, idx)
+        decoded = [x for x in (self.reference, *self.pool) if all(i in x.records for i in idx)]
+        y_max = 100 * max(x.accuracy(idx) for x in decoded)
+        return -c.aup(self.reference, idx, max(y_max, 1e-9))
 
     def rung_line(self, k: int, idx: list[int], racing: list[Candidate], done: list[Candidate]) -> str:
         ref_acc = self.reference.accuracy(idx)

@@ -13,6 +13,8 @@ from ..evaluation.tasks import get_task
 from .search import Candidate, Race, TuneResult, candidates
 from .stats import drop_interval, problems_needed
 
+AGAINST = ("reference", "default")  # what a budget is counted from
+
 
 def splits(num_docs: int, calibration: int, holdout: int, seed: int) -> tuple[list[int], list[int]]:
     """Disjoint calibration and held-out document indices, drawn with `seed`."""
@@ -53,12 +55,15 @@ def tune(
     batch_size: int = 16,
     data_dir=None,
     log: Callable[[str], None] = print,
+    against: str = "reference",
 ) -> dict:
     """Tune `base` (fitted to the model) for `task`: the fastest setting whose accuracy is at most
     `budget` points below the family's reference decoding on `limit` calibration problems, at
     `confidence`, searching `fields` (default: every declared one); then checked on `holdout`
     other problems (defaults: 500 each, at most half the task's problems for calibration and the
-    rest held out). Returns the report (`report.preset`)."""
+    rest held out). `against`: what the budget is counted from: "reference" (the family's one token
+    per step) or "default" (the defaults, `base`: "no worse than what I run now"). Returns the
+    report (`report.preset`)."""
     from .report import preset
 
     task_obj = get_task(task)
@@ -70,7 +75,11 @@ def tune(
     keep = {"gen_length": base.gen_length, "block_length": base.block_length}
     # One token per step with a full refresh: for a block-causal family, with its exact cache (the
     # same tokens as no cache, and far fewer positions)
+    if against not in AGAINST:
+        raise ValueError(f"against: must be one of {', '.join(AGAINST)} (got {against!r})")
     reference = GenerationConfig.for_model(model, GenerationConfig.baseline(**keep), checkpoint_defaults=False)
+    if against == "default":
+        reference = base
     named = {"fast-dllm": GenerationConfig.fast_dllm(**keep).fit_to_model(model)}
     pool = candidates(model, base, named, random_candidates, seed, fields)
     log(
@@ -94,10 +103,13 @@ def tune(
         metric,
         time_budget=time_budget,
         log=log,
+        reference_label=against,
     )
     result = race.run()
     held_out = check_held_out(result, run, held, pool, confidence, budget / 100) if held else None
-    return preset(model, task, budget, confidence, metric, seed, result, held_out)
+    report = preset(model, task, budget, confidence, metric, seed, result, held_out)
+    report["against"] = against
+    return report
 
 
 def check_held_out(result: TuneResult, run, held: list[int], pool: list[Candidate], confidence, budget) -> dict:
