@@ -406,13 +406,16 @@ class GenerationConfig:
         generation_config.json: alg, eps, temperature, ...) and what its family needs (a
         block-causal model's block length and exact cache, `Family.decoding_defaults`) in the
         fields `overrides` leave unset. `checkpoint_defaults=False`: only what the family needs
-        (what `generate` and friends use when given no config)."""
+        (what `generate` and friends use when given no config). Without `base`, a checkpoint
+        trained for a decoder of its own (`model.decoding`, recognised by its name) starts from
+        that decoder's preset."""
         family = getattr(model, "family", None)
         names = family.generation_defaults if family is not None and checkpoint_defaults else ()
         found = getattr(model, "generation_config", None) or {}
         checkpoint = {k: found[k] for k in names if k in found}
         needed = family.decoding_defaults(model.args) if family is not None else {}
-        base = base or cls()
+        recognized = getattr(model, "decoding", None)  # a checkpoint trained for its own decoder
+        base = base or (cls.preset(recognized) if recognized else cls())
         if "unmasking" in needed and ({"unmasking", "factor"} & set(overrides) or base.factor is not None):
             del needed["unmasking"]  # a rule the caller chose wins over the family's
         if overrides.get("parallel_blocks", base.parallel_blocks) > 1:

@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import GenerationConfig
+from .config import PRESETS, GenerationConfig
 
 MODEL_NAME = "fastdllm"
 # Task configs that ship with fastdllm (`fastdllm_arith`: the embedded models' test split, no
@@ -92,7 +92,12 @@ class LMMethods:
             if not torch.cuda.is_available():  # lm_eval's CLI passes --device cuda by default
                 device = None
         self.model, self.tokenizer = load(pretrained, dtype=dtype, device=device)
-        if preset is not None:  # a tuned preset, with the model_args given beside it on top
+        if preset in PRESETS:  # a named preset, fitted to the model, the model_args given on top
+            self.base_config = GenerationConfig.preset(preset, **self.gen_kwargs).fit_to_model(
+                self.model, keep=set(self.gen_kwargs)
+            )
+            self.fixed_gen_length = True
+        elif preset is not None:  # a tuned preset, with the model_args given beside it on top
             family = getattr(getattr(self.model, "family", None), "name", None)
             self.base_config = GenerationConfig.from_preset(preset, family=family, **self.gen_kwargs)
             self.fixed_gen_length = True

@@ -84,3 +84,26 @@ def test_entropy_rule_forms_and_threshold():
     d = GenerationConfig.dparallel()
     assert (d.unmasking, d.threshold, d.cache, d.block_length) == ("entropy", 0.5, "none", 32)
     assert GenerationConfig.preset("dparallel") == d
+
+
+def test_a_checkpoint_named_for_dparallel_decodes_as_dparallel(tiny_llada, tiny_llada_dir, tokenizer, tmp_path, capsys):
+    import json
+
+    import fastdllm
+    from fastdllm.cli.main import main as cli
+    from fastdllm.models.loading import save_pretrained
+
+    folder = save_pretrained(tiny_llada, tmp_path / "dParallel-LLaDA-tiny", tokenizer, dtype=torch.float32)
+    model, _ = fastdllm.load(folder)
+    assert model.decoding == "dparallel" and fastdllm.load(tiny_llada_dir)[0].decoding is None
+    assert GenerationConfig.for_model(model, checkpoint_defaults=False) == GenerationConfig.dparallel().fit_to_model(
+        model
+    )
+    argv = ["generate", "--model", str(folder), "--json", "--raw", "--gen-length", "32", "hi"]
+    assert cli(argv) == 0
+    out = capsys.readouterr()
+    config = json.loads(out.out)["config"]
+    assert (config["unmasking"], config["threshold"], config["gen_length"]) == ("entropy", 0.5, 32)
+    assert "--preset dparallel" in out.err
+    assert cli([*argv, "--preset", "default"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["unmasking"] is None

@@ -266,6 +266,7 @@ def test_stop_at_eos_gives_the_full_length_text(trained, overrides):
     assert stopped.nfe_per_row == [sum(1 for _ in t) for t in stopped.tokens_per_step]
 
 
+@pytest.mark.slow
 def test_eos_early_stop_ends_a_block_at_its_stop_token_with_the_same_answer(trained):
     """LLaDA2's eos_early_stop: once a stop token is revealed with every position before it, the row
     stops inside the block; the answer is the same as stopping after the block, in no more steps

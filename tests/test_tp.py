@@ -76,6 +76,7 @@ def run_worker(tmp_path, **env) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_every_family_split_over_two_ranks_decodes_as_one_process(tmp_path):
     """Logits within float32 rounding of the whole model's, the same tokens for a batch of two, and
     every rank deciding alike; GQA with fewer kv heads than ranks (tiny_llada2) included; and the

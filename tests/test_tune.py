@@ -53,6 +53,7 @@ def _simulate(r: float, g: float, n: int, budget: float, trials: int, seed: int)
     return certified / trials
 
 
+@pytest.mark.slow
 def test_a_setting_over_budget_is_certified_at_most_at_the_stated_rate():
     # True drop 2.5 points against a budget of 2: at 90 % confidence, certified in at most ~10 %.
     assert _simulate(0.03, 0.005, 400, 0.02, 300, 1) <= 0.10 + 0.04
@@ -291,6 +292,9 @@ def test_lm_eval_and_bench_take_a_preset_file(tmp_path, tiny_llada_dir, capsys):
     p = _preset(tmp_path / "tuned.json", threshold=0.6, block_length=16, gen_length=32)
     lm = lm_eval_plugin.make_model_class(_FakeLM)(pretrained=str(tiny_llada_dir), preset=str(p), cache="prefix")
     assert (lm.base_config.threshold, lm.base_config.cache, lm.base_config.gen_length) == (0.6, "prefix", 32)
+    # a named preset, the model_args on top
+    named = lm_eval_plugin.make_model_class(_FakeLM)(pretrained=str(tiny_llada_dir), preset="dparallel", gen_length=64)
+    assert named.base_config == GenerationConfig.dparallel(gen_length=64)
     wrong = _preset(tmp_path / "dream.json", family="Dream", threshold=0.6)
     with pytest.raises(ConfigError, match="tuned for Dream models"):
         lm_eval_plugin.make_model_class(_FakeLM)(pretrained=str(tiny_llada_dir), preset=str(wrong))

@@ -196,6 +196,16 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
         except ConfigError as e:
             raise UserError(f"{flag(e.param)}: {e.detail} (for this model)") from None
     given = {n: getattr(config, n) for n in getattr(args, "_explicit", ())}
+    recognized = getattr(model, "decoding", None)
+    if recognized:  # a checkpoint trained for its own decoder: that decoder, the flags given on top
+        print(
+            f"decoding with --preset {recognized}, which this checkpoint was trained for ('--preset default': ours)",
+            file=sys.stderr,
+        )
+        try:
+            return GenerationConfig.preset(recognized, **given).fit_to_model(model, keep=set(given))
+        except ConfigError as e:
+            raise UserError(f"{flag(e.param)}: {e.detail} (with --preset {recognized})") from None
     try:
         return GenerationConfig.for_model(model, config, **given)
     except ConfigError as e:

@@ -398,7 +398,19 @@ def load(
         except json.JSONDecodeError as e:
             raise ValueError(f"{gen_path}: not valid JSON ({e})") from None
     model.name_or_path = str(path_or_repo_id) if path_or_repo_id is not None else "fastdllm/llada-arith"
+    model.decoding = recognized_decoding(model.name_or_path, config)
     return model, tokenizer
+
+
+# Checkpoints trained for a decoder of their own, recognised by the name they go by (a hub id, a
+# folder, or config.json's `_name_or_path`): their published decoding is the default for them.
+DECODING_BY_NAME = {"dparallel": "dparallel"}
+
+
+def recognized_decoding(name_or_path: str, config: dict) -> str | None:
+    """The preset (`config.PRESETS`) a checkpoint's name says it was trained for, or None."""
+    names = " ".join([str(name_or_path), str(config.get("_name_or_path", ""))]).lower()
+    return next((preset for key, preset in DECODING_BY_NAME.items() if key in names), None)
 
 
 def save_pretrained(
