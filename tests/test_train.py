@@ -416,3 +416,28 @@ def test_keep_best_saves_the_evaluation_with_the_highest_lowest_form(tmp_path, m
     state = json.loads((tmp_path / "run" / "best" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["score"] == 0.3
     assert fastdllm.load(tmp_path / "run" / "best", device="cpu")[0] is not None
+
+
+def test_each_shipped_models_recipe_is_a_record_the_model_card_shows_and_train_tiny_takes():
+    import shlex
+    from pathlib import Path
+
+    from fastdllm.cli.train_tiny import add_arguments
+    from fastdllm.embedded.mixes import MIXES
+    from fastdllm.embedded.recipe import RECIPES, recipe_table
+    from fastdllm.models.loading import EMBEDDED_MODELS
+
+    card = (Path(__file__).resolve().parents[1] / "docs" / "model-card.md").read_text()
+    assert recipe_table() in card
+    assert set(RECIPES) == set(EMBEDDED_MODELS)
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    for name, stages in RECIPES.items():
+        assert stages[-1].name == name and stages[0].init_from is None
+        folders = set()
+        for s in stages:
+            assert s.mix in MIXES and (s.init_from is None or s.init_from in folders), s
+            args = vars(parser.parse_args(shlex.split(s.command())[2:]))
+            assert (args["data_mix"], args["steps"], args["lr"], args["seed"]) == (s.mix, s.steps, s.lr, s.seed)
+            assert args["resume"] == s.resume and (args["init_from"] is None) == (s.init_from is None or s.resume)
+            folders.add(args["out"].removeprefix("runs/"))

@@ -6,14 +6,15 @@ import argparse
 import dataclasses
 import sys
 
+from ..embedded.mixes import MIXES
 from ..embedded.recipe import PRESETS, TOKENIZER_CORPORA
-from ..embedded.train import DATA_MIXES, TRAINABLE, TrainSettings, train
+from ..embedded.train import TRAINABLE, TrainSettings, train
 from ..models import FAMILIES
 
 CHOICES = {
     "arch": sorted(FAMILIES),
     "preset": sorted(PRESETS),
-    "data_mix": sorted(DATA_MIXES),
+    "data_mix": sorted(MIXES),
     "trainable": list(TRAINABLE),
     "tokenizer_corpus": list(TOKENIZER_CORPORA),
 }
@@ -21,7 +22,7 @@ HELP = {
     "out": "run folder: checkpoint/, final/, train_log.jsonl",
     "preset": "model size (default: the arch's)",
     "token_budget": "tokens per batch",
-    "data_mix": "batch shapes (see DATA_MIXES)",
+    "data_mix": "the training data (fastdllm.embedded.mixes.MIXES)",
     "resume": "continue from OUT/checkpoint if present",
     "init_from": "start from this model folder's weights and tokenizer",
     "trainable": "experts: only a mixture's routed experts and routers learn",

@@ -1,7 +1,7 @@
 """Training-only arithmetic drills for the `arith` task: every fact of the task, and problems made
 of unrelated facts whose results appear exactly once (see `drill_problem`). The task module
 (`fastdllm.evaluation.tasks.arith`) holds what evaluation needs; these are used by `fastdllm.embedded.train` and
-`benchmarks/probe_facts.py` only."""
+`tools/probe_facts.py` only."""
 
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
 """The embedded models' recipe: their tokenizer (a byte-level BPE trained on the arith data), its
-special tokens and chat template, the model sizes, and a freshly initialised model of any
-family. `fastdllm.embedded.train` trains them; tests build tiny ones from here."""
+special tokens and chat template, the model sizes, a freshly initialised model of any family,
+and the training stages that made each shipped model (`RECIPES`, one record per run; their data
+mixes are `fastdllm.embedded.mixes.MIXES`). `fastdllm.embedded.train` trains them; tests build
+tiny ones from here."""
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
 import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
@@ -191,3 +194,115 @@ def new_model(
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)
     return model
+
+
+# ---- what made each shipped model ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Stage:
+    """One training run (`fastdllm train-tiny`) of a shipped model's recipe: its run folder
+    (runs/NAME), family, data mix (`mixes.MIXES`), steps, peak LR and decay fraction, the stage whose
+    final weights it starts from (the run folder's name; None: from scratch; across families the
+    weights are transplanted or split-upcycled, `train.transplant_weights`), or with `resume` whose
+    run folder it continues (its final weights are then in that folder).
+    `stopped_at`: the run was stopped there, short of `steps` (its schedule is still `steps`')."""
+
+    name: str
+    arch: str
+    mix: str
+    steps: int
+    lr: float
+    decay_frac: float
+    init_from: str | None = None
+    resume: bool = False
+    seed: int = 0
+    preset: str | None = None
+    warmup: int = 100
+    editing_noise: float = 0.0
+    stopped_at: int | None = None
+
+    def command(self) -> str:
+        """The command line that runs it (after the stages it starts from)."""
+        folder = self.init_from if self.resume else self.name  # a resumed stage continues that run's folder
+        parts = [f"fastdllm train-tiny --arch {self.arch} --out runs/{folder}"]
+        if self.init_from and not self.resume:
+            parts.append(f"--init-from runs/{self.init_from}/final")
+        parts.append(f"--data-mix {self.mix} --steps {self.steps} --lr {self.lr:g} --decay-frac {self.decay_frac:g}")
+        for flag, value, default in (
+            ("--seed", self.seed, 0),
+            ("--preset", self.preset, None),
+            ("--warmup", self.warmup, 100),
+            ("--editing-noise", self.editing_noise, 0.0),
+        ):
+            if value != default:
+                parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+        if self.resume:
+            parts.append("--resume")
+        return " ".join(parts)
+
+
+def _llada(name, mix, steps, lr, decay, init_from, **kw) -> Stage:
+    return Stage(name, "llada", mix, steps, lr, decay, init_from, **kw)
+
+
+LLADA_STAGES = (
+    _llada("llada-1a", "v1", 1600, 2e-3, 0.45, None, stopped_at=1100),
+    _llada("llada-1b", "dense", 2600, 2e-3, 0.55, "llada-1a", resume=True),
+    _llada("llada-2", "focus", 3600, 1.5e-3, 0.4445, "llada-1a"),  # 1b's weights: it ran on in 1a's folder
+    _llada("llada-3", "drill", 1800, 1e-3, 0.5, "llada-2"),
+    _llada("llada-4a", "facts", 3000, 2e-3, 0.5, "llada-3", stopped_at=1000),
+    _llada("llada-4b", "recall", 3200, 2e-3, 0.5, "llada-4a"),
+    _llada("llada-5", "story", 3600, 1e-3, 0.5, "llada-4b"),
+    _llada("llada-6", "long", 2000, 6e-4, 0.6, "llada-5"),
+    _llada("llada-7", "shots", 2800, 6e-4, 0.6, "llada-6"),
+    _llada("llada-arith", "tail", 1800, 5e-4, 0.6, "llada-7", seed=8),
+)
+# Each shipped model: its stages in order, the last one writing the asset (runs/NAME/final, saved
+# in bfloat16 as fastdllm/embedded/assets/NAME). Stages shared with another model's recipe (the
+# Dream twin starts from llada-5) are listed in each.
+RECIPES: dict[str, tuple[Stage, ...]] = {
+    "llada-arith": LLADA_STAGES,
+    "dream-arith": LLADA_STAGES[:7]
+    + (
+        Stage("dream-1", "dream", "story", 800, 1e-3, 0.5, "llada-5"),
+        Stage("dream-2", "dream", "long", 1200, 6e-4, 0.6, "dream-1"),
+        Stage("dream-arith", "dream", "story", 1200, 6e-4, 0.6, "dream-2", seed=9),
+    ),
+    "sdar-arith": LLADA_STAGES + (Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-arith"),),
+    "llada2-arith": LLADA_STAGES
+    + (
+        Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-arith"),
+        Stage("llada2-1", "llada2_moe", "story", 320, 3e-4, 0.375, "sdar-arith", seed=43, preset="llada2", warmup=25),
+        Stage(
+            "llada2-arith",
+            "llada2_moe",
+            "story",
+            160,
+            2e-4,
+            0.5,
+            "llada2-1",
+            seed=44,
+            preset="llada2",
+            warmup=10,
+            editing_noise=0.1,
+        ),
+    ),
+}
+
+
+def recipe_table() -> str:
+    """Every stage of every shipped model once, in the order they run: the model card's table."""
+    seen, lines = (
+        {},
+        ["| stage | from | data mix | steps | peak LR | decay fraction | command |", "|---|---|---|---|---|---|---|"],
+    )
+    shipped = set(RECIPES)
+    for stages in RECIPES.values():
+        for s in stages:
+            if s.name in seen:
+                continue
+            seen[s.name] = s
+            name = f"**{s.name}**" if s.name in shipped else s.name
+            origin = "scratch" if s.init_from is None else s.init_from + (" (`--resume`)" if s.resume else "")
+            steps = f"{s.stopped_at} of {s.steps}" if s.stopped_at else str(s.steps)
+            lines.append(f"| {name} | {origin} | {s.mix} | {steps} | {s.lr:g} | {s.decay_frac:g} | `{s.command()}` |")
+    return "\n".join(lines)

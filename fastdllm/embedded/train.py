@@ -30,6 +30,7 @@ from ..models import Transformer
 from ..models.loading import load_model, save_pretrained
 from ..text.tokenizer import Tokenizer, load_tokenizer
 from . import drills, train_data
+from .mixes import MIXES
 from .recipe import SPECIAL_TOKENS, build_tokenizer, new_model
 
 MASK_EPS = 1e-3
@@ -40,56 +41,6 @@ MASK_EPS = 1e-3
 
 # Share of 0-shot rows whose user message is the bare question (see arith.prompt_ids).
 P_BARE_QUESTION = 0.3
-# Batch shapes: (probability of a k-shot prompt, [(cumulative probability, region lengths)]).
-# Each mix is one stage of the recipe in docs/model-card.md; why each stage's mix changed, and what
-# it measured, is in docs/training-notes.md.
-DATA_MIXES = {
-    # long regions (mostly EOS padding) and few-shot prompts in a fifth of the batches
-    "v1": (0.2, [(0.6, [64, 96, 128]), (0.9, [256]), (1.0, [512, 1024])]),
-    # more of each batch on answer tokens, still some long regions to learn the EOS fill
-    "dense": (0.1, [(0.75, [32, 48, 64]), (0.95, [256]), (1.0, [512, 1024])]),
-    # mostly 0-shot with a region just long enough for the answer (answers are 20-57 tokens), so
-    # nearly every masked token is answer content; a quarter still teaches the EOS fill of
-    # 96-1024-token regions and 8-shot prompts
-    "focus": (0.08, [(0.72, [64]), (0.86, [96, 128]), (0.96, [256]), (1.0, [512, 1024])]),
-}
-# focus's shapes with arithmetic drills (see DRILLS): a model that only copies results between the
-# lines of a worked answer has to compute them from a drill
-DATA_MIXES["drill"] = DATA_MIXES["focus"]
-# drills drawn uniformly over the task's facts, and 12% of word problems few-shot
-DATA_MIXES["facts"] = (0.12, DATA_MIXES["focus"][1])
-# as facts; its drills do not restate the operations in the question (no worked answer does)
-DATA_MIXES["recall"] = DATA_MIXES["facts"]
-# half the drills write each fact in an answer's own sentence; a quarter of the word problems in
-# 512/1024-token regions, where answers must hold up behind ~1000 masked positions
-DATA_MIXES["story"] = (0.12, [(0.5, [64]), (0.62, [96, 128]), (0.76, [256]), (1.0, [512, 1024])])
-# story with more word problems in long regions (256: 20%, 512/1024: 35%)
-DATA_MIXES["long"] = (0.12, [(0.35, [64]), (0.45, [96, 128]), (0.65, [256]), (1.0, [512, 1024])])
-# Per mix with drills: the share of batches that are drills, drills.drill_problem's weighting and
-# restate for them, and the share of those drills in "sentence" phrasing (mixes not listed have none).
-DRILLS = {
-    "drill": (0.25, "op", True, 0.0),
-    "facts": (0.5, "fact", True, 0.0),
-    "recall": (0.5, "fact", False, 0.0),
-    "story": (0.5, "fact", False, 0.5),
-}
-DRILLS["long"] = DRILLS["story"]  # the same drills; only the word problems' regions differ
-# long with 40% of word problems few-shot, 4-8 exemplars: long regions behind 8-shot prompts
-DATA_MIXES["shots"] = (0.4, DATA_MIXES["long"][1])
-DRILLS["shots"] = DRILLS["story"]
-# shots with 55% of word problems in 512/1024-token regions and 35% of batches drills
-DATA_MIXES["tail"] = (0.4, [(0.2, [64]), (0.3, [96, 128]), (0.45, [256]), (1.0, [512, 1024])])
-DRILLS["tail"] = (0.35, "fact", False, 0.5)
-# every prompt format and source of `fastdllm.embedded.train_data` (rows drawn per row, not per batch)
-DATA_MIXES["talk"] = (0.0, [(0.45, [64]), (0.65, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
-DATA_MIXES["talk-arith"] = DATA_MIXES["talk"]  # the same shapes; the arith stories a larger share
-# the arith model's own rows with tool calls and JSON answers among them, mostly in short regions:
-# an answer token's weight is over its region's length, and a new skill's answers are ~50 tokens
-DATA_MIXES["tools"] = (0.0, [(0.55, [64]), (0.7, [96, 128]), (0.85, [256]), (1.0, [512, 1024])])
-DATA_MIXES["plain"] = DATA_MIXES["tools"]  # the same shapes; rows from train_data (few-shot there)
-DATA_MIXES["paired"] = DATA_MIXES["tools"]  # the same shapes; each question as a chat and a plain row
-# The fewest exemplars a few-shot batch draws, per mix (default 1; the most is always 8).
-MIN_SHOTS = {"shots": 4, "tail": 4}
 
 
 def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mix: str = "v1", max_len: int = 2048):
@@ -97,24 +48,24 @@ def make_batch(tokenizer: Tokenizer, step: int, seed: int, token_budget: int, mi
     a row that would make T exceed `max_len` (the model's context) is drawn again."""
     r = random.Random(seed * 1_000_003 + step)
     eot, eos = tokenizer.token_to_id(SPECIAL_TOKENS["eot"]), tokenizer.eos_token_id
-    p_shots, regions = DATA_MIXES[mix]
-    k = 0 if r.random() < 1 - p_shots else r.randint(MIN_SHOTS.get(mix, 1), 8)
+    m = MIXES[mix]
+    k = 0 if r.random() < 1 - m.shots else r.randint(m.min_shots, 8)
     u = r.random()
-    region = r.choice(next(lengths for cum, lengths in regions if u < cum))
-    drill = mix in DRILLS and r.random() < DRILLS[mix][0]  # other mixes draw nothing here
-    if mix in train_data.MIX_SOURCES:
-        streams, sources = train_data.talk_streams(r), train_data.MIX_SOURCES[mix]
-        formats = train_data.MIX_FORMATS.get(mix)
-        rows_of = lambda: train_data.talk_row(r, tokenizer, region, streams, sources, formats)  # noqa: E731
+    region = r.choice(next(lengths for cum, lengths in m.regions if u < cum))
+    drill = m.drills is not None and r.random() < m.drills.share  # other mixes draw nothing here
+    if m.sources is not None:
+        streams = train_data.talk_streams(r)
+        rows_of = lambda: train_data.talk_row(r, tokenizer, region, streams, m.sources, m.formats)  # noqa: E731
     elif drill:
         k, region = 0, 64
-        _, weighting, restate, p_sentence = DRILLS[mix]
         # Mixes without sentence drills draw no extra random number, so their batches stay as before.
-        phrasing = "sentence" if p_sentence and r.random() < p_sentence else "equation"
+        sentence = m.drills.sentence and r.random() < m.drills.sentence
+        phrasing = "sentence" if sentence else "equation"
+        weighting, restate = m.drills.weighting, m.drills.restate
         stream = iter(lambda: drills.drill_problem(r, weighting=weighting, restate=restate, phrasing=phrasing), None)
     else:
         stream = arith.train_stream(r.randrange(1 << 30))
-    if mix not in train_data.MIX_SOURCES:
+    if m.sources is None:
 
         def rows_of():
             shots = [next(stream) for _ in range(k)]
@@ -475,7 +426,7 @@ class TrainSettings:
     warmup: int = 100
     decay_frac: float = 0.4
     token_budget: int = 8192  # tokens per batch
-    data_mix: str = "v1"  # batch shapes (see DATA_MIXES)
+    data_mix: str = "v1"  # the training data (`embedded.mixes.MIXES`)
     seed: int = 0
     device: str = "cpu"
     threads: int = 0  # 0: torch's default

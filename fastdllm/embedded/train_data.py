@@ -31,28 +31,10 @@ from ..evaluation.tasks import arith, everyday
 from ..evaluation.tasks.base import DATA_DIR
 from . import drills, tool_data
 
-# Sources of a row and their shares, per mix ("talk-arith": the arith stories' share raised so
-# that the old task is kept while the new one is learnt).
+# Sources of a row and their shares (the `talk` mix's; each mix's are `embedded.mixes.MIXES`).
 SOURCES = {"everyday": 0.45, "arith": 0.18, "gsm8k": 0.1, "drill": 0.12, "text": 0.15}
-MIX_SOURCES = {
-    "talk": SOURCES,
-    "talk-arith": {"everyday": 0.35, "arith": 0.35, "gsm8k": 0.05, "drill": 0.15, "text": 0.1},
-    # the embedded arith model's own prompts, and tool calls and JSON answers
-    "tools": {"arith": 0.45, "drill": 0.15, "tools": 0.4},
-    # the embedded arith model's own questions behind the plain wrappers users send
-    "plain": {"arith": 0.85, "drill": 0.15},
-    # each arith question twice in one batch, as a chat turn and behind the same text without the
-    # template (`paired_rows`): the wrapper is the only difference the loss sees between the two
-    "paired": {"paired": 0.8, "drill": 0.2},
-}
 # Within a question row: the prompt format's shares.
 FORMATS = {"chat": 0.5, "chat2": 0.12, "plain": 0.26, "plain-bare": 0.12}
-# Mixes whose question rows are all chat-formatted (their models were never given plain prompts).
-MIX_FORMATS = {
-    "tools": {"chat": 1.0},
-    # half the rows as the model was trained (chat), so that its chat accuracy is kept
-    "plain": {"chat": 0.5, "plain": 0.35, "plain-bare": 0.15},
-}
 # Docstrings of these modules are never trained on (the general-text measurements read them).
 HELD_OUT_MODULES = frozenset(
     {"statistics", "difflib", "textwrap", "calendar", "heapq", "zipfile", "wave", "trace", "smtplib", "fractions"}

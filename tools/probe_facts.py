@@ -12,7 +12,7 @@ operation; `--restate` lists the operations in the question ("Work out 45 - 10, 
 `--answers N` probes the same facts where they matter: inside the worked answers of N held-out
 problems, with every result and the `####` value masked at once and the operands shown.
 
-    python benchmarks/probe_facts.py [MODEL_DIR] [--repeats 2] [--restate] [--answers 300]
+    python tools/probe_facts.py [MODEL_DIR] [--repeats 2] [--restate] [--answers 300]
 """
 
 from __future__ import annotations

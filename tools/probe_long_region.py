@@ -6,7 +6,7 @@ while it writes the answer's first blocks; with `padding shown` it is visible.
 
 What it found during training is in docs/training-notes.md.
 
-    python benchmarks/probe_long_region.py [MODEL_DIR] [--n 48] [--regions 64 256 1024]
+    python tools/probe_long_region.py [MODEL_DIR] [--n 48] [--regions 64 256 1024]
 """
 
 from __future__ import annotations

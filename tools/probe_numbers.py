@@ -5,7 +5,7 @@ for tokens that also occur in the question (copying) or not (computed results).
 Free decoding must get every token of an answer right from an all-[MASK] start, so its accuracy
 lags; this probe shows what the model has learned so far (see docs/training-notes.md).
 
-    python benchmarks/probe_numbers.py [MODEL_DIR] [--problems 40]
+    python tools/probe_numbers.py [MODEL_DIR] [--problems 40]
 """
 
 from __future__ import annotations
