@@ -3,7 +3,7 @@
 the same request, over `--rounds`; tokens/s of each, the canvas events per request and the bytes
 each stream sent. One thread.
 
-    python benchmarks/canvas_stream.py --problems 20 --rounds 3
+    python benchmarks/canvas_stream.py --problems 20 --rounds 3 [--threshold none]
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def serve(model, tokenizer, defaults):
     return server, f"http://127.0.0.1:{port}"
 
 
-def stream(url, question, canvas: bool) -> dict:
+def stream(url, question, canvas: bool, fields: dict) -> dict:
     body = {
+        **fields,
         "model": "llada-arith",
         "messages": [{"role": "user", "content": question}],
         "max_tokens": 128,
@@ -62,20 +63,24 @@ def main() -> None:
     ap.add_argument("--model", default="llada-arith")
     ap.add_argument("--problems", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--threshold", default="0.9", help="the requests' threshold; 'none': one token per step (a canvas each)"
+    )
     args = ap.parse_args()
+    fields = {"threshold": None if args.threshold.lower() == "none" else float(args.threshold)}
     torch.set_num_threads(1)
     model, tok = fastdllm.load(args.model, dtype="float32")
     server, url = serve(model, tok, GenerationConfig.for_model(model, checkpoint_defaults=False))
     questions = [p.question for p in arith.test_split()[: args.problems]]
     for q in questions[:3]:  # warm-up
-        stream(url, q, False)
+        stream(url, q, False, fields)
     totals = {False: [], True: []}
     for _ in range(args.rounds):
         for q in questions:
             for canvas in (False, True):
-                totals[canvas].append(stream(url, q, canvas))
+                totals[canvas].append(stream(url, q, canvas, fields))
     server.should_exit = True
-    out = {"model": args.model, "problems": args.problems, "rounds": args.rounds}
+    out = {"model": args.model, "problems": args.problems, "rounds": args.rounds, **fields}
     for canvas, runs in totals.items():
         seconds, tokens = sum(r["seconds"] for r in runs), sum(r["tokens"] for r in runs)
         out["canvas" if canvas else "plain"] = {

@@ -70,6 +70,7 @@ SELECTION_RULES = Registry(
         "dream_schedule": f"{_UNMASKING}:DreamSchedule",
         "quota": f"{_UNMASKING}:Quota",
         "entropy": f"{_UNMASKING}:EntropyThreshold",
+        "left_to_right": f"{_UNMASKING}:LeftToRight",
     },
 )
 # A model family's own proposal (`DecodingRules.proposal`).
@@ -202,6 +203,19 @@ class GenerationConfig:
         search=(None, 0.5, 0.8, 0.95),
     )
     max_post_steps: int = _opt(16, "int", "with editing: at most this many steps of a block after its last mask")
+    stop_confidence: float | None = _opt(
+        None,
+        "optional float",
+        "with editing: a block ends at the step where every position masked at its start has its most "
+        "probable token at least this likely, or that changes nothing, and after at most block_length "
+        "steps (DMax's rule); None: LLaDA2.1's (max_post_steps)",
+    )
+    soft_embeddings: bool = _opt(
+        False,
+        "bool",
+        "with editing: each revealed position of the block enters the next forward as "
+        "p E[token] + (1 - p) E[mask], rescaled to the mixed norm (DMax's soft embeddings)",
+    )
     suffix_window: int | None = _opt(
         32,
         "optional int",
@@ -373,8 +387,34 @@ class GenerationConfig:
         return cls(**{**published, **overrides})
 
     @classmethod
+    def dmax(cls, **overrides) -> GenerationConfig:
+        """DMax's decoding (its dInfer `decode_uniform`): blocks of 32, each step reveals masked
+        positions left to right up to the first below 0.5 (at least the first), revises every
+        position revealed in the block (`editing_threshold=0`), feeds them back as soft embeddings,
+        and ends the block once all are 0.9 likely, nothing changes, or after 32 steps; the
+        previous block re-encoded from hard tokens at the next block's first step (the vicinity
+        refresh), and nothing after the block in any forward."""
+        published = dict(
+            gen_length=256,
+            block_length=32,
+            steps=None,
+            threshold=0.5,
+            factor=None,
+            unmasking="left_to_right",
+            cache="dual",
+            suffix_window=0,
+            refresh="vicinity",
+            refresh_every=None,
+            parallel_blocks=1,
+            editing_threshold=0.0,
+            stop_confidence=0.9,
+            soft_embeddings=True,
+        )
+        return cls(**{**published, **overrides})
+
+    @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
-        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel")."""
+        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "dmax")."""
         if name not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
         return getattr(cls, PRESETS[name])(**overrides)
@@ -428,6 +468,8 @@ class GenerationConfig:
         fields in `keep` (the ones a user gave)."""
         family = getattr(model, "family", None)
         needed = family.decoding_defaults(model.args) if family is not None else {}
+        if self.unmasking is not None and self.unmasking != needed.get("unmasking"):
+            needed.pop("unmasking", None)  # a preset that names its own rule (dParallel's, DMax's) keeps it
         if self.cache == "none":
             needed = {
                 k: v for k, v in needed.items() if k not in ("cache", "refresh", "refresh_every", "suffix_window")
@@ -635,6 +677,21 @@ class GenerationConfig:
         need(
             is_int(self.max_post_steps) and self.max_post_steps >= 0, "max_post_steps", "must be a non-negative integer"
         )
+        if self.stop_confidence is not None:
+            need(is_num(self.stop_confidence) and 0 < self.stop_confidence <= 1, "stop_confidence", "must be in (0, 1]")
+            need(self.editing_threshold is not None, "stop_confidence", "needs editing (editing_threshold)")
+            need(self.parallel_blocks == 1, "stop_confidence", "decides one block at a time: use parallel_blocks=1")
+        need(isinstance(self.soft_embeddings, bool), "soft_embeddings", "must be true or false")
+        need(
+            not self.soft_embeddings or self.editing_threshold is not None,
+            "soft_embeddings",
+            "needs editing (editing_threshold): the fed-back positions are the ones a step may revise",
+        )
+        need(
+            not self.soft_embeddings or (not self.cuda_graphs and self.parallel_blocks == 1),
+            "soft_embeddings",
+            "not with cuda_graphs or parallel_blocks > 1",
+        )
         if self.suffix_window is not None:
             need(
                 is_int(self.suffix_window) and self.suffix_window >= 0,
@@ -772,7 +829,13 @@ def read_preset(path) -> dict:
 
 
 # --preset NAME -> the GenerationConfig classmethod that builds it.
-PRESETS = {"default": "default", "fast-dllm": "fast_dllm", "baseline": "baseline", "dparallel": "dparallel"}
+PRESETS = {
+    "default": "default",
+    "fast-dllm": "fast_dllm",
+    "baseline": "baseline",
+    "dparallel": "dparallel",
+    "dmax": "dmax",
+}
 
 
 # ---- transformers' names -------------------------------------------------------------------------

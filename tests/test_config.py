@@ -48,6 +48,8 @@ BAD = {
     "decoded_token_threshold": -0.5,
     "lookahead_threshold": 1.01,
     "fixed": {300: "x"},
+    "stop_confidence": 0.9,
+    "soft_embeddings": True,
     "suffix": "",
 }
 

@@ -22,6 +22,11 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   to a czg1225/dParallel checkout and FASTDLLM_DPARALLEL_PYTHON to an interpreter with
   transformers==4.49.0, numpy and torch.
 
+- DMax's step, `ThresholdParallelDecoder.decode_uniform` of its vendored dInfer (`dInfer/python/
+  dinfer/decoding/parallel_strategy.py`, pure PyTorch: loaded here without the package, whose other
+  modules need vLLM), on the same logits as our policies: set FASTDLLM_DMAX_REFERENCE to a
+  czg1225/DMax checkout.
+
 Without them the tests are skipped."""
 
 from __future__ import annotations
@@ -145,6 +150,81 @@ def test_the_entropy_rule_decodes_as_dparallels_llada_code(tmp_path):
             blocks = ours.unmask_step[0].view(-1, c["block_length"])
             finished_at_start = sum(len(set(b.tolist())) == 1 for b in blocks) if c["cache"] != "none" else 0
             assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)
+
+
+DMAX_CHECKOUT = os.environ.get("FASTDLLM_DMAX_REFERENCE")
+
+
+def _dmax_strategy_module():
+    """DMax's parallel_strategy.py and the utils.py it imports, as a package of their own."""
+    import importlib.util
+    import sys
+    import types
+
+    folder = Path(DMAX_CHECKOUT, "dInfer", "python", "dinfer", "decoding")
+    package = types.ModuleType("dmax_decoding")
+    package.__path__ = [str(folder)]
+    sys.modules["dmax_decoding"] = package
+    for name in ("utils", "parallel_strategy"):
+        spec = importlib.util.spec_from_file_location(f"dmax_decoding.{name}", folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["dmax_decoding.parallel_strategy"]
+
+
+@pytest.mark.skipif(
+    not (
+        DMAX_CHECKOUT and Path(DMAX_CHECKOUT, "dInfer", "python", "dinfer", "decoding", "parallel_strategy.py").exists()
+    ),
+    reason="set FASTDLLM_DMAX_REFERENCE (a czg1225/DMax checkout)",
+)
+@pytest.mark.parametrize("seed", range(6))
+def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
+    """Step after step on the same random logits, from a block of masks (its first position a prompt
+    token): the same tokens revealed and revised, the same end of the block, the same soft
+    embeddings."""
+    from fastdllm.engine.unmasking import BlockClock, Editing, UnmaskingStrategy, soft_embeddings
+
+    reference = _dmax_strategy_module()
+    gen = torch.Generator().manual_seed(seed)
+    vocab, blk, dim, mask_id = 12, 8, 6, 11
+    embedding = torch.nn.Embedding(vocab, dim)
+    torch.nn.init.normal_(embedding.weight, generator=gen)
+    theirs = reference.ThresholdParallelDecoder(temperature=0.0, threshold=0.5, mask_id=mask_id, eos_id=10)
+    x = torch.full((1, blk), mask_id)
+    x[0, 0] = 3  # a prompt token inside the block (block-causal lead): never revised
+    active = x == mask_id
+    config = GenerationConfig.dmax(block_length=blk, gen_length=blk)
+    strategy = UnmaskingStrategy.from_config(config)
+    editing = Editing.from_config(config)
+    ours = x.clone()
+    region = torch.full((1, blk), -1)
+    embeds = None
+    for step in range(blk):
+        # sharp logits for some positions, flat for others; the mask never the most likely
+        logits = torch.randn(1, blk, vocab, generator=gen) * (1 + 4 * torch.rand(1, blk, 1, generator=gen))
+        logits[..., mask_id] = -20.0
+        stop, embeds = theirs.decode_uniform(logits.clone(), 0, blk, x, active, embedding, prev_embeddings=embeds)
+        masked = ours == mask_id
+        editable = (region >= 0) & ~masked
+        clock = BlockClock.uniform(masked, blk, step)
+        d = strategy.decide(logits, ours, clock, None, mask_id, editable=editable)
+        ours = torch.where(d.edited, d.tokens, ours)
+        ours = torch.where(d.chosen, d.tokens, ours)
+        region = torch.where(d.chosen, torch.full_like(region, step), region)
+        changed = d.chosen.any(-1) | d.edited.any(-1)
+        done = editing.confident_stop(ours, region, d.top_prob, changed, torch.tensor([step + 1]), mask_id)
+        assert ours.tolist() == x.tolist(), step
+        # its runner (`BlockRunner.decode_uniform`) stops a block after block_length forwards
+        their_done = stop or step + 1 >= blk
+        assert bool(done[0]) == their_done, step
+        if their_done:
+            break
+        soft = (region >= 0) & (ours != mask_id)
+        mixed = soft_embeddings(embedding, d.top_token, d.top_prob, mask_id)
+        want = torch.where(soft[..., None], mixed, embedding(ours).float())
+        torch.testing.assert_close(embeds.float(), want, rtol=1e-5, atol=1e-6)
 
 
 SDAR_CONFIGS = [

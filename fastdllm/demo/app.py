@@ -14,7 +14,7 @@ import time
 
 import gradio as gr
 
-from ..config import ConfigError
+from ..config import PRESETS, ConfigError
 from ..models.loading import EMBEDDED_MODELS, load
 from .frames import LABELS, Frame, figures_line, frames, page_fields, pane_config, parse_fixed_words
 
@@ -97,7 +97,7 @@ def build(models: Models, model_name: str, presets: tuple[str, str]) -> gr.Block
                 with gr.Column():
                     preset_boxes.append(
                         gr.Dropdown(
-                            choices=list(dict.fromkeys([preset, "baseline", "fast-dllm", "default"])),
+                            choices=list(dict.fromkeys([preset, *PRESETS])),
                             value=preset,
                             allow_custom_value=True,
                             label="Preset (a name, or a preset file from fastdllm tune)",

@@ -64,6 +64,9 @@ class SequenceView:
     # per row: its prompt's leading columns whose K/V the prefix store gave it when it joined
     # (its first full forward starts after them)
     reused: tuple[int, ...] = ()
+    # per row: input vectors that replace some columns' token embeddings in every forward of this
+    # step ({row: (columns, vectors)}; DMax's soft embeddings, `Transformer.packed_logits`)
+    embeds: dict | None = None
 
     def refresh(self, i: int) -> int:
         return self.refreshes[i] if self.refreshes else 1
@@ -193,6 +196,7 @@ class CachePolicy:
             compiled=self.compiled,
             block_size=seq.block_length or None,
             batch_invariant=self.batch_invariant,
+            embeds=seq.embeds,
         )
 
     def full_window(self, seq: SequenceView, i: int) -> Window:

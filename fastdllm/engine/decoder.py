@@ -45,7 +45,7 @@ from torch.profiler import record_function
 from ..config import GenerationConfig, is_int
 from .cache_policies import SequenceView
 from .policies import Policies, PolicySource, policies_for, resolve
-from .unmasking import BlockClock, Decision
+from .unmasking import BlockClock, Decision, soft_embeddings
 
 
 def join_key(config: GenerationConfig) -> tuple:
@@ -107,6 +107,7 @@ class Row:
     # and the suffix after the region, which every forward of a bidirectional model sees.
     fixed: tuple = ()
     suffix: torch.Tensor | None = None
+    soft: tuple | None = None  # DMax's soft embeddings for its next forward: (columns, vectors)
 
     @property
     def stop_block(self) -> int:
@@ -479,7 +480,9 @@ class BlockDecoder:
         self.step_of.scatter_(1, columns, region)
         for r in rows:
             r.step += 1
-        done = self._block_over(block[:, :blk], had_mask, decision.edited)
+        done = self._block_over(block[:, :blk], region[:, :blk], had_mask, decision)
+        if self.editing is not None and self.editing.soft_embeddings:
+            self._soft_embeddings(view.starts, block[:, :blk], region[:, :blk], decision, done)
         record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
         self._after_step(block, region, done, decision.revealed(), work)
         return record
@@ -543,19 +546,37 @@ class BlockDecoder:
                 out[idx] = getattr(d, name)
             return out
 
-        return Decision(*(merged(n) for n in ("tokens", "chosen", "edited", "ahead_tokens", "ahead")))
+        names = ("tokens", "chosen", "edited", "ahead_tokens", "ahead", "top_token", "top_prob")
+        return Decision(*(merged(n) for n in names))
 
-    def _block_over(self, block, had_mask, edited) -> torch.Tensor:
+    def _block_over(self, block, region, had_mask, decision) -> torch.Tensor:
         """(B,) whether each row's block is over after this step: it has no mask left; with
         editing, its first step after the last mask that edits nothing, or `max_post_steps` such
-        steps, ends it."""
+        steps, ends it; with DMax's rule (`stop_confidence`), `Editing.confident_stop`."""
         has_mask = (block == self.mask_id).any(-1)
+        edited = decision.edited
         if self.editing is None:
             return ~has_mask
+        if self.editing.stop_confidence is not None:
+            changed = decision.chosen.any(-1) | edited.any(-1)
+            steps = torch.tensor([r.step for r in self.rows], device=block.device)
+            return self.editing.confident_stop(block, region, decision.top_prob, changed, steps, self.mask_id)
         self.alive &= had_mask | edited.any(-1)
         self.post += ~has_mask & self.alive
         self.alive &= has_mask | (self.post <= self.editing.max_post_steps)
         return ~self.alive
+
+    def _soft_embeddings(self, starts, block, region, decision, done) -> None:
+        """DMax's feedback: each position revealed in a row's block (not one fixed or from the
+        prompt) enters the row's next forward as p E[top] + (1 - p) E[mask], p its most probable
+        token's probability, rescaled to p |E[top]| + (1 - p) |E[mask]|; a row whose block ended
+        starts its next one from tokens."""
+        soft = (region >= 0) & (block != self.mask_id) & ~done[:, None]
+        mixed = soft_embeddings(self.model.tok_embeddings, decision.top_token, decision.top_prob, self.mask_id)
+        cols = torch.tensor(starts, device=block.device)[:, None] + torch.arange(block.shape[1], device=block.device)
+        for i, r in enumerate(self.rows):
+            keep = soft[i]
+            r.soft = (cols[i][keep], mixed[i][keep]) if bool(keep.any()) else None
 
     def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
@@ -617,6 +638,7 @@ class BlockDecoder:
 
     def _begin(self, i: int, r: Row) -> None:
         """Row i starts a block: its masks now, and with editing its state."""
+        r.soft = None
         start = r.column(self.config.block_length)
         masked = self.x[i, start : start + self.config.block_length] == self.mask_id
         self.opened[i] = masked.sum()
@@ -677,6 +699,7 @@ class BlockDecoder:
             self.width,
             tuple(1 + r.unrefreshed for r in rows),
             tuple(r.reused for r in rows),
+            {i: r.soft for i, r in enumerate(rows) if r.soft is not None} or None,
         )
 
     def _relayout(self, moves: list[tuple[Row, int | None]]) -> None:

@@ -268,6 +268,31 @@ class EntropyThreshold(SelectionRule):
         return chosen | (torch.zeros_like(masked).scatter_(-1, best, True) & masked.any(-1, keepdim=True))
 
 
+class LeftToRight(SelectionRule):
+    """DMax's rule (dInfer's `get_transfer_index_uniform`): the block's masked positions, left to
+    right, up to the first whose confidence is below `threshold`; when the leftmost is already
+    below it, the leftmost alone. The confidence is the proposed token's probability in DMax's
+    float32 form, exp(logit - logsumexp) (`score`, `DMaxProposal`)."""
+
+    name = "left_to_right"
+    score = "logsumexp"
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    @classmethod
+    def from_config(cls, config):
+        if config.threshold is None:
+            raise ValueError("threshold: the left-to-right rule needs a threshold")
+        return cls(config.threshold)
+
+    def select(self, conf, masked, clock, generators, draws):
+        low = masked & (conf < self.threshold)
+        candidates = masked & (low.long().cumsum(-1) == 0)
+        first = masked & (masked.long().cumsum(-1) == 1)
+        return torch.where(candidates.any(-1, keepdim=True), candidates, first)
+
+
 class Factor(SelectionRule):
     name = "factor"
 
@@ -485,6 +510,23 @@ class SDARProposal(Proposal):
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+class DMaxProposal(Proposal):
+    """DMax's (dInfer's `get_transfer_index_uniform` with `_get_prob_stats`): the argmax at
+    temperature 0, else LLaDA's Gumbel-max in float64; its probability as exp(logit - logsumexp)
+    of the float32 logits."""
+
+    def __call__(self, logits, generators, draws):
+        c = self.config
+        if c.temperature > 0:
+            noise = _draw_uniform(logits.shape[1:], generators, draws, torch.float64, logits.device)
+            tokens = (logits.double().exp() / (-torch.log(noise)) ** c.temperature).argmax(-1)
+        else:
+            tokens = logits.argmax(-1)
+        lf = logits.float()
+        conf = (lf.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lf, -1)).exp()
+        return tokens, conf
+
+
 class FastDLLMv2Proposal(Proposal):
     """Fast-dLLM v2's `sample_with_top_p`: greedy at temperature 0, with the softmax's probability
     as the confidence; else the token sampled from softmax(logits / temperature) after top-p
@@ -532,6 +574,8 @@ def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None 
     is never >= 0.9, so every step would reveal one token)."""
     if getattr(rule, "score", None) == "entropy":  # dParallel's entropy, in its LLaDA or Dream form
         return LLaDAProposal(config, "entropy") if config.alg is None else DreamProposal(config, "unfiltered_entropy")
+    if getattr(rule, "score", None) == "logsumexp":
+        return DMaxProposal(config)
     if family_proposal is not None:
         return PROPOSALS[family_proposal](config)
     if config.alg is None:
@@ -551,14 +595,38 @@ class Editing:
     threshold 0.7 with editing 0.5, its speed mode threshold 0.5 with editing 0.0 (any change is
     taken: the edits repair what the low threshold got wrong)."""
 
-    def __init__(self, threshold: float, max_post_steps: int):
+    def __init__(
+        self,
+        threshold: float,
+        max_post_steps: int,
+        stop_confidence: float | None = None,
+        soft_embeddings: bool = False,
+    ):
         self.threshold, self.max_post_steps = threshold, max_post_steps
+        self.stop_confidence, self.soft_embeddings = stop_confidence, soft_embeddings
 
     @classmethod
     def from_config(cls, config) -> Editing | None:
         if config.editing_threshold is None:
             return None
-        return cls(config.editing_threshold, config.max_post_steps)
+        return cls(config.editing_threshold, config.max_post_steps, config.stop_confidence, config.soft_embeddings)
+
+    @property
+    def needs_top(self) -> bool:
+        """Whether a step's decision carries each position's most probable token and its probability."""
+        return self.stop_confidence is not None or self.soft_embeddings
+
+    def confident_stop(self, block, region, top_prob, changed, steps, mask_id) -> torch.Tensor:
+        """DMax's end of a block, (B,): no mask left, and every position masked at the block's start
+        (revealed in it, `region` >= 0, or still masked) has its most probable token at least
+        `stop_confidence` likely, or the step changed nothing, or the block took its length in
+        steps. *Deliberate difference*: DMax also ends a block that still has masks when they are
+        all that likely (at temperature > 0 a sampled token may be less likely than the threshold);
+        here a block ends only without masks, as every block in this loop does."""
+        masked = block == mask_id
+        active = (region >= 0) | masked
+        sure = ((top_prob >= self.stop_confidence) | ~active).all(-1)
+        return ~masked.any(-1) & (sure | ~changed | (steps >= block.shape[1]))
 
     def select(self, tokens, conf, current, editable) -> torch.Tensor:
         """(B, T) True where the proposal rewrites a revealed token."""
@@ -612,6 +680,19 @@ class Lookahead:
         return (sure | forced).view(bsz, n * blk)
 
 
+def soft_embeddings(embedding, top_token: torch.Tensor, top_prob: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """DMax's soft input for a revealed position: p E[top] + (1 - p) E[mask], p the probability of
+    the position's most probable token, rescaled to the norm p |E[top]| + (1 - p) |E[mask]| (so
+    that it stays on the embeddings' sphere), in float32; (B, T, D) for `top_*` (B, T)."""
+    p = top_prob.float().unsqueeze(-1)
+    rest = (1 - p).clamp_min(0)
+    top = embedding(top_token).float()
+    mask = embedding(torch.tensor([mask_id], device=top_token.device))[0].float()
+    mixed = p * top + rest * mask
+    target = p * top.norm(dim=-1, keepdim=True) + rest * mask.norm()
+    return mixed * (target / (mixed.norm(dim=-1, keepdim=True) + 1e-6))
+
+
 @dataclass
 class Decision:
     """What one step decides for every row: the tokens proposed for its current block, which of
@@ -624,6 +705,9 @@ class Decision:
     edited: torch.Tensor | None = None
     ahead_tokens: torch.Tensor | None = None
     ahead: torch.Tensor | None = None
+    # each position's most probable token and its probability (DMax's stop rule and soft embeddings)
+    top_token: torch.Tensor | None = None
+    top_prob: torch.Tensor | None = None
 
     def revealed(self) -> torch.Tensor:
         """(B,) positions each row revealed (edits not counted)."""
@@ -694,6 +778,7 @@ class UnmaskingStrategy:
         rule = self.rule
         blk = block.shape[1]
         masked = block == mask_id
+        raw_logits = logits  # before the [MASK] guard: DMax's top probabilities include the mask
         drawing = None if generators is None else list(range(block.shape[0]))
         with record_function("fastdllm.propose"):
             tokens, conf = self.propose(logits, generators, drawing)
@@ -729,7 +814,12 @@ class UnmaskingStrategy:
                 editable = editable.clone()
                 editable[list(constraints)] = False
             edited = self.editing.select(tokens, conf, block, editable)
-        return Decision(tokens, chosen, edited, ahead_tokens, ahead)
+        top_token = top_prob = None
+        if self.editing is not None and self.editing.needs_top:  # DMax's _get_prob_stats, float32
+            lf = raw_logits[:, :blk].float()
+            top_logit, top_token = lf.max(-1)
+            top_prob = (top_logit - torch.logsumexp(lf, -1)).exp()
+        return Decision(tokens, chosen, edited, ahead_tokens, ahead, top_token, top_prob)
 
     @property
     def rule(self) -> SelectionRule:

@@ -341,6 +341,7 @@ class Transformer(nn.Module):
         compiled: bool = False,
         block_size: int | None = None,
         batch_invariant: bool = False,
+        embeds: dict | None = None,
     ) -> list[torch.Tensor]:
         """Rows' windows in one forward, packed end to end (no padding): `windows` are per row
         (row, lo, hi, keys, start): compute the columns [lo, hi) of row `row` of the layout `x`
@@ -349,7 +350,9 @@ class Transformer(nn.Module):
         predicts token start + j; a shifted family reads them one column earlier, which the
         window must cover). A column's RoPE position is its index: every row starts at column 0.
         A block-causal model's queries see the keys of their block and the blocks before it, in
-        blocks of `block_size` (default its own). Returns one (hi - start, V) tensor per window."""
+        blocks of `block_size` (default its own). `embeds` {row: (columns, vectors)}: input vectors
+        that replace those columns' token embeddings (DMax's soft embeddings), where a window of that
+        row computes them. Returns one (hi - start, V) tensor per window."""
         shift = 1 if self.args.shifted_logits else 0
         bs = block_size or self.args.block_size
         tokens, positions, segments, offset = [], [], [], 0
@@ -368,6 +371,11 @@ class Transformer(nn.Module):
         tokens, positions = torch.cat(tokens)[None], torch.cat(positions)[None]
         with BatchInvariant() if batch_invariant else contextlib.nullcontext():
             h = self.tok_embeddings(tokens)
+            for s in segments if embeds else ():
+                if s.row in embeds:
+                    cols, vectors = embeds[s.row]
+                    inside = (cols >= s.lo) & (cols < s.hi)
+                    h[0, s.offset + cols[inside] - s.lo] = vectors[inside].to(h.dtype)
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
             dense = self.compiled_layers() if compiled else [None] * len(self.layers)
             for i, layer in enumerate(self.layers):
