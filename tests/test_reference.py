@@ -18,9 +18,10 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   interpreter with transformers==4.57.1 and torch.
 
 - dParallel's `LLaDA/generate.py` (its entropy threshold, with no cache, the prefix cache and the
-  dual cache) with its own `modeling_llada.py`, on the embedded LLaDA: set FASTDLLM_DPARALLEL_REFERENCE
-  to a czg1225/dParallel checkout and FASTDLLM_DPARALLEL_PYTHON to an interpreter with
-  transformers==4.49.0, numpy and torch.
+  dual cache) with its own `modeling_llada.py`, on the embedded LLaDA, and its Dream decoding
+  (`alg="entropy_threshold"`) with its own `modeling_dream.py` on the embedded Dream twin: set
+  FASTDLLM_DPARALLEL_REFERENCE to a czg1225/dParallel checkout and FASTDLLM_DPARALLEL_PYTHON to an
+  interpreter with transformers==4.49.0, numpy and torch.
 
 - DMax's step, `ThresholdParallelDecoder.decode_uniform` of its vendored dInfer (`dInfer/python/
   dinfer/decoding/parallel_strategy.py`, pure PyTorch: loaded here without the package, whose other
@@ -66,6 +67,7 @@ LLADA2_FILES = ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
 DPARALLEL_CHECKOUT = os.environ.get("FASTDLLM_DPARALLEL_REFERENCE")
 DPARALLEL_PYTHON = os.environ.get("FASTDLLM_DPARALLEL_PYTHON")
 DPARALLEL_RUNNER = Path(__file__).parent / "reference" / "dparallel_llada.py"
+DPARALLEL_DREAM_RUNNER = Path(__file__).parent / "reference" / "dparallel_dream.py"
 
 pytestmark = pytest.mark.slow
 needs_fast_dllm = pytest.mark.skipif(
@@ -120,10 +122,13 @@ DPARALLEL_CONFIGS = [
 ]
 
 
-@pytest.mark.skipif(
+needs_dparallel = pytest.mark.skipif(
     not (DPARALLEL_CHECKOUT and DPARALLEL_PYTHON and Path(DPARALLEL_CHECKOUT, "LLaDA", "generate.py").exists()),
     reason="set FASTDLLM_DPARALLEL_REFERENCE (a czg1225/dParallel checkout) and FASTDLLM_DPARALLEL_PYTHON",
 )
+
+
+@needs_dparallel
 def test_the_entropy_rule_decodes_as_dparallels_llada_code(tmp_path):
     model, tok = fastdllm.load()
     folder = save_pretrained(model, tmp_path / "llada", tok, dtype=torch.float32)
@@ -225,6 +230,38 @@ def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
         mixed = soft_embeddings(embedding, d.top_token, d.top_prob, mask_id)
         want = torch.where(soft[..., None], mixed, embedding(ours).float())
         torch.testing.assert_close(embeds.float(), want, rtol=1e-5, atol=1e-6)
+
+
+DPARALLEL_DREAM_CONFIGS = [
+    dict(gen_length=gen, block_length=32, threshold=threshold) for gen in (64, 128) for threshold in (0.5, 0.2)
+]
+
+
+@needs_dparallel
+def test_the_entropy_rule_decodes_as_dparallels_dream_code(tmp_path):
+    model, tok = fastdllm.load("dream-arith", dtype="float32")
+    folder = save_pretrained(model, tmp_path / "dream", tok, dtype=torch.float32)
+    for name in ("configuration_dream.py", "modeling_dream.py"):
+        shutil.copy(Path(DPARALLEL_CHECKOUT, "Dream", "model", name), folder / name)
+    task = get_task("arith")
+    prompts = [task.encode(tok, doc, []) for doc in task.load(limit=3)]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"prompts": prompts, "configs": DPARALLEL_DREAM_CONFIGS}))
+    out = subprocess.run(
+        [DPARALLEL_PYTHON, str(DPARALLEL_DREAM_RUNNER), DPARALLEL_CHECKOUT, str(folder), str(job)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    for c in DPARALLEL_DREAM_CONFIGS:
+        # Dream's form of the rule (a config with `alg`): float32 entropy of the raw logits, strictly below
+        config = GenerationConfig.dparallel(stop_at_eos=False, alg="entropy", **c)
+        for prompt in prompts:
+            ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
+            assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
+            assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)
 
 
 SDAR_CONFIGS = [
