@@ -1,10 +1,10 @@
 """The published decoders side by side on held-out arith problems: LLaDA's baseline (one token per
 step), Fast-dLLM, our default, dParallel's entropy rule (as published, no cache; and with our
-default cache policy) and DMax's decoding, each fitted to the model's family, with accuracy,
-tokens per forward (AUP's parallelism), NFE, tokens/s and each one's AUP from the baseline (y_max:
-the best accuracy here). Also the confidence rule at dParallel's own settings (no cache,
-threshold 0.9 on probabilities), so that the entropy rule is compared with confidence on equal
-terms. One process, batches of 16, one thread.
+default cache policy), d3LLM's multi-block entropy decoding and DMax's decoding, each fitted to the
+model's family, with accuracy, tokens per forward (AUP's parallelism), NFE, tokens/s and each one's
+AUP from the baseline (y_max: the best accuracy here). Also the confidence rule at dParallel's own
+settings (no cache, threshold 0.9 on probabilities), so that the entropy rule is compared with
+confidence on equal terms. One process, batches of 16, one thread.
 
     python benchmarks/decoders.py --model llada-arith --limit 500
 """
@@ -39,6 +39,7 @@ def main() -> None:
         "dparallel": GenerationConfig.dparallel(**g),
         "dparallel + dual cache": GenerationConfig.dparallel(**g, cache="dual", refresh="vicinity", suffix_window=32),
         "confidence 0.9, no cache": GenerationConfig.dparallel(**g, unmasking="threshold", threshold=0.9),
+        "d3llm": GenerationConfig.d3llm(**g),
         "dmax": GenerationConfig.dmax(**g),
     }
     rows = {}

@@ -186,7 +186,8 @@ class GenerationConfig:
         "bool",
         "LLaDA2's eos_early_stop (needs stop_at_eos): without editing "
         "(2.0), stop a row inside a block as soon as it holds a stop token with every "
-        "position before it revealed; with editing (2.1), after the block, as stop_at_eos",
+        "position before it revealed; with editing (2.1), after the block, as stop_at_eos; with the "
+        "entropy rule over several blocks (d3LLM), every position after a revealed EOS becomes EOS",
         row=True,
     )
     sub_block_length: int | None = _opt(
@@ -387,6 +388,32 @@ class GenerationConfig:
         return cls(**{**published, **overrides})
 
     @classmethod
+    def d3llm(cls, **overrides) -> GenerationConfig:
+        """d3LLM's decoding (`generate_multi_block`, as its evaluation runs it): no cache, blocks of
+        32, every block that takes part (a block joins once the one before it is 10% revealed)
+        revealing its positions of entropy at most 0.5 nats, the lowest-entropy position always, and
+        the current block at least its own lowest; once an EOS is revealed, everything after it is
+        EOS. Gen length 256, so up to 8 blocks at once."""
+        published = dict(
+            gen_length=256,
+            block_length=32,
+            steps=None,
+            threshold=0.5,
+            factor=None,
+            unmasking="entropy",
+            cache="none",
+            suffix_window=None,
+            refresh="full",
+            refresh_every=None,
+            parallel_blocks=8,
+            block_add_threshold=0.1,
+            decoded_token_threshold=0.95,
+            stop_at_eos=True,
+            eos_early_stop=True,
+        )
+        return cls(**{**published, **overrides})
+
+    @classmethod
     def dmax(cls, **overrides) -> GenerationConfig:
         """DMax's decoding (its dInfer `decode_uniform`): blocks of 32, each step reveals masked
         positions left to right up to the first below 0.5 (at least the first), revises every
@@ -414,7 +441,7 @@ class GenerationConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
-        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "dmax")."""
+        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "d3llm", "dmax")."""
         if name not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
         return getattr(cls, PRESETS[name])(**overrides)
@@ -834,6 +861,7 @@ PRESETS = {
     "fast-dllm": "fast_dllm",
     "baseline": "baseline",
     "dparallel": "dparallel",
+    "d3llm": "d3llm",
     "dmax": "dmax",
 }
 

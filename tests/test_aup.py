@@ -107,3 +107,30 @@ def test_a_checkpoint_named_for_dparallel_decodes_as_dparallel(tiny_llada, tiny_
     assert "--preset dparallel" in out.err
     assert cli([*argv, "--preset", "default"]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["unmasking"] is None
+
+
+def test_d3llms_later_blocks_take_their_sure_positions_and_the_lowest_overall():
+    from fastdllm.engine.unmasking import EntropyLookahead, Lookahead
+
+    assert isinstance(Lookahead.from_config(GenerationConfig.d3llm()), EntropyLookahead)
+    rule = EntropyLookahead(depth=3, add=0.5, activate=0.95, threshold=0.5)
+    current = torch.tensor([[False, False, True, True]])  # half revealed: block 1 takes part, block 2 not
+    current_conf = torch.tensor([[-0.1, -0.1, -0.9, -0.8]])  # its masked ones: entropies 0.9 and 0.8
+    masked = torch.ones(1, 8, dtype=torch.bool)
+    conf = torch.tensor([[-0.4, -0.7, -0.6, -2.0, -0.01, -0.01, -0.01, -0.01]])
+    # block 1: its position of entropy 0.4 (at most 0.5); block 2 waits for block 1
+    assert rule.select(conf, masked, current, current_conf).tolist() == [[True] + [False] * 7]
+    conf = torch.tensor([[-0.7, -0.6, -0.9, -2.0, -0.01, -0.01, -0.01, -0.01]])
+    # nothing sure in block 1, but its 0.6 is lower than the current block's lowest (0.8): revealed
+    assert rule.select(conf, masked, current, current_conf).tolist() == [[False, True] + [False] * 6]
+    sure_here = torch.tensor([[-0.1, -0.1, -0.3, -0.8]])
+    assert not rule.select(conf, masked, current, sure_here).any()  # the lowest is the current block's
+    d = GenerationConfig.d3llm()
+    assert (d.unmasking, d.threshold, d.block_add_threshold, d.parallel_blocks, d.cache, d.eos_early_stop) == (
+        "entropy",
+        0.5,
+        0.1,
+        8,
+        "none",
+        True,
+    )

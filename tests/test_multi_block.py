@@ -110,12 +110,12 @@ def test_the_lookahead_rule():
     conf = torch.tensor([[0.95, 0.2, 0.3, 0.1, 0.99, 0.99, 0.99, 0.99]])
     # block 1: only its confident position (not yet complete: 0.5 < 0.75); block 2: block 1 has
     # nothing revealed yet, so it waits however confident it is
-    assert rule.select(conf, masked, current).tolist() == [[True, False, False, False] + [False] * 4]
+    assert rule.select(conf, masked, current, None).tolist() == [[True, False, False, False] + [False] * 4]
     current = torch.tensor([[False, False, False, True]])  # three quarters: block 1 is complete
     conf = torch.tensor([[0.5, 0.2, 0.7, 0.1, 0.99, 0.99, 0.99, 0.99]])
-    assert rule.select(conf, masked, current).tolist() == [[False, False, True, False] + [False] * 4]
+    assert rule.select(conf, masked, current, None).tolist() == [[False, False, True, False] + [False] * 4]
     masked = torch.tensor([[False, False, False, True, True, True, True, True]])  # block 1: 3/4 revealed
-    assert rule.select(conf, masked, current).tolist() == [[False, False, False, True] + [True] * 4]
+    assert rule.select(conf, masked, current, None).tolist() == [[False, False, False, True] + [True] * 4]
 
 
 @pytest.mark.parametrize(

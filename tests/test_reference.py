@@ -23,6 +23,10 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   FASTDLLM_DPARALLEL_REFERENCE to a czg1225/dParallel checkout and FASTDLLM_DPARALLEL_PYTHON to an
   interpreter with transformers==4.49.0, numpy and torch.
 
+- d3LLM's `generate_multi_block` (`d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py`) with the
+  `modeling_llada.py` of its `utils/utils_LLaDA/model`, on the embedded LLaDA: set
+  FASTDLLM_D3LLM_REFERENCE to a hao-ai-lab/d3LLM checkout and FASTDLLM_D3LLM_PYTHON to an interpreter
+  with transformers==4.49.0 and torch;
 - DMax's step, `ThresholdParallelDecoder.decode_uniform` of its vendored dInfer (`dInfer/python/
   dinfer/decoding/parallel_strategy.py`, pure PyTorch: loaded here without the package, whose other
   modules need vLLM), on the same logits as our policies: set FASTDLLM_DMAX_REFERENCE to a
@@ -155,6 +159,59 @@ def test_the_entropy_rule_decodes_as_dparallels_llada_code(tmp_path):
             blocks = ours.unmask_step[0].view(-1, c["block_length"])
             finished_at_start = sum(len(set(b.tolist())) == 1 for b in blocks) if c["cache"] != "none" else 0
             assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)
+
+
+D3LLM_CHECKOUT = os.environ.get("FASTDLLM_D3LLM_REFERENCE")
+D3LLM_PYTHON = os.environ.get("FASTDLLM_D3LLM_PYTHON")
+D3LLM_RUNNER = Path(__file__).parent / "reference" / "d3llm_llada.py"
+D3LLM_CONFIGS = [
+    dict(
+        gen_length=gen, block_length=32, threshold=t, block_add_threshold=a, decoded_token_threshold=0.95, early_stop=e
+    )
+    for gen in (64, 128)
+    for t in (0.5, 0.2)
+    for a in (0.1, 0.5)
+    for e in (True, False)
+]
+
+
+@pytest.mark.skipif(
+    not (D3LLM_CHECKOUT and D3LLM_PYTHON and Path(D3LLM_CHECKOUT, "d3llm", "d3llm_LLaDA").is_dir()),
+    reason="set FASTDLLM_D3LLM_REFERENCE (a hao-ai-lab/d3LLM checkout) and FASTDLLM_D3LLM_PYTHON",
+)
+def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_code(tmp_path):
+    model, tok = fastdllm.load()
+    folder = save_pretrained(model, tmp_path / "llada", tok, dtype=torch.float32)
+    for name in ("configuration_llada.py", "modeling_llada.py"):
+        shutil.copy(Path(D3LLM_CHECKOUT, "utils", "utils_LLaDA", "model", name), folder / name)
+    task = get_task("arith")
+    prompts = [task.encode(tok, doc, []) for doc in task.load(limit=3)]
+    job = tmp_path / "job.json"
+    spec = {"mask_id": model.mask_token_id, "eos_id": model.args.eos_token_id, "prompts": prompts}
+    job.write_text(json.dumps({**spec, "configs": D3LLM_CONFIGS}))
+    out = subprocess.run(
+        [D3LLM_PYTHON, str(D3LLM_RUNNER), D3LLM_CHECKOUT, str(folder), str(job)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    for c in D3LLM_CONFIGS:
+        config = GenerationConfig.d3llm(
+            gen_length=c["gen_length"],
+            threshold=c["threshold"],
+            block_add_threshold=c["block_add_threshold"],
+            decoded_token_threshold=c["decoded_token_threshold"],
+            parallel_blocks=c["gen_length"] // c["block_length"],
+            stop_at_eos=c["early_stop"],
+            eos_early_stop=c["early_stop"],
+        )
+        for prompt in prompts:
+            ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
+            assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
+            # its counter adds one forward that never runs when the early stop ends the answer
+            assert ref["nfe"] - ours.nfe in ((0, 1) if c["early_stop"] else (0,)), (c, ref["nfe"], ours.nfe)
 
 
 DMAX_CHECKOUT = os.environ.get("FASTDLLM_DMAX_REFERENCE")

@@ -45,7 +45,7 @@ from torch.profiler import record_function
 from ..config import GenerationConfig, is_int
 from .cache_policies import SequenceView
 from .policies import Policies, PolicySource, policies_for, resolve
-from .unmasking import BlockClock, Decision, soft_embeddings
+from .unmasking import BlockClock, Decision, EntropyLookahead, soft_embeddings
 
 
 def join_key(config: GenerationConfig) -> tuple:
@@ -475,7 +475,10 @@ class BlockDecoder:
         self.row_nfe += 1
         early = [r.config.eos_early_stop for r in rows]
         if any(early) and self.editing is None:
-            self._stop_early(block, region, early)
+            if isinstance(self.lookahead, EntropyLookahead):
+                self._fill_after_eos(block, region, early)
+            else:
+                self._stop_early(block, region, early)
         self.x.scatter_(1, columns, block)
         self.step_of.scatter_(1, columns, region)
         for r in rows:
@@ -645,6 +648,17 @@ class BlockDecoder:
         if self.editing is not None:
             self.post[i] = (~masked.any()).long()
             self.alive[i] = True
+
+    def _fill_after_eos(self, window: torch.Tensor, steps_of: torch.Tensor, rows: list[bool]) -> None:
+        """d3LLM's early stop (`handle_early_stop`): once a row has revealed its EOS, every position
+        of its window after the first one becomes EOS, revealed or masked; the masks before it are
+        still decoded, and the row stops with the block that holds it (as `stop_at_eos`). Blocks
+        past the window are never decoded: the row has stopped before they would be."""
+        eos = self.model.args.eos_token_id
+        hit = (window == eos) & (steps_of >= 0)
+        after = (hit.long().cumsum(-1) - hit.long()) > 0  # strictly after the first revealed EOS
+        after &= torch.tensor(rows, device=window.device)[:, None]
+        window[after] = eos  # as `_stop_early`, the filled positions keep step -1: no step revealed them
 
     def _stop_early(self, window: torch.Tensor, steps_of: torch.Tensor, rows: list[bool]) -> None:
         """LLaDA2.0's `eos_early_stop`: a row whose block holds a revealed stop token with no masked

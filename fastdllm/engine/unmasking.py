@@ -656,16 +656,20 @@ class Lookahead:
     def from_config(cls, config) -> Lookahead | None:
         if config.parallel_blocks == 1:
             return None
-        return cls(
+        kind = EntropyLookahead if config.unmasking == "entropy" else cls
+        return kind(
             config.parallel_blocks,
             config.block_add_threshold,
             config.decoded_token_threshold,
-            config.lookahead_threshold,
+            config.lookahead_threshold if kind is cls else config.threshold,
         )
 
-    def select(self, conf: torch.Tensor, masked: torch.Tensor, current_masked: torch.Tensor) -> torch.Tensor:
+    def select(
+        self, conf: torch.Tensor, masked: torch.Tensor, current_masked: torch.Tensor, current_conf: torch.Tensor
+    ) -> torch.Tensor:
         """(B, n * block_length) True where a later block reveals, for the confidences and masks
-        of the n blocks after the current one and the current block's masks (B, block_length)."""
+        of the n blocks after the current one and the current block's masks and confidences (B,
+        block_length)."""
         bsz, blk = current_masked.shape
         n = masked.shape[1] // blk
         m, c = masked.view(bsz, n, blk), conf.view(bsz, n, blk)
@@ -691,6 +695,31 @@ def soft_embeddings(embedding, top_token: torch.Tensor, top_prob: torch.Tensor, 
     mixed = p * top + rest * mask
     target = p * top.norm(dim=-1, keepdim=True) + rest * mask.norm()
     return mixed * (target / (mixed.norm(dim=-1, keepdim=True) + 1e-6))
+
+
+class EntropyLookahead(Lookahead):
+    """d3LLM's multi-block decoding (`generate_multi_block`), with the entropy rule
+    (`unmasking="entropy"`) deciding the current block. A later block takes part once the block
+    before it has `add` of its positions revealed (d3LLM's block_add_threshold, 0.1); it reveals
+    every masked position of entropy at most `threshold` (the current block's, 0.5); and the one
+    position of lowest entropy among all the blocks taking part is revealed wherever it is (d3LLM
+    keeps it across blocks: in a later block when no position of the current one is as sure). The
+    current block's own guaranteed position is d3LLM's forced token of its first fully activated
+    block (that block is always the current one: the block before it is done), so
+    `decoded_token_threshold` changes nothing here. Ties go to the leftmost position."""
+
+    def select(self, conf, masked, current_masked, current_conf):
+        bsz, blk = current_masked.shape
+        n = masked.shape[1] // blk
+        m = masked.view(bsz, n, blk)
+        done = 1 - torch.cat([current_masked[:, None], m[:, :-1]], 1).float().mean(-1)  # (B, n)
+        active = ((done >= self.add).long().cumprod(-1).bool()[..., None] & m).view(bsz, n * blk)
+        sure = active & (conf >= -self.threshold)
+        later = torch.where(active, conf, NEG_INF)
+        best = later.argmax(-1, keepdim=True)
+        here = torch.where(current_masked, current_conf, NEG_INF).max(-1, keepdim=True).values
+        lowest = torch.zeros_like(active).scatter_(-1, best, True) & active & (later.gather(-1, best) > here)
+        return sure | lowest
 
 
 @dataclass
@@ -802,7 +831,7 @@ class UnmaskingStrategy:
             later_masked = later == mask_id
             if constraints:  # a grammar reveals left to right: its later blocks wait
                 later_masked[list(constraints)] = False
-            ahead = self.lookahead.select(conf[:, blk:], later_masked, masked) & later_masked
+            ahead = self.lookahead.select(conf[:, blk:], later_masked, masked, conf[:, :blk]) & later_masked
             logits, tokens, conf = logits[:, :blk], tokens[:, :blk], conf[:, :blk]
         with record_function("fastdllm.select"):
             chosen = rule.select(conf, masked, clock, generators, drawing) & masked
