@@ -475,10 +475,12 @@ class BlockDecoder:
         self.row_nfe += 1
         early = [r.config.eos_early_stop for r in rows]
         if any(early) and self.editing is None:
-            if isinstance(self.lookahead, EntropyLookahead):
-                self._fill_after_eos(block, region, early)
-            else:
-                self._stop_early(block, region, early)
+            # each row's own rule: d3LLM's with its multi-block entropy decoding, else LLaDA2.0's
+            d3llm = [e and isinstance(r.strategy.lookahead, EntropyLookahead) for e, r in zip(early, rows)]
+            if any(d3llm):
+                self._fill_after_eos(block, region, d3llm)
+            if any(e and not d for e, d in zip(early, d3llm)):
+                self._stop_early(block, region, [e and not d for e, d in zip(early, d3llm)])
         self.x.scatter_(1, columns, block)
         self.step_of.scatter_(1, columns, region)
         for r in rows:
