@@ -97,4 +97,6 @@ MIXES: dict[str, Mix] = {
     # each arith question twice in one batch, as a chat turn and behind the same text without the
     # template (`train_data.paired_rows`): the wrapper is the only difference the loss sees
     "paired": Mix(0.0, SHORT, sources={"paired": 0.8, "drill": 0.2}),
+    # paired rows, with chat-only arith rows besides (62% of rows chat): chat slid under the pairs alone
+    "paired-chat": Mix(0.0, SHORT, sources={"paired": 0.6, "arith": 0.25, "drill": 0.15}, formats={"chat": 1.0}),
 }
