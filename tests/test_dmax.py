@@ -87,7 +87,7 @@ def test_the_dmax_preset_and_its_fields():
         GenerationConfig.dmax(parallel_blocks=2, stop_confidence=None)
 
 
-@pytest.mark.parametrize("arch", ["tiny_llada", "tiny_llada2"])
+@pytest.mark.parametrize("arch", ["tiny_llada", pytest.param("tiny_llada2", marks=pytest.mark.slow)])
 def test_dmax_decodes_through_the_loop_and_feeds_back_soft_embeddings(arch, request, monkeypatch):
     model = request.getfixturevalue(arch)
     prompts = random_prompts(model, [6, 9], seed=1)

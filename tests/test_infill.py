@@ -87,7 +87,7 @@ class DualRefreshed(_RefreshEveryStep, DualCache):
 
 
 @pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
-@pytest.mark.parametrize("policy", [PrefixRefreshed, DualRefreshed])
+@pytest.mark.parametrize("policy", [pytest.param(PrefixRefreshed, marks=pytest.mark.slow), DualRefreshed])
 def test_caches_see_the_suffix_and_fixed_tokens(arch, policy, request):
     model = request.getfixturevalue(arch)
     prompts = random_prompts(model, [6, 11], seed=5)
