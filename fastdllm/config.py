@@ -350,42 +350,27 @@ class GenerationConfig:
         )
 
     @classmethod
+    def _published(cls, overrides: dict, **fields) -> GenerationConfig:
+        """A published method's config: what its reference fixes (`fields`) over the layout every
+        reference shares (gen length 256 in blocks of 32, its own step rule, no scheduled refresh,
+        one block at a time), with `overrides` on top."""
+        layout = dict(gen_length=256, block_length=32, steps=None, factor=None, refresh_every=None, parallel_blocks=1)
+        return cls(**{**layout, **fields, **overrides})
+
+    @classmethod
     def fast_dllm(cls, **overrides) -> GenerationConfig:
         """Fast-dLLM exactly as published: DualCache, threshold 0.9, a full refresh at every block,
         every forward over the whole sequence; gen length 256 in blocks of 32."""
-        published = dict(
-            gen_length=256,
-            block_length=32,
-            steps=None,
-            threshold=0.9,
-            factor=None,
-            cache="dual",
-            suffix_window=None,
-            refresh="full",
-            refresh_every=None,
-            parallel_blocks=1,
-        )
-        return cls(**{**published, **overrides})
+        return cls._published(overrides, threshold=0.9, cache="dual", suffix_window=None, refresh="full")
 
     @classmethod
     def dparallel(cls, **overrides) -> GenerationConfig:
         """dParallel's decoding, as its LLaDA `generate` and Dream `alg="entropy_threshold"`: no
         cache, blocks of 32, every masked position of entropy at most 0.5 nats (always the lowest);
         gen length 256."""
-        published = dict(
-            gen_length=256,
-            block_length=32,
-            steps=None,
-            threshold=0.5,
-            factor=None,
-            unmasking="entropy",
-            cache="none",
-            suffix_window=None,
-            refresh="full",
-            refresh_every=None,
-            parallel_blocks=1,
+        return cls._published(
+            overrides, threshold=0.5, unmasking="entropy", cache="none", suffix_window=None, refresh="full"
         )
-        return cls(**{**published, **overrides})
 
     @classmethod
     def d3llm(cls, **overrides) -> GenerationConfig:
@@ -394,24 +379,19 @@ class GenerationConfig:
         revealing its positions of entropy at most 0.5 nats, the lowest-entropy position always, and
         the current block at least its own lowest; once an EOS is revealed, everything after it is
         EOS. Gen length 256, so up to 8 blocks at once."""
-        published = dict(
-            gen_length=256,
-            block_length=32,
-            steps=None,
+        return cls._published(
+            overrides,
             threshold=0.5,
-            factor=None,
             unmasking="entropy",
             cache="none",
             suffix_window=None,
             refresh="full",
-            refresh_every=None,
             parallel_blocks=8,
             block_add_threshold=0.1,
             decoded_token_threshold=0.95,
             stop_at_eos=True,
             eos_early_stop=True,
         )
-        return cls(**{**published, **overrides})
 
     @classmethod
     def dmax(cls, **overrides) -> GenerationConfig:
@@ -421,23 +401,17 @@ class GenerationConfig:
         and ends the block once all are 0.9 likely, nothing changes, or after 32 steps; the
         previous block re-encoded from hard tokens at the next block's first step (the vicinity
         refresh), and nothing after the block in any forward."""
-        published = dict(
-            gen_length=256,
-            block_length=32,
-            steps=None,
+        return cls._published(
+            overrides,
             threshold=0.5,
-            factor=None,
             unmasking="left_to_right",
             cache="dual",
             suffix_window=0,
             refresh="vicinity",
-            refresh_every=None,
-            parallel_blocks=1,
             editing_threshold=0.0,
             stop_confidence=0.9,
             soft_embeddings=True,
         )
-        return cls(**{**published, **overrides})
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:

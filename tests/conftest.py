@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fastdllm.embedded.recipe import build_tokenizer, new_model
+from fastdllm.engine.cache_policies import DualCache, PrefixCache
 from fastdllm.models.loading import save_pretrained
 from fastdllm.models.transformer import ModelArgs
 
@@ -63,6 +64,26 @@ def nothing_of_the_sandbox_survives():
     time.sleep(0.2)
     assert sandbox_processes() == []
     assert sandbox_files() == []
+
+
+# Exactness anchors: caches refreshed at every step must decode as no cache.
+class _RefreshEveryStep:
+    """Before every windowed step, refill the cache with a full forward of the current canvas, then
+    take the logits from the window: with a fresh cache the window must reproduce the full forward."""
+
+    def block_logits(self, seq, steps):
+        if any(steps):
+            super().block_logits(seq, [0] * len(steps))  # refresh every cached position
+            self.take_work()  # the anchor's own forward: not the policy's work
+        return super().block_logits(seq, steps)
+
+
+class PrefixRefreshed(_RefreshEveryStep, PrefixCache):
+    name = "prefix_refreshed"
+
+
+class DualRefreshed(_RefreshEveryStep, DualCache):
+    name = "dual_refreshed"
 
 
 def random_prompts(model, lengths, seed: int = 0) -> list[list[int]]:

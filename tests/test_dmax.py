@@ -9,7 +9,6 @@ import torch
 
 from fastdllm import ConfigError, GenerationConfig, generate
 from fastdllm.engine.unmasking import BlockClock, Editing, LeftToRight, soft_embeddings
-from fastdllm.models.kv_cache import KVCache
 
 from .conftest import random_prompts
 
@@ -66,7 +65,7 @@ def test_the_input_hook_replaces_only_the_columns_it_names(tiny_llada):
     same = model.tok_embeddings(x[0, cols])
     torch.testing.assert_close(logits({0: (cols, same)}), plain)
     other = logits({0: (cols, torch.zeros(2, model.args.dim))})
-    assert not torch.allclose(other, plain) and isinstance(model.new_cache(1, 1), KVCache)
+    assert not torch.allclose(other, plain)
 
 
 def test_the_dmax_preset_and_its_fields():

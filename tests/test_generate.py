@@ -7,9 +7,10 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate, stream_blocks
-from fastdllm.engine.cache_policies import DualCache, PrefixCache
 from fastdllm.engine.policies import Policies
 from fastdllm.engine.unmasking import BlockClock, Factor, Threshold, UnmaskingStrategy, linear_schedule_at
+
+from .conftest import DualRefreshed, PrefixRefreshed
 
 
 def prompts(tokenizer):
@@ -21,25 +22,6 @@ def prompts(tokenizer):
 
 
 # ---- exactness anchor: caches refreshed at every step == no cache ---------------------------------
-class _RefreshEveryStep:
-    """Before every windowed step, refill the cache with a full forward of the current canvas, then
-    take the logits from the window: with a fresh cache the window must reproduce the full forward."""
-
-    def block_logits(self, seq, steps):
-        if any(steps):
-            super().block_logits(seq, [0] * len(steps))  # refresh every cached position
-            self.take_work()  # the anchor's own forward: not the policy's work
-        return super().block_logits(seq, steps)
-
-
-class PrefixRefreshed(_RefreshEveryStep, PrefixCache):
-    name = "prefix_refreshed"
-
-
-class DualRefreshed(_RefreshEveryStep, DualCache):
-    name = "dual_refreshed"
-
-
 @pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
 @pytest.mark.parametrize("threshold", [None, 0.3])
 def test_refreshed_caches_equal_no_cache(arch, threshold, request, tokenizer):

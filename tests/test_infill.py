@@ -7,14 +7,13 @@ import torch
 
 import fastdllm
 from fastdllm import ConfigError, GenerationConfig, generate
-from fastdllm.engine.cache_policies import DualCache, PrefixCache
 from fastdllm.engine.decoder import BlockDecoder
 from fastdllm.engine.policies import Policies
 from fastdllm.engine.unmasking import UnmaskingStrategy
 from fastdllm.text.completion import complete
 from fastdllm.text.infill import encode_infill
 
-from .conftest import random_prompts
+from .conftest import DualRefreshed, PrefixRefreshed, random_prompts
 
 BASELINE = dict(cache="none", threshold=None, suffix_window=None, refresh="full", stop_at_eos=False)
 
@@ -65,25 +64,6 @@ def test_fixed_tokens_and_a_suffix_decode_as_the_plain_loop_does(tiny_llada):
     assert (
         generate(model, [prompt], config=config.replace(suffix=None)).sequences[0].tolist() != out.sequences[0].tolist()
     )
-
-
-class _RefreshEveryStep:
-    """Before every windowed step, refill the cache with a full forward of the current canvas: the
-    window must then reproduce the full forward, suffix included."""
-
-    def block_logits(self, seq, steps):
-        if any(steps):
-            super().block_logits(seq, [0] * len(steps))
-            self.take_work()
-        return super().block_logits(seq, steps)
-
-
-class PrefixRefreshed(_RefreshEveryStep, PrefixCache):
-    name = "prefix_refreshed_infill"
-
-
-class DualRefreshed(_RefreshEveryStep, DualCache):
-    name = "dual_refreshed_infill"
 
 
 @pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])

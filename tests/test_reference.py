@@ -52,7 +52,7 @@ from fastdllm.models.loading import save_pretrained
 
 CHECKOUT = os.environ.get("FASTDLLM_REFERENCE")
 PYTHON = os.environ.get("FASTDLLM_REFERENCE_PYTHON")
-RUNNER = Path(__file__).parent / "reference" / "fast_dllm_llada.py"
+RUNNER = Path(__file__).parent / "reference" / "llada_generate.py"
 
 SDAR_CHECKOUT = os.environ.get("FASTDLLM_SDAR_REFERENCE")
 SDAR_PYTHON = os.environ.get("FASTDLLM_SDAR_PYTHON")
@@ -70,7 +70,6 @@ LLADA2_FILES = ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
 
 DPARALLEL_CHECKOUT = os.environ.get("FASTDLLM_DPARALLEL_REFERENCE")
 DPARALLEL_PYTHON = os.environ.get("FASTDLLM_DPARALLEL_PYTHON")
-DPARALLEL_RUNNER = Path(__file__).parent / "reference" / "dparallel_llada.py"
 DPARALLEL_DREAM_RUNNER = Path(__file__).parent / "reference" / "dparallel_dream.py"
 
 pytestmark = pytest.mark.slow
@@ -83,6 +82,40 @@ needs_sdar = pytest.mark.skipif(
     reason="set FASTDLLM_SDAR_REFERENCE (a JetAstra/SDAR checkout) and FASTDLLM_SDAR_PYTHON",
 )
 
+
+def _reference_checkpoint(name: str | None, folder: Path, modeling: Path, files: tuple[str, ...], dtype=None):
+    """The embedded model `name` (in `dtype`), saved in float32 in its real layout with the
+    reference's own modeling files beside it; and three held-out arith prompts."""
+    model, tok = fastdllm.load(name, dtype=dtype)
+    save_pretrained(model, folder, tok, dtype=torch.float32)
+    for f in files:
+        shutil.copy(modeling / f, folder / f)
+    task = get_task("arith")
+    return model, [task.encode(tok, doc, []) for doc in task.load(limit=3)]
+
+
+def _reference_runs(python: str, runner: Path, code: str, folder: Path, spec: dict):
+    """The reference's runs of `spec` (its runner in its own interpreter): one per config and prompt."""
+    job = folder.parent / "job.json"
+    job.write_text(json.dumps(spec))
+    out = subprocess.run(
+        [python, str(runner), code, str(folder), str(job)], capture_output=True, text=True, timeout=1200
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+
+
+def _finished_at_start(ours, config: dict) -> int:
+    """Blocks whose block-start forward revealed them whole: after each, a LLaDA reference's cached
+    loops run one more forward, revealing nothing; we stop there (see `fastdllm.engine.decoder`)."""
+    if config["cache"] == "none":
+        return 0
+    blocks = ours.unmask_step[0].view(-1, config["block_length"])
+    return sum(len(set(b.tolist())) == 1 for b in blocks)
+
+
+LLADA_FILES = ("configuration_llada.py", "modeling_llada.py")
+
 CONFIGS = [
     dict(gen_length=gen, block_length=32, steps=steps, cache=cache, threshold=threshold)
     for gen, steps in ((64, 64), (128, 64))
@@ -93,29 +126,16 @@ CONFIGS = [
 
 @needs_fast_dllm
 def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
-    model, tok = fastdllm.load()
-    folder = save_pretrained(model, tmp_path / "llada", tok, dtype=torch.float32)
-    for name in ("configuration_llada.py", "modeling_llada.py"):
-        shutil.copy(Path(CHECKOUT, "llada", "model", name), folder / name)
-    task = get_task("arith")
-    prompts = [task.encode(tok, doc, []) for doc in task.load(limit=3)]
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mask_id": model.args.mask_token_id, "prompts": prompts, "configs": CONFIGS}))
-    out = subprocess.run(
-        [PYTHON, str(RUNNER), CHECKOUT, str(folder), str(job)], capture_output=True, text=True, timeout=1200
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    code = Path(CHECKOUT, "llada")
+    model, prompts = _reference_checkpoint(None, tmp_path / "llada", code / "model", LLADA_FILES)
+    spec = {"mask_id": model.args.mask_token_id, "prompts": prompts, "configs": CONFIGS}
+    theirs = _reference_runs(PYTHON, RUNNER, str(code), tmp_path / "llada", spec)
     for c in CONFIGS:
         config = GenerationConfig.fast_dllm(suffix_window=None, refresh="full", stop_at_eos=False, **c)
         for prompt in prompts:
             ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
             assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
-            # The reference's cached loops run one more forward, revealing nothing, after a block
-            # that its block-start forward completed; we stop there (see `fastdllm.engine.decoder`).
-            blocks = ours.unmask_step[0].view(-1, c["block_length"])
-            finished_at_start = sum(len(set(b.tolist())) == 1 for b in blocks) if c["cache"] != "none" else 0
-            assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)
+            assert ref["nfe"] == ours.nfe + _finished_at_start(ours, c), (c, ref["nfe"], ours.nfe)
 
 
 DPARALLEL_CONFIGS = [
@@ -134,31 +154,16 @@ needs_dparallel = pytest.mark.skipif(
 
 @needs_dparallel
 def test_the_entropy_rule_decodes_as_dparallels_llada_code(tmp_path):
-    model, tok = fastdllm.load()
-    folder = save_pretrained(model, tmp_path / "llada", tok, dtype=torch.float32)
-    for name in ("configuration_llada.py", "modeling_llada.py"):
-        shutil.copy(Path(DPARALLEL_CHECKOUT, "LLaDA", "model", name), folder / name)
-    task = get_task("arith")
-    prompts = [task.encode(tok, doc, []) for doc in task.load(limit=3)]
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mask_id": model.args.mask_token_id, "prompts": prompts, "configs": DPARALLEL_CONFIGS}))
-    out = subprocess.run(
-        [DPARALLEL_PYTHON, str(DPARALLEL_RUNNER), DPARALLEL_CHECKOUT, str(folder), str(job)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    code = Path(DPARALLEL_CHECKOUT, "LLaDA")
+    model, prompts = _reference_checkpoint(None, tmp_path / "llada", code / "model", LLADA_FILES)
+    spec = {"mask_id": model.args.mask_token_id, "prompts": prompts, "configs": DPARALLEL_CONFIGS}
+    theirs = _reference_runs(DPARALLEL_PYTHON, RUNNER, str(code), tmp_path / "llada", spec)
     for c in DPARALLEL_CONFIGS:
         config = GenerationConfig.dparallel(stop_at_eos=False, **c)
         for prompt in prompts:
             ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
             assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
-            # their cached loops run one more forward after a block its block-start forward completed
-            blocks = ours.unmask_step[0].view(-1, c["block_length"])
-            finished_at_start = sum(len(set(b.tolist())) == 1 for b in blocks) if c["cache"] != "none" else 0
-            assert ref["nfe"] == ours.nfe + finished_at_start, (c, ref["nfe"], ours.nfe)
+            assert ref["nfe"] == ours.nfe + _finished_at_start(ours, c), (c, ref["nfe"], ours.nfe)
 
 
 D3LLM_CHECKOUT = os.environ.get("FASTDLLM_D3LLM_REFERENCE")
@@ -180,23 +185,12 @@ D3LLM_CONFIGS = [
     reason="set FASTDLLM_D3LLM_REFERENCE (a hao-ai-lab/d3LLM checkout) and FASTDLLM_D3LLM_PYTHON",
 )
 def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_code(tmp_path):
-    model, tok = fastdllm.load()
-    folder = save_pretrained(model, tmp_path / "llada", tok, dtype=torch.float32)
-    for name in ("configuration_llada.py", "modeling_llada.py"):
-        shutil.copy(Path(D3LLM_CHECKOUT, "utils", "utils_LLaDA", "model", name), folder / name)
-    task = get_task("arith")
-    prompts = [task.encode(tok, doc, []) for doc in task.load(limit=3)]
-    job = tmp_path / "job.json"
+    modeling = Path(D3LLM_CHECKOUT, "utils", "utils_LLaDA", "model")
+    model, prompts = _reference_checkpoint(None, tmp_path / "llada", modeling, LLADA_FILES)
     spec = {"mask_id": model.mask_token_id, "eos_id": model.args.eos_token_id, "prompts": prompts}
-    job.write_text(json.dumps({**spec, "configs": D3LLM_CONFIGS}))
-    out = subprocess.run(
-        [D3LLM_PYTHON, str(D3LLM_RUNNER), D3LLM_CHECKOUT, str(folder), str(job)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
+    theirs = _reference_runs(
+        D3LLM_PYTHON, D3LLM_RUNNER, D3LLM_CHECKOUT, tmp_path / "llada", {**spec, "configs": D3LLM_CONFIGS}
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
     for c in D3LLM_CONFIGS:
         config = GenerationConfig.d3llm(
             gen_length=c["gen_length"],
@@ -296,22 +290,11 @@ DPARALLEL_DREAM_CONFIGS = [
 
 @needs_dparallel
 def test_the_entropy_rule_decodes_as_dparallels_dream_code(tmp_path):
-    model, tok = fastdllm.load("dream-arith", dtype="float32")
-    folder = save_pretrained(model, tmp_path / "dream", tok, dtype=torch.float32)
-    for name in ("configuration_dream.py", "modeling_dream.py"):
-        shutil.copy(Path(DPARALLEL_CHECKOUT, "Dream", "model", name), folder / name)
-    task = get_task("arith")
-    prompts = [task.encode(tok, doc, []) for doc in task.load(limit=3)]
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"prompts": prompts, "configs": DPARALLEL_DREAM_CONFIGS}))
-    out = subprocess.run(
-        [DPARALLEL_PYTHON, str(DPARALLEL_DREAM_RUNNER), DPARALLEL_CHECKOUT, str(folder), str(job)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    modeling = Path(DPARALLEL_CHECKOUT, "Dream", "model")
+    files = ("configuration_dream.py", "modeling_dream.py")
+    model, prompts = _reference_checkpoint("dream-arith", tmp_path / "dream", modeling, files, dtype="float32")
+    spec = {"prompts": prompts, "configs": DPARALLEL_DREAM_CONFIGS}
+    theirs = _reference_runs(DPARALLEL_PYTHON, DPARALLEL_DREAM_RUNNER, DPARALLEL_CHECKOUT, tmp_path / "dream", spec)
     for c in DPARALLEL_DREAM_CONFIGS:
         # Dream's form of the rule (a config with `alg`): float32 entropy of the raw logits, strictly below
         config = GenerationConfig.dparallel(stop_at_eos=False, alg="entropy", **c)

@@ -368,9 +368,7 @@ class BlockDecoder:
         tags = [None] * ids.shape[0] if tags is None else list(tags)
         rows = [self._row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
         for r in rows:
-            r.fixed, r.suffix = fixed, suffix
-        for r in rows:
-            r.strategy = strategy
+            r.fixed, r.suffix, r.strategy = fixed, suffix, strategy
         if constraints is not None:
             if len(constraints) != len(rows):
                 raise ValueError(f"constraints: {len(constraints)} given for {len(rows)} rows")
@@ -477,10 +475,11 @@ class BlockDecoder:
         if any(early) and self.editing is None:
             # each row's own rule: d3LLM's with its multi-block entropy decoding, else LLaDA2.0's
             d3llm = [e and isinstance(r.strategy.lookahead, EntropyLookahead) for e, r in zip(early, rows)]
+            llada2 = [e and not d for e, d in zip(early, d3llm)]
             if any(d3llm):
                 self._fill_after_eos(block, region, d3llm)
-            if any(e and not d for e, d in zip(early, d3llm)):
-                self._stop_early(block, region, [e and not d for e, d in zip(early, d3llm)])
+            if any(llada2):
+                self._stop_early(block, region, llada2)
         self.x.scatter_(1, columns, block)
         self.step_of.scatter_(1, columns, region)
         for r in rows:
@@ -579,9 +578,8 @@ class BlockDecoder:
         soft = (region >= 0) & (block != self.mask_id) & ~done[:, None]
         mixed = soft_embeddings(self.model.tok_embeddings, decision.top_token, decision.top_prob, self.mask_id)
         cols = torch.tensor(starts, device=block.device)[:, None] + torch.arange(block.shape[1], device=block.device)
-        for i, r in enumerate(self.rows):
-            keep = soft[i]
-            r.soft = (cols[i][keep], mixed[i][keep]) if bool(keep.any()) else None
+        for i, (r, any_soft) in enumerate(zip(self.rows, soft.any(-1).tolist())):
+            r.soft = (cols[i][soft[i]], mixed[i][soft[i]]) if any_soft else None
 
     def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or

@@ -158,6 +158,13 @@ def _top_k_mask(conf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return _ranks(conf) < k.unsqueeze(-1)
 
 
+def _and_the_most_confident(chosen: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """`chosen` and, in each row with a mask, its most confident masked position (`conf` -inf off
+    the masks; argmax returns the first maximum: leftmost on ties)."""
+    best = conf.argmax(-1, keepdim=True)
+    return chosen | (torch.zeros_like(masked).scatter_(-1, best, True) & masked.any(-1, keepdim=True))
+
+
 class BlockClock:
     """Where each row stands in its own block: `step` the steps it has taken in it and `steps`
     the steps its schedule gives the block (host lists: the loop knows them without reading the
@@ -235,10 +242,7 @@ class Threshold(SelectionRule):
 
     def select(self, conf, masked, clock, generators, draws):
         conf = conf.masked_fill(~masked, NEG_INF)
-        chosen = masked & (conf >= self.threshold)
-        best = conf.argmax(-1, keepdim=True)  # argmax returns the first maximum: leftmost on ties
-        has_mask = masked.any(-1, keepdim=True)
-        return chosen | (torch.zeros_like(masked).scatter_(-1, best, True) & has_mask)
+        return _and_the_most_confident(masked & (conf >= self.threshold), conf, masked)
 
 
 class EntropyThreshold(SelectionRule):
@@ -264,8 +268,7 @@ class EntropyThreshold(SelectionRule):
     def select(self, conf, masked, clock, generators, draws):
         conf = conf.masked_fill(~masked, NEG_INF)
         chosen = masked & ((conf > -self.threshold) if self.strict else (conf >= -self.threshold))
-        best = conf.argmax(-1, keepdim=True)
-        return chosen | (torch.zeros_like(masked).scatter_(-1, best, True) & masked.any(-1, keepdim=True))
+        return _and_the_most_confident(chosen, conf, masked)
 
 
 class LeftToRight(SelectionRule):

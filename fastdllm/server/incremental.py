@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ..text.completion import complete
+from ..text.completion import complete, first_stop_index
 
 log = logging.getLogger("fastdllm.server")
 
@@ -46,8 +46,8 @@ class ChoiceText:
             return ""
         self.ids.extend(block_ids)
         ids = self.ids[: self.max_tokens]
-        stops = set(self.stop_token_ids)
-        end = next((i for i, t in enumerate(ids) if t in stops and i >= self.fixed_end), len(ids))
+        end = first_stop_index(ids, self.stop_token_ids, self.fixed_end)
+        end = len(ids) if end is None else end
         text = self.tokenizer.decode(ids[:end])
         found = [text.find(s) for s in self.stop if s in text]
         cut = min(found) if found else -1

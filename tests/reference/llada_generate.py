@@ -1,14 +1,16 @@
-"""Run dParallel's own `LLaDA/generate.py` (czg1225/dParallel: `generate`, `generate_with_prefix_cache`,
-`generate_with_dual_cache`, each with its entropy threshold) on a checkpoint and prompts, in an
-interpreter with what it needs (transformers 4.49, torch, numpy). argv: the checkout, the checkpoint
-folder, a JSON file of {"mask_id", "prompts", "configs"}; prints {"runs": [{"tokens", "nfe"}, ...]}
-(configs outer, prompts inner)."""
+"""Run a LLaDA reference's own `generate.py` (NVlabs/Fast-dLLM's `llada/`, czg1225/dParallel's
+`LLaDA/`: `generate`, `generate_with_prefix_cache`, `generate_with_dual_cache`, with the same
+signature) on a checkpoint and prompts, in an interpreter that has the packages the reference pins
+(transformers 4.49, einops, numpy): not ours, so it runs in a subprocess. argv: the folder holding
+the reference's `generate.py` and `model/`, the checkpoint folder, a JSON file of {"mask_id",
+"prompts", "configs"} (a config without "steps" takes one per position); prints {"runs":
+[{"tokens", "nfe"}, ...]} (configs outer, prompts inner)."""
 
 import json
 import sys
 
-checkout, folder, job = sys.argv[1:4]
-sys.path.insert(0, checkout + "/LLaDA")
+code, folder, job = sys.argv[1:4]
+sys.path.insert(0, code)
 
 import generate as reference  # noqa: E402  (the reference's module, from the checkout)
 import torch  # noqa: E402
@@ -27,7 +29,7 @@ for c in spec["configs"]:
         x, nfe = loops[c["cache"]](
             model,
             torch.tensor([prompt]),
-            steps=c["gen_length"],
+            steps=c.get("steps", c["gen_length"]),
             gen_length=c["gen_length"],
             block_length=c["block_length"],
             temperature=0.0,
