@@ -11,12 +11,17 @@ one block over a long cache), a few at a block's start (a wider window):
   boolean mask for the padding (what the lockstep loop did);
 - `flex eager` / `flex compiled`: `torch.nn.attention.flex_attention` over the packed queries and
   the rows' keys laid end to end, with a block mask that keeps each query to its row's keys
-  (`create_block_mask`; the keys gathered from the cache rows each call).
+  (`create_block_mask`; the keys gathered from the cache rows each call);
+- `flex kernel`: the compiled flex call alone, its block mask and keys built beforehand: what each
+  layer pays when a step builds its mask once for all layers and the keys already lie end to end
+  (a paged pool); `flex mask` is the building of that block mask alone.
 
-Reported: milliseconds per call (median of `--repeats`) and the largest difference from the
-per-row result.
+Reported: milliseconds per call (median of `--repeats`; on a GPU each call synchronised) and the
+largest difference from the per-row result.
 
     python benchmarks/attention_kernels.py --out docs/results/attention_kernels.json
+    python benchmarks/attention_kernels.py --device cuda --dtype bfloat16 --heads 32 --head-dim 128 \
+        --prompt 1024 --rows 1 8 32 64        # LLaDA-8B's attention shapes on a GPU
 """
 
 from __future__ import annotations
@@ -31,10 +36,16 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.quantized_kernels import timed  # noqa: E402  (milliseconds, the median of repeats)
+from benchmarks.quantized_kernels import timed as timed_cpu  # noqa: E402  (ms, the median of repeats)
 
 
-def layout(rows: int, heads: int, dim: int, prompt: int, block: int, starting: int, seed: int = 0):
+def timed(fn, repeats: int, device: torch.device) -> float:
+    if device.type != "cuda":
+        return timed_cpu(fn, repeats)
+    return timed_cpu(lambda: (fn(), torch.cuda.synchronize()), repeats)
+
+
+def layout(rows: int, heads: int, dim: int, prompt: int, block: int, starting: int, device, dtype, seed: int = 0):
     """Per row (window width, keys) and the tensors: packed queries (1, H, N, D), cache K/V
     (rows, H, L, D)."""
     g = torch.Generator().manual_seed(seed)
@@ -45,9 +56,10 @@ def layout(rows: int, heads: int, dim: int, prompt: int, block: int, starting: i
         shapes.append((width, keys))
     length = max(k for _, k in shapes)
     n = sum(w for w, _ in shapes)
-    q = torch.randn(1, heads, n, dim, generator=g)
-    k = torch.randn(rows, heads, length, dim, generator=g)
-    v = torch.randn(rows, heads, length, dim, generator=g)
+    q, k, v = (
+        torch.randn(*shape, generator=g).to(device, dtype)
+        for shape in ((1, heads, n, dim), (rows, heads, length, dim), (rows, heads, length, dim))
+    )
     return shapes, q, k, v
 
 
@@ -68,7 +80,9 @@ def padded(shapes, q, k, v):
     for i, (w, _) in enumerate(shapes):
         qp[i, :, :w] = q[0, :, off : off + w]
         off += w
-    mask = torch.arange(keys)[None, :] < torch.tensor([kk for _, kk in shapes])[:, None]
+    mask = (
+        torch.arange(keys, device=q.device)[None, :] < torch.tensor([kk for _, kk in shapes], device=q.device)[:, None]
+    )
     o = F.scaled_dot_product_attention(qp, k[:, :, :keys], v[:, :, :keys], attn_mask=mask[:, None, None, :])
     return torch.cat([o[i : i + 1, :, :w] for i, (w, _) in enumerate(shapes)], 2)
 
@@ -77,13 +91,13 @@ def flex_inputs(shapes, k, v):
     """The rows' keys end to end (1, H, S, D) and a block mask: query row == key row."""
     ks = torch.cat([k[i : i + 1, :, :keys] for i, (_, keys) in enumerate(shapes)], 2)
     vs = torch.cat([v[i : i + 1, :, :keys] for i, (_, keys) in enumerate(shapes)], 2)
-    q_row = torch.cat([torch.full((w,), i) for i, (w, _) in enumerate(shapes)])
-    k_row = torch.cat([torch.full((keys,), i) for i, (_, keys) in enumerate(shapes)])
+    q_row = torch.cat([torch.full((w,), i, device=k.device) for i, (w, _) in enumerate(shapes)])
+    k_row = torch.cat([torch.full((keys,), i, device=k.device) for i, (_, keys) in enumerate(shapes)])
 
     def same_row(b, h, qi, ki):
         return q_row[qi] == k_row[ki]
 
-    mask = create_block_mask(same_row, None, None, len(q_row), len(k_row), device="cpu")
+    mask = create_block_mask(same_row, None, None, len(q_row), len(k_row), device=k.device)
     return ks, vs, mask
 
 
@@ -101,26 +115,37 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=320)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     compiled = torch.compile(flex_attention)
     results = []
     with torch.inference_mode():
         for rows in args.rows:
-            shapes, q, k, v = layout(rows, args.heads, args.head_dim, args.prompt, args.block, max(1, rows // 4))
+            shapes, q, k, v = layout(
+                rows, args.heads, args.head_dim, args.prompt, args.block, max(1, rows // 4), device, dtype
+            )
             ref = per_row(shapes, q, k, v)
-            row = {"rows": rows, "queries": q.shape[2], "keys": sum(kk for _, kk in shapes)}
+            row = {"rows": rows, "queries": q.shape[2], "keys": sum(kk for _, kk in shapes), "device": str(device)}
+            row |= {"dtype": args.dtype, "heads": args.heads, "head_dim": args.head_dim}
             ways = {
                 "sdpa per row": lambda: per_row(shapes, q, k, v),
                 "sdpa padded": lambda: padded(shapes, q, k, v),
                 "flex eager": lambda: flex(flex_attention, shapes, q, k, v),
                 "flex compiled": lambda: flex(compiled, shapes, q, k, v),
             }
+            ks, vs, mask = flex_inputs(shapes, k, v)
+            ways["flex kernel"] = lambda: compiled(q, ks, vs, block_mask=mask)
+            ways["flex mask"] = lambda: flex_inputs(shapes, k, v)
             for name, fn in ways.items():
                 try:
-                    row[name + " ms"] = round(timed(fn, args.repeats), 3)
-                    row[name + " max diff"] = float((fn() - ref).abs().max())
+                    row[name + " ms"] = round(timed(fn, args.repeats, device), 3)
+                    if name != "flex mask":
+                        row[name + " max diff"] = float((fn() - ref).abs().max().float())
                 except Exception as e:  # a way this torch build cannot run here
                     row[name + " ms"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
             print(json.dumps(row), flush=True)

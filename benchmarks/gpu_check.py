@@ -103,15 +103,16 @@ def wide(family: str, layers: int, device, tiny: bool):
 
 
 @torch.inference_mode()
-def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "eager") -> None:
+def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "eager", capacity: int = 0) -> None:
     """The recorded forwards of one row on `batch` copies of it (random tokens: only the shapes
     matter), each forward one packed call over the rows' windows; with `graphs`, DualCache's
     cached steps (the window is the block) through the fixed-shape step that `cuda_graphs`
-    captures, over a cache of the run's largest length; with `compile`, the layers' dense math
-    through torch.compile (dynamic shapes)."""
+    captures, over a cache of `capacity` positions (at least the run's largest length: one buffer
+    length for every run, so that each batch size is one layout, captured once); with `compile`, the
+    layers' dense math through torch.compile (dynamic shapes)."""
     graphs = mode == "graphs"
     vocab = model.args.vocab_size
-    capacity = max(max(hi, keys) for forward in history for _, _, hi, keys, _ in forward)
+    capacity = max(capacity, length(history))
     x = torch.randint(0, vocab, (batch, capacity), device=device)
     cache = model.new_cache(batch, capacity)
     shift = int(model.args.shifted_logits)
@@ -127,13 +128,21 @@ def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "e
         model.packed_logits(x, [(b, lo, hi, keys, start) for b in range(batch)], cache, compiled=mode == "compile")
 
 
-def timed(model, runs, batch, device, mode: str = "eager") -> float:
+def length(history: list[list[tuple]]) -> int:
+    """The cache length a run's forwards reach."""
+    return max(max(hi, keys) for forward in history for _, _, hi, keys, _ in forward)
+
+
+def timed(model, runs, batch, device, mode: str = "eager", capacity: int = 0) -> float:
+    """Seconds to replay `runs`, after one untimed replay of each: every shape's first costs (the
+    allocator growing, kernel selection, compiling, capturing graphs) fall before the clock starts."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    replay(model, runs[0], batch, device, mode)  # warm up (compiled, and with graphs captured)
+    for windows in runs:
+        replay(model, windows, batch, device, mode, capacity)
     sync()
     t0 = time.perf_counter()
     for windows in runs:
-        replay(model, windows, batch, device, mode)
+        replay(model, windows, batch, device, mode, capacity)
     sync()
     return time.perf_counter() - t0
 
@@ -177,13 +186,14 @@ def main(argv=None) -> int:
             install(qm, quantize_weights(qm, QUANTIZE[q]), device=device)
             variants.append((q, qm))
         modes = ["eager"] + (["graphs"] if args.graphs else []) + (["compile"] if args.compile else [])
+        capacity = max(length(h) for name in CONFIGS for h in schedules[FAMILIES[family], name][0])
         for weights, m in variants:
             for mode in modes:
                 for name in CONFIGS:
                     runs, tokens = schedules[FAMILIES[family], name]
                     positions = sum(hi - lo for r in runs for forward in r for _, lo, hi, _, _ in forward)
                     for batch in batches:
-                        seconds = timed(m, runs, batch, device, mode)
+                        seconds = timed(m, runs, batch, device, mode, capacity)
                         row = {
                             "family": family,
                             "config": name,

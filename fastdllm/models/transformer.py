@@ -422,7 +422,16 @@ class Transformer(nn.Module):
         """`window_logits_static` through torch.compile(mode="reduce-overhead"): on a GPU its steps
         replay a captured CUDA graph; elsewhere, a compiled function of fixed shapes."""
         if self._graphed_window is None:
-            self._graphed_window = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=False)
+            compiled = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=False)
+
+            def step(tokens, positions, start, key_ok, key_positions, cache: KVCache, block_size=None, keep=None):
+                # The graph writes the cache in place: its buffers must be static inputs (as a
+                # module's buffers are), or inductor declines to capture a graph that mutates them.
+                for buffer in (cache.k, cache.v):
+                    torch._dynamo.mark_static_address(buffer)
+                return compiled(tokens, positions, start, key_ok, key_positions, cache, block_size, keep)
+
+            self._graphed_window = step
         return self._graphed_window
 
     def forward(
