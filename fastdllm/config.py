@@ -55,6 +55,7 @@ CACHE_POLICIES = Registry(
         "prefix": f"{_CACHE}:PrefixCache",
         "dual": f"{_CACHE}:DualCache",
         "sub-block": f"{_CACHE}:SubBlockCache",
+        "delayed": f"{_CACHE}:DelayedCache",
     },
 )
 REFRESH_RULES = Registry(
@@ -263,6 +264,17 @@ class GenerationConfig:
     )
     refresh_every: int | None = _opt(
         None, "optional int", "with refresh=vicinity: a full refresh every N blocks", search=(None, 2, 4)
+    )
+    cache_delay: int = _opt(
+        2,
+        "int",
+        "with cache=delayed: the forwards a finished block waits, every one of them full, before its "
+        "K/V join the cache (d3LLM's cache_delay_iter)",
+    )
+    refresh_interval: int | None = _opt(
+        None,
+        "optional int",
+        "with cache=delayed: a full forward every N forwards of a row (d3LLM's refresh_interval)",
     )
     refresh_tol: float = _opt(
         0.1,
@@ -723,6 +735,13 @@ class GenerationConfig:
             need(
                 is_int(self.refresh_every) and self.refresh_every >= 1,
                 "refresh_every",
+                "must be a positive integer or None",
+            )
+        need(is_int(self.cache_delay) and self.cache_delay >= 0, "cache_delay", "must be an integer >= 0")
+        if self.refresh_interval is not None:
+            need(
+                is_int(self.refresh_interval) and self.refresh_interval >= 1,
+                "refresh_interval",
                 "must be a positive integer or None",
             )
         need(

@@ -125,6 +125,9 @@ def test_d3llms_later_blocks_take_their_sure_positions_and_the_lowest_overall():
     assert rule.select(conf, masked, current, current_conf).tolist() == [[False, True] + [False] * 6]
     sure_here = torch.tensor([[-0.1, -0.1, -0.3, -0.8]])
     assert not rule.select(conf, masked, current, sure_here).any()  # the lowest is the current block's
+    # d3LLM's Dream code keeps no lowest across blocks: block 1 reveals only what is sure
+    dream = EntropyLookahead(depth=3, add=0.5, activate=0.95, threshold=0.5, keeps_lowest=False)
+    assert not dream.select(conf, masked, current, current_conf).any()
     d = GenerationConfig.d3llm()
     assert (d.unmasking, d.threshold, d.block_add_threshold, d.parallel_blocks, d.cache, d.eos_early_stop) == (
         "entropy",

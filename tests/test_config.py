@@ -39,6 +39,8 @@ BAD = {
     "prefix_cache": "always",
     "refresh_every": 0,
     "refresh_tol": -1,
+    "cache_delay": -1,
+    "refresh_interval": 0,
     "compile": 1,
     "deterministic": "yes",
     "cuda_graphs": "yes",

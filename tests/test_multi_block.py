@@ -11,7 +11,7 @@ import fastdllm
 from fastdllm import GenerationConfig
 from fastdllm.config import ConfigError
 from fastdllm.engine.cache_policies import cache_policy
-from fastdllm.engine.policies import Policies
+from fastdllm.engine.policies import Policies, policies_for
 from fastdllm.engine.unmasking import Lookahead
 
 from .conftest import random_prompts
@@ -141,3 +141,55 @@ def test_published_settings_decode_one_block_at_a_time():
     assert GenerationConfig.fast_dllm(parallel_blocks=3).parallel_blocks == 3
     assert GenerationConfig.replace(GenerationConfig(parallel_blocks=3), cache="none").parallel_blocks == 3
     assert GenerationConfig.baseline().parallel_blocks == 1 and GenerationConfig.fast_dllm().parallel_blocks == 1
+
+
+def _windows(model, ids, config):
+    policies = policies_for(model, config)
+    policies.cache.record()
+    out = fastdllm.generate(model, ids, config=config, policies=policies)
+    return out, policies.cache.history
+
+
+def test_a_delayed_cache_that_never_commits_decodes_as_no_cache(tiny_llada):
+    """d3LLM's delayed cache: while a finished block waits to be committed every forward is full,
+    so with a delay no decode reaches it decodes as no cache at all, forward for forward."""
+    ids = prompts(tiny_llada)
+    plain, _ = _windows(tiny_llada, ids, config_for(tiny_llada, threshold=0.99, cache="none", **ONE_EACH))
+    never = config_for(tiny_llada, threshold=0.99, cache="delayed", cache_delay=10**6, **ONE_EACH)
+    delayed, delayed_windows = _windows(tiny_llada, ids, never)
+    assert torch.equal(plain.sequences, delayed.sequences) and plain.nfe_per_row == delayed.nfe_per_row
+    assert all(lo == 0 for forward in delayed_windows for _, lo, _, _, _ in forward)
+
+
+@pytest.mark.parametrize("delay, interval", [(0, None), (1, None), (2, 3)])
+def test_a_delayed_cache_recomputes_from_its_committed_prefix(tiny_llada, delay, interval):
+    """After its first forward a row's forwards start at its committed prefix's end, a block
+    boundary that only moves forward, except the full ones: while a block waits out its delay, and
+    every `refresh_interval`-th forward."""
+    ids = prompts(tiny_llada, lengths=(6,))
+    config = config_for(
+        tiny_llada, threshold=0.99, cache="delayed", cache_delay=delay, refresh_interval=interval, **ONE_EACH
+    )
+    out, windows = _windows(tiny_llada, ids, config)
+    blk, prompt = config.block_length, len(ids[0])
+    starts = [forward[0][1] for forward in windows]
+    assert starts[0] == 0 and len(starts) == out.nfe
+    partial = [s for s in starts if s > 0]
+    assert partial and partial == sorted(partial) and all((s - prompt) % blk == 0 for s in partial)
+    full_after_first = starts[1:].count(0)
+    if delay == 0 and interval is None:
+        assert full_after_first == 0  # a finished block is committed by the next forward
+    else:
+        assert full_after_first > 0
+    if interval:
+        assert all(starts[n - 1] == 0 for n in range(interval, out.nfe + 1, interval))
+
+
+def test_a_delayed_cache_row_decodes_the_same_in_a_batch_as_alone(tiny_llada):
+    ids = prompts(tiny_llada, lengths=(5, 9, 7), seed=4)
+    config = config_for(tiny_llada, threshold=0.99, cache="delayed", cache_delay=1, **ONE_EACH)
+    batch = fastdllm.generate(tiny_llada, ids, config=config)
+    for row, p in enumerate(ids):
+        alone = fastdllm.generate(tiny_llada, [p], config=config)
+        assert torch.equal(alone.sequences[0], batch.sequences[row])
+        assert alone.nfe_per_row[0] == batch.nfe_per_row[row]

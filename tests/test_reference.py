@@ -23,10 +23,11 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   FASTDLLM_DPARALLEL_REFERENCE to a czg1225/dParallel checkout and FASTDLLM_DPARALLEL_PYTHON to an
   interpreter with transformers==4.49.0, numpy and torch.
 
-- d3LLM's `generate_multi_block` (`d3llm/d3llm_LLaDA/d3llm_llada_generate_util.py`) with the
-  `modeling_llada.py` of its `utils/utils_LLaDA/model`, on the embedded LLaDA: set
-  FASTDLLM_D3LLM_REFERENCE to a hao-ai-lab/d3LLM checkout and FASTDLLM_D3LLM_PYTHON to an interpreter
-  with transformers==4.49.0 and torch;
+- d3LLM's `generate_multi_block` and `generate_multi_block_kv_cache` (`d3llm/d3llm_LLaDA/
+  d3llm_llada_generate_util.py`) with the `modeling_llada.py` of its `utils/utils_LLaDA/model`, on
+  the embedded LLaDA (the KV-cache loop at a third of its confidence): set FASTDLLM_D3LLM_REFERENCE
+  to a hao-ai-lab/d3LLM checkout and FASTDLLM_D3LLM_PYTHON to an interpreter with
+  transformers==4.49.0 and torch;
 - DMax's step, `ThresholdParallelDecoder.decode_uniform` of its vendored dInfer (`dInfer/python/
   dinfer/decoding/parallel_strategy.py`, pure PyTorch: loaded here without the package, whose other
   modules need vLLM), on the same logits as our policies: set FASTDLLM_DMAX_REFERENCE to a
@@ -83,10 +84,16 @@ needs_sdar = pytest.mark.skipif(
 )
 
 
-def _reference_checkpoint(name: str | None, folder: Path, modeling: Path, files: tuple[str, ...], dtype=None):
+def _reference_checkpoint(
+    name: str | None, folder: Path, modeling: Path, files: tuple[str, ...], dtype=None, temperature: float = 1.0
+):
     """The embedded model `name` (in `dtype`), saved in float32 in its real layout with the
-    reference's own modeling files beside it; and three held-out arith prompts."""
+    reference's own modeling files beside it; and three held-out arith prompts. `temperature` > 1
+    divides its output head (untied) by it: a less confident model, decoding in more forwards."""
     model, tok = fastdllm.load(name, dtype=dtype)
+    if temperature != 1.0:
+        with torch.no_grad():
+            model.output.weight /= temperature
     save_pretrained(model, folder, tok, dtype=torch.float32)
     for f in files:
         shutil.copy(modeling / f, folder / f)
@@ -134,7 +141,7 @@ def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
         config = GenerationConfig.fast_dllm(suffix_window=None, refresh="full", stop_at_eos=False, **c)
         for prompt in prompts:
             ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
-            assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
+            assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
             assert ref["nfe"] == ours.nfe + _finished_at_start(ours, c), (c, ref["nfe"], ours.nfe)
 
 
@@ -162,7 +169,7 @@ def test_the_entropy_rule_decodes_as_dparallels_llada_code(tmp_path):
         config = GenerationConfig.dparallel(stop_at_eos=False, **c)
         for prompt in prompts:
             ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
-            assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
+            assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
             assert ref["nfe"] == ours.nfe + _finished_at_start(ours, c), (c, ref["nfe"], ours.nfe)
 
 
@@ -178,20 +185,44 @@ D3LLM_CONFIGS = [
     for a in (0.1, 0.5)
     for e in (True, False)
 ]
-
-
-@pytest.mark.skipif(
+D3LLM_KV_CACHE_CONFIGS = [
+    dict(
+        gen_length=gen,
+        block_length=32,
+        threshold=0.5,
+        block_add_threshold=0.1,
+        decoded_token_threshold=0.95,
+        early_stop=e,
+        cache_delay_iter=d,
+        refresh_interval=r,
+    )
+    for gen in (64, 128)
+    for e in (True, False)
+    for d, r in ((0, 10000), (1, 10000), (2, 10000), (2, 3))
+]
+needs_d3llm = pytest.mark.skipif(
     not (D3LLM_CHECKOUT and D3LLM_PYTHON and Path(D3LLM_CHECKOUT, "d3llm", "d3llm_LLaDA").is_dir()),
     reason="set FASTDLLM_D3LLM_REFERENCE (a hao-ai-lab/d3LLM checkout) and FASTDLLM_D3LLM_PYTHON",
 )
-def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_code(tmp_path):
-    modeling = Path(D3LLM_CHECKOUT, "utils", "utils_LLaDA", "model")
-    model, prompts = _reference_checkpoint(None, tmp_path / "llada", modeling, LLADA_FILES)
+
+
+D3LLM_DREAM_RUNNER = Path(__file__).parent / "reference" / "d3llm_dream.py"
+
+
+def _decodes_as_d3llm(folder: Path, configs: list[dict], temperature: float = 1.0, dream: bool = False):
+    """Ours against d3LLM's code on the embedded LLaDA (or Dream twin); with its output head divided
+    by `temperature`. Returns how many runs were compared token for token."""
+    if dream:
+        modeling, runner = Path(D3LLM_CHECKOUT, "utils", "utils_Dream", "model"), D3LLM_DREAM_RUNNER
+        files, name = ("configuration_dream.py", "modeling_dream.py"), "dream-arith"
+    else:
+        modeling, runner = Path(D3LLM_CHECKOUT, "utils", "utils_LLaDA", "model"), D3LLM_RUNNER
+        files, name = LLADA_FILES, None
+    model, prompts = _reference_checkpoint(name, folder, modeling, files, "float32", temperature)
     spec = {"mask_id": model.mask_token_id, "eos_id": model.args.eos_token_id, "prompts": prompts}
-    theirs = _reference_runs(
-        D3LLM_PYTHON, D3LLM_RUNNER, D3LLM_CHECKOUT, tmp_path / "llada", {**spec, "configs": D3LLM_CONFIGS}
-    )
-    for c in D3LLM_CONFIGS:
+    theirs = _reference_runs(D3LLM_PYTHON, runner, D3LLM_CHECKOUT, folder, {**spec, "configs": configs})
+    compared = 0
+    for c in configs:
         config = GenerationConfig.d3llm(
             gen_length=c["gen_length"],
             threshold=c["threshold"],
@@ -201,11 +232,62 @@ def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_code(tmp_path):
             stop_at_eos=c["early_stop"],
             eos_early_stop=c["early_stop"],
         )
+        if "cache_delay_iter" in c:
+            config = config.replace(
+                cache="delayed", cache_delay=c["cache_delay_iter"], refresh_interval=c["refresh_interval"]
+            )
         for prompt in prompts:
             ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
-            assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
-            # its counter adds one forward that never runs when the early stop ends the answer
-            assert ref["nfe"] - ours.nfe in ((0, 1) if c["early_stop"] else (0,)), (c, ref["nfe"], ours.nfe)
+            if ref.get("twice"):  # it attended some K/V twice (`DelayedCache`); we do not
+                continue
+            compared += 1
+            assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
+            if not c["early_stop"]:
+                assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)
+                continue
+            # With its early stop, its counter adds one forward that never runs when the answer
+            # ends, and it runs forwards that reveal nothing (see the runner): we run neither.
+            assert ref["nfe"] - ref["idle"] - ours.nfe in (0, 1), (c, ref["nfe"], ref["idle"], ours.nfe)
+    return compared
+
+
+@needs_d3llm
+def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_code(tmp_path):
+    _decodes_as_d3llm(tmp_path / "llada", D3LLM_CONFIGS)
+
+
+@needs_d3llm
+def test_the_delayed_cache_decodes_as_d3llms_kv_cache_loop(tmp_path):
+    # at a third of its confidence the model decodes in many forwards, so that when the cache
+    # commits a block, and which forwards are full, decide tokens
+    assert _decodes_as_d3llm(tmp_path / "llada", D3LLM_KV_CACHE_CONFIGS, temperature=3.0) == 3 * len(
+        D3LLM_KV_CACHE_CONFIGS
+    )
+
+
+D3LLM_DREAM_CONFIGS = [
+    dict(
+        gen_length=gen, block_length=32, threshold=t, block_add_threshold=a, decoded_token_threshold=0.95, early_stop=e
+    )
+    for gen in (64,)
+    for t in (0.5, 0.2)
+    for a in (0.1, 0.5)
+    for e in (True, False)
+]
+
+
+@needs_d3llm
+def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_dream_code(tmp_path):
+    # at a third of its confidence, so that where the lowest-entropy position may be revealed decides
+    compared = _decodes_as_d3llm(tmp_path / "dream", D3LLM_DREAM_CONFIGS, temperature=3.0, dream=True)
+    assert compared == 3 * len(D3LLM_DREAM_CONFIGS)
+
+
+@needs_d3llm
+def test_the_delayed_cache_decodes_as_d3llms_dream_kv_cache_loop(tmp_path):
+    configs = [c for c in D3LLM_KV_CACHE_CONFIGS if c["gen_length"] == 64]
+    compared = _decodes_as_d3llm(tmp_path / "dream", configs, temperature=3.0, dream=True)
+    assert compared >= len(configs)  # most runs never have two blocks waiting at once
 
 
 DMAX_CHECKOUT = os.environ.get("FASTDLLM_DMAX_REFERENCE")
@@ -300,7 +382,7 @@ def test_the_entropy_rule_decodes_as_dparallels_dream_code(tmp_path):
         config = GenerationConfig.dparallel(stop_at_eos=False, alg="entropy", **c)
         for prompt in prompts:
             ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
-            assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
+            assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
             assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import GenerationConfig
-from .cache_policies import CachePolicy, NoCache, cache_policy
-from .unmasking import UnmaskingStrategy
+from .cache_policies import CachePolicy, cache_policy
+from .unmasking import EntropyLookahead, UnmaskingStrategy
 
 
 @dataclass
@@ -43,11 +43,13 @@ def policies_for(
         strategy = UnmaskingStrategy.from_config(config, family.rules.proposal if family is not None else None)
         if config.sub_block_length is not None:
             strategy = strategy.in_sub_blocks(config.sub_block_length)
+        if family is not None and isinstance(strategy.lookahead, EntropyLookahead):
+            strategy.lookahead.keeps_lowest = family.rules.d3llm_code == "llada"
         # Dream's rule belongs to its cached loops; a block-causal family's (Fast-dLLM v2's) to every loop
         if (
             family is not None
             and family.rules.block_start_reveals_first
-            and (model.args.block_size or not isinstance(cache, NoCache))
+            and (model.args.block_size or cache.refreshes_at_block_start)
         ):
             strategy = strategy.revealing_first_at_block_start()
     return Policies(cache, strategy)

@@ -709,7 +709,16 @@ class EntropyLookahead(Lookahead):
     keeps it across blocks: in a later block when no position of the current one is as sure). The
     current block's own guaranteed position is d3LLM's forced token of its first fully activated
     block (that block is always the current one: the block before it is done), so
-    `decoded_token_threshold` changes nothing here. Ties go to the leftmost position."""
+    `decoded_token_threshold` changes nothing here. Ties go to the leftmost position.
+
+    `keeps_lowest=False` is d3LLM's Dream code (`_sample_multi_block`), which keeps no lowest
+    position across blocks: a later block reveals only below the threshold. That code compares
+    strictly below the threshold where its LLaDA code (and we, in both) reveal at it too: it differs
+    only for an entropy equal to the threshold to the last bit of a float64."""
+
+    def __init__(self, depth: int, add: float, activate: float, threshold: float, keeps_lowest: bool = True):
+        super().__init__(depth, add, activate, threshold)
+        self.keeps_lowest = keeps_lowest
 
     def select(self, conf, masked, current_masked, current_conf):
         bsz, blk = current_masked.shape
@@ -718,6 +727,8 @@ class EntropyLookahead(Lookahead):
         done = 1 - torch.cat([current_masked[:, None], m[:, :-1]], 1).float().mean(-1)  # (B, n)
         active = ((done >= self.add).long().cumprod(-1).bool()[..., None] & m).view(bsz, n * blk)
         sure = active & (conf >= -self.threshold)
+        if not self.keeps_lowest:
+            return sure
         later = torch.where(active, conf, NEG_INF)
         best = later.argmax(-1, keepdim=True)
         here = torch.where(current_masked, current_conf, NEG_INF).max(-1, keepdim=True).values

@@ -102,6 +102,7 @@ FAMILY = Family(
     ),
     rules=DecodingRules(
         block_start_reveals_first=True,
+        d3llm_code="dream",
     ),
 )
 args_from_config = FAMILY.args_from_config

@@ -63,6 +63,10 @@ class DecodingRules:
     any_decoding_block: bool = False
     # Its reference loop edits revealed tokens (LLaDA2.1's editing_threshold), so tuning tries it.
     edits: bool = False
+    # Which of d3LLM's two codes its multi-block decoding follows (`unmasking.EntropyLookahead`,
+    # `cache_policies.DelayedCache`): "llada" (d3llm_llada_generate_util) or "dream"
+    # (d3llm_dream_generate_util).
+    d3llm_code: str = "llada"
 
 
 @dataclass(frozen=True)

@@ -348,7 +348,8 @@ class Transformer(nn.Module):
         (B, L), write their K/V into its cache row, attend over its keys [0, keys) (the window's own
         and what the cache holds), and return the logits of [start, hi) (in which entry j
         predicts token start + j; a shifted family reads them one column earlier, which the
-        window must cover). A column's RoPE position is its index: every row starts at column 0.
+        window must cover, or open at `start`: then that column's logit is its own output). A
+        column's RoPE position is its index: every row starts at column 0.
         A block-causal model's queries see the keys of their block and the blocks before it, in
         blocks of `block_size` (default its own). `embeds` {row: (columns, vectors)}: input vectors
         that replace those columns' token embeddings (DMax's soft embeddings), where a window of that
@@ -357,7 +358,10 @@ class Transformer(nn.Module):
         bs = block_size or self.args.block_size
         tokens, positions, segments, offset = [], [], [], 0
         for row, lo, hi, keys, start in windows:
-            first = start == 0 and shift  # position 0 predicts itself (as in `logits_for`)
+            # A shifted window that opens at its first logit's column has no column before it:
+            # that column's logit is its own output, as position 0's always is (`logits_for`), and
+            # as d3LLM's Dream code reads a cached forward's first column (`DelayedCache`).
+            first = start == lo and shift
             if not (0 <= lo <= start - shift + first and start < hi <= x.shape[1] and keys <= x.shape[1]):
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not cover logits for [{start}, {hi})")
             cols = torch.arange(lo, hi, device=x.device)
@@ -384,7 +388,7 @@ class Transformer(nn.Module):
             picks = []
             for s, (_, lo, hi, _, start) in zip(segments, windows):
                 a = s.offset + start - shift - lo
-                if start == 0 and shift:
+                if start == lo and shift:
                     picks.append(torch.cat([h[s.offset : s.offset + 1], h[s.offset : s.offset + hi - shift - lo]]))
                 else:
                     picks.append(h[a : a + hi - start])

@@ -1,8 +1,13 @@
 """Run d3LLM's own `generate_multi_block` (hao-ai-lab/d3LLM: `d3llm/d3llm_LLaDA/
-d3llm_llada_generate_util.py`, no cache) with its own `modeling_llada.py` on a checkpoint, in an
+d3llm_llada_generate_util.py`, no cache), or `generate_multi_block_kv_cache` where a config gives
+`cache_delay_iter` (and `refresh_interval`), with its own `modeling_llada.py` on a checkpoint, in an
 interpreter with transformers 4.49 and torch. argv: the checkout, the checkpoint folder, a JSON file
-of {"mask_id", "eos_id", "prompts", "configs"}; prints {"runs": [{"tokens", "nfe"}, ...]} (configs
-outer, prompts inner)."""
+of {"mask_id", "eos_id", "prompts", "configs"}; prints {"runs": [{"tokens", "nfe", "idle"}, ...]}
+(configs outer, prompts inner). "idle": the forwards after which the masks before the first EOS
+were as many as before them. With its early stop, d3LLM fills everything after a revealed EOS with
+EOS but decodes that forward with the masks it read before filling, so its forced token can land
+on a filled position: a forward that reveals nothing. Its decisions are read where it makes them,
+at each call of its `get_transfer_index_entropy` (once per forward), from the whole sequence."""
 
 import json
 import sys
@@ -16,11 +21,33 @@ import torch  # noqa: E402
 from utils.utils_LLaDA.model.modeling_llada import LLaDAModelLM  # noqa: E402
 
 spec = json.load(open(job))
+seen = []  # per forward: masks before the first EOS in the sequence it decodes
+
+
+def open_masks(x) -> int:
+    region = x[0, prompt_length:]
+    eos = (region == spec["eos_id"]).nonzero()
+    end = int(eos[0, 0]) if len(eos) else len(region)
+    return int((region[:end] == spec["mask_id"]).sum())
+
+
+decide = reference.get_transfer_index_entropy
+
+
+def recording(logits, temperature, remasking, mask_index, x, *rest):
+    seen.append(open_masks(x))
+    return decide(logits, temperature, remasking, mask_index, x, *rest)
+
+
+reference.get_transfer_index_entropy = recording
 model = LLaDAModelLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
 runs = []
 for c in spec["configs"]:
     for prompt in spec["prompts"]:
-        x, nfe = reference.generate_multi_block(
+        prompt_length, seen = len(prompt), []
+        cached = {k: c[k] for k in ("cache_delay_iter", "refresh_interval") if k in c}
+        generate = reference.generate_multi_block_kv_cache if cached else reference.generate_multi_block
+        x, nfe = generate(
             model,
             torch.tensor([prompt]),
             max_new_tokens=c["gen_length"],
@@ -33,6 +60,9 @@ for c in spec["configs"]:
             decoded_token_threshold=c["decoded_token_threshold"],
             eos_token_id=spec["eos_id"],
             early_stop=c["early_stop"],
+            **cached,
         )
-        runs.append({"tokens": x[0, len(prompt) :].tolist(), "nfe": int(nfe)})
+        after = seen[1:] + [open_masks(x)]
+        idle = sum(a == b for a, b in zip(seen, after))
+        runs.append({"tokens": x[0, len(prompt) :].tolist(), "nfe": int(nfe), "idle": idle})
 print(json.dumps({"runs": runs}))
