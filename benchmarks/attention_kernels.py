@@ -12,6 +12,10 @@ one block over a long cache), a few at a block's start (a wider window):
 - `flex eager` / `flex compiled`: `torch.nn.attention.flex_attention` over the packed queries and
   the rows' keys laid end to end, with a block mask that keeps each query to its row's keys
   (`create_block_mask`; the keys gathered from the cache rows each call);
+- `sdpa jagged`: one `scaled_dot_product_attention` call over nested tensors of jagged layout
+  (`torch.nested`, the rows' queries and keys each of its own length: varlen attention with no
+  padding), the nested tensors built from the packed queries and the cache rows each call;
+  `sdpa jagged kernel` the call alone (on a CPU only with `--jagged`: its math path is slow);
 - `flex kernel`: the compiled flex call alone, its block mask and keys built beforehand: what each
   layer pays when a step builds its mask once for all layers and the keys already lie end to end
   (a paged pool); `flex mask` is the building of that block mask alone.
@@ -87,6 +91,26 @@ def padded(shapes, q, k, v):
     return torch.cat([o[i : i + 1, :, :w] for i, (w, _) in enumerate(shapes)], 2)
 
 
+def jagged_inputs(shapes, q, k, v):
+    """The rows' queries, keys and values as nested tensors (rows, heads, jagged, head_dim)."""
+    qs, ks, vs, off = [], [], [], 0
+    for i, (w, keys) in enumerate(shapes):
+        qs.append(q[0, :, off : off + w].transpose(0, 1))
+        ks.append(k[i, :, :keys].transpose(0, 1))
+        vs.append(v[i, :, :keys].transpose(0, 1))
+        off += w
+    return tuple(torch.nested.nested_tensor(t, layout=torch.jagged).transpose(1, 2) for t in (qs, ks, vs))
+
+
+def unpack_jagged(out):
+    """A nested (rows, heads, jagged, head_dim) result as the packed (1, heads, N, head_dim)."""
+    return torch.cat([t.transpose(0, 1) for t in out.transpose(1, 2).unbind()], 1)[None]
+
+
+def jagged(shapes, q, k, v):
+    return unpack_jagged(F.scaled_dot_product_attention(*jagged_inputs(shapes, q, k, v)))
+
+
 def flex_inputs(shapes, k, v):
     """The rows' keys end to end (1, H, S, D) and a block mask: query row == key row."""
     ks = torch.cat([k[i : i + 1, :, :keys] for i, (_, keys) in enumerate(shapes)], 2)
@@ -118,6 +142,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=1, help="CPU threads")
+    ap.add_argument("--jagged", action="store_true", help="also SDPA over jagged nested tensors on a CPU")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -138,6 +163,10 @@ def main() -> None:
                 "flex eager": lambda: flex(flex_attention, shapes, q, k, v),
                 "flex compiled": lambda: flex(compiled, shapes, q, k, v),
             }
+            if device.type == "cuda" or args.jagged:
+                ways["sdpa jagged"] = lambda: jagged(shapes, q, k, v)
+                nested = jagged_inputs(shapes, q, k, v)
+                ways["sdpa jagged kernel"] = lambda: unpack_jagged(F.scaled_dot_product_attention(*nested))
             ks, vs, mask = flex_inputs(shapes, k, v)
             ways["flex kernel"] = lambda: compiled(q, ks, vs, block_mask=mask)
             ways["flex mask"] = lambda: flex_inputs(shapes, k, v)
