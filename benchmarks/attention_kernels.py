@@ -131,6 +131,43 @@ def flex(attend, shapes, q, k, v):
     return attend(q, ks, vs, block_mask=mask)
 
 
+def measure(rows_list, heads, head_dim, prompt, block, repeats, device, dtype_name, jagged_on_cpu=False) -> list[dict]:
+    """One result per batch size in `rows_list`: each way's milliseconds and its largest difference
+    from the per-row result (a way this torch build cannot run: why it failed)."""
+    device, dtype = torch.device(device), getattr(torch, dtype_name)
+    compiled = torch.compile(flex_attention)
+    results = []
+    with torch.inference_mode():
+        for rows in rows_list:
+            shapes, q, k, v = layout(rows, heads, head_dim, prompt, block, max(1, rows // 4), device, dtype)
+            ref = per_row(shapes, q, k, v)
+            row = {"rows": rows, "queries": q.shape[2], "keys": sum(kk for _, kk in shapes), "device": str(device)}
+            row |= {"dtype": dtype_name, "heads": heads, "head_dim": head_dim}
+            ways = {
+                "sdpa per row": lambda: per_row(shapes, q, k, v),
+                "sdpa padded": lambda: padded(shapes, q, k, v),
+                "flex eager": lambda: flex(flex_attention, shapes, q, k, v),
+                "flex compiled": lambda: flex(compiled, shapes, q, k, v),
+            }
+            if device.type == "cuda" or jagged_on_cpu:
+                ways["sdpa jagged"] = lambda: jagged(shapes, q, k, v)
+                nested = jagged_inputs(shapes, q, k, v)
+                ways["sdpa jagged kernel"] = lambda: unpack_jagged(F.scaled_dot_product_attention(*nested))
+            ks, vs, mask = flex_inputs(shapes, k, v)
+            ways["flex kernel"] = lambda: compiled(q, ks, vs, block_mask=mask)
+            ways["flex mask"] = lambda: flex_inputs(shapes, k, v)
+            for name, fn in ways.items():
+                try:
+                    row[name + " ms"] = round(timed(fn, repeats, device), 3)
+                    if name != "flex mask":
+                        row[name + " max diff"] = float((fn() - ref).abs().max().float())
+                except Exception as e:  # a way this torch build cannot run here
+                    row[name + " ms"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
@@ -146,39 +183,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    compiled = torch.compile(flex_attention)
-    results = []
-    with torch.inference_mode():
-        for rows in args.rows:
-            shapes, q, k, v = layout(
-                rows, args.heads, args.head_dim, args.prompt, args.block, max(1, rows // 4), device, dtype
-            )
-            ref = per_row(shapes, q, k, v)
-            row = {"rows": rows, "queries": q.shape[2], "keys": sum(kk for _, kk in shapes), "device": str(device)}
-            row |= {"dtype": args.dtype, "heads": args.heads, "head_dim": args.head_dim}
-            ways = {
-                "sdpa per row": lambda: per_row(shapes, q, k, v),
-                "sdpa padded": lambda: padded(shapes, q, k, v),
-                "flex eager": lambda: flex(flex_attention, shapes, q, k, v),
-                "flex compiled": lambda: flex(compiled, shapes, q, k, v),
-            }
-            if device.type == "cuda" or args.jagged:
-                ways["sdpa jagged"] = lambda: jagged(shapes, q, k, v)
-                nested = jagged_inputs(shapes, q, k, v)
-                ways["sdpa jagged kernel"] = lambda: unpack_jagged(F.scaled_dot_product_attention(*nested))
-            ks, vs, mask = flex_inputs(shapes, k, v)
-            ways["flex kernel"] = lambda: compiled(q, ks, vs, block_mask=mask)
-            ways["flex mask"] = lambda: flex_inputs(shapes, k, v)
-            for name, fn in ways.items():
-                try:
-                    row[name + " ms"] = round(timed(fn, args.repeats, device), 3)
-                    if name != "flex mask":
-                        row[name + " max diff"] = float((fn() - ref).abs().max().float())
-                except Exception as e:  # a way this torch build cannot run here
-                    row[name + " ms"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-            print(json.dumps(row), flush=True)
-            results.append(row)
+    results = measure(
+        args.rows,
+        args.heads,
+        args.head_dim,
+        args.prompt,
+        args.block,
+        args.repeats,
+        args.device,
+        args.dtype,
+        args.jagged,
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -14,8 +14,10 @@ windows are replayed on it for `--batch` rows at once: tokens/s of the generated
 positions computed per token (the work, independent of the machine). Optional rows: int8 / int4
 weights (`--quant`), the cached steps through the fixed-shape step that `cuda_graphs` captures
 (`--graphs`: CUDA graphs on a GPU, compiled once per batch size), and torch.compile of the
-layers with dynamic shapes (`--compile`).
-One table is printed (and written as JSON with `--out`).
+layers with dynamic shapes (`--compile`). Then the ways of attending ragged rows
+(`attention_kernels.py`: SDPA per row, padded, over jagged nested tensors, flex_attention) at
+LLaDA-8B's attention shapes for 1-64 rows.
+The table and the attention results are printed (and written as JSON with `--out`).
 """
 
 from __future__ import annotations
@@ -162,6 +164,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="also the cached steps through the fixed-shape step `cuda_graphs` captures (CUDA graphs on a GPU)",
     )
+    p.add_argument(
+        "--no-attention",
+        dest="attention",
+        action="store_false",
+        help="skip the ragged-attention candidates (`attention_kernels.py`) at LLaDA-8B's attention shapes",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -211,9 +219,16 @@ def main(argv=None) -> int:
                             f"{row['tokens_per_second']:>9.1f} {row['positions_per_token']:>8.2f}",
                             flush=True,
                         )
+    attention = []
+    if args.attention:  # the ways of attending ragged rows, at LLaDA-8B's shapes (small with --tiny)
+        from attention_kernels import measure
+
+        shape = (4, 32, 64, 32) if args.tiny else (32, 128, 1024, 32)
+        attention = measure([1, 4] if args.tiny else [1, 8, 32, 64], *shape, 3 if args.tiny else 20, device, "bfloat16")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"tiny": args.tiny, "layers": layers, "gen_length": gen_length, "rows": rows}, f, indent=1)
+            out = {"tiny": args.tiny, "layers": layers, "gen_length": gen_length, "rows": rows, "attention": attention}
+            json.dump(out, f, indent=1)
     return 0
 
 

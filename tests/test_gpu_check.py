@@ -31,7 +31,12 @@ def test_the_gpu_check_runs_tiny_and_prints_its_table(tmp_path):
     assert all(r["tokens_per_second"] > 0 for r in rows)
     work = {r["config"]: r["positions_per_token"] for r in rows if r["family"] == "llada"}
     assert work["baseline"] > work["fast-dllm"] >= work["default"]  # the schedules' work, as recorded
-    assert "tok/s" in run.stdout and len(run.stdout.splitlines()) == len(rows) + 1
+    attention = json.loads(out.read_text())["attention"]  # the ragged-attention candidates, small
+    assert [a["rows"] for a in attention] == [1, 4]
+    for a in attention:
+        assert isinstance(a["sdpa per row ms"], float) and a["sdpa per row max diff"] == 0.0
+        assert a["sdpa padded max diff"] < 0.05 and a["flex kernel max diff"] < 0.05  # bf16
+    assert "tok/s" in run.stdout and len(run.stdout.splitlines()) == len(rows) + 1 + len(attention)
 
 
 @pytest.mark.slow
