@@ -546,7 +546,7 @@ class DelayedCache(CachePolicy):
     def __init__(self, model, delay: int = 2, refresh_interval: int | None = None, compiled: bool = False):
         super().__init__(model, compiled)
         self.delay, self.refresh_interval = delay, refresh_interval
-        self.rows: list[_DelayedRow] = []
+        self.row_states: list[_DelayedRow] = []
         family = getattr(model, "family", None)
         self.dream_code = family is not None and family.rules.d3llm_code == "dream"
 
@@ -556,18 +556,18 @@ class DelayedCache(CachePolicy):
 
     def relayout(self, sources, length):
         super().relayout(sources, length)
-        old = self.rows
-        self.rows = [old[j] if j is not None and j < len(old) else _DelayedRow() for j in sources]
+        old = self.row_states
+        self.row_states = [old[j] if j is not None and j < len(old) else _DelayedRow() for j in sources]
 
     def block_logits(self, seq, steps):
         bsz = seq.x.shape[0]
-        self.rows += [_DelayedRow() for _ in range(bsz - len(self.rows))]
+        self.row_states += [_DelayedRow() for _ in range(bsz - len(self.row_states))]
         masked = (seq.x == self.model.mask_token_id).tolist()
         windows = [self._window(seq, i, masked[i]) for i in range(bsz)]
         return self.stack(seq, self.forward(seq, windows))
 
     def _window(self, seq: SequenceView, i: int, masked: list[bool]) -> Window:
-        row, shift = self.rows[i], int(self.model.args.shifted_logits)
+        row, shift = self.row_states[i], int(self.model.args.shifted_logits)
         row.forwards += 1
         length, end = seq.block_length, seq.seen[i]
         prompt = seq.starts[i] - seq.blocks[i] * length
