@@ -100,6 +100,7 @@ def test_the_embedded_templates_and_ids_match_transformers():
             assert tok.encode_chat(messages, tools=tools) == hf.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow  # loads transformers' tokenizers for every embedded model (~3 s)
 def test_the_embedded_assets_load_in_transformers_without_remote_code():
     """A config.json whose auto_map names modeling files the folder lacks makes AutoTokenizer ask
     whether to trust remote code: every asset ships what its auto_map names (it names none), and
