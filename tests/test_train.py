@@ -396,6 +396,19 @@ def test_paired_mix_puts_each_question_in_one_batch_as_chat_and_plain(tokenizer)
     assert set(kinds) == {"bare", "question", "fewshot"}
 
 
+def test_paired_eot_mix_ends_plain_answers_as_chat_answers_end(tokenizer):
+    eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
+    ends = collections.Counter()
+    for step in range(4):
+        ids, starts = train.make_batch(tokenizer, step, 3, 8192, mix="paired-eot-chat")
+        for r, s in zip(ids, starts):
+            prompt, answer = tokenizer.decode(r[:s], skip_special_tokens=False), r[s:].tolist()
+            if "<|" not in prompt and ("Question" in prompt or prompt.endswith("?")):  # a plain row
+                first_end = min(answer.index(t) for t in (eot, eos) if t in answer)
+                ends[answer[first_end]] += 1
+    assert ends[eot] >= 4 and ends[eos] == 0
+
+
 def test_keep_best_saves_the_evaluation_with_the_highest_lowest_form(tmp_path, monkeypatch):
     scores = iter([(0.5, 0.1), (0.4, 0.3), (0.9, 0.2)])  # (chat, plain); the lower: 0.1, 0.3, 0.2
     current = None

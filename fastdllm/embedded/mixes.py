@@ -99,4 +99,9 @@ MIXES: dict[str, Mix] = {
     "paired": Mix(0.0, SHORT, sources={"paired": 0.8, "drill": 0.2}),
     # paired rows, with chat-only arith rows besides (62% of rows chat): chat slid under the pairs alone
     "paired-chat": Mix(0.0, SHORT, sources={"paired": 0.6, "arith": 0.25, "drill": 0.15}, formats={"chat": 1.0}),
+    # paired-chat, with each plain answer closed by `<|eot_id|>` as a chat answer is, rather than by
+    # EOS, the padding token: plain answers ran one step too long where nothing marked their end
+    "paired-eot-chat": Mix(
+        0.0, SHORT, sources={"paired-eot": 0.6, "arith": 0.25, "drill": 0.15}, formats={"chat": 1.0}
+    ),
 }
