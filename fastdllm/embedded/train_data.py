@@ -104,7 +104,7 @@ def talk_row(
     eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
     source = _draw(r, sources or SOURCES)
     if source in ("paired", "paired-eot"):
-        return paired_rows(r, tokenizer, streams, plain_end=eot if source == "paired-eot" else eos)
+        return paired_rows(r, tokenizer, streams, plain_eot=source == "paired-eot")
     if source == "tools":
         return tool_data.tool_row(r, tokenizer)
     if source == "text":
@@ -145,11 +145,11 @@ PAIRED_TEXTS = {"bare": 0.3, "question": 0.5, "fewshot": 0.2}
 
 
 def paired_rows(
-    r: random.Random, tokenizer, streams: dict, plain_end: int | None = None
+    r: random.Random, tokenizer, streams: dict, plain_eot: bool = False
 ) -> list[tuple[list[int], list[int]]]:
     """One arith problem as two rows: its text as the chat template's user turn (answer, then
-    `<|eot_id|>`), and the same text as a plain prompt (a space, the answer, then `plain_end`:
-    end-of-text by default, the padding token itself; `<|eot_id|>` ends it as a chat answer ends)."""
+    `<|eot_id|>`), and the same text as a plain prompt (a space, the answer, then end-of-text, the
+    padding token itself; with `plain_eot`, `<|eot_id|>`, as a chat answer ends)."""
     eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
     p = next(streams["arith"])
     kind = _draw(r, PAIRED_TEXTS)
@@ -162,7 +162,7 @@ def paired_rows(
     plain = tokenizer.encode(text, add_special_tokens=False)
     return [
         (chat, tokenizer.encode(p.answer, add_special_tokens=False) + [eot]),
-        (plain, tokenizer.encode(" " + p.answer, add_special_tokens=False) + [eos if plain_end is None else plain_end]),
+        (plain, tokenizer.encode(" " + p.answer, add_special_tokens=False) + [eot if plain_eot else eos]),
     ]
 
 

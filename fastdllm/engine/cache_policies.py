@@ -587,22 +587,21 @@ class DelayedCache(CachePolicy):
         lo = row.committed if self.dream_code else min(row.committed, seq.starts[i] - shift)
         partial = (i, max(0, lo), seq.end(i), seq.seen[i], seq.starts[i])
         if commit is not None:
-            row.committed, row.cached = commit, True
+            row.committed = commit
             return partial if lo > 0 else self.full_window(seq, i)
         periodic = self.refresh_interval is not None and row.forwards % self.refresh_interval == 0
-        if row.cached and not waiting and not periodic:
+        if row.committed and not waiting and not periodic:
             return partial
         return self.full_window(seq, i)
 
 
 @dataclass
 class _DelayedRow:
-    """A row's state under `DelayedCache`: its forwards, the end of its committed prefix, whether it
-    has committed anything yet, and when each finished block's wait began (block 0: the prompt)."""
+    """A row's state under `DelayedCache`: its forwards, the end of its committed prefix (0: nothing
+    committed yet), and when each finished block's wait began (block 0: the prompt)."""
 
     forwards: int = 0
     committed: int = 0
-    cached: bool = False
     finished: dict = field(default_factory=dict)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..config import GenerationConfig
 from .cache_policies import CachePolicy, cache_policy
-from .unmasking import EntropyLookahead, UnmaskingStrategy
+from .unmasking import UnmaskingStrategy
 
 
 @dataclass
@@ -40,11 +40,9 @@ def policies_for(
     cache = cache if cache is not None else cache_policy(model, config)
     if strategy is None:
         family = getattr(model, "family", None)
-        strategy = UnmaskingStrategy.from_config(config, family.rules.proposal if family is not None else None)
+        strategy = UnmaskingStrategy.from_config(config, family.rules if family is not None else None)
         if config.sub_block_length is not None:
             strategy = strategy.in_sub_blocks(config.sub_block_length)
-        if family is not None and isinstance(strategy.lookahead, EntropyLookahead):
-            strategy.lookahead.keeps_lowest = family.rules.d3llm_code == "llada"
         # Dream's rule belongs to its cached loops; a block-causal family's (Fast-dLLM v2's) to every loop
         if (
             family is not None

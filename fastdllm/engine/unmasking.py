@@ -656,16 +656,14 @@ class Lookahead:
         self.depth, self.add, self.activate, self.threshold = depth, add, activate, threshold
 
     @classmethod
-    def from_config(cls, config) -> Lookahead | None:
+    def from_config(cls, config, d3llm_code: str = "llada") -> Lookahead | None:
+        """`d3llm_code`: which of d3LLM's codes the model family follows (`DecodingRules`)."""
         if config.parallel_blocks == 1:
             return None
-        kind = EntropyLookahead if config.unmasking == "entropy" else cls
-        return kind(
-            config.parallel_blocks,
-            config.block_add_threshold,
-            config.decoded_token_threshold,
-            config.lookahead_threshold if kind is cls else config.threshold,
-        )
+        args = (config.parallel_blocks, config.block_add_threshold, config.decoded_token_threshold)
+        if config.unmasking == "entropy":
+            return EntropyLookahead(*args, config.threshold, keeps_lowest=d3llm_code == "llada")
+        return cls(*args, config.lookahead_threshold)
 
     def select(
         self, conf: torch.Tensor, masked: torch.Tensor, current_masked: torch.Tensor, current_conf: torch.Tensor
@@ -781,17 +779,18 @@ class UnmaskingStrategy:
         self._rule: SelectionRule | None = None
 
     @classmethod
-    def from_config(cls, config, family_proposal: str | None = None) -> UnmaskingStrategy:
-        """`family_proposal`: the model family's own proposal (`config.PROPOSALS`), where it has one."""
+    def from_config(cls, config, rules=None) -> UnmaskingStrategy:
+        """`rules`: the model family's `DecodingRules` (its own proposal, where it has one, and
+        which of d3LLM's codes its multi-block decoding follows); None: LLaDA's."""
         rule = SELECTION_RULES[config_names.selection_rule_name(config)]
-        proposal = proposal_for(config, rule, family_proposal)
+        proposal = proposal_for(config, rule, None if rules is None else rules.proposal)
         return cls(
             proposal,
             lambda: rule.from_config(config),
             proposal.draws_randomness() or rule.draws_randomness(config),
             Editing.from_config(config),
             config.confidence_temperature,
-            Lookahead.from_config(config),
+            Lookahead.from_config(config, "llada" if rules is None else rules.d3llm_code),
         )
 
     def propose(self, logits: torch.Tensor, generators, draws) -> tuple[torch.Tensor, torch.Tensor]:

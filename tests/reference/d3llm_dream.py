@@ -3,9 +3,8 @@
 `cache_delay_iter` is below 10000) with its own `utils/utils_Dream/model/modeling_dream.py` on a
 checkpoint, in an interpreter with transformers 4.49 and torch. argv: the checkout, the checkpoint
 folder, a JSON file of {"mask_id", "eos_id", "prompts", "configs"}; prints {"runs": [{"tokens",
-"nfe", "idle", "twice"}, ...]} (configs outer, prompts inner). "idle": the forwards after which the
-masks before the first EOS were as many as before them (its early stop decodes a forward with the
-masks it read before filling after the EOS). "twice": whether a cached forward found more K/V in
+"nfe", "idle", "twice"}, ...]} (configs outer, prompts inner). "idle": the forwards that revealed
+nothing (`early_stop`). "twice": whether a cached forward found more K/V in
 its cache than its committed prefix (a refresh kept them up to a later waiting block), and so
 attended some columns twice."""
 
@@ -16,6 +15,7 @@ import types
 checkout, folder, job = sys.argv[1:4]
 sys.path.insert(0, checkout)
 
+import early_stop  # noqa: E402  (beside this runner)
 import torch  # noqa: E402
 from d3llm.d3llm_DREAM import d3llm_dream_generate_util as reference  # noqa: E402
 from utils.utils_Dream.model.modeling_dream import DreamModel  # noqa: E402
@@ -28,10 +28,7 @@ state = {}  # the sequence being decoded (one tensor, changed in place), its for
 
 
 def open_masks(x) -> int:
-    region = x[0, state["prompt"] :]
-    eos = (region == spec["eos_id"]).nonzero()
-    end = int(eos[0, 0]) if len(eos) else len(region)
-    return int((region[:end] == spec["mask_id"]).sum())
+    return early_stop.open_masks(x, state["prompt"], spec["mask_id"], spec["eos_id"])
 
 
 fill_after_eos = reference.handle_early_stop
@@ -80,7 +77,6 @@ for c in spec["configs"]:
                 early_stop=c["early_stop"],
             )
         x = out.sequences
-        seen = state["seen"]
-        idle = sum(a == b for a, b in zip(seen, seen[1:] + [open_masks(x)])) if seen else 0
+        idle = early_stop.idle_forwards(state["seen"], open_masks(x))
         runs.append({"tokens": x[0, len(prompt) :].tolist(), "nfe": int(nfe), "idle": idle, "twice": state["twice"]})
 print(json.dumps({"runs": runs}))

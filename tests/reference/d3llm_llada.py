@@ -3,11 +3,9 @@ d3llm_llada_generate_util.py`, no cache), or `generate_multi_block_kv_cache` whe
 `cache_delay_iter` (and `refresh_interval`), with its own `modeling_llada.py` on a checkpoint, in an
 interpreter with transformers 4.49 and torch. argv: the checkout, the checkpoint folder, a JSON file
 of {"mask_id", "eos_id", "prompts", "configs"}; prints {"runs": [{"tokens", "nfe", "idle"}, ...]}
-(configs outer, prompts inner). "idle": the forwards after which the masks before the first EOS
-were as many as before them. With its early stop, d3LLM fills everything after a revealed EOS with
-EOS but decodes that forward with the masks it read before filling, so its forced token can land
-on a filled position: a forward that reveals nothing. Its decisions are read where it makes them,
-at each call of its `get_transfer_index_entropy` (once per forward), from the whole sequence."""
+(configs outer, prompts inner). "idle": the forwards that revealed nothing (`early_stop`), read
+where it decides, at each call of its `get_transfer_index_entropy` (once per forward), from the
+whole sequence."""
 
 import json
 import sys
@@ -17,6 +15,7 @@ sys.path.insert(0, checkout)
 sys.path.insert(0, checkout + "/d3llm/d3llm_LLaDA")
 
 import d3llm_llada_generate_util as reference  # noqa: E402  (the reference's module, from the checkout)
+import early_stop  # noqa: E402  (beside this runner)
 import torch  # noqa: E402
 from utils.utils_LLaDA.model.modeling_llada import LLaDAModelLM  # noqa: E402
 
@@ -25,10 +24,7 @@ seen = []  # per forward: masks before the first EOS in the sequence it decodes
 
 
 def open_masks(x) -> int:
-    region = x[0, prompt_length:]
-    eos = (region == spec["eos_id"]).nonzero()
-    end = int(eos[0, 0]) if len(eos) else len(region)
-    return int((region[:end] == spec["mask_id"]).sum())
+    return early_stop.open_masks(x, prompt_length, spec["mask_id"], spec["eos_id"])
 
 
 decide = reference.get_transfer_index_entropy
@@ -62,7 +58,6 @@ for c in spec["configs"]:
             early_stop=c["early_stop"],
             **cached,
         )
-        after = seen[1:] + [open_masks(x)]
-        idle = sum(a == b for a, b in zip(seen, after))
+        idle = early_stop.idle_forwards(seen, open_masks(x))
         runs.append({"tokens": x[0, len(prompt) :].tolist(), "nfe": int(nfe), "idle": idle})
 print(json.dumps({"runs": runs}))
