@@ -118,7 +118,7 @@ def test_each_kernel_computes_the_dequantized_linear(bits, group, out_f, zero, k
 def test_int8_above_the_row_threshold_computes_the_same_linear():
     qw = quantize_weight(torch.randn(48, 64), 8, scale_dtype=torch.float32)
     layer = QuantizedLinear(qw, dtype=torch.float32)
-    few, many = torch.randn(4, 64), torch.randn(QuantizedLinear.DEQUANTIZE_ABOVE_ROWS + 50, 64)
+    few, many = torch.randn(4, 64), torch.randn(QuantizedLinear.DEQUANTIZE_ABOVE_ROWS["cpu"] + 50, 64)
     for x in (few, many):
         assert torch.allclose(layer(x), F.linear(x, qw.dequantize()), atol=1e-4)
 

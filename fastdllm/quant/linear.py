@@ -64,9 +64,14 @@ class QuantizedLinear(nn.Module):
     per row of the batch; so above `DEQUANTIZE_ABOVE_ROWS` rows an int8 layer dequantizes its
     weight and runs one dense matmul (87 ms for those 256 rows). The int4 CPU kernel's weight layout
     is its own, with no cheap way back to a dense weight, so int4 layers always use the kernel
-    (15 ms for 32 rows against 8.3 ms in bf16)."""
+    (15 ms for 32 rows against 8.3 ms in bf16).
 
-    DEQUANTIZE_ABOVE_ROWS = 128
+    On CUDA the int8 kernel loses at every row count the loop uses: on an H200, replaying the
+    default config's schedules on 4 layers of LLaDA-8B's width, one row decoded 99 tokens/s through
+    it against 3,015 in bf16 (`benchmarks/gpu_check.py --quant int8`), so there an int8 layer always
+    dequantizes."""
+
+    DEQUANTIZE_ABOVE_ROWS = {"cpu": 128}
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -132,7 +137,7 @@ class QuantizedLinear(nn.Module):
             x = x.index_select(-1, self.input_order)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "int8" and x2.shape[0] > self.DEQUANTIZE_ABOVE_ROWS:
+        if self.kernel == "int8" and x2.shape[0] > self.DEQUANTIZE_ABOVE_ROWS.get(x2.device.type, 0):
             y = F.linear(x2, self.dequantized())
         elif self.kernel == "int8":
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
