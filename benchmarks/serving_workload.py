@@ -37,10 +37,11 @@ def messages(n: int, shots: int) -> list[list[dict]]:
     return [[{"role": "user", "content": arith.format_prompt(p.question, pool)}] for p in arith.test_split()[:n]]
 
 
-def serve(checkout: str, model: str) -> tuple[subprocess.Popen, str]:
+def serve(checkout: str, model: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(checkout).resolve()), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "fastdllm", "serve", "--model", model, "--port", str(port), "--max-queue", "256"]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=checkout)
     url = f"http://127.0.0.1:{port}"
     wait_until_up(proc, url, "/ready")
@@ -102,26 +103,35 @@ def main() -> None:
     ap.add_argument("--shots", type=int, default=4)
     ap.add_argument("--gap-ms", type=float, default=20.0, help="mean time between arrivals")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--serve-args",
+        nargs="+",
+        default=[""],
+        help='more `fastdllm serve` flags, e.g. "--prefix-cache approximate"; several: each a variant, '
+        "alternated with the checkouts in every round",
+    )
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--name", default="workload", help="the results file's name in --out (NAME.jsonl)")
     args = ap.parse_args()
     msgs = messages(args.requests, args.shots)
     rows = []
     for model in args.models:
         for rnd in range(args.rounds):
-            for checkout in args.checkouts:
-                proc, url = serve(checkout, model)
+            for checkout, extra in [(c, e) for c in args.checkouts for e in args.serve_args]:
+                proc, url = serve(checkout, model, extra.split())
                 try:
                     one(url, model, msgs[0], 64, False, {})  # warm-up
                     m = workload(url, model, msgs, args.gap_ms / 1000, seed=rnd)
                 finally:
                     proc.terminate()
                     proc.wait(30)
-                row = {"model": model, "checkout": checkout, "round": rnd, **{k: round(v, 3) for k, v in m.items()}}
+                row = {"model": model, "checkout": checkout, "round": rnd, "serve_args": extra}
+                row.update({k: round(v, 3) for k, v in m.items()})
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "workload.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (args.out / f"{args.name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 if __name__ == "__main__":

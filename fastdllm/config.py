@@ -291,6 +291,15 @@ class GenerationConfig:
         "approximate: bidirectional models too, like Fast-dLLM's prefix cache)",
         search=("exact", "approximate"),
     )
+    prefill_chunk: int | None = _opt(
+        512,
+        "optional int",
+        "a block-causal model's prompt longer than this (and not found in the prefix cache) is "
+        "computed this many positions (whole blocks) per step, in the forwards of the rows already "
+        "decoding, before its row starts decoding, so that a long prompt does not stall them "
+        "(chunked prefill); None: in one forward",
+        row=True,
+    )
     confidence_temperature: float = _opt(
         1.0,
         "float",
@@ -738,6 +747,11 @@ class GenerationConfig:
                 "must be a positive integer or None",
             )
         need(is_int(self.cache_delay) and self.cache_delay >= 0, "cache_delay", "must be an integer >= 0")
+        need(
+            self.prefill_chunk is None or (is_int(self.prefill_chunk) and self.prefill_chunk >= self.block_length),
+            "prefill_chunk",
+            f"must be None or an integer >= block_length ({self.block_length})",
+        )
         if self.refresh_interval is not None:
             need(
                 is_int(self.refresh_interval) and self.refresh_interval >= 1,

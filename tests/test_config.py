@@ -41,6 +41,7 @@ BAD = {
     "refresh_tol": -1,
     "cache_delay": -1,
     "refresh_interval": 0,
+    "prefill_chunk": 8,
     "compile": 1,
     "deterministic": "yes",
     "cuda_graphs": "yes",

@@ -19,6 +19,7 @@ import uvicorn
 
 import fastdllm
 from fastdllm.config import GenerationConfig
+from fastdllm.engine.decoder import layout_columns
 from fastdllm.engine.generation import generate
 from fastdllm.server import ChoiceText, ServerSettings, create_app
 from fastdllm.server.scheduler import JobEnded, JobFailed
@@ -1015,7 +1016,9 @@ def test_a_kv_budget_queues_what_does_not_fit_and_refuses_what_never_could(loade
     model, tok = loaded
     token = model.new_cache(1, 1).nbytes()
     prompt = tok.encode_chat(MSG)
-    one = (len(prompt) + 64 + 2 * DEFAULTS.block_length) * token  # a 64-token request's layout
+    block = DEFAULTS.block_length
+    config = DEFAULTS.replace(gen_length=64)
+    one = -(-layout_columns(len(prompt), config) // block) * block * token  # a 64-token request's pages
     server = LiveServer(model, tok, kv_cache_bytes=int(1.5 * one))
     try:
         server.scheduler.pause()
@@ -1037,6 +1040,34 @@ def test_a_kv_budget_queues_what_does_not_fit_and_refuses_what_never_could(loade
             x for x in httpx.get(server.url + "/metrics").text.splitlines() if x.startswith("vllm:kv_cache_usage_perc")
         ]
         assert gauge and 0 <= float(gauge[0].rsplit(" ", 1)[1]) <= 1
+    finally:
+        server.stop()
+
+
+def test_a_kv_budget_counts_each_rows_own_pages(loaded):
+    """A short prompt and a long one run together under a budget of their own pages, which two
+    rows of the longer one's length would exceed."""
+    model, tok = loaded
+    token = model.new_cache(1, 1).nbytes()
+    short = [{"role": "user", "content": "2 + 2?"}]
+    long_ = [{"role": "user", "content": " ".join(["Tom has 5 apples and buys 3 more."] * 12)}]
+    block = DEFAULTS.block_length
+    config = DEFAULTS.replace(gen_length=32)
+    pages = [-(-layout_columns(len(tok.encode_chat(m)), config) // block) for m in (short, long_)]
+    assert 2 * pages[1] > sum(pages) + 2
+    server = LiveServer(model, tok, kv_cache_bytes=sum(pages) * block * token)
+    try:
+        server.scheduler.pause()
+        with ThreadPoolExecutor(2) as pool:
+            asked = [
+                pool.submit(server.client.chat.completions.create, model=MODEL, messages=m, max_tokens=32, seed=0)
+                for m in (short, long_)
+            ]
+            time.sleep(0.3)
+            server.scheduler.resume()
+            for a in asked:
+                assert a.result().choices[0].message.content is not None
+        assert server.scheduler.snapshot()["max_batch_rows"] == 2
     finally:
         server.stop()
 

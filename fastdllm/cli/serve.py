@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, settings = prepare(args, tensor_parallel=True)
     rank, world = getattr(model, "tp", (0, 1))
     if rank:  # every other rank repeats rank 0's commands (`engine.ranks`)
+        model.kv_pool_bytes = settings.kv_cache_bytes  # as rank 0's scheduler bounds its pool
         return follow_rank_zero(model, tokenizer, rank, "serve")
     commands = None
     if world > 1:

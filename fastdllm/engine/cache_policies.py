@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CACHE_POLICIES, REFRESH_RULES
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import FixedSlots, PagedKVCache, pool_for
 from ..models.prefix_store import store_for
 
 
@@ -93,6 +93,9 @@ class CachePolicy:
     # Whether a row's block-start forward refreshes its cache (the step where Fast-dLLM's cached
     # Dream loops reveal the block's first position: `policies.policies_for`).
     refreshes_at_block_start = True
+    # Whether a row's forwards after its first read its prompt's K/V from the cache, so that a
+    # prompt computed before the row joins is worth computing (chunked prefill, `BlockDecoder`).
+    keeps_prompt = False
 
     def __init__(self, model, compiled: bool = False):
         self.model = model
@@ -104,11 +107,15 @@ class CachePolicy:
         self.graphs = False
         self.work: list[list[tuple[int, int, int]]] = []
         self.history: list[list[Window]] | None = None  # set to [] to record windows
-        self.peak_cache_bytes = 0  # the largest KV cache this policy held at once (memory accounting)
-        self._buffer: KVCache | None = None
+        self.peak_cache_bytes = 0  # the most K/V bytes this policy's rows held at once (memory accounting)
+        self.page_size = model.args.block_size or 32  # positions per page of the pool (a decoding block)
+        self._pool: PagedKVCache | None = None
         # prompt K/V shared across rows and requests (`models.prefix_store`), None: not shared
         self.store = None
         self._unstored: dict[int, tuple[int, list[int]]] = {}  # row -> (first block to store, prompt)
+        self._prefill: list = []  # this step's prefill chunks (`prefill`)
+        self.prefill_work: list[tuple[int, int, int]] = []  # (key, query positions, keys) per chunk computed
+        self._adopted: dict[int, int] = {}  # at the last relayout: new row -> the prefilled prompt's key
 
     @classmethod
     def from_config(cls, model, config) -> CachePolicy:
@@ -129,51 +136,95 @@ class CachePolicy:
         the width), where row i has taken `steps[i]` steps in its block (0: the block begins)."""
         raise NotImplementedError
 
-    # -- the rows' K/V: one buffer, a row per layout row
-    def cache_for(self, seq: SequenceView) -> KVCache:
-        return self._cache(*seq.x.shape)
+    # -- the rows' K/V: one pool of pages of a block, a page table per layout row
+    def cache_for(self, seq: SequenceView) -> PagedKVCache:
+        """The pool, with pages for every column each row's forwards may write (to `seq.end`)."""
+        pool = self._pool_for(seq.x.shape[0])
+        for i in range(seq.x.shape[0]):
+            pool.reserve(i, seq.end(i))
+        self._account(pool)
+        return pool
 
-    def _cache(self, bsz: int, length: int) -> KVCache:
-        if self._buffer is None or self._buffer.batch != bsz or self._buffer.length < length:
-            self._buffer = None  # freed before its successor is allocated
-            self._buffer = self.model.new_cache(bsz, length)
-            self.peak_cache_bytes = max(self.peak_cache_bytes, self._buffer.nbytes())
-        return self._buffer
+    def _the_pool(self) -> PagedKVCache:
+        if self._pool is None:
+            self._pool = pool_for(self.model, self.page_size)
+        return self._pool
 
-    def relayout(self, sources: list[int | None], length: int) -> None:
+    def _pool_for(self, bsz: int) -> PagedKVCache:
+        pool = self._the_pool()
+        if len(pool.tables) != bsz:  # rows laid out without `relayout` (a first batch)
+            kept = list(range(min(bsz, len(pool.tables))))
+            pool.set_rows(kept + [None] * (bsz - len(kept)))
+        return pool
+
+    def _account(self, pool: PagedKVCache) -> None:
+        self.peak_cache_bytes = max(self.peak_cache_bytes, pool.peak_pages * pool.page_bytes)
+
+    def relayout(
+        self, sources: list[int | None], length: int, columns: list[int] | None = None, adopt: dict | None = None
+    ) -> None:
         """The decoding loop laid its rows out again: new row i is old row `sources[i]` (None: a row
-        that just joined), in a layout of `length` columns. Each kept row's cached K/V move with it."""
-        old = self._buffer
-        if old is None:
+        that just joined, whose region takes `columns[i]` columns, and whose prompt's pages are
+        those prefilled under the key `adopt[i]`, if any). Each kept row keeps its pages; those of
+        rows that left return to the pool. Nothing is copied."""
+        if not sources and (self._pool is None or not self._pool.pending):
+            if self._pool is not None:
+                self._pool.reset()  # every page back (a server's pool serves the next batch)
+            self._pool = None
             return
-        if not sources or all(s is None for s in sources):
-            self._buffer = None
-            return
-        if length <= old.length and None not in sources:
-            old.keep_rows(sources)  # rows left the batch: the others move to the front
-            self._buffer = old.narrow(len(sources))
-            return
-        self._buffer = new = self.model.new_cache(len(sources), max(length, old.length))
-        # Both buffers are alive while the kept rows move over.
-        self.peak_cache_bytes = max(self.peak_cache_bytes, old.nbytes() + new.nbytes())
-        kept = [(i, j) for i, j in enumerate(sources) if j is not None]
-        dst, src = (torch.tensor(t, device=new.k.device) for t in zip(*kept))
-        width = min(old.length, new.length)
-        new.k[:, dst, :, :width] = old.k[:, src, :, :width]
-        new.v[:, dst, :, :width] = old.v[:, src, :, :width]
+        pool = self._pool_for(len(self._pool.tables) if self._pool is not None else 0)
+        pool.set_rows(sources, columns, adopt)
+        self._adopted = dict(adopt or {})
+        self._account(pool)
+
+    # -- chunked prefill: a prompt's K/V computed in the forwards of the rows decoding, before its
+    # row joins them (block-causal models, whose prompt blocks' K/V depend on nothing after them)
+    def start_prefill(self, key: int, tokens: list[int]) -> int:
+        """Pending pages for a prompt (`key`: its row's), holding what the prefix store has of it;
+        returns the columns found there, from which its prefill starts."""
+        pool = self._the_pool()
+        pool.start_pending(key)
+        found = self.store.lookup(tokens) if self.store is not None else []
+        if found:
+            bs, row = self.store.block_size, pool.append_pending([key])
+            pool.reserve(row, len(found) * bs)
+            for j, entry in enumerate(found):
+                pool.write(row, j * bs, entry.k, entry.v)
+            pool.drop_appended(row)
+        return len(found) * (self.store.block_size if self.store is not None else 0)
+
+    def prefill(self, chunks: list[tuple[int, torch.Tensor, int, int]]) -> None:
+        """Prompts' columns to compute in this step's first forward: (key, the prompt's tokens,
+        first column, end column); their logits are not read, their K/V written to their pages."""
+        self._prefill = list(chunks)
+
+    def release_prefill(self, key: int) -> None:
+        if self._pool is not None:
+            self._pool.release(key)
+
+    def prefill_only(self, chunks) -> None:
+        """A forward of prefill chunks alone (no row is decoding)."""
+        self.prefill(chunks)
+        empty = torch.zeros((0, 0), dtype=torch.long, device=self.model.device)
+        self.forward(SequenceView(empty, (), (), (), self.page_size, 0), [])
 
     def reuse(self, bsz: int, length: int, prompts: dict[int, list[int]]) -> dict[int, int]:
         """Rows that just joined (row -> its prompt): the stored K/V of each prompt's longest stored
-        prefix of blocks, copied into the row's cache; per row, the columns reused. The blocks it
+        prefix of blocks, copied into the row's pages; per row, the columns reused. The blocks it
         then computes itself are stored after its first forward."""
+        # prefilled in chunks (and stored chunk by chunk): its pages hold the whole prompt
+        out = {i: len(prompts[i]) for i in self._adopted}
         if self.store is None:
-            return {}
-        cache, bs, out = self._cache(bsz, length), self.store.block_size, {}
+            return out
+        pool, bs = self._pool_for(bsz), self.store.block_size
         for i, tokens in prompts.items():
+            if i in self._adopted:
+                continue
             found = self.store.lookup(tokens)
+            if found:
+                pool.reserve(i, len(found) * bs)
             for j, entry in enumerate(found):
-                cache.k[:, i, :, j * bs : (j + 1) * bs] = entry.k
-                cache.v[:, i, :, j * bs : (j + 1) * bs] = entry.v
+                pool.write(i, j * bs, entry.k, entry.v)
             out[i] = len(found) * bs
             if len(found) < len(tokens) // bs:
                 self._unstored[i] = (len(found), tokens)
@@ -183,26 +234,50 @@ class CachePolicy:
         """After the forward of rows that just joined: their prompts' blocks that the store lacked."""
         if not self._unstored:
             return
-        cache, bs = self._buffer, self.store.block_size
+        bs = self.store.block_size
         for i, (first, tokens) in self._unstored.items():
             end = len(tokens) // bs * bs
-            self.store.insert(tokens, first, cache.k[:, i, :, first * bs : end], cache.v[:, i, :, first * bs : end])
+            self.store.insert(tokens, first, *self._pool.read(i, first * bs, end))
         self._unstored.clear()
 
     def forward(self, seq: SequenceView, windows: list[Window]) -> list[torch.Tensor]:
-        """One packed forward of `windows`; per window, the logits from its start column on."""
+        """One packed forward of `windows`; per window, the logits from its start column on. The
+        prefill chunks of this step (`prefill`) ride in the first forward: their prompts are laid
+        out after the rows, their logits dropped."""
         self.work.append([(row, hi - lo, keys) for row, lo, hi, keys, _ in windows])
         if self.history is not None:
             self.history.append(list(windows))
-        return self.model.packed_logits(
-            seq.x,
-            windows,
-            self.cache_for(seq),
-            compiled=self.compiled,
-            block_size=seq.block_length or None,
-            batch_invariant=self.batch_invariant,
-            embeds=seq.embeds,
-        )
+        x, cache, chunks = seq.x, self.cache_for(seq), self._prefill
+        self._prefill = []
+        if chunks:
+            first = cache.append_pending([key for key, *_ in chunks])
+            width = max([x.shape[1]] + [hi for *_, hi in chunks])
+            pad = torch.nn.functional.pad
+            x = torch.cat(
+                [pad(x, (0, width - x.shape[1]))] + [pad(t[None], (0, width - len(t))) for _, t, _, _ in chunks]
+            )
+            for j, (key, _, lo, hi) in enumerate(chunks):
+                cache.reserve(first + j, hi)
+                windows = windows + [(first + j, lo, hi, hi, hi - 1)]
+                self.prefill_work.append((key, hi - lo, hi))
+        try:
+            parts = self.model.packed_logits(
+                x,
+                windows,
+                cache,
+                compiled=self.compiled,
+                block_size=seq.block_length or None,
+                batch_invariant=self.batch_invariant,
+                embeds=seq.embeds,
+            )
+            for j, (_, tokens, lo, hi) in enumerate(chunks if self.store is not None else ()):
+                # exact (a block-causal prompt): stored now, for the rows that share the prefix
+                end = hi // self.store.block_size * self.store.block_size
+                self.store.insert(tokens[:end].tolist(), lo // self.store.block_size, *cache.read(first + j, lo, end))
+        finally:
+            if chunks:
+                cache.drop_appended(first)
+        return parts[: len(parts) - len(chunks)]
 
     def full_window(self, seq: SequenceView, i: int) -> Window:
         """The whole row; at its first block, after what the prefix store gave it (as far as the
@@ -225,11 +300,13 @@ class NoCache(CachePolicy):
     def cache_for(self, seq):
         """Each forward's own K/V (every key a row reads is one its window writes): working memory
         of one forward, not a cache (`peak_cache_bytes` stays 0)."""
-        bsz, length = seq.x.shape
-        if self._buffer is None or self._buffer.batch != bsz or self._buffer.length < length:
-            self._buffer = None
-            self._buffer = self.model.new_cache(bsz, length)
-        return self._buffer
+        pool = self._pool_for(seq.x.shape[0])
+        for i in range(seq.x.shape[0]):
+            pool.reserve(i, seq.end(i))
+        return pool
+
+    def _account(self, pool):
+        pass  # a forward's working memory, not a cache
 
     def block_logits(self, seq, steps):
         return self.stack(seq, self.forward(seq, [self.full_window(seq, i) for i in range(len(steps))]))
@@ -257,11 +334,11 @@ class RefreshRule:
     def first_column(self, seq: SequenceView, i: int) -> int:
         raise NotImplementedError
 
-    def probe(self, cache: KVCache, seq: SequenceView, rows: list[int]):
+    def probe(self, cache: PagedKVCache, seq: SequenceView, rows: list[int]):
         """What `check` compares against, read before the forward."""
         return None
 
-    def check(self, cache: KVCache, seq: SequenceView, rows: list[int], before) -> list[int]:
+    def check(self, cache: PagedKVCache, seq: SequenceView, rows: list[int], before) -> list[int]:
         """The rows (of `rows`, refreshed partially) that need a full forward now."""
         return []
 
@@ -298,7 +375,7 @@ class AdaptiveRefresh(VicinityRefresh):
 
     def _keys(self, cache, seq, rows):
         blk = seq.block_length
-        return [cache.k[-1, i, :, seq.starts[i] : seq.starts[i] + blk].float() for i in rows]
+        return [cache.read(i, seq.starts[i], seq.starts[i] + blk, layer=-1)[0].float() for i in rows]
 
     def probe(self, cache, seq, rows):
         return [k.clone() for k in self._keys(cache, seq, rows)]
@@ -325,6 +402,7 @@ def _refresh_rule(refresh: RefreshRule | str, every=None, tol=0.1) -> RefreshRul
 # ---- caching policies ---------------------------------------------------------------------------
 class PrefixCache(CachePolicy):
     name = "prefix"
+    keeps_prompt = True
     # Whether later steps also reuse the suffix after the block (DualCache) or recompute it.
     reuse_suffix = False
 
@@ -385,7 +463,7 @@ class PrefixCache(CachePolicy):
         over more (masked) keys."""
         bsz = seq.x.shape[0]
         cache = self.cache_for(seq)
-        capacity = cache.length
+        capacity = seq.x.shape[1]
         shift = int(self.model.args.shifted_logits)
         width = seq.width + shift
         dev = seq.x.device
@@ -396,14 +474,13 @@ class PrefixCache(CachePolicy):
         self.work.append([(i, width, seq.seen[i]) for i in range(bsz)])
         if self.history is not None:
             self.history.append([(i, s - shift, s + seq.width, seq.seen[i], s) for i, s in enumerate(seq.starts)])
-        padded = torch.nn.functional.pad(seq.x, (0, max(0, capacity - seq.x.shape[1])), value=0)
         return self.model.graphed_window_logits()(
-            padded.gather(1, columns),
+            seq.x.gather(1, columns),
             columns,
             columns,
             key_ok,
             key_positions,
-            cache,
+            FixedSlots(cache, cache.slot_table(capacity)),
             seq.block_length or None,
             seq.width,
         )
@@ -460,8 +537,8 @@ class SubBlockCache(DualCache):
             compiled=config.compile,
         )
 
-    def relayout(self, sources, length):
-        super().relayout(sources, length)
+    def relayout(self, sources, length, columns=None, adopt=None):
+        super().relayout(sources, length, columns, adopt)
         if self._logits is not None:
             kept = [(i, j) for i, j in enumerate(sources) if j is not None]
             logits = self._logits.new_zeros((len(sources),) + tuple(self._logits.shape[1:]))
@@ -554,8 +631,8 @@ class DelayedCache(CachePolicy):
     def from_config(cls, model, config) -> DelayedCache:
         return cls(model, config.cache_delay, config.refresh_interval, compiled=config.compile)
 
-    def relayout(self, sources, length):
-        super().relayout(sources, length)
+    def relayout(self, sources, length, columns=None, adopt=None):
+        super().relayout(sources, length, columns, adopt)
         old = self.row_states
         self.row_states = [old[j] if j is not None and j < len(old) else _DelayedRow() for j in sources]
 
@@ -615,6 +692,7 @@ def cache_policy(model, config) -> CachePolicy:
     """The policy a config names, with its refresh rule (batch-invariant forwards with
     `config.deterministic`)."""
     policy = CACHE_POLICIES[config.cache].from_config(model, config)
+    policy.page_size = config.block_length
     policy.batch_invariant = config.deterministic
     policy.graphs = config.cuda_graphs
     exact = bool(model.args.block_size)  # a block-causal prompt block's K/V depend on it alone

@@ -15,8 +15,8 @@ The layout: the rows sit in one (B, L) tensor, each from column 0: its prompt, t
 column's RoPE position is its index), padding after it. A row never moves while it decodes; its
 current block starts at its own column. A step's forward packs each row's window end to end
 (`Transformer.packed_logits`): the dense math sees no padding, and each row attends over its own
-keys in its own cache row. The layout is rebuilt only when rows join or leave (`_relayout`), each
-kept row's cached K/V moving with it.
+keys, in its own pages of the K/V pool (`models.kv_cache.PagedKVCache`). The layout is rebuilt
+only when rows join or leave (`_relayout`); a kept row keeps its pages.
 
 Rows may join when their configs differ at most in the fields declared per row (`join_key`: the
 answer's length, steps, threshold, temperature, stop rules, ...): each row follows its own
@@ -84,7 +84,8 @@ class Row:
     # blocks before the current one that became final without a forward of their own since its
     # last block-start forward (multi-block decoding revealed them whole): a refresh recomputes them
     unrefreshed: int = 0
-    reused: int = 0  # its prompt's leading columns whose K/V the prefix store gave it
+    reused: int = 0  # its prompt's leading columns whose K/V it had before its first forward
+    prefilled: int = 0  # while it waits to join: its prompt's columns computed so far (chunked prefill)
     finished: bool = False  # stopped at a stop token
     answer: torch.Tensor | None = None  # (gen_length,) once it left the batch (EOS-filled after a stop)
     unmask_step: torch.Tensor | None = None  # (gen_length,) the row's step revealing each position
@@ -312,6 +313,8 @@ class BlockDecoder:
         self.stop_set = set(model.stop_token_ids)
         self.rows: list[Row] = []
         self.joining: list[Row] = []
+        # rows whose prompts are being computed in chunks before they join (`_prefill_chunk`)
+        self.prefilling: list[Row] = []
         self.left: list[Row] = []
         self.last_blocks: list[tuple[Row, int, list[int]]] = []
         self.nfe = 0  # forwards
@@ -419,10 +422,19 @@ class BlockDecoder:
         )
         return Row(prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:])
 
+    @property
+    def batch(self) -> list[Row]:
+        """Every row not yet done: decoding, being prefilled, or waiting to join."""
+        return self.rows + self.prefilling + self.joining
+
     def drop(self, rows: list[Row]) -> None:
         """Rows that stop now (their caller no longer wants them): they leave before the next step."""
         gone = set(map(id, rows))
         self.joining = [r for r in self.joining if id(r) not in gone]
+        for r in self.prefilling:
+            if id(r) in gone:
+                self.policy.release_prefill(id(r))
+        self.prefilling = [r for r in self.prefilling if id(r) not in gone]
         if any(id(r) in gone for r in self.rows):
             self._relayout([(r, i) for i, r in enumerate(self.rows) if id(r) not in gone])
 
@@ -433,7 +445,7 @@ class BlockDecoder:
 
     @property
     def active(self) -> bool:
-        return bool(self.rows or self.joining)
+        return bool(self.rows or self.prefilling or self.joining)
 
     # -- one step
     def step(self) -> Step | None:
@@ -441,11 +453,32 @@ class BlockDecoder:
         the strategy's decision, written into the layout; then the rows whose block it ended move
         to their next block or leave. None when no row is left."""
         self.last_blocks, self.left = [], []
+        new = []
         if self.joining:
             new, self.joining = self._admissible(self.joining)
-            self._relayout([(r, i) for i, r in enumerate(self.rows)] + [(r, None) for r in new])
+            for r in [r for r in new if self._prefill_chunk(r)]:
+                r.prefilled = self.policy.start_prefill(id(r), r.prompt.tolist())
+                self.prefilling.append(r)
+                new.remove(r)
+        ready = [r for r in self.prefilling if r.prefilled >= len(r.prompt)]
+        if ready or new:
+            self.prefilling = [r for r in self.prefilling if r.prefilled < len(r.prompt)]
+            joined = ready + new
+            self._relayout(
+                [(r, i) for i, r in enumerate(self.rows)] + [(r, None) for r in joined],
+                {len(self.rows) + j: id(r) for j, r in enumerate(ready)},
+            )
+        chunks = self._prefill_chunks()
         if not self.rows:
-            return None
+            if not chunks:
+                return None
+            with self.forward_clock, record_function("fastdllm.prefill"):
+                self.policy.prefill_only(chunks)
+            self.nfe += len(self.policy.take_work())
+            self._charge_prefill()
+            none = torch.zeros((0, self.config.block_length), dtype=torch.long, device=self.device)
+            return Step([], [], none, none.bool())
+        self.policy.prefill(chunks)
         rows, blk, mask_id = self.rows, self.config.block_length, self.mask_id
         view = self._view()
         # each row's current block (and the blocks after it): gathered from its own columns
@@ -456,6 +489,7 @@ class BlockDecoder:
             logits = self.policy.block_logits(view, [r.step for r in rows])
         work = self.policy.take_work()
         self.nfe += len(work)
+        self._charge_prefill()
         later = window[:, blk:] if self.width > blk else None
         had_mask = (block == mask_id).any(-1)
         editable = None if self.editing is None else (region >= 0) & (block != mask_id)  # not a prompt token
@@ -491,15 +525,50 @@ class BlockDecoder:
         self._after_step(block, region, done, decision.revealed(), work)
         return record
 
+    def _prefill_chunk(self, r: Row) -> int:
+        """The positions of its prompt a row computes per step before it joins (0: none; it joins
+        at once and its first forward computes its whole prompt). Only where a prompt block's K/V
+        depend on nothing after it (a block-causal model) and its cache keeps them (not `NoCache`),
+        and only for a prompt longer than its config's `prefill_chunk` (whole blocks)."""
+        chunk, blk = r.config.prefill_chunk, self.config.block_length
+        if chunk is None or not self.model.args.block_size or not self.policy.keeps_prompt:
+            return 0
+        chunk = chunk // blk * blk
+        return chunk if len(r.prompt) > chunk else 0
+
+    def _prefill_chunks(self) -> list[tuple[int, torch.Tensor, int, int]]:
+        """This step's chunk of every prompt being prefilled: (its row's key, tokens, from, to);
+        the prefix store may have given it all (an empty chunk: it joins at the next step)."""
+        out = []
+        for r in self.prefilling:
+            hi = min(len(r.prompt), r.prefilled + self._prefill_chunk(r))
+            if hi > r.prefilled:
+                out.append((id(r), r.prompt, r.prefilled, hi))
+        return out
+
+    def _charge_prefill(self) -> None:
+        """The chunks computed in this step's forwards, charged to their rows."""
+        rows = {id(r): r for r in self.prefilling}
+        for key, queries, keys in self.policy.prefill_work:
+            r = rows[key]
+            r.prefilled += queries
+            r.forward_positions += queries
+            r.attended_positions += queries * keys
+            self.computed_positions += queries
+        self.policy.prefill_work.clear()
+
     def _admissible(self, joining: list[Row]) -> tuple[list[Row], list[Row]]:
         """The rows that join now, and those that wait a step: a row whose prompt's first block
-        missing from the prefix store is one that a row joining now computes waits for it to be
-        stored, rather than compute it too (a batch of prompts sharing few-shot exemplars computes
-        them once)."""
+        missing from the prefix store is one that a row joining now (or a prompt being prefilled)
+        computes waits for it to be stored, rather than compute it too (a batch of prompts sharing
+        few-shot exemplars computes them once)."""
         store = self.policy.store
         if store is None:
             return joining, []
         now, later, computing = [], [], set()
+        for r in self.prefilling:  # the blocks their chunks are computing
+            tokens = r.prompt.tolist()
+            computing.update(store.keys(tokens)[store.match(tokens) :])
         for r in joining:
             tokens = r.prompt.tolist()
             keys = store.keys(tokens)
@@ -716,11 +785,12 @@ class BlockDecoder:
             {i: r.soft for i, r in enumerate(rows) if r.soft is not None} or None,
         )
 
-    def _relayout(self, moves: list[tuple[Row, int | None]]) -> None:
+    def _relayout(self, moves: list[tuple[Row, int | None]], prefilled: dict | None = None) -> None:
         """Lay the rows out again when rows join or leave: `moves` are the new layout's rows in
         order, each with its index in the old layout (None: a row that joins). A row keeps its
-        columns (its prompt from column 0, then its region), and its cached K/V move with it
-        (`CachePolicy.relayout`); rows that move on to their next block stay where they are."""
+        columns (its prompt from column 0, then its region) and its pages of the K/V pool
+        (`CachePolicy.relayout`); rows that move on to their next block stay where they are.
+        `prefilled`: new row -> the key of the pages its prompt was prefilled into."""
         dev = self.device
         self.rows = [r for r, _ in moves]
         if not moves:
@@ -755,7 +825,7 @@ class BlockDecoder:
         if self.editing is not None:
             self.post = self._carry(self.post, sources, 0)
             self.alive = self._carry(self.alive, sources, True)
-        self.policy.relayout(sources, length)
+        self.policy.relayout(sources, length, [None if src is not None else r.extent for r, src in moves], prefilled)
         self.x, self.step_of = x, step_of
         self.stopping = torch.tensor([r.config.stop_at_eos for r, _ in moves], device=dev)  # per row
         joined = {i: r for i, (r, src) in enumerate(moves) if src is None}

@@ -160,6 +160,8 @@ def iter_generate(
         step = decoder.step()
         if step is None:
             break
+        if not step.rows:  # a forward of prompts being prefilled, no row decoding yet
+            continue
         live = [slot[id(r)] for r in step.rows]
         for i, (r, b) in enumerate(zip(step.rows, step.blocks)):
             show(r, b, step.tokens[i])

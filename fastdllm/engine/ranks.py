@@ -117,7 +117,7 @@ def follow(model, tokenizer, policies=None) -> None:
                 decoder.step()
             elif op == "drop":
                 (indices,) = args
-                batch = decoder.rows + decoder.joining
+                batch = decoder.batch
                 decoder.drop([batch[i] for i in indices])
             elif op == "generate":
                 prompts, config = args

@@ -86,3 +86,260 @@ class LayerKV:
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k, self.v
+
+
+class PagedKVCache:
+    """The rows' K/V in one pool of pages, each `page_size` positions (a decoding block) of every
+    layer, as vLLM's and SGLang's paged KV caches keep theirs.
+
+    A row owns a page table: its columns [0, n) live in its pages in order, column c in page
+    `table[c // page_size]`. Pages are taken when a row needs them and returned when it leaves, so
+    the pool holds what the rows use, not rows times the longest row, and rows that join or leave
+    move nothing: only page tables change. A row's pages are taken as one run where the pool has
+    one free, so its keys are one slice of the pool (read in place); otherwise they are gathered.
+
+    A pool that is `growable` doubles when it runs out of pages (its tensors reallocated); a
+    server's pool is allocated once at its budget and never grows (`pool_for`), as it admits rows
+    only while their pages fit (`server.scheduler`). The cache owns its writes
+    (`PagedLayerKV.update_row`)."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        pages: int = 0,
+        *,
+        dtype,
+        device,
+        growable: bool = True,
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size: must be >= 1 (got {page_size})")
+        self.page_size, self.growable = page_size, growable
+        self.k = torch.zeros((n_layers, n_kv_heads, pages * page_size, head_dim), dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.free: set[int] = set(range(pages))
+        self.tables: list[list[int]] = []
+        # pages of prompts being prefilled before their rows join the layout (key -> page table)
+        self.pending: dict[int, list[int]] = {}
+        self._spans: list = []  # per row: its columns' slots, a slice (one run) or an index tensor
+        self.peak_pages = 0
+
+    @property
+    def pages(self) -> int:
+        return self.k.shape[2] // self.page_size
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.pages - len(self.free)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.k[:, :, :1].numel() * self.k.element_size() * 2
+
+    def nbytes(self) -> int:
+        """The bytes of the pages the rows hold."""
+        return self.pages_in_use * self.page_bytes
+
+    def layer(self, i: int) -> PagedLayerKV:
+        return PagedLayerKV(self, i)
+
+    # -- page tables
+    def set_rows(
+        self, sources: list[int | None], columns: list[int | None] | None = None, adopt: dict | None = None
+    ) -> None:
+        """The rows were laid out again: new row i is old row `sources[i]` (its pages move with it,
+        nothing is copied), or a new row (None) that takes the pending pages `adopt[i]` names (a
+        prompt prefilled before it joined), and pages for `columns[i]` columns, as one run where
+        it can. The pages of old rows left out return to the pool."""
+        kept, adopt = {s for s in sources if s is not None}, adopt or {}
+        for j, table in enumerate(self.tables):
+            if j not in kept:
+                self.free.update(table)
+        self.tables = [
+            list(self.tables[s]) if s is not None else self.pending.pop(adopt[i]) if i in adopt else []
+            for i, s in enumerate(sources)
+        ]
+        self._spans = [None] * len(sources)
+        if columns is not None:
+            for i, s in enumerate(sources):
+                if s is None and columns[i] is not None:
+                    self.reserve(i, columns[i])
+
+    def reset(self) -> None:
+        """Every page free: no rows, nothing pending."""
+        self.set_rows([])
+        for key in list(self.pending):
+            self.release(key)
+
+    # -- prompts prefilled before their rows join (chunked prefill)
+    def start_pending(self, key: int) -> None:
+        self.pending[key] = []
+
+    def release(self, key: int) -> None:
+        """A pending prompt's pages back to the pool (its row was dropped)."""
+        self.free.update(self.pending.pop(key, []))
+
+    def append_pending(self, keys: list[int]) -> int:
+        """Lay the pending prompts `keys` out after the rows, for one forward (their pages reserved
+        and written as a row's are); returns the first one's row index. `drop_appended` undoes it."""
+        first = len(self.tables)
+        self.tables.extend(self.pending[k] for k in keys)  # the same lists: what they reserve stays pending
+        self._spans.extend([None] * len(keys))
+        return first
+
+    def drop_appended(self, first: int) -> None:
+        del self.tables[first:], self._spans[first:]
+
+    def reserve(self, row: int, columns: int) -> None:
+        """Pages for row `row`'s columns [0, columns): those it lacks are taken, after its last page
+        where that one is free."""
+        table, need = self.tables[row], -(-columns // self.page_size) - len(self.tables[row])
+        if need <= 0:
+            return
+        if len(self.free) < need:
+            self._grow(need - len(self.free))
+        table.extend(self._take(need, table[-1] + 1 if table else None))
+        self._spans[row] = None
+        self.peak_pages = max(self.peak_pages, self.pages_in_use)
+
+    def _take(self, n: int, after: int | None) -> list[int]:
+        free = sorted(self.free)
+        start = None
+        if after is not None and all(p in self.free for p in range(after, after + n)):
+            start = after
+        else:  # the first run of n free pages
+            run = 0
+            for j, p in enumerate(free):
+                run = run + 1 if j and p == free[j - 1] + 1 else 1
+                if run == n:
+                    start = p - n + 1
+                    break
+        taken = list(range(start, start + n)) if start is not None else free[:n]
+        self.free.difference_update(taken)
+        return taken
+
+    def _grow(self, pages: int) -> None:
+        if not self.growable:
+            raise RuntimeError(
+                f"the K/V pool is full: {pages} more pages of {self.page_size} positions needed, "
+                f"{self.pages} held in all (the server admits rows only while theirs fit)"
+            )
+        old = self.pages
+        new = max(old + pages, 2 * old)
+        size = new * self.page_size
+        k = self.k.new_zeros(self.k.shape[:2] + (size,) + self.k.shape[3:])
+        v = torch.zeros_like(k)
+        k[:, :, : self.k.shape[2]] = self.k
+        v[:, :, : self.v.shape[2]] = self.v
+        self.k, self.v = k, v
+        self.free.update(range(old, new))
+
+    def span(self, row: int, lo: int, hi: int):
+        """The pool slots of row `row`'s columns [lo, hi): a slice where its pages are one run, else
+        an index tensor."""
+        spans = self._spans[row]
+        if spans is None:
+            table, p = self.tables[row], self.page_size
+            if all(b == a + 1 for a, b in zip(table, table[1:])):
+                spans = table[0] * p if table else 0
+            else:
+                pages = torch.tensor(table, device=self.k.device)
+                spans = (pages[:, None] * p + torch.arange(p, device=self.k.device)).flatten()
+            self._spans[row] = spans
+        if hi > len(self.tables[row]) * self.page_size:
+            raise IndexError(f"row {row} holds {len(self.tables[row])} pages, not columns up to {hi}")
+        if isinstance(spans, int):
+            return slice(spans + lo, spans + hi)
+        return spans[lo:hi]
+
+    def read(self, row: int, lo: int, hi: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s K/V of columns [lo, hi): (layers, kv_heads, hi - lo, head_dim), or one
+        layer's (kv_heads, hi - lo, head_dim)."""
+        where = self.span(row, lo, hi)
+        k, v = (self.k, self.v) if layer is None else (self.k[layer], self.v[layer])
+        return k[..., where, :], v[..., where, :]
+
+    def write(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write row `row`'s K/V (layers, kv_heads, T, head_dim) of columns [lo, lo + T)."""
+        where = self.span(row, lo, lo + k.shape[2])
+        self.k[:, :, where] = k
+        self.v[:, :, where] = v
+
+    def slot_table(self, columns: int) -> torch.Tensor:
+        """(rows, columns) the pool slot of every row's columns [0, columns) (slot 0 past a row's
+        pages: keys a fixed-shape step masks), for a step of fixed shapes."""
+        rows = []
+        for i, table in enumerate(self.tables):
+            held = min(columns, len(table) * self.page_size)
+            where = self.span(i, 0, held)
+            idx = torch.arange(where.start, where.stop, device=self.k.device) if isinstance(where, slice) else where
+            rows.append(torch.nn.functional.pad(idx, (0, columns - held)))
+        return torch.stack(rows)
+
+
+def pool_for(model, page_size: int) -> PagedKVCache:
+    """The pool a decode's rows page into: a new one that grows as they need, or, where the model
+    has a K/V budget (`model.kv_pool_bytes`, the server's --kv-cache-memory), its one pool of that
+    many bytes, allocated once and handed to each batch in turn with every page free (the server
+    decodes one batch at a time), so that the server never holds more."""
+    a = model.args
+    budget = getattr(model, "kv_pool_bytes", None)
+    shape = (a.n_layers, a.n_kv_heads, a.head_dim, page_size)
+    if budget is None:
+        return PagedKVCache(*shape, dtype=model.dtype, device=model.device)
+    pool = model.__dict__.get("_kv_pool")
+    if pool is None or pool.page_size != page_size:
+        model.__dict__["_kv_pool"] = None  # freed before its successor is allocated
+        per_page = 2 * a.n_layers * a.n_kv_heads * a.head_dim * page_size * model.dtype.itemsize
+        with torch.inference_mode(False):  # batches decode in and out of inference mode
+            pool = PagedKVCache(*shape, budget // per_page, dtype=model.dtype, device=model.device, growable=False)
+        model.__dict__["_kv_pool"] = pool
+    pool.reset()
+    return pool
+
+
+class PagedLayerKV:
+    """One layer of a PagedKVCache."""
+
+    __slots__ = ("cache", "k", "v", "slots")
+
+    def __init__(self, cache: PagedKVCache, i: int, slots: torch.Tensor | None = None):
+        self.cache, self.k, self.v, self.slots = cache, cache.k[i], cache.v[i], slots
+
+    def update_row(self, row: int, start: int, k, v, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one row's K/V (1, heads, T, head_dim) of columns [start, start + T) into its pages;
+        return its K/V of columns [0, keys) (1, heads, keys, head_dim): views of the pool where its
+        pages are one run, else gathered."""
+        where = self.cache.span(row, start, start + k.shape[2])
+        self.k[:, where] = k[0]
+        self.v[:, where] = v[0]
+        where = self.cache.span(row, 0, keys)
+        return self.k[:, where][None], self.v[:, where][None]
+
+    def update(self, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed-shape step's write and read (`LayerKV.update` with a (B, T) `start`): each
+        row's columns `start` written through `slots` (B, S), the rows' keys of their S columns
+        returned (B, heads, S, head_dim)."""
+        where = self.slots.gather(1, start).flatten()
+        heads, dim = k.shape[1], k.shape[3]
+        self.k.index_copy_(1, where, k.transpose(0, 1).reshape(heads, -1, dim))
+        self.v.index_copy_(1, where, v.transpose(0, 1).reshape(heads, -1, dim))
+        bsz, s = self.slots.shape
+        keys = self.k[:, self.slots.flatten()].view(heads, bsz, s, dim).transpose(0, 1)
+        values = self.v[:, self.slots.flatten()].view(heads, bsz, s, dim).transpose(0, 1)
+        return keys, values
+
+
+class FixedSlots:
+    """A PagedKVCache read through a (rows, columns) slot table (`PagedKVCache.slot_table`): the
+    cache of a step whose shapes are fixed for a layout (`Transformer.window_logits_static`)."""
+
+    def __init__(self, cache: PagedKVCache, slots: torch.Tensor):
+        self.cache, self.slots = cache, slots
+        self.k, self.v = cache.k, cache.v
+
+    def layer(self, i: int) -> PagedLayerKV:
+        return PagedLayerKV(self.cache, i, self.slots)

@@ -134,8 +134,9 @@ class Attention(nn.Module):
 
     def attend_segments(self, q, k, v, segments, layer_cache) -> torch.Tensor:
         """Attention of packed rows (`Segment`s of the one sequence (1, heads, N, head_dim)): each
-        row's window K/V written into its own cache row, its queries attending over its own keys
-        (views into the cache: no padding, no copy). (1, N, heads * head_dim)."""
+        row's window K/V written into its own row of the cache (a `KVCache` row, or its pages of a
+        `PagedKVCache`), its queries attending over its own keys (views into the cache where they
+        are one run: no padding, no copy). (1, N, heads * head_dim)."""
         gqa = self.n_kv_heads != self.n_heads
         out = q.new_empty(q.shape)
         for s in segments:

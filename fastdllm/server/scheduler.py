@@ -82,10 +82,12 @@ class Job:
     def rows(self) -> int:
         return len(self.prompts)
 
-    @property
-    def columns(self) -> int:
-        """The layout columns its longest row takes (`decoder.layout_columns`)."""
-        return layout_columns(max(len(p) for p in self.prompts), self.config)
+    def pages(self, answer: bool = True) -> int:
+        """The pages of a block its rows hold at most in the K/V pool: each row's columns
+        (`decoder.layout_columns`) in whole blocks; without `answer`, its prompts' alone."""
+        cfg, block = self.config, self.config.block_length
+        gen = 0 if answer else cfg.gen_length
+        return sum(-(-(layout_columns(len(p), cfg) - gen) // block) for p in self.prompts)
 
     @property
     def wanted(self) -> bool:
@@ -106,9 +108,10 @@ class Scheduler:
     next step, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
     without, it waits for the batch to finish. A row leaves as soon as it is done.
 
-    `kv_cache_bytes` bounds the K/V of the running rows: the batch's rows times its longest row's
-    columns (`decoder.layout_columns`) times a token's K/V bytes. A job is admitted while that fits;
-    the others wait in the queue (`never_fits`: one that could never fit, which a server refuses).
+    `kv_cache_bytes` bounds the K/V of the running rows, held in a pool of pages of a block
+    (`models.kv_cache.PagedKVCache`): a job's rows hold at most their own columns in whole pages
+    (`Job.pages`). A job is admitted while the running jobs' pages and its own fit; the others wait
+    in the queue (`never_fits`: one that could never fit, which a server refuses).
 
     `commands` (`ranks.Commands` under tensor parallelism) carries each decoder command to the
     other ranks; `on_rank_lost` is called once when one is gone (every request then failed with a
@@ -128,6 +131,7 @@ class Scheduler:
     ):
         self.model = model
         self.kv_cache_bytes = kv_cache_bytes
+        model.kv_pool_bytes = kv_cache_bytes  # the batches' rows page into one pool of the budget
         self.token_kv_bytes = model.new_cache(1, 1).nbytes()  # one position of every layer, on this rank
         self.kv_in_use = 0  # bytes the running batch's layout holds (what `kv_cache_bytes` bounds)
         self.commands = commands or LocalCommands()
@@ -179,12 +183,13 @@ class Scheduler:
             self.stats["requests"] += 1
             self.cond.notify_all()
 
-    def kv_bytes(self, rows: int, columns: int) -> int:
-        return rows * columns * self.token_kv_bytes
+    def kv_bytes(self, job: Job, answer: bool = True) -> int:
+        """The bytes of the pages the job's rows hold at most (without `answer`: their prompts')."""
+        return job.pages(answer) * job.config.block_length * self.token_kv_bytes
 
     def never_fits(self, job: Job) -> bool:
         """Whether the job's rows alone exceed `kv_cache_bytes`."""
-        return self.kv_cache_bytes is not None and self.kv_bytes(job.rows, job.columns) > self.kv_cache_bytes
+        return self.kv_cache_bytes is not None and self.kv_bytes(job) > self.kv_cache_bytes
 
     def cancel(self, job: Job) -> None:
         with self.cond:
@@ -227,6 +232,9 @@ class Scheduler:
             self.pending.clear()
             self.cond.notify_all()
         self.thread.join(timeout)
+        if not self.thread.is_alive():  # the model's decodes outside a server page into pools of their own again
+            self.model.kv_pool_bytes = None
+            self.model.__dict__.pop("_kv_pool", None)
 
     # -- the inference thread
     def _take_batch(self) -> list[Job] | None:
@@ -258,16 +266,16 @@ class Scheduler:
         with the lock held."""
         taken = []
         rows = sum(j.rows for j in batch)
-        columns = max((j.columns for j in batch), default=0)
+        held = sum(self.kv_bytes(j) for j in batch)
         for job in list(self.pending):
             if rows >= self.max_batch_size or self.paused:
                 break
-            wide = max(columns, job.columns)
-            room = self.kv_cache_bytes is None or self.kv_bytes(rows + job.rows, wide) <= self.kv_cache_bytes
+            need = self.kv_bytes(job)
+            room = self.kv_cache_bytes is None or held + need <= self.kv_cache_bytes
             if fits(job.config) and rows + job.rows <= self.max_batch_size and room:
                 self.pending.remove(job)
                 taken.append(job)
-                rows, columns = rows + job.rows, wide
+                rows, held = rows + job.rows, held + need
             elif not skip:
                 break
         return taken
@@ -348,7 +356,7 @@ class Scheduler:
                 with self.cond:
                     s = self.stats
                     self.running_jobs = len(running)
-                    self.kv_in_use = self.kv_bytes(rows, max(j.columns for j in running))
+                    self.kv_in_use = sum(self.kv_bytes(j) for j in running)
                     s["max_batch_rows"] = max(s["max_batch_rows"], rows)
                     s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
                 nfe = decoder.nfe
@@ -371,7 +379,7 @@ class Scheduler:
                     self.block_hook(max(b for _, b, _ in decoder.last_blocks))
                 for job in [j for j in running if not j.wanted]:  # nobody waits for its blocks
                     rows = running.pop(job)
-                    batch = decoder.rows + decoder.joining
+                    batch = decoder.batch
                     indices = [i for i, r in enumerate(batch) if any(r is x for x in rows)]
                     run(("drop", indices), decoder.drop, rows)
                     job.post(JobEnded())

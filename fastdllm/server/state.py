@@ -14,7 +14,6 @@ from typing import Any
 
 from ..config import PRESETS, ConfigError, GenerationConfig
 from ..engine.constraints import GrammarConstraint, response_format_constraint
-from ..engine.decoder import layout_columns
 from ..engine.generation import generate
 from ..engine.ranks import LocalCommands
 from ..text import tool_calls
@@ -318,12 +317,12 @@ class Server:
         sched = self.scheduler
         if sched.never_fits(job):
             mib = sched.kv_cache_bytes / 2**20
-            need = sched.kv_bytes(job.rows, job.columns) / 2**20
-            prompt_columns = layout_columns(max(map(len, plan.rows)), plan.config) - plan.config.gen_length
-            param = "prompt" if sched.kv_bytes(job.rows, prompt_columns) > sched.kv_cache_bytes else "max_tokens"
+            need = sched.kv_bytes(job) / 2**20
+            param = "prompt" if sched.kv_bytes(job, answer=False) > sched.kv_cache_bytes else "max_tokens"
             raise APIError(
                 400,
-                f"{param}: this request's K/V ({need:.1f} MiB for {job.rows} row(s) of {job.columns} positions) "
+                f"{param}: this request's K/V ({need:.1f} MiB for {job.rows} row(s), {job.pages()} pages of "
+                f"{plan.config.block_length} positions) "
                 f"would never fit the server's --kv-cache-memory ({mib:.1f} MiB); ask for fewer tokens",
                 param=param,
                 code="kv_cache_exceeded",
