@@ -292,7 +292,7 @@ class GenerationConfig:
         search=("exact", "approximate"),
     )
     prefill_chunk: int | None = _opt(
-        512,
+        2048,
         "optional int",
         "a block-causal model's prompt longer than this (and not found in the prefix cache) is "
         "computed this many positions (whole blocks) per step, in the forwards of the rows already "

@@ -424,7 +424,7 @@ class PrefixCache(CachePolicy):
     def block_logits(self, seq, steps):
         n = len(steps)
         shift = int(self.model.args.shifted_logits)
-        if self.graphs and self.reuse_suffix and all(steps) and min(seq.starts) - shift > 0:
+        if self.graphs and self.reuse_suffix and all(steps) and min(seq.starts) - shift > 0 and not self._prefill:
             return self._graphed_step(seq)
         windows, partial = [], []
         for i, k in enumerate(steps):
