@@ -171,3 +171,22 @@ def test_a_row_dropped_while_prefilled_returns_its_pages(tiny_sdar):
 def test_prefill_chunk_is_validated():
     with pytest.raises(ValueError, match="prefill_chunk"):
         GenerationConfig(block_length=32, prefill_chunk=16)
+
+
+def test_a_finished_decode_leaves_its_pool_to_the_next(tiny_llada):
+    """The pool a decode grew is kept for the model's next decode, in or out of inference mode,
+    with every page free; the tokens do not depend on it."""
+    model = tiny_llada
+    prompts = random_prompts(model, [30, 50])
+    config = GenerationConfig(gen_length=32, block_length=16, stop_at_eos=False, prefix_cache="off")
+    model.__dict__.pop("_spare_kv_pool", None)
+    first = generate(model, prompts, config=config)
+    spare = model.__dict__["_spare_kv_pool"]
+    assert spare.pages > 0 and spare.pages_in_use == 0
+    with torch.inference_mode():
+        again = generate(model, prompts, config=config)
+    with torch.no_grad():
+        third = generate(model, prompts[:1], config=config)
+    assert model.__dict__["_spare_kv_pool"] is spare
+    assert third.kv_cache_bytes < first.kv_cache_bytes  # its own peak, not the pool's first decode's
+    assert torch.equal(first.sequences, again.sequences) and torch.equal(third.sequences[0], first.sequences[0])

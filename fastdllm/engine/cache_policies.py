@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CACHE_POLICIES, REFRESH_RULES
-from ..models.kv_cache import FixedSlots, PagedKVCache, pool_for
+from ..models.kv_cache import FixedSlots, PagedKVCache, pool_for, release_pool
 from ..models.prefix_store import store_for
 
 
@@ -169,7 +169,7 @@ class CachePolicy:
         rows that left return to the pool. Nothing is copied."""
         if not sources and (self._pool is None or not self._pool.pending):
             if self._pool is not None:
-                self._pool.reset()  # every page back (a server's pool serves the next batch)
+                release_pool(self.model, self._pool)  # every page back, for the next decode
             self._pool = None
             return
         pool = self._pool_for(len(self._pool.tables) if self._pool is not None else 0)

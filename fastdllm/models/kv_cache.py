@@ -118,8 +118,9 @@ class PagedKVCache:
         if page_size < 1:
             raise ValueError(f"page_size: must be >= 1 (got {page_size})")
         self.page_size, self.growable = page_size, growable
-        self.k = torch.zeros((n_layers, n_kv_heads, pages * page_size, head_dim), dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        with torch.inference_mode(False):  # a pool serves decodes in and out of inference mode
+            self.k = torch.zeros((n_layers, n_kv_heads, pages * page_size, head_dim), dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
         self.free: set[int] = set(range(pages))
         self.tables: list[list[int]] = []
         # pages of prompts being prefilled before their rows join the layout (key -> page table)
@@ -169,10 +170,11 @@ class PagedKVCache:
                     self.reserve(i, columns[i])
 
     def reset(self) -> None:
-        """Every page free: no rows, nothing pending."""
+        """Every page free: no rows, nothing pending (and the peak counted afresh)."""
         self.set_rows([])
         for key in list(self.pending):
             self.release(key)
+        self.peak_pages = 0
 
     # -- prompts prefilled before their rows join (chunked prefill)
     def start_pending(self, key: int) -> None:
@@ -230,10 +232,11 @@ class PagedKVCache:
         old = self.pages
         new = max(old + pages, 2 * old)
         size = new * self.page_size
-        k = self.k.new_zeros(self.k.shape[:2] + (size,) + self.k.shape[3:])
-        v = torch.zeros_like(k)
-        k[:, :, : self.k.shape[2]] = self.k
-        v[:, :, : self.v.shape[2]] = self.v
+        with torch.inference_mode(False):
+            k = self.k.new_zeros(self.k.shape[:2] + (size,) + self.k.shape[3:])
+            v = torch.zeros_like(k)
+            k[:, :, : self.k.shape[2]] = self.k
+            v[:, :, : self.v.shape[2]] = self.v
         self.k, self.v = k, v
         self.free.update(range(old, new))
 
@@ -281,14 +284,23 @@ class PagedKVCache:
 
 
 def pool_for(model, page_size: int) -> PagedKVCache:
-    """The pool a decode's rows page into: a new one that grows as they need, or, where the model
-    has a K/V budget (`model.kv_pool_bytes`, the server's --kv-cache-memory), its one pool of that
-    many bytes, allocated once and handed to each batch in turn with every page free (the server
-    decodes one batch at a time), so that the server never holds more."""
+    """The pool a decode's rows page into: one that grows as they need (the pool the model's last
+    decode released, where there is one: `release_pool`), or, where the model has a K/V budget
+    (`model.kv_pool_bytes`, the server's --kv-cache-memory), its one pool of that many bytes,
+    allocated once and handed to each batch in turn with every page free (the server decodes one
+    batch at a time), so that the server never holds more."""
     a = model.args
     budget = getattr(model, "kv_pool_bytes", None)
     shape = (a.n_layers, a.n_kv_heads, a.head_dim, page_size)
     if budget is None:
+        spare = model.__dict__.pop("_spare_kv_pool", None)
+        if spare is not None and (spare.page_size, spare.k.dtype, spare.k.device) == (
+            page_size,
+            model.dtype,
+            model.device,
+        ):
+            spare.reset()
+            return spare
         return PagedKVCache(*shape, dtype=model.dtype, device=model.device)
     pool = model.__dict__.get("_kv_pool")
     if pool is None or pool.page_size != page_size:
@@ -299,6 +311,15 @@ def pool_for(model, page_size: int) -> PagedKVCache:
         model.__dict__["_kv_pool"] = pool
     pool.reset()
     return pool
+
+
+def release_pool(model, pool: PagedKVCache) -> None:
+    """A decode is done with its pool: every page free, and a growable pool kept as the model's
+    spare for its next decode (as a caching allocator keeps freed memory), so that a server's
+    batches and an evaluation's calls do not grow a pool from nothing each time."""
+    pool.reset()
+    if pool.growable:
+        model.__dict__["_spare_kv_pool"] = pool
 
 
 class PagedLayerKV:
