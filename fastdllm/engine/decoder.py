@@ -451,7 +451,8 @@ class BlockDecoder:
     def step(self) -> Step | None:
         """One step of every row in the batch (rows that joined are laid out first): the forward,
         the strategy's decision, written into the layout; then the rows whose block it ended move
-        to their next block or leave. None when no row is left."""
+        to their next block or leave. The chunks of prompts being prefilled ride in the forward
+        (alone, with no row decoding: a step of no rows). None when no row is left."""
         self.last_blocks, self.left = [], []
         new = []
         if self.joining:
@@ -537,8 +538,7 @@ class BlockDecoder:
         return chunk if len(r.prompt) > chunk else 0
 
     def _prefill_chunks(self) -> list[tuple[int, torch.Tensor, int, int]]:
-        """This step's chunk of every prompt being prefilled: (its row's key, tokens, from, to);
-        the prefix store may have given it all (an empty chunk: it joins at the next step)."""
+        """This step's chunk of every prompt being prefilled: (its row's key, tokens, from, to)."""
         out = []
         for r in self.prefilling:
             hi = min(len(r.prompt), r.prefilled + self._prefill_chunk(r))
