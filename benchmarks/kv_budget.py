@@ -40,11 +40,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--kv-mib", type=int, default=48)
     ap.add_argument("--max-batch-size", type=int, default=16)
+    ap.add_argument(
+        "--serve-args", default="", help='more `fastdllm serve` flags, e.g. "--max-num-batched-tokens 4096"'
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     port = free_port()
     cmd = [sys.executable, "-m", "fastdllm", "serve", "--port", str(port), "--max-queue", str(args.requests)]
     cmd += ["--kv-cache-memory", str(args.kv_mib), "--max-batch-size", str(args.max_batch_size)]
+    cmd += args.serve_args.split()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -71,6 +75,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         done.set()
         result = {
+            "serve_args": args.serve_args,
             "requests": args.requests,
             "max_tokens": args.max_tokens,
             "kv_cache_memory_bytes": args.kv_mib << 20,
