@@ -79,7 +79,6 @@ def test_packed_forward_over_fragmented_pages_equals_contiguous(tiny_llada):
     scattered = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, 8, 10, dtype=torch.float32, device="cpu")
     scattered.set_rows([None, None])
     scattered.tables = [[9, 0, 7, 2, 5], [1, 8, 3, 6, 4]]
-    scattered._spans = [None, None]
     scattered.free.clear()
     want = model.packed_logits(x, windows, runs)
     got = model.packed_logits(x, windows, scattered)

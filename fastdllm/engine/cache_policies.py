@@ -160,9 +160,7 @@ class CachePolicy:
     def _account(self, pool: PagedKVCache) -> None:
         self.peak_cache_bytes = max(self.peak_cache_bytes, pool.peak_pages * pool.page_bytes)
 
-    def relayout(
-        self, sources: list[int | None], length: int, columns: list[int] | None = None, adopt: dict | None = None
-    ) -> None:
+    def relayout(self, sources: list[int | None], columns: list[int] | None = None, adopt: dict | None = None) -> None:
         """The decoding loop laid its rows out again: new row i is old row `sources[i]` (None: a row
         that just joined, whose region takes `columns[i]` columns, and whose prompt's pages are
         those prefilled under the key `adopt[i]`, if any). Each kept row keeps its pages; those of
@@ -172,7 +170,7 @@ class CachePolicy:
                 release_pool(self.model, self._pool)  # every page back, for the next decode
             self._pool = None
             return
-        pool = self._pool_for(len(self._pool.tables) if self._pool is not None else 0)
+        pool = self._the_pool()
         pool.set_rows(sources, columns, adopt)
         self._adopted = dict(adopt or {})
         self._account(pool)
@@ -184,14 +182,21 @@ class CachePolicy:
         returns the columns found there, from which its prefill starts."""
         pool = self._the_pool()
         pool.start_pending(key)
-        found = self.store.lookup(tokens) if self.store is not None else []
-        if found:
-            bs, row = self.store.block_size, pool.append_pending([key])
-            pool.reserve(row, len(found) * bs)
-            for j, entry in enumerate(found):
-                pool.write(row, j * bs, entry.k, entry.v)
-            pool.drop_appended(row)
-        return len(found) * (self.store.block_size if self.store is not None else 0)
+        if self.store is None:
+            return 0
+        row = pool.append_pending([key])
+        found = self._copy_stored(pool, row, tokens)
+        pool.drop_appended(row)
+        return found
+
+    def _copy_stored(self, pool: PagedKVCache, row: int, tokens: list[int]) -> int:
+        """The prefix store's K/V of the prompt's longest stored prefix of blocks, copied into row
+        `row`'s pages; the columns copied."""
+        found, bs = self.store.lookup(tokens), self.store.block_size
+        pool.reserve(row, len(found) * bs)
+        for j, entry in enumerate(found):
+            pool.write(row, j * bs, entry.k, entry.v)
+        return len(found) * bs
 
     def prefill(self, chunks: list[tuple[int, torch.Tensor, int, int]]) -> None:
         """Prompts' columns to compute in this step's first forward: (key, the prompt's tokens,
@@ -208,7 +213,7 @@ class CachePolicy:
         empty = torch.zeros((0, 0), dtype=torch.long, device=self.model.device)
         self.forward(SequenceView(empty, (), (), (), self.page_size, 0), [])
 
-    def reuse(self, bsz: int, length: int, prompts: dict[int, list[int]]) -> dict[int, int]:
+    def reuse(self, bsz: int, prompts: dict[int, list[int]]) -> dict[int, int]:
         """Rows that just joined (row -> its prompt): the stored K/V of each prompt's longest stored
         prefix of blocks, copied into the row's pages; per row, the columns reused. The blocks it
         then computes itself are stored after its first forward."""
@@ -220,14 +225,9 @@ class CachePolicy:
         for i, tokens in prompts.items():
             if i in self._adopted:
                 continue
-            found = self.store.lookup(tokens)
-            if found:
-                pool.reserve(i, len(found) * bs)
-            for j, entry in enumerate(found):
-                pool.write(i, j * bs, entry.k, entry.v)
-            out[i] = len(found) * bs
-            if len(found) < len(tokens) // bs:
-                self._unstored[i] = (len(found), tokens)
+            out[i] = self._copy_stored(pool, i, tokens)
+            if out[i] < len(tokens) // bs * bs:
+                self._unstored[i] = (out[i] // bs, tokens)
         return out
 
     def _store_prompts(self) -> None:
@@ -297,16 +297,9 @@ class NoCache(CachePolicy):
     name = "none"
     refreshes_at_block_start = False
 
-    def cache_for(self, seq):
+    def _account(self, pool):
         """Each forward's own K/V (every key a row reads is one its window writes): working memory
         of one forward, not a cache (`peak_cache_bytes` stays 0)."""
-        pool = self._pool_for(seq.x.shape[0])
-        for i in range(seq.x.shape[0]):
-            pool.reserve(i, seq.end(i))
-        return pool
-
-    def _account(self, pool):
-        pass  # a forward's working memory, not a cache
 
     def block_logits(self, seq, steps):
         return self.stack(seq, self.forward(seq, [self.full_window(seq, i) for i in range(len(steps))]))
@@ -537,8 +530,8 @@ class SubBlockCache(DualCache):
             compiled=config.compile,
         )
 
-    def relayout(self, sources, length, columns=None, adopt=None):
-        super().relayout(sources, length, columns, adopt)
+    def relayout(self, sources, columns=None, adopt=None):
+        super().relayout(sources, columns, adopt)
         if self._logits is not None:
             kept = [(i, j) for i, j in enumerate(sources) if j is not None]
             logits = self._logits.new_zeros((len(sources),) + tuple(self._logits.shape[1:]))
@@ -631,8 +624,8 @@ class DelayedCache(CachePolicy):
     def from_config(cls, model, config) -> DelayedCache:
         return cls(model, config.cache_delay, config.refresh_interval, compiled=config.compile)
 
-    def relayout(self, sources, length, columns=None, adopt=None):
-        super().relayout(sources, length, columns, adopt)
+    def relayout(self, sources, columns=None, adopt=None):
+        super().relayout(sources, columns, adopt)
         old = self.row_states
         self.row_states = [old[j] if j is not None and j < len(old) else _DelayedRow() for j in sources]
 

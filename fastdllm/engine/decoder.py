@@ -795,7 +795,7 @@ class BlockDecoder:
         self.rows = [r for r, _ in moves]
         if not moves:
             self.x = self.step_of = self.row_nfe = self.opened = self.post = self.alive = None
-            self.policy.relayout([], 0)
+            self.policy.relayout([])
             return
         # room after the longest row for the columns a step reads past a row's region
         length = max(r.extent for r, _ in moves) + self.width
@@ -825,11 +825,11 @@ class BlockDecoder:
         if self.editing is not None:
             self.post = self._carry(self.post, sources, 0)
             self.alive = self._carry(self.alive, sources, True)
-        self.policy.relayout(sources, length, [None if src is not None else r.extent for r, src in moves], prefilled)
+        self.policy.relayout(sources, [None if src is not None else r.extent for r, src in moves], prefilled)
         self.x, self.step_of = x, step_of
         self.stopping = torch.tensor([r.config.stop_at_eos for r, _ in moves], device=dev)  # per row
         joined = {i: r for i, (r, src) in enumerate(moves) if src is None}
-        reused = self.policy.reuse(bsz, length, {i: r.prompt.tolist() for i, r in joined.items()})
+        reused = self.policy.reuse(bsz, {i: r.prompt.tolist() for i, r in joined.items()})
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
             self._begin(i, r)

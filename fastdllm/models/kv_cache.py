@@ -1,11 +1,12 @@
-"""Preallocated key/value buffers for block-wise approximate KV caching (Fast-dLLM).
+"""Key/value caches for block-wise approximate KV caching (Fast-dLLM).
 
-One buffer per layer for keys and one for values, each (batch, kv_heads, length, head_dim),
-allocated once per generation. The cache owns its writes (as gpt-fast's `KVCache.update`): a
-layer's attention hands it the fresh K/V of the window it computed, the cache writes them in
-place and returns the whole sequence's K/V to attend over. A full forward writes every position;
-a windowed forward (prefix or dual mode, or any partial refresh) only its window, so nothing is
-concatenated per step.
+`KVCache`: one buffer per layer for keys and one for values, each (batch, kv_heads, length,
+head_dim), for a model's own cached forwards (`Transformer.logits_for`, the fixed-shape step, the
+benchmarks). `PagedKVCache`: the decoding loop's rows in one pool of pages. Each owns its writes
+(as gpt-fast's `KVCache.update`): a layer's attention hands it the fresh K/V of the window it
+computed, the cache writes them in place and returns the K/V to attend over. A full forward writes
+every position; a windowed forward (prefix or dual mode, or any partial refresh) only its window,
+so nothing is concatenated per step.
 """
 
 from __future__ import annotations
@@ -31,22 +32,13 @@ class KVCache:
         return LayerKV(self.k[i], self.v[i])
 
     def narrow(self, batch: int, length: int | None = None) -> KVCache:
-        """A view of the first `batch` rows and `length` positions (no copy): finished rows leave
-        the batch; a suffix window leaves the positions after it out of every forward."""
+        """A view of the first `batch` rows and `length` positions (no copy)."""
         length = self.length if length is None else length
         if batch == self.batch and length == self.length:
             return self
         view = KVCache.__new__(KVCache)
         view.k, view.v = self.k[:, :batch, :, :length], self.v[:, :batch, :, :length]
         return view
-
-    def keep_rows(self, rows: list[int]) -> None:
-        """Move rows `rows` (in this order) to the front, in place: when finished rows leave the
-        batch, the cached K/V of the remaining ones stay usable."""
-        idx = torch.tensor(rows, device=self.k.device)
-        n = len(rows)
-        self.k[:, :n] = self.k.index_select(1, idx)
-        self.v[:, :n] = self.v.index_select(1, idx)
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -139,10 +131,6 @@ class PagedKVCache:
     @property
     def page_bytes(self) -> int:
         return self.page_size * self.k[:, :, :1].numel() * self.k.element_size() * 2
-
-    def nbytes(self) -> int:
-        """The bytes of the pages the rows hold."""
-        return self.pages_in_use * self.page_bytes
 
     def layer(self, i: int) -> PagedLayerKV:
         return PagedLayerKV(self, i)
