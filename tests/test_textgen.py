@@ -102,3 +102,31 @@ def test_cli_version_and_broken_pipe():
     err = p.stderr.read().decode()
     p.wait(120)
     assert "Traceback" not in err, err
+
+
+def test_plain_prompts_carry_the_tokenizers_own_bos(loaded, monkeypatch):
+    """Plain text is encoded as `tokenizer(text)` encodes it: with the BOS a tokenizer's
+    post-processor adds (as vLLM's /v1/completions and Fast-dLLM's eval_llada.py do), in the text
+    API and the evaluation alike; the chat template's own BOS is not doubled."""
+    import copy
+
+    from tokenizers import processors
+
+    from fastdllm.engine import textgen
+    from fastdllm.evaluation.tasks import get_task
+
+    model, tok = loaded
+    tok = copy.deepcopy(tok)
+    bos = tok.fast.token_to_id("<|startoftext|>")
+    tok.fast.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A", special_tokens=[("<|startoftext|>", bos)]
+    )
+    task = get_task("arith")
+    doc = task.load(limit=1)[0]
+    plain = task.encode(tok, doc, [], chat=False)
+    assert plain[0] == bos and plain[1:] == tok.encode(task.plain_text(doc, []), add_special_tokens=False)
+    assert task.encode(tok, doc, [], chat=True).count(bos) == 1
+    seen = []
+    monkeypatch.setattr(textgen, "generate", lambda m, ids, config: seen.append(ids) or generate(m, ids, config=config))
+    generate_text(model, tok, QUESTION, max_new_tokens=8)
+    assert seen[0][0][0] == bos and seen[0][0][1:] == tok.encode(QUESTION, add_special_tokens=False)

@@ -148,8 +148,9 @@ def paired_rows(
     r: random.Random, tokenizer, streams: dict, plain_eot: bool = False
 ) -> list[tuple[list[int], list[int]]]:
     """One arith problem as two rows: its text as the chat template's user turn (answer, then
-    `<|eot_id|>`), and the same text as a plain prompt (a space, the answer, then end-of-text, the
-    padding token itself; with `plain_eot`, `<|eot_id|>`, as a chat answer ends)."""
+    `<|eot_id|>`), and the same text as a plain prompt, encoded as plain prompts are (with the
+    tokenizer's own BOS where it adds one), answered by a space, the answer, then end-of-text, the
+    padding token itself (with `plain_eot`, `<|eot_id|>`, as a chat answer ends)."""
     eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
     p = next(streams["arith"])
     kind = _draw(r, PAIRED_TEXTS)
@@ -159,7 +160,7 @@ def paired_rows(
         shots = [next(streams["arith"]) for _ in range(r.randint(1, 8))] if kind == "fewshot" else []
         text = arith.format_prompt(p.question, shots)
     chat = tokenizer.encode_chat([{"role": "user", "content": text}])
-    plain = tokenizer.encode(text, add_special_tokens=False)
+    plain = tokenizer.encode(text)
     return [
         (chat, tokenizer.encode(p.answer, add_special_tokens=False) + [eot]),
         (plain, tokenizer.encode(" " + p.answer, add_special_tokens=False) + [eot if plain_eot else eos]),

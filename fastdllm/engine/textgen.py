@@ -64,7 +64,7 @@ def generate_text(
         texts = [prompt] if single else list(prompt)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("prompt: a string or a non-empty list of strings")
-        ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        ids = [tokenizer.encode(t) for t in texts]
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     config = (
         config.replace(**options) if max_new_tokens is None else config.with_max_new_tokens(max_new_tokens, **options)

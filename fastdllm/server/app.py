@@ -150,7 +150,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
         if req.messages is not None:
             tokens = server.chat_prompt(ChatCompletionRequest(model=req.model, messages=req.messages))
         else:
-            tokens = tokenizer.encode(req.prompt, add_special_tokens=False)
+            tokens = tokenizer.encode(req.prompt)
         return {"count": len(tokens), "max_model_len": model.args.max_seq_len, "tokens": tokens}
 
     @app.post("/detokenize")

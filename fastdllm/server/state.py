@@ -191,11 +191,11 @@ class Server:
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
         if isinstance(p, str):
-            prompts = [self.tokenizer.encode(p, add_special_tokens=False)]
+            prompts = [self.tokenizer.encode(p)]
         elif not p:
             raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
         elif isinstance(p[0], str):
-            prompts = [self.tokenizer.encode(s, add_special_tokens=False) for s in p]
+            prompts = [self.tokenizer.encode(s) for s in p]
         elif isinstance(p[0], int):
             prompts = [list(p)]
         else:

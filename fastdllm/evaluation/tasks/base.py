@@ -180,10 +180,11 @@ class Task:
 
     def encode(self, tokenizer, doc: Doc, shots: list, chat: bool | None = None) -> list[int]:
         """The prompt's ids: through the chat template (`chat`; default: when the tokenizer has
-        one), else as plain text."""
+        one), else as plain text with the tokenizer's own special tokens (its BOS, where it adds
+        one), as `tokenizer(text)` gives them in transformers and Fast-dLLM's eval_llada.py."""
         if has_chat_template(tokenizer) if chat is None else chat:
             return tokenizer.encode_chat([{"role": "user", "content": self.chat_content(doc, shots)}])
-        return tokenizer.encode(self.plain_text(doc, shots), add_special_tokens=False)
+        return tokenizer.encode(self.plain_text(doc, shots))
 
     def render(self, tokenizer, doc: Doc, shots: list, chat: bool | None = None) -> str:
         """The prompt exactly as the model sees it (for logs)."""
