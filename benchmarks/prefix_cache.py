@@ -1,5 +1,7 @@
 """Shared prompt K/V (`GenerationConfig.prefix_cache`): positions computed per generated token, wall
-time and tokens, with the store on and off, on few-shot prompts that share their exemplars.
+time, tokens and the K/V held, with the store on and off, on few-shot prompts that share their
+exemplars. `kv_cache_bytes` is the most the rows held at once (a stored block shared by several
+rows counted once); `store_bytes` what the store keeps after the run (pages of the same pool).
 
 For each case a batch of `--rows` held-out arith problems, k-shot, is decoded three times with a
 fresh store: `off`, `on` (the first batch: rows share what one of them computes) and `again` (the
@@ -21,7 +23,7 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.evaluation.tasks import arith
-from fastdllm.models.prefix_store import store_for
+from fastdllm.models.prefix_store import lookups, prefix_stores, reset_prefix_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.row_clocks import emit, write_rows  # noqa: E402
@@ -41,15 +43,16 @@ def main() -> None:
         pool = arith.fewshot_pool()[:shots]
         ids = [arith.prompt_ids(tok, p.question, pool) for p in arith.test_split()[: args.rows]]
         config = GenerationConfig.for_model(model, checkpoint_defaults=False, prefix_cache=mode)
-        store = store_for(model, config.block_length)
-        runs, rates = {}, {}
+        runs, rates, stored = {}, {}, {}
         with torch.inference_mode():
             generate(model, ids[:2], config.replace(prefix_cache="off"))  # warm-up
-            store.clear()
+            reset_prefix_cache(model)
             for run in ("off", "on", "again"):
-                hits, queries = store.hits, store.queries
+                hits, queries = lookups(model).hits, lookups(model).queries
                 runs[run] = generate(model, ids, config.replace(prefix_cache="off") if run == "off" else config)
-                rates[run] = (store.hits - hits) / (store.queries - queries) if store.queries > queries else None
+                counted = lookups(model)
+                rates[run] = (counted.hits - hits) / (counted.queries - queries) if counted.queries > queries else None
+                stored[run] = sum(s.bytes for s in prefix_stores(model))
         for run, out in runs.items():
             row = {
                 "model": name,
@@ -62,6 +65,8 @@ def main() -> None:
                 "wall_s": round(out.wall_time, 3),
                 "tokens_per_s": round(out.tokens_per_second, 1),
                 "nfe": out.nfe,
+                "kv_cache_bytes": out.kv_cache_bytes,
+                "store_bytes": stored[run],
                 "same_tokens_as_off": torch.equal(out.sequences, runs["off"].sequences),
                 "store_hit_rate": None if rates[run] is None else round(rates[run], 3),
             }

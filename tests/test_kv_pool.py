@@ -8,6 +8,7 @@ import torch
 from fastdllm import GenerationConfig, generate
 from fastdllm.engine.decoder import BlockDecoder
 from fastdllm.models.kv_cache import PagedKVCache
+from fastdllm.models.prefix_store import reset_prefix_cache
 
 from .conftest import random_prompts
 
@@ -123,9 +124,9 @@ def test_a_long_prompt_prefilled_in_chunks_decodes_as_in_one_forward(family, req
     block = model.args.block_size
     short, long_ = random_prompts(model, [block, 12 * block + 1], seed=2)
     for store in ("off", "exact"):
-        model.__dict__.pop("_prefix_stores", None)
+        reset_prefix_cache(model)
         whole = generate(model, [short, long_], config=chunked(block, None).replace(prefix_cache=store))
-        model.__dict__.pop("_prefix_stores", None)
+        reset_prefix_cache(model)
         decoder = BlockDecoder(model, chunked(block, 2 * block).replace(prefix_cache=store))
         rows = decoder.add([short, long_])
         sizes = []

@@ -12,19 +12,32 @@ from fastdllm import GenerationConfig, generate
 from fastdllm.engine.cache_policies import cache_policy
 from fastdllm.engine.decoder import BlockDecoder
 from fastdllm.evaluation.tasks import arith
-from fastdllm.models.prefix_store import PrefixStore, store_for
+from fastdllm.models.kv_cache import PagedKVCache
+from fastdllm.models.prefix_store import PrefixStore, prefix_stores, reset_prefix_cache
 
 
-def kv(n: int, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.full((2, 1, n, 4), fill), torch.full((2, 1, n, 4), -fill)
+def pool(pages=8, page_size=2):
+    return PagedKVCache(2, 1, 4, page_size, pages, dtype=torch.float32, device="cpu")
+
+
+def stored_row(cache: PagedKVCache, tokens: list[int], store: PrefixStore) -> int:
+    """A row that computed `tokens` (its K/V filled with its tokens), stored, then left."""
+    row = len(cache.tables)
+    cache.set_rows(list(range(row)) + [None], columns=[None] * row + [len(tokens)])
+    cols = torch.tensor(tokens, dtype=torch.float32)[None, None, :, None].expand(2, 1, -1, 4)
+    cache.write(row, 0, cols, -cols)
+    store.insert(tokens, 0, cache.tables[row][: len(tokens) // cache.page_size])
+    cache.set_rows(list(range(row)))
+    return row
 
 
 def test_the_store_walks_a_hash_chain_and_compares_every_hit():
-    store = PrefixStore(1 << 20, block_size=2)
-    store.insert([1, 2, 3, 4, 5], 0, *kv(4, 1.0))  # two full blocks; the odd token is not kept
+    cache = pool()
+    store = PrefixStore(cache, 1 << 20)
+    stored_row(cache, [1, 2, 3, 4, 5], store)  # two full blocks; the odd token is not kept
     assert len(store.entries) == 2 and store.match([1, 2, 3, 4, 9]) == 2 and store.match([1, 2, 9, 4]) == 1
     found = store.lookup([1, 2, 3, 4, 7, 8])
-    assert len(found) == 2 and (store.hits, store.queries) == (4, 6)
+    assert len(found) == 2 and (store.lookups.hits, store.lookups.queries) == (4, 6)
     assert store.match([3, 4]) == 0  # a block's key stands for its whole prefix
     # A collision: another prompt's block filed under this prompt's key is never served.
     key = store.keys([5, 6])[0]
@@ -33,16 +46,47 @@ def test_the_store_walks_a_hash_chain_and_compares_every_hit():
 
 
 def test_the_store_evicts_the_least_recently_used_within_its_budget():
-    one = kv(2, 0.0)[0].numel() * 4 * 2  # bytes of one block's K and V
-    store = PrefixStore(3 * one, block_size=2)
-    store.insert([1, 2, 3, 4], 0, *kv(4, 1.0))
-    store.insert([7, 8], 0, *kv(2, 2.0))
-    assert store.bytes == 3 * one
+    cache = pool()
+    store = PrefixStore(cache, 3 * cache.page_bytes)
+    stored_row(cache, [1, 2, 3, 4], store)
+    stored_row(cache, [7, 8], store)
+    assert store.bytes == 3 * cache.page_bytes and cache.pages_in_use == 0  # cached, not in use
     store.lookup([1, 2, 3, 4])  # used again: the other prompt is now the oldest
-    store.insert([5, 6], 0, *kv(2, 3.0))
-    assert store.bytes <= 3 * one and store.match([7, 8]) == 0 and store.match([1, 2, 3, 4]) == 2
+    stored_row(cache, [5, 6], store)
+    assert store.bytes <= 3 * cache.page_bytes and store.match([7, 8]) == 0 and store.match([1, 2, 3, 4]) == 2
+    assert len(cache.free) == cache.pages - 3  # the evicted block's page is free again
     with pytest.raises(ValueError, match="budget_bytes"):
-        PrefixStore(-1, 2)
+        PrefixStore(cache, -1)
+
+
+def test_a_hit_is_shared_by_reference_and_copied_before_a_write():
+    """The row that finds a stored prefix holds the store's pages; writing into one gives the row
+    its own copy, and the store's page keeps what it held."""
+    cache = pool()
+    store = PrefixStore(cache, 1 << 20)
+    stored_row(cache, [1, 2, 3, 4], store)
+    cache.set_rows([None], columns=[6])
+    pages = store.lookup([1, 2, 3, 4, 9, 9])
+    cache.share(0, pages)
+    assert cache.tables[0][:2] == pages and all(cache.refs[p] == 2 for p in pages)
+    assert cache.pages_in_use == 3  # the two shared pages and the row's own
+    want = cache.read(0, 0, 4)[0].clone()
+    cache.write(0, 2, torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4))
+    assert cache.tables[0][0] == pages[0] and cache.tables[0][1] != pages[1]
+    assert torch.equal(cache.k[:, :, pages[1] * 2 : pages[1] * 2 + 2], want[:, :, 2:])  # the store's page unchanged
+    assert torch.equal(cache.read(0, 0, 2)[0], want[:, :, :2])
+
+
+def test_a_full_pool_evicts_what_only_the_store_holds():
+    cache = PagedKVCache(2, 1, 4, 2, 4, dtype=torch.float32, device="cpu", growable=False)
+    store = PrefixStore(cache, 1 << 20)
+    stored_row(cache, [1, 2, 3, 4], store)
+    cache.set_rows([None], columns=[2])
+    cache.share(0, store.lookup([1, 2]))  # the first block is held by a row, the second is not
+    cache.set_rows([0, None], columns=[None, 6])  # 3 pages: 1 free, 1 the store's alone, ...
+    assert store.match([1, 2]) == 1 and len(store.entries) == 1
+    with pytest.raises(RuntimeError, match="pool is full"):
+        cache.set_rows([0, 1, None], columns=[None, None, 2])
 
 
 def fewshot(tok, n: int, shots: int) -> list[list[int]]:
@@ -55,7 +99,7 @@ def test_block_causal_prefixes_are_computed_once_and_decode_the_same(name):
     """4-shot prompts sharing their exemplars: on by default, token-identical to decoding without
     it, the shared blocks computed by one row of the batch, and a second batch finds them all."""
     model, tok = fastdllm.load(name, dtype=torch.float32)
-    store_for(model, model.args.block_size).clear()
+    reset_prefix_cache(model)
     ids = fewshot(tok, 6, 4)
     config = GenerationConfig.for_model(model, GenerationConfig(gen_length=32), checkpoint_defaults=False)
     assert config.prefix_cache == "exact"
@@ -68,6 +112,8 @@ def test_block_causal_prefixes_are_computed_once_and_decode_the_same(name):
     assert sum(off.forward_positions) - sum(on.forward_positions) > 4 * shared
     assert sum(again.forward_positions) < sum(on.forward_positions)
     assert all(r <= len(p) for r, p in zip(again.prompt_positions, ids))
+    # the rows hold the stored exemplar blocks by reference: once, not once per row
+    assert again.kv_cache_bytes <= on.kv_cache_bytes < off.kv_cache_bytes / 2
 
 
 def test_a_row_that_shares_an_uncomputed_prefix_waits_one_step(tiny_sdar):
@@ -75,7 +121,7 @@ def test_a_row_that_shares_an_uncomputed_prefix_waits_one_step(tiny_sdar):
     config = GenerationConfig.for_model(
         tiny_sdar, GenerationConfig(gen_length=8, block_length=4), checkpoint_defaults=False
     )
-    store_for(tiny_sdar, config.block_length).clear()
+    reset_prefix_cache(tiny_sdar)
     decoder = BlockDecoder(tiny_sdar, config)
     first, second = decoder.add([prompt + [40, 41], prompt + [50, 51]])
     decoder.step()
@@ -91,3 +137,24 @@ def test_bidirectional_models_share_only_when_asked(tiny_llada):
     assert cache_policy(tiny_llada, exact.replace(cache="none", prefix_cache="approximate")).store is None
     with pytest.raises(ValueError, match="prefix_cache"):
         GenerationConfig(prefix_cache="sometimes")
+
+
+def test_a_row_that_rewrites_a_shared_page_copies_it_first(tiny_llada):
+    """LLaDA with approximate sharing and full refreshes: a later block's refresh recomputes the
+    prompt (its K/V now see the decoded answer). Rows write into copies; the stored pages keep
+    what they held, so other answers after the same prefix do not change them."""
+    model = tiny_llada
+    reset_prefix_cache(model)
+    shared = list(range(5, 37))
+    config = GenerationConfig(
+        gen_length=16, block_length=8, cache="dual", refresh="full", prefix_cache="approximate", stop_at_eos=False
+    )
+    first = generate(model, [shared + [40 + i, 50 + i] for i in range(3)], config)
+    (store,) = [s for s in prefix_stores(model) if s.entries]
+    columns = [e.page * 8 + c for e in store.entries.values() for c in range(8)]
+    held = store.pool.k[:, :, columns].clone()
+    others = [shared + [60 + i, 70 + i, 80 + i] for i in range(3)]
+    second = generate(model, others, config)
+    assert sum(second.prompt_positions) < sum(first.prompt_positions)  # the prefix was shared
+    assert torch.equal(store.pool.k[:, :, columns], held)
+    assert torch.equal(generate(model, others, config).sequences, second.sequences)

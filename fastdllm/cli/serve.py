@@ -116,7 +116,8 @@ def add_server_args(s) -> None:
         "--prefix-cache-memory",
         type=_positive_int,
         default=256,
-        help="MiB of prompt K/V kept for requests that share a prefix (prefix_cache; default %(default)s)",
+        help="MiB of prompt K/V kept for requests that share a prefix (prefix_cache; pages of the K/V "
+        "pool, evicted first when it is full; default %(default)s)",
     )
     s.add_argument(
         "--batch-wait-ms",

@@ -110,12 +110,13 @@ class CachePolicy:
         self.peak_cache_bytes = 0  # the most K/V bytes this policy's rows held at once (memory accounting)
         self.page_size = model.args.block_size or 32  # positions per page of the pool (a decoding block)
         self._pool: PagedKVCache | None = None
-        # prompt K/V shared across rows and requests (`models.prefix_store`), None: not shared
-        self.store = None
+        # whether rows share prompt K/V across rows and requests (`store`)
+        self.shares_prefixes = False
         self._unstored: dict[int, tuple[int, list[int]]] = {}  # row -> (first block to store, prompt)
         self._prefill: list = []  # this step's prefill chunks (`prefill`)
         self.prefill_work: list[tuple[int, int, int]] = []  # (key, query positions, keys) per chunk computed
         self._adopted: dict[int, int] = {}  # at the last relayout: new row -> the prefilled prompt's key
+        self._joined: dict[int, int] = {}  # at the last relayout: new row -> its columns (pages taken in `reuse`)
 
     @classmethod
     def from_config(cls, model, config) -> CachePolicy:
@@ -126,6 +127,12 @@ class CachePolicy:
         another model."""
         self.history = []
         return self
+
+    @property
+    def store(self):
+        """The prefix store the rows share prompt K/V through (`models.prefix_store`: pages of the
+        pool), None where they do not."""
+        return store_for(self.model, self._the_pool()) if self.shares_prefixes else None
 
     def take_work(self) -> list[list[tuple[int, int, int]]]:
         work, self.work = self.work, []
@@ -163,16 +170,18 @@ class CachePolicy:
     def relayout(self, sources: list[int | None], columns: list[int] | None = None, adopt: dict | None = None) -> None:
         """The decoding loop laid its rows out again: new row i is old row `sources[i]` (None: a row
         that just joined, whose region takes `columns[i]` columns, and whose prompt's pages are
-        those prefilled under the key `adopt[i]`, if any). Each kept row keeps its pages; those of
-        rows that left return to the pool. Nothing is copied."""
+        those prefilled under the key `adopt[i]`, if any; its other pages are taken in `reuse`,
+        after those the prefix store shares). Each kept row keeps its pages; those of rows that
+        left return to the pool. Nothing is copied."""
         if not sources and (self._pool is None or not self._pool.pending):
             if self._pool is not None:
                 release_pool(self.model, self._pool)  # every page back, for the next decode
             self._pool = None
             return
         pool = self._the_pool()
-        pool.set_rows(sources, columns, adopt)
+        pool.set_rows(sources, None, adopt)
         self._adopted = dict(adopt or {})
+        self._joined = {i: c for i, (s, c) in enumerate(zip(sources, columns or [None] * len(sources))) if s is None}
         self._account(pool)
 
     # -- chunked prefill: a prompt's K/V computed in the forwards of the rows decoding, before its
@@ -185,18 +194,16 @@ class CachePolicy:
         if self.store is None:
             return 0
         row = pool.append_pending([key])
-        found = self._copy_stored(pool, row, tokens)
+        found = self._share_stored(pool, row, tokens)
         pool.drop_appended(row)
         return found
 
-    def _copy_stored(self, pool: PagedKVCache, row: int, tokens: list[int]) -> int:
-        """The prefix store's K/V of the prompt's longest stored prefix of blocks, copied into row
-        `row`'s pages; the columns copied."""
-        found, bs = self.store.lookup(tokens), self.store.block_size
-        pool.reserve(row, len(found) * bs)
-        for j, entry in enumerate(found):
-            pool.write(row, j * bs, entry.k, entry.v)
-        return len(found) * bs
+    def _share_stored(self, pool: PagedKVCache, row: int, tokens: list[int]) -> int:
+        """The prefix store's pages of the prompt's longest stored prefix of blocks, made row
+        `row`'s first pages (by reference); the columns they hold."""
+        pages = self.store.lookup(tokens)
+        pool.share(row, pages)
+        return len(pages) * pool.page_size
 
     def prefill(self, chunks: list[tuple[int, torch.Tensor, int, int]]) -> None:
         """Prompts' columns to compute in this step's first forward: (key, the prompt's tokens,
@@ -215,29 +222,31 @@ class CachePolicy:
 
     def reuse(self, bsz: int, prompts: dict[int, list[int]]) -> dict[int, int]:
         """Rows that just joined (row -> its prompt): the stored K/V of each prompt's longest stored
-        prefix of blocks, copied into the row's pages; per row, the columns reused. The blocks it
-        then computes itself are stored after its first forward."""
+        prefix of blocks, shared as the row's first pages, then pages for the rest of its columns;
+        per row, the columns reused. The blocks it then computes itself are stored after its first
+        forward."""
         # prefilled in chunks (and stored chunk by chunk): its pages hold the whole prompt
         out = {i: len(prompts[i]) for i in self._adopted}
-        if self.store is None:
-            return out
-        pool, bs = self._pool_for(bsz), self.store.block_size
+        pool, store = self._pool_for(bsz), self.store
         for i, tokens in prompts.items():
-            if i in self._adopted:
-                continue
-            out[i] = self._copy_stored(pool, i, tokens)
-            if out[i] < len(tokens) // bs * bs:
-                self._unstored[i] = (out[i] // bs, tokens)
+            if store is not None and i not in self._adopted:
+                bs = store.block_size
+                out[i] = self._share_stored(pool, i, tokens)
+                if out[i] < len(tokens) // bs * bs:
+                    self._unstored[i] = (out[i] // bs, tokens)
+            if self._joined.get(i) is not None:
+                pool.reserve(i, self._joined[i])
+        self._joined = {}
+        self._account(pool)
         return out
 
     def _store_prompts(self) -> None:
         """After the forward of rows that just joined: their prompts' blocks that the store lacked."""
         if not self._unstored:
             return
-        bs = self.store.block_size
+        store = self.store
         for i, (first, tokens) in self._unstored.items():
-            end = len(tokens) // bs * bs
-            self.store.insert(tokens, first, *self._pool.read(i, first * bs, end))
+            store.insert(tokens, first, self._pool.tables[i][first : len(tokens) // store.block_size])
         self._unstored.clear()
 
     def forward(self, seq: SequenceView, windows: list[Window]) -> list[torch.Tensor]:
@@ -249,6 +258,8 @@ class CachePolicy:
             self.history.append(list(windows))
         x, cache, chunks = seq.x, self.cache_for(seq), self._prefill
         self._prefill = []
+        for row, lo, hi, _, _ in windows:
+            cache.own(row, lo, hi)  # pages the prefix store (or another row) shares are copied first
         if chunks:
             first = cache.append_pending([key for key, *_ in chunks])
             width = max([x.shape[1]] + [hi for *_, hi in chunks])
@@ -258,6 +269,7 @@ class CachePolicy:
             )
             for j, (key, _, lo, hi) in enumerate(chunks):
                 cache.reserve(first + j, hi)
+                cache.own(first + j, lo, hi)
                 windows = windows + [(first + j, lo, hi, hi, hi - 1)]
                 self.prefill_work.append((key, hi - lo, hi))
         try:
@@ -270,10 +282,11 @@ class CachePolicy:
                 batch_invariant=self.batch_invariant,
                 embeds=seq.embeds,
             )
-            for j, (_, tokens, lo, hi) in enumerate(chunks if self.store is not None else ()):
+            store = self.store
+            for j, (_, tokens, lo, hi) in enumerate(chunks if store is not None else ()):
                 # exact (a block-causal prompt): stored now, for the rows that share the prefix
-                end = hi // self.store.block_size * self.store.block_size
-                self.store.insert(tokens[:end].tolist(), lo // self.store.block_size, *cache.read(first + j, lo, end))
+                bs = store.block_size
+                store.insert(tokens[: hi // bs * bs].tolist(), lo // bs, cache.tables[first + j][lo // bs : hi // bs])
         finally:
             if chunks:
                 cache.drop_appended(first)
@@ -460,6 +473,8 @@ class PrefixCache(CachePolicy):
         shift = int(self.model.args.shifted_logits)
         width = seq.width + shift
         dev = seq.x.device
+        for i, s in enumerate(seq.starts):
+            cache.own(i, s - shift, s + seq.width)
         first = torch.tensor([s - shift for s in seq.starts], device=dev)
         columns = first[:, None] + torch.arange(width, device=dev)
         key_ok = torch.arange(capacity, device=dev)[None, :] < torch.tensor(seq.seen, device=dev)[:, None]
@@ -690,6 +705,5 @@ def cache_policy(model, config) -> CachePolicy:
     policy.graphs = config.cuda_graphs
     exact = bool(model.args.block_size)  # a block-causal prompt block's K/V depend on it alone
     wanted = config.prefix_cache == "approximate" or (config.prefix_cache == "exact" and exact)
-    if wanted and not isinstance(policy, NoCache):
-        policy.store = store_for(model, config.block_length)
+    policy.shares_prefixes = wanted and not isinstance(policy, NoCache)
     return policy

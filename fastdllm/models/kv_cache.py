@@ -90,6 +90,14 @@ class PagedKVCache:
     move nothing: only page tables change. A row's pages are taken as one run where the pool has
     one free, so its keys are one slice of the pool (read in place); otherwise they are gathered.
 
+    Pages are shared by reference, as vLLM's and SGLang's are: each page counts its holders (row
+    tables, prompts being prefilled, the prefix store in `prefix`), and returns to the pool when
+    the last lets go. A prefix-cache hit puts the store's pages in the row's table; before a
+    forward writes columns of a page another holder shares, the row takes a copy of it
+    (copy-on-write, `own`), so that nothing a row writes changes another row's keys. Pages only
+    the store holds are cached, not in use: a pool that runs out evicts them (least recently used
+    first) before it grows or fails.
+
     A pool that is `growable` doubles when it runs out of pages (its tensors reallocated); a
     server's pool is allocated once at its budget and never grows (`pool_for`), as it admits rows
     only while their pages fit (`server.scheduler`). The cache owns its writes
@@ -114,10 +122,12 @@ class PagedKVCache:
             self.k = torch.zeros((n_layers, n_kv_heads, pages * page_size, head_dim), dtype=dtype, device=device)
             self.v = torch.zeros_like(self.k)
         self.free: set[int] = set(range(pages))
+        self.refs: dict[int, int] = {}  # page -> its holders (row tables, pending prompts, the store)
+        self.prefix = None  # the prefix store whose blocks are pages of this pool (`models.prefix_store`)
         self.tables: list[list[int]] = []
         # pages of prompts being prefilled before their rows join the layout (key -> page table)
         self.pending: dict[int, list[int]] = {}
-        self._spans: list = []  # per row: its columns' slots, a slice (one run) or an index tensor
+        self._spans: list = []  # per row: its runs of consecutive pages (`_runs`), None: not yet known
         self.peak_pages = 0
 
     @property
@@ -126,7 +136,13 @@ class PagedKVCache:
 
     @property
     def pages_in_use(self) -> int:
-        return self.pages - len(self.free)
+        """Pages rows hold (prompts being prefilled included); those only the prefix store holds
+        are cached, not in use (vLLM counts its cached blocks as free)."""
+        return self.pages - len(self.free) - self.cached_pages
+
+    @property
+    def cached_pages(self) -> int:
+        return self.prefix.evictable() if self.prefix is not None else 0
 
     @property
     def page_bytes(self) -> int:
@@ -143,14 +159,20 @@ class PagedKVCache:
         nothing is copied), or a new row (None) that takes the pending pages `adopt[i]` names (a
         prompt prefilled before it joined), and pages for `columns[i]` columns, as one run where
         it can. The pages of old rows left out return to the pool."""
-        kept, adopt = {s for s in sources if s is not None}, adopt or {}
+        adopt, taken = adopt or {}, set()
+        tables = []
+        for i, s in enumerate(sources):
+            if s is None:
+                tables.append(self.pending.pop(adopt[i]) if i in adopt else [])
+            else:
+                tables.append(list(self.tables[s]))
+                if s in taken:  # a second row from the same one holds its pages too
+                    self.hold(tables[-1])
+                taken.add(s)
         for j, table in enumerate(self.tables):
-            if j not in kept:
-                self.free.update(table)
-        self.tables = [
-            list(self.tables[s]) if s is not None else self.pending.pop(adopt[i]) if i in adopt else []
-            for i, s in enumerate(sources)
-        ]
+            if j not in taken:
+                self.drop(table)
+        self.tables = tables
         self._spans = [None] * len(sources)
         if columns is not None:
             for i, s in enumerate(sources):
@@ -158,7 +180,8 @@ class PagedKVCache:
                     self.reserve(i, columns[i])
 
     def reset(self) -> None:
-        """Every page free: no rows, nothing pending (and the peak counted afresh)."""
+        """No rows, nothing pending (and the peak counted afresh): every page free but those the
+        prefix store keeps."""
         self.set_rows([])
         for key in list(self.pending):
             self.release(key)
@@ -170,7 +193,7 @@ class PagedKVCache:
 
     def release(self, key: int) -> None:
         """A pending prompt's pages back to the pool (its row was dropped)."""
-        self.free.update(self.pending.pop(key, []))
+        self.drop(self.pending.pop(key, []))
 
     def append_pending(self, keys: list[int]) -> int:
         """Lay the pending prompts `keys` out after the rows, for one forward (their pages reserved
@@ -189,13 +212,62 @@ class PagedKVCache:
         table, need = self.tables[row], -(-columns // self.page_size) - len(self.tables[row])
         if need <= 0:
             return
-        if len(self.free) < need:
-            self._grow(need - len(self.free))
         table.extend(self._take(need, table[-1] + 1 if table else None))
         self._spans[row] = None
         self.peak_pages = max(self.peak_pages, self.pages_in_use)
 
+    # -- holders of pages
+    def hold(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] += 1
+
+    def drop(self, pages: list[int]) -> None:
+        """Let go of `pages`: each returns to the pool when its last holder lets go."""
+        for p in pages:
+            self.refs[p] -= 1
+            if not self.refs[p]:
+                del self.refs[p]
+                self.free.add(p)
+
+    def share(self, row: int, pages: list[int]) -> None:
+        """Row `row`'s first columns are the pages `pages` (the prefix store's), held by reference;
+        the pages it held there return to the pool."""
+        table = self.tables[row]
+        self.hold(pages)
+        self.drop(table[: len(pages)])
+        table[: len(pages)] = pages
+        self._spans[row] = None
+
+    def own(self, row: int, lo: int, hi: int) -> None:
+        """Before row `row`'s columns [lo, hi) are written: each of their pages that another holder
+        shares is replaced by a copy of it that the row alone holds (copy-on-write)."""
+        table, p = self.tables[row], self.page_size
+        shared = [j for j in range(lo // p, min(-(-hi // p), len(table))) if self.refs[table[j]] > 1]
+        if not shared:
+            return
+        self._make_free(len(shared))
+        for j in shared:
+            old = table[j]
+            if self.refs[old] == 1:  # the store let it go to make room: the row's own now
+                continue
+            new = self._take(1, None)[0]
+            self.k[:, :, new * p : (new + 1) * p] = self.k[:, :, old * p : (old + 1) * p]
+            self.v[:, :, new * p : (new + 1) * p] = self.v[:, :, old * p : (old + 1) * p]
+            table[j] = new
+            self.drop([old])
+        self._spans[row] = None
+        self.peak_pages = max(self.peak_pages, self.pages_in_use)
+
+    def _make_free(self, n: int) -> None:
+        """At least `n` free pages: a pool that cannot grow evicts what only the prefix store holds
+        (least recently used first), then one that can grows."""
+        if len(self.free) < n and not self.growable and self.prefix is not None:
+            self.prefix.evict(n - len(self.free))
+        if len(self.free) < n:
+            self._grow(n - len(self.free))
+
     def _take(self, n: int, after: int | None) -> list[int]:
+        self._make_free(n)
         free = sorted(self.free)
         start = None
         if after is not None and all(p in self.free for p in range(after, after + n)):
@@ -209,6 +281,7 @@ class PagedKVCache:
                     break
         taken = list(range(start, start + n)) if start is not None else free[:n]
         self.free.difference_update(taken)
+        self.refs.update(dict.fromkeys(taken, 1))
         return taken
 
     def _grow(self, pages: int) -> None:
@@ -228,23 +301,39 @@ class PagedKVCache:
         self.k, self.v = k, v
         self.free.update(range(old, new))
 
-    def span(self, row: int, lo: int, hi: int):
-        """The pool slots of row `row`'s columns [lo, hi): a slice where its pages are one run, else
-        an index tensor."""
-        spans = self._spans[row]
-        if spans is None:
-            table, p = self.tables[row], self.page_size
-            if all(b == a + 1 for a, b in zip(table, table[1:])):
-                spans = table[0] * p if table else 0
-            else:
-                pages = torch.tensor(table, device=self.k.device)
-                spans = (pages[:, None] * p + torch.arange(p, device=self.k.device)).flatten()
-            self._spans[row] = spans
+    def _runs(self, row: int) -> list[tuple[int, int, int]]:
+        """Row `row`'s runs of consecutive pages: (first column, end column, first slot)."""
+        runs = self._spans[row]
+        if runs is None:
+            table, p, runs, j = self.tables[row], self.page_size, [], 0
+            while j < len(table):
+                k = j
+                while k + 1 < len(table) and table[k + 1] == table[k] + 1:
+                    k += 1
+                runs.append((j * p, (k + 1) * p, table[j] * p))
+                j = k + 1
+            self._spans[row] = runs
+        return runs
+
+    def slices(self, row: int, lo: int, hi: int) -> list[slice]:
+        """The pool slots of row `row`'s columns [lo, hi), a slice per run of consecutive pages (one
+        where its pages are one run: a view of the pool, nothing gathered)."""
         if hi > len(self.tables[row]) * self.page_size:
             raise IndexError(f"row {row} holds {len(self.tables[row])} pages, not columns up to {hi}")
-        if isinstance(spans, int):
-            return slice(spans + lo, spans + hi)
-        return spans[lo:hi]
+        out = []
+        for first, end, slot in self._runs(row):
+            a, b = max(lo, first), min(hi, end)
+            if a < b:
+                out.append(slice(slot + a - first, slot + b - first))
+        return out
+
+    def span(self, row: int, lo: int, hi: int):
+        """The pool slots of row `row`'s columns [lo, hi): a slice where they lie in one run of
+        pages, else an index tensor."""
+        parts = self.slices(row, lo, hi)
+        if len(parts) <= 1:
+            return parts[0] if parts else slice(0, 0)
+        return torch.cat([torch.arange(s.start, s.stop, device=self.k.device) for s in parts])
 
     def read(self, row: int, lo: int, hi: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s K/V of columns [lo, hi): (layers, kv_heads, hi - lo, head_dim), or one
@@ -255,6 +344,7 @@ class PagedKVCache:
 
     def write(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write row `row`'s K/V (layers, kv_heads, T, head_dim) of columns [lo, lo + T)."""
+        self.own(row, lo, lo + k.shape[2])
         where = self.span(row, lo, lo + k.shape[2])
         self.k[:, :, where] = k
         self.v[:, :, where] = v
@@ -321,12 +411,14 @@ class PagedLayerKV:
     def update_row(self, row: int, start: int, k, v, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one row's K/V (1, heads, T, head_dim) of columns [start, start + T) into its pages;
         return its K/V of columns [0, keys) (1, heads, keys, head_dim): views of the pool where its
-        pages are one run, else gathered."""
+        pages are one run, else its runs joined (a shared prefix's run, then its own)."""
         where = self.cache.span(row, start, start + k.shape[2])
         self.k[:, where] = k[0]
         self.v[:, where] = v[0]
-        where = self.cache.span(row, 0, keys)
-        return self.k[:, where][None], self.v[:, where][None]
+        runs = self.cache.slices(row, 0, keys)
+        if len(runs) == 1:
+            return self.k[:, runs[0]][None], self.v[:, runs[0]][None]
+        return torch.cat([self.k[:, r] for r in runs], 1)[None], torch.cat([self.v[:, r] for r in runs], 1)[None]
 
     def update(self, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-shape step's write and read (`LayerKV.update` with a (B, T) `start`): each

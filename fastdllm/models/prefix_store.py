@@ -6,7 +6,11 @@ block j's tokens (a hash chain), so a key stands for the whole prefix up to the 
 entry keeps the block's K/V of every layer, its tokens and its parent's key: a lookup walks a new
 prompt's chain from the first block and stops at the first miss, and every hit compares the
 entry's tokens and parent with the prompt's own, so a hash collision never serves another
-prompt's K/V. Entries are evicted least recently used first once their bytes pass the budget.
+prompt's K/V. An entry's K/V is a page of the K/V pool (`models.kv_cache.PagedKVCache`), the page
+of the row that computed it, held by reference: a row that finds it holds the same page, and
+copies it only before writing into it. Entries are evicted least recently used first once their
+bytes pass the store's budget, and when the pool needs their pages for rows (only pages no row
+holds).
 
 For a block-causal model (SDAR / TraDo, Fast-dLLM v2, LLaDA2) a prompt block's K/V depend only on
 the tokens up to the block's end: a stored block is exactly what the row would compute, so the
@@ -18,35 +22,42 @@ says which the caller wants.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
+
+@dataclass
+class Lookups:
+    """Prompt tokens looked up and found (vLLM's prefix-cache hit rate is hits / queries), counted
+    for a model across its stores, so that they only grow while pools come and go."""
+
+    hits: int = 0
+    queries: int = 0
 
 
 @dataclass
 class Entry:
     parent: int | None
     tokens: tuple[int, ...]
-    k: torch.Tensor  # (layers, kv_heads, block_size, head_dim)
-    v: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return (self.k.numel() + self.v.numel()) * self.k.element_size()
+    page: int  # the pool's page that holds the block's K/V of every layer
 
 
 class PrefixStore:
-    """Block-aligned prompt K/V under a byte budget (LRU). `hits` and `queries` count prompt
-    tokens looked up and found (vLLM's prefix-cache hit rate is hits / queries)."""
+    """Block-aligned prompt K/V, pages of `pool` (blocks of its page size), under a byte budget
+    (LRU), its lookups counted in `lookups`."""
 
-    def __init__(self, budget_bytes: int, block_size: int):
+    def __init__(self, pool, budget_bytes: int, lookups: Lookups | None = None):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes: must be >= 0 (got {budget_bytes})")
-        self.budget, self.block_size = budget_bytes, block_size
+        self.pool, self.budget, self.block_size = pool, budget_bytes, pool.page_size
         self.entries: OrderedDict[int, Entry] = OrderedDict()
-        self.bytes = 0
-        self.hits = self.queries = 0
+        self.lookups = lookups or Lookups()
+        pool.prefix = self  # the pool evicts through it when it runs out
+
+    @property
+    def bytes(self) -> int:
+        return len(self.entries) * self.pool.page_bytes
 
     def keys(self, tokens: list[int]) -> list[int]:
         """The chain's keys of the prompt's full blocks."""
@@ -75,51 +86,74 @@ class PrefixStore:
         for key in reversed(keys):
             self.entries.move_to_end(key)
 
-    def lookup(self, tokens: list[int]) -> list[Entry]:
-        """The stored entries of the prompt's longest stored prefix of full blocks (marked as
+    def lookup(self, tokens: list[int]) -> list[int]:
+        """The pages of the prompt's longest stored prefix of full blocks, in order (marked as
         recently used)."""
         found, bs = self._chain(tokens), self.block_size
         self._touch([key for key, _ in found])
-        self.queries += len(tokens) // bs * bs
-        self.hits += len(found) * bs
-        return [entry for _, entry in found]
+        self.lookups.queries += len(tokens) // bs * bs
+        self.lookups.hits += len(found) * bs
+        return [entry.page for _, entry in found]
 
-    def insert(self, tokens: list[int], first: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep blocks `first`.. of the prompt's full blocks, whose K/V are `k`, `v` (layers,
-        kv_heads, columns, head_dim) from column `first * block_size` on."""
-        keys, bs = self.keys(tokens), self.block_size
+    def insert(self, tokens: list[int], first: int, pages: list[int]) -> None:
+        """Keep blocks `first`.. of the prompt's full blocks, whose K/V are the pool's `pages` (a
+        row's, from its block `first` on): the store holds them too."""
+        keys = self.keys(tokens)
         for j in range(first, len(keys)):
             if keys[j] in self.entries:
                 continue
-            lo = (j - first) * bs
-            entry = Entry(
-                keys[j - 1] if j else None,
-                tuple(tokens[j * bs : (j + 1) * bs]),
-                k[:, :, lo : lo + bs].clone(),
-                v[:, :, lo : lo + bs].clone(),
-            )
-            if entry.nbytes > self.budget:
+            if self.pool.page_bytes > self.budget:
                 return
-            self.entries[keys[j]] = entry
-            self.bytes += entry.nbytes
+            bs, page = self.block_size, pages[j - first]
+            self.entries[keys[j]] = Entry(keys[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]), page)
+            self.pool.hold([page])
             self._touch(keys[: j + 1])
             while self.bytes > self.budget:
-                _, old = self.entries.popitem(last=False)
-                self.bytes -= old.nbytes
+                self._remove(next(iter(self.entries)))
+
+    def _remove(self, key: int) -> None:
+        self.pool.drop([self.entries.pop(key).page])
+
+    def evictable(self) -> int:
+        """Pages only the store holds."""
+        refs = self.pool.refs
+        return sum(refs[e.page] == 1 for e in self.entries.values())
+
+    def evict(self, pages: int) -> None:
+        """Give the pool up to `pages` pages that only the store holds, least recently used first."""
+        refs = self.pool.refs
+        for key in [k for k, e in self.entries.items() if refs[e.page] == 1][:pages]:
+            self._remove(key)
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.bytes = 0
+        for key in list(self.entries):
+            self._remove(key)
 
 
 DEFAULT_BUDGET_BYTES = 256 << 20
 
 
-def store_for(model, block_size: int) -> PrefixStore:
-    """The model's store for prompts cut in blocks of `block_size` (one per block size: a
-    block-causal model's K/V are exact only in its attention's blocks), under
+def store_for(model, pool) -> PrefixStore:
+    """The prefix store over `pool` (one per pool: its pages are the store's blocks), under
     `model.prefix_cache_bytes` (default 256 MiB)."""
-    stores = model.__dict__.setdefault("_prefix_stores", {})
-    if block_size not in stores:
-        stores[block_size] = PrefixStore(getattr(model, "prefix_cache_bytes", DEFAULT_BUDGET_BYTES), block_size)
-    return stores[block_size]
+    if pool.prefix is None:
+        lookups = model.__dict__.setdefault("_prefix_lookups", Lookups())
+        PrefixStore(pool, getattr(model, "prefix_cache_bytes", DEFAULT_BUDGET_BYTES), lookups)
+        model.__dict__.setdefault("_prefix_stores", weakref.WeakSet()).add(pool.prefix)
+    return pool.prefix
+
+
+def lookups(model) -> Lookups:
+    """The model's prefix-cache lookups, all stores together."""
+    return model.__dict__.get("_prefix_lookups") or Lookups()
+
+
+def prefix_stores(model) -> list[PrefixStore]:
+    """The model's prefix stores alive (one per pool)."""
+    return list(model.__dict__.get("_prefix_stores", ()))
+
+
+def reset_prefix_cache(model) -> None:
+    """Forget every prompt the model's prefix stores keep (vLLM's `reset_prefix_cache`)."""
+    for store in prefix_stores(model):
+        store.clear()

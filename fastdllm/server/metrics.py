@@ -14,6 +14,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..models.prefix_store import lookups, prefix_stores
+
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -112,7 +114,7 @@ class PrefixStores:
         self.model, self.model_name = model, model_name
 
     def collect(self):
-        stores = list(self.model.__dict__.get("_prefix_stores", {}).values())
+        stores, counted = prefix_stores(self.model), lookups(self.model)
         label = ["model_name"]
         queries = CounterMetricFamily(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=label
@@ -121,7 +123,7 @@ class PrefixStores:
         held = GaugeMetricFamily(
             "fastdllm_prefix_cache_bytes", "Bytes of prompt K/V the prefix cache holds", labels=label
         )
-        queries.add_metric([self.model_name], sum(s.queries for s in stores))
-        hits.add_metric([self.model_name], sum(s.hits for s in stores))
+        queries.add_metric([self.model_name], counted.queries)
+        hits.add_metric([self.model_name], counted.hits)
         held.add_metric([self.model_name], sum(s.bytes for s in stores))
         return [queries, hits, held]
