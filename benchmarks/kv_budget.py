@@ -36,6 +36,7 @@ def rss(pid: int, field: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llada-arith", help="an embedded model (default %(default)s)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--kv-mib", type=int, default=48)
@@ -47,7 +48,7 @@ def main() -> None:
     args = ap.parse_args()
     port = free_port()
     cmd = [sys.executable, "-m", "fastdllm", "serve", "--port", str(port), "--max-queue", str(args.requests)]
-    cmd += ["--kv-cache-memory", str(args.kv_mib), "--max-batch-size", str(args.max_batch_size)]
+    cmd += ["--model", args.model, "--kv-cache-memory", str(args.kv_mib), "--max-batch-size", str(args.max_batch_size)]
     cmd += args.serve_args.split()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -63,7 +64,7 @@ def main() -> None:
                 time.sleep(0.2)
 
         def ask(msgs):
-            body = {"model": "llada-arith", "messages": msgs, "max_tokens": args.max_tokens, "stop_at_eos": False}
+            body = {"model": args.model, "messages": msgs, "max_tokens": args.max_tokens, "stop_at_eos": False}
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=3600)
             return r.status_code, (r.json().get("usage") or {}).get("completion_tokens", 0)
 
@@ -75,6 +76,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         done.set()
         result = {
+            "model": args.model,
             "serve_args": args.serve_args,
             "requests": args.requests,
             "max_tokens": args.max_tokens,
