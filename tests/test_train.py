@@ -409,6 +409,24 @@ def test_paired_eot_mix_ends_plain_answers_as_chat_answers_end(tokenizer):
     assert ends[eot] >= 4 and ends[eos] == 0
 
 
+def test_paired_groups_mix_weights_the_three_step_template(tokenizer):
+    """paired-groups-chat draws 40% of its pairs from `_groups` alone: its plain rows are mostly that
+    template's questions, where paired-chat's are a sixth of them."""
+
+    def groups_share(mix: str) -> float:
+        plain = []
+        for step in range(8):
+            ids, starts = train.make_batch(tokenizer, step, 3, 8192, mix=mix)
+            for r, s in zip(ids, starts):
+                prompt = tokenizer.decode(r[:s], skip_special_tokens=False)
+                if "<|" not in prompt and ("Question" in prompt or prompt.endswith("?")):
+                    plain.append("equally among" in prompt.split("Question:")[-1])
+        assert len(plain) >= 8
+        return sum(plain) / len(plain)
+
+    assert groups_share("paired-groups-chat") > 0.35 > groups_share("paired-chat")
+
+
 def test_keep_best_saves_the_evaluation_with_the_highest_lowest_form(tmp_path, monkeypatch):
     scores = iter([(0.5, 0.1), (0.4, 0.3), (0.9, 0.2)])  # (chat, plain); the lower: 0.1, 0.3, 0.2
     current = None

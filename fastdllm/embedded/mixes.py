@@ -104,4 +104,12 @@ MIXES: dict[str, Mix] = {
     "paired-eot-chat": Mix(
         0.0, SHORT, sources={"paired-eot": 0.6, "arith": 0.25, "drill": 0.15}, formats={"chat": 1.0}
     ),
+    # paired-chat, with 40% of its pairs drawn from the one template (`_groups`, three steps)
+    # whose plain answers ran a step long
+    "paired-groups-chat": Mix(
+        0.0,
+        SHORT,
+        sources={"paired": 0.35, "paired-groups": 0.25, "arith": 0.25, "drill": 0.15},
+        formats={"chat": 1.0},
+    ),
 }

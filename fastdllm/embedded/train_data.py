@@ -105,6 +105,10 @@ def talk_row(
     source = _draw(r, sources or SOURCES)
     if source in ("paired", "paired-eot"):
         return paired_rows(r, tokenizer, streams, plain_eot=source == "paired-eot")
+    if source == "paired-groups":
+        if "arith-groups" not in streams:  # drawn only by the mixes that use it
+            streams["arith-groups"] = arith.train_stream(r.randrange(1 << 30), GROUPS_TEMPLATES)
+        return paired_rows(r, tokenizer, streams, stream="arith-groups")
     if source == "tools":
         return tool_data.tool_row(r, tokenizer)
     if source == "text":
@@ -142,17 +146,20 @@ def talk_row(
 # A paired question's text (the same in both rows): the bare question, "Question: ...\nAnswer:", or
 # lm-eval gsm8k's few-shot layout behind 1-8 solved examples.
 PAIRED_TEXTS = {"bare": 0.3, "question": 0.5, "fewshot": 0.2}
+# the template whose three-step answers plain prompts got wrong most (docs/training-notes.md, "Where
+# the plain gap lives")
+GROUPS_TEMPLATES = (arith._groups,)
 
 
 def paired_rows(
-    r: random.Random, tokenizer, streams: dict, plain_eot: bool = False
+    r: random.Random, tokenizer, streams: dict, plain_eot: bool = False, stream: str = "arith"
 ) -> list[tuple[list[int], list[int]]]:
-    """One arith problem as two rows: its text as the chat template's user turn (answer, then
-    `<|eot_id|>`), and the same text as a plain prompt, encoded as plain prompts are (with the
-    tokenizer's own BOS where it adds one), answered by a space, the answer, then end-of-text, the
-    padding token itself (with `plain_eot`, `<|eot_id|>`, as a chat answer ends)."""
+    """One arith problem (from `streams[stream]`) as two rows: its text as the chat template's user
+    turn (answer, then `<|eot_id|>`), and the same text as a plain prompt, encoded as plain prompts
+    are (with the tokenizer's own BOS where it adds one), answered by a space, the answer, then
+    end-of-text, the padding token itself (with `plain_eot`, `<|eot_id|>`, as a chat answer ends)."""
     eot, eos = tokenizer.token_to_id("<|eot_id|>"), tokenizer.eos_token_id
-    p = next(streams["arith"])
+    p = next(streams[stream])
     kind = _draw(r, PAIRED_TEXTS)
     if kind == "bare":
         text = p.question

@@ -230,10 +230,10 @@ def _groups(r: random.Random) -> Problem:
 TEMPLATES = [_running_total, _running_total, _shopping, _rate, _compare, _groups]
 
 
-def make_problem(r: random.Random) -> Problem:
+def make_problem(r: random.Random, templates=TEMPLATES) -> Problem:
     while True:
         try:
-            return r.choice(TEMPLATES)(r)
+            return r.choice(templates)(r)
         except _Reject:
             continue
 
@@ -267,11 +267,12 @@ def held_out_questions() -> set[str]:
     return {p.question for p in test_split()} | {p.question for p in fewshot_pool()}
 
 
-def train_stream(seed: int):
-    """An endless stream of training problems, never one of the held-out questions."""
+def train_stream(seed: int, templates=TEMPLATES):
+    """An endless stream of training problems (of `templates`), never one of the held-out
+    questions."""
     held_out, r = held_out_questions(), random.Random(seed)
     while True:
-        p = make_problem(r)
+        p = make_problem(r, templates)
         if p.question not in held_out:
             yield p
 
