@@ -4,6 +4,9 @@ by default for block-causal models, an opt-in approximation for bidirectional on
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -75,6 +78,20 @@ def test_a_hit_is_shared_by_reference_and_copied_before_a_write():
     assert cache.tables[0][0] == pages[0] and cache.tables[0][1] != pages[1]
     assert torch.equal(cache.k[:, :, pages[1] * 2 : pages[1] * 2 + 2], want[:, :, 2:])  # the store's page unchanged
     assert torch.equal(cache.read(0, 0, 2)[0], want[:, :, :2])
+
+
+def test_a_pool_let_go_is_freed_with_its_store():
+    """The store refers to its pool weakly: a server's pool replaced (or a model's dropped) frees
+    its memory at once, not at the next garbage collection."""
+    cache = pool()
+    PrefixStore(cache, 1 << 20)
+    gone = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_a_full_pool_evicts_what_only_the_store_holds():

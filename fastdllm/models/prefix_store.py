@@ -50,14 +50,16 @@ class PrefixStore:
     def __init__(self, pool, budget_bytes: int, lookups: Lookups | None = None):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes: must be >= 0 (got {budget_bytes})")
-        self.pool, self.budget, self.block_size = pool, budget_bytes, pool.page_size
+        # the pool owns its store: a weak reference back, so that a pool let go is freed at once
+        self.pool, self.budget, self.block_size = weakref.proxy(pool), budget_bytes, pool.page_size
+        self.page_bytes = pool.page_bytes
         self.entries: OrderedDict[int, Entry] = OrderedDict()
         self.lookups = lookups or Lookups()
         pool.prefix = self  # the pool evicts through it when it runs out
 
     @property
     def bytes(self) -> int:
-        return len(self.entries) * self.pool.page_bytes
+        return len(self.entries) * self.page_bytes
 
     def keys(self, tokens: list[int]) -> list[int]:
         """The chain's keys of the prompt's full blocks."""
@@ -102,7 +104,7 @@ class PrefixStore:
         for j in range(first, len(keys)):
             if keys[j] in self.entries:
                 continue
-            if self.pool.page_bytes > self.budget:
+            if self.page_bytes > self.budget:
                 return
             bs, page = self.block_size, pages[j - first]
             self.entries[keys[j]] = Entry(keys[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]), page)
