@@ -54,6 +54,7 @@ def test_the_store_evicts_the_least_recently_used_within_its_budget():
     stored_row(cache, [1, 2, 3, 4], store)
     stored_row(cache, [7, 8], store)
     assert store.bytes == 3 * cache.page_bytes and cache.pages_in_use == 0  # cached, not in use
+    assert cache.cached_pages == 3
     store.lookup([1, 2, 3, 4])  # used again: the other prompt is now the oldest
     stored_row(cache, [5, 6], store)
     assert store.bytes <= 3 * cache.page_bytes and store.match([7, 8]) == 0 and store.match([1, 2, 3, 4]) == 2
@@ -72,7 +73,7 @@ def test_a_hit_is_shared_by_reference_and_copied_before_a_write():
     pages = store.lookup([1, 2, 3, 4, 9, 9])
     cache.share(0, pages)
     assert cache.tables[0][:2] == pages and all(cache.refs[p] == 2 for p in pages)
-    assert cache.pages_in_use == 3  # the two shared pages and the row's own
+    assert cache.pages_in_use == 3 and cache.cached_pages == 0  # the two shared pages and the row's own
     want = cache.read(0, 0, 4)[0].clone()
     cache.write(0, 2, torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4))
     assert cache.tables[0][0] == pages[0] and cache.tables[0][1] != pages[1]
@@ -101,7 +102,7 @@ def test_a_full_pool_evicts_what_only_the_store_holds():
     cache.set_rows([None], columns=[2])
     cache.share(0, store.lookup([1, 2]))  # the first block is held by a row, the second is not
     cache.set_rows([0, None], columns=[None, 6])  # 3 pages: 1 free, 1 the store's alone, ...
-    assert store.match([1, 2]) == 1 and len(store.entries) == 1
+    assert store.match([1, 2]) == 1 and len(store.entries) == 1 and cache.cached_pages == 0
     with pytest.raises(RuntimeError, match="pool is full"):
         cache.set_rows([0, 1, None], columns=[None, None, 2])
 
@@ -131,6 +132,8 @@ def test_block_causal_prefixes_are_computed_once_and_decode_the_same(name):
     assert all(r <= len(p) for r, p in zip(again.prompt_positions, ids))
     # the rows hold the stored exemplar blocks by reference: once, not once per row
     assert again.kv_cache_bytes <= on.kv_cache_bytes < off.kv_cache_bytes / 2
+    pool = model.__dict__["_spare_kv_pool"]  # the decodes are done: every stored page is cached, none in use
+    assert pool.cached_pages == len(pool.stored) == len(pool.prefix.entries) > 0 and pool.pages_in_use == 0
 
 
 def test_a_row_that_shares_an_uncomputed_prefix_waits_one_step(tiny_sdar):

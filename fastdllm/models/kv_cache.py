@@ -123,6 +123,8 @@ class PagedKVCache:
             self.v = torch.zeros_like(self.k)
         self.free: set[int] = set(range(pages))
         self.refs: dict[int, int] = {}  # page -> its holders (row tables, pending prompts, the store)
+        self.stored: set[int] = set()  # the pages the prefix store holds
+        self.cached_pages = 0  # of those, the pages no one else holds (evictable), counted as refs change
         self.prefix = None  # the prefix store whose blocks are pages of this pool (`models.prefix_store`)
         self.tables: list[list[int]] = []
         # pages of prompts being prefilled before their rows join the layout (key -> page table)
@@ -139,10 +141,6 @@ class PagedKVCache:
         """Pages rows hold (prompts being prefilled included); those only the prefix store holds
         are cached, not in use (vLLM counts its cached blocks as free)."""
         return self.pages - len(self.free) - self.cached_pages
-
-    @property
-    def cached_pages(self) -> int:
-        return self.prefix.evictable() if self.prefix is not None else 0
 
     @property
     def page_bytes(self) -> int:
@@ -217,17 +215,30 @@ class PagedKVCache:
         self.peak_pages = max(self.peak_pages, self.pages_in_use)
 
     # -- holders of pages
-    def hold(self, pages: list[int]) -> None:
-        for p in pages:
-            self.refs[p] += 1
+    def _cached(self, p: int) -> bool:
+        return p in self.stored and self.refs.get(p) == 1
 
-    def drop(self, pages: list[int]) -> None:
-        """Let go of `pages`: each returns to the pool when its last holder lets go."""
+    def hold(self, pages: list[int], stored: bool = False) -> None:
+        """Hold `pages` once more (`stored`: the prefix store is the holder)."""
         for p in pages:
+            was = self._cached(p)
+            self.refs[p] += 1
+            if stored:
+                self.stored.add(p)
+            self.cached_pages += self._cached(p) - was
+
+    def drop(self, pages: list[int], stored: bool = False) -> None:
+        """Let go of `pages` (`stored`: the prefix store lets go): each returns to the pool when its
+        last holder lets go."""
+        for p in pages:
+            was = self._cached(p)
             self.refs[p] -= 1
+            if stored:
+                self.stored.discard(p)
             if not self.refs[p]:
                 del self.refs[p]
                 self.free.add(p)
+            self.cached_pages += self._cached(p) - was
 
     def share(self, row: int, pages: list[int]) -> None:
         """Row `row`'s first columns are the pages `pages` (the prefix store's), held by reference;

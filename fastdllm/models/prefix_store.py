@@ -108,18 +108,13 @@ class PrefixStore:
                 return
             bs, page = self.block_size, pages[j - first]
             self.entries[keys[j]] = Entry(keys[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]), page)
-            self.pool.hold([page])
+            self.pool.hold([page], stored=True)
             self._touch(keys[: j + 1])
             while self.bytes > self.budget:
                 self._remove(next(iter(self.entries)))
 
     def _remove(self, key: int) -> None:
-        self.pool.drop([self.entries.pop(key).page])
-
-    def evictable(self) -> int:
-        """Pages only the store holds."""
-        refs = self.pool.refs
-        return sum(refs[e.page] == 1 for e in self.entries.values())
+        self.pool.drop([self.entries.pop(key).page], stored=True)
 
     def evict(self, pages: int) -> None:
         """Give the pool up to `pages` pages that only the store holds, least recently used first."""
