@@ -118,8 +118,13 @@ class PrefixStore:
 
     def evict(self, pages: int) -> None:
         """Give the pool up to `pages` pages that only the store holds, least recently used first."""
-        refs = self.pool.refs
-        for key in [k for k, e in self.entries.items() if refs[e.page] == 1][:pages]:
+        refs, victims = self.pool.refs, []
+        for key, entry in self.entries.items():  # oldest first: the walk usually stops at once
+            if len(victims) == pages:
+                break
+            if refs[entry.page] == 1:
+                victims.append(key)
+        for key in victims:
             self._remove(key)
 
     def clear(self) -> None:
