@@ -88,7 +88,8 @@ class PagedKVCache:
     `table[c // page_size]`. Pages are taken when a row needs them and returned when it leaves, so
     the pool holds what the rows use, not rows times the longest row, and rows that join or leave
     move nothing: only page tables change. A row's pages are taken as one run where the pool has
-    one free, so its keys are one slice of the pool (read in place); otherwise they are gathered.
+    one free, so its keys are one slice of the pool (read in place); otherwise its runs of
+    consecutive pages are read in place and joined.
 
     Pages are shared by reference, as vLLM's and SGLang's are: each page counts its holders (row
     tables, prompts being prefilled, the prefix store in `prefix`), and returns to the pool when
