@@ -86,6 +86,15 @@ class DualRefreshed(_RefreshEveryStep, DualCache):
     name = "dual_refreshed"
 
 
+def write_kv(cache, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write row `row`'s K/V (layers, kv_heads, T, head_dim) of columns [lo, lo + T) into a
+    `PagedKVCache` as a forward does: pages another holder shares copied first (`own`)."""
+    cache.own(row, lo, lo + k.shape[2])
+    where = cache.span(row, lo, lo + k.shape[2])
+    cache.k[:, :, where] = k
+    cache.v[:, :, where] = v
+
+
 def random_prompts(model, lengths, seed: int = 0) -> list[list[int]]:
     """Prompts of random token ids (no mask token) of the given lengths, for a random model."""
     g = torch.Generator().manual_seed(seed)

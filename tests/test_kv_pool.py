@@ -10,7 +10,7 @@ from fastdllm.engine.decoder import BlockDecoder
 from fastdllm.models.kv_cache import PagedKVCache
 from fastdllm.models.prefix_store import reset_prefix_cache
 
-from .conftest import random_prompts
+from .conftest import random_prompts, write_kv
 
 
 def pool(pages=0, page_size=4, layers=2, heads=2, dim=3):
@@ -22,7 +22,7 @@ def filled(cache: PagedKVCache, row: int, columns: int, seed: int) -> tuple[torc
     k = torch.randn(cache.k.shape[0], cache.k.shape[1], columns, cache.k.shape[3], generator=g)
     v = torch.randn(k.shape, generator=g)
     cache.reserve(row, columns)
-    cache.write(row, 0, k, v)
+    write_kv(cache, row, 0, k, v)
     return k, v
 
 
@@ -53,7 +53,7 @@ def test_a_fragmented_row_reads_its_pages_in_order():
     k, v = filled(cache, 0, 4, seed=1)
     cache.reserve(0, 12)  # the pages after its own are taken: it continues elsewhere
     more = torch.randn(2, 2, 8, 3)
-    cache.write(0, 4, more, more)
+    write_kv(cache, 0, 4, more, more)
     assert not isinstance(cache.span(0, 0, 12), slice)
     got, _ = cache.read(0, 0, 12)
     assert torch.equal(got[:, :, :4], k) and torch.equal(got[:, :, 4:], more)

@@ -18,6 +18,8 @@ from fastdllm.evaluation.tasks import arith
 from fastdllm.models.kv_cache import PagedKVCache
 from fastdllm.models.prefix_store import PrefixStore, prefix_stores, reset_prefix_cache
 
+from .conftest import write_kv
+
 
 def pool(pages=8, page_size=2):
     return PagedKVCache(2, 1, 4, page_size, pages, dtype=torch.float32, device="cpu")
@@ -28,7 +30,7 @@ def stored_row(cache: PagedKVCache, tokens: list[int], store: PrefixStore) -> in
     row = len(cache.tables)
     cache.set_rows(list(range(row)) + [None], columns=[None] * row + [len(tokens)])
     cols = torch.tensor(tokens, dtype=torch.float32)[None, None, :, None].expand(2, 1, -1, 4)
-    cache.write(row, 0, cols, -cols)
+    write_kv(cache, row, 0, cols, -cols)
     store.insert(tokens, 0, cache.tables[row][: len(tokens) // cache.page_size])
     cache.set_rows(list(range(row)))
     return row
@@ -75,7 +77,7 @@ def test_a_hit_is_shared_by_reference_and_copied_before_a_write():
     assert cache.tables[0][:2] == pages and all(cache.refs[p] == 2 for p in pages)
     assert cache.pages_in_use == 3 and cache.cached_pages == 0  # the two shared pages and the row's own
     want = cache.read(0, 0, 4)[0].clone()
-    cache.write(0, 2, torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4))
+    write_kv(cache, 0, 2, torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4))
     assert cache.tables[0][0] == pages[0] and cache.tables[0][1] != pages[1]
     assert torch.equal(cache.k[:, :, pages[1] * 2 : pages[1] * 2 + 2], want[:, :, 2:])  # the store's page unchanged
     assert torch.equal(cache.read(0, 0, 2)[0], want[:, :, :2])

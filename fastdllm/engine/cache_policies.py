@@ -282,7 +282,7 @@ class CachePolicy:
                 batch_invariant=self.batch_invariant,
                 embeds=seq.embeds,
             )
-            store = self.store
+            store = self.store if chunks else None
             for j, (_, tokens, lo, hi) in enumerate(chunks if store is not None else ()):
                 # exact (a block-causal prompt): stored now, for the rows that share the prefix
                 bs = store.block_size

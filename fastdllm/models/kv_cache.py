@@ -257,11 +257,8 @@ class PagedKVCache:
         shared = [j for j in range(lo // p, min(-(-hi // p), len(table))) if self.refs[table[j]] > 1]
         if not shared:
             return
-        self._make_free(len(shared))
-        for j in shared:
+        for j in shared:  # eviction for a new page takes only pages no row holds: never these
             old = table[j]
-            if self.refs[old] == 1:  # the store let it go to make room: the row's own now
-                continue
             new = self._take(1, None)[0]
             self.k[:, :, new * p : (new + 1) * p] = self.k[:, :, old * p : (old + 1) * p]
             self.v[:, :, new * p : (new + 1) * p] = self.v[:, :, old * p : (old + 1) * p]
@@ -353,13 +350,6 @@ class PagedKVCache:
         where = self.span(row, lo, hi)
         k, v = (self.k, self.v) if layer is None else (self.k[layer], self.v[layer])
         return k[..., where, :], v[..., where, :]
-
-    def write(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write row `row`'s K/V (layers, kv_heads, T, head_dim) of columns [lo, lo + T)."""
-        self.own(row, lo, lo + k.shape[2])
-        where = self.span(row, lo, lo + k.shape[2])
-        self.k[:, :, where] = k
-        self.v[:, :, where] = v
 
     def slot_table(self, columns: int) -> torch.Tensor:
         """(rows, columns) the pool slot of every row's columns [0, columns) (slot 0 past a row's

@@ -101,11 +101,11 @@ class PrefixStore:
         """Keep blocks `first`.. of the prompt's full blocks, whose K/V are the pool's `pages` (a
         row's, from its block `first` on): the store holds them too."""
         keys = self.keys(tokens)
+        if self.page_bytes > self.budget:
+            return
         for j in range(first, len(keys)):
             if keys[j] in self.entries:
                 continue
-            if self.page_bytes > self.budget:
-                return
             bs, page = self.block_size, pages[j - first]
             self.entries[keys[j]] = Entry(keys[j - 1] if j else None, tuple(tokens[j * bs : (j + 1) * bs]), page)
             self.pool.hold([page], stored=True)
