@@ -180,3 +180,47 @@ def test_a_row_that_rewrites_a_shared_page_copies_it_first(tiny_llada):
     assert sum(second.prompt_positions) < sum(first.prompt_positions)  # the prefix was shared
     assert torch.equal(store.pool.k[:, :, columns], held)
     assert torch.equal(generate(model, others, config).sequences, second.sequences)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual", "delayed"])
+@pytest.mark.parametrize("name", ["tiny_llada", "tiny_sdar"])
+def test_every_cache_policy_fills_the_store(request, name, cache):
+    """Whatever the policy, the rows' prompts are stored after their first forward: a second
+    request with the same prompt computes none of its stored blocks again."""
+    model = request.getfixturevalue(name)
+    reset_prefix_cache(model)
+    prompt = list(range(10, 34))  # six blocks of 4
+    config = GenerationConfig.for_model(
+        model,
+        GenerationConfig(gen_length=8, block_length=4, cache=cache, prefix_cache="approximate", stop_at_eos=False),
+        checkpoint_defaults=False,
+    )
+    first = generate(model, [prompt], config)
+    second = generate(model, [prompt], config)
+    assert first.prompt_positions[0] == len(prompt)
+    assert second.prompt_positions[0] < len(prompt) // 2
+    if model.args.block_size:  # exact: the same answer
+        assert torch.equal(first.sequences, second.sequences)
+
+
+def test_a_policy_object_keeps_the_configs_engine_settings(tiny_sdar):
+    """A cache policy passed as an object decodes under the config's page size, determinism and
+    prefix sharing, exactly as the one the config names."""
+    from fastdllm.engine.cache_policies import DualCache
+    from fastdllm.engine.policies import Policies, resolve
+
+    config = GenerationConfig.for_model(
+        tiny_sdar,
+        GenerationConfig(gen_length=8, block_length=4, deterministic=True),
+        checkpoint_defaults=False,
+    )
+    named = resolve(None, tiny_sdar, config)
+    given = resolve(Policies(cache=DualCache(tiny_sdar)), tiny_sdar, config).cache
+    whole = resolve(Policies(DualCache(tiny_sdar), named.strategy), tiny_sdar, config).cache
+    for policy in (named.cache, given, whole):
+        assert policy.page_size == 4 and policy.batch_invariant and policy.shares_prefixes
+    reset_prefix_cache(tiny_sdar)
+    prompt = list(range(10, 34))
+    generate(tiny_sdar, [prompt], config)
+    again = generate(tiny_sdar, [prompt], config, policies=Policies(cache=DualCache(tiny_sdar)))
+    assert again.prompt_positions[0] < len(prompt) // 2

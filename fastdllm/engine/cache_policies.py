@@ -241,7 +241,8 @@ class CachePolicy:
         return out
 
     def _store_prompts(self) -> None:
-        """After the forward of rows that just joined: their prompts' blocks that the store lacked."""
+        """After the forward of rows that just joined (their first, whatever the policy's windows):
+        their prompts' blocks that the store lacked."""
         if not self._unstored:
             return
         store = self.store
@@ -282,6 +283,7 @@ class CachePolicy:
                 batch_invariant=self.batch_invariant,
                 embeds=seq.embeds,
             )
+            self._store_prompts()
             store = self.store if chunks else None
             for j, (_, tokens, lo, hi) in enumerate(chunks if store is not None else ()):
                 # exact (a block-causal prompt): stored now, for the rows that share the prefix
@@ -444,7 +446,6 @@ class PrefixCache(CachePolicy):
         cache = self.cache_for(seq)
         before = self.refresh.probe(cache, seq, partial) if partial else None
         parts = self.forward(seq, windows)
-        self._store_prompts()
         stale = self.refresh.check(cache, seq, partial, before) if partial else []
         if stale:  # a full forward for those rows, replacing their logits and cache
             for i, out in zip(stale, self.forward(seq, [self.full_window(seq, i) for i in stale])):
@@ -589,7 +590,6 @@ class SubBlockCache(DualCache):
                 windows.append((i, sub, sub + size, seq.seen[i], sub + shift))
                 places.append((i, o + shift))
         parts = self.forward(seq, windows)
-        self._store_prompts()
         if self._logits is None or self._logits.shape[0] != bsz:
             self._logits = parts[0].new_zeros((bsz, blk, parts[0].shape[-1]))
             self._uncached = [False] * bsz
@@ -697,9 +697,15 @@ def register_cache_policy(cls: type[CachePolicy]) -> type[CachePolicy]:
 
 
 def cache_policy(model, config) -> CachePolicy:
-    """The policy a config names, with its refresh rule (batch-invariant forwards with
-    `config.deterministic`)."""
-    policy = CACHE_POLICIES[config.cache].from_config(model, config)
+    """The policy a config names, with the config's engine settings (`configure`)."""
+    return configure(CACHE_POLICIES[config.cache].from_config(model, config), model, config)
+
+
+def configure(policy: CachePolicy, model, config) -> CachePolicy:
+    """The settings a config gives every policy alike, whether it names the policy or a caller
+    passed the object (`policies.Policies`): pages of one block, batch-invariant forwards with
+    `config.deterministic`, CUDA graphs, and prefix sharing where `config.prefix_cache` asks for it
+    (exact: block-causal models only)."""
     policy.page_size = config.block_length
     policy.batch_invariant = config.deterministic
     policy.graphs = config.cuda_graphs

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import GenerationConfig
-from .cache_policies import CachePolicy, cache_policy
+from .cache_policies import CachePolicy, cache_policy, configure
 from .unmasking import UnmaskingStrategy
 
 
@@ -33,11 +33,12 @@ PolicySource = Policies | Callable[..., Policies] | None
 def policies_for(
     model, config: GenerationConfig, cache: CachePolicy | None = None, strategy: UnmaskingStrategy | None = None
 ) -> Policies:
-    """The policies `config` names (either one replaced by the object given). The family's rule
+    """The policies `config` names (either one replaced by the object given, which takes the
+    config's engine settings all the same: `cache_policies.configure`). The family's rule
     applies to a strategy built from the config: a Dream model decoding with a block cache, and a
     Fast-dLLM v2 model always, reveal each block's first position at its block-start step, as
     their reference code does; `sub_block_length` reveals blocks sub-block by sub-block."""
-    cache = cache if cache is not None else cache_policy(model, config)
+    cache = configure(cache, model, config) if cache is not None else cache_policy(model, config)
     if strategy is None:
         family = getattr(model, "family", None)
         strategy = UnmaskingStrategy.from_config(config, family.rules if family is not None else None)
@@ -62,6 +63,4 @@ def resolve(source: PolicySource, model, config: GenerationConfig) -> Policies:
         source = source(model, config)
         if not isinstance(source, Policies):
             raise ValueError(f"policies: the factory returned {type(source).__name__}, not a Policies bundle")
-    if source.cache is None or source.strategy is None:
-        return policies_for(model, config, source.cache, source.strategy)
-    return source
+    return policies_for(model, config, source.cache, source.strategy)
