@@ -245,19 +245,16 @@ def test_apply_chat_template_matches_transformers_with_and_without_it(case, retu
     _, tok = fastdllm.load()
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.fast, **tok.special_tokens_context())
     theirs = hf.apply_chat_template(messages, chat_template=template, **kwargs, **returns)
-    for use in (True, False):
-        tok.use_transformers = use
-        ours = tok.apply_chat_template(messages, chat_template=template, **kwargs, **returns)
-        if isinstance(theirs, (str, list)):
-            assert ours == theirs
-        elif isinstance(theirs, torch.Tensor):
-            assert torch.equal(ours, theirs)
-        else:
-            assert set(ours) == set(theirs) and all(
-                torch.equal(ours[k], theirs[k]) if isinstance(theirs[k], torch.Tensor) else ours[k] == list(theirs[k])
-                for k in theirs
-            )
-    tok.use_transformers = True
+    ours = tok.apply_chat_template(messages, chat_template=template, **kwargs, **returns)
+    if isinstance(theirs, (str, list)):
+        assert ours == theirs
+    elif isinstance(theirs, torch.Tensor):
+        assert torch.equal(ours, theirs)
+    else:
+        assert set(ours) == set(theirs) and all(
+            torch.equal(ours[k], theirs[k]) if isinstance(theirs[k], torch.Tensor) else ours[k] == list(theirs[k])
+            for k in theirs
+        )
 
 
 def test_apply_chat_template_batches_and_the_tokenizer_call():
@@ -267,16 +264,12 @@ def test_apply_chat_template_batches_and_the_tokenizer_call():
     _, tok = fastdllm.load()
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.fast, **tok.special_tokens_context())
     hf.chat_template = tok.chat_template
-    tok.use_transformers = False
-    try:
-        assert tok.apply_chat_template(CONVERSATIONS, tokenize=False) == hf.apply_chat_template(
-            CONVERSATIONS, tokenize=False
-        )
-        assert tok.apply_chat_template(CONVERSATIONS, return_dict=False) == hf.apply_chat_template(
-            CONVERSATIONS, return_dict=False
-        )
-    finally:
-        tok.use_transformers = True
+    assert tok.apply_chat_template(CONVERSATIONS, tokenize=False) == hf.apply_chat_template(
+        CONVERSATIONS, tokenize=False
+    )
+    assert tok.apply_chat_template(CONVERSATIONS, return_dict=False) == hf.apply_chat_template(
+        CONVERSATIONS, return_dict=False
+    )
     for text in ("Tom has 5 apples.", ["a b", "Tom has 5 apples."]):
         ours, theirs = tok(text), hf(text)
         assert ours["input_ids"] == theirs["input_ids"] and ours["attention_mask"] == theirs["attention_mask"]
@@ -390,19 +383,19 @@ def test_a_function_without_what_its_schema_needs_names_it():
             function_schema(f)
 
 
-def test_apply_chat_template_takes_python_functions_as_tools_with_and_without_transformers():
+def test_apply_chat_template_takes_python_functions_as_tools_as_transformers_does():
     _, tok = fastdllm.load("llada-arith")
     messages = [{"role": "user", "content": "Tom has 5 apples. He buys 3 more. How many now?"}]
-    tok.use_transformers = False
-    try:
-        ours = tok.apply_chat_template(messages, tools=[add, weather], tokenize=False, add_generation_prompt=True)
-    finally:
-        tok.use_transformers = True
+    ours = tok.apply_chat_template(messages, tools=[add, weather], tokenize=False, add_generation_prompt=True)
     from fastdllm.text.tool_schema import function_schema
 
     assert ours == tok.apply_chat_template(
         messages, tools=[function_schema(add), function_schema(weather)], tokenize=False, add_generation_prompt=True
     )
     assert "- add(a, b): Add two numbers.\n" in ours
-    pytest.importorskip("transformers")
-    assert ours == tok.apply_chat_template(messages, tools=[add, weather], tokenize=False, add_generation_prompt=True)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.fast, **tok.special_tokens_context())
+    theirs = hf.apply_chat_template(
+        messages, tools=[add, weather], chat_template=tok.chat_template, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs

@@ -259,7 +259,14 @@ class Transformer(nn.Module):
         # Weight-only quantization of the linear layers (`quant.describe`: bits, group size,
         # kernels, checkpoint format), None when the weights are in the model's dtype.
         self.quantization: dict | None = None
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Why the weights are not in the checkpoint's dtype (`loading.auto_dtype`), None if they are.
+        self.dtype_note: str | None = None
+        # Embedding's own init, except on the meta device (a checkpoint's weights follow), where its
+        # normal_ would import torch._dynamo: seconds of every command's start
+        embeddings = torch.empty(args.vocab_size, args.dim)
+        if not embeddings.is_meta:
+            nn.init.normal_(embeddings)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=embeddings)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)

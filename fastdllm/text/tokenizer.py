@@ -33,9 +33,6 @@ class Tokenizer:
         self.fast = fast
         self.config = tokenizer_config or {}
         self.chat_template: str | None = self.config.get("chat_template")
-        # Chat templates through transformers' own apply_chat_template when it is installed; False:
-        # always here (what a machine without transformers does).
-        self.use_transformers = True
         self.bos_token = self._token_str("bos_token")
         self.eos_token = self._token_str("eos_token")
         self.pad_token = self._token_str("pad_token") or self.eos_token
@@ -119,30 +116,13 @@ class Tokenizer:
         """transformers' `apply_chat_template` (v5): the same signature, defaults and results (a string
         with `tokenize=False`; else a dict of `input_ids` and `attention_mask`, or the ids alone with
         `return_dict=False`, tensors with `return_tensors="pt"`; a list of conversations gives one
-        result each).
-        With transformers installed this is its own method on a `PreTrainedTokenizerFast` over this
-        tokenizer (its message preprocessing included); without it, the same steps here: None-valued
-        keys dropped, a message's reasoning under `reasoning_content` and `thinking` as well, the
-        template rendered in transformers' environment (`render_template`), then encoded without
-        special tokens."""
+        result each), by transformers' steps done here, without importing it (which costs seconds):
+        None-valued keys dropped, a message's reasoning under `reasoning_content` and `thinking` as
+        well, the template rendered in transformers' environment (`render_template`), then encoded
+        without special tokens. `tests/test_chat_templates.py` holds it to transformers' own."""
         template = chat_template or self.chat_template
         if not template:
             raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
-        hf = self.transformers_tokenizer()
-        if hf is not None:
-            # transformers 4.x refuses return_dict=True beside tokenize=False (5.x ignores it there)
-            return hf.apply_chat_template(
-                conversation,
-                tools=tools,
-                documents=documents,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=tokenize,
-                return_tensors=return_tensors,
-                return_dict=return_dict and tokenize,
-                **template_kwargs,
-            )
         batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt are not compatible")
@@ -185,23 +165,6 @@ class Tokenizer:
                 mask = torch.tensor(mask)
             return {"input_ids": out, "attention_mask": mask if batched or return_tensors else mask[0]}
         return out
-
-    def transformers_tokenizer(self):
-        """A transformers `PreTrainedTokenizerFast` over this tokenizer (None without transformers, or
-        with `use_transformers` off)."""
-        if not self.use_transformers:
-            return None
-        if getattr(self, "_hf", None) is None:
-            try:
-                from transformers import PreTrainedTokenizerFast
-            except ImportError:
-                return None
-            self._hf = PreTrainedTokenizerFast(
-                tokenizer_object=FastTokenizer.from_str(self.fast.to_str()),
-                chat_template=self.chat_template,
-                **self.special_tokens_context(),
-            )
-        return self._hf
 
     def __call__(
         self,
