@@ -607,9 +607,10 @@ class GenerationConfig:
         Long on purpose: one `need` per field, in declaration order, so that every rule a config
         obeys reads as one list (the cross-field rules beside the fields they join)."""
 
-        def need(ok: bool, name: str, allowed: str) -> None:
+        def need(ok: bool, name: str, allowed: str, got=None) -> None:
+            """`got`: the offending part, in words, where the field's whole value is not it."""
             if not ok:
-                raise ConfigError(name, f"{allowed} (got {getattr(self, name)!r})")
+                raise ConfigError(name, f"{allowed} (got {got if got is not None else repr(getattr(self, name))})")
 
         def is_num(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -771,23 +772,25 @@ class GenerationConfig:
             "needs greedy decoding (temperature 0): sampled tokens would be drawn twice",
         )
         for pos, value in self.fixed:
-            need(is_int(pos) and pos >= 0, "fixed", f"positions must be integers >= 0 (got {pos!r})")
+            need(is_int(pos) and pos >= 0, "fixed", "positions must be integers >= 0", got=f"position {pos!r}")
             need(
                 (isinstance(value, str) and value != "")
                 or (isinstance(value, tuple) and value and all(is_int(t) for t in value)),
                 "fixed",
                 f"at {pos}: a non-empty text or token ids",
+                got=repr(value),
             )
+            need(pos < self.gen_length, "fixed", f"positions must be below gen_length={self.gen_length}", f"{pos}")
             if not isinstance(value, str):
-                need(pos + len(value) <= self.gen_length, "fixed", f"at {pos}: beyond gen_length={self.gen_length}")
-        need(
-            all(p < self.gen_length for p, _ in self.fixed),
-            "fixed",
-            f"positions must be below gen_length={self.gen_length}",
-        )
+                need(
+                    pos + len(value) <= self.gen_length,
+                    "fixed",
+                    f"at {pos}: beyond gen_length={self.gen_length}",
+                    got=f"{len(value)} tokens",
+                )
         spans = [(p, p + len(v)) for p, v in self.fixed if not isinstance(v, str)]
         for (a, a_end), (b, _) in zip(spans, spans[1:]):
-            need(a_end <= b, "fixed", f"the spans at {a} and {b} overlap")
+            need(a_end <= b, "fixed", f"the spans at {a} and {b} overlap", got=f"the span at {a} ends at {a_end}")
         if self.suffix is not None:
             need(
                 (isinstance(self.suffix, str) and self.suffix != "")

@@ -131,7 +131,8 @@ def test_infill_mistakes_name_the_field(tiny_llada, tiny_sdar, tokenizer):
             fn()
         return str(e.value)
 
-    refused("fixed", lambda: GenerationConfig(gen_length=32, fixed={32: "x"}))
+    below = refused("fixed", lambda: GenerationConfig(gen_length=32, fixed={99999: "hello"}))
+    assert below == "fixed: positions must be below gen_length=32 (got 99999)"  # the part at fault, no tuples
     refused("fixed", lambda: GenerationConfig(gen_length=32, fixed={30: (1, 2, 3)}))
     refused("fixed", lambda: GenerationConfig(fixed={-1: "x"}))
     refused("fixed", lambda: GenerationConfig(fixed={3: ""}))

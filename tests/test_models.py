@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -179,6 +180,15 @@ def test_round_trip_is_bit_exact(tiny_llada, tiny_llada_dir, tokenizer):
     assert tok.encode(text) == tokenizer.encode(text)
     assert tok.chat_template == tokenizer.chat_template
     assert model.stop_token_ids == tokenizer.stop_token_ids()
+    # weight files get the mode the umask gives new files, as the JSON files beside them do
+    modes = {p.suffix: p.stat().st_mode & 0o777 for p in tiny_llada_dir.iterdir()}
+    assert modes[".safetensors"] == modes[".json"] == 0o666 & ~current_umask()
+
+
+def current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def test_saved_llada_config_has_every_reference_field(tiny_llada_dir):
@@ -189,8 +199,9 @@ def test_saved_llada_config_has_every_reference_field(tiny_llada_dir):
     assert llada.REFERENCE_CONFIG == reference  # our copy of the real config is verbatim
 
 
-def test_real_llada_config_shrunk_loads(tmp_path, tokenizer):
-    """LLaDA-8B-Instruct's exact config.json with the layer count and widths shrunk."""
+def test_real_llada_config_shrunk_loads(tmp_path, tokenizer, monkeypatch):
+    """LLaDA-8B-Instruct's exact config.json with the layer count and widths shrunk; in its own
+    bfloat16 on a CPU that computes bfloat16, in float32 on one that emulates it."""
     cfg = json.loads((FORMATS / "llada-8b-instruct.config.json").read_text())
     cfg.update(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=96)
     cfg.update(mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"), vocab_size=1024, embedding_size=1024)
@@ -211,8 +222,13 @@ def test_real_llada_config_shrunk_loads(tmp_path, tokenizer):
         tensors[theirs] = torch.randn(shape, dtype=torch.bfloat16)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     tokenizer.save(tmp_path)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "avx512_bf16": False})
+    emulated, _ = fastdllm.load(tmp_path, device="cpu")
+    assert emulated.dtype == torch.float32 and "no native bfloat16" in emulated.dtype_note
+    assert fastdllm.load(tmp_path, device="cpu", dtype="bfloat16")[0].dtype == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True, "amx_bf16": True})
     model, _ = fastdllm.load(tmp_path, device="cpu")
-    assert model.dtype == torch.bfloat16  # the config's torch_dtype
+    assert model.dtype == torch.bfloat16 and model.dtype_note is None  # the config's torch_dtype
     assert model.args.rope_theta == 500000.0 and model.args.max_seq_len == 4096
     assert model(torch.randint(0, 1000, (1, 9))).shape == (1, 9, 1024)
 
@@ -341,7 +357,7 @@ def test_pickle_only_checkpoint_is_refused(tmp_path, tiny_llada_dir):
 
 
 def test_missing_folder_and_unreachable_hub_id_are_clear(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="model folder not found"):
+    with pytest.raises(FileNotFoundError, match="model folder not found.*embedded models: llada-arith, dream-arith"):
         fastdllm.load(tmp_path / "nope" / "deeper")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="'no-such-org/no-such-model'"):

@@ -38,7 +38,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="checkpoint folder or Hugging Face repo id (default: the embedded model)"
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32, bfloat16 or float16 (default auto: the checkpoint's where the device computes it "
+        "natively, float32 on a CPU that emulates it)",
+    )
     p.add_argument("--revision", default=None, help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--local-files-only", action="store_true", help="for a hub id: use the hub cache only, no network")
     p.add_argument(
@@ -137,7 +142,8 @@ def add_generation_args(p: argparse.ArgumentParser, defaults: GenerationConfig |
     for opt in GenerationConfig.options():
         name, kind = opt["name"], opt["kind"]
         default = getattr(d, name)
-        text = f"{opt['help']} (default: {default})"
+        # a help that says its default in words keeps them, not None beside them
+        text = opt["help"] if "(default" in opt["help"] else f"{opt['help']} (default: {default})"
         if kind == "bool":
             g.add_argument(flag(name), dest=name, action=_BoolRecording, default=default, help=text)
         elif kind == "fixed":  # --fix POS:TEXT, repeated
@@ -250,6 +256,8 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
         raise UserError(str(e)) from None
     if rank:
         sys.stdout = open(os.devnull, "w")  # rank 0 speaks for every rank
+    elif model.dtype_note:
+        print(model.dtype_note, file=sys.stderr)
     return model, tokenizer
 
 

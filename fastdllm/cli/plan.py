@@ -73,14 +73,25 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if fits is not False else 1
     print(
-        f"{args.model or 'llada-arith'}: {r.parameters / 1e9:.2f}B parameters, {r.active_parameters / 1e9:.2f}B "
-        f"per token; tp {r.tp}, ep {r.ep}, {args.quantize or args.dtype} weights"
+        f"{args.model or 'llada-arith'}: {scaled(r.parameters, 1000, 'KMB')} parameters, "
+        f"{scaled(r.active_parameters, 1000, 'KMB')} per token; tp {r.tp}, ep {r.ep}, "
+        f"{args.quantize or args.dtype} weights"
     )
     print(
-        f"per rank: weights {r.weight_bytes / GIB:.2f} GiB (split {r.sharded_bytes / GIB:.2f} + whole "
-        f"{r.replicated_bytes / GIB:.2f}), KV cache {r.kv_cache_bytes / GIB:.2f} GiB for {args.batch} x "
-        f"{args.max_len or 'context'} positions, total {r.total_bytes / GIB:.2f} GiB"
+        f"per rank: weights {scaled(r.weight_bytes)} (split {scaled(r.sharded_bytes)} + whole "
+        f"{scaled(r.replicated_bytes)}), KV cache {scaled(r.kv_cache_bytes)} for {args.batch} x "
+        f"{args.max_len or 'context'} positions, total {scaled(r.total_bytes)}"
     )
     if fits is not None:
         print(f"fits {args.memory:g} GiB: {'yes' if fits else 'no'}")
     return 0 if fits is not False else 1
+
+
+def scaled(n: float, base: int = 1024, units=("KiB", "MiB", "GiB", "TiB")) -> str:
+    """`n` in the largest unit it reaches (bytes by default; `base` 1000 and units "KMB" for counts)."""
+    unit = "" if base == 1000 else " B"
+    for name in units:
+        if abs(n) < base:
+            break
+        n, unit = n / base, (name if base == 1000 else f" {name}")
+    return f"{n:.2f}{unit}"

@@ -21,8 +21,8 @@ class Answer:
 
     @property
     def tokens_per_step(self) -> float:
-        per_step = self.output.tokens_per_step[0]
-        return sum(per_step) / len(per_step) if per_step else 0.0
+        """The answer's tokens (to its end, not the stop tokens that pad the canvas after it) per forward."""
+        return self.completion.num_tokens / self.output.nfe if self.output.nfe else 0.0
 
     def stats_line(self) -> str:
         o = self.output

@@ -36,11 +36,32 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model"]
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:
+    """A dtype given by name or as a torch dtype; None for "auto" (and None)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return None
     if dtype not in DTYPES:
-        raise ValueError(f"dtype: unknown {dtype!r}; use one of {', '.join(DTYPES)}")
+        raise ValueError(f"dtype: unknown {dtype!r}; use auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+# The CPU features with which PyTorch computes a half-precision dtype natively; without them a CPU
+# emulates it, and decoding runs several times slower than in float32.
+NATIVE_ON_CPU = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def auto_dtype(checkpoint: torch.dtype, device) -> tuple[torch.dtype, str | None]:
+    """`dtype="auto"`: the checkpoint's dtype where `device` computes it natively (any accelerator;
+    a CPU with the features of `NATIVE_ON_CPU`), float32 on a CPU without them. Returns the dtype
+    and, where it is not the checkpoint's, why."""
+    if checkpoint == torch.float32 or torch.device(device).type != "cpu":
+        return checkpoint, None
+    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    if any(capabilities.get(feature) for feature in NATIVE_ON_CPU.get(checkpoint, ())):
+        return checkpoint, None
+    name = str(checkpoint).removeprefix("torch.")
+    return torch.float32, f"this CPU has no native {name}: decoding in float32 (--dtype {name} keeps the checkpoint's)"
 
 
 def resolve_model_path(
@@ -62,7 +83,10 @@ def resolve_model_path(
         return ASSETS_DIR / text
     looks_like_repo = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.exists()
     if not looks_like_repo:
-        raise FileNotFoundError(f"model folder not found: {text}")
+        raise FileNotFoundError(
+            f"model folder not found: {text} (the embedded models: {', '.join(EMBEDDED_MODELS)}; "
+            "or a folder, or a Hugging Face repo id owner/name)"
+        )
     try:
         from huggingface_hub import snapshot_download
 
@@ -217,7 +241,9 @@ def load_model(
     if tp is not None and tp[1] > 1:
         parts = tensor_parallel.cuts(model.args, *tp, ep)
         tensor_parallel.apply(model, *tp, ep=ep, dispatch=ep_dispatch)  # on the meta device: shapes, hooks
-    dtype = resolve_dtype(dtype) or DTYPES.get(str(config.get("torch_dtype")), torch.float32)
+    dtype = resolve_dtype(dtype)
+    if dtype is None:
+        dtype, model.dtype_note = auto_dtype(DTYPES.get(str(config.get("torch_dtype")), torch.float32), device)
     state, layers = _read_weights(model, folder, fmt, dtype, device, parts)
     if layers:  # the quantized layers replace their linear ones, with the checkpoint's biases
         biases = {name: state.pop(f"{name}.bias", None) for name in layers}
@@ -341,7 +367,9 @@ def load(
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
 
-    dtype: None (the checkpoint's `torch_dtype`), "float32"/"bfloat16" or a torch dtype.
+    dtype: "auto" (or None): the checkpoint's `torch_dtype` where the device computes it natively,
+    float32 on a CPU that emulates it (`auto_dtype`; `model.dtype_note` says why); "float32",
+    "bfloat16", "float16" or a torch dtype: that one.
     device: None (CUDA when available, else CPU), or any torch device string.
     revision, local_files_only, token: for a hub id, as huggingface_hub takes them.
     quantize: None, "int8" (per output channel) or "int4" (groups of `group_size` input columns,
@@ -519,7 +547,7 @@ def write_safetensors(tensors: dict, folder: Path, max_shard_bytes: int | None =
     meta = {"format": "pt"}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, str(folder / "model.safetensors"), metadata=meta)
+        _save_file(tensors, folder / "model.safetensors", meta)
         return
     shards, current, size = [], {}, 0
     for name in sorted(tensors):
@@ -532,10 +560,19 @@ def write_safetensors(tensors: dict, folder: Path, max_shard_bytes: int | None =
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata=meta)
+        _save_file(shard, folder / fname, meta)
         weight_map.update({name: fname for name in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save_file(tensors: dict, path: Path, metadata: dict) -> None:
+    """safetensors' `save_file`, the file then given the mode the user's umask gives new files
+    (safetensors creates it readable by its owner alone)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def quantize_checkpoint(
@@ -557,6 +594,8 @@ def quantize_checkpoint(
 
     if quant_format not in FORMATS:
         raise ValueError(f"format: {quant_format!r} is not one of {', '.join(FORMATS)}")
+    if dtype is None:  # the checkpoint's own, whatever this machine computes natively
+        dtype = DTYPES.get(str(read_config(resolve_model_path(src)).get("torch_dtype")), torch.float32)
     model, tokenizer = load(src, dtype=dtype, device="cpu")
     if model.quantization is not None:
         raise ValueError(f"{src}: already quantized ({model.quantization['format']})")
