@@ -664,15 +664,16 @@ def test_forked_children_share_the_box_cpu_budget(box_plan):
 def test_an_orphan_is_counted_and_ended(box_plan):
     """A grandchild whose parent ended (without a control group: re-parented to the launcher, not
     to the host's init) spins beside the program: its CPU counts for the box, and it does not
-    outlive the run."""
+    outlive the run. The program waits until the orphan has spent a second of CPU (whatever the
+    machine's load), then ends."""
     code = (
-        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True:\n"
-        "            pass\n    os._exit(0)\nos.wait()\nt = time.time()\n"
-        "while time.time() - t < 1.5:\n    time.sleep(0.05)\n"
+        "import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        while time.process_time() < 1.0:\n            pass\n        os.write(w, b'x')\n"
+        "        while True:\n            pass\n    os._exit(0)\nos.wait()\nos.read(r, 1)\n"
     )
-    r = run_program(code, timeout=5.0, wall_timeout=30.0)
+    r = run_program(code, timeout=5.0, wall_timeout=60.0)
     assert r.verdict == "passed", r
-    assert r.cpu_time >= 1.0, r.cpu_time  # the program itself only slept
+    assert r.cpu_time >= 1.0, r.cpu_time  # the program itself only waited
     time.sleep(0.2)
     assert leftover_processes() == []
 
