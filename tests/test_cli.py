@@ -162,6 +162,20 @@ def test_prompt_beyond_context_is_a_user_error(capsys):
     assert "context" in capsys.readouterr().err
 
 
+def test_a_finetunes_preset_on_another_model_is_warned_of(capsys):
+    assert cli.main(["generate", "--preset", "dmax", "--gen-length", "32", "--no-stats", QUESTION]) == 0
+    assert "warning: --preset dmax" in capsys.readouterr().err
+    assert cli.main(["generate", "--preset", "fast-dllm", "--gen-length", "32", "--no-stats", QUESTION]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_help_says_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default: gen_length)" in help_text and not re.search(r"\(default: [^)]*\) \(default:", help_text)
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_help_has_examples(capsys, command):
     with pytest.raises(SystemExit) as e:
@@ -198,6 +212,51 @@ def test_chat_session_drops_old_turns_to_fit(loaded):
         assert session.messages[-2]["content"] == QUESTION and len(session.messages) <= 4
     finally:
         model.args.max_seq_len = saved
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_chat(loaded, monkeypatch, capsys):
+    """Ctrl-C during an answer forgets that turn and reads the next message."""
+    from fastdllm.cli import chat
+    from fastdllm.cli import session as sessions
+
+    model, tok = loaded
+    session = ChatSession(model, tok, GenerationConfig(gen_length=32, block_length=32))
+    decode, interrupted = sessions.run_prompt, []
+
+    def run_prompt(*args, **kw):  # Ctrl-C in the middle of the first answer
+        if not interrupted:
+            interrupted.append(session.messages[-1]["content"])
+            raise KeyboardInterrupt
+        return decode(*args, **kw)
+
+    monkeypatch.setattr(sessions, "run_prompt", run_prompt)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first question\n" + QUESTION + "\n"))
+    assert chat.converse(session, cli_args(show=False, show_delay=0.0, no_stats=True)) == 0
+    out, err = capsys.readouterr()
+    assert interrupted == ["first question"] and "(answer stopped)" in err
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    assert session.messages[0]["content"] == QUESTION and out.strip() == session.messages[1]["content"].strip()
+
+
+def test_the_live_views_pauses_are_left_out_of_the_speed(loaded):
+    """--show pauses after each drawn step by default (a fast model's canvas stays visible); the
+    stats line's time is the decode's alone."""
+    from fastdllm.cli.session import run_prompt
+
+    model, tok = loaded
+    console = Console(file=io.StringIO(), force_terminal=True)
+    ids = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    answer = run_prompt(model, tok, ids, GenerationConfig(gen_length=32, block_length=32), show=True, console=console)
+    assert MASK_GLYPH in console.file.getvalue()
+    assert answer.paused >= 0.1 * answer.output.nfe  # a frame a step, each followed by the default pause
+    assert answer.wall_time == pytest.approx(answer.output.wall_time - answer.paused)
+    assert f"{answer.wall_time:.2f} s]" in answer.stats_line()
+
+
+def cli_args(**values):
+    import argparse
+
+    return argparse.Namespace(**values)
 
 
 # ---- in-process: the live view ------------------------------------------------------------------------

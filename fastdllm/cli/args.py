@@ -11,6 +11,9 @@ from pathlib import Path
 
 from ..config import PRESETS, ConfigError, GenerationConfig, read_preset
 
+# Presets that are the decoders of finetunes trained for them (`models.loading.recognized_decoding`).
+FINETUNE_PRESETS = ("dparallel", "d3llm", "dmax")
+
 
 class UserError(Exception):
     """A mistake of the user's (bad flag, missing folder): printed as one line, exit code 2."""
@@ -197,6 +200,12 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
             raise UserError(f"--preset: {args.preset} was tuned for {family_of_preset} models, not {family.name}")
         return config
     if getattr(args, "preset", None):
+        if args.preset in FINETUNE_PRESETS and getattr(model, "decoding", None) != args.preset:
+            print(
+                f"warning: --preset {args.preset} is the decoder of checkpoints trained for it; this model was "
+                f"not, and may answer worse with it than with the default",
+                file=sys.stderr,
+            )
         try:
             return config.fit_to_model(model, keep=set(getattr(args, "_explicit", ())))
         except ConfigError as e:
@@ -286,9 +295,10 @@ def add_text_args(p: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--show-delay",
         type=float,
-        default=0.0,
+        default=0.1,
         metavar="SECONDS",
-        help="pause after each drawn step, to watch a fast model (default 0)",
+        help="with --show: pause after each drawn step, so that a fast model can be watched (default "
+        "%(default)s; the speed figures leave the pauses out)",
     )
     out.add_argument(
         "--max-new-tokens",

@@ -13,19 +13,18 @@ from .args import (
     text_config,
     with_model_defaults,
 )
-from .session import ChatSession
 
 CHAT_EXAMPLES = """examples:
   fastdllm chat
   fastdllm chat --show --threshold 0.7
-  printf 'Tom has 5 apples. He buys 3 more. How many now?\\n/reset\\nhi\\n' | fastdllm chat
+  printf 'A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?\\n/reset\\nA hat costs 3 dollars. Ben buys 4 hats and gets 4 dollars off. How much does Ben pay?\\n' | fastdllm chat
   torchrun --nproc-per-node 2 -m fastdllm chat --tp 2
 
 commands inside the chat:
   /reset   forget the conversation so far
   /exit    quit (also /quit, or end of input: Ctrl-D)
   /help    show these commands
-"""
+"""  # noqa: E501 (commands as a user types them)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     add_text_args(p)
     args = p.parse_args(argv)
     config = text_config(args)
+    from .session import ChatSession  # torch: after the arguments are checked
+
     model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
     config = with_model_defaults(args, config, model)
     rank, world = getattr(model, "tp", (0, 1))
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             commands.stop()
 
 
-def converse(session: ChatSession, args) -> int:
+def converse(session, args) -> int:
     """Read messages from stdin until /exit or its end, and answer each."""
     interactive = sys.stdin.isatty()
     if interactive:
@@ -97,6 +98,11 @@ def converse(session: ChatSession, args) -> int:
             answer = session.send(line, show=args.show, show_delay=args.show_delay)
         except ValueError as e:  # this turn cannot be answered (e.g. too long); the chat goes on
             print(f"fastdllm chat: error: {e}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this answer (the turn is forgotten), not the chat
+            if session.commands is not None:  # the other ranks are inside this answer: stop them all
+                raise
+            print("\n(answer stopped)", file=sys.stderr)
             continue
         if session.dropped_turns > dropped:
             print(f"(dropped {session.dropped_turns - dropped} old turn(s) to fit the context)", file=sys.stderr)

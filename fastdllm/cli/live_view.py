@@ -112,8 +112,9 @@ class LiveView:
     """Draws the denoising canvas in place (rich Live) from generate's `on_step` callback.
 
     Inactive (every method a no-op) when the console is not a terminal. `delay` sleeps after each
-    frame so that fast models can be watched; frames closer than `min_interval` seconds are skipped
-    except at block ends, to keep terminal output small.
+    frame so that fast models can be watched (`paused`: the seconds slept, which the speed figures
+    leave out); frames closer than `min_interval` seconds are skipped except at block ends, to keep
+    terminal output small.
     """
 
     def __init__(
@@ -141,6 +142,7 @@ class LiveView:
         self.live: Live | None = None
         self.steps = 0
         self.frames = 0
+        self.paused = 0.0
         self._last = 0.0
         self._texts = TokenTexts(tokenizer)
 
@@ -178,3 +180,4 @@ class LiveView:
         self._last = time.perf_counter()
         if self.delay > 0:
             time.sleep(self.delay)
+            self.paused += time.perf_counter() - self._last

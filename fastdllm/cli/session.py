@@ -18,6 +18,16 @@ class Answer:
     completion: Completion
     output: GenerationOutput
     prompt_tokens: int
+    paused: float = 0.0  # seconds the live view slept between frames (`LiveView.paused`)
+
+    @property
+    def wall_time(self) -> float:
+        """The decode's seconds, without the live view's pauses."""
+        return max(self.output.wall_time - self.paused, 0.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion.num_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -25,11 +35,9 @@ class Answer:
         return self.completion.num_tokens / self.output.nfe if self.output.nfe else 0.0
 
     def stats_line(self) -> str:
-        o = self.output
-        tps = self.completion.num_tokens / o.wall_time if o.wall_time > 0 else 0.0
         return (
-            f"[{self.completion.num_tokens} tokens · {o.nfe} NFE · {self.tokens_per_step:.2f} tokens/step · "
-            f"{tps:.1f} tokens/s · {o.wall_time:.2f} s]"
+            f"[{self.completion.num_tokens} tokens · {self.output.nfe} NFE · {self.tokens_per_step:.2f} tokens/step · "
+            f"{self.tokens_per_second:.1f} tokens/s · {self.wall_time:.2f} s]"
         )
 
 
@@ -40,7 +48,7 @@ def run_prompt(
     config: GenerationConfig,
     stop=None,
     show: bool = False,
-    show_delay: float = 0.0,
+    show_delay: float = 0.1,
     console=None,
     keep: int | None = None,
     commands=None,
@@ -72,7 +80,7 @@ def run_prompt(
     else:
         out = run.run(("generate", [ids], config), generate, model, [ids], config)
     completion = complete(tokenizer, out.sequences[0][:keep], model.stop_token_ids, stop, config.fixed_end)
-    return Answer(completion, out, len(ids))
+    return Answer(completion, out, len(ids), view.paused if view is not None else 0.0)
 
 
 class ChatSession:
@@ -112,7 +120,7 @@ class ChatSession:
             ids = self.tokenizer.encode_chat(self.messages)
         return ids
 
-    def send(self, text: str, show: bool = False, show_delay: float = 0.0) -> Answer:
+    def send(self, text: str, show: bool = False, show_delay: float = 0.1) -> Answer:
         self.messages.append({"role": "user", "content": text})
         try:
             answer = run_prompt(
