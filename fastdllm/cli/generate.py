@@ -6,18 +6,16 @@ import json
 import sys
 
 from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
-from .session import run_prompt
 
 GENERATE_EXAMPLES = """examples:
-  fastdllm generate "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
-  fastdllm generate --show --show-delay 0.05 "Ann has 12 pencils. She gives 4 away. How many are left?"
+  fastdllm generate "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"
+  fastdllm generate --show "A hat costs 3 dollars. Ben buys 4 hats and gets 4 dollars off. How much does Ben pay?"
   fastdllm generate --threshold none --cache none --steps 64 --gen-length 64 "..."   # LLaDA baseline
   fastdllm generate --json --seed 0 --temperature 0.7 "..."
-  echo "Mia has 3 books." | fastdllm generate -
-  fastdllm generate --raw "Question: 2 + 3 = ?\\nAnswer:"        # no chat template
-  fastdllm generate --fix "40:#### 8" "Tom has 5 apples. He buys 3 more apples. How many now?"   # infilling
-  fastdllm generate --raw --gen-length 32 --suffix " more apples." "Tom has 5 apples. He buys"
-"""
+  echo "A pen costs 2 dollars. Ann buys 5 pens and gets 8 dollars off. How much does Ann pay?" | fastdllm generate -
+  fastdllm generate --fix $'23:\\n#### 7' "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"  # the last line fixed
+  fastdllm generate --gen-length 32 --suffix $'\\n#### 7' "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"  # the working before a suffix
+"""  # noqa: E501 (commands as a user types them)
 
 
 def read_prompt(arg: str) -> str:
@@ -48,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = text_config(args)
     prompt = read_prompt(args.prompt)
+    from .session import run_prompt  # torch: after the arguments are checked, so that a mistake shows at once
+
     model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
     config = with_model_defaults(args, config, model)
 
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": answer.prompt_tokens,
             "nfe": o.nfe,
             "tokens_per_step": round(answer.tokens_per_step, 4),
-            "tokens_per_second": round(c.num_tokens / o.wall_time if o.wall_time > 0 else 0.0, 2),
-            "wall_time": round(o.wall_time, 4),
+            "tokens_per_second": round(answer.tokens_per_second, 2),
+            "wall_time": round(answer.wall_time, 4),
             "chat_template": templated,
             "model": args.model or "default",
             "config": config.to_dict(),

@@ -27,7 +27,7 @@ COMMANDS = {
 }
 
 EXAMPLES = """examples:
-  fastdllm generate "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
+  fastdllm generate "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"
   fastdllm generate --show --threshold 0.7 "..."     # watch the canvas denoise
   fastdllm chat
   fastdllm serve --port 8000

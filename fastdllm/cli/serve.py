@@ -18,13 +18,13 @@ SERVE_EXAMPLES = """examples:
   fastdllm serve --port 8000
   fastdllm serve --model GSAI-ML/LLaDA-8B-Instruct --device cuda --max-batch-size 16 --threshold 0.9
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{"model": "llada-arith", "messages": [{"role": "user", "content": "Tom has 5 apples..."}],
+       -d '{"model": "llada-arith", "messages": [{"role": "user", "content": "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"}],
             "max_tokens": 64, "threshold": 0.8}'
 
   python -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x");
              print(c.chat.completions.create(model="llada-arith", max_tokens=64,
                    messages=[{"role": "user", "content": "hi"}]).choices[0].message.content)'
-"""
+"""  # noqa: E501 (commands as a user types them)
 
 
 # ---- command line -------------------------------------------------------------------------------

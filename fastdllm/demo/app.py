@@ -14,13 +14,13 @@ import time
 
 import gradio as gr
 
-from ..config import PRESETS, ConfigError
+from ..config import PRESETS
 from ..models.loading import EMBEDDED_MODELS, load
 from .frames import LABELS, Frame, figures_line, frames, page_fields, pane_config, parse_fixed_words
 
 PANES = ("left", "right")
 COLORS = {LABELS["mask"]: "#444444", LABELS["new"]: "#ff9933", LABELS["text"]: "#6699cc", LABELS["fixed"]: "#66aa66"}
-EXAMPLE = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
+EXAMPLE = "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"
 
 
 class Models:
@@ -34,45 +34,39 @@ class Models:
         if name not in self.loaded:
             try:
                 pair = load(name or None, dtype=self.dtype, device=self.device)
-            except (FileNotFoundError, ValueError, OSError) as e:
-                raise gr.Error(f"model: {e}") from None
+            except (FileNotFoundError, OSError) as e:
+                raise ValueError(f"model: {e}") from None
             self.loaded = {name: pair}
         return self.loaded[name]
 
 
 def turn(models: Models, model_name, message, histories, presets, fixed_text, suffix, delay, options):
-    """One user message, answered by both panes: yields (histories, frames) after every step."""
+    """One user message, answered by both panes: yields (histories, frames) after every step, a
+    pane's answer in its history from the step it is done. A message, model or setting that cannot
+    be answered raises ValueError naming it, before anything is decoded."""
     if not message or not message.strip():
-        raise gr.Error("message: type a question first")
+        raise ValueError("message: type a question first")
     model, tokenizer = models.get(model_name)
-    try:
-        fixed = parse_fixed_words(fixed_text)
-        configs = [pane_config(model, p, options).replace(fixed=fixed, suffix=suffix or None) for p in presets]
-    except ConfigError as e:
-        raise gr.Error(str(e)) from None
+    fixed = parse_fixed_words(fixed_text)
+    configs = [pane_config(model, p, options).replace(fixed=fixed, suffix=suffix or None) for p in presets]
     histories = [h + [{"role": "user", "content": message}] for h in histories]
     runs = []
     for history, config in zip(histories, configs):
         ids = tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in history])
-        try:
-            runs.append(frames(model, tokenizer, ids, config))
-        except ValueError as e:
-            raise gr.Error(str(e)) from None
+        runs.append(frames(model, tokenizer, ids, config))
     latest: list[Frame | None] = [None] * len(runs)
     live = list(range(len(runs)))
     while live:
         for i in list(live):
-            try:
-                latest[i] = next(runs[i])
-            except ValueError as e:  # a setting this model cannot take
-                raise gr.Error(str(e)) from None
+            latest[i] = next(runs[i])
             if latest[i].done:
                 live.remove(i)
-        yield histories, latest
-        if delay:
+        yield (
+            [h + [{"role": "assistant", "content": f.text}] if f.done else h for h, f in zip(histories, latest)],
+            latest,
+        )
+        if live and delay:
             time.sleep(delay)
-    answered = [h + [{"role": "assistant", "content": f.text}] for h, f in zip(histories, latest)]
-    yield answered, latest
 
 
 def build(models: Models, model_name: str, presets: tuple[str, str]) -> gr.Blocks:
@@ -121,6 +115,7 @@ def build(models: Models, model_name: str, presets: tuple[str, str]) -> gr.Block
             message = gr.Textbox(placeholder="Ask something…", show_label=False, scale=5, elem_id="message")
             send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
             clear = gr.Button("Clear", scale=1, elem_id="clear")
+        notice = gr.Markdown("", elem_id="notice")
         gr.Examples([[EXAMPLE]], inputs=message)
         with gr.Row():
             fixed = gr.Textbox(
@@ -159,18 +154,24 @@ def build(models: Models, model_name: str, presets: tuple[str, str]) -> gr.Block
                 delay,
                 dict(zip(names, opts)),
             )
-            for hs, latest in run:
-                yield (
-                    *hs,
-                    *hs,
-                    *[f.canvas if f else None for f in latest],
-                    *[figures_line(f.figures) if f and f.done else f"step… NFE {f.nfe}" if f else "" for f in latest],
-                    "",
-                )
+            try:
+                for hs, latest in run:
+                    yield (
+                        *hs,
+                        *hs,
+                        *[f.canvas if f else None for f in latest],
+                        *[figures_line(f.figures) if f.done else f"step… NFE {f.nfe}" for f in latest],
+                        "",
+                        "",
+                    )
+            except ValueError as e:  # one line on the page; the conversation and the message stay
+                yield (*[gr.update()] * 8, gr.update(), f"**Not answered.** {e}")
 
         inputs = [model_box, message, *histories, *preset_boxes, fixed, suffix, delay, *option_boxes.values()]
-        outputs = [*histories, *chats, *canvases, *figures, message]
+        outputs = [*histories, *chats, *canvases, *figures, message, notice]
         send.click(respond, inputs, outputs)
         message.submit(respond, inputs, outputs)
-        clear.click(lambda: ([], [], [], [], None, None, "", ""), None, [*histories, *chats, *canvases, *figures])
+        clear.click(
+            lambda: ([], [], [], [], None, None, "", "", ""), None, [*histories, *chats, *canvases, *figures, notice]
+        )
     return page
