@@ -335,10 +335,13 @@ class Server:
 
     async def warm_up(self) -> None:
         """One short decode with the server's defaults (its kernels loaded, a compiled model's graphs
-        built); /ready waits for it. It runs beside the scheduler and counts as no request."""
+        built), and the chat template compiled; /ready waits for it. It runs beside the scheduler
+        and counts as no request."""
         config = self.settings.defaults.with_max_new_tokens(1)
         prompts = [[self.model.args.eos_token_id]]
         try:
+            if self.tokenizer.chat_template:
+                await asyncio.to_thread(self.tokenizer.encode_chat, [{"role": "user", "content": "warm-up"}])
             await asyncio.to_thread(
                 self.commands.run, ("generate", prompts, config), generate, self.model, prompts, config=config
             )
