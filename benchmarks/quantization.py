@@ -1,16 +1,19 @@
 """Weight-only int8 / int4 against the model's own dtype, side by side in one process.
 
     python benchmarks/quantization.py [--limit 500] [--gen-length 256] [--batch-size 16]
-        [--models llada-arith] [--configs baseline fast-dllm default] [--threads 1]
-        [--wide-layers 2] [--out docs/results/quantization.json]
+        [--models llada-arith] [--configs baseline fast-dllm default] [--dtypes bfloat16 float32]
+        [--threads 1] [--wide-layers 2] [--out docs/results/quantization.json]
 
-1. The embedded models: each decoding configuration runs on the held-out arith problems in bf16,
+For each of `--dtypes` (the activations' dtype; float32 is what `dtype="auto"` loads on a CPU
+without native bfloat16, where the int8 / int4 kernels compute in bfloat16):
+
+1. The embedded models: each decoding configuration runs on the held-out arith problems in the dtype,
    int8 (per channel) and int4 (groups of 64: the embedded width 192 is not a multiple of 128),
    one after the other, so each configuration's three rows are measured together: accuracy,
    tokens/s, NFE per sample, the weights' resident bytes (all, and the linear layers' share that
    quantization acts on) and the largest KV cache.
 2. A model of LLaDA-8B's width (d_model 4096, SwiGLU 12288, vocabulary 126464; random weights,
-   `--wide-layers` layers, as `wide_model_replay.py` builds it) in bf16, int8 and int4 (groups of
+   `--wide-layers` layers, as `wide_model_replay.py` builds it) in the dtype, int8 and int4 (groups of
    128): bytes per layer, the full 32-layer model's weights extrapolated from them (embeddings and
    head as measured), and the time of the layers' part of one decoding forward (a 32-position block against a
    cached sequence of 512; the bf16 output head, the same in every row, left out) per configuration,
@@ -44,13 +47,13 @@ def configs(names, gen_length):
     return {n: made[n] for n in names}
 
 
-def embedded_rows(args) -> list[dict]:
+def embedded_rows(args, dtype: str) -> list[dict]:
     import fastdllm
     from fastdllm.evaluation.harness import evaluate
 
     rows = []
     for name in args.models:
-        models = {q: fastdllm.load(name, quantize=q) for q in QUANT}
+        models = {q: fastdllm.load(name, dtype=dtype, quantize=q) for q in QUANT}
         for cfg_name, cfg in configs(args.configs, args.gen_length).items():
             for q in QUANT:
                 model, tok = models[q]
@@ -60,6 +63,7 @@ def embedded_rows(args) -> list[dict]:
                 row = {
                     "model": name,
                     "config": cfg_name,
+                    "dtype": dtype,
                     "weights": q or str(model.dtype).removeprefix("torch."),
                     "accuracy": m["accuracy"],
                     "tokens_per_second": m["tokens_per_second"],
@@ -85,18 +89,18 @@ def layer_bytes(module) -> int:
 
 
 @torch.inference_mode()
-def wide_rows(args) -> dict:
+def wide_rows(args, dtype: str) -> dict:
     from wide_model_replay import wide_model
 
     from fastdllm.quant import quantize_model, weight_bytes
 
     models = {}
     for q in QUANT:
-        model = wide_model(args.wide_layers, torch.bfloat16)
+        model = wide_model(args.wide_layers, getattr(torch, dtype))
         if q:
             quantize_model(model, 8 if q == "int8" else 4, 128 if q == "int4" else None)
-        models[q or "bfloat16"] = model
-    out = {"layers_built": args.wide_layers, "rows": {}}
+        models[q or dtype] = model
+    out = {"dtype": dtype, "layers_built": args.wide_layers, "rows": {}}
     length, block = 512, 32
     for name, model in models.items():
         per_layer = layer_bytes(model.layers[0])
@@ -114,7 +118,7 @@ def wide_rows(args) -> dict:
     caches = {name: model.new_cache(1, length) for name, model in models.items()}
     for name, model in models.items():  # fill each cache once (and warm up)
         model.hidden(x, positions, None, caches[name], 0)
-    # The layers only: the output head (126464 x 4096) stays in bf16 in every row and would dominate.
+    # The layers only: the output head (126464 x 4096) stays unquantized in every row and would dominate.
     for _ in range(args.repeats):
         for name, model in models.items():
             t0 = time.perf_counter()
@@ -143,6 +147,7 @@ def main(argv=None) -> int:
         default=["baseline", "fast-dllm", "default"],
         choices=["baseline", "fast-dllm", "default"],
     )
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--wide-layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
@@ -155,9 +160,9 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "threads": args.threads,
     }
-    record["embedded"] = embedded_rows(args)
+    record["embedded"] = [row for dtype in args.dtypes for row in embedded_rows(args, dtype)]
     if not args.no_wide:
-        record["wide"] = wide_rows(args)
+        record["wide"] = [wide_rows(args, dtype) for dtype in args.dtypes]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
