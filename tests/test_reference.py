@@ -33,10 +33,15 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   modules need vLLM), on the same logits as our policies: set FASTDLLM_DMAX_REFERENCE to a
   czg1225/DMax checkout.
 
-Without them the tests are skipped."""
+Without them each test replays what the reference's run recorded (`tests/fixtures/parity/`:
+the spec it ran, a digest of the checkpoint's weights, and its tokens and NFE per run), so the
+default suite checks token parity on every change; a fixture whose spec or weights no longer match
+fails and asks to be recorded again: run the test with the reference set up and
+FASTDLLM_RECORD_FIXTURES=1 (`tests/fixtures/parity/README.md`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -73,43 +78,107 @@ DPARALLEL_CHECKOUT = os.environ.get("FASTDLLM_DPARALLEL_REFERENCE")
 DPARALLEL_PYTHON = os.environ.get("FASTDLLM_DPARALLEL_PYTHON")
 DPARALLEL_DREAM_RUNNER = Path(__file__).parent / "reference" / "dparallel_dream.py"
 
-pytestmark = pytest.mark.slow
-needs_fast_dllm = pytest.mark.skipif(
-    not (CHECKOUT and PYTHON and Path(CHECKOUT, "llada", "generate.py").exists()),
-    reason="set FASTDLLM_REFERENCE (a NVlabs/Fast-dLLM checkout) and FASTDLLM_REFERENCE_PYTHON",
-)
-needs_sdar = pytest.mark.skipif(
-    not (SDAR_CHECKOUT and SDAR_PYTHON and Path(SDAR_CHECKOUT, SDAR_MODEL_FILES, "modeling_sdar.py").exists()),
-    reason="set FASTDLLM_SDAR_REFERENCE (a JetAstra/SDAR checkout) and FASTDLLM_SDAR_PYTHON",
+FIXTURES = Path(__file__).parent / "fixtures" / "parity"
+RECORD = os.environ.get("FASTDLLM_RECORD_FIXTURES") == "1"
+FAST_DLLM_LIVE = bool(CHECKOUT and PYTHON and Path(CHECKOUT, "llada", "generate.py").exists())
+SDAR_LIVE = bool(SDAR_CHECKOUT and SDAR_PYTHON and Path(SDAR_CHECKOUT, SDAR_MODEL_FILES, "modeling_sdar.py").exists())
+
+
+def live_or_recorded(live: bool, *fixtures: str, reason: str):
+    """Run where the reference is set up, else where every fixture the test replays is recorded."""
+    recorded = all((FIXTURES / f"{name}.json").is_file() for name in fixtures)
+    return pytest.mark.skipif(not (live or recorded), reason=f"{reason}, or record {', '.join(fixtures)}")
+
+
+needs_fast_dllm = live_or_recorded(
+    FAST_DLLM_LIVE, "fast_dllm_llada", reason="set FASTDLLM_REFERENCE (a NVlabs/Fast-dLLM checkout) and _PYTHON"
 )
 
 
 def _reference_checkpoint(
-    name: str | None, folder: Path, modeling: Path, files: tuple[str, ...], dtype=None, temperature: float = 1.0
+    name: str | None,
+    folder: Path,
+    modeling: Path | None,
+    files: tuple[str, ...],
+    dtype="float32",
+    temperature: float = 1.0,
 ):
     """The embedded model `name` (in `dtype`), saved in float32 in its real layout with the
-    reference's own modeling files beside it; and three held-out arith prompts. `temperature` > 1
-    divides its output head (untied) by it: a less confident model, decoding in more forwards."""
+    reference's own modeling files beside it (None: replaying recorded runs, no files); and three
+    held-out arith prompts. `temperature` > 1 divides its output head (untied) by it: a less
+    confident model, decoding in more forwards."""
     model, tok = fastdllm.load(name, dtype=dtype)
     if temperature != 1.0:
         with torch.no_grad():
             model.output.weight /= temperature
     save_pretrained(model, folder, tok, dtype=torch.float32)
-    for f in files:
+    for f in files if modeling is not None else ():
         shutil.copy(modeling / f, folder / f)
     task = get_task("arith")
     return model, [task.encode(tok, doc, []) for doc in task.load(limit=3)]
 
 
-def _reference_runs(python: str, runner: Path, code: str, folder: Path, spec: dict):
-    """The reference's runs of `spec` (its runner in its own interpreter): one per config and prompt."""
+_LIVE_RUNS: dict = {}
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 of a checkpoint's tensors (names, dtypes, shapes, values), whatever the files' layout."""
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name).contiguous()
+                digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                digest.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _reference_runs(
+    python: str | None, runner: Path, code: str | None, folder: Path, spec: dict, fixture: str, env=None, timeout=1200
+):
+    """The reference's runs of `spec` on the checkpoint in `folder`, one per config and prompt: its
+    runner in its own interpreter where the reference is set up (recorded as `fixture` with
+    FASTDLLM_RECORD_FIXTURES=1), else the runs recorded, for the same spec and weights."""
+    path, weights = FIXTURES / f"{fixture}.json", weights_digest(folder)
+    if (fixture, weights) in _LIVE_RUNS:  # the other part of the same test
+        return iter(_LIVE_RUNS[fixture, weights])
+    if not (python and code):
+        recorded = json.loads(path.read_text())
+        stale = [k for k, v in (("spec", spec), ("weights_sha256", weights)) if recorded[k] != v]
+        assert not stale, f"{path.name}: the {' and '.join(stale)} changed since it was recorded; record it again"
+        return iter(recorded["runs"])
     job = folder.parent / "job.json"
     job.write_text(json.dumps(spec))
     out = subprocess.run(
-        [python, str(runner), code, str(folder), str(job)], capture_output=True, text=True, timeout=1200
+        [python, str(runner), code, str(folder), str(job)], capture_output=True, text=True, timeout=timeout, env=env
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    return iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    runs = _LIVE_RUNS[fixture, weights] = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+    if RECORD:
+        FIXTURES.mkdir(parents=True, exist_ok=True)
+        record = {"runner": runner.name, "weights_sha256": weights, "spec": spec, "runs": runs}
+        path.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    return iter(runs)
+
+
+# Each recorded test runs twice: its sample in the default suite (the first prompt, under the
+# configs that first show each value of each setting), and every run in the slow set.
+PARTS = [pytest.param("sample", id="sample"), pytest.param("all", id="all", marks=pytest.mark.slow)]
+
+
+def compared(configs: list[dict], prompts: list, theirs, part: str):
+    """(config, prompt, the reference's run) in the reference's order; for the "sample" part only
+    the first prompt, under each config that shows a setting's value no earlier config showed."""
+    seen: set = set()
+    for c in configs:
+        values = {(k, str(v)) for k, v in c.items()}
+        sampled, seen = not values <= seen, seen | values
+        for k, prompt in enumerate(prompts):
+            ref = next(theirs)
+            if part == "all" or (k == 0 and sampled):
+                yield c, prompt, ref
 
 
 def _finished_at_start(ours, config: dict) -> int:
@@ -132,17 +201,18 @@ CONFIGS = [
 
 
 @needs_fast_dllm
-def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path):
-    code = Path(CHECKOUT, "llada")
-    model, prompts = _reference_checkpoint(None, tmp_path / "llada", code / "model", LLADA_FILES)
+@pytest.mark.parametrize("part", PARTS)
+def test_the_embedded_llada_decodes_as_the_reference_does(tmp_path, part):
+    code = Path(CHECKOUT or "", "llada")
+    modeling = code / "model" if FAST_DLLM_LIVE else None
+    model, prompts = _reference_checkpoint(None, tmp_path / "llada", modeling, LLADA_FILES)
     spec = {"mask_id": model.args.mask_token_id, "prompts": prompts, "configs": CONFIGS}
-    theirs = _reference_runs(PYTHON, RUNNER, str(code), tmp_path / "llada", spec)
-    for c in CONFIGS:
+    theirs = _reference_runs(PYTHON, RUNNER, modeling and str(code), tmp_path / "llada", spec, "fast_dllm_llada")
+    for c, prompt, ref in compared(CONFIGS, prompts, theirs, part):
         config = GenerationConfig.fast_dllm(suffix_window=None, refresh="full", stop_at_eos=False, **c)
-        for prompt in prompts:
-            ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
-            assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
-            assert ref["nfe"] == ours.nfe + _finished_at_start(ours, c), (c, ref["nfe"], ours.nfe)
+        ours = fastdllm.generate(model, [prompt], config=config)
+        assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
+        assert ref["nfe"] == ours.nfe + _finished_at_start(ours, c), (c, ref["nfe"], ours.nfe)
 
 
 DPARALLEL_CONFIGS = [
@@ -153,24 +223,27 @@ DPARALLEL_CONFIGS = [
 ]
 
 
-needs_dparallel = pytest.mark.skipif(
-    not (DPARALLEL_CHECKOUT and DPARALLEL_PYTHON and Path(DPARALLEL_CHECKOUT, "LLaDA", "generate.py").exists()),
-    reason="set FASTDLLM_DPARALLEL_REFERENCE (a czg1225/dParallel checkout) and FASTDLLM_DPARALLEL_PYTHON",
+DPARALLEL_LIVE = bool(
+    DPARALLEL_CHECKOUT and DPARALLEL_PYTHON and Path(DPARALLEL_CHECKOUT, "LLaDA", "generate.py").exists()
 )
+DPARALLEL_REASON = "set FASTDLLM_DPARALLEL_REFERENCE (a czg1225/dParallel checkout) and FASTDLLM_DPARALLEL_PYTHON"
 
 
-@needs_dparallel
-def test_the_entropy_rule_decodes_as_dparallels_llada_code(tmp_path):
-    code = Path(DPARALLEL_CHECKOUT, "LLaDA")
-    model, prompts = _reference_checkpoint(None, tmp_path / "llada", code / "model", LLADA_FILES)
+@live_or_recorded(DPARALLEL_LIVE, "dparallel_llada", reason=DPARALLEL_REASON)
+@pytest.mark.parametrize("part", PARTS)
+def test_the_entropy_rule_decodes_as_dparallels_llada_code(tmp_path, part):
+    code = Path(DPARALLEL_CHECKOUT or "", "LLaDA")
+    modeling = code / "model" if DPARALLEL_LIVE else None
+    model, prompts = _reference_checkpoint(None, tmp_path / "llada", modeling, LLADA_FILES)
     spec = {"mask_id": model.args.mask_token_id, "prompts": prompts, "configs": DPARALLEL_CONFIGS}
-    theirs = _reference_runs(DPARALLEL_PYTHON, RUNNER, str(code), tmp_path / "llada", spec)
-    for c in DPARALLEL_CONFIGS:
+    theirs = _reference_runs(
+        DPARALLEL_PYTHON, RUNNER, modeling and str(code), tmp_path / "llada", spec, "dparallel_llada"
+    )
+    for c, prompt, ref in compared(DPARALLEL_CONFIGS, prompts, theirs, part):
         config = GenerationConfig.dparallel(stop_at_eos=False, **c)
-        for prompt in prompts:
-            ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
-            assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
-            assert ref["nfe"] == ours.nfe + _finished_at_start(ours, c), (c, ref["nfe"], ours.nfe)
+        ours = fastdllm.generate(model, [prompt], config=config)
+        assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
+        assert ref["nfe"] == ours.nfe + _finished_at_start(ours, c), (c, ref["nfe"], ours.nfe)
 
 
 D3LLM_CHECKOUT = os.environ.get("FASTDLLM_D3LLM_REFERENCE")
@@ -200,28 +273,30 @@ D3LLM_KV_CACHE_CONFIGS = [
     for e in (True, False)
     for d, r in ((0, 10000), (1, 10000), (2, 10000), (2, 3))
 ]
-needs_d3llm = pytest.mark.skipif(
-    not (D3LLM_CHECKOUT and D3LLM_PYTHON and Path(D3LLM_CHECKOUT, "d3llm", "d3llm_LLaDA").is_dir()),
-    reason="set FASTDLLM_D3LLM_REFERENCE (a hao-ai-lab/d3LLM checkout) and FASTDLLM_D3LLM_PYTHON",
-)
+D3LLM_LIVE = bool(D3LLM_CHECKOUT and D3LLM_PYTHON and Path(D3LLM_CHECKOUT, "d3llm", "d3llm_LLaDA").is_dir())
+D3LLM_REASON = "set FASTDLLM_D3LLM_REFERENCE (a hao-ai-lab/d3LLM checkout) and FASTDLLM_D3LLM_PYTHON"
 
 
 D3LLM_DREAM_RUNNER = Path(__file__).parent / "reference" / "d3llm_dream.py"
 
 
-def _decodes_as_d3llm(folder: Path, configs: list[dict], temperature: float = 1.0, dream: bool = False):
+def _decodes_as_d3llm(
+    folder: Path, configs: list[dict], fixture: str, part: str, temperature: float = 1.0, dream: bool = False
+):
     """Ours against d3LLM's code on the embedded LLaDA (or Dream twin), token for token; with its
     output head divided by `temperature`."""
     if dream:
-        modeling, runner = Path(D3LLM_CHECKOUT, "utils", "utils_Dream", "model"), D3LLM_DREAM_RUNNER
+        modeling, runner = Path(D3LLM_CHECKOUT or "", "utils", "utils_Dream", "model"), D3LLM_DREAM_RUNNER
         files, name = ("configuration_dream.py", "modeling_dream.py"), "dream-arith"
     else:
-        modeling, runner = Path(D3LLM_CHECKOUT, "utils", "utils_LLaDA", "model"), D3LLM_RUNNER
+        modeling, runner = Path(D3LLM_CHECKOUT or "", "utils", "utils_LLaDA", "model"), D3LLM_RUNNER
         files, name = LLADA_FILES, None
+    modeling = modeling if D3LLM_LIVE else None
     model, prompts = _reference_checkpoint(name, folder, modeling, files, "float32", temperature)
     spec = {"mask_id": model.mask_token_id, "eos_id": model.args.eos_token_id, "prompts": prompts}
-    theirs = _reference_runs(D3LLM_PYTHON, runner, D3LLM_CHECKOUT, folder, {**spec, "configs": configs})
-    for c in configs:
+    code = D3LLM_CHECKOUT if D3LLM_LIVE else None
+    theirs = _reference_runs(D3LLM_PYTHON, runner, code, folder, {**spec, "configs": configs}, fixture)
+    for c, prompt, ref in compared(configs, prompts, theirs, part):
         config = GenerationConfig.d3llm(
             gen_length=c["gen_length"],
             threshold=c["threshold"],
@@ -235,30 +310,31 @@ def _decodes_as_d3llm(folder: Path, configs: list[dict], temperature: float = 1.
             config = config.replace(
                 cache="delayed", cache_delay=c["cache_delay_iter"], refresh_interval=c["refresh_interval"]
             )
-        for prompt in prompts:
-            ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
-            # its Dream cache can attend some K/V twice (`DelayedCache`), which we do not: these
-            # settings never lead it there, so that every run compares
-            assert not ref.get("twice"), (str(c), prompt)
-            assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
-            if not c["early_stop"]:
-                assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)
-                continue
-            # With its early stop, its counter adds one forward that never runs when the answer
-            # ends, and it runs forwards that reveal nothing (see the runner): we run neither.
-            assert ref["nfe"] - ref["idle"] - ours.nfe in (0, 1), (c, ref["nfe"], ref["idle"], ours.nfe)
+        ours = fastdllm.generate(model, [prompt], config=config)
+        # its Dream cache can attend some K/V twice (`DelayedCache`), which we do not: these
+        # settings never lead it there, so that every run compares
+        assert not ref.get("twice"), (str(c), prompt)
+        assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
+        if not c["early_stop"]:
+            assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)
+            continue
+        # With its early stop, its counter adds one forward that never runs when the answer
+        # ends, and it runs forwards that reveal nothing (see the runner): we run neither.
+        assert ref["nfe"] - ref["idle"] - ours.nfe in (0, 1), (c, ref["nfe"], ref["idle"], ours.nfe)
 
 
-@needs_d3llm
-def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_code(tmp_path):
-    _decodes_as_d3llm(tmp_path / "llada", D3LLM_CONFIGS)
+@live_or_recorded(D3LLM_LIVE, "d3llm_llada", reason=D3LLM_REASON)
+@pytest.mark.parametrize("part", PARTS)
+def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_code(tmp_path, part):
+    _decodes_as_d3llm(tmp_path / "llada", D3LLM_CONFIGS, "d3llm_llada", part)
 
 
-@needs_d3llm
-def test_the_delayed_cache_decodes_as_d3llms_kv_cache_loop(tmp_path):
+@live_or_recorded(D3LLM_LIVE, "d3llm_llada_kv_cache", reason=D3LLM_REASON)
+@pytest.mark.parametrize("part", PARTS)
+def test_the_delayed_cache_decodes_as_d3llms_kv_cache_loop(tmp_path, part):
     # at a third of its confidence the model decodes in many forwards, so that when the cache
     # commits a block, and which forwards are full, decide tokens
-    _decodes_as_d3llm(tmp_path / "llada", D3LLM_KV_CACHE_CONFIGS, temperature=3.0)
+    _decodes_as_d3llm(tmp_path / "llada", D3LLM_KV_CACHE_CONFIGS, "d3llm_llada_kv_cache", part, temperature=3.0)
 
 
 D3LLM_DREAM_CONFIGS = [
@@ -272,16 +348,18 @@ D3LLM_DREAM_CONFIGS = [
 ]
 
 
-@needs_d3llm
-def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_dream_code(tmp_path):
+@live_or_recorded(D3LLM_LIVE, "d3llm_dream", reason=D3LLM_REASON)
+@pytest.mark.parametrize("part", PARTS)
+def test_the_entropy_rule_over_several_blocks_decodes_as_d3llms_dream_code(tmp_path, part):
     # at a third of its confidence, so that where the lowest-entropy position may be revealed decides
-    _decodes_as_d3llm(tmp_path / "dream", D3LLM_DREAM_CONFIGS, temperature=3.0, dream=True)
+    _decodes_as_d3llm(tmp_path / "dream", D3LLM_DREAM_CONFIGS, "d3llm_dream", part, temperature=3.0, dream=True)
 
 
-@needs_d3llm
-def test_the_delayed_cache_decodes_as_d3llms_dream_kv_cache_loop(tmp_path):
+@live_or_recorded(D3LLM_LIVE, "d3llm_dream_kv_cache", reason=D3LLM_REASON)
+@pytest.mark.parametrize("part", PARTS)
+def test_the_delayed_cache_decodes_as_d3llms_dream_kv_cache_loop(tmp_path, part):
     configs = [c for c in D3LLM_KV_CACHE_CONFIGS if c["gen_length"] == 64]
-    _decodes_as_d3llm(tmp_path / "dream", configs, temperature=3.0, dream=True)
+    _decodes_as_d3llm(tmp_path / "dream", configs, "d3llm_dream_kv_cache", part, temperature=3.0, dream=True)
 
 
 DMAX_CHECKOUT = os.environ.get("FASTDLLM_DMAX_REFERENCE")
@@ -305,6 +383,7 @@ def _dmax_strategy_module():
     return sys.modules["dmax_decoding.parallel_strategy"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (
         DMAX_CHECKOUT and Path(DMAX_CHECKOUT, "dInfer", "python", "dinfer", "decoding", "parallel_strategy.py").exists()
@@ -364,20 +443,23 @@ DPARALLEL_DREAM_CONFIGS = [
 ]
 
 
-@needs_dparallel
-def test_the_entropy_rule_decodes_as_dparallels_dream_code(tmp_path):
-    modeling = Path(DPARALLEL_CHECKOUT, "Dream", "model")
+@live_or_recorded(DPARALLEL_LIVE, "dparallel_dream", reason=DPARALLEL_REASON)
+@pytest.mark.parametrize("part", PARTS)
+def test_the_entropy_rule_decodes_as_dparallels_dream_code(tmp_path, part):
+    modeling = Path(DPARALLEL_CHECKOUT or "", "Dream", "model") if DPARALLEL_LIVE else None
     files = ("configuration_dream.py", "modeling_dream.py")
     model, prompts = _reference_checkpoint("dream-arith", tmp_path / "dream", modeling, files, dtype="float32")
     spec = {"prompts": prompts, "configs": DPARALLEL_DREAM_CONFIGS}
-    theirs = _reference_runs(DPARALLEL_PYTHON, DPARALLEL_DREAM_RUNNER, DPARALLEL_CHECKOUT, tmp_path / "dream", spec)
-    for c in DPARALLEL_DREAM_CONFIGS:
+    code = DPARALLEL_CHECKOUT if DPARALLEL_LIVE else None
+    theirs = _reference_runs(
+        DPARALLEL_PYTHON, DPARALLEL_DREAM_RUNNER, code, tmp_path / "dream", spec, "dparallel_dream"
+    )
+    for c, prompt, ref in compared(DPARALLEL_DREAM_CONFIGS, prompts, theirs, part):
         # Dream's form of the rule (a config with `alg`): float32 entropy of the raw logits, strictly below
         config = GenerationConfig.dparallel(stop_at_eos=False, alg="entropy", **c)
-        for prompt in prompts:
-            ref, ours = next(theirs), fastdllm.generate(model, [prompt], config=config)
-            assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
-            assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)
+        ours = fastdllm.generate(model, [prompt], config=config)
+        assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
+        assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)
 
 
 SDAR_CONFIGS = [
@@ -391,9 +473,9 @@ def sdar_models():
     return ["tiny_sdar"] + [name for name in EMBEDDED_MODELS if name.startswith("sdar")]
 
 
-@needs_sdar
+@pytest.mark.parametrize("part", PARTS)
 @pytest.mark.parametrize("name", sdar_models())
-def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, tmp_path):
+def test_block_diffusion_decodes_as_sdars_own_routine(name, part, request, tokenizer, tmp_path):
     """Greedy, with the quota rule (static and with thresholds), prompts ending anywhere in a block,
     up to and including the first stop token (the reference leaves what follows masked); in the
     model's training block and in a decoding block twice as long."""
@@ -401,8 +483,13 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
         model, tok = request.getfixturevalue(name), tokenizer
     else:
         model, tok = fastdllm.load(name, dtype=torch.float32)
+    fixture = f"sdar_{name.replace('-', '_')}"
+    if not (SDAR_LIVE or (FIXTURES / f"{fixture}.json").is_file()):
+        pytest.skip(
+            f"set FASTDLLM_SDAR_REFERENCE (a JetAstra/SDAR checkout) and FASTDLLM_SDAR_PYTHON, or record {fixture}"
+        )
     folder = save_pretrained(model, tmp_path / "sdar", tok, dtype=torch.float32)
-    for f in ("configuration_sdar.py", "modeling_sdar.py"):
+    for f in ("configuration_sdar.py", "modeling_sdar.py") if SDAR_LIVE else ():
         shutil.copy(Path(SDAR_CHECKOUT, SDAR_MODEL_FILES, f), folder / f)
     # its training loss needs triton; decoding never calls it
     (folder / "fused_linear_diffusion_cross_entropy.py").write_text(
@@ -414,18 +501,10 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
     # its training block, and a decoding block twice as long (its evaluation builds the mask from it)
     configs = [dict(c, block_length=b) for b in (blk, 2 * blk) for c in SDAR_CONFIGS]
     stop = sorted(model.stop_token_ids)
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"mask_id": model.mask_token_id, "stop": stop, "prompts": prompts, "configs": configs}))
+    spec = {"mask_id": model.mask_token_id, "stop": stop, "prompts": prompts, "configs": configs}
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent / "reference" / "cpu_shims"))
-    out = subprocess.run(
-        [SDAR_PYTHON, str(SDAR_RUNNER), SDAR_CHECKOUT, str(folder), str(job)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = iter(json.loads(out.stdout.strip().splitlines()[-1])["runs"])
+    code = SDAR_CHECKOUT if SDAR_LIVE else None
+    theirs = _reference_runs(SDAR_PYTHON, SDAR_RUNNER, code, folder, spec, fixture, env=env, timeout=1800)
 
     def upto_stop(tokens):
         for k, t in enumerate(tokens):
@@ -434,7 +513,7 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
         return tokens
 
     parallel = 0
-    for c in configs:
+    for c, prompt, ref in compared(configs, prompts, theirs, part):
         steps = c["gen_length"] // c["block_length"] * c["steps_per_block"]
         config = GenerationConfig.for_model(
             model,
@@ -442,11 +521,9 @@ def test_block_diffusion_decodes_as_sdars_own_routine(name, request, tokenizer, 
             temperature=0.0,
             block_length=c["block_length"],
         )
-        for prompt in prompts:
-            ours = fastdllm.generate(model, [prompt], config=config)
-            ref = next(theirs)["tokens"][: c["gen_length"]]
-            assert upto_stop(ours.sequences[0].tolist()) == upto_stop(ref), (c, prompt)
-            parallel += max(ours.tokens_per_step[0]) > 1
+        ours = fastdllm.generate(model, [prompt], config=config)
+        assert upto_stop(ours.sequences[0].tolist()) == upto_stop(ref["tokens"][: c["gen_length"]]), (c, prompt)
+        parallel += max(ours.tokens_per_step[0]) > 1
     if not name.startswith("tiny"):  # a trained model: the thresholds did reveal several tokens at once
         assert parallel > 0
 
@@ -462,6 +539,7 @@ needs_v2 = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_v2
 def test_fast_dllm_v2_decodes_as_its_own_batch_sample(tiny_v2, tokenizer, tmp_path):
     """Greedy, thresholds from one token at a time to several, sub-blocks of the block and of half of it,
@@ -523,6 +601,7 @@ def test_fast_dllm_v2_decodes_as_its_own_batch_sample(tiny_v2, tokenizer, tmp_pa
     assert parallel > 0  # the thresholds did reveal several tokens at once
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (
         V2_REFERENCE and V2_PYTHON and all(Path(V2_REFERENCE, f).exists() for f in ("modeling.py", "configuration.py"))
@@ -590,6 +669,7 @@ def test_fast_dllm_v2_block_cache_decodes_as_its_own_generate(tiny_v2, tokenizer
     assert parallel > 0 and compared > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (LLADA2_REFERENCE and LLADA2_PYTHON and Path(LLADA2_REFERENCE, LLADA2_FILES[1]).exists()),
     reason="set FASTDLLM_LLADA2_REFERENCE (a folder with LLaDA2's modeling files) and FASTDLLM_LLADA2_PYTHON",
