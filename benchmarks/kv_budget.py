@@ -75,6 +75,7 @@ def main() -> None:
             answers = list(pool.map(ask, messages(args.requests, 8)))
         seconds = time.perf_counter() - t0
         done.set()
+        health = httpx.get(url + "/health", timeout=5).json()
         result = {
             "model": args.model,
             "serve_args": args.serve_args,
@@ -86,6 +87,7 @@ def main() -> None:
             "completion_tokens": sum(n for _, n in answers),
             "seconds": round(seconds, 1),
             "peak_kv_bytes_in_use": peak_kv,
+            "max_batch_rows": health.get("max_batch_rows"),
             "rss_loaded_bytes": loaded,
             "rss_peak_bytes": rss(proc.pid, "VmHWM"),
         }

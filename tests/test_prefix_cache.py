@@ -5,7 +5,9 @@ by default for block-causal models, an opt-in approximation for bidirectional on
 from __future__ import annotations
 
 import gc
+import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -224,3 +226,44 @@ def test_a_policy_object_keeps_the_configs_engine_settings(tiny_sdar):
     generate(tiny_sdar, [prompt], config)
     again = generate(tiny_sdar, [prompt], config, policies=Policies(cache=DualCache(tiny_sdar)))
     assert again.prompt_positions[0] < len(prompt) // 2
+
+
+def test_a_tight_kv_budget_runs_more_rows_when_prompts_share_a_prefix():
+    """The server's admission counts a prompt block that rows share by reference once: under a
+    budget that two rows' own pages fill, 4-shot requests sharing their exemplars run several at a
+    time, each answered as without sharing, and the pool never holds more than the budget."""
+    from fastdllm.server.scheduler import Job
+
+    from .test_server import LiveServer
+
+    model, tok = fastdllm.load("sdar-arith", dtype=torch.float32)
+    prompts = fewshot(tok, 6, 4)
+    defaults = GenerationConfig.for_model(model, GenerationConfig(gen_length=32), checkpoint_defaults=False)
+    token = model.new_cache(1, 1).nbytes()
+    own = max(Job([p], [0], defaults, None).pages() for p in prompts) * defaults.block_length * token
+    budget = int(2.5 * own)
+    seen = {}
+    for sharing in ("exact", "off"):
+        reset_prefix_cache(model)
+        server = LiveServer(
+            model, tok, defaults=defaults.replace(prefix_cache=sharing), kv_cache_bytes=budget, max_batch_size=8
+        )
+        try:
+            server.scheduler.pause()
+            bodies = [{"model": "llada-arith", "prompt": p, "max_tokens": 32, "temperature": 0} for p in prompts]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                asked = [pool.submit(server.post, "/v1/completions", b) for b in bodies]
+                time.sleep(0.3)
+                server.scheduler.resume()
+                answers = [a.result() for a in asked]
+            assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+            kv_pool = model.__dict__["_kv_pool"]
+            assert kv_pool.peak_pages * kv_pool.page_bytes <= budget
+            seen[sharing] = (
+                server.scheduler.snapshot()["max_batch_rows"],
+                [r.json()["choices"][0]["text"] for r in answers],
+            )
+        finally:
+            server.stop()
+    assert seen["off"][0] <= 2 < seen["exact"][0]
+    assert seen["exact"][1] == seen["off"][1]

@@ -63,7 +63,12 @@ class PrefixStore:
 
     def keys(self, tokens: list[int]) -> list[int]:
         """The chain's keys of the prompt's full blocks."""
-        out, parent, bs = [], None, self.block_size
+        return self.chain_keys(tokens, self.block_size)
+
+    @staticmethod
+    def chain_keys(tokens: list[int], block_size: int) -> list[int]:
+        """The hash chain's keys of the full blocks of `block_size` tokens."""
+        out, parent, bs = [], None, block_size
         for j in range(len(tokens) // bs):
             parent = hash((parent, tuple(tokens[j * bs : (j + 1) * bs])))
             out.append(parent)

@@ -14,6 +14,7 @@ from ..config import GenerationConfig
 from ..engine.decoder import BlockDecoder, join_key, layout_columns
 from ..engine.policies import PolicySource
 from ..engine.ranks import LocalCommands, constraint_specs
+from ..models.prefix_store import DEFAULT_BUDGET_BYTES, PrefixStore
 from ..models.tp import RankLost
 from .schema import APIError
 
@@ -89,6 +90,14 @@ class Job:
         gen = 0 if answer else cfg.gen_length
         return sum(-(-(layout_columns(len(p), cfg) - gen) // block) for p in self.prompts)
 
+    def prompt_blocks(self) -> list[list[int]]:
+        """Per row, the chain keys of its prompt's full blocks (`PrefixStore.keys`: a key stands for
+        the whole prefix up to its block's end)."""
+        if getattr(self, "_prompt_blocks", None) is None:
+            block = self.config.block_length
+            self._prompt_blocks = [PrefixStore.chain_keys(p, block) for p in self.prompts]
+        return self._prompt_blocks
+
     @property
     def wanted(self) -> bool:
         return not (self.cancelled or self.satisfied)
@@ -110,8 +119,10 @@ class Scheduler:
 
     `kv_cache_bytes` bounds the K/V of the running rows, held in a pool of pages of a block
     (`models.kv_cache.PagedKVCache`): a job's rows hold at most their own columns in whole pages
-    (`Job.pages`). A job is admitted while the running jobs' pages and its own fit; the others wait
-    in the queue (`never_fits`: one that could never fit, which a server refuses).
+    (`Job.pages`), and a prompt block that an earlier row holds is counted once where the rows
+    share it by reference (`pages_held`). A job is admitted while the running jobs' pages and its
+    own fit; the others wait in the queue (`never_fits`: one that could never fit, which a server
+    refuses).
 
     `commands` (`ranks.Commands` under tensor parallelism) carries each decoder command to the
     other ranks; `on_rank_lost` is called once when one is gone (every request then failed with a
@@ -186,6 +197,44 @@ class Scheduler:
     def kv_bytes(self, job: Job, answer: bool = True) -> int:
         """The bytes of the pages the job's rows hold at most (without `answer`: their prompts')."""
         return job.pages(answer) * job.config.block_length * self.token_kv_bytes
+
+    def shares_prompt_pages(self, config: GenerationConfig) -> bool:
+        """Whether rows decoded under `config` hold the prompt blocks that another row holds by
+        reference, and never write into them: a block-causal model's exact prefix cache (a row
+        waits for a block another row is computing rather than compute it too:
+        `BlockDecoder._admissible`), under a policy whose forwards never recompute a prompt block
+        (a cached one, refreshing the vicinity only), with a store that may keep as many pages as
+        the pool holds (so it drops none that rows still share)."""
+        store_bytes = getattr(self.model, "prefix_cache_bytes", DEFAULT_BUDGET_BYTES)
+        return (
+            bool(self.model.args.block_size)
+            and config.prefix_cache != "off"
+            and config.cache in ("prefix", "dual", "sub-block")
+            and config.refresh == "vicinity"
+            and config.refresh_every is None
+            and (self.kv_cache_bytes is None or store_bytes >= self.kv_cache_bytes)
+        )
+
+    def pages_held(self, jobs: list[Job]) -> int:
+        """The pages the jobs' rows hold at most, together: each row's own (`Job.pages`), less the
+        full prompt blocks an earlier row of these jobs holds where they are shared
+        (`shares_prompt_pages`); a row that shares any takes at most one copy of one (with shifted
+        logits its first forward writes the column before its answer, copy-on-write)."""
+        held, seen = 0, set()
+        copies = int(bool(self.model.args.shifted_logits))
+        for job in jobs:
+            held += job.pages()
+            if not self.shares_prompt_pages(job.config):
+                continue
+            for keys in job.prompt_blocks():
+                shared = sum(k in seen for k in keys)
+                held -= shared - (copies if shared else 0)
+                seen.update(keys)
+        return held
+
+    def held_bytes(self, jobs: list[Job]) -> int:
+        """`pages_held` in bytes (the jobs of a batch decode in blocks of one length)."""
+        return self.pages_held(jobs) * jobs[0].config.block_length * self.token_kv_bytes if jobs else 0
 
     def never_fits(self, job: Job) -> bool:
         """Whether the job's rows alone exceed `kv_cache_bytes`."""
@@ -266,16 +315,14 @@ class Scheduler:
         with the lock held."""
         taken = []
         rows = sum(j.rows for j in batch)
-        held = sum(self.kv_bytes(j) for j in batch)
         for job in list(self.pending):
             if rows >= self.max_batch_size or self.paused:
                 break
-            need = self.kv_bytes(job)
-            room = self.kv_cache_bytes is None or held + need <= self.kv_cache_bytes
+            room = self.kv_cache_bytes is None or self.held_bytes(batch + taken + [job]) <= self.kv_cache_bytes
             if fits(job.config) and rows + job.rows <= self.max_batch_size and room:
                 self.pending.remove(job)
                 taken.append(job)
-                rows, held = rows + job.rows, held + need
+                rows += job.rows
             elif not skip:
                 break
         return taken
@@ -356,7 +403,7 @@ class Scheduler:
                 with self.cond:
                     s = self.stats
                     self.running_jobs = len(running)
-                    self.kv_in_use = sum(self.kv_bytes(j) for j in running)
+                    self.kv_in_use = self.held_bytes(list(running))
                     s["max_batch_rows"] = max(s["max_batch_rows"], rows)
                     s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
                 nfe = decoder.nfe
