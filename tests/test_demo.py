@@ -68,6 +68,19 @@ def test_frames_follow_the_engines_steps_to_the_answer(embedded):
     assert set(last.figures) == {"tokens", "seconds", "tokens_per_second", "nfe", "positions_per_token"}
 
 
+def test_a_turn_the_page_cannot_answer_names_what_is_wrong():
+    """A bad model path (or message) is one ValueError naming it, before anything is decoded: the
+    page shows it as one line and keeps the conversation."""
+    pytest.importorskip("gradio")
+    from fastdllm.demo.app import Models, turn
+
+    model, tok = fastdllm.load(device="cpu")
+    models = Models("llada-arith", model, tok)
+    for name, message, words in (("/no/such/model", QUESTION, "model: model folder not found"), ("", " ", "message")):
+        with pytest.raises(ValueError, match=words):
+            next(turn(models, name, message, [[], []], ["default", "default"], "", "", 0.0, {}))
+
+
 def test_the_demo_refuses_the_network_without_a_login(capsys):
     assert cli(["demo", "--host", "0.0.0.0"]) == 2
     assert "--auth" in capsys.readouterr().err
@@ -153,16 +166,20 @@ def test_the_demo_in_a_browser(tmp_path):
         driver.find_element(By.CSS_SELECTOR, "#message textarea").send_keys(QUESTION)
         t0 = time.time()
         driver.find_element(By.ID, "send").click()
-        first = None
+        first, answered_early = None, False
         while True:
             seen = driver.execute_script("return window.frames_seen")
             if first is None and (seen["left"] or seen["right"]):
                 first = time.time() - t0
             figures = [driver.find_element(By.ID, f"figures-{s}").text for s in ("left", "right")]
+            # the fast pane's answer shows while the baseline still decodes
+            right_chat = driver.find_element(By.ID, "chat-right").text
+            answered_early |= "tokens/s" not in figures[0] and "####" in right_chat
             if all("tokens/s" in f for f in figures):
                 break
             assert time.time() - t0 < 120, "the answers did not finish"
             time.sleep(0.05)
+        assert answered_early
         seen = driver.execute_script("return window.frames_seen")
         for side in ("left", "right"):
             assert len(seen[side]) >= 3, (side, seen[side])  # the canvas moved before the answer was done
