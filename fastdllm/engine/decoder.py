@@ -45,7 +45,7 @@ from torch.profiler import record_function
 from ..config import GenerationConfig, is_int
 from .cache_policies import SequenceView
 from .policies import Policies, PolicySource, policies_for, resolve
-from .unmasking import BlockClock, Decision, EntropyLookahead, soft_embeddings
+from .unmasking import BlockClock, Decision, soft_embeddings
 
 
 def join_key(config: GenerationConfig) -> tuple:
@@ -509,7 +509,7 @@ class BlockDecoder:
         early = [r.config.eos_early_stop for r in rows]
         if any(early) and self.editing is None:
             # each row's own rule: d3LLM's with its multi-block entropy decoding, else LLaDA2.0's
-            d3llm = [e and isinstance(r.strategy.lookahead, EntropyLookahead) for e, r in zip(early, rows)]
+            d3llm = [e and r.strategy.fills_after_eos for e, r in zip(early, rows)]
             llada2 = [e and not d for e, d in zip(early, d3llm)]
             if any(d3llm):
                 self._fill_after_eos(block, region, d3llm)

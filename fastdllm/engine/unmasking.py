@@ -652,6 +652,11 @@ class Lookahead:
     loop's and decides when the window moves on (then the exact cache commit runs as for one
     block), and at most `depth` blocks take part."""
 
+    # The early stop a row with `eos_early_stop` takes (`BlockDecoder.step`): LLaDA2.0's (a block
+    # whose revealed stop token has no mask before it ends the row), unless the decoder whose
+    # multi-block decoding this is fills its window after the first EOS (d3LLM's `handle_early_stop`).
+    fills_after_eos = False
+
     def __init__(self, depth: int, add: float, activate: float, threshold: float):
         self.depth, self.add, self.activate, self.threshold = depth, add, activate, threshold
 
@@ -713,6 +718,8 @@ class EntropyLookahead(Lookahead):
     position across blocks: a later block reveals only below the threshold. That code compares
     strictly below the threshold where its LLaDA code (and we, in both) reveal at it too: it differs
     only for an entropy equal to the threshold to the last bit of a float64."""
+
+    fills_after_eos = True
 
     def __init__(self, depth: int, add: float, activate: float, threshold: float, keeps_lowest: bool = True):
         super().__init__(depth, add, activate, threshold)
@@ -777,6 +784,12 @@ class UnmaskingStrategy:
         self.editing, self.confidence_temperature = editing, confidence_temperature
         self.lookahead = lookahead
         self._rule: SelectionRule | None = None
+
+    @property
+    def fills_after_eos(self) -> bool:
+        """Whether `eos_early_stop` fills the window after the first EOS (d3LLM's rule) rather than
+        stopping the row at it (LLaDA2.0's): the lookahead's (`Lookahead.fills_after_eos`)."""
+        return self.lookahead is not None and self.lookahead.fills_after_eos
 
     @classmethod
     def from_config(cls, config, rules=None) -> UnmaskingStrategy:
