@@ -383,59 +383,97 @@ def _dmax_strategy_module():
     return sys.modules["dmax_decoding.parallel_strategy"]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not (
-        DMAX_CHECKOUT and Path(DMAX_CHECKOUT, "dInfer", "python", "dinfer", "decoding", "parallel_strategy.py").exists()
-    ),
-    reason="set FASTDLLM_DMAX_REFERENCE (a czg1225/DMax checkout)",
+DMAX_LIVE = bool(
+    DMAX_CHECKOUT and Path(DMAX_CHECKOUT, "dInfer", "python", "dinfer", "decoding", "parallel_strategy.py").exists()
 )
-@pytest.mark.parametrize("seed", range(6))
+DMAX_SEEDS = range(6)
+DMAX_VOCAB, DMAX_BLOCK, DMAX_DIM, DMAX_MASK = 12, 8, 6, 11
+
+
+def _dmax_inputs(seed: int):
+    """The seed's embedding table and its stream of logits, one (1, block, vocab) tensor a step:
+    sharp for some positions, flat for others, the mask never the most likely."""
+    gen = torch.Generator().manual_seed(seed)
+    embedding = torch.nn.Embedding(DMAX_VOCAB, DMAX_DIM)
+    torch.nn.init.normal_(embedding.weight, generator=gen)
+
+    def logits():
+        while True:
+            out = torch.randn(1, DMAX_BLOCK, DMAX_VOCAB, generator=gen)
+            out = out * (1 + 4 * torch.rand(1, DMAX_BLOCK, 1, generator=gen))
+            out[..., DMAX_MASK] = -20.0
+            yield out
+
+    return embedding, logits()
+
+
+def _dmax_traces() -> dict:
+    """DMax's `decode_uniform` step after step from a block of masks (its first position a prompt
+    token), per seed: the block's tokens, whether it stopped, and the next step's input embeddings.
+    Live where the checkout is set (recorded as `dmax` with FASTDLLM_RECORD_FIXTURES=1), else
+    the recorded traces."""
+    path = FIXTURES / "dmax.json"
+    if not DMAX_LIVE:
+        return json.loads(path.read_text())["traces"]
+    reference = _dmax_strategy_module()
+    traces = {}
+    for seed in DMAX_SEEDS:
+        embedding, logits = _dmax_inputs(seed)
+        theirs = reference.ThresholdParallelDecoder(temperature=0.0, threshold=0.5, mask_id=DMAX_MASK, eos_id=10)
+        x = torch.full((1, DMAX_BLOCK), DMAX_MASK)
+        x[0, 0] = 3
+        active, embeds, trace = x == DMAX_MASK, None, []
+        for step in range(DMAX_BLOCK):
+            stop, embeds = theirs.decode_uniform(
+                next(logits), 0, DMAX_BLOCK, x, active, embedding, prev_embeddings=embeds
+            )
+            trace.append({"tokens": x[0].tolist(), "stop": bool(stop), "embeds": embeds.float()[0].tolist()})
+            if stop or step + 1 >= DMAX_BLOCK:
+                break
+        traces[str(seed)] = trace
+    if RECORD:
+        path.write_text(json.dumps({"runner": "decode_uniform", "traces": traces}, separators=(",", ":")) + "\n")
+    return traces
+
+
+@live_or_recorded(DMAX_LIVE, "dmax", reason="set FASTDLLM_DMAX_REFERENCE (a czg1225/DMax checkout)")
+@pytest.mark.parametrize("seed", DMAX_SEEDS)
 def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
     """Step after step on the same random logits, from a block of masks (its first position a prompt
     token): the same tokens revealed and revised, the same end of the block, the same soft
     embeddings."""
     from fastdllm.engine.unmasking import BlockClock, Editing, UnmaskingStrategy, soft_embeddings
 
-    reference = _dmax_strategy_module()
-    gen = torch.Generator().manual_seed(seed)
-    vocab, blk, dim, mask_id = 12, 8, 6, 11
-    embedding = torch.nn.Embedding(vocab, dim)
-    torch.nn.init.normal_(embedding.weight, generator=gen)
-    theirs = reference.ThresholdParallelDecoder(temperature=0.0, threshold=0.5, mask_id=mask_id, eos_id=10)
-    x = torch.full((1, blk), mask_id)
-    x[0, 0] = 3  # a prompt token inside the block (block-causal lead): never revised
-    active = x == mask_id
+    trace = _dmax_traces()[str(seed)]
+    embedding, logits = _dmax_inputs(seed)
+    blk, mask_id = DMAX_BLOCK, DMAX_MASK
     config = GenerationConfig.dmax(block_length=blk, gen_length=blk)
     strategy = UnmaskingStrategy.from_config(config)
     editing = Editing.from_config(config)
-    ours = x.clone()
+    ours = torch.full((1, blk), mask_id)
+    ours[0, 0] = 3  # a prompt token inside the block (block-causal lead): never revised
     region = torch.full((1, blk), -1)
-    embeds = None
-    for step in range(blk):
-        # sharp logits for some positions, flat for others; the mask never the most likely
-        logits = torch.randn(1, blk, vocab, generator=gen) * (1 + 4 * torch.rand(1, blk, 1, generator=gen))
-        logits[..., mask_id] = -20.0
-        stop, embeds = theirs.decode_uniform(logits.clone(), 0, blk, x, active, embedding, prev_embeddings=embeds)
+    for step, theirs in enumerate(trace):
         masked = ours == mask_id
         editable = (region >= 0) & ~masked
         clock = BlockClock.uniform(masked, blk, step)
-        d = strategy.decide(logits, ours, clock, None, mask_id, editable=editable)
+        d = strategy.decide(next(logits), ours, clock, None, mask_id, editable=editable)
         ours = torch.where(d.edited, d.tokens, ours)
         ours = torch.where(d.chosen, d.tokens, ours)
         region = torch.where(d.chosen, torch.full_like(region, step), region)
         changed = d.chosen.any(-1) | d.edited.any(-1)
         done = editing.confident_stop(ours, region, d.top_prob, changed, torch.tensor([step + 1]), mask_id)
-        assert ours.tolist() == x.tolist(), step
+        assert ours[0].tolist() == theirs["tokens"], step
         # its runner (`BlockRunner.decode_uniform`) stops a block after block_length forwards
-        their_done = stop or step + 1 >= blk
+        their_done = theirs["stop"] or step + 1 >= blk
         assert bool(done[0]) == their_done, step
         if their_done:
+            assert step == len(trace) - 1
             break
         soft = (region >= 0) & (ours != mask_id)
         mixed = soft_embeddings(embedding, d.top_token, d.top_prob, mask_id)
         want = torch.where(soft[..., None], mixed, embedding(ours).float())
-        torch.testing.assert_close(embeds.float(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(theirs["embeds"])[None], want, rtol=1e-5, atol=1e-6)
 
 
 DPARALLEL_DREAM_CONFIGS = [
