@@ -323,6 +323,14 @@ class GenerationConfig:
         row=True,
     )
     seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False, row=True)
+    logprobs: int | None = _opt(
+        None,
+        "optional int",
+        "report each generated token's log-probability from the forward that wrote it, and the N most "
+        "likely tokens there (0: none; at most 20)",
+        server=False,
+        row=True,
+    )
     compile: bool = _opt(
         False,
         "bool",
@@ -800,6 +808,8 @@ class GenerationConfig:
             )
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")
+        if self.logprobs is not None:
+            need(is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs", "must be an integer 0-20 or None")
         need(isinstance(self.compile, bool), "compile", "must be true or false")
         need(isinstance(self.deterministic, bool), "deterministic", "must be true or false")
         need(isinstance(self.cuda_graphs, bool), "cuda_graphs", "must be true or false")

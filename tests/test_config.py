@@ -31,6 +31,7 @@ BAD = {
     "stop_at_eos": "yes",
     "eos_early_stop": "yes",
     "seed": 1.5,
+    "logprobs": 21,
     "suffix_window": -1,
     "sub_block_length": 5,
     "editing_threshold": 1.5,

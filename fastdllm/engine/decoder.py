@@ -45,7 +45,7 @@ from torch.profiler import record_function
 from ..config import GenerationConfig, is_int
 from .cache_policies import SequenceView
 from .policies import Policies, PolicySource, policies_for, resolve
-from .unmasking import BlockClock, Decision, soft_embeddings
+from .unmasking import BlockClock, Decision, soft_embeddings, token_logprobs
 
 
 def join_key(config: GenerationConfig) -> tuple:
@@ -109,6 +109,11 @@ class Row:
     fixed: tuple = ()
     suffix: torch.Tensor | None = None
     soft: tuple | None = None  # DMax's soft embeddings for its next forward: (columns, vectors)
+    # With `config.logprobs`, once it left: per answer position the log-probability of its token in
+    # the forward that wrote it (NaN: fixed or padding, no forward chose it), and (ids, log-probs)
+    # of the `config.logprobs` most likely tokens there.
+    logprobs: torch.Tensor | None = None
+    top_logprobs: tuple | None = None
 
     @property
     def stop_block(self) -> int:
@@ -329,6 +334,10 @@ class BlockDecoder:
         # per row of the layout (its prompt, then its region, from column 0): tokens, and the
         # row's step that revealed each position (-1: masked or a prompt token)
         self.x = self.step_of = None
+        # with rows that report log-probabilities (`config.logprobs`), per layout column: the
+        # log-probability of the token a forward wrote there (NaN: none did), and the most likely
+        # tokens there as (B, L, k) ids and log-probabilities
+        self.logp = self.top_ids = self.top_lp = None
         self.stopping = None  # per row: whether its config stops at a stop token (stop_at_eos)
         # per row: its steps so far (the index `step_of` records), its current block's masks when
         # it began, and with editing the block's steps after its last mask and whether it goes on
@@ -496,6 +505,8 @@ class BlockDecoder:
         editable = None if self.editing is None else (region >= 0) & (block != mask_id)  # not a prompt token
         clock = BlockClock([r.step for r in rows], [r.config.steps_per_block()[r.block] for r in rows], self.opened)
         decision = self._decide(logits, block, clock, later, editable)
+        if self.logp is not None:
+            self._record_logprobs(logits, columns, decision)
         # the decision, written without a host read (torch.where, not block[chosen] = ...)
         if decision.edited is not None:
             block = torch.where(decision.edited, decision.tokens, block)
@@ -757,6 +768,10 @@ class BlockDecoder:
         first = len(r.prompt) + r.lead  # the row's answer starts here
         r.answer = self.x[i, first : first + n].clone()
         r.unmask_step = self.step_of[i, first : first + n].clone()
+        if r.config.logprobs is not None:
+            r.logprobs = self.logp[i, first : first + n].clone()
+            k = r.config.logprobs
+            r.top_logprobs = (self.top_ids[i, first : first + n, :k].clone(), self.top_lp[i, first : first + n, :k].clone())
         if r.finished:
             r.answer[r.block * blk - r.lead :] = self.model.args.eos_token_id
         self.left.append(r)
@@ -795,6 +810,7 @@ class BlockDecoder:
         self.rows = [r for r, _ in moves]
         if not moves:
             self.x = self.step_of = self.row_nfe = self.opened = self.post = self.alive = None
+            self.logp = self.top_ids = self.top_lp = None
             self.policy.relayout([])
             return
         # room after the longest row for the columns a step reads past a row's region
@@ -808,6 +824,7 @@ class BlockDecoder:
             width = min(length, self.x.shape[1])
             x[dst, :width] = self.x[src, :width]
             step_of[dst, :width] = self.step_of[src, :width]
+        self._lay_out_logprobs(moves, length, kept)
         for i, (r, src) in enumerate(moves):
             if src is None:
                 p = len(r.prompt)
@@ -833,6 +850,46 @@ class BlockDecoder:
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
             self._begin(i, r)
+
+    def _lay_out_logprobs(self, moves, length: int, kept: list[tuple[int, int]]) -> None:
+        """The log-probability columns for the new layout, where a row of it reports them; kept
+        rows keep theirs."""
+        asked = [r.config.logprobs for r, _ in moves if r.config.logprobs is not None]
+        if not asked:
+            self.logp = self.top_ids = self.top_lp = None
+            return
+        bsz, k, dev = len(moves), max(asked), self.device
+        logp = torch.full((bsz, length), float("nan"), device=dev)
+        top_ids = torch.zeros((bsz, length, k), dtype=torch.long, device=dev)
+        top_lp = torch.full((bsz, length, k), float("nan"), device=dev)
+        if kept and self.logp is not None:
+            dst, src = (torch.tensor(t, device=dev) for t in zip(*kept))
+            width, old_k = min(length, self.logp.shape[1]), min(k, self.top_lp.shape[-1])
+            logp[dst, :width] = self.logp[src, :width]
+            top_ids[dst, :width, :old_k] = self.top_ids[src, :width, :old_k]
+            top_lp[dst, :width, :old_k] = self.top_lp[src, :width, :old_k]
+        self.logp, self.top_ids, self.top_lp = logp, top_ids, top_lp
+
+    def _record_logprobs(self, logits: torch.Tensor, columns: torch.Tensor, decision: Decision) -> None:
+        """Where this step wrote a token (revealed, edited, or ahead in a later block), its
+        log-probability and the most likely tokens in this forward (`unmasking.token_logprobs`)."""
+        tokens, written = decision.tokens, decision.chosen
+        if decision.edited is not None:
+            written = written | decision.edited
+        if decision.ahead is not None and self.width > self.config.block_length:
+            tokens = torch.cat([tokens, decision.ahead_tokens], 1)
+            written = torch.cat([written, decision.ahead], 1)
+        width = written.shape[1]
+        lp = token_logprobs(logits[:, :width], [r.config for r in self.rows])
+        cols = columns[:, :width]
+        chosen = lp.gather(-1, tokens[..., None]).squeeze(-1)
+        self.logp.scatter_(1, cols, torch.where(written, chosen, self.logp.gather(1, cols)))
+        k = self.top_lp.shape[-1]
+        if k:
+            values, ids = lp.topk(k, -1)
+            cols, keep = cols[..., None].expand(-1, -1, k), written[..., None]
+            self.top_lp.scatter_(1, cols, torch.where(keep, values, self.top_lp.gather(1, cols)))
+            self.top_ids.scatter_(1, cols, torch.where(keep, ids, self.top_ids.gather(1, cols)))
 
     def _carry(self, values: torch.Tensor | None, sources: list[int | None], fill) -> torch.Tensor:
         """Per-row values for the new layout: a kept row's own, `fill` for a row that joins."""

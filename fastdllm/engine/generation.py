@@ -46,6 +46,12 @@ class RunStats:
     # the rows needed), and query positions (against sum(forward_positions)).
     row_forwards: int = 0
     computed_positions: int = 0
+    # With `config.logprobs`: per row, per answer position, the log-probability of its token in the
+    # forward that wrote it (None: a fixed token or padding after a stop), and the `logprobs` most
+    # likely tokens there as (id, log-probability) pairs, most likely first (None where no forward
+    # wrote the position). None without.
+    logprobs: list[list[float | None]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]] | None]] | None = None
 
 
 @dataclass
@@ -200,9 +206,27 @@ def iter_generate(
         kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0),
         row_forwards=decoder.row_forwards,
         computed_positions=decoder.computed_positions,
+        **answer_logprobs(rows),
     )
     finished = [r.finished for r in rows]
     yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=finished, nfe=decoder.nfe, stats=stats)
+
+
+def answer_logprobs(rows) -> dict:
+    """`RunStats.logprobs` and `top_logprobs` of rows that left (empty where none reports them)."""
+    if all(r.logprobs is None for r in rows):
+        return {}
+    logprobs, tops = [], []
+    for r in rows:
+        if r.logprobs is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        values = r.logprobs.tolist()
+        logprobs.append([None if v != v else v for v in values])  # NaN: no forward wrote it
+        ids, lps = (t.tolist() for t in r.top_logprobs)
+        tops.append([None if v != v else list(zip(i, lp)) for v, i, lp in zip(values, ids, lps)])
+    return {"logprobs": logprobs, "top_logprobs": tops}
 
 
 def count_until_stop(seq: torch.Tensor, stop_ids: Sequence[int], start: int = 0) -> list[int]:
@@ -271,6 +295,9 @@ def generate(
     unmask_step = stats.unmask_step
     if cut is not None:
         sequences, unmask_step = sequences[:, :cut].clone(), unmask_step[:, :cut]
+        if stats.logprobs is not None:
+            stats.logprobs = [None if lp is None else lp[:cut] for lp in stats.logprobs]
+            stats.top_logprobs = [None if t is None else t[:cut] for t in stats.top_logprobs]
     return GenerationOutput(
         sequences=sequences,
         stats=stats,

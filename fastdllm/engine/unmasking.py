@@ -152,6 +152,24 @@ def _ranks(conf: torch.Tensor) -> torch.Tensor:
     )
 
 
+def token_logprobs(logits: torch.Tensor, configs) -> torch.Tensor:
+    """(B, T, V) float32 log-probabilities a row's sampling draws from, for logits (B, T, V) and
+    each row's config: at temperature > 0 of softmax(logits / temperature) after its top-k / top-p
+    filtering (a filtered token: -inf), at temperature 0 of the logits as they are (as vLLM reports
+    processed log-probabilities)."""
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(configs):
+        groups.setdefault((c.temperature, c.top_p, c.top_k), []).append(i)
+    for (temperature, top_p, top_k), rows in groups.items():
+        idx = torch.tensor(rows, device=logits.device)
+        part = logits.index_select(0, idx).float()
+        if temperature > 0:
+            part = _filter_top_p_top_k(part / temperature, top_p, top_k)
+        out[idx] = part.log_softmax(-1)
+    return out
+
+
 def _top_k_mask(conf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Per row, the k[row] most confident positions (leftmost first on ties). Ranked whatever k
     is, so that no host read of k decides the path."""

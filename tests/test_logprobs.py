@@ -1,0 +1,90 @@
+"""Token log-probabilities (`GenerationConfig.logprobs`): each generated token's, from the forward
+that wrote it, and the most likely tokens there."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm import GenerationConfig, generate
+
+QUESTION = "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return fastdllm.load(dtype="float32")
+
+
+def test_each_logprob_is_the_forward_that_revealed_it(embedded):
+    """Greedy, every forward over the whole sequence: a token's log-probability is the
+    log-softmax of a full forward over the canvas as it was before the step that revealed it, and
+    its top tokens are that forward's most likely ones (the revealed token first)."""
+    model, tok = embedded
+    prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    config = GenerationConfig(gen_length=64, block_length=32, cache="none", threshold=0.9, logprobs=3)
+    canvases = [torch.full((64,), model.mask_token_id)]
+    out = generate(model, [prompt], config, on_step=lambda e: e.kind == "step" and canvases.append(e.canvas[0].clone()))
+    steps, logprobs, tops = out.unmask_step[0].tolist(), out.logprobs[0], out.top_logprobs[0]
+    checked = 0
+    for j, s in enumerate(steps):
+        if s < 0:  # a stop token's padding, no forward chose it
+            assert logprobs[j] is None and tops[j] is None
+            continue
+        x = torch.cat([torch.tensor(prompt), canvases[s]])[None]
+        with torch.inference_mode():
+            full = model(x)[0, len(prompt) + j].float().log_softmax(-1)
+        token = int(out.sequences[0, j])
+        assert math.isclose(logprobs[j], full[token].item(), abs_tol=1e-4), (j, s)
+        assert [t for t, _ in tops[j]] == full.topk(3).indices.tolist() and tops[j][0][0] == token
+        checked += 1
+    assert checked > 10 and len({s for s in steps if s >= 0}) > 1  # several steps, several forwards
+
+
+def test_logprobs_follow_the_sampling_and_leave_the_tokens_alone(embedded):
+    """At temperature > 0 they are those of softmax(logits / temperature) (flatter at 2 than the
+    greedy ones); asking for them changes no token; fixed tokens have none."""
+    model, tok = embedded
+    prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    base = GenerationConfig(gen_length=32, block_length=32, seed=0, temperature=0.5, fixed={0: (288,)})
+    plain, asked = generate(model, [prompt], base), generate(model, [prompt], base.replace(logprobs=0))
+    assert torch.equal(plain.sequences, asked.sequences) and plain.logprobs is None
+    assert asked.logprobs[0][0] is None  # the fixed token
+    assert all(t is None or t == [] for t in asked.top_logprobs[0])
+    greedy = generate(model, [prompt], GenerationConfig(gen_length=32, block_length=32, logprobs=0))
+    hot = generate(
+        model, [prompt], GenerationConfig(gen_length=32, block_length=32, temperature=2.0, seed=0, logprobs=0)
+    )
+    assert all(v is None or v <= 0 for v in hot.logprobs[0])
+    mean = lambda out: sum(v for v in out.logprobs[0] if v is not None) / len(out.logprobs[0])  # noqa: E731
+    assert mean(hot) < mean(greedy)
+    with pytest.raises(ValueError, match="^logprobs: "):
+        GenerationConfig(logprobs=21)
+
+
+@pytest.mark.parametrize("preset", ["d3llm", "dmax", "baseline"])
+def test_every_decoder_reports_them(embedded, preset):
+    """Multi-block decoding (tokens written ahead in later blocks) and token editing (a token
+    rewritten) report the forward that wrote each final token."""
+    model, tok = embedded
+    prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    config = GenerationConfig.preset(preset, gen_length=64, logprobs=2)
+    out = generate(model, [prompt], config)
+    assert torch.equal(out.sequences, generate(model, [prompt], config.replace(logprobs=None)).sequences)
+    written = [lp for lp, s in zip(out.logprobs[0], out.unmask_step[0].tolist()) if s >= 0]
+    assert written and all(lp is not None and lp <= 0 for lp in written)
+
+
+def test_a_batch_reports_each_row_as_alone(embedded):
+    model, tok = embedded
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in (QUESTION, "A hat costs 3 dollars.")]
+    config = GenerationConfig(gen_length=32, block_length=32, logprobs=1)
+    together = generate(model, prompts, config)
+    for i, p in enumerate(prompts):
+        alone = generate(model, [p], config)
+        assert together.sequences[i].tolist() == alone.sequences[0].tolist()
+        pairs = zip(together.logprobs[i], alone.logprobs[0])
+        assert all((a is None) == (b is None) and (a is None or abs(a - b) < 1e-4) for a, b in pairs)
