@@ -88,3 +88,63 @@ def test_a_batch_reports_each_row_as_alone(embedded):
         assert together.sequences[i].tolist() == alone.sequences[0].tolist()
         pairs = zip(together.logprobs[i], alone.logprobs[0])
         assert all((a is None) == (b is None) and (a is None or abs(a - b) < 1e-4) for a, b in pairs)
+
+
+@pytest.fixture(scope="module")
+def server(embedded):
+    from .test_server import LiveServer
+
+    model, tok = embedded
+    live = LiveServer(model, tok)
+    yield live
+    live.stop()
+
+
+def test_the_server_reports_them_through_the_official_client(server, embedded):
+    """Chat (`logprobs` + `top_logprobs`) and completions (`logprobs: k`), whole and streamed, with
+    n = 2: one entry per answer token, the same whole and streamed, and the engine's own."""
+    from .test_server import MODEL
+
+    model, tok = embedded
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, logprobs=True, top_logprobs=2, n=2, seed=0
+    )
+    choice = whole.choices[0]
+    content = choice.logprobs.content
+    assert "".join(c.token for c in content) == choice.message.content
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    config = GenerationConfig(gen_length=64, block_length=32, logprobs=2)
+    engine = generate(model, [tok.encode_chat(messages)], config)
+    assert [c.logprob for c in content] == pytest.approx(engine.logprobs[0][: len(content)], abs=1e-5)
+    assert [c.logprob for c in whole.choices[1].logprobs.content] == pytest.approx([c.logprob for c in content])
+    streamed = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, logprobs=True, top_logprobs=2, stream=True, seed=0
+    )
+    pieces = [c for chunk in streamed for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
+    assert [c.token for c in pieces] == [c.token for c in content]
+    assert [c.logprob for c in pieces] == pytest.approx([c.logprob for c in content])
+    plain = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+
+    prompt = tok.encode_chat(messages)
+    comp = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=64, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert all(len(t) == 3 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert lp.token_logprobs == pytest.approx([c.logprob for c in content], abs=1e-5)
+    streamed = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=64, logprobs=3, stream=True)
+    tokens = [t for chunk in streamed for ch in chunk.choices if ch.logprobs for t in ch.logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_generate_json_reports_them(capsys):
+    from fastdllm.cli import main as cli
+
+    assert cli.main(["generate", "--json", "--logprobs", "2", "--gen-length", "32", QUESTION]) == 0
+    import json
+
+    record = json.loads(capsys.readouterr().out)
+    assert len(record["logprobs"]) == record["tokens"] > 0
+    text, logprob, top = record["logprobs"][0]
+    assert record["text"].startswith(text) and logprob <= 0 and len(top) == 2 and top[0][0] == text

@@ -436,7 +436,10 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": MSG, "stop": [1, 2]}, 400, "stop"),
     (CHAT, {"model": MODEL, "messages": MSG, "unknown_option": 1}, 400, "unknown_option"),
     (CHAT, {"model": MODEL, "messages": MSG, "gen_length": 64}, 400, "gen_length"),
-    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True}, 400, "logprobs"),
+    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": 3}, 400, "logprobs"),
+    (CHAT, {"model": MODEL, "messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (COMP, {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     (CHAT, {"model": MODEL, "messages": MSG, "presence_penalty": 1.0}, 400, "presence_penalty"),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
     (

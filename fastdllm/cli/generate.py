@@ -89,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model or "default",
             "config": config.to_dict(),
         }
+        if config.logprobs is not None:  # the answer's tokens: (text, log-probability, top (text, log-probability))
+            n, texts = c.num_tokens, [tokenizer.decode([t]) for t in o.sequences[0][: c.num_tokens].tolist()]
+            tops = o.top_logprobs[0][:n]
+            record["logprobs"] = [
+                [text, lp, [[tokenizer.decode([a]), b] for a, b in (top or [])]]
+                for text, lp, top in zip(texts, o.logprobs[0][:n], tops)
+            ]
         print(json.dumps(record, ensure_ascii=False))
         return 0
     print(c.text)

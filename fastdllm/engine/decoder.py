@@ -114,6 +114,9 @@ class Row:
     # of the `config.logprobs` most likely tokens there.
     logprobs: torch.Tensor | None = None
     top_logprobs: tuple | None = None
+    # with `config.logprobs`, per block that became final: per answer position of it, (its token's
+    # log-probability, the most likely tokens as (id, log-probability) pairs), None where none
+    block_logprobs: dict = field(default_factory=dict)
 
     @property
     def stop_block(self) -> int:
@@ -534,7 +537,12 @@ class BlockDecoder:
         if self.editing is not None and self.editing.soft_embeddings:
             self._soft_embeddings(view.starts, block[:, :blk], region[:, :blk], decision, done)
         record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
-        self._after_step(block, region, done, decision.revealed(), work)
+        logprobs = None
+        if self.logp is not None:  # the window's, as its tokens are read: for the blocks that end
+            k = self.top_lp.shape[-1]
+            cols = columns[..., None].expand(-1, -1, k)
+            logprobs = (self.logp.gather(1, columns), self.top_ids.gather(1, cols), self.top_lp.gather(1, cols))
+        self._after_step(block, region, done, decision.revealed(), work, logprobs)
         return record
 
     def _prefill_chunk(self, r: Row) -> int:
@@ -661,11 +669,12 @@ class BlockDecoder:
         for i, (r, any_soft) in enumerate(zip(self.rows, soft.any(-1).tolist())):
             r.soft = (cols[i][soft[i]], mixed[i][soft[i]]) if any_soft else None
 
-    def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work) -> None:
+    def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work, logprobs=None) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
         move to their next block (past any that the blocks before revealed whole). One read from
         the device: the rows' windows (their current block and those after it), and per row
-        whether its block is over, what it revealed and whether the block holds a stop token."""
+        whether its block is over, what it revealed and whether the block holds a stop token;
+        and where a row whose block ends reports log-probabilities, its window's (`logprobs`)."""
         blk, rows = self.config.block_length, self.rows
         hit = torch.isin(window[:, :blk], self.stop_ids) & (steps_of[:, :blk] >= 0)
         hit = hit.any(-1) & self.stopping
@@ -696,10 +705,13 @@ class BlockDecoder:
                 continue
             tokens = h[4:]
             r.finished, r.unrefreshed = bool(h[2]) and r.block >= r.stop_block, 0
+            window_logprobs = self._window_logprobs(logprobs, i, r)
             k = 0
             while True:
                 _, _, b_lo, b_hi = r.answer_span(r.block, blk)
                 self.last_blocks.append((r, r.block, tokens[k * blk + b_lo : k * blk + b_hi]))
+                if window_logprobs is not None:
+                    r.block_logprobs[r.block] = window_logprobs[k * blk + b_lo : k * blk + b_hi]
                 r.block += 1
                 k += 1
                 if r.finished or r.block == r.num_blocks or k > h[3]:
@@ -718,6 +730,16 @@ class BlockDecoder:
                 self._begin(i, r)
         if len(kept) < len(rows):
             self._relayout(kept)
+
+    @staticmethod
+    def _window_logprobs(logprobs, i: int, r: Row) -> list | None:
+        """Row i's window as (log-probability, top tokens) per column, None per column no forward
+        wrote; None for a row that does not report them."""
+        if logprobs is None or r.config.logprobs is None:
+            return None
+        values, ids, lps = (t[i].tolist() for t in logprobs)
+        k = r.config.logprobs
+        return [None if v != v else (v, list(zip(d[:k], p[:k]))) for v, d, p in zip(values, ids, lps)]
 
     def _begin(self, i: int, r: Row) -> None:
         """Row i starts a block: its masks now, and with editing its state."""
@@ -771,7 +793,10 @@ class BlockDecoder:
         if r.config.logprobs is not None:
             r.logprobs = self.logp[i, first : first + n].clone()
             k = r.config.logprobs
-            r.top_logprobs = (self.top_ids[i, first : first + n, :k].clone(), self.top_lp[i, first : first + n, :k].clone())
+            r.top_logprobs = (
+                self.top_ids[i, first : first + n, :k].clone(),
+                self.top_lp[i, first : first + n, :k].clone(),
+            )
         if r.finished:
             r.answer[r.block * blk - r.lead :] = self.model.args.eos_token_id
         self.left.append(r)

@@ -25,6 +25,9 @@ class ChoiceText:
         self.max_tokens = max_tokens
         self.fixed_end = fixed_end  # infilling: stop tokens before it pad the fill (`complete`)
         self.ids: list[int] = []
+        # with log-probabilities: per token of `ids`, (log-probability, top tokens) or None
+        self.logprobs: list = []
+        self._counted = 0  # leading tokens whose text is all in `sent`
         self.sent = ""
         self.final = False
         self.text = ""
@@ -41,10 +44,11 @@ class ChoiceText:
                     break
         return best
 
-    def feed(self, block_ids: list[int], engine_finished: bool = False, last: bool = False) -> str:
+    def feed(self, block_ids: list[int], engine_finished: bool = False, last: bool = False, logprobs=None) -> str:
         if self.final:
             return ""
         self.ids.extend(block_ids)
+        self.logprobs.extend(logprobs or ())
         ids = self.ids[: self.max_tokens]
         end = first_stop_index(ids, self.stop_token_ids, self.fixed_end)
         end = len(ids) if end is None else end
@@ -71,3 +75,14 @@ class ChoiceText:
         delta = safe[len(self.sent) :]
         self.sent = safe
         return delta
+
+    def tokens_sent(self) -> int:
+        """How many leading tokens the text sent so far holds whole (all of the answer's once
+        final): those whose log-probabilities may be sent with it."""
+        if self.final:
+            return self.num_tokens
+        n = self._counted
+        while n < len(self.ids) and len(self.tokenizer.decode(self.ids[: n + 1])) <= len(self.sent):
+            n += 1
+        self._counted = n
+        return n

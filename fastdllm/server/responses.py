@@ -40,21 +40,35 @@ class ChatEndpoint:
         return sum(len(m.text()) for m in req.messages)
 
     @staticmethod
-    def choice(i, ch, calls=None) -> dict:
+    def choice(i, ch, calls=None, logprobs=None) -> dict:
         """`calls`: (content, OpenAI tool_calls) when the answer called tools."""
         message = {"role": "assistant", "content": ch.text}
         finish = ch.finish_reason
         if calls:
             message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
             finish = "tool_calls"
-        return {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
-    def chunk_choice(i, delta, finish, role=False, calls=None) -> dict:
+    def chunk_choice(i, delta, finish, role=False, calls=None, logprobs=None) -> dict:
         d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
         if calls:
             d = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
-        return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(tokens: list[str], entries: list, text_of, offset: int = 0) -> dict:
+        """OpenAI's chat `logprobs`: per token its text, log-probability (None for a token no
+        forward chose: a fixed one), UTF-8 bytes and top tokens."""
+
+        def item(text, logprob):
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = [
+            {**item(t, e[0] if e else None), "top_logprobs": [item(text_of(a), b) for a, b in (e[1] if e else [])]}
+            for t, e in zip(tokens, entries)
+        ]
+        return {"content": content, "refusal": None}
 
 
 class CompletionEndpoint:
@@ -78,12 +92,27 @@ class CompletionEndpoint:
         return len(p) if isinstance(p, str) else sum(len(x) if isinstance(x, (str, list)) else 1 for x in p)
 
     @staticmethod
-    def choice(i, ch) -> dict:
-        return {"index": i, "text": ch.text, "logprobs": None, "finish_reason": ch.finish_reason}
+    def choice(i, ch, logprobs=None) -> dict:
+        return {"index": i, "text": ch.text, "logprobs": logprobs, "finish_reason": ch.finish_reason}
 
     @staticmethod
-    def chunk_choice(i, delta, finish, role=False) -> dict:
-        return {"index": i, "text": delta or "", "logprobs": None, "finish_reason": finish}
+    def chunk_choice(i, delta, finish, role=False, logprobs=None) -> dict:
+        return {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(tokens: list[str], entries: list, text_of, offset: int = 0) -> dict:
+        """OpenAI's completions `logprobs`: tokens, their log-probabilities (None for a token no
+        forward chose: a fixed one), the top tokens per position, each token's offset in the text."""
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[0] if e else None for e in entries],
+            "top_logprobs": [{text_of(a): b for a, b in e[1]} if e else None for e in entries],
+            "text_offset": offsets,
+        }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -132,6 +161,9 @@ class Answer:
         self.parse = tool_calls.PARSERS[parser]
         ignored = plan.ignored
         self.token_texts: dict[int, str] = {}
+        self.wants_logprobs = plan.config.logprobs is not None
+        self.logprobs_sent = [0] * len(self.choices)  # per choice: tokens whose logprobs were sent
+        self.text_sent = [0] * len(self.choices)  # per choice: characters of those tokens
         self.headers = {"X-Fastdllm-Ignored": ", ".join(ignored)} if ignored else {}
 
     # -- the choices
@@ -146,7 +178,8 @@ class Answer:
         out = []
         for i, ch in enumerate(self.choices):
             if not ch.final:
-                delta = ch.feed(item.tokens[i], item.finished[i], item.last[i])
+                logprobs = None if item.logprobs is None else item.logprobs[i]
+                delta = ch.feed(item.tokens[i], item.finished[i], item.last[i], logprobs)
                 out.append((i, delta, ch.final))
         if all(ch.final for ch in self.choices):
             self.job.satisfied = True
@@ -213,7 +246,9 @@ class Answer:
         self.done()
         endpoint, tools = self.endpoint, self.plan.tool_mode is not None
         choices = [
-            endpoint.choice(i, ch, self.calls_of(ch)) if tools else endpoint.choice(i, ch)
+            endpoint.choice(i, ch, self.calls_of(ch), logprobs=self.new_logprobs(i))
+            if tools
+            else endpoint.choice(i, ch, logprobs=self.new_logprobs(i))
             for i, ch in enumerate(self.choices)
         ]
         return JSONResponse(envelope(self.meta, endpoint.object, choices, self.usage()), headers=self.headers)
@@ -224,7 +259,22 @@ class Answer:
         return _sse(envelope(self.meta, self.endpoint.chunk_object, [choice], usage))
 
     def text_chunk(self, i: int, delta: str | None, finish: str | None, role: bool = False) -> str:
-        return self.chunk(self.endpoint.chunk_choice(i, delta, finish, role))
+        logprobs = self.new_logprobs(i) if delta or finish else None
+        if logprobs is not None and not (logprobs.get("content") or logprobs.get("tokens")):
+            logprobs = None  # nothing new: the field as OpenAI leaves it
+        return self.chunk(self.endpoint.chunk_choice(i, delta, finish, role, logprobs=logprobs))
+
+    def new_logprobs(self, i: int) -> dict | None:
+        """The endpoint's `logprobs` of choice i's tokens that its sent text now holds whole and
+        that were not sent yet (all of its answer's, once final); None when not asked for."""
+        if not self.wants_logprobs:
+            return None
+        ch, start = self.choices[i], self.logprobs_sent[i]
+        end = ch.tokens_sent()
+        tokens = [self.token_text(t) for t in ch.ids[start:end]]
+        out = self.endpoint.logprobs(tokens, ch.logprobs[start:end], self.token_text, self.text_sent[i])
+        self.logprobs_sent[i], self.text_sent[i] = end, self.text_sent[i] + sum(map(len, tokens))
+        return out
 
     def canvas_chunks(self, item: CanvasStep) -> list[str]:
         """A step's canvas, one `event: canvas` chunk per choice: no choices (a client that did not

@@ -37,6 +37,8 @@ class BlockFinal:
     tokens: list[list[int]]
     finished: list[bool]
     last: list[bool]
+    # per row asking for them, per token: (log-probability, top tokens) or None (`Row.block_logprobs`)
+    logprobs: list[list | None] | None = None
 
 
 @dataclass
@@ -493,15 +495,18 @@ class Scheduler:
             if len(job.blocks_posted) != len(rows):
                 job.blocks_posted = [0] * len(rows)
             tokens, latest = [], 0
+            logprobs = [] if job.config.logprobs is not None else None
             for j, blocks in enumerate(mine):
                 new = [(b, ids) for b, ids in blocks if b >= job.blocks_posted[j]]
                 tokens.append([t for _, ids in new for t in ids])
+                if logprobs is not None:
+                    logprobs.append([lp for b, _ in new for lp in rows[j].block_logprobs.pop(b)])
                 if new:
                     job.blocks_posted[j] = new[-1][0] + 1
                     latest = max(latest, new[-1][0])
             if job.wanted and any(tokens):
                 last = [r.done for r in rows]
-                job.post(BlockFinal(latest, tokens, [r.finished for r in rows], last))
+                job.post(BlockFinal(latest, tokens, [r.finished for r in rows], last, logprobs))
             if all(r.done for r in rows):
                 job.post(JobEnded())
                 with self.cond:

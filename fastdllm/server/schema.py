@@ -286,13 +286,6 @@ class _Common(_DecodingFields):
                 raise APIError(
                     400, f"{name}: not supported by diffusion decoding (only 0)", param=name, code="unsupported_value"
                 )
-        if self.logprobs not in (None, False) and not getattr(self, "echo", False):
-            raise APIError(
-                400,
-                "logprobs: only for scoring a prompt (/v1/completions with echo: true)",
-                param="logprobs",
-                code="unsupported_value",
-            )
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings", param="stop", code="invalid_value")
 
@@ -309,8 +302,17 @@ class ChatCompletionRequest(_Common):
 
     def check_unsupported(self, strict: bool = False) -> None:
         super().check_unsupported(strict)
+        if not isinstance(self.logprobs, (bool, type(None))):
+            raise APIError(400, "logprobs: true or false", param="logprobs", code="invalid_value")
         if self.top_logprobs is not None:
-            raise APIError(400, "top_logprobs: not supported", param="top_logprobs", code="unsupported_value")
+            if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
+                raise APIError(400, "top_logprobs: an integer 0-20", param="top_logprobs", code="invalid_value")
+            if not self.logprobs:
+                raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+
+    def reported_logprobs(self) -> int | None:
+        """`GenerationConfig.logprobs`: the top tokens to report per token, None for none."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
@@ -337,8 +339,14 @@ class CompletionRequest(_Common):
                 )
             if self.stream or self.n != 1:
                 raise APIError(400, "echo: not with stream or n > 1", param="echo", code="invalid_value")
+        elif self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise APIError(400, "logprobs: an integer 0-20 (the top tokens reported per token)", param="logprobs")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: not supported (only 1)", param="best_of", code="unsupported_value")
+
+    def reported_logprobs(self) -> int | None:
+        """`GenerationConfig.logprobs`: the top tokens to report per token, None for none."""
+        return None if self.echo else self.logprobs
 
 
 class TokenizeRequest(_Strict):

@@ -225,6 +225,7 @@ class Server:
         self.check_prompt_chars(endpoint, req)
         prompts = endpoint.prompts(self, req)
         config, keep = self.config_for(req, endpoint.max_tokens(req))
+        config = config.replace(logprobs=req.reported_logprobs())
         try:
             config = encode_infill(config, self.tokenizer, self.model.mask_token_id, keep)
         except ConfigError as e:
