@@ -47,6 +47,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="auto, float32, bfloat16 or float16 (default auto: the checkpoint's where the device computes it "
         "natively, float32 on a CPU that emulates it)",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a PEFT LoRA adapter folder, merged into the weights at load (repeatable: merged in order)",
+    )
     p.add_argument("--revision", default=None, help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--local-files-only", action="store_true", help="for a hub id: use the hub cache only, no network")
     p.add_argument(
@@ -260,6 +267,7 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
             tp=(rank, world),
             ep=ep,
             ep_dispatch=getattr(args, "ep_dispatch", "all-reduce"),
+            adapters=getattr(args, "lora", None),
         )
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None

@@ -364,6 +364,7 @@ def load(
     tp: tuple[int, int] | None = None,
     ep: int = 1,
     ep_dispatch: str = "all-reduce",
+    adapters: list[str | os.PathLike] | None = None,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
 
@@ -380,6 +381,8 @@ def load(
     files (`fastdllm.models.tp`; torchrun starts the ranks, `tp.init` joins them). ep: 1, or the
     number of ranks for expert parallelism (each rank holds E / ep whole routed experts; a model
     with experts), their tokens dispatched by `ep_dispatch` ("all-reduce" or "all-to-all").
+    adapters: PEFT LoRA adapter folders merged into the weights at load, in order
+    (`models.lora`: W += scale * B @ A, as PEFT's merge_and_unload), before any `quantize`.
     """
     device = check_device(device)
     if quantize is not None and tp is not None and tp[1] > 1:
@@ -407,6 +410,13 @@ def load(
     if ep != 1 and (tp is None or ep != tp[1]):
         raise ValueError(f"ep: must be 1 or the number of tensor-parallel ranks ({1 if tp is None else tp[1]})")
     model = load_model(folder, dtype=dtype, device="cpu" if quantize else device, tp=tp, ep=ep, ep_dispatch=ep_dispatch)
+    if adapters:
+        from .lora import merge_adapter
+
+        if tp is not None and tp[1] > 1:
+            raise ValueError("adapters: not with tensor parallelism (each rank holds part of each weight)")
+        for adapter in adapters:
+            merge_adapter(model, adapter)
     if quantize:
         from ..quant import install, quantize_weights
 
