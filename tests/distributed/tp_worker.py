@@ -82,12 +82,17 @@ def main():
             q_whole = load_model(qfolder, dtype=torch.float32)
             q_split = load_model(qfolder, dtype=torch.float32, tp=(rank, world))
             with torch.no_grad():
-                q_diff = (q_whole(ids) - q_split(ids)).abs().max().item()
+                q_logits = q_whole(ids)
+                q_diff = (q_logits - q_split(ids)).abs().max().item()
             same = torch.equal(
                 fastdllm.generate(q_whole, prompts, config=config).sequences,
                 fastdllm.generate(q_split, prompts, config=config).sequences,
             )
-            quantized[f"int{bits}"] = {"max_logit_diff": q_diff, "same_tokens": bool(same)}
+            quantized[f"int{bits}"] = {
+                "max_logit_diff": q_diff,
+                "max_logit": q_logits.abs().max().item(),
+                "same_tokens": bool(same),
+            }
         experts = {}
         dispatches = os.environ.get("TP_WORKER_DISPATCHES", "all-reduce,all-to-all").split(",")
         for dispatch in dispatches if whole.args.n_experts else ():
