@@ -10,30 +10,10 @@ import torch
 
 import fastdllm
 
-from .test_models import _full_mask, _weights
+from .test_models import _full_mask, qwen2_reference
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
-
-
-def qwen2_of(model, folder):
-    a = model.args
-    cfg = transformers.Qwen2Config(
-        hidden_size=a.dim,
-        intermediate_size=a.hidden_dim,
-        num_hidden_layers=a.n_layers,
-        num_attention_heads=a.n_heads,
-        num_key_value_heads=a.n_kv_heads,
-        vocab_size=a.vocab_size,
-        max_position_embeddings=a.max_seq_len,
-        rms_norm_eps=a.norm_eps,
-        rope_theta=a.rope_theta,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    )
-    ref = transformers.Qwen2ForCausalLM(cfg).eval()
-    ref.load_state_dict(_weights(folder), strict=True)
-    return ref
 
 
 def adapter(ref, folder, seed: int, **settings):
@@ -52,7 +32,7 @@ def adapter(ref, folder, seed: int, **settings):
 @pytest.mark.parametrize("settings", [{}, {"use_rslora": True}])
 def test_a_merged_adapter_gives_peft_logits(tiny_dream_dir, tmp_path, settings):
     base, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
-    wrapped = adapter(qwen2_of(base, tiny_dream_dir), tmp_path / "lora", seed=1, **settings)
+    wrapped = adapter(qwen2_reference(base, tiny_dream_dir), tmp_path / "lora", seed=1, **settings)
     ours, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu", adapters=[tmp_path / "lora"])
     x = torch.randint(0, 700, (2, 23))
     with torch.no_grad():
@@ -70,12 +50,12 @@ def test_a_merged_adapter_gives_peft_logits(tiny_dream_dir, tmp_path, settings):
 
 def test_what_cannot_be_merged_is_refused(tiny_dream_dir, tmp_path):
     base, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
-    adapter(qwen2_of(base, tiny_dream_dir), tmp_path / "dora", seed=2, use_dora=True)
+    adapter(qwen2_reference(base, tiny_dream_dir), tmp_path / "dora", seed=2, use_dora=True)
     with pytest.raises(ValueError, match="use_dora"):
         fastdllm.load(tiny_dream_dir, dtype="float32", adapters=[tmp_path / "dora"])
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         fastdllm.load(tiny_dream_dir, dtype="float32", adapters=[tmp_path / "nothing"])
-    adapter(qwen2_of(base, tiny_dream_dir), tmp_path / "lora", seed=3)
+    adapter(qwen2_reference(base, tiny_dream_dir), tmp_path / "lora", seed=3)
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
     with pytest.raises(ValueError, match="bias"):
@@ -94,7 +74,7 @@ def test_the_cli_merges_lora_and_names_a_missing_adapter(tiny_dream_dir, tmp_pat
     from fastdllm.cli import main as cli
 
     base, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
-    adapter(qwen2_of(base, tiny_dream_dir), tmp_path / "lora", seed=4)
+    adapter(qwen2_reference(base, tiny_dream_dir), tmp_path / "lora", seed=4)
     common = ["generate", "--model", str(tiny_dream_dir), "--raw", "--json", "--gen-length", "32", "hello"]
     assert cli.main(common + ["--lora", str(tmp_path / "lora")]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] >= 0

@@ -84,10 +84,9 @@ def test_llada_matches_transformers_llama(tiny_llada_dir):
     torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
 
 
-def test_dream_matches_transformers_qwen2(tiny_dream_dir):
-    model, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
+def qwen2_reference(model, folder):
+    """transformers' Qwen2 holding a Dream-layout checkpoint's weights (Dream uses Qwen2's names)."""
     a = model.args
-    assert a.n_kv_heads < a.n_heads and a.qkv_bias and a.shifted_logits
     cfg = transformers.Qwen2Config(
         hidden_size=a.dim,
         intermediate_size=a.hidden_dim,
@@ -102,7 +101,15 @@ def test_dream_matches_transformers_qwen2(tiny_dream_dir):
         use_sliding_window=False,
     )
     ref = transformers.Qwen2ForCausalLM(cfg).eval()
-    ref.load_state_dict(_weights(tiny_dream_dir), strict=True)  # Dream uses Qwen2's names as they are
+    ref.load_state_dict(_weights(folder), strict=True)
+    return ref
+
+
+def test_dream_matches_transformers_qwen2(tiny_dream_dir):
+    model, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
+    a = model.args
+    assert a.n_kv_heads < a.n_heads and a.qkv_bias and a.shifted_logits
+    ref = qwen2_reference(model, tiny_dream_dir)
     x = torch.randint(0, 700, (2, 29))
     with torch.no_grad():
         ours = model(x)
