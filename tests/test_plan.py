@@ -67,7 +67,8 @@ def test_the_command_says_whether_it_fits(tmp_path, capsys):
     path.write_text(json.dumps(llada.REFERENCE_CONFIG))
     run = ["plan", "--model", str(path), "--tp", "2", "--batch", "8", "--max-len", "2048"]
     assert cli(run + ["--memory", "24"]) == 0
-    assert "fits 24 GiB: yes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fits 24 GiB: yes" in out and "on this machine --dtype auto loads it in " in out
     assert cli(run + ["--memory", "8", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is False and out["tp"] == 2

@@ -84,7 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     if fits is not None:
         print(f"fits {args.memory:g} GiB: {'yes' if fits else 'no'}")
+    print(loads_here(config))
     return 0 if fits is not False else 1
+
+
+def loads_here(config: dict) -> str:
+    """What `dtype="auto"` (every command's default) loads the checkpoint in on this machine, and why."""
+    import torch
+
+    from ..models.loading import DTYPES, auto_dtype
+
+    checkpoint = DTYPES.get(str(config.get("torch_dtype")), torch.float32)
+    chosen, why = auto_dtype(checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
+    name = str(chosen).removeprefix("torch.")
+    return f"on this machine --dtype auto loads it in {name}: " + (why or "the checkpoint's, computed natively")
 
 
 def scaled(n: float, base: int = 1024, units=("KiB", "MiB", "GiB", "TiB")) -> str:
