@@ -112,6 +112,10 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The most top tokens a generated token's log-probability reports (OpenAI's top_logprobs bound).
+MAX_LOGPROBS = 20
+
+
 class ConfigError(ValueError):
     """An invalid decoding option; `.param` is the field's name."""
 
@@ -809,7 +813,11 @@ class GenerationConfig:
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer or None")
         if self.logprobs is not None:
-            need(is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs", "must be an integer 0-20 or None")
+            need(
+                is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be an integer 0-{MAX_LOGPROBS} or None",
+            )
         need(isinstance(self.compile, bool), "compile", "must be true or false")
         need(isinstance(self.deterministic, bool), "deterministic", "must be true or false")
         need(isinstance(self.cuda_graphs, bool), "cuda_graphs", "must be true or false")

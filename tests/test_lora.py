@@ -70,13 +70,17 @@ def test_what_cannot_be_merged_is_refused(tiny_dream_dir, tmp_path):
         assert quantized.quantization is not None and (quantized(x) - want).abs().max() < 0.05 * want.abs().max()
 
 
-def test_the_cli_merges_lora_and_names_a_missing_adapter(tiny_dream_dir, tmp_path, capsys):
+def test_the_cli_merges_lora_and_names_a_missing_adapter(tiny_dream_dir, tmp_path, capsys, monkeypatch):
     from fastdllm.cli import main as cli
+    from fastdllm.models import lora
 
     base, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
     adapter(qwen2_reference(base, tiny_dream_dir), tmp_path / "lora", seed=4)
+    merged, merge = [], lora.merge_adapter
+    monkeypatch.setattr(lora, "merge_adapter", lambda model, path: merged.append(merge(model, path)))
     common = ["generate", "--model", str(tiny_dream_dir), "--raw", "--json", "--gen-length", "32", "hello"]
     assert cli.main(common + ["--lora", str(tmp_path / "lora")]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] >= 0
+    assert merged == [3 * base.args.n_layers]  # q_proj, v_proj and down_proj of every layer
+    assert "text" in json.loads(capsys.readouterr().out)
     assert cli.main(common + ["--lora", str(tmp_path / "missing")]) == 2
     assert "adapter_config.json" in capsys.readouterr().err

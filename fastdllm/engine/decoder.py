@@ -109,13 +109,9 @@ class Row:
     fixed: tuple = ()
     suffix: torch.Tensor | None = None
     soft: tuple | None = None  # DMax's soft embeddings for its next forward: (columns, vectors)
-    # With `config.logprobs`, once it left: per answer position the log-probability of its token in
-    # the forward that wrote it (NaN: fixed or padding, no forward chose it), and (ids, log-probs)
-    # of the `config.logprobs` most likely tokens there.
-    logprobs: torch.Tensor | None = None
-    top_logprobs: tuple | None = None
     # with `config.logprobs`, per block that became final: per answer position of it, (its token's
-    # log-probability, the most likely tokens as (id, log-probability) pairs), None where none
+    # log-probability in the forward that wrote it, the most likely tokens there as (id,
+    # log-probability) pairs), None where no forward chose the token (fixed, or padding after a stop)
     block_logprobs: dict = field(default_factory=dict)
 
     @property
@@ -537,12 +533,7 @@ class BlockDecoder:
         if self.editing is not None and self.editing.soft_embeddings:
             self._soft_embeddings(view.starts, block[:, :blk], region[:, :blk], decision, done)
         record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
-        logprobs = None
-        if self.logp is not None:  # the window's, as its tokens are read: for the blocks that end
-            k = self.top_lp.shape[-1]
-            cols = columns[..., None].expand(-1, -1, k)
-            logprobs = (self.logp.gather(1, columns), self.top_ids.gather(1, cols), self.top_lp.gather(1, cols))
-        self._after_step(block, region, done, decision.revealed(), work, logprobs)
+        self._after_step(block, region, done, decision.revealed(), work, columns)
         return record
 
     def _prefill_chunk(self, r: Row) -> int:
@@ -669,12 +660,12 @@ class BlockDecoder:
         for i, (r, any_soft) in enumerate(zip(self.rows, soft.any(-1).tolist())):
             r.soft = (cols[i][soft[i]], mixed[i][soft[i]]) if any_soft else None
 
-    def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work, logprobs=None) -> None:
+    def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work, columns) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
         move to their next block (past any that the blocks before revealed whole). One read from
-        the device: the rows' windows (their current block and those after it), and per row
-        whether its block is over, what it revealed and whether the block holds a stop token;
-        and where a row whose block ends reports log-probabilities, its window's (`logprobs`)."""
+        the device: the rows' windows (their current block and those after it, at `columns`), and
+        per row whether its block is over, what it revealed and whether the block holds a stop
+        token; and where a row whose block ends reports log-probabilities, its window's."""
         blk, rows = self.config.block_length, self.rows
         hit = torch.isin(window[:, :blk], self.stop_ids) & (steps_of[:, :blk] >= 0)
         hit = hit.any(-1) & self.stopping
@@ -705,7 +696,7 @@ class BlockDecoder:
                 continue
             tokens = h[4:]
             r.finished, r.unrefreshed = bool(h[2]) and r.block >= r.stop_block, 0
-            window_logprobs = self._window_logprobs(logprobs, i, r)
+            window_logprobs = self._window_logprobs(columns[i], i, r)
             k = 0
             while True:
                 _, _, b_lo, b_hi = r.answer_span(r.block, blk)
@@ -731,15 +722,15 @@ class BlockDecoder:
         if len(kept) < len(rows):
             self._relayout(kept)
 
-    @staticmethod
-    def _window_logprobs(logprobs, i: int, r: Row) -> list | None:
-        """Row i's window as (log-probability, top tokens) per column, None per column no forward
-        wrote; None for a row that does not report them."""
-        if logprobs is None or r.config.logprobs is None:
+    def _window_logprobs(self, columns: torch.Tensor, i: int, r: Row) -> list | None:
+        """Row i's window (its `columns`) as (log-probability, top tokens) per column, None per
+        column no forward wrote; None for a row that does not report them."""
+        if self.logp is None or r.config.logprobs is None:
             return None
-        values, ids, lps = (t[i].tolist() for t in logprobs)
         k = r.config.logprobs
-        return [None if v != v else (v, list(zip(d[:k], p[:k]))) for v, d, p in zip(values, ids, lps)]
+        values = self.logp[i, columns].tolist()
+        ids, lps = self.top_ids[i, columns, :k].tolist(), self.top_lp[i, columns, :k].tolist()
+        return [None if v != v else (v, list(zip(d, p))) for v, d, p in zip(values, ids, lps)]
 
     def _begin(self, i: int, r: Row) -> None:
         """Row i starts a block: its masks now, and with editing its state."""
@@ -790,13 +781,6 @@ class BlockDecoder:
         first = len(r.prompt) + r.lead  # the row's answer starts here
         r.answer = self.x[i, first : first + n].clone()
         r.unmask_step = self.step_of[i, first : first + n].clone()
-        if r.config.logprobs is not None:
-            r.logprobs = self.logp[i, first : first + n].clone()
-            k = r.config.logprobs
-            r.top_logprobs = (
-                self.top_ids[i, first : first + n, :k].clone(),
-                self.top_lp[i, first : first + n, :k].clone(),
-            )
         if r.finished:
             r.answer[r.block * blk - r.lead :] = self.model.args.eos_token_id
         self.left.append(r)

@@ -206,26 +206,29 @@ def iter_generate(
         kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0),
         row_forwards=decoder.row_forwards,
         computed_positions=decoder.computed_positions,
-        **answer_logprobs(rows),
+        **answer_logprobs(rows, blk),
     )
     finished = [r.finished for r in rows]
     yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=finished, nfe=decoder.nfe, stats=stats)
 
 
-def answer_logprobs(rows) -> dict:
-    """`RunStats.logprobs` and `top_logprobs` of rows that left (empty where none reports them)."""
-    if all(r.logprobs is None for r in rows):
+def answer_logprobs(rows, block_length: int) -> dict:
+    """`RunStats.logprobs` and `top_logprobs`: each row's final blocks' (`Row.block_logprobs`) at
+    their answer positions (empty where no row reports them)."""
+    if all(r.config.logprobs is None for r in rows):
         return {}
     logprobs, tops = [], []
     for r in rows:
-        if r.logprobs is None:
+        if r.config.logprobs is None:
             logprobs.append(None)
             tops.append(None)
             continue
-        values = r.logprobs.tolist()
-        logprobs.append([None if v != v else v for v in values])  # NaN: no forward wrote it
-        ids, lps = (t.tolist() for t in r.top_logprobs)
-        tops.append([None if v != v else list(zip(i, lp)) for v, i, lp in zip(values, ids, lps)])
+        entries = [None] * r.asked
+        for b, block in r.block_logprobs.items():
+            a_lo, a_hi, _, _ = r.answer_span(b, block_length)
+            entries[a_lo:a_hi] = block
+        logprobs.append([None if e is None else e[0] for e in entries])
+        tops.append([None if e is None else e[1] for e in entries])
     return {"logprobs": logprobs, "top_logprobs": tops}
 
 

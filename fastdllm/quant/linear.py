@@ -59,9 +59,9 @@ def kernel_dtype_for(device_type: str, dtype: torch.dtype) -> torch.dtype:
     where PyTorch's int8 and int4 kernels have no vectorised path (on one thread, a 1024 x 256
     layer over 32 rows: 7.1 ms in float32 against 0.25 ms in bfloat16, and 0.21 ms for the dense
     float32 layer; `benchmarks/quantized_kernels.py`). There the activations enter the kernel in
-    bfloat16 and its products, accumulated in float32, come back as float32: a rounding of the
-    activations to 8 bits of mantissa, finer than the weights' own (llama.cpp's Q8_0 and Q4_0
-    products round them to 8-bit integers)."""
+    bfloat16, and its outputs, accumulated in float32 and rounded to bfloat16, come back as
+    float32: roundings to 8 bits of mantissa, finer than the weights' own (llama.cpp's Q8_0 and
+    Q4_0 products round the activations to 8-bit integers)."""
     if device_type == "cpu" and dtype == torch.float32:
         return torch.bfloat16
     return dtype
@@ -124,6 +124,10 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", qw.scale.to(dtype).contiguous())
             self.register_buffer("zeros", None if qw.zero is None else qw.zero.contiguous())
         self.dtype, self.kernel_dtype = dtype, kernel_dtype
+        # The scales in the kernel's dtype, cast once (the model dtype's stay exact for `dequantized`).
+        scales = {"int8": "scales", "int4-cpu": "scales_and_zeros"}.get(self.kernel)
+        if scales is not None:
+            self.register_buffer("kernel_scales", getattr(self, scales).to(kernel_dtype), persistent=False)
 
     def extra_repr(self) -> str:
         return (
@@ -155,12 +159,10 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "int8" and x2.shape[0] > self.DEQUANTIZE_ABOVE_ROWS.get(x2.device.type, 0):
             y = F.linear(x2, self.dequantized())
         elif self.kernel == "int8":
-            kd = self.kernel_dtype
-            y = torch._weight_int8pack_mm(x2.to(kd), self.qweight, self.scales.to(kd)).to(self.dtype)
+            y = torch._weight_int8pack_mm(x2.to(self.kernel_dtype), self.qweight, self.kernel_scales).to(self.dtype)
         elif self.kernel == "int4-cpu":
-            kd = self.kernel_dtype
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(kd), self.qweight, self.group_size, self.scales_and_zeros.to(kd)
+                x2.to(self.kernel_dtype), self.qweight, self.group_size, self.kernel_scales
             ).to(self.dtype)
         else:
             y = F.linear(x2, self.dequantized())

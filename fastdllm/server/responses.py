@@ -246,9 +246,9 @@ class Answer:
         self.done()
         endpoint, tools = self.endpoint, self.plan.tool_mode is not None
         choices = [
-            endpoint.choice(i, ch, self.calls_of(ch), logprobs=self.new_logprobs(i))
+            endpoint.choice(i, ch, self.calls_of(ch), logprobs=self.new_logprobs(i, always=True))
             if tools
-            else endpoint.choice(i, ch, logprobs=self.new_logprobs(i))
+            else endpoint.choice(i, ch, logprobs=self.new_logprobs(i, always=True))
             for i, ch in enumerate(self.choices)
         ]
         return JSONResponse(envelope(self.meta, endpoint.object, choices, self.usage()), headers=self.headers)
@@ -260,17 +260,18 @@ class Answer:
 
     def text_chunk(self, i: int, delta: str | None, finish: str | None, role: bool = False) -> str:
         logprobs = self.new_logprobs(i) if delta or finish else None
-        if logprobs is not None and not (logprobs.get("content") or logprobs.get("tokens")):
-            logprobs = None  # nothing new: the field as OpenAI leaves it
         return self.chunk(self.endpoint.chunk_choice(i, delta, finish, role, logprobs=logprobs))
 
-    def new_logprobs(self, i: int) -> dict | None:
+    def new_logprobs(self, i: int, always: bool = False) -> dict | None:
         """The endpoint's `logprobs` of choice i's tokens that its sent text now holds whole and
-        that were not sent yet (all of its answer's, once final); None when not asked for."""
+        that were not sent yet (all of its answer's, once final); None when not asked for, or
+        (unless `always`: a whole body's, however empty) when no token is new."""
         if not self.wants_logprobs:
             return None
         ch, start = self.choices[i], self.logprobs_sent[i]
         end = ch.tokens_sent()
+        if end == start and not always:
+            return None
         tokens = [self.token_text(t) for t in ch.ids[start:end]]
         out = self.endpoint.logprobs(tokens, ch.logprobs[start:end], self.token_text, self.text_sent[i])
         self.logprobs_sent[i], self.text_sent[i] = end, self.text_sent[i] + sum(map(len, tokens))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -92,13 +93,11 @@ class Job:
         gen = 0 if answer else cfg.gen_length
         return sum(-(-(layout_columns(len(p), cfg) - gen) // block) for p in self.prompts)
 
+    @functools.cached_property
     def prompt_blocks(self) -> list[list[int]]:
         """Per row, the chain keys of its prompt's full blocks (`PrefixStore.keys`: a key stands for
         the whole prefix up to its block's end)."""
-        if getattr(self, "_prompt_blocks", None) is None:
-            block = self.config.block_length
-            self._prompt_blocks = [PrefixStore.chain_keys(p, block) for p in self.prompts]
-        return self._prompt_blocks
+        return [PrefixStore.chain_keys(p, self.config.block_length) for p in self.prompts]
 
     @property
     def wanted(self) -> bool:
@@ -228,7 +227,7 @@ class Scheduler:
             held += job.pages()
             if not self.shares_prompt_pages(job.config):
                 continue
-            for keys in job.prompt_blocks():
+            for keys in job.prompt_blocks:
                 shared = sum(k in seen for k in keys)
                 held -= shared - (copies if shared else 0)
                 seen.update(keys)

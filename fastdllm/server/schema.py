@@ -10,7 +10,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from ..config import GenerationConfig, is_int
+from ..config import MAX_LOGPROBS, GenerationConfig, is_int
 
 # Request fields that set a GenerationConfig field of the same name (declared there).
 DLLM_FIELDS = tuple(o["name"] for o in GenerationConfig.options() if o["server"])
@@ -305,8 +305,10 @@ class ChatCompletionRequest(_Common):
         if not isinstance(self.logprobs, (bool, type(None))):
             raise APIError(400, "logprobs: true or false", param="logprobs", code="invalid_value")
         if self.top_logprobs is not None:
-            if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
-                raise APIError(400, "top_logprobs: an integer 0-20", param="top_logprobs", code="invalid_value")
+            if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(
+                    400, f"top_logprobs: an integer 0-{MAX_LOGPROBS}", param="top_logprobs", code="invalid_value"
+                )
             if not self.logprobs:
                 raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
 
@@ -323,10 +325,10 @@ class CompletionRequest(_Common):
     def check_unsupported(self, strict: bool = False) -> None:
         super().check_unsupported(strict)
         if self.echo:  # scoring the prompt (lm-eval's local-completions): log-probabilities, no decoding
-            if not is_int(self.logprobs) or not 0 <= self.logprobs <= 20:
+            if not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise APIError(
                     400,
-                    "logprobs: with echo, an integer 0-20 (the top tokens reported per position)",
+                    f"logprobs: with echo, an integer 0-{MAX_LOGPROBS} (the top tokens reported per position)",
                     param="logprobs",
                     code="invalid_value",
                 )
@@ -339,8 +341,10 @@ class CompletionRequest(_Common):
                 )
             if self.stream or self.n != 1:
                 raise APIError(400, "echo: not with stream or n > 1", param="echo", code="invalid_value")
-        elif self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise APIError(400, "logprobs: an integer 0-20 (the top tokens reported per token)", param="logprobs")
+        elif self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise APIError(
+                400, f"logprobs: an integer 0-{MAX_LOGPROBS} (the top tokens reported per token)", param="logprobs"
+            )
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: not supported (only 1)", param="best_of", code="unsupported_value")
 
