@@ -516,15 +516,7 @@ class BlockDecoder:
             later_region = torch.where(decision.ahead, self.row_nfe[:, None], steps_of[:, blk:])
             block, region = torch.cat([block, later], 1), torch.cat([region, later_region], 1)
         self.row_nfe += 1
-        early = [r.config.eos_early_stop for r in rows]
-        if any(early) and self.editing is None:
-            # each row's own rule: d3LLM's with its multi-block entropy decoding, else LLaDA2.0's
-            d3llm = [e and r.strategy.fills_after_eos for e, r in zip(early, rows)]
-            llada2 = [e and not d for e, d in zip(early, d3llm)]
-            if any(d3llm):
-                self._fill_after_eos(block, region, d3llm)
-            if any(llada2):
-                self._stop_early(block, region, llada2)
+        self._early_stop(block, region)
         self.x.scatter_(1, columns, block)
         self.step_of.scatter_(1, columns, region)
         for r in rows:
@@ -741,6 +733,19 @@ class BlockDecoder:
         if self.editing is not None:
             self.post[i] = (~masked.any()).long()
             self.alive[i] = True
+
+    def _early_stop(self, window: torch.Tensor, steps_of: torch.Tensor) -> None:
+        """`eos_early_stop`, each row by its own rule: d3LLM's with its multi-block entropy
+        decoding (`Lookahead.fills_after_eos`), else LLaDA2.0's; editing has its own."""
+        early = [r.config.eos_early_stop for r in self.rows]
+        if not any(early) or self.editing is not None:
+            return
+        d3llm = [e and r.strategy.fills_after_eos for e, r in zip(early, self.rows)]
+        llada2 = [e and not d for e, d in zip(early, d3llm)]
+        if any(d3llm):
+            self._fill_after_eos(window, steps_of, d3llm)
+        if any(llada2):
+            self._stop_early(window, steps_of, llada2)
 
     def _fill_after_eos(self, window: torch.Tensor, steps_of: torch.Tensor, rows: list[bool]) -> None:
         """d3LLM's early stop (`handle_early_stop`): once a row has revealed its EOS, every position
