@@ -129,7 +129,9 @@ def build(models: Models, model_name: str, presets: tuple[str, str]) -> gr.Block
                 info="text after the answer, which the answer leads into",
                 elem_id="suffix",
             )
-            delay = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="Delay between steps (s)")
+            # The embedded twins answer in under a second: without a pause the canvas cannot be
+            # watched, and the browser falls behind the stream of frames.
+            delay = gr.Slider(0.0, 1.0, value=0.1, step=0.05, label="Delay between steps (s)", elem_id="delay")
         option_boxes = {}
         with gr.Accordion(
             "Decoding options (GenerationConfig; blank: the pane's preset)", open=False, elem_id="options"
