@@ -72,6 +72,7 @@ SELECTION_RULES = Registry(
         "quota": f"{_UNMASKING}:Quota",
         "entropy": f"{_UNMASKING}:EntropyThreshold",
         "left_to_right": f"{_UNMASKING}:LeftToRight",
+        "rnd1": f"{_UNMASKING}:RND1Schedule",
     },
 )
 # A model family's own proposal (`DecodingRules.proposal`).
@@ -100,6 +101,8 @@ def selection_rule_name(config: GenerationConfig) -> str:
 
 
 REMASKING = ("low_confidence", "random")
+# Selection rules whose reference decodes the whole answer as one block (`GenerationConfig.one_block`).
+ONE_BLOCK_RULES = ("rnd1",)
 # Prompt K/V shared across rows and requests (`models.prefix_store`): where exact (block-causal
 # attention), also where approximate (bidirectional), or never.
 PREFIX_CACHE = ("exact", "approximate", "off")
@@ -447,8 +450,20 @@ class GenerationConfig:
         )
 
     @classmethod
+    def rnd1(cls, **overrides) -> GenerationConfig:
+        """RND1's decoding (`rnd/sampling.py`'s `diffusion_sample`, with its demo's defaults): the
+        answer as one block with no cache, a step per answer position, each step revealing the
+        masked positions of lowest entropy so that floor(n (N - 1 - i) / N) of the block's n masks
+        stay masked after step i of N; tokens sampled at temperature 0.01 (0: greedy, as its demo's
+        `greedy`). Gen length 256."""
+        fields = dict(unmasking="rnd1", threshold=None, cache="none", suffix_window=None, refresh="full")
+        fields.update(temperature=0.01, block_length=overrides.get("gen_length", 256))
+        return cls._published(overrides, **fields)
+
+    @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
-        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "d3llm", "dmax")."""
+        """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "d3llm", "dmax",
+        "rnd1")."""
         if name not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
         return getattr(cls, PRESETS[name])(**overrides)
@@ -512,7 +527,16 @@ class GenerationConfig:
             needed = _one_block_fields_dropped(needed)
         return self.replace(**{k: v for k, v in needed.items() if k not in keep})
 
+    @property
+    def one_block(self) -> bool:
+        """Whether the answer is decoded as one block that follows its length (a rule in
+        `ONE_BLOCK_RULES` whose block is the whole answer): a new `gen_length` moves
+        `block_length` with it."""
+        return self.unmasking in ONE_BLOCK_RULES and self.block_length == self.gen_length
+
     def replace(self, **changes) -> GenerationConfig:
+        if self.one_block and "gen_length" in changes and "block_length" not in changes:
+            changes["block_length"] = changes["gen_length"]
         return replace(self, **changes)
 
     def with_max_new_tokens(self, n: int, **changes) -> GenerationConfig:
@@ -525,6 +549,8 @@ class GenerationConfig:
         block = changes.get("block_length", self.block_length)
         if not is_int(block) or block < 1:
             return self.replace(**changes)  # names block_length
+        if self.one_block and "block_length" not in changes:
+            block = n
         gen_length = -(-n // block) * block
         if "steps" not in changes and self.steps is not None:
             changes["steps"] = min(
@@ -632,11 +658,14 @@ class GenerationConfig:
         need(self.gen_length % self.block_length == 0, "block_length", f"must divide gen_length={self.gen_length}")
         if self.steps is not None:
             need(is_int(self.steps), "steps", "must be an integer or None")
-            need(
-                self.num_blocks <= self.steps <= self.gen_length,
-                "steps",
-                f"must be between the number of blocks ({self.num_blocks}) and gen_length ({self.gen_length})",
-            )
+            if self.one_block:  # RND1's schedule: more steps than masks is a slower reveal, as there
+                need(self.steps >= 1, "steps", "must be at least 1")
+            else:
+                need(
+                    self.num_blocks <= self.steps <= self.gen_length,
+                    "steps",
+                    f"must be between the number of blocks ({self.num_blocks}) and gen_length ({self.gen_length})",
+                )
         finite = lambda v: v == v and v not in (float("inf"), float("-inf"))  # noqa: E731
         need(
             is_num(self.temperature) and finite(self.temperature) and self.temperature >= 0,
@@ -891,6 +920,7 @@ PRESETS = {
     "dparallel": "dparallel",
     "d3llm": "d3llm",
     "dmax": "dmax",
+    "rnd1": "rnd1",
 }
 
 

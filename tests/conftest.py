@@ -120,7 +120,7 @@ def random_model(arch: str, tokenizer, seed: int = 0, **overrides):
         torch.manual_seed(seed)
         from fastdllm.models import Transformer
 
-        model = Transformer(args, family=fam, stop_token_ids=tokenizer.stop_token_ids())
+        model = Transformer(args, family=fam, config=model.config, stop_token_ids=tokenizer.stop_token_ids())
         for p in model.parameters():
             if p.dim() >= 2:
                 torch.nn.init.normal_(p, std=0.02)
@@ -168,6 +168,11 @@ def tiny_llada2(tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llada_moe(tokenizer):
     return random_model("lladamoe", tokenizer, seed=6, router_bias=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_rnd1(tokenizer):
+    return random_model("rnd1", tokenizer, seed=7, n_kv_heads=1)
 
 
 @pytest.fixture(scope="session")

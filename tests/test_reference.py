@@ -28,6 +28,10 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   the embedded LLaDA (the KV-cache loop at a third of its confidence): set FASTDLLM_D3LLM_REFERENCE
   to a hao-ai-lab/d3LLM checkout and FASTDLLM_D3LLM_PYTHON to an interpreter with
   transformers==4.49.0 and torch;
+- RND1's `generate` (`rnd/sampling.py`'s `diffusion_sample`) with its own `modeling_rnd.py` on a
+  tiny seeded mixture-of-experts checkpoint its classes load strictly: set FASTDLLM_RND1_REFERENCE
+  to a vz415/RND1 checkout at 520473c (upstream's last merge) and FASTDLLM_RND1_PYTHON to an
+  interpreter with transformers==4.57.1, accelerate and torch;
 - DMax's step, `ThresholdParallelDecoder.decode_uniform` of its vendored dInfer (`dInfer/python/
   dinfer/decoding/parallel_strategy.py`, pure PyTorch: loaded here without the package, whose other
   modules need vLLM), on the same logits as our policies: set FASTDLLM_DMAX_REFERENCE to a
@@ -119,6 +123,8 @@ def _reference_checkpoint(
 
 
 _LIVE_RUNS: dict = {}
+# what a live runner printed beside its runs (logits, say), by (fixture, weights)
+_LIVE_RESULTS: dict = {}
 
 
 def weights_digest(folder: Path) -> str:
@@ -155,7 +161,8 @@ def _reference_runs(
         [python, str(runner), code, str(folder), str(job)], capture_output=True, text=True, timeout=timeout, env=env
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    runs = _LIVE_RUNS[fixture, weights] = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+    result = _LIVE_RESULTS[fixture, weights] = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = _LIVE_RUNS[fixture, weights] = result["runs"]
     if RECORD:
         FIXTURES.mkdir(parents=True, exist_ok=True)
         record = {"runner": runner.name, "weights_sha256": weights, "spec": spec, "runs": runs}
@@ -792,3 +799,57 @@ def test_llada2_logits_and_decoding_equal_its_published_code(tiny_llada2, tokeni
     finally:
         model.stop_token_ids = tokenizer.stop_token_ids()
     assert parallel > 0
+
+
+RND1_CHECKOUT = os.environ.get("FASTDLLM_RND1_REFERENCE")
+RND1_PYTHON = os.environ.get("FASTDLLM_RND1_PYTHON")
+RND1_RUNNER = Path(__file__).parent / "reference" / "rnd1_sample.py"
+RND1_LIVE = bool(RND1_CHECKOUT and RND1_PYTHON and Path(RND1_CHECKOUT, "rnd", "sampling.py").exists())
+# schedules with more steps than masks (steps that reveal nothing), fewer, and as many; greedy
+# (its temperature of 1e-8: every entropy ties at 0) and sampled; its own top-k / top-p; a suffix
+RND1_CONFIGS = [
+    dict(gen_length=g, steps=s, temperature=t, seed=k)
+    for g, s in ((16, 16), (24, 8), (12, 30))
+    for t, k in ((0.0, 0), (0.8, 11), (0.3, 2))
+]
+RND1_CONFIGS += [
+    dict(gen_length=16, steps=16, temperature=0.8, seed=3, top_k=5),
+    dict(gen_length=16, steps=8, temperature=0.8, seed=4, top_p=0.6),
+    dict(gen_length=12, steps=12, temperature=0.0, seed=0, suffix=[7, 8, 9]),
+    dict(gen_length=12, steps=6, temperature=0.8, seed=5, suffix=[7, 8, 9]),
+]
+
+
+@live_or_recorded(
+    RND1_LIVE, "rnd1", reason="set FASTDLLM_RND1_REFERENCE (vz415/RND1 at 520473c) and FASTDLLM_RND1_PYTHON"
+)
+@pytest.mark.parametrize("part", PARTS)
+def test_rnd1_decodes_as_its_published_sampler(tiny_rnd1, tokenizer, tmp_path, part):
+    """RND1's `generate` (`diffusion_sample`: the answer in one block, the lowest-entropy positions
+    revealed on its schedule, a pad after the answer) with its own modeling file, on a tiny
+    mixture-of-experts checkpoint its classes load strictly: the same tokens and forwards, greedy
+    and sampled under the same seed, with its top-k / top-p filters and a suffix (its infilling)."""
+    model = tiny_rnd1
+    folder = save_pretrained(model, tmp_path / "rnd1", tokenizer, dtype=torch.float32)
+    texts = ["Question: 3 + 4 = ? Answer:", "Question: what is 2 + 2?", "Tom has 5 apples and buys 3 more. He has"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    mask = model.mask_token_id
+    sequences = [p + [mask] * 5 + p[:3] + [mask] * 4 for p in prompts]
+    spec = {"logits": sequences, "prompts": prompts, "configs": RND1_CONFIGS}
+    theirs = _reference_runs(RND1_PYTHON, RND1_RUNNER, RND1_CHECKOUT if RND1_LIVE else None, folder, spec, "rnd1")
+    live = _LIVE_RESULTS.get(("rnd1", weights_digest(folder)))
+    for seq, logits in zip(sequences, live["logits"] if live else ()):
+        ours = model(torch.tensor([seq]))[0]
+        assert torch.allclose(ours, torch.tensor(logits), atol=1e-4, rtol=1e-4), (
+            (ours - torch.tensor(logits)).abs().max()
+        )
+    sampled = 0
+    for c, prompt, ref in compared(RND1_CONFIGS, prompts, theirs, part):
+        # a [MASK] it reveals as a token we never reveal (`RND1Proposal`): the seeds avoid one
+        assert mask not in ref["tokens"], ("choose another seed", c, prompt)
+        config = GenerationConfig.rnd1(stop_at_eos=False, **{k: tuple(v) if k == "suffix" else v for k, v in c.items()})
+        ours = fastdllm.generate(model, [prompt], config=config)
+        assert ours.sequences[0].tolist() == ref["tokens"], (c, prompt)
+        assert ours.nfe == ref["nfe"], (c, ours.nfe, ref["nfe"])
+        sampled += c["temperature"] > 0
+    assert sampled > 0

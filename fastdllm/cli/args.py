@@ -12,7 +12,7 @@ from pathlib import Path
 from ..config import PRESETS, ConfigError, GenerationConfig, read_preset
 
 # Presets that are the decoders of finetunes trained for them (`models.loading.recognized_decoding`).
-FINETUNE_PRESETS = ("dparallel", "d3llm", "dmax")
+FINETUNE_PRESETS = ("dparallel", "d3llm", "dmax", "rnd1")
 
 
 class UserError(Exception):
@@ -190,7 +190,17 @@ def config_from_args(args: argparse.Namespace, **overrides) -> GenerationConfig:
                 raise UserError(f"--preset: one of {', '.join(PRESETS)}, or a preset file (no file {args.preset})")
             args._preset_family = read_preset(args.preset).get("family")
             return GenerationConfig.from_preset(args.preset, **{**given, **overrides})
-        return GenerationConfig(**{**{n: getattr(args, n) for n in names}, **overrides})
+        values = {**{n: getattr(args, n) for n in names}, **overrides}
+        try:
+            return GenerationConfig(**values)
+        except ConfigError as e:
+            if e.param != "block_length" or "block_length" in {*getattr(args, "_explicit", ()), *overrides}:
+                raise
+            # The default block length does not divide the --gen-length given: a model whose own
+            # decoder sets its blocks (RND1's one block) may still take it, which is known once the
+            # model is loaded (`with_model_defaults` raises this error for any other model).
+            args._block_length_error = e
+            return GenerationConfig(**{**values, "block_length": values["gen_length"]})
     except ConfigError as e:
         raise UserError(f"{flag(e.param)}: {e.detail}") from None
 
@@ -219,15 +229,20 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
             raise UserError(f"{flag(e.param)}: {e.detail} (for this model)") from None
     given = {n: getattr(config, n) for n in getattr(args, "_explicit", ())}
     recognized = getattr(model, "decoding", None)
+    new_tokens = getattr(args, "max_new_tokens", None)
     if recognized:  # a checkpoint trained for its own decoder: that decoder, the flags given on top
         print(
             f"decoding with --preset {recognized}, which this checkpoint was trained for ('--preset default': ours)",
             file=sys.stderr,
         )
         try:
-            return GenerationConfig.preset(recognized, **given).fit_to_model(model, keep=set(given))
+            config = GenerationConfig.preset(recognized, **given).fit_to_model(model, keep=set(given))
+            return config if new_tokens is None else config.with_max_new_tokens(new_tokens)
         except ConfigError as e:
             raise UserError(f"{flag(e.param)}: {e.detail} (with --preset {recognized})") from None
+    deferred = getattr(args, "_block_length_error", None)
+    if deferred is not None:
+        raise UserError(f"{flag(deferred.param)}: {deferred.detail}")
     try:
         return GenerationConfig.for_model(model, config, **given)
     except ConfigError as e:

@@ -227,6 +227,8 @@ def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
     if ((ids == model.mask_token_id) & mask).any():
         raise ValueError(f"input_ids: a prompt contains the mask token (id {model.mask_token_id})")
     suffix = 0 if config.suffix is None else len(config.suffix)
+    family = getattr(model, "family", None)
+    suffix += int(family is not None and family.rules.closing_token is not None)
     if ids.shape[1] + config.gen_length + suffix > model.args.max_seq_len:
         raise ValueError(
             f"gen_length: prompt ({ids.shape[1]} tokens) + gen_length ({config.gen_length})"
@@ -396,8 +398,9 @@ class BlockDecoder:
         """A config's fixed tokens and suffix, checked against this model: token ids (text is
         encoded by the front ends, `text.infill.encode_infill`), not the mask token, and a suffix
         only where attention is bidirectional."""
+        closing = self._closing_token()
         if not config.fixed and config.suffix is None:
-            return (), None
+            return (), closing
         for name, value in [("fixed", v) for _, v in config.fixed] + [("suffix", config.suffix)]:
             if isinstance(value, str):
                 raise ValueError(
@@ -417,7 +420,24 @@ class BlockDecoder:
             raise ValueError("fixed: not with a grammar constraint, which reveals the answer left to right")
         fixed = tuple((p + k, t) for p, ids in config.fixed for k, t in enumerate(ids))
         suffix = None if config.suffix is None else torch.tensor(config.suffix, dtype=torch.long, device=self.device)
+        if closing is not None:
+            suffix = closing if suffix is None else torch.cat([suffix, closing])
         return fixed, suffix
+
+    def _closing_token(self) -> torch.Tensor | None:
+        """The token the family's reference places after the answer and any suffix (RND1's pad), which
+        every forward sees, as a suffix does; None for a family without one."""
+        family = getattr(self.model, "family", None)
+        if family is None or family.rules.closing_token is None:
+            return None
+        key, default = family.rules.closing_token
+        token = self.model.config.get(key)
+        token = default if token is None else token
+        if not 0 <= token < self.model.args.vocab_size:
+            raise ValueError(
+                f"{key}: {token} is not a token of this model (vocabulary of {self.model.args.vocab_size})"
+            )
+        return torch.tensor([token], dtype=torch.long, device=self.device)
 
     def _row(self, prompt, config, generator, tag) -> Row:
         blk = self.config.block_length
@@ -502,7 +522,13 @@ class BlockDecoder:
         later = window[:, blk:] if self.width > blk else None
         had_mask = (block == mask_id).any(-1)
         editable = None if self.editing is None else (region >= 0) & (block != mask_id)  # not a prompt token
-        clock = BlockClock([r.step for r in rows], [r.config.steps_per_block()[r.block] for r in rows], self.opened)
+        clock = BlockClock(
+            [r.step for r in rows],
+            [r.config.steps_per_block()[r.block] for r in rows],
+            self.opened,
+            list(view.starts),
+            [r.extent for r in rows],
+        )
         decision = self._decide(logits, block, clock, later, editable)
         if self.logp is not None:
             self._record_logprobs(logits, columns, decision)

@@ -187,10 +187,21 @@ class BlockClock:
     """Where each row stands in its own block: `step` the steps it has taken in it and `steps`
     the steps its schedule gives the block (host lists: the loop knows them without reading the
     device), and `opened` (B,) its masks when the block began. Rows advance on their own, so
-    these differ from row to row; a rule reads them instead of keeping state of its own."""
+    these differ from row to row; a rule reads them instead of keeping state of its own.
+    `starts` and `extents` (host lists, where the loop gives them): the block's first column in
+    the row's sequence, and the sequence's length (prompt, region and suffix), for a reference
+    that draws or ranks over the whole sequence (RND1's)."""
 
-    def __init__(self, step: list[int], steps: list[int], opened: torch.Tensor):
+    def __init__(
+        self,
+        step: list[int],
+        steps: list[int],
+        opened: torch.Tensor,
+        starts: list[int] | None = None,
+        extents: list[int] | None = None,
+    ):
         self.step, self.steps, self.opened = list(step), list(steps), opened
+        self.starts, self.extents = starts, extents
 
     @cached_property
     def step_t(self) -> torch.Tensor:
@@ -210,7 +221,8 @@ class BlockClock:
 
     def take(self, indices: list[int]) -> BlockClock:
         idx = torch.tensor(indices, device=self.opened.device)
-        return BlockClock([self.step[i] for i in indices], [self.steps[i] for i in indices], self.opened[idx])
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
+        return BlockClock(pick(self.step), pick(self.steps), self.opened[idx], pick(self.starts), pick(self.extents))
 
 
 def linear_schedule_at(counts_of: torch.Tensor, clock: BlockClock, masked: torch.Tensor) -> torch.Tensor:
@@ -467,6 +479,39 @@ class SubBlocks(SelectionRule):
         return self.inner.select(conf, here, clock, generators, draws) & here
 
 
+class RND1Schedule(SelectionRule):
+    """RND1's (`rnd/sampling.py`, `diffusion_sample`): after step i of a block's N steps, the
+    floor(n (N - 1 - i) / N) masked positions of highest entropy stay masked, n being the block's
+    masks when it began, and every other masked position is revealed (all of them at the last
+    step). The count is the reference's own float32 product, truncated; the positions kept are
+    its `topk` over the whole sequence's entropies (every position not masked at -max), so that
+    ties (every entropy is 0 when greedy: the reference divides by a temperature of 1e-8) fall as
+    they fall there. The entropy is the proposal's (`RND1Proposal`, the negative of its
+    confidence)."""
+
+    name = "rnd1"
+    score = "rnd1"
+    uses_steps = True
+
+    def select(self, conf, masked, clock, generators, draws):
+        if clock.starts is None or clock.extents is None:
+            raise ValueError("unmasking: the rnd1 rule ranks over each row's whole sequence (the decoding loop's)")
+        chosen = masked.clone()
+        lowest = -torch.finfo(conf.dtype).max
+        for i, (step, steps) in enumerate(zip(clock.step, clock.steps)):
+            if step >= steps - 1:
+                continue
+            kept = int((clock.opened[i : i + 1] * ((steps - 1 - step) / steps)).long())
+            if kept <= 0:
+                continue
+            scores = torch.full((1, clock.extents[i]), lowest, dtype=conf.dtype, device=conf.device)
+            start = clock.starts[i]
+            scores[0, start : start + conf.shape[1]] = (-conf[i]).masked_fill(~masked[i], lowest)
+            keep = scores.topk(kept, dim=-1, largest=True).indices[0, :kept] - start
+            chosen[i, keep] = False
+        return chosen & masked
+
+
 def register_selection_rule(cls: type[SelectionRule]) -> type[SelectionRule]:
     """Make `cls` a selection rule that configs name by `cls.name` (`unmasking=...`); usable as a
     class decorator."""
@@ -479,6 +524,9 @@ class Proposal:
     in the model's dtype where `model_dtype` (a reference that computes them so)."""
 
     model_dtype = False
+    # Where a sampled token is the mask: whether the best other token is drawn again (False: the
+    # most likely other token, drawing nothing, so the stream stays the reference's one draw a step).
+    redraws = True
 
     def __init__(self, config):
         self.config = config
@@ -486,7 +534,8 @@ class Proposal:
     def draws_randomness(self) -> bool:
         return self.config.temperature > 0
 
-    def __call__(self, logits, generators, draws) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits, generators, draws, clock=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`clock`: where each row stands (`BlockClock`), for a proposal that needs it."""
         raise NotImplementedError
 
 
@@ -500,7 +549,7 @@ class LLaDAProposal(Proposal):
     def draws_randomness(self) -> bool:
         return self.config.temperature > 0 or self.config.remasking == "random"
 
-    def __call__(self, logits, generators, draws):
+    def __call__(self, logits, generators, draws, clock=None):
         return _propose_llada(logits, self.config, generators, draws, self.score)
 
 
@@ -511,7 +560,7 @@ class DreamProposal(Proposal):
         super().__init__(config)
         self.score = score
 
-    def __call__(self, logits, generators, draws):
+    def __call__(self, logits, generators, draws, clock=None):
         return _propose_dream(logits, self.config, generators, draws, self.score)
 
 
@@ -519,7 +568,7 @@ class SDARProposal(Proposal):
     """SDAR's sampling: logits / temperature; the token sampled from them after top-k / top-p
     filtering (greedy at temperature 0), its confidence read from the unfiltered softmax."""
 
-    def __call__(self, logits, generators, draws):
+    def __call__(self, logits, generators, draws, clock=None):
         c = self.config
         if c.temperature > 0:
             logits = logits / c.temperature
@@ -536,7 +585,7 @@ class DMaxProposal(Proposal):
     temperature 0, else LLaDA's Gumbel-max in float64; its probability as exp(logit - logsumexp)
     of the float32 logits."""
 
-    def __call__(self, logits, generators, draws):
+    def __call__(self, logits, generators, draws, clock=None):
         c = self.config
         if c.temperature > 0:
             noise = _draw_uniform(logits.shape[1:], generators, draws, torch.float64, logits.device)
@@ -556,7 +605,7 @@ class FastDLLMv2Proposal(Proposal):
 
     model_dtype = True
 
-    def __call__(self, logits, generators, draws):
+    def __call__(self, logits, generators, draws, clock=None):
         c = self.config
         if c.temperature <= 0:
             probs = logits.softmax(-1)
@@ -575,7 +624,7 @@ class LLaDA2Proposal(Proposal):
     here temperature 0 is greedy (the argmax and its softmax probability; deterministic, as
     LLaDA2.1's own sampler does it), and the published draws are temperature=1."""
 
-    def __call__(self, logits, generators, draws):
+    def __call__(self, logits, generators, draws, clock=None):
         c = self.config
         if c.temperature <= 0:
             probs = logits.softmax(-1)
@@ -588,6 +637,64 @@ class LLaDA2Proposal(Proposal):
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def _rnd1_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """RND1's top-k filter: exactly the k largest (by `topk`) kept, the rest -inf."""
+    values, indices = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return torch.full_like(logits, NEG_INF).scatter_(-1, indices, values)
+
+
+def _rnd1_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """RND1's nucleus filter: a token goes once the probability before it (sorted, descending)
+    exceeds p; the most likely always stays."""
+    sorted_logits, order = logits.sort(descending=True, dim=-1)
+    drop = sorted_logits.softmax(-1).cumsum(-1) > p
+    drop[..., 0] = False
+    drop[..., 1:] = drop[..., :-1].clone()
+    return logits.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
+
+
+class RND1Proposal(Proposal):
+    """RND1's `forward_scores`, in the model's dtype as there: the logits divided by the temperature
+    (at least 1e-8: temperature 0 is its greedy mode), top-k then top-p filtered, their
+    log-softmax; the token its argmax when greedy, else drawn as `Categorical(logits=...).sample()`
+    draws it; the confidence the negative entropy -sum p log p (`RND1Schedule` ranks by it).
+
+    The reference samples every position of its sequence at once, prompt and suffix included, from
+    one random stream: one `multinomial` whose exponential draws cover (sequence, vocabulary). We
+    draw that same tensor from the row's generator and read the rows of the block's positions (the
+    logit before each, the logits being shifted), so that a row's tokens are the reference's under
+    the same seed. *Deliberate difference*: where the draw picks [MASK], the reference reveals it
+    as a token (and the answer keeps it); we take the most likely other token, drawing nothing
+    more, so the row's stream stays the reference's."""
+
+    model_dtype = True
+    redraws = False
+
+    def __call__(self, logits, generators, draws, clock=None):
+        c = self.config
+        scaled = logits / max(c.temperature, 1e-8)
+        if c.top_k is not None and c.top_k > 0:
+            scaled = _rnd1_top_k(scaled, c.top_k)
+        if c.top_p is not None and 0 < c.top_p < 1:
+            scaled = _rnd1_top_p(scaled, c.top_p)
+        logp = scaled.log_softmax(-1)
+        tokens = logp.argmax(-1)
+        if c.temperature > 0 and draws is not None:  # without draws: the most likely token
+            if clock is None or clock.starts is None:
+                raise ValueError("temperature: RND1's sampling draws over each row's whole sequence (the loop's)")
+            for i, r in enumerate(draws):
+                if r is None:
+                    continue
+                normalized = logp[i] - logp[i].logsumexp(-1, keepdim=True)  # as Categorical keeps them
+                probs = normalized.softmax(-1)
+                q = torch.empty((clock.extents[i], logp.shape[-1]), dtype=probs.dtype, device=probs.device)
+                q.exponential_(1, generator=generators[r])
+                first = clock.starts[i] - 1  # the logit that predicts the block's first position
+                tokens[i] = (probs / q[first : first + logp.shape[1]]).argmax(-1)
+        p = logp.exp()
+        return tokens, (p * logp).sum(-1)
+
+
 def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None = None) -> Proposal:
     """LLaDA's proposal without `alg`, Dream's with it. Only Dream's own schedule reads `alg` as
     a score: the parallel rules (threshold, factor) compare probabilities (Fast-dLLM's Dream
@@ -597,6 +704,8 @@ def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None 
         return LLaDAProposal(config, "entropy") if config.alg is None else DreamProposal(config, "unfiltered_entropy")
     if getattr(rule, "score", None) == "logsumexp":
         return DMaxProposal(config)
+    if getattr(rule, "score", None) == "rnd1":
+        return RND1Proposal(config)
     if family_proposal is not None:
         return PROPOSALS[family_proposal](config)
     if config.alg is None:
@@ -824,13 +933,13 @@ class UnmaskingStrategy:
             Lookahead.from_config(config, "llada" if rules is None else rules.d3llm_code),
         )
 
-    def propose(self, logits: torch.Tensor, generators, draws) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, logits: torch.Tensor, generators, draws, clock=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidence), each (B, T), for logits (B, T, V). `draws[i]` names the generator
         of batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
         logits = logits if self.proposal.model_dtype else logits.float()
-        tokens, conf = self.proposal(logits, generators, draws)
+        tokens, conf = self.proposal(logits, generators, draws, clock)
         if self.confidence_temperature != 1.0:  # greedy (checked by the config): no randomness drawn twice
-            _, conf = self.proposal(logits / self.confidence_temperature, generators, draws)
+            _, conf = self.proposal(logits / self.confidence_temperature, generators, draws, clock)
         return tokens, conf
 
     def decide(
@@ -854,18 +963,20 @@ class UnmaskingStrategy:
         raw_logits = logits  # before the [MASK] guard: DMax's top probabilities include the mask
         drawing = None if generators is None else list(range(block.shape[0]))
         with record_function("fastdllm.propose"):
-            tokens, conf = self.propose(logits, generators, drawing)
+            tokens, conf = self.propose(logits, generators, drawing, clock)
         proposed_mask = tokens == mask_id
         # A model may rank [MASK] first (an untrained one does): revealing it would leave the
         # position masked for ever. Those positions get the best other token instead; the
         # references would loop or keep the mask there, and no other position changes. Greedy
         # proposals draw nothing, so the other token is proposed every step and no host read
         # decides it; sampled ones propose again only when needed, so that each row's random
-        # stream advances as in the reference.
+        # stream advances as in the reference (one whose reference draws once per step takes the
+        # best other token without drawing again: `Proposal.redraws`).
         if generators is None or bool(proposed_mask.any()):
             logits = logits.clone()
             logits[..., mask_id] = NEG_INF
-            others, others_conf = self.propose(logits, generators, drawing)
+            again = self.proposal.redraws and generators is not None
+            others, others_conf = self.propose(logits, generators if again else None, drawing if again else None, clock)
             tokens = torch.where(proposed_mask, others, tokens)
             conf = torch.where(proposed_mask, others_conf, conf)
         constraints = constraints or {}

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from . import dream, fast_dllm_v2, llada, llada2, llada_moe, sdar
+from . import dream, fast_dllm_v2, llada, llada2, llada_moe, rnd1, sdar
 from .family import Family
 from .transformer import ModelArgs, Transformer
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
-    for f in (llada.FAMILY, dream.FAMILY, fast_dllm_v2.FAMILY, sdar.FAMILY, llada2.FAMILY, llada_moe.FAMILY)
+    for f in (
+        llada.FAMILY,
+        dream.FAMILY,
+        fast_dllm_v2.FAMILY,
+        sdar.FAMILY,
+        llada2.FAMILY,
+        llada_moe.FAMILY,
+        rnd1.FAMILY,
+    )
 }
 # Other model_type spellings of a family.
 ALIASES = {alias: llada_moe.FAMILY for alias in llada_moe.ALIASES}
@@ -39,5 +47,6 @@ __all__ = [
     "fast_dllm_v2",
     "llada2",
     "llada_moe",
+    "rnd1",
     "sdar",
 ]

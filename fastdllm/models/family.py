@@ -67,6 +67,12 @@ class DecodingRules:
     # `cache_policies.DelayedCache`): "llada" (d3llm_llada_generate_util) or "dream"
     # (d3llm_dream_generate_util).
     d3llm_code: str = "llada"
+    # The preset (`config.PRESETS`) its reference decodes with, where it has its own: a checkpoint
+    # of the family decodes so unless told otherwise (`GenerationConfig.for_model`).
+    published: str | None = None
+    # A token the reference places after the answer (and any suffix), which the model sees:
+    # (config.json key of its id, the id where the key is missing).
+    closing_token: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -436,7 +436,7 @@ def load(
         except json.JSONDecodeError as e:
             raise ValueError(f"{gen_path}: not valid JSON ({e})") from None
     model.name_or_path = str(path_or_repo_id) if path_or_repo_id is not None else "fastdllm/llada-arith"
-    model.decoding = recognized_decoding(model.name_or_path, config)
+    model.decoding = recognized_decoding(model.name_or_path, config) or model.decoding
     return model, tokenizer
 
 

@@ -228,7 +228,7 @@ class Transformer(nn.Module):
     """A bidirectional Llama-shaped transformer; the families differ only in names and config
     fields (`models/family.py`).
 
-    Besides its weights a model knows its `family` (a `models.family.Family`: one of the six),
+    Besides its weights a model knows its `family` (a `models.family.Family`: one of `models.FAMILIES`),
     the `config` its checkpoint was read from (or the fields a saved one should keep), its
     `generation_config` (generation_config.json, where there is one), where it came from
     (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer: tokens
@@ -272,6 +272,9 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.setup_rope()
         self.stop_token_ids: list[int] = list(stop_token_ids) if stop_token_ids else [args.eos_token_id]
+        # The preset it decodes with unless told otherwise: its family's own decoder, or the one a
+        # checkpoint's name says it was trained for (`loading.recognized_decoding`).
+        self.decoding: str | None = None if family is None else family.rules.published
         self._compiled_layers: list | None = None  # built on first use (not modules: no second state_dict)
         self._graphed_window = None  # `graphed_window_logits`, compiled on first use
 
