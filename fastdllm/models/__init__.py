@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import dream, fast_dllm_v2, llada, llada2, llada_moe, rnd1, sdar
+from . import diffusion_gemma, dream, fast_dllm_v2, llada, llada2, llada_moe, rnd1, sdar
 from .family import Family
 from .transformer import ModelArgs, Transformer
 
@@ -16,6 +16,7 @@ FAMILIES: dict[str, Family] = {
         llada2.FAMILY,
         llada_moe.FAMILY,
         rnd1.FAMILY,
+        diffusion_gemma.FAMILY,
     )
 }
 # Other model_type spellings of a family.
@@ -38,6 +39,7 @@ def family_of(config: dict, where: str = "config.json") -> Family:
 
 __all__ = [
     "FAMILIES",
+    "diffusion_gemma",
     "Family",
     "ModelArgs",
     "Transformer",

@@ -73,6 +73,9 @@ class DecodingRules:
     # A token the reference places after the answer (and any suffix), which the model sees:
     # (config.json key of its id, the id where the key is missing).
     closing_token: tuple[str, int] | None = None
+    # No mask token: a block opens as uniform random tokens (its canvas), which every step rewrites
+    # (DiffusionGemma's renoising), drawn from the row's generator when the block opens.
+    noise_canvas: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,10 @@ class Family:
     # state the id, it is that token's id in the checkpoint's own tokenizer (`loading.read_config`).
     special_tokens: dict[str, str] = field(default_factory=dict)
     rules: DecodingRules = field(default_factory=lambda: DecodingRules())
+    # The part of config.json its fields are read from (DiffusionGemma's text_config); None: all of it.
+    source: Callable[[dict], dict] | None = None
+    # The model class its checkpoints build (None: `Transformer`).
+    model_class: type | None = None
 
     def decoding_defaults(self, args: ModelArgs) -> dict:
         """Decoding fields a model of this family needs unless told otherwise. A block-causal model
@@ -117,6 +124,8 @@ class Family:
 
     # -- config.json -> ModelArgs
     def args_from_config(self, cfg: dict, where: str = "config.json") -> ModelArgs:
+        if self.source is not None:
+            cfg = self.source(cfg)
         missing = [k for k in self.required if k not in cfg]
         if missing:
             raise ValueError(f"{where}: {self.name} config is missing field(s) {', '.join(missing)}")

@@ -369,9 +369,8 @@ def pool_for(model, page_size: int) -> PagedKVCache:
     (`model.kv_pool_bytes`, the server's --kv-cache-memory), its one pool of that many bytes,
     allocated once and handed to each batch in turn with every page free (the server decodes one
     batch at a time), so that the server never holds more."""
-    a = model.args
     budget = getattr(model, "kv_pool_bytes", None)
-    shape = (a.n_layers, a.n_kv_heads, a.head_dim, page_size)
+    shape = (*model.kv_shape, page_size)
     if budget is None:
         spare = model.__dict__.pop("_spare_kv_pool", None)
         if spare is not None and (spare.page_size, spare.k.dtype, spare.k.device) == (
@@ -385,7 +384,7 @@ def pool_for(model, page_size: int) -> PagedKVCache:
     pool = model.__dict__.get("_kv_pool")
     if pool is None or pool.page_size != page_size:
         model.__dict__["_kv_pool"] = None  # freed before its successor is allocated
-        per_page = 2 * a.n_layers * a.n_kv_heads * a.head_dim * page_size * model.dtype.itemsize
+        per_page = 2 * shape[0] * shape[1] * shape[2] * page_size * model.dtype.itemsize
         with torch.inference_mode(False):  # batches decode in and out of inference mode
             pool = PagedKVCache(*shape, budget // per_page, dtype=model.dtype, device=model.device, growable=False)
         model.__dict__["_kv_pool"] = pool

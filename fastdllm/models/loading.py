@@ -175,7 +175,7 @@ def build_model(config: dict, where: str = "config.json", device="meta") -> Tran
     family = family_of(config, where)
     args = family.args_from_config(config, where)
     with torch.device(device):
-        model = Transformer(args, family=family, config=config)
+        model = (family.model_class or Transformer)(args, family=family, config=config)
     return model
 
 

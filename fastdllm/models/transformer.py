@@ -267,9 +267,10 @@ class Transformer(nn.Module):
         if not embeddings.is_meta:
             nn.init.normal_(embeddings)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=embeddings)
-        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.layers = self.make_layers(args)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.make_extra(args)
         self.setup_rope()
         self.stop_token_ids: list[int] = list(stop_token_ids) if stop_token_ids else [args.eos_token_id]
         # The preset it decodes with unless told otherwise: its family's own decoder, or the one a
@@ -277,6 +278,18 @@ class Transformer(nn.Module):
         self.decoding: str | None = None if family is None else family.rules.published
         self._compiled_layers: list | None = None  # built on first use (not modules: no second state_dict)
         self._graphed_window = None  # `graphed_window_logits`, compiled on first use
+
+    def make_layers(self, args: ModelArgs) -> nn.ModuleList:
+        """The layers (a family whose layers are not Llama-shaped builds its own: `Family.model_class`)."""
+        return nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+
+    def make_extra(self, args: ModelArgs) -> None:
+        """Modules beside the layers that a family's model adds."""
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """One position's K/V in a layer of the pool: (layers, kv heads, head width)."""
+        return (self.args.n_layers, self.args.n_kv_heads, self.args.head_dim)
 
     def setup_rope(self, device=None) -> None:
         if device is None:

@@ -1,0 +1,457 @@
+"""DiffusionGemma (google/diffusiongemma-*, `DiffusionGemmaForBlockDiffusion`, transformers'
+`models/diffusion_gemma`): Gemma 4's text layers run as a block-diffusion model with no mask token.
+
+One weight set serves two passes. The *encoder* pass is causal: the prompt, and each canvas once it
+is final, written into the K/V cache. The *decoder* pass refines the current canvas (a block of
+`canvas_length` positions, 256 published) bidirectionally, attending to that cache without writing
+it. Its input is the canvas's tokens plus a self-conditioning signal: the previous step's logits,
+softmaxed, times the embedding matrix, through a small gated MLP (zeros at a canvas's first step).
+
+Gemma 4's layers: sliding-window layers (their own head width, RoPE over the whole head) and full
+layers (a wider head, fewer K/V heads, K = V: the key projection is the value before its norms, and
+"proportional" RoPE that rotates the first quarter of the frequencies); q and k RMS-normed with
+weights, v without; attention scaled by 1; a dense GELU-tanh MLP and a mixture of experts side by
+side in every layer, each with its own norms; per-layer scalars; embeddings scaled by sqrt(dim) in
+the weights' dtype; final logits soft-capped by tanh. RMSNorm is Gemma's: in float32, x times
+(mean x^2 + eps)^-0.5, times the weight.
+
+Here one forward computes a row's whole sequence: its columns before the current canvas as the
+encoder does (causal; a sliding layer sees the last `sliding_window` positions up to itself), the
+canvas as the decoder does (every earlier position, in a sliding layer the last `sliding_window - 1`
+before the canvas, and the whole canvas). That is the arithmetic transformers' encoder and
+decoder do with their cache, run without one: each step recomputes the committed positions
+(`cache="none"`), which costs a forward of the whole sequence per step where the reference
+computes the canvas alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .family import ConfigField, DecodingRules, Family, WeightNames
+from .kv_cache import KVCache
+from .transformer import Transformer
+
+MODEL_TYPE = "diffusion_gemma"
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class GemmaNorm(nn.Module):
+    """Gemma 4's RMSNorm: float32, x * (mean(x^2) + eps)^-0.5, times the weight where it has one."""
+
+    def __init__(self, dim: int, eps: float, scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the input's dtype, as Gemma's apply_rotary_pos_emb: x (1, N, heads, d), cos/sin (N, d)."""
+    cos, sin = cos.to(x.dtype)[None, :, None], sin.to(x.dtype)[None, :, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, args: ModelArgs, sliding: bool):
+        super().__init__()
+        e = args.extra
+        self.sliding = sliding
+        self.n_heads = args.n_heads
+        self.head_dim = args.head_dim if sliding else e["full_head_dim"]
+        self.n_kv_heads = args.n_kv_heads if sliding else e["full_kv_heads"]
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False) if sliding else None
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm = GemmaNorm(self.head_dim, args.norm_eps)
+        self.k_norm = GemmaNorm(self.head_dim, args.norm_eps)
+        self.v_norm = GemmaNorm(self.head_dim, args.norm_eps, scale=False)
+
+    def forward(self, x: torch.Tensor, cos, sin, segments: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+        """x (1, N, dim) of packed rows; `segments` per row (offset, width, mask (width, width))."""
+        n = x.shape[1]
+        q = _rotate(self.q_norm(self.wq(x).view(1, n, self.n_heads, self.head_dim)), cos, sin).transpose(1, 2)
+        raw_k = self.wk(x).view(1, n, self.n_kv_heads, self.head_dim)
+        raw_v = raw_k if self.wv is None else self.wv(x).view(1, n, self.n_kv_heads, self.head_dim)
+        k = _rotate(self.k_norm(raw_k), cos, sin).transpose(1, 2)
+        v = self.v_norm(raw_v).transpose(1, 2)
+        out = torch.empty_like(q)
+        gqa = self.n_kv_heads != self.n_heads
+        for offset, width, mask in segments:
+            rows = slice(offset, offset + width)
+            out[:, :, rows] = F.scaled_dot_product_attention(
+                q[:, :, rows], k[:, :, rows], v[:, :, rows], attn_mask=mask, scale=1.0, enable_gqa=gqa
+            )
+        return self.wo(out.transpose(1, 2).reshape(1, n, -1))
+
+
+class GemmaLayer(nn.Module):
+    """Attention, then a dense MLP and a mixture of experts side by side, each between its own norms;
+    the layer's output times its scalar (the encoder's and the decoder's are separate buffers)."""
+
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        e = args.extra
+        dim, eps = args.dim, args.norm_eps
+        self.attention_norm = GemmaNorm(dim, eps)
+        self.attention = GemmaAttention(args, e["layer_types"][index] == SLIDING)
+        self.post_attention_norm = GemmaNorm(dim, eps)
+        self.ffn_norm = GemmaNorm(dim, eps)
+        self.w1 = nn.Linear(dim, args.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, args.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.hidden_dim, dim, bias=False)  # down
+        self.post_ffn_norm_1 = GemmaNorm(dim, eps)
+        self.router_norm = GemmaNorm(dim, eps, scale=False)
+        self.router_scale = nn.Parameter(torch.ones(dim))
+        self.router = nn.Linear(dim, args.n_experts, bias=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(args.n_experts))
+        self.experts_gate_up = nn.Parameter(torch.empty(args.n_experts, 2 * args.moe_hidden_dim, dim))
+        self.experts_down = nn.Parameter(torch.empty(args.n_experts, dim, args.moe_hidden_dim))
+        self.experts_norm = GemmaNorm(dim, eps)
+        self.post_ffn_norm_2 = GemmaNorm(dim, eps)
+        self.post_ffn_norm = GemmaNorm(dim, eps)
+        self.register_buffer("decoder_scalar", torch.ones(1))
+        self.register_buffer("encoder_scalar", torch.ones(1))
+        self.top_k = args.n_active_experts
+
+    def experts(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The routed experts of each token (N, dim): chosen from the un-normed residual, as Gemma 4
+        routes, and run on `x` (the residual after the experts' own norm)."""
+        h = self.router_norm(residual) * self.router_scale * (residual.shape[-1] ** -0.5)
+        probs = self.router(h).softmax(-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights * self.per_expert_scale[chosen]
+        out = torch.zeros_like(x)
+        # expert by expert, in order, as the reference adds them (a token's experts summed in that order)
+        for e in chosen.unique().tolist():
+            token, slot = torch.where(chosen == e)
+            gate, up = F.linear(x[token], self.experts_gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(_gelu(gate) * up, self.experts_down[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def forward(self, x, cos, sin, segments, canvas: torch.Tensor) -> torch.Tensor:
+        h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, segments))
+        x = x + h
+        dense = self.post_ffn_norm_1(self.w2(_gelu(self.w1(self.ffn_norm(x))) * self.w3(self.ffn_norm(x))))
+        flat = x.reshape(-1, x.shape[-1])
+        routed = self.post_ffn_norm_2(self.experts(self.experts_norm(flat), flat).view_as(x))
+        x = x + self.post_ffn_norm(dense + routed)
+        scalar = torch.where(canvas[None, :, None], self.decoder_scalar, self.encoder_scalar).to(x.dtype)
+        return x * scalar
+
+
+def _rope_tables(
+    inv_freq: torch.Tensor, max_len: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:  # (max_len, head_dim), float32
+    freqs = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _inv_freq(head_dim: int, theta: float, rotary: float | None, device=None) -> torch.Tensor:
+    """Default RoPE (rotary None) over the whole head, or Gemma 4's proportional RoPE: the first
+    `rotary` share of the frequencies as the whole head's, the rest 0 (those dims pass through)."""
+    if rotary is None:
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    angles = int(rotary * head_dim // 2)
+    steps = torch.arange(0, 2 * angles, 2, dtype=torch.int64, device=device).to(torch.float)
+    return torch.cat([1.0 / (theta ** (steps / head_dim)), torch.zeros(head_dim // 2 - angles, device=device)])
+
+
+class DiffusionGemma(Transformer):
+    """The model (see the module's docstring). `packed_logits` is the loop's forward; `forward` the
+    encoder's causal pass over whole sequences (what a likelihood reads)."""
+
+    def make_layers(self, args: ModelArgs) -> nn.ModuleList:
+        return nn.ModuleList(GemmaLayer(args, i) for i in range(args.n_layers))
+
+    def make_extra(self, args: ModelArgs) -> None:
+        self.norm = GemmaNorm(args.dim, args.norm_eps)
+        self.sc_norm = GemmaNorm(args.dim, args.norm_eps)
+        self.sc_w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.sc_w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.sc_w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.sc_post_norm = GemmaNorm(args.dim, args.norm_eps, scale=False)
+
+    def setup_rope(self, device=None) -> None:
+        if device is None:
+            device = self.tok_embeddings.weight.device
+            if device.type == "meta":
+                device = torch.device("cpu")
+        a, e = self.args, self.args.extra
+        for name, head, theta, rotary in (
+            ("sliding", a.head_dim, a.rope_theta, None),
+            ("full", e["full_head_dim"], e["full_rope_theta"], e["full_rotary"]),
+        ):
+            cos, sin = _rope_tables(_inv_freq(head, theta, rotary, device), a.max_seq_len, device)
+            self.register_buffer(f"{name}_cos", cos, persistent=False)
+            self.register_buffer(f"{name}_sin", sin, persistent=False)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """The pool's per-position K/V shape; unused by this model's forwards (it runs uncached)."""
+        return (self.args.n_layers, self.args.n_kv_heads, self.args.head_dim)
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        e, a = self.args.extra, self.args
+        width = max(a.n_kv_heads * a.head_dim, e["full_kv_heads"] * e["full_head_dim"])
+        return KVCache(a.n_layers, batch, 1, length, width, dtype=self.dtype, device=self.device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.args.dim**0.5, dtype=torch.float32)
+        return self.tok_embeddings(tokens) * scale.to(self.tok_embeddings.weight.dtype)
+
+    def soft_input(self, logits: torch.Tensor) -> torch.Tensor:
+        """The self-conditioning signal of a canvas from its previous step's logits (T, V)."""
+        w = self.tok_embeddings.weight
+        scale = torch.tensor(self.args.dim**0.5, dtype=torch.float32)
+        return (logits.softmax(-1, dtype=torch.float32).to(w.dtype) @ w) * scale.to(w.dtype)
+
+    def self_conditioned(self, x: torch.Tensor, signal: torch.Tensor) -> torch.Tensor:
+        h = self.sc_norm(signal)
+        return self.sc_post_norm(x + self.sc_w2(_gelu(self.sc_w1(h)) * self.sc_w3(h)))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.tok_embeddings.weight).float()
+        cap = self.args.extra["softcap"]
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _masks(self, width: int, canvas_start: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full, sliding) attention masks (width, width) of one row: causal before the canvas, the
+        canvas seeing everything; a sliding layer's window ends at the query, or for the canvas at
+        the canvas's start."""
+        q = torch.arange(width, device=device)[:, None]
+        k = torch.arange(width, device=device)[None, :]
+        full = (k <= q) | (q >= canvas_start)
+        window = self.args.extra["sliding_window"]
+        return full, full & (k >= torch.clamp(q, max=canvas_start) - window + 1)
+
+    def packed_logits(
+        self,
+        x: torch.Tensor,
+        windows: list[tuple[int, int, int, int, int]],
+        cache=None,
+        *,
+        compiled: bool = False,
+        block_size: int | None = None,
+        batch_invariant: bool = False,
+        embeds: dict | None = None,
+    ) -> list[torch.Tensor]:
+        """Rows' whole sequences in one forward, packed end to end: each window (row, 0, hi, hi,
+        start) computes the columns [0, hi) of its row of `x`, [start, hi) its canvas, and returns the
+        canvas's logits. `embeds` {row: (columns, vectors)}: a canvas's self-conditioning signal
+        (`soft_input`), zeros where none is given. `cache` is not read: every forward is whole."""
+        del cache, compiled, block_size, batch_invariant
+        tokens, canvas, positions, full, sliding, signal = [], [], [], [], [], []
+        offset = 0
+        for row, lo, hi, keys, start in windows:
+            if lo != 0 or keys != hi:
+                raise ValueError("cache: DiffusionGemma decodes with cache='none' (every forward is whole)")
+            dev = x.device
+            f, s = self._masks(hi, start, dev)
+            full.append((offset, hi, f[None, None]))
+            sliding.append((offset, hi, s[None, None]))
+            tokens.append(x[row, :hi])
+            cols = torch.arange(hi, device=dev)
+            positions.append(cols)
+            canvas.append(cols >= start)
+            given = torch.zeros(hi - start, self.args.dim, dtype=self.dtype, device=dev)
+            if embeds and row in embeds:
+                where, vectors = embeds[row]
+                given[where - start] = vectors.to(self.dtype)
+            signal.append(given)
+            offset += hi
+        tokens, positions, canvas = torch.cat(tokens), torch.cat(positions), torch.cat(canvas)
+        h = self.embed(tokens)[None]
+        h[0, canvas] = self.self_conditioned(h[0, canvas], torch.cat(signal))
+        tables = {
+            SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions], sliding),
+            FULL: (self.full_cos[positions], self.full_sin[positions], full),
+        }
+        for layer, kind in zip(self.layers, self.args.extra["layer_types"]):
+            cos, sin, segments = tables[kind]
+            h = layer(h, cos, sin, segments, canvas)
+        h = self.norm(h)[0]
+        out, offset = [], 0
+        for _, _, hi, _, start in windows:
+            out.append(self.head(h[offset + start : offset + hi]))
+            offset += hi
+        return out
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, batch_invariant: bool = False
+    ) -> torch.Tensor:
+        """The encoder's causal pass: logits (B, L, V) of each whole sequence (no padding)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask: DiffusionGemma's forward takes unpadded sequences")
+        n = input_ids.shape[1]
+        windows = [(i, 0, n, n, n) for i in range(input_ids.shape[0])]
+        h = self._hidden_causal(input_ids, windows)
+        return self.head(h).view(input_ids.shape[0], n, -1)
+
+    def _hidden_causal(self, x: torch.Tensor, windows) -> torch.Tensor:
+        n = x.shape[1]
+        full, sliding = self._masks(n, n, x.device)
+        segs_full = [(i * n, n, full[None, None]) for i in range(x.shape[0])]
+        segs_sliding = [(i * n, n, sliding[None, None]) for i in range(x.shape[0])]
+        positions = torch.arange(n, device=x.device).repeat(x.shape[0])
+        canvas = torch.zeros(positions.shape[0], dtype=torch.bool, device=x.device)
+        h = self.embed(x.reshape(-1))[None]
+        tables = {
+            SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions], segs_sliding),
+            FULL: (self.full_cos[positions], self.full_sin[positions], segs_full),
+        }
+        for layer, kind in zip(self.layers, self.args.extra["layer_types"]):
+            cos, sin, segments = tables[kind]
+            h = layer(h, cos, sin, segments, canvas)
+        return self.norm(h)[0]
+
+
+# ---- the checkpoint: transformers' config.json and weight names ------------------------------------
+
+
+def _text(cfg: dict) -> dict:
+    """The fields our args read: the text config's, with the canvas length beside them."""
+    text = dict(cfg.get("text_config") or {})
+    text["canvas_length"] = cfg.get("canvas_length", 256)
+    return text
+
+
+def _check(cfg: dict, where: str) -> None:
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ValueError(
+            f"{where}: field use_bidirectional_attention='all' is not supported (its encoder must be causal)"
+        )
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"{where}: field hidden_activation={cfg['hidden_activation']!r} is not supported")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{where}: field attention_bias=True is not supported")
+    if not cfg.get("num_experts"):
+        raise ValueError(f"{where}: a DiffusionGemma config without experts (num_experts) is not supported")
+
+
+def _adjust(cfg: dict, values: dict) -> None:
+    n = values["n_layers"]
+    types = list(cfg.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
+    types[-1] = FULL  # as its config class forces
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    first_full = types.index(FULL)
+    full = per_layer.get(first_full, {})
+    rope = cfg.get("rope_parameters") or {}
+    full_rope = rope.get(FULL) or {"rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25}
+    sliding_rope = rope.get(SLIDING) or {"rope_theta": 10_000.0}
+    values["rope_theta"] = float(sliding_rope.get("rope_theta", 10_000.0))
+    values["extra"] = {
+        "layer_types": types,
+        "sliding_window": int(cfg.get("sliding_window", 512)),
+        "full_head_dim": int(full.get("head_dim", cfg.get("global_head_dim", 512))),
+        "full_kv_heads": int(
+            full.get("num_key_value_heads", cfg.get("num_global_key_value_heads") or values["n_kv_heads"])
+        ),
+        "full_rope_theta": float(full_rope.get("rope_theta", 1_000_000.0)),
+        "full_rotary": float(full_rope.get("partial_rotary_factor", 1.0))
+        if full_rope.get("rope_type") == "proportional"
+        else None,
+        "softcap": cfg.get("final_logit_softcapping", 30.0),
+        "canvas_length": int(cfg["canvas_length"]),
+    }
+    # no mask token: the loop's placeholder for positions of blocks not yet opened (never in a
+    # forward: a canvas is drawn when its block opens) is the pad token
+    values["mask_token_id"] = int(cfg.get("pad_token_id") or 0)
+
+
+class GemmaFamily(Family):
+    """A family whose layers differ from one another (sliding layers have a value projection, full
+    layers none) and whose experts are stacked in the checkpoint as they are here."""
+
+    def weight_names(self, args: ModelArgs) -> dict[str, str]:
+        names = dict(self.weights.top)
+        for i, kind in enumerate(args.extra["layer_types"]):
+            for ours, theirs in self.weights.layer.items():
+                if kind == FULL and ours.endswith("attention.wv.weight"):
+                    continue
+                names[ours.format(i=i)] = theirs.format(i=i)
+        return names
+
+
+LAYER = "model.decoder.layers.{i}"
+FAMILY = GemmaFamily(
+    name="DiffusionGemma",
+    model_type=MODEL_TYPE,
+    shifted_logits=False,
+    reference_config={"architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": MODEL_TYPE},
+    required=("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"),
+    source=_text,
+    fields={
+        "dim": ConfigField(("hidden_size",)),
+        "n_layers": ConfigField(("num_hidden_layers",)),
+        "n_heads": ConfigField(("num_attention_heads",)),
+        "n_kv_heads": ConfigField(("num_key_value_heads",), default=lambda v: v["n_heads"]),
+        "head_size": ConfigField(("head_dim",), default=256),
+        "hidden_dim": ConfigField(("intermediate_size",)),
+        "vocab_size": ConfigField(("vocab_size",)),
+        "max_seq_len": ConfigField(("max_position_embeddings",), default=131_072),
+        "norm_eps": ConfigField(("rms_norm_eps",), float, 1e-6),
+        "eos_token_id": ConfigField(("eos_token_id",), lambda v: v[0] if isinstance(v, list) else int(v), 1),
+        "n_experts": ConfigField(("num_experts",)),
+        "n_active_experts": ConfigField(("top_k_experts",)),
+        "moe_hidden_dim": ConfigField(("moe_intermediate_size",)),
+    },
+    check=_check,
+    adjust=_adjust,
+    fixed={"tie_embeddings": True},
+    weights=WeightNames(
+        top={
+            "tok_embeddings.weight": "model.decoder.embed_tokens.weight",
+            "norm.weight": "model.decoder.norm.weight",
+            "sc_norm.weight": "model.decoder.self_conditioning.pre_norm.weight",
+            "sc_w1.weight": "model.decoder.self_conditioning.gate_proj.weight",
+            "sc_w3.weight": "model.decoder.self_conditioning.up_proj.weight",
+            "sc_w2.weight": "model.decoder.self_conditioning.down_proj.weight",
+        },
+        layer={
+            "layers.{i}.attention_norm.weight": f"{LAYER}.input_layernorm.weight",
+            "layers.{i}.attention.wq.weight": f"{LAYER}.self_attn.q_proj.weight",
+            "layers.{i}.attention.wk.weight": f"{LAYER}.self_attn.k_proj.weight",
+            "layers.{i}.attention.wv.weight": f"{LAYER}.self_attn.v_proj.weight",
+            "layers.{i}.attention.wo.weight": f"{LAYER}.self_attn.o_proj.weight",
+            "layers.{i}.attention.q_norm.weight": f"{LAYER}.self_attn.q_norm.weight",
+            "layers.{i}.attention.k_norm.weight": f"{LAYER}.self_attn.k_norm.weight",
+            "layers.{i}.post_attention_norm.weight": f"{LAYER}.post_attention_layernorm.weight",
+            "layers.{i}.ffn_norm.weight": f"{LAYER}.pre_feedforward_layernorm.weight",
+            "layers.{i}.w1.weight": f"{LAYER}.mlp.gate_proj.weight",
+            "layers.{i}.w3.weight": f"{LAYER}.mlp.up_proj.weight",
+            "layers.{i}.w2.weight": f"{LAYER}.mlp.down_proj.weight",
+            "layers.{i}.post_ffn_norm_1.weight": f"{LAYER}.post_feedforward_layernorm_1.weight",
+            "layers.{i}.router_scale": f"{LAYER}.router.scale",
+            "layers.{i}.router.weight": f"{LAYER}.router.proj.weight",
+            "layers.{i}.per_expert_scale": f"{LAYER}.router.per_expert_scale",
+            "layers.{i}.experts_gate_up": f"{LAYER}.experts.gate_up_proj",
+            "layers.{i}.experts_down": f"{LAYER}.experts.down_proj",
+            "layers.{i}.experts_norm.weight": f"{LAYER}.pre_feedforward_layernorm_2.weight",
+            "layers.{i}.post_ffn_norm_2.weight": f"{LAYER}.post_feedforward_layernorm_2.weight",
+            "layers.{i}.post_ffn_norm.weight": f"{LAYER}.post_feedforward_layernorm.weight",
+            "layers.{i}.decoder_scalar": f"{LAYER}.layer_scalar",
+            "layers.{i}.encoder_scalar": "model.encoder.language_model.layers.{i}.layer_scalar",
+        },
+    ),
+    model_class=DiffusionGemma,
+    rules=DecodingRules(published="diffusion_gemma", noise_canvas=True),
+)
