@@ -73,6 +73,7 @@ SELECTION_RULES = Registry(
         "entropy": f"{_UNMASKING}:EntropyThreshold",
         "left_to_right": f"{_UNMASKING}:LeftToRight",
         "rnd1": f"{_UNMASKING}:RND1Schedule",
+        "entropy_bound": "fastdllm.engine.renoising:EntropyBound",
     },
 )
 # A model family's own proposal (`DecodingRules.proposal`).
@@ -188,6 +189,28 @@ class GenerationConfig:
     eps: float = _opt(1e-3, "float", "Dream: the final timestep", row=True)
     top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False, row=True)
     top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)", row=True)
+    max_denoising_steps: int = _opt(
+        48, "int", "unmasking=entropy_bound (DiffusionGemma): at most this many steps per canvas", row=True
+    )
+    entropy_bound: float = _opt(
+        0.1,
+        "float",
+        "unmasking=entropy_bound: keep the lowest-entropy tokens whose summed entropy less the largest "
+        "stays at most this; renoise the rest",
+        row=True,
+    )
+    t_min: float = _opt(0.4, "float", "unmasking=entropy_bound: the temperature at a canvas's last step", row=True)
+    t_max: float = _opt(0.8, "float", "unmasking=entropy_bound: the temperature at a canvas's first step", row=True)
+    stability_threshold: int = _opt(
+        1, "int", "unmasking=entropy_bound: a canvas may stop once its argmax held this many steps", row=True
+    )
+    confidence_threshold: float | None = _opt(
+        0.005,
+        "optional float",
+        "unmasking=entropy_bound: a canvas may stop once its mean entropy (nats) is below this "
+        "(none: every canvas takes max_denoising_steps)",
+        row=True,
+    )
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token", row=True)
     eos_early_stop: bool = _opt(
         False,
@@ -461,9 +484,20 @@ class GenerationConfig:
         return cls._published(overrides, **fields)
 
     @classmethod
+    def diffusion_gemma(cls, **overrides) -> GenerationConfig:
+        """DiffusionGemma's decoding (transformers' `DiffusionGemmaForBlockDiffusion.generate` with
+        its defaults): canvases of 256 (the model's `canvas_length`), each opened as uniform noise and
+        refined for at most 48 steps at a temperature falling from 0.8 to 0.4, each step keeping the
+        lowest-entropy samples within an entropy bound of 0.1 and renoising the rest, until its
+        argmax holds for a step with a mean entropy under 0.005; the answer is the argmax canvas.
+        Gen length 256."""
+        fields = dict(unmasking="entropy_bound", threshold=None, cache="none", suffix_window=0, refresh="full")
+        return cls._published(overrides, **{"block_length": 256, **fields})
+
+    @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
         """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "d3llm", "dmax",
-        "rnd1")."""
+        "rnd1", "diffusion_gemma")."""
         if name not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
         return getattr(cls, PRESETS[name])(**overrides)
@@ -679,6 +713,17 @@ class GenerationConfig:
             f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}",
         )
         need(self.remasking in REMASKING, "remasking", f"must be one of {', '.join(REMASKING)}")
+        need(is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps", "must be >= 1")
+        need(is_num(self.entropy_bound) and self.entropy_bound > 0, "entropy_bound", "must be > 0")
+        need(is_num(self.t_min) and self.t_min >= 0, "t_min", "must be >= 0")
+        need(is_num(self.t_max) and self.t_max > self.t_min, "t_max", f"must be > t_min={self.t_min}")
+        need(is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold", "must be >= 0")
+        if self.confidence_threshold is not None:
+            need(
+                is_num(self.confidence_threshold) and self.confidence_threshold > 0,
+                "confidence_threshold",
+                "must be > 0 or None",
+            )
         if self.threshold is not None and self.unmasking == "entropy":  # an entropy, in nats
             need(is_num(self.threshold) and 0 < self.threshold < float("inf"), "threshold", "must be > 0 (nats)")
         elif self.threshold is not None:
@@ -921,6 +966,7 @@ PRESETS = {
     "d3llm": "d3llm",
     "dmax": "dmax",
     "rnd1": "rnd1",
+    "diffusion_gemma": "diffusion_gemma",
 }
 
 

@@ -55,6 +55,12 @@ BAD = {
     "stop_confidence": 0.9,
     "soft_embeddings": True,
     "suffix": "",
+    "max_denoising_steps": 0,
+    "entropy_bound": 0,
+    "t_min": -0.1,
+    "t_max": 0.2,
+    "stability_threshold": -1,
+    "confidence_threshold": 0,
 }
 
 

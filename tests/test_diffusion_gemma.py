@@ -7,6 +7,8 @@ the sliding window."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ def make_reference(tokenizer, folder, seed: int = 0, window: int = 6):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.token_to_id("<|begin_of_text|>") or 0,
-        final_logit_softcapping=3.0,
+        final_logit_softcapping=30.0,
     )
     vision = dict(
         model_type="gemma4_vision",
@@ -98,11 +100,11 @@ def checkpoint(tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp("diffusion_gemma")
     reference = make_reference(tokenizer, folder)
     model, _ = fastdllm.load(str(folder), dtype="float32")
-    return reference, model
+    return reference, model, folder
 
 
 def test_the_encoders_causal_pass_gives_transformers_logits(checkpoint, tokenizer):
-    reference, model = checkpoint
+    reference, model, _ = checkpoint
     ids = tokenizer.encode("Question: Tom has 5 apples and buys 3 more. How many?")
     assert len(ids) > 2 * reference.config.text_config.sliding_window
     with torch.no_grad():
@@ -117,7 +119,7 @@ def test_the_encoders_causal_pass_gives_transformers_logits(checkpoint, tokenize
 @pytest.mark.parametrize("signal", [False, True], ids=["first-step", "self-conditioned"])
 @pytest.mark.parametrize("committed", [0, 1, 2], ids=["first-canvas", "second", "third"])
 def test_the_decoders_pass_gives_transformers_logits(checkpoint, tokenizer, signal, committed):
-    reference, model = checkpoint
+    reference, model, _ = checkpoint
     g = torch.Generator().manual_seed(committed)
     vocab = model.args.vocab_size
     prompt = tokenizer.encode("Question: what is 12 + 30? Answer")
@@ -135,7 +137,7 @@ def test_the_decoders_pass_gives_transformers_logits(checkpoint, tokenizer, sign
 
 
 def test_rows_packed_together_give_each_rows_logits(checkpoint, tokenizer):
-    _, model = checkpoint
+    _, model, _ = checkpoint
     a = tokenizer.encode("Question: 1 + 2?") + list(range(10, 10 + CANVAS))
     b = tokenizer.encode("Question: what is 40 + 2? Answer:") + list(range(20, 20 + CANVAS))
     width = max(len(a), len(b))
@@ -146,3 +148,165 @@ def test_rows_packed_together_give_each_rows_logits(checkpoint, tokenizer):
         )
         alone = model.packed_logits(x[1:], [(0, 0, len(b), len(b), len(b) - CANVAS)], None)
     assert torch.allclose(both[1], alone[0], atol=1e-5)
+
+
+# settings of transformers' generate: its defaults (adaptive stopping on), stopping off, a colder
+# schedule from 0 with a looser bound, and an early stop that fires
+GENERATE = [
+    dict(max_denoising_steps=48),
+    dict(max_denoising_steps=16, confidence_threshold=None),
+    dict(max_denoising_steps=12, t_min=0.0, t_max=1.0, entropy_bound=0.5),
+    dict(max_denoising_steps=24, stability_threshold=0, confidence_threshold=7.0),
+    dict(max_denoising_steps=24, t_min=0.01, t_max=0.05, stability_threshold=1, confidence_threshold=7.0),
+]
+
+
+def theirs_of(settings: dict) -> dict:
+    """Our settings as its generate takes them: the bound inside its sampler's config."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    out = dict(settings)
+    if "entropy_bound" in out:
+        out["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=out.pop("entropy_bound"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def float64_pair(checkpoint):
+    """Both models in float64, where their arithmetic is the same to the last bit (the logits,
+    rounded to float32 by both heads, are equal), so that nothing but the decoding can differ."""
+    reference, _, folder = checkpoint
+    reference = type(reference).from_pretrained(folder, dtype=torch.float64, experts_implementation="eager").eval()
+    model, _ = fastdllm.load(str(folder), dtype="float32")
+    model = model.to(torch.float64)
+    model.setup_rope()
+    return reference, model
+
+
+def test_float64_makes_the_logits_equal_to_the_last_bit(float64_pair, tokenizer):
+    reference, model = float64_pair
+    prompt, canvas = tokenizer.encode("Question: 2 + 3?"), list(range(100, 100 + CANVAS))
+    theirs = reference_logits(reference, prompt, [canvas])
+    x = torch.tensor([prompt + canvas])
+    with torch.no_grad():
+        (ours,) = model.packed_logits(x, [(0, 0, x.shape[1], x.shape[1], len(prompt))], None)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("part", [pytest.param("sample", id="sample"), pytest.param("all", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "settings", GENERATE, ids=["defaults", "no-stopping", "cold-loose", "confident-stop", "stable-stop"]
+)
+def test_generate_gives_transformers_tokens_and_forwards(float64_pair, tokenizer, settings, part):
+    """Three canvases each: the same tokens and decoder forwards as
+    `DiffusionGemmaForBlockDiffusion.generate` under the same torch seed (a row draws its canvas,
+    samples and renoising tokens from its own generator in the reference's order). The default
+    suite runs one prompt and seed per setting, the slow set three prompts and two seeds."""
+    reference, model = float64_pair
+    eos = tokenizer.eos_token_id
+    stops, model.stop_token_ids = model.stop_token_ids, [eos]
+    texts = ["Question: 2 + 3?", "Question: what is 12 + 30? Answer:", "Tom has 5 apples. He buys 3 more."]
+    runs = [(t, seed) for t in texts for seed in (0, 1)] if part == "all" else [(texts[0], 0)]
+    early = 0
+    try:
+        for text, seed in runs:
+            ids = tokenizer.encode(text)
+            config = fastdllm.GenerationConfig.for_model(model, gen_length=3 * CANVAS, seed=seed, **settings)
+            ours = fastdllm.generate(model, [ids], config=config)
+            torch.manual_seed(seed)
+            theirs = reference.generate(
+                torch.tensor([ids]),
+                max_new_tokens=3 * CANVAS,
+                eos_token_id=eos,
+                pad_token_id=eos,
+                **theirs_of(settings),
+            )
+            answer = theirs.sequences[0, len(ids) :].tolist()
+            assert ours.sequences[0].tolist()[: len(answer)] == answer, (text, seed)
+            canvases = -(-len(answer) // CANVAS)
+            forwards = round(len(answer) / float(theirs.tokens_per_forward[0])) if eos not in answer else None
+            if forwards is not None:
+                assert ours.nfe == forwards, (text, seed, ours.nfe, forwards)
+            early += ours.nfe < canvases * settings["max_denoising_steps"]
+    finally:
+        model.stop_token_ids = stops
+    if settings.get("confidence_threshold", 0.005) and settings.get("confidence_threshold", 0.005) > 1:
+        assert early > 0  # the adaptive stop fired
+
+
+def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer):
+    """Prompts of different lengths in one batch: each row its own clock and its own random stream,
+    so each gives the tokens and forwards it gives alone (and so, by the test above, transformers'
+    for a batch of one; transformers draws a batch's rows from one stream)."""
+    _, model = float64_pair
+    prompts = [tokenizer.encode(t) for t in ("Question: 2 + 3?", "Tom has 5 apples. He buys 3 more. How many?")]
+    config = fastdllm.GenerationConfig.for_model(
+        model, gen_length=2 * CANVAS, max_denoising_steps=12, stop_at_eos=False
+    )
+    batch = fastdllm.generate(model, prompts, config=config, row_seeds=[5, 6])
+    for i, (p, seed) in enumerate(zip(prompts, (5, 6))):
+        alone = fastdllm.generate(model, [p], config=config.replace(seed=seed))
+        assert batch.sequences[i].tolist() == alone.sequences[0].tolist()
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(cache="dual"), "cache"),
+        (dict(block_length=2 * CANVAS, gen_length=2 * CANVAS), "block_length"),
+        (dict(fixed=((0, (5,)),)), "fixed"),
+        (dict(suffix=(5, 6)), "suffix"),
+        (dict(logprobs=2), "logprobs"),
+        (dict(unmasking="threshold", threshold=0.9), "unmasking"),
+    ],
+)
+def test_what_the_canvas_cannot_do_is_refused_by_name(checkpoint, tokenizer, change, field):
+    _, model, _ = checkpoint
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=CANVAS).replace(**change)
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        fastdllm.generate(model, [tokenizer.encode("hi")], config=config)
+
+
+def test_a_masked_family_refuses_the_renoising_rule(tiny_llada, tokenizer):
+    config = fastdllm.GenerationConfig(gen_length=32, unmasking="entropy_bound", threshold=None)
+    with pytest.raises(ValueError, match="^unmasking:"):
+        fastdllm.generate(tiny_llada, [tokenizer.encode("hi")], config=config)
+
+
+def test_the_server_decodes_it_and_refuses_what_it_cannot_do(checkpoint, tokenizer):
+    """Its published decoding by default; a request naming a cache or log-probabilities is a 400
+    naming the field, and the next request is served; a multi-turn chat (prompts holding its stop
+    tokens) decodes."""
+    from tests.test_server import MODEL, LiveServer
+
+    _, model, _ = checkpoint
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=CANVAS, max_denoising_steps=4)
+    server = LiveServer(model, tokenizer, defaults=config)
+    try:
+        name = MODEL
+        for field, value in (("cache", "dual"), ("logprobs", 2)):
+            r = server.post("/v1/completions", {"model": name, "prompt": "Q", "max_tokens": 4, field: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        chat = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "2 + 2?"},
+        ]
+        r = server.post("/v1/chat/completions", {"model": name, "messages": chat, "max_tokens": 6})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] > 0
+    finally:
+        server.stop()
+
+
+def test_the_cli_decodes_it_with_its_published_settings(checkpoint, capsys):
+    from fastdllm.cli.main import main as cli
+
+    _, _, folder = checkpoint
+    argv = ["generate", "--model", str(folder), "--max-new-tokens", "6", "--max-denoising-steps", "5", "--json", "hi"]
+    assert cli(argv) == 0
+    captured = capsys.readouterr()
+    assert "--preset diffusion_gemma" in captured.err
+    result = json.loads(captured.out)
+    assert result["config"]["unmasking"] == "entropy_bound" and result["config"]["block_length"] == CANVAS
+    assert 1 <= result["nfe"] <= 5 and result["tokens"] <= 6

@@ -92,9 +92,9 @@ def loads_here(config: dict) -> str:
     """What `dtype="auto"` (every command's default) loads the checkpoint in on this machine, and why."""
     import torch
 
-    from ..models.loading import DTYPES, auto_dtype
+    from ..models.loading import auto_dtype, checkpoint_dtype
 
-    checkpoint = DTYPES.get(str(config.get("torch_dtype")), torch.float32)
+    checkpoint = checkpoint_dtype(config)
     chosen, why = auto_dtype(checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
     name = str(chosen).removeprefix("torch.")
     return f"on this machine --dtype auto loads it in {name}: " + (why or "the checkpoint's, computed natively")

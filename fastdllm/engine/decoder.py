@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from ..config import GenerationConfig, is_int
+from ..config import GenerationConfig, is_int, selection_rule_name
 from .cache_policies import SequenceView
 from .policies import Policies, PolicySource, policies_for, resolve
 from .unmasking import BlockClock, Decision, soft_embeddings, token_logprobs
@@ -69,6 +69,32 @@ def decision_key(config: GenerationConfig) -> GenerationConfig:
     """The config but what the loop reads per row (its length and step schedule): rows equal in
     it decide with one strategy object."""
     return config.replace(gen_length=config.block_length, steps=None, fixed=(), suffix=None)
+
+
+def check_canvas(model, config: GenerationConfig) -> None:
+    """A family with no mask token (DiffusionGemma) decodes its canvases with their own rule, in
+    its canvas length, each forward whole; a masked family cannot take that rule. A ValueError
+    names the field (the server answers it with a 400 before anything decodes)."""
+    family = getattr(model, "family", None)
+    noise_canvas = family is not None and family.rules.noise_canvas
+    renoising = selection_rule_name(config) == "entropy_bound"
+    if not noise_canvas:
+        if renoising:
+            raise ValueError("unmasking: entropy_bound renoises a canvas with no mask token (DiffusionGemma's)")
+        return
+    canvas = model.args.extra["canvas_length"]
+    for ok, name, why in (
+        (renoising, "unmasking", "must be entropy_bound: this model has no mask token"),
+        (config.block_length == canvas, "block_length", f"must be the model's canvas_length, {canvas}"),
+        (config.cache == "none", "cache", "must be none for this model (every forward is whole)"),
+        (config.suffix_window == 0, "suffix_window", "must be 0: nothing after a canvas is part of a forward"),
+        (not config.fixed, "fixed", "not with a canvas that every step rewrites"),
+        (config.suffix is None, "suffix", "not with this model: a canvas attends only to what is before it"),
+        (config.logprobs is None, "logprobs", "not yet for a canvas with no mask token"),
+        (config.parallel_blocks == 1, "parallel_blocks", "must be 1 for this model"),
+    ):
+        if not ok:
+            raise ValueError(f"{name}: {why} (got {getattr(config, name)!r})")
 
 
 @dataclass(eq=False)
@@ -113,6 +139,7 @@ class Row:
     # log-probability in the forward that wrote it, the most likely tokens there as (id,
     # log-probability) pairs), None where no forward chose the token (fixed, or padding after a stop)
     block_logprobs: dict = field(default_factory=dict)
+    carry: object = None  # its strategy's state for its next step in this block (`Decision.carry`)
 
     @property
     def stop_block(self) -> int:
@@ -224,10 +251,11 @@ def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
         ids, mask = ids.to(model.device), mask.to(model.device)
     if ids.shape[1] == 0 or (mask.sum(-1) == 0).any():
         raise ValueError("input_ids: empty prompt (every row needs at least one token)")
-    if ((ids == model.mask_token_id) & mask).any():
+    family = getattr(model, "family", None)
+    masked = family is None or not family.rules.noise_canvas  # with no mask token, any token may be in a prompt
+    if masked and ((ids == model.mask_token_id) & mask).any():
         raise ValueError(f"input_ids: a prompt contains the mask token (id {model.mask_token_id})")
     suffix = 0 if config.suffix is None else len(config.suffix)
-    family = getattr(model, "family", None)
     suffix += int(family is not None and family.rules.closing_token is not None)
     if ids.shape[1] + config.gen_length + suffix > model.args.max_seq_len:
         raise ValueError(
@@ -306,6 +334,8 @@ class BlockDecoder:
                 f"block_length: must be {model.args.block_size} for this model, whose attention is "
                 f"block-causal in blocks of {model.args.block_size} (got {config.block_length})"
             )
+        self.noise_canvas = family is not None and family.rules.noise_canvas
+        check_canvas(model, config)
         # A strategy the caller brought serves every row, and so rows must agree on every
         # decision field; otherwise each row decides with the strategy its own config names.
         self.own_strategy = policies is not None and not (isinstance(policies, Policies) and policies.strategy is None)
@@ -550,6 +580,8 @@ class BlockDecoder:
         done = self._block_over(block[:, :blk], region[:, :blk], had_mask, decision)
         if self.editing is not None and self.editing.soft_embeddings:
             self._soft_embeddings(view.starts, block[:, :blk], region[:, :blk], decision, done)
+        if decision.signal is not None or decision.carry is not None:
+            self._carry_on(view.starts, decision, done)
         record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
         self._after_step(block, region, done, decision.revealed(), work, columns)
         return record
@@ -628,6 +660,7 @@ class BlockDecoder:
                 pick(later),
                 pick(editable),
                 constraints,
+                carry=[rows[i].carry for i in members],
             )
 
         if len(groups) == 1:
@@ -647,13 +680,21 @@ class BlockDecoder:
                 out[idx] = getattr(d, name)
             return out
 
-        names = ("tokens", "chosen", "edited", "ahead_tokens", "ahead", "top_token", "top_prob")
-        return Decision(*(merged(n) for n in names))
+        names = ("tokens", "chosen", "edited", "ahead_tokens", "ahead", "top_token", "top_prob", "block_done", "signal")
+        decision = Decision(*(merged(n) for n in names))
+        if any(d.carry is not None for _, d in parts):
+            decision.carry = [None] * len(rows)
+            for members, (_, d) in zip(groups.values(), parts):
+                for j, i in enumerate(members):
+                    decision.carry[i] = None if d.carry is None else d.carry[j]
+        return decision
 
     def _block_over(self, block, region, had_mask, decision) -> torch.Tensor:
         """(B,) whether each row's block is over after this step: it has no mask left; with
         editing, its first step after the last mask that edits nothing, or `max_post_steps` such
         steps, ends it; with DMax's rule (`stop_confidence`), `Editing.confident_stop`."""
+        if decision.block_done is not None:
+            return decision.block_done
         has_mask = (block == self.mask_id).any(-1)
         edited = decision.edited
         if self.editing is None:
@@ -677,6 +718,16 @@ class BlockDecoder:
         cols = torch.tensor(starts, device=block.device)[:, None] + torch.arange(block.shape[1], device=block.device)
         for i, (r, any_soft) in enumerate(zip(self.rows, soft.any(-1).tolist())):
             r.soft = (cols[i][soft[i]], mixed[i][soft[i]]) if any_soft else None
+
+    def _carry_on(self, starts, decision: Decision, done: torch.Tensor) -> None:
+        """What a strategy hands each row's next step in its block: its state (`Decision.carry`) and
+        the signal that conditions the next forward, as the model takes it (`soft_input`)."""
+        blk = self.config.block_length
+        for i, (r, over) in enumerate(zip(self.rows, done.tolist())):
+            r.carry = None if over or decision.carry is None else decision.carry[i]
+            if decision.signal is not None and not over:
+                cols = torch.arange(starts[i], starts[i] + blk, device=self.device)
+                r.soft = (cols, self.model.soft_input(decision.signal[i]))
 
     def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work, columns) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
@@ -751,9 +802,14 @@ class BlockDecoder:
         return [None if v != v else (v, list(zip(d, p))) for v, d, p in zip(values, ids, lps)]
 
     def _begin(self, i: int, r: Row) -> None:
-        """Row i starts a block: its masks now, and with editing its state."""
-        r.soft = None
+        """Row i starts a block: its masks now (a family with no mask token: its canvas, drawn now
+        from the row's generator), and with editing its state."""
+        r.soft = r.carry = None
         start = r.column(self.config.block_length)
+        if self.noise_canvas:
+            blk = self.config.block_length
+            noise = torch.randint(0, self.model.args.vocab_size, (1, blk), generator=r.generator, device=self.device)
+            self.x[i, start : start + blk] = noise[0]
         masked = self.x[i, start : start + self.config.block_length] == self.mask_id
         self.opened[i] = masked.sum()
         if self.editing is not None:

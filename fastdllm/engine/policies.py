@@ -2,11 +2,12 @@
 
 `policies_for(model, config)` turns a config into the loop's two policy objects: the cache
 policy (`cache_policies`: which window each step recomputes, and its refresh rule) and the
-unmasking strategy (`unmasking`: the proposal and the selection rule), with the model family's own
-rules applied (Dream's block start with a cache). Callers that bring their own objects pass them
-one way, as `policies=`, wherever a config goes (`generate`, `iter_generate`, `stream_blocks`,
-`evaluate`, the server's scheduler): a `Policies` bundle, where a field left None is the one the
-config names (`Policies(cache=MyCache(model))`), or a callable `(model, config) -> Policies`.
+unmasking strategy (`unmasking`: the proposal and the selection rule; `renoising` for a canvas with
+no mask token), with the model family's own rules applied (Dream's block start with a cache).
+Callers that bring their own objects pass them one way, as `policies=`, wherever a config goes
+(`generate`, `iter_generate`, `stream_blocks`, `evaluate`, the server's scheduler): a `Policies`
+bundle, where a field left None is the one the config names (`Policies(cache=MyCache(model))`), or a
+callable `(model, config) -> Policies`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, selection_rule_name
 from .cache_policies import CachePolicy, cache_policy, configure
+from .renoising import RenoisingStrategy
 from .unmasking import UnmaskingStrategy
 
 
@@ -39,6 +41,8 @@ def policies_for(
     Fast-dLLM v2 model always, reveal each block's first position at its block-start step, as
     their reference code does; `sub_block_length` reveals blocks sub-block by sub-block."""
     cache = configure(cache, model, config) if cache is not None else cache_policy(model, config)
+    if strategy is None and selection_rule_name(config) == "entropy_bound":  # a canvas with no mask
+        strategy = RenoisingStrategy.from_config(config)
     if strategy is None:
         family = getattr(model, "family", None)
         strategy = UnmaskingStrategy.from_config(config, family.rules if family is not None else None)

@@ -883,6 +883,13 @@ class Decision:
     # each position's most probable token and its probability (DMax's stop rule and soft embeddings)
     top_token: torch.Tensor | None = None
     top_prob: torch.Tensor | None = None
+    # (B,) whether each row's block is done, where the strategy decides it (a canvas with no mask)
+    block_done: torch.Tensor | None = None
+    # (B, T, V) what conditions each row's next forward (its model's `soft_input`: DiffusionGemma's
+    # self-conditioning), None: nothing
+    signal: torch.Tensor | None = None
+    # per row, the strategy's state for the row's next step in this block (`Row.carry`)
+    carry: list | None = None
 
     def revealed(self) -> torch.Tensor:
         """(B,) positions each row revealed (edits not counted)."""
@@ -952,6 +959,7 @@ class UnmaskingStrategy:
         later: torch.Tensor | None = None,
         editable: torch.Tensor | None = None,
         constraints: dict | None = None,
+        carry: list | None = None,
     ) -> Decision:
         """One step's decision for every row: `logits` (B, W, V) of the current block (B, T) and,
         with multi-block decoding, of the blocks after it (`later`, (B, W - T) their tokens);

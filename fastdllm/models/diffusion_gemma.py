@@ -214,15 +214,19 @@ class DiffusionGemma(Transformer):
         width = max(a.n_kv_heads * a.head_dim, e["full_kv_heads"] * e["full_head_dim"])
         return KVCache(a.n_layers, batch, 1, length, width, dtype=self.dtype, device=self.device)
 
+    @property
+    def embed_scale(self) -> torch.Tensor:
+        """sqrt(dim) rounded to the weights' dtype (55.5 for 3072 in bfloat16), as the reference's."""
+        return torch.tensor(self.args.dim**0.5, dtype=self.tok_embeddings.weight.dtype)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.args.dim**0.5, dtype=torch.float32)
-        return self.tok_embeddings(tokens) * scale.to(self.tok_embeddings.weight.dtype)
+        return self.tok_embeddings(tokens) * self.embed_scale
 
     def soft_input(self, logits: torch.Tensor) -> torch.Tensor:
-        """The self-conditioning signal of a canvas from its previous step's logits (T, V)."""
+        """The self-conditioning signal of a canvas from its previous step's logits (T, V), cast to
+        the weights' dtype first as the reference keeps them."""
         w = self.tok_embeddings.weight
-        scale = torch.tensor(self.args.dim**0.5, dtype=torch.float32)
-        return (logits.softmax(-1, dtype=torch.float32).to(w.dtype) @ w) * scale.to(w.dtype)
+        return (logits.to(w.dtype).softmax(-1, dtype=torch.float32).to(w.dtype) @ w) * self.embed_scale
 
     def self_conditioned(self, x: torch.Tensor, signal: torch.Tensor) -> torch.Tensor:
         h = self.sc_norm(signal)

@@ -171,6 +171,12 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
+def checkpoint_dtype(config: dict) -> torch.dtype:
+    """The dtype a config.json says its weights are in (`torch_dtype`; transformers 5 writes
+    `dtype`), float32 where it says none."""
+    return DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.float32)
+
+
 def build_model(config: dict, where: str = "config.json", device="meta") -> Transformer:
     family = family_of(config, where)
     args = family.args_from_config(config, where)
@@ -243,7 +249,7 @@ def load_model(
         tensor_parallel.apply(model, *tp, ep=ep, dispatch=ep_dispatch)  # on the meta device: shapes, hooks
     dtype = resolve_dtype(dtype)
     if dtype is None:
-        dtype, model.dtype_note = auto_dtype(DTYPES.get(str(config.get("torch_dtype")), torch.float32), device)
+        dtype, model.dtype_note = auto_dtype(checkpoint_dtype(config), device)
     state, layers = _read_weights(model, folder, fmt, dtype, device, parts)
     if layers:  # the quantized layers replace their linear ones, with the checkpoint's biases
         biases = {name: state.pop(f"{name}.bias", None) for name in layers}
@@ -605,7 +611,7 @@ def quantize_checkpoint(
     if quant_format not in FORMATS:
         raise ValueError(f"format: {quant_format!r} is not one of {', '.join(FORMATS)}")
     if dtype is None:  # the checkpoint's own, whatever this machine computes natively
-        dtype = DTYPES.get(str(read_config(resolve_model_path(src)).get("torch_dtype")), torch.float32)
+        dtype = checkpoint_dtype(read_config(resolve_model_path(src)))
     model, tokenizer = load(src, dtype=dtype, device="cpu")
     if model.quantization is not None:
         raise ValueError(f"{src}: already quantized ({model.quantization['format']})")

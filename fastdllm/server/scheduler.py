@@ -364,7 +364,13 @@ class Scheduler:
         joins at the next step (continuous batching)."""
         config = jobs[0].config
         run = self.commands.run
-        decoder = run(("new", config), BlockDecoder, self.model, config, policies=self.policies)
+        try:
+            decoder = run(("new", config), BlockDecoder, self.model, config, policies=self.policies)
+        except RankLost:
+            raise
+        except Exception as e:  # a config the loop refuses fails its requests, never the server
+            self._fail(jobs, e, log_it=False)
+            return
         running: dict[Job, list] = {}
         together = 0  # jobs that shared this batch
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import PRESETS, ConfigError, GenerationConfig
 from ..engine.constraints import GrammarConstraint, response_format_constraint
+from ..engine.decoder import check_canvas
 from ..engine.generation import generate
 from ..engine.ranks import LocalCommands
 from ..text import tool_calls
@@ -239,6 +240,11 @@ class Server:
                 code="unsupported_value",
             )
         self.check_context(prompts, config, endpoint.prompt_param)
+        try:
+            check_canvas(self.model, config)
+        except ValueError as e:
+            param = str(e).split(":", 1)[0]
+            raise APIError(400, str(e), param=param, code="unsupported_value") from None
         limit = max(MAX_N, self.settings.max_batch_size)
         if len(prompts) * req.n > limit:
             raise APIError(

@@ -1,0 +1,132 @@
+"""DiffusionGemma: our loop against transformers' `DiffusionGemmaForBlockDiffusion.generate` on
+the same checkpoint, same seeds.
+
+    python benchmarks/diffusion_gemma_reference.py [--dim 128 --layers 4 --experts 8]
+        [--prompts 4] [--canvases 2] [--canvas 32] [--steps 48] [--threads 2] [--out FILE]
+
+A random checkpoint made and saved by transformers' class (float32; sliding and full layers, a
+mixture of experts), loaded by `fastdllm.load`. Both decode the same prompts under the same torch
+seed with transformers' default decoding (bound 0.1, temperatures 0.8 to 0.4, adaptive stopping):
+transformers one prompt at a time (its batch draws every row from one stream, so its rows are not
+comparable one by one), ours one at a time and as one batch. Reports tokens/s, decoder forwards per
+answer, and how many answers are token-identical: in float32 the two round a logit differently
+(~1e-6) and self-conditioning carries each step's logits into the next, so long runs can part;
+with --float64 both compute the same logits and every answer should agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import fastdllm
+from fastdllm import GenerationConfig
+from fastdllm.embedded.recipe import build_tokenizer
+
+
+def make_checkpoint(folder: Path, tok, a) -> None:
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(0)
+    text = dict(
+        vocab_size=64 * -(-tok.vocab_size // 64),
+        hidden_size=a.dim,
+        intermediate_size=2 * a.dim,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.dim // 32,
+        num_key_value_heads=max(1, a.dim // 128),
+        head_dim=32,
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        sliding_window=64,
+        num_experts=a.experts,
+        top_k_experts=2,
+        moe_intermediate_size=a.dim // 2,
+        max_position_embeddings=2048,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = dict(model_type="gemma4_vision", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=4)  # fmt: skip
+    model = DiffusionGemmaForBlockDiffusion(
+        DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=a.canvas)
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "vision" not in name and p.dim() > 1:
+                p.mul_(6.0)  # sharper distributions, as a trained model's
+    model.save_pretrained(folder)
+    tok.save(folder)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--canvases", type=int, default=2)
+    p.add_argument("--canvas", type=int, default=32)
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--float64", action="store_true")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    tok = build_tokenizer()
+    dtype = torch.float64 if a.float64 else torch.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp, "dg")
+        make_checkpoint(folder, tok, a)
+        # its grouped-matmul experts take no float64: the eager ones (the same arithmetic) there
+        experts = {"experts_implementation": "eager"} if a.float64 else {}
+        reference = DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=dtype, **experts).eval()
+        model, _ = fastdllm.load(str(folder), dtype="float32")
+    model = model.to(dtype)
+    model.setup_rope()
+    eos = tok.eos_token_id
+    model.stop_token_ids = [eos]
+    prompts = [tok.encode(f"Question: what is {i} + {i + 3}? Answer:") for i in range(a.prompts)]
+    gen = a.canvases * a.canvas
+    config = GenerationConfig.for_model(model, gen_length=gen, max_denoising_steps=a.steps, stop_at_eos=False)
+    theirs, started = [], time.perf_counter()
+    for i, ids in enumerate(prompts):
+        torch.manual_seed(i)
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=gen, max_denoising_steps=a.steps)
+        theirs.append((out.sequences[0, len(ids) :].tolist(), round(gen / float(out.tokens_per_forward[0]))))
+    reference_seconds = time.perf_counter() - started
+    fastdllm.generate(model, [prompts[0]], config=config.replace(seed=0))  # warm-up
+    started = time.perf_counter()
+    alone = [fastdllm.generate(model, [ids], config=config.replace(seed=i)) for i, ids in enumerate(prompts)]
+    alone_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    batch = fastdllm.generate(model, prompts, config=config, row_seeds=list(range(len(prompts))))
+    batch_seconds = time.perf_counter() - started
+    tokens = gen * len(prompts)
+    result = {
+        "checkpoint": dict(dim=a.dim, layers=a.layers, experts=a.experts, canvas=a.canvas, dtype=str(dtype)),
+        "settings": dict(prompts=a.prompts, canvases=a.canvases, max_denoising_steps=a.steps, threads=a.threads),
+        "reference": {"seconds": reference_seconds, "tokens_per_s": tokens / reference_seconds},
+        "ours_one_at_a_time": {"seconds": alone_seconds, "tokens_per_s": tokens / alone_seconds},
+        "ours_batched": {"seconds": batch_seconds, "tokens_per_s": tokens / batch_seconds},
+        "forwards_per_answer": {"reference": [f for _, f in theirs], "ours": [o.nfe for o in alone]},
+        "identical_answers": {
+            "one_at_a_time": sum(o.sequences[0].tolist() == t for o, (t, _) in zip(alone, theirs)),
+            "batched": sum(batch.sequences[i].tolist() == t for i, (t, _) in enumerate(theirs)),
+            "of": len(prompts),
+        },
+    }
+    print(json.dumps(result, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""DiffusionGemma's decoding (transformers' `DiffusionGemmaGenerationMixin.generate`): no mask token.
+
+A block (a *canvas* of the model's `canvas_length`) opens as uniform random tokens (the loop draws
+them when the block opens: `DecodingRules.noise_canvas`). Step i of at most N (`max_denoising_steps`)
+divides the logits by a temperature falling linearly from `t_max` to `t_min`
+(t = t_min + (t_max - t_min) (N - i) / N), samples a token at every position (the *denoiser*
+canvas), and keeps the lowest-entropy samples whose summed entropy less the largest is at most
+`entropy_bound` (`EntropyBound`); every other position is *renoised* with a fresh uniform token.
+The step's logits, softmaxed, condition the next forward (self-conditioning: `Decision.signal`,
+which the model turns into its input, `DiffusionGemma.soft_input`). The canvas is done once its
+argmax has held for `stability_threshold` steps with a mean entropy under `confidence_threshold`
+(None: no such stop), or after N steps; it then becomes its argmax.
+
+Randomness: each row draws from its own generator, in the reference's order (the canvas when its
+block opens; per step the samples, then the renoising tokens), one row's shapes at a time, so a row
+alone draws exactly what the reference draws for a batch of one under the same seed; in a batch each
+row draws as alone, where the reference draws the batch's rows from one stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .unmasking import Decision, SelectionRule
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """`torch.distributions.Categorical(logits=...).entropy()`, as the reference computes it."""
+    normalized = logits - logits.logsumexp(-1, keepdim=True)
+    probs = normalized.softmax(-1)
+    return -(normalized.clamp(min=torch.finfo(normalized.dtype).min) * probs).sum(-1)
+
+
+class EntropyBound(SelectionRule):
+    """The entropy-bound acceptance (`EntropyBoundSampler.accept_canvas`): positions sorted by
+    entropy (ascending, `torch.sort` as there), the k lowest kept while their cumulative entropy
+    less the k-th stays at most the bound. `conf` is the negative entropy."""
+
+    name = "entropy_bound"
+
+    def __init__(self, bound: float):
+        self.bound = bound
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.entropy_bound)
+
+    def select(self, conf, masked, clock, generators, draws):
+        ent = -conf
+        ordered, order = torch.sort(ent, dim=-1, descending=False)
+        keep = ordered.cumsum(-1) - ordered <= self.bound
+        return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+class RenoisingStrategy:
+    """DiffusionGemma's decisions, one complete decision per step: the canvas to write (the renoised
+    canvas, or the argmax once done), what it accepted (`chosen`), whether the block is done, the
+    self-conditioning signal of the next step, and per row the argmax history its stop rule reads
+    (`Decision.carry`)."""
+
+    lookahead = editing = None
+    draws_randomness = True
+    fills_after_eos = False
+
+    def __init__(self, config):
+        self.rule = EntropyBound.from_config(config)
+        self.steps, self.t_min, self.t_max = config.max_denoising_steps, config.t_min, config.t_max
+        self.stability, self.confidence = config.stability_threshold, config.confidence_threshold
+
+    @classmethod
+    def from_config(cls, config, rules=None) -> RenoisingStrategy:
+        return cls(config)
+
+    def temperature(self, step: int) -> torch.Tensor:
+        """The reference's float32 temperature at step `step` (0-based) of a canvas."""
+        remaining = torch.tensor(self.steps - step, dtype=torch.int32)
+        return self.t_min + (self.t_max - self.t_min) * (remaining / self.steps)
+
+    def decide(
+        self, logits, block, clock, generators, mask_id, later=None, editable=None, constraints=None, carry=None
+    ) -> Decision:
+        bsz, length, vocab = logits.shape
+        tokens, chosen = block.clone(), torch.zeros_like(block, dtype=torch.bool)
+        done = torch.zeros(bsz, dtype=torch.bool, device=block.device)
+        signal = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        histories = []
+        for i in range(bsz):
+            step = clock.step[i]
+            processed = logits[i].float() / self.temperature(step)
+            g = generators[i]
+            sampled = torch.multinomial(processed.softmax(-1, dtype=torch.float32), 1, generator=g).squeeze(-1)
+            argmax = processed.argmax(-1)
+            ent = entropy(processed)
+            accepted = self.rule.select(-ent[None], None, clock, generators, None)[0]
+            canvas = torch.where(accepted, sampled, block[i])
+            noise = torch.randint(0, vocab, (1, length), generator=g, device=block.device)[0]
+            canvas = torch.where(accepted, canvas, noise)
+            history = carry[i] if carry is not None and carry[i] is not None else None
+            if self.stability == 0:
+                stable = True
+            else:
+                if history is None:
+                    history = torch.full((self.stability, length), -1, dtype=torch.long, device=block.device)
+                stable = bool((history == argmax[None]).all())
+                history = torch.roll(history, -1, 0)
+                history[-1] = argmax
+            histories.append(history)
+            confident = self.confidence is not None and bool(ent.mean() < self.confidence)
+            finished = (stable and confident) or step + 1 >= self.steps
+            done[i] = finished
+            tokens[i] = argmax if finished else canvas
+            chosen[i] = accepted | finished
+            signal[i] = processed
+        return Decision(
+            tokens,
+            chosen,
+            edited=torch.ones_like(chosen),
+            block_done=done,
+            signal=signal,
+            carry=histories,
+        )
