@@ -103,7 +103,7 @@ def selection_rule_name(config: GenerationConfig) -> str:
 
 REMASKING = ("low_confidence", "random")
 # Selection rules whose reference decodes the whole answer as one block (`GenerationConfig.one_block`).
-ONE_BLOCK_RULES = ("rnd1",)
+ONE_BLOCK_RULES = ("rnd1", "dream_schedule")
 # Prompt K/V shared across rows and requests (`models.prefix_store`): where exact (block-causal
 # attention), also where approximate (bidirectional), or never.
 PREFIX_CACHE = ("exact", "approximate", "off")
@@ -484,6 +484,28 @@ class GenerationConfig:
         return cls._published(overrides, **fields)
 
     @classmethod
+    def _dream_coder(cls, overrides: dict, temperature: float, gen_length: int) -> GenerationConfig:
+        """Dream's own `diffusion_generate` as a coder's card runs it: the answer as one block with
+        no cache, a step per token, Dream's timesteps revealing the lowest-entropy positions
+        (`alg="entropy"`, `alg_temp=0`), tokens sampled at `temperature` within top-p 0.95."""
+        gen = overrides.get("gen_length", gen_length)
+        fields = dict(unmasking="dream_schedule", alg="entropy", alg_temp=None, temperature=temperature, top_p=0.95)
+        fields.update(
+            threshold=None, cache="none", suffix_window=None, refresh="full", gen_length=gen, block_length=gen
+        )
+        return cls._published(overrides, **fields)
+
+    @classmethod
+    def diffucoder(cls, **overrides) -> GenerationConfig:
+        """DiffuCoder's (apple/ml-diffucoder's `inference_demo.py`): temperature 0.3, gen length 256."""
+        return cls._dream_coder(overrides, 0.3, 256)
+
+    @classmethod
+    def dream_coder(cls, **overrides) -> GenerationConfig:
+        """Dream-Coder's (DreamLM/Dream-Coder's README example): temperature 0.1, gen length 768."""
+        return cls._dream_coder(overrides, 0.1, 768)
+
+    @classmethod
     def diffusion_gemma(cls, **overrides) -> GenerationConfig:
         """DiffusionGemma's decoding (transformers' `DiffusionGemmaForBlockDiffusion.generate` with
         its defaults): canvases of 256 (the model's `canvas_length`), each opened as uniform noise and
@@ -497,7 +519,7 @@ class GenerationConfig:
     @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
         """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "d3llm", "dmax",
-        "rnd1", "diffusion_gemma")."""
+        "rnd1", "diffusion_gemma", "diffucoder", "dream-coder")."""
         if name not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
         return getattr(cls, PRESETS[name])(**overrides)
@@ -967,6 +989,8 @@ PRESETS = {
     "dmax": "dmax",
     "rnd1": "rnd1",
     "diffusion_gemma": "diffusion_gemma",
+    "diffucoder": "diffucoder",
+    "dream-coder": "dream_coder",
 }
 
 

@@ -101,6 +101,8 @@ class LMMethods:
             family = getattr(getattr(self.model, "family", None), "name", None)
             self.base_config = GenerationConfig.from_preset(preset, family=family, **self.gen_kwargs)
             self.fixed_gen_length = True
+        else:  # as the CLI: the model's own decoding where it has one, what its family needs, model_args on top
+            self.base_config = GenerationConfig.for_model(self.model, **self.gen_kwargs)
         self.pretrained = pretrained or "fastdllm/llada-arith"
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
         self._device = self.model.device

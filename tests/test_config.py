@@ -183,3 +183,19 @@ def test_the_config_and_the_sandbox_import_without_torch():
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
     assert out.stdout.split() == ["0.8", "passed", "42", "False"], out.stderr[-2000:]
+
+
+def test_dream_coders_are_recognised_and_decode_as_their_cards():
+    """DiffuCoder and Dream-Coder load as Dream; a checkpoint named for one decodes as its card's
+    example does: the answer one block, a step per token, entropy order, top-p 0.95."""
+    from fastdllm.models.loading import recognized_decoding
+
+    assert recognized_decoding("apple/DiffuCoder-7B-Instruct", {}) == "diffucoder"
+    assert recognized_decoding("/models/x", {"_name_or_path": "Dream-org/Dream-Coder-v0-Instruct-7B"}) == "dream-coder"
+    assert recognized_decoding("Dream-org/Dream-v0-Instruct-7B", {}) is None
+    for name, temperature, gen in (("diffucoder", 0.3, 256), ("dream-coder", 0.1, 768)):
+        config = GenerationConfig.preset(name)
+        assert (config.alg, config.temperature, config.top_p, config.cache) == ("entropy", temperature, 0.95, "none")
+        assert config.gen_length == config.block_length == gen and config.total_steps == gen
+        short = config.with_max_new_tokens(100)
+        assert short.gen_length == short.block_length == 100 and short.total_steps == 100

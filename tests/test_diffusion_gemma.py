@@ -310,3 +310,18 @@ def test_the_cli_decodes_it_with_its_published_settings(checkpoint, capsys):
     result = json.loads(captured.out)
     assert result["config"]["unmasking"] == "entropy_bound" and result["config"]["block_length"] == CANVAS
     assert 1 <= result["nfe"] <= 5 and result["tokens"] <= 6
+
+
+def test_lm_eval_decodes_it_with_its_published_settings(checkpoint):
+    """The lm-eval plugin, given only the checkpoint, decodes as the CLI does: the model's own
+    decoding (as for every recognised checkpoint), model_args on top."""
+    from fastdllm import lm_eval_plugin
+    from tests.test_eval import _FakeLM, _Req
+
+    _, _, folder = checkpoint
+    cls = lm_eval_plugin.make_model_class(_FakeLM, lambda name: lambda c: c)
+    lm = cls(pretrained=str(folder), dtype="float32", max_denoising_steps=4)
+    config = lm.base_config
+    assert (config.unmasking, config.block_length, config.max_denoising_steps) == ("entropy_bound", CANVAS, 4)
+    out = lm.generate_until([_Req("Question: 2 + 2?\nAnswer:", {"until": ["Question:"], "max_gen_toks": 6})])
+    assert len(out) == 1 and isinstance(out[0], str)

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..config import PRESETS, ConfigError, GenerationConfig, read_preset
 
 # Presets that are the decoders of finetunes trained for them (`models.loading.recognized_decoding`).
-FINETUNE_PRESETS = ("dparallel", "d3llm", "dmax", "rnd1")
+FINETUNE_PRESETS = ("dparallel", "d3llm", "dmax", "rnd1", "diffusion_gemma", "diffucoder", "dream-coder")
 
 
 class UserError(Exception):
@@ -235,8 +235,14 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
             f"decoding with --preset {recognized}, which this checkpoint was trained for ('--preset default': ours)",
             file=sys.stderr,
         )
+        family = getattr(model, "family", None)
+        needed = family.decoding_defaults(model.args) if family is not None else {}
+        # the model's own block (DiffusionGemma's canvas) before the preset checks a given --gen-length
+        block = (
+            {"block_length": needed["block_length"]} if "block_length" in needed and "block_length" not in given else {}
+        )
         try:
-            config = GenerationConfig.preset(recognized, **given).fit_to_model(model, keep=set(given))
+            config = GenerationConfig.preset(recognized, **block, **given).fit_to_model(model, keep=set(given))
             return config if new_tokens is None else config.with_max_new_tokens(new_tokens)
         except ConfigError as e:
             raise UserError(f"{flag(e.param)}: {e.detail} (with --preset {recognized})") from None

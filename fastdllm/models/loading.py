@@ -448,7 +448,13 @@ def load(
 
 # Checkpoints trained for a decoder of their own, recognised by the name they go by (a hub id, a
 # folder, or config.json's `_name_or_path`): their published decoding is the default for them.
-DECODING_BY_NAME = {"dparallel": "dparallel", "d3llm": "d3llm", "dmax": "dmax"}
+DECODING_BY_NAME = {
+    "dparallel": "dparallel",
+    "d3llm": "d3llm",
+    "dmax": "dmax",
+    "diffucoder": "diffucoder",
+    "dream-coder": "dream-coder",
+}
 
 
 def recognized_decoding(name_or_path: str, config: dict) -> str | None:
