@@ -512,8 +512,10 @@ class GenerationConfig:
         refined for at most 48 steps at a temperature falling from 0.8 to 0.4, each step keeping the
         lowest-entropy samples within an entropy bound of 0.1 and renoising the rest, until its
         argmax holds for a step with a mean entropy under 0.005; the answer is the argmax canvas.
-        Gen length 256."""
-        fields = dict(unmasking="entropy_bound", threshold=None, cache="none", suffix_window=0, refresh="full")
+        The prompt and each finished canvas are cached as its encoder computes them (the dual cache
+        with the vicinity refresh: each canvas's first forward commits the one before), so a step
+        computes the canvas alone, as the reference's decoder does. Gen length 256."""
+        fields = dict(unmasking="entropy_bound", threshold=None, cache="dual", suffix_window=0, refresh="vicinity")
         return cls._published(overrides, **{"block_length": 256, **fields})
 
     @classmethod

@@ -234,6 +234,24 @@ def test_generate_gives_transformers_tokens_and_forwards(float64_pair, tokenizer
         assert early > 0  # the adaptive stop fired
 
 
+@pytest.mark.parametrize(
+    "cache", [dict(cache="none"), dict(cache="prefix"), dict(cache="dual", refresh="full"), dict(cache="dual")]
+)
+def test_every_cache_it_takes_gives_transformers_tokens(float64_pair, tokenizer, cache):
+    """Uncached (every forward the whole sequence), the prefix cache, the dual cache with either
+    refresh: the prompt and each finished canvas cached as the encoder computes them, so the same
+    tokens and forwards as transformers, whose decoder reads its encoder's cache."""
+    reference, model = float64_pair
+    ids = tokenizer.encode("Question: what is 12 + 30? Answer:")
+    settings = dict(max_denoising_steps=12)
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=3 * CANVAS, seed=3, stop_at_eos=False, **settings)
+    ours = fastdllm.generate(model, [ids], config=config.replace(**cache))
+    torch.manual_seed(3)
+    theirs = reference.generate(torch.tensor([ids]), max_new_tokens=3 * CANVAS, **settings)
+    assert ours.sequences[0].tolist() == theirs.sequences[0, len(ids) :].tolist()
+    assert ours.nfe == round(3 * CANVAS / float(theirs.tokens_per_forward[0]))
+
+
 def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer):
     """Prompts of different lengths in one batch: each row its own clock and its own random stream,
     so each gives the tokens and forwards it gives alone (and so, by the test above, transformers'
@@ -252,7 +270,8 @@ def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer):
 @pytest.mark.parametrize(
     "change, field",
     [
-        (dict(cache="dual"), "cache"),
+        (dict(cache="delayed"), "cache"),
+        (dict(refresh="adaptive"), "refresh"),
         (dict(block_length=2 * CANVAS, gen_length=2 * CANVAS), "block_length"),
         (dict(fixed=((0, (5,)),)), "fixed"),
         (dict(suffix=(5, 6)), "suffix"),
@@ -284,7 +303,7 @@ def test_the_server_decodes_it_and_refuses_what_it_cannot_do(checkpoint, tokeniz
     server = LiveServer(model, tokenizer, defaults=config)
     try:
         name = MODEL
-        for field, value in (("cache", "dual"), ("logprobs", 2)):
+        for field, value in (("cache", "delayed"), ("logprobs", 2)):
             r = server.post("/v1/completions", {"model": name, "prompt": "Q", "max_tokens": 4, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         chat = [

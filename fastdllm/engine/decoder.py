@@ -73,7 +73,7 @@ def decision_key(config: GenerationConfig) -> GenerationConfig:
 
 def check_canvas(model, config: GenerationConfig) -> None:
     """A family with no mask token (DiffusionGemma) decodes its canvases with their own rule, in
-    its canvas length, each forward whole; a masked family cannot take that rule. A ValueError
+    its canvas length, with a cache whose windows stay exact; a masked family cannot take that rule. A ValueError
     names the field (the server answers it with a 400 before anything decodes)."""
     family = getattr(model, "family", None)
     noise_canvas = family is not None and family.rules.noise_canvas
@@ -86,7 +86,12 @@ def check_canvas(model, config: GenerationConfig) -> None:
     for ok, name, why in (
         (renoising, "unmasking", "must be entropy_bound: this model has no mask token"),
         (config.block_length == canvas, "block_length", f"must be the model's canvas_length, {canvas}"),
-        (config.cache == "none", "cache", "must be none for this model (every forward is whole)"),
+        (config.cache in ("none", "prefix", "dual"), "cache", "must be none, prefix or dual for this model"),
+        (
+            config.cache == "none" or config.refresh in ("full", "vicinity"),
+            "refresh",
+            "must be full or vicinity: the next canvas's first forward commits this one as the encoder does",
+        ),
         (config.suffix_window == 0, "suffix_window", "must be 0: nothing after a canvas is part of a forward"),
         (not config.fixed, "fixed", "not with a canvas that every step rewrites"),
         (config.suffix is None, "suffix", "not with this model: a canvas attends only to what is before it"),

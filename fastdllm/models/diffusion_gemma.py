@@ -15,13 +15,14 @@ side in every layer, each with its own norms; per-layer scalars; embeddings scal
 the weights' dtype; final logits soft-capped by tanh. RMSNorm is Gemma's: in float32, x times
 (mean x^2 + eps)^-0.5, times the weight.
 
-Here one forward computes a row's whole sequence: its columns before the current canvas as the
-encoder does (causal; a sliding layer sees the last `sliding_window` positions up to itself), the
-canvas as the decoder does (every earlier position, in a sliding layer the last `sliding_window - 1`
-before the canvas, and the whole canvas). That is the arithmetic transformers' encoder and
-decoder do with their cache, run without one: each step recomputes the committed positions
-(`cache="none"`), which costs a forward of the whole sequence per step where the reference
-computes the canvas alone.
+A forward computes a window of a row: its columns before the current canvas as the encoder does
+(causal; a sliding layer sees the last `sliding_window` positions up to itself), the canvas as the
+decoder does (every earlier position, in a sliding layer the last `sliding_window - 1` before the
+canvas, and the whole canvas), their K/V written into the row's pages of the pool. With the dual
+cache and the vicinity refresh a canvas's first forward commits the canvas before it (recomputed
+causally) and later steps compute the canvas alone: the arithmetic of transformers' encoder and
+decoder over its cache. The pool keeps a layer's K/V per position flattened to the widest
+layer's width.
 """
 
 from __future__ import annotations
@@ -82,22 +83,42 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaNorm(self.head_dim, args.norm_eps)
         self.v_norm = GemmaNorm(self.head_dim, args.norm_eps, scale=False)
 
-    def forward(self, x: torch.Tensor, cos, sin, segments: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
-        """x (1, N, dim) of packed rows; `segments` per row (offset, width, mask (width, width))."""
+    def forward(self, x: torch.Tensor, cos, sin, segments: list, layer_cache=None) -> torch.Tensor:
+        """x (1, N, dim) of packed rows; `segments` per row (row, lo, offset, width, keys, mask
+        (width, keys)): its queries' K/V written into its cache row at [lo, lo + width), its
+        queries attending over its keys [0, keys) there (`layer_cache`: one layer of the pool, each
+        position's K/V flattened to its width; None: the window's own K/V, which start at 0)."""
         n = x.shape[1]
         q = _rotate(self.q_norm(self.wq(x).view(1, n, self.n_heads, self.head_dim)), cos, sin).transpose(1, 2)
         raw_k = self.wk(x).view(1, n, self.n_kv_heads, self.head_dim)
         raw_v = raw_k if self.wv is None else self.wv(x).view(1, n, self.n_kv_heads, self.head_dim)
-        k = _rotate(self.k_norm(raw_k), cos, sin).transpose(1, 2)
-        v = self.v_norm(raw_v).transpose(1, 2)
+        k = _rotate(self.k_norm(raw_k), cos, sin)
+        v = self.v_norm(raw_v)
         out = torch.empty_like(q)
         gqa = self.n_kv_heads != self.n_heads
-        for offset, width, mask in segments:
+        for row, lo, offset, width, keys, mask in segments:
             rows = slice(offset, offset + width)
+            ks, vs = k[:, rows], v[:, rows]
+            if layer_cache is not None:
+                ks, vs = (
+                    self._unflat(t)
+                    for t in layer_cache.update_row(
+                        row, lo, self._flat(ks, layer_cache), self._flat(vs, layer_cache), keys
+                    )
+                )
             out[:, :, rows] = F.scaled_dot_product_attention(
-                q[:, :, rows], k[:, :, rows], v[:, :, rows], attn_mask=mask, scale=1.0, enable_gqa=gqa
+                q[:, :, rows], ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask, scale=1.0, enable_gqa=gqa
             )
         return self.wo(out.transpose(1, 2).reshape(1, n, -1))
+
+    def _flat(self, t: torch.Tensor, layer_cache) -> torch.Tensor:
+        """(1, T, heads, d) as the pool keeps a position: (1, 1, T, width), zero-padded."""
+        flat = t.reshape(1, 1, t.shape[1], -1)
+        return F.pad(flat, (0, layer_cache.k.shape[-1] - flat.shape[-1]))
+
+    def _unflat(self, t: torch.Tensor) -> torch.Tensor:
+        """The pool's (1, 1, S, width) back to (1, S, heads, d)."""
+        return t[0, 0, :, : self.n_kv_heads * self.head_dim].reshape(1, t.shape[2], self.n_kv_heads, self.head_dim)
 
 
 class GemmaLayer(nn.Module):
@@ -146,8 +167,8 @@ class GemmaLayer(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
-    def forward(self, x, cos, sin, segments, canvas: torch.Tensor) -> torch.Tensor:
-        h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, segments))
+    def forward(self, x, cos, sin, segments, canvas: torch.Tensor, layer_cache=None) -> torch.Tensor:
+        h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, segments, layer_cache))
         x = x + h
         dense = self.post_ffn_norm_1(self.w2(_gelu(self.w1(self.ffn_norm(x))) * self.w3(self.ffn_norm(x))))
         flat = x.reshape(-1, x.shape[-1])
@@ -206,13 +227,14 @@ class DiffusionGemma(Transformer):
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
-        """The pool's per-position K/V shape; unused by this model's forwards (it runs uncached)."""
-        return (self.args.n_layers, self.args.n_kv_heads, self.args.head_dim)
+        """One position of a layer in the pool: its K (or V) flattened to the widest layer's width
+        (sliding and full layers differ in heads and head width)."""
+        e, a = self.args.extra, self.args
+        return (a.n_layers, 1, max(a.n_kv_heads * a.head_dim, e["full_kv_heads"] * e["full_head_dim"]))
 
     def new_cache(self, batch: int, length: int) -> KVCache:
-        e, a = self.args.extra, self.args
-        width = max(a.n_kv_heads * a.head_dim, e["full_kv_heads"] * e["full_head_dim"])
-        return KVCache(a.n_layers, batch, 1, length, width, dtype=self.dtype, device=self.device)
+        layers, heads, width = self.kv_shape
+        return KVCache(layers, batch, heads, length, width, dtype=self.dtype, device=self.device)
 
     @property
     def embed_scale(self) -> torch.Tensor:
@@ -237,12 +259,12 @@ class DiffusionGemma(Transformer):
         cap = self.args.extra["softcap"]
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _masks(self, width: int, canvas_start: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(full, sliding) attention masks (width, width) of one row: causal before the canvas, the
-        canvas seeing everything; a sliding layer's window ends at the query, or for the canvas at
-        the canvas's start."""
-        q = torch.arange(width, device=device)[:, None]
-        k = torch.arange(width, device=device)[None, :]
+    def _masks(self, lo: int, hi: int, keys: int, canvas_start: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full, sliding) attention masks (hi - lo, keys) of one row's queries [lo, hi) over its
+        keys [0, keys): causal before the canvas, the canvas seeing everything; a sliding layer's
+        window ends at the query, or for the canvas at the canvas's start."""
+        q = torch.arange(lo, hi, device=device)[:, None]
+        k = torch.arange(keys, device=device)[None, :]
         full = (k <= q) | (q >= canvas_start)
         window = self.args.extra["sliding_window"]
         return full, full & (k >= torch.clamp(q, max=canvas_start) - window + 1)
@@ -258,22 +280,25 @@ class DiffusionGemma(Transformer):
         batch_invariant: bool = False,
         embeds: dict | None = None,
     ) -> list[torch.Tensor]:
-        """Rows' whole sequences in one forward, packed end to end: each window (row, 0, hi, hi,
-        start) computes the columns [0, hi) of its row of `x`, [start, hi) its canvas, and returns the
-        canvas's logits. `embeds` {row: (columns, vectors)}: a canvas's self-conditioning signal
-        (`soft_input`), zeros where none is given. `cache` is not read: every forward is whole."""
-        del cache, compiled, block_size, batch_invariant
+        """Rows' windows in one forward, packed end to end: each window (row, lo, hi, keys, start)
+        computes the columns [lo, hi) of its row of `x` ([start, hi) its canvas; the columns before
+        it as the encoder computes them), writes their K/V into the row's pages of `cache` and attends
+        over its keys [0, keys) there, and returns the canvas's logits. `embeds` {row: (columns,
+        vectors)}: a canvas's self-conditioning signal (`soft_input`), zeros where none is given.
+        Exact with any window that recomputes every column whose K/V are not an encoder's: a canvas
+        is recomputed as the encoder commits it by the next block's first forward (`cache="dual"`
+        with the vicinity or full refresh, `"prefix"`, `"none"`)."""
+        del compiled, block_size, batch_invariant
         tokens, canvas, positions, full, sliding, signal = [], [], [], [], [], []
-        offset = 0
+        offset, dev = 0, x.device
         for row, lo, hi, keys, start in windows:
-            if lo != 0 or keys != hi:
-                raise ValueError("cache: DiffusionGemma decodes with cache='none' (every forward is whole)")
-            dev = x.device
-            f, s = self._masks(hi, start, dev)
-            full.append((offset, hi, f[None, None]))
-            sliding.append((offset, hi, s[None, None]))
-            tokens.append(x[row, :hi])
-            cols = torch.arange(hi, device=dev)
+            if not lo <= start < hi <= keys:
+                raise ValueError(f"window {(lo, hi)} with keys {keys} does not hold a canvas from {start}")
+            f, s = self._masks(lo, hi, keys, start, dev)
+            full.append((row, lo, offset, hi - lo, keys, f[None, None]))
+            sliding.append((row, lo, offset, hi - lo, keys, s[None, None]))
+            tokens.append(x[row, lo:hi])
+            cols = torch.arange(lo, hi, device=dev)
             positions.append(cols)
             canvas.append(cols >= start)
             given = torch.zeros(hi - start, self.args.dim, dtype=self.dtype, device=dev)
@@ -281,7 +306,7 @@ class DiffusionGemma(Transformer):
                 where, vectors = embeds[row]
                 given[where - start] = vectors.to(self.dtype)
             signal.append(given)
-            offset += hi
+            offset += hi - lo
         tokens, positions, canvas = torch.cat(tokens), torch.cat(positions), torch.cat(canvas)
         h = self.embed(tokens)[None]
         h[0, canvas] = self.self_conditioned(h[0, canvas], torch.cat(signal))
@@ -289,14 +314,14 @@ class DiffusionGemma(Transformer):
             SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions], sliding),
             FULL: (self.full_cos[positions], self.full_sin[positions], full),
         }
-        for layer, kind in zip(self.layers, self.args.extra["layer_types"]):
+        for i, (layer, kind) in enumerate(zip(self.layers, self.args.extra["layer_types"])):
             cos, sin, segments = tables[kind]
-            h = layer(h, cos, sin, segments, canvas)
+            h = layer(h, cos, sin, segments, canvas, None if cache is None else cache.layer(i))
         h = self.norm(h)[0]
         out, offset = [], 0
-        for _, _, hi, _, start in windows:
-            out.append(self.head(h[offset + start : offset + hi]))
-            offset += hi
+        for _, lo, hi, _, start in windows:
+            out.append(self.head(h[offset + start - lo : offset + hi - lo]))
+            offset += hi - lo
         return out
 
     def forward(
@@ -312,9 +337,9 @@ class DiffusionGemma(Transformer):
 
     def _hidden_causal(self, x: torch.Tensor, windows) -> torch.Tensor:
         n = x.shape[1]
-        full, sliding = self._masks(n, n, x.device)
-        segs_full = [(i * n, n, full[None, None]) for i in range(x.shape[0])]
-        segs_sliding = [(i * n, n, sliding[None, None]) for i in range(x.shape[0])]
+        full, sliding = self._masks(0, n, n, n, x.device)
+        segs_full = [(i, 0, i * n, n, n, full[None, None]) for i in range(x.shape[0])]
+        segs_sliding = [(i, 0, i * n, n, n, sliding[None, None]) for i in range(x.shape[0])]
         positions = torch.arange(n, device=x.device).repeat(x.shape[0])
         canvas = torch.zeros(positions.shape[0], dtype=torch.bool, device=x.device)
         h = self.embed(x.reshape(-1))[None]

@@ -112,8 +112,8 @@ class Family:
         current one, later steps the current block alone, and nothing after it is ever part of a
         forward (no later block is visible to it)."""
         if self.rules.noise_canvas:  # its canvases, whole forwards, its own rule
-            canvas = {"block_length": args.extra["canvas_length"], "cache": "none", "suffix_window": 0}
-            return {**canvas, "refresh": "full", "unmasking": "entropy_bound", **self.rules.defaults}
+            canvas = {"block_length": args.extra["canvas_length"], "cache": "dual", "suffix_window": 0}
+            return {**canvas, "refresh": "vicinity", "unmasking": "entropy_bound", **self.rules.defaults}
         if not args.block_size:
             return dict(self.rules.defaults)
         return {
