@@ -2,7 +2,8 @@
 the same checkpoint, same seeds.
 
     python benchmarks/diffusion_gemma_reference.py [--dim 128 --layers 4 --experts 8]
-        [--prompts 4] [--canvases 2] [--canvas 32] [--steps 48] [--threads 2] [--out FILE]
+        [--prompts 4] [--canvases 2] [--canvas 32] [--steps 48] [--threads 2] [--float64] [--shots N]
+        [--out FILE]
 
 A random checkpoint made and saved by transformers' class (float32; sliding and full layers, a
 mixture of experts), loaded by `fastdllm.load`. Both decode the same prompts under the same torch
@@ -75,6 +76,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--float64", action="store_true")
+    p.add_argument("--shots", type=int, default=0, help="worked examples before each question (a longer prompt)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -93,7 +95,8 @@ def main() -> None:
     model.setup_rope()
     eos = tok.eos_token_id
     model.stop_token_ids = [eos]
-    prompts = [tok.encode(f"Question: what is {i} + {i + 3}? Answer:") for i in range(a.prompts)]
+    shots = "".join(f"Question: what is {j} + {2 * j}? Answer: {3 * j}\n" for j in range(a.shots))
+    prompts = [tok.encode(f"{shots}Question: what is {i} + {i + 3}? Answer:") for i in range(a.prompts)]
     gen = a.canvases * a.canvas
     config = GenerationConfig.for_model(model, gen_length=gen, max_denoising_steps=a.steps, stop_at_eos=False)
     theirs, started = [], time.perf_counter()
@@ -112,7 +115,14 @@ def main() -> None:
     tokens = gen * len(prompts)
     result = {
         "checkpoint": dict(dim=a.dim, layers=a.layers, experts=a.experts, canvas=a.canvas, dtype=str(dtype)),
-        "settings": dict(prompts=a.prompts, canvases=a.canvases, max_denoising_steps=a.steps, threads=a.threads),
+        "settings": dict(
+            prompts=a.prompts,
+            prompt_tokens=[len(p) for p in prompts],
+            canvases=a.canvases,
+            max_denoising_steps=a.steps,
+            threads=a.threads,
+            cache=config.cache,
+        ),
         "reference": {"seconds": reference_seconds, "tokens_per_s": tokens / reference_seconds},
         "ours_one_at_a_time": {"seconds": alone_seconds, "tokens_per_s": tokens / alone_seconds},
         "ours_batched": {"seconds": batch_seconds, "tokens_per_s": tokens / batch_seconds},
