@@ -344,3 +344,29 @@ def test_lm_eval_decodes_it_with_its_published_settings(checkpoint):
     assert (config.unmasking, config.block_length, config.max_denoising_steps) == ("entropy_bound", CANVAS, 4)
     out = lm.generate_until([_Req("Question: 2 + 2?\nAnswer:", {"until": ["Question:"], "max_gen_toks": 6})])
     assert len(out) == 1 and isinstance(out[0], str)
+
+
+def test_it_quantizes_saves_and_refuses_tensor_parallelism(checkpoint, tmp_path, tokenizer):
+    """int8 in memory decodes; a save loads back to the same weights; --tp is refused by name (its
+    layers are not split yet)."""
+    from fastdllm.models.loading import load_model, save_pretrained
+
+    _, model, folder = checkpoint
+    quantized, _ = fastdllm.load(str(folder), dtype="float32", quantize="int8")
+    config = fastdllm.GenerationConfig.for_model(quantized, gen_length=CANVAS, max_denoising_steps=3)
+    assert fastdllm.generate(quantized, [tokenizer.encode("hi")], config=config).nfe == 3
+    saved = save_pretrained(model, tmp_path / "saved", tokenizer)
+    again, _ = fastdllm.load(str(saved), dtype="float32")
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, again.state_dict()[name]), name
+    with pytest.raises(ValueError, match="^tp:"):
+        load_model(folder, tp=(0, 2))
+
+
+@pytest.mark.parametrize("command", [["bench", "--quick"], ["tune", "--task", "arith", "--out", "x.json"]])
+def test_bench_and_tune_say_why_they_do_not_apply(checkpoint, capsys, command):
+    from fastdllm.cli.main import main as cli
+
+    _, _, folder = checkpoint
+    assert cli([command[0], "--model", str(folder), *command[1:]]) == 2
+    assert "has no mask token" in capsys.readouterr().err

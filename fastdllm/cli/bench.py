@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _per_gen_length(args)
     model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
+    if model.family.rules.noise_canvas:
+        raise UserError(
+            f"--model: {model.family.name} has no mask token, and the rows of this table are masked "
+            "decoding's (Fast-dLLM's); measure it with fastdllm eval"
+        )
     rank = getattr(model, "tp", (0, 1))[0]  # under --tp every rank measures; rank 0 writes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

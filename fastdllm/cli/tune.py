@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(str(e)) from None
     base = config_from_args(args)
     model, tokenizer = load_model_or_exit(args)
+    if model.family.rules.noise_canvas:
+        raise UserError(
+            f"--model: {model.family.name} has no mask token; the knobs tune searches (cache, threshold, "
+            "block length) are masked decoding's"
+        )
     try:
         result = tune(
             model,

@@ -244,6 +244,8 @@ def load_model(
     parts: dict = {}
     if ep > 1 and fmt is not None:
         raise ValueError("ep: a quantized checkpoint's experts are split by tensor parallelism only (use ep=1)")
+    if tp is not None and tp[1] > 1 and model.family.model_class is not None:
+        raise ValueError(f"tp: not yet for {model.family.name} (its layers are not the shared transformer's)")
     if tp is not None and tp[1] > 1:
         parts = tensor_parallel.cuts(model.args, *tp, ep)
         tensor_parallel.apply(model, *tp, ep=ep, dispatch=ep_dispatch)  # on the meta device: shapes, hooks
