@@ -275,7 +275,6 @@ def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer):
         (dict(block_length=2 * CANVAS, gen_length=2 * CANVAS), "block_length"),
         (dict(fixed=((0, (5,)),)), "fixed"),
         (dict(suffix=(5, 6)), "suffix"),
-        (dict(logprobs=2), "logprobs"),
         (dict(unmasking="threshold", threshold=0.9), "unmasking"),
     ],
 )
@@ -293,9 +292,9 @@ def test_a_masked_family_refuses_the_renoising_rule(tiny_llada, tokenizer):
 
 
 def test_the_server_decodes_it_and_refuses_what_it_cannot_do(checkpoint, tokenizer):
-    """Its published decoding by default; a request naming a cache or log-probabilities is a 400
-    naming the field, and the next request is served; a multi-turn chat (prompts holding its stop
-    tokens) decodes."""
+    """Its published decoding by default; a request naming a cache it cannot take or a suffix is a
+    400 naming the field, and the next request is served (with log-probabilities); a multi-turn chat
+    (prompts holding its stop tokens) decodes."""
     from tests.test_server import MODEL, LiveServer
 
     _, model, _ = checkpoint
@@ -303,9 +302,11 @@ def test_the_server_decodes_it_and_refuses_what_it_cannot_do(checkpoint, tokeniz
     server = LiveServer(model, tokenizer, defaults=config)
     try:
         name = MODEL
-        for field, value in (("cache", "delayed"), ("logprobs", 2)):
+        for field, value in (("cache", "delayed"), ("suffix", " The end.")):
             r = server.post("/v1/completions", {"model": name, "prompt": "Q", "max_tokens": 4, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        r = server.post("/v1/completions", {"model": name, "prompt": "Q", "max_tokens": 4, "logprobs": 2})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 4, r.text
         chat = [
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "hello"},
@@ -370,3 +371,15 @@ def test_bench_and_tune_say_why_they_do_not_apply(checkpoint, capsys, command):
     _, _, folder = checkpoint
     assert cli([command[0], "--model", str(folder), *command[1:]]) == 2
     assert "has no mask token" in capsys.readouterr().err
+
+
+def test_logprobs_are_the_final_canvas_tokens_under_its_last_step(checkpoint, tokenizer):
+    """Each answer token's log-probability under the logits of the step that ended its canvas: the
+    canvas becomes that step's argmax, so each token is the most likely there."""
+    _, model, _ = checkpoint
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=2 * CANVAS, max_denoising_steps=4, logprobs=2)
+    out = fastdllm.generate(model, [tokenizer.encode("Question: 2 + 3?")], config=config.replace(seed=1))
+    tokens, values, tops = out.sequences[0].tolist(), out.logprobs[0], out.top_logprobs[0]
+    assert len(values) == len(tokens) == 2 * CANVAS
+    for token, value, top in zip(tokens, values, tops):
+        assert top[0][0] == token and top[0][1] == pytest.approx(value) and value <= 0

@@ -95,7 +95,6 @@ def check_canvas(model, config: GenerationConfig) -> None:
         (config.suffix_window == 0, "suffix_window", "must be 0: nothing after a canvas is part of a forward"),
         (not config.fixed, "fixed", "not with a canvas that every step rewrites"),
         (config.suffix is None, "suffix", "not with this model: a canvas attends only to what is before it"),
-        (config.logprobs is None, "logprobs", "not yet for a canvas with no mask token"),
         (config.parallel_blocks == 1, "parallel_blocks", "must be 1 for this model"),
     ):
         if not ok:
