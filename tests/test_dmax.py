@@ -30,7 +30,7 @@ def test_dmaxs_stop_rule():
     editing = Editing(0.0, 16, stop_confidence=0.9)
     mask = 9
     block = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, mask, 3]])
-    region = torch.tensor([[0, 0, 1], [0, 0, 1], [-1, 0, 1], [0, -1, 1]])
+    region = torch.tensor([[0, 0, 1], [0, 0, 1], [-1, 0, 1], [0, -1, 1]]) >= 0  # revealed in the block
     top = torch.tensor([[0.95, 0.99, 0.91], [0.95, 0.5, 0.91], [0.1, 0.99, 0.91], [0.95, 0.99, 0.91]])
     changed = torch.tensor([True, True, True, False])
     steps = torch.tensor([2, 2, 2, 2])

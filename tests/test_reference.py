@@ -449,14 +449,13 @@ def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
     """Step after step on the same random logits, from a block of masks (its first position a prompt
     token): the same tokens revealed and revised, the same end of the block, the same soft
     embeddings."""
-    from fastdllm.engine.unmasking import BlockClock, Editing, UnmaskingStrategy, soft_embeddings
+    from fastdllm.engine.unmasking import BlockClock, UnmaskingStrategy, soft_embeddings
 
     trace = _dmax_traces()[str(seed)]
     embedding, logits = _dmax_inputs(seed)
     blk, mask_id = DMAX_BLOCK, DMAX_MASK
     config = GenerationConfig.dmax(block_length=blk, gen_length=blk)
     strategy = UnmaskingStrategy.from_config(config)
-    editing = Editing.from_config(config)
     ours = torch.full((1, blk), mask_id)
     ours[0, 0] = 3  # a prompt token inside the block (block-causal lead): never revised
     region = torch.full((1, blk), -1)
@@ -468,8 +467,7 @@ def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
         ours = torch.where(d.edited, d.tokens, ours)
         ours = torch.where(d.chosen, d.tokens, ours)
         region = torch.where(d.chosen, torch.full_like(region, step), region)
-        changed = d.chosen.any(-1) | d.edited.any(-1)
-        done = editing.confident_stop(ours, region, d.top_prob, changed, torch.tensor([step + 1]), mask_id)
+        done = d.block_done  # the strategy's own end of the block (`Editing.block_done`)
         assert ours[0].tolist() == theirs["tokens"], step
         # its runner (`BlockRunner.decode_uniform`) stops a block after block_length forwards
         their_done = theirs["stop"] or step + 1 >= blk

@@ -375,8 +375,8 @@ class BlockDecoder:
         self.logp = self.top_ids = self.top_lp = None
         self.stopping = None  # per row: whether its config stops at a stop token (stop_at_eos)
         # per row: its steps so far (the index `step_of` records), its current block's masks when
-        # it began, and with editing the block's steps after its last mask and whether it goes on
-        self.row_nfe = self.opened = self.post = self.alive = None
+        # it began
+        self.row_nfe = self.opened = None
 
     # -- rows in
     def accepts(self, config: GenerationConfig) -> bool:
@@ -554,7 +554,6 @@ class BlockDecoder:
         self.nfe += len(work)
         self._charge_prefill()
         later = window[:, blk:] if self.width > blk else None
-        had_mask = (block == mask_id).any(-1)
         editable = None if self.editing is None else (region >= 0) & (block != mask_id)  # not a prompt token
         clock = BlockClock(
             [r.step for r in rows],
@@ -581,7 +580,7 @@ class BlockDecoder:
         self.step_of.scatter_(1, columns, region)
         for r in rows:
             r.step += 1
-        done = self._block_over(block[:, :blk], region[:, :blk], had_mask, decision)
+        done = self._block_over(block[:, :blk], decision)
         if self.editing is not None and self.editing.soft_embeddings:
             self._soft_embeddings(view.starts, block[:, :blk], region[:, :blk], decision, done)
         if decision.signal is not None or decision.carry is not None:
@@ -693,24 +692,12 @@ class BlockDecoder:
                     decision.carry[i] = None if d.carry is None else d.carry[j]
         return decision
 
-    def _block_over(self, block, region, had_mask, decision) -> torch.Tensor:
-        """(B,) whether each row's block is over after this step: it has no mask left; with
-        editing, its first step after the last mask that edits nothing, or `max_post_steps` such
-        steps, ends it; with DMax's rule (`stop_confidence`), `Editing.confident_stop`."""
+    def _block_over(self, block, decision) -> torch.Tensor:
+        """(B,) whether each row's block is over after this step: where the strategy decides it
+        (editing, a canvas with no mask), its say; else the block has no mask left."""
         if decision.block_done is not None:
             return decision.block_done
-        has_mask = (block == self.mask_id).any(-1)
-        edited = decision.edited
-        if self.editing is None:
-            return ~has_mask
-        if self.editing.stop_confidence is not None:
-            changed = decision.chosen.any(-1) | edited.any(-1)
-            steps = torch.tensor([r.step for r in self.rows], device=block.device)
-            return self.editing.confident_stop(block, region, decision.top_prob, changed, steps, self.mask_id)
-        self.alive &= had_mask | edited.any(-1)
-        self.post += ~has_mask & self.alive
-        self.alive &= has_mask | (self.post <= self.editing.max_post_steps)
-        return ~self.alive
+        return ~(block == self.mask_id).any(-1)
 
     def _soft_embeddings(self, starts, block, region, decision, done) -> None:
         """DMax's feedback: each position revealed in a row's block (not one fixed or from the
@@ -807,7 +794,7 @@ class BlockDecoder:
 
     def _begin(self, i: int, r: Row) -> None:
         """Row i starts a block: its masks now (a family with no mask token: its canvas, drawn now
-        from the row's generator), and with editing its state."""
+        from the row's generator)."""
         r.soft = r.carry = None
         start = r.column(self.config.block_length)
         if self.noise_canvas:
@@ -816,9 +803,6 @@ class BlockDecoder:
             self.x[i, start : start + blk] = noise[0]
         masked = self.x[i, start : start + self.config.block_length] == self.mask_id
         self.opened[i] = masked.sum()
-        if self.editing is not None:
-            self.post[i] = (~masked.any()).long()
-            self.alive[i] = True
 
     def _early_stop(self, window: torch.Tensor, steps_of: torch.Tensor) -> None:
         """`eos_early_stop`, each row by its own rule: d3LLM's with its multi-block entropy
@@ -909,7 +893,7 @@ class BlockDecoder:
         dev = self.device
         self.rows = [r for r, _ in moves]
         if not moves:
-            self.x = self.step_of = self.row_nfe = self.opened = self.post = self.alive = None
+            self.x = self.step_of = self.row_nfe = self.opened = None
             self.logp = self.top_ids = self.top_lp = None
             self.policy.relayout([])
             return
@@ -939,9 +923,6 @@ class BlockDecoder:
         sources = [src for _, src in moves]
         self.row_nfe = self._carry(self.row_nfe, sources, 0)
         self.opened = self._carry(self.opened, sources, 0)
-        if self.editing is not None:
-            self.post = self._carry(self.post, sources, 0)
-            self.alive = self._carry(self.alive, sources, True)
         self.policy.relayout(sources, [None if src is not None else r.extent for r, src in moves], prefilled)
         self.x, self.step_of = x, step_of
         self.stopping = torch.tensor([r.config.stop_at_eos for r, _ in moves], device=dev)  # per row
