@@ -73,8 +73,8 @@ def decision_key(config: GenerationConfig) -> GenerationConfig:
 
 def check_canvas(model, config: GenerationConfig) -> None:
     """A family with no mask token (DiffusionGemma) decodes its canvases with their own rule, in
-    its canvas length, with a cache whose windows stay exact; a masked family cannot take that rule. A ValueError
-    names the field (the server answers it with a 400 before anything decodes)."""
+    its canvas length, with a cache whose windows stay exact; a masked family cannot take that
+    rule. A ValueError names the field (the server answers it with a 400 before anything decodes)."""
     family = getattr(model, "family", None)
     noise_canvas = family is not None and family.rules.noise_canvas
     renoising = selection_rule_name(config) == "entropy_bound"
@@ -374,8 +374,8 @@ class BlockDecoder:
         # tokens there as (B, L, k) ids and log-probabilities
         self.logp = self.top_ids = self.top_lp = None
         self.stopping = None  # per row: whether its config stops at a stop token (stop_at_eos)
-        # per row: its steps so far (the index `step_of` records), its current block's masks when
-        # it began
+        # per row: its steps so far (the index `step_of` records) and its current block's masks
+        # when it began
         self.row_nfe = self.opened = None
 
     # -- rows in
