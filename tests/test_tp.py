@@ -21,7 +21,7 @@ import pytest
 from .conftest import REPO
 
 WORKER = Path(__file__).parent / "distributed" / "tp_worker.py"
-FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe"]
+FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe", "tiny_rnd1"]
 QUESTION = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
 
 
@@ -71,7 +71,7 @@ def run_worker(tmp_path, **env) -> dict:
             assert q["max_logit_diff"] < 0.03 * q["max_logit"], (name, bits, q)
     assert results["tiny_llada2"]["kv_heads_per_rank"] == 1 and results["tiny_v2"]["heads_per_rank"] == 2
     # expert parallelism: each rank holds half the routed experts whole, read alone from the files
-    for name in ("tiny_llada2", "tiny_llada_moe"):
+    for name in ("tiny_llada2", "tiny_llada_moe", "tiny_rnd1"):
         for dispatch, e in results[name]["experts"].items():
             assert e["max_logit_diff"] < 1e-4 and e["same_tokens"] and e["read_parts_equal"], (name, dispatch, e)
             share = e["moe_layer_share"]  # their first layer is dense
