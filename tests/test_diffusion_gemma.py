@@ -383,3 +383,15 @@ def test_logprobs_are_the_final_canvas_tokens_under_its_last_step(checkpoint, to
     assert len(values) == len(tokens) == 2 * CANVAS
     for token, value, top in zip(tokens, values, tops):
         assert top[0][0] == token and top[0][1] == pytest.approx(value) and value <= 0
+
+
+def test_plan_counts_its_active_experts_and_the_pool_it_holds(checkpoint):
+    from fastdllm.models.loading import read_config
+    from fastdllm.models.plan import plan
+
+    _, model, folder = checkpoint
+    p = plan(read_config(folder), max_len=100, dtype="float32")
+    layers, heads, width = model.kv_shape
+    assert p.kv_cache_bytes == 2 * layers * heads * width * 100 * 4  # the pool's flattened positions
+    expert = model.layers[0].experts_gate_up.numel() + model.layers[0].experts_down.numel()
+    assert p.parameters - p.active_parameters == layers * expert // 4 * (4 - 2)  # 2 of 4 experts run

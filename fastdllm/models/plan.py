@@ -86,13 +86,14 @@ def plan(
     parts = cuts(args, 0, tp)  # what tensor parallelism splits, exactly as `tp.apply` splits it
     size = DTYPE_BYTES[dtype]
     max_len = args.max_seq_len if max_len is None else max_len
-    kv_per_rank = max(1, args.n_kv_heads // tp)
+    layers, kv_heads, kv_width = model.kv_shape  # what the pool holds per position and layer
+    kv_per_rank = max(1, kv_heads // tp)
     sharded = replicated = 0.0
     total = active = 0
     for name, p in model.named_parameters():
         numel = p.numel()
         total += numel
-        routed = ".feed_forward." in name and p.dim() == 3  # routed experts (E, out, in)
+        routed = p.dim() == 3  # routed experts (E, out, in): the only stacked parameters
         active += numel // args.n_experts * args.n_active_experts if routed else numel
         if name in parts:
             dim, segments = parts[name]
@@ -107,7 +108,7 @@ def plan(
             replicated += _linear_bytes(numel, p.shape[0], quantize, group_size, size)
         else:
             replicated += numel * size
-    kv = 2 * args.n_layers * kv_per_rank * args.head_dim * batch * max_len * size
+    kv = 2 * layers * kv_per_rank * kv_width * batch * max_len * size
     return RankPlan(total, active, int(sharded), int(replicated), kv, tp, ep)
 
 
