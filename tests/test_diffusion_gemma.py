@@ -252,19 +252,30 @@ def test_every_cache_it_takes_gives_transformers_tokens(float64_pair, tokenizer,
     assert ours.nfe == round(3 * CANVAS / float(theirs.tokens_per_forward[0]))
 
 
-def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer):
-    """Prompts of different lengths in one batch: each row its own clock and its own random stream,
-    so each gives the tokens and forwards it gives alone (and so, by the test above, transformers'
+@pytest.mark.parametrize(
+    "settings",
+    [dict(max_denoising_steps=12), dict(max_denoising_steps=24, t_min=0.01, t_max=0.05, confidence_threshold=7.0)],
+    ids=["every-step", "stops-apart"],
+)
+def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer, settings):
+    """Prompts of different lengths in one batch, their canvases ending at different steps where the
+    adaptive stop fires: each row its own clock, its own random stream and its own self-conditioning,
+    so each gives the tokens and forwards it gives alone (and so, by the tests above, transformers'
     for a batch of one; transformers draws a batch's rows from one stream)."""
     _, model = float64_pair
-    prompts = [tokenizer.encode(t) for t in ("Question: 2 + 3?", "Tom has 5 apples. He buys 3 more. How many?")]
-    config = fastdllm.GenerationConfig.for_model(
-        model, gen_length=2 * CANVAS, max_denoising_steps=12, stop_at_eos=False
-    )
-    batch = fastdllm.generate(model, prompts, config=config, row_seeds=[5, 6])
-    for i, (p, seed) in enumerate(zip(prompts, (5, 6))):
+    texts = ("Question: 2 + 3?", "Tom has 5 apples. He buys 3 more. How many?", "Question: what is 12 + 30?")
+    prompts = [tokenizer.encode(t) for t in texts]
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=3 * CANVAS, stop_at_eos=False, **settings)
+    seeds = [5, 6, 7]
+    batch = fastdllm.generate(model, prompts, config=config, row_seeds=seeds)
+    forwards = []
+    for i, (p, seed) in enumerate(zip(prompts, seeds)):
         alone = fastdllm.generate(model, [p], config=config.replace(seed=seed))
         assert batch.sequences[i].tolist() == alone.sequences[0].tolist()
+        assert batch.nfe_per_row[i] == alone.nfe
+        forwards.append(alone.nfe)
+    if "confidence_threshold" in settings:
+        assert len(set(forwards)) > 1  # the rows' clocks parted
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,13 @@ def test_a_checkpoint_loads_and_decodes_with_its_published_sampler(rnd1_dir, tin
     alone = fastdllm.generate(model, [ids], config=greedy)
     batch = fastdllm.generate(model, [ids, tok.encode("Question: 1 + 1 = ?")], config=greedy)
     assert batch.sequences[0].tolist() == alone.sequences[0].tolist()
+    # sampled: each row draws over its own sequence from its own generator, in a batch as alone
+    prompts = [ids, tok.encode("Question: what is 12 + 30? Answer:")]
+    sampled = config.replace(temperature=0.8, stop_at_eos=False)
+    batch = fastdllm.generate(model, prompts, config=sampled, row_seeds=[4, 9])
+    for i, seed in enumerate((4, 9)):
+        alone = fastdllm.generate(model, [prompts[i]], config=sampled.replace(seed=seed))
+        assert batch.sequences[i].tolist() == alone.sequences[0].tolist()
 
 
 def test_the_answer_stays_one_block_whatever_its_length():
