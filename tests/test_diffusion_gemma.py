@@ -406,3 +406,18 @@ def test_plan_counts_its_active_experts_and_the_pool_it_holds(checkpoint):
     assert p.kv_cache_bytes == 2 * layers * heads * width * 100 * 4  # the pool's flattened positions
     expert = model.layers[0].experts_gate_up.numel() + model.layers[0].experts_down.numel()
     assert p.parameters - p.active_parameters == layers * expert // 4 * (4 - 2)  # 2 of 4 experts run
+
+
+def test_the_grouped_experts_add_up_as_the_reference_does(checkpoint):
+    """Every (token, expert) pair through one grouped matmul per projection, a token's experts added
+    in expert order: the reference's expert-by-expert sum (its eager path, which float64 runs)."""
+    _, model, _ = checkpoint
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(37, model.args.dim, generator=g), torch.randn(37, model.args.dim, generator=g)
+    with torch.no_grad():
+        grouped = layer.experts(x, residual)
+        h = layer.router_norm(residual) * layer.router_scale * (residual.shape[-1] ** -0.5)
+        weights, chosen = layer.router(h).softmax(-1, dtype=torch.float32).topk(layer.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True) * layer.per_expert_scale[chosen]
+        torch.testing.assert_close(grouped, layer._experts_one_by_one(x, chosen, weights), rtol=1e-6, atol=1e-7)

@@ -34,6 +34,7 @@ from torch import nn
 from .args import ModelArgs
 from .family import ConfigField, DecodingRules, Family, WeightNames
 from .kv_cache import KVCache
+from .moe import _grouped_mm_ok, expert_linear
 from .transformer import Transformer
 
 MODEL_TYPE = "diffusion_gemma"
@@ -158,8 +159,34 @@ class GemmaLayer(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         weights = weights * self.per_expert_scale[chosen]
+        grouped = x.dtype in (torch.float32, torch.bfloat16, torch.float16)  # what grouped_mm takes
+        if not (grouped and _grouped_mm_ok(x, self.experts_gate_up, self.experts_down)):
+            return self._experts_one_by_one(x, chosen, weights)
+        # every (token, expert) pair through one grouped matmul per projection, sorted by expert,
+        # with no host read; a token's experts then added in expert order, as the reference adds them
+        n, k = chosen.shape
+        pairs = chosen.reshape(-1)
+        order = pairs.argsort(stable=True)
+        counts = torch.zeros(self.experts_gate_up.shape[0], dtype=torch.int32, device=x.device)
+        counts.index_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        rows, experts = x[order // k], pairs[order]
+        gate, up = expert_linear(rows, self.experts_gate_up, offsets, experts, True).chunk(2, dim=-1)
+        y = expert_linear(_gelu(gate) * up, self.experts_down, offsets, experts, True)
+        per_pair = torch.empty_like(y)
+        per_pair[order] = y
+        per_pair = (per_pair.view(n, k, -1) * weights.unsqueeze(-1)).to(x.dtype)
+        by_expert = chosen.argsort(dim=-1, stable=True)
+        per_pair = per_pair.gather(1, by_expert.unsqueeze(-1).expand_as(per_pair))
         out = torch.zeros_like(x)
-        # expert by expert, in order, as the reference adds them (a token's experts summed in that order)
+        for slot in range(k):
+            out = out + per_pair[:, slot]
+        return out
+
+    def _experts_one_by_one(self, x, chosen, weights) -> torch.Tensor:
+        """Expert by expert, as the reference's eager path (where a grouped matmul cannot run: float64,
+        unaligned widths)."""
+        out = torch.zeros_like(x)
         for e in chosen.unique().tolist():
             token, slot = torch.where(chosen == e)
             gate, up = F.linear(x[token], self.experts_gate_up[e]).chunk(2, dim=-1)
