@@ -72,7 +72,7 @@ SELECTION_RULES = Registry(
         "quota": f"{_UNMASKING}:Quota",
         "entropy": f"{_UNMASKING}:EntropyThreshold",
         "left_to_right": f"{_UNMASKING}:LeftToRight",
-        "rnd1": f"{_UNMASKING}:RND1Schedule",
+        "rnd1": "fastdllm.engine.rnd1:RND1Schedule",
         "entropy_bound": "fastdllm.engine.renoising:EntropyBound",
     },
 )
@@ -83,6 +83,7 @@ PROPOSALS = Registry(
         "sdar": f"{_UNMASKING}:SDARProposal",
         "fast_dllm_v2": f"{_UNMASKING}:FastDLLMv2Proposal",
         "llada2": f"{_UNMASKING}:LLaDA2Proposal",
+        "rnd1": "fastdllm.engine.rnd1:RND1Proposal",
     },
 )
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")

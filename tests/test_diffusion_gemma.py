@@ -80,7 +80,6 @@ def reference_logits(model, prompt, canvases, sc_logits=None):
     by the encoder, the last one denoised by the decoder."""
     from transformers import DynamicCache
 
-    cap = model.config.text_config.final_logit_softcapping
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     with torch.no_grad():
         model.model.encoder(input_ids=torch.tensor([prompt]), cache=cache)
@@ -91,7 +90,6 @@ def reference_logits(model, prompt, canvases, sc_logits=None):
             cache=cache,
             self_conditioning_logits=None if sc_logits is None else sc_logits[None],
         )
-    del cap
     return out.logits[0]
 
 
@@ -230,7 +228,7 @@ def test_generate_gives_transformers_tokens_and_forwards(float64_pair, tokenizer
             early += ours.nfe < canvases * settings["max_denoising_steps"]
     finally:
         model.stop_token_ids = stops
-    if settings.get("confidence_threshold", 0.005) and settings.get("confidence_threshold", 0.005) > 1:
+    if (settings.get("confidence_threshold") or 0) > 1:  # a bound above any entropy here: it stops
         assert early > 0  # the adaptive stop fired
 
 
@@ -405,7 +403,8 @@ def test_plan_counts_its_active_experts_and_the_pool_it_holds(checkpoint):
     layers, heads, width = model.kv_shape
     assert p.kv_cache_bytes == 2 * layers * heads * width * 100 * 4  # the pool's flattened positions
     expert = model.layers[0].experts_gate_up.numel() + model.layers[0].experts_down.numel()
-    assert p.parameters - p.active_parameters == layers * expert // 4 * (4 - 2)  # 2 of 4 experts run
+    n, active = model.args.n_experts, model.args.n_active_experts
+    assert p.parameters - p.active_parameters == layers * expert // n * (n - active)  # idle experts
 
 
 def test_the_grouped_experts_add_up_as_the_reference_does(checkpoint):

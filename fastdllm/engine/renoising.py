@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import GenerationConfig, selection_rule_name
 from .unmasking import Decision, SelectionRule
 
 
@@ -119,3 +120,33 @@ class RenoisingStrategy:
             signal=signal,
             carry=histories,
         )
+
+
+def check_canvas(model, config: GenerationConfig) -> None:
+    """A family with no mask token (DiffusionGemma) decodes its canvases with their own rule, in
+    its canvas length, with a cache whose windows stay exact; a masked family cannot take that
+    rule. A ValueError names the field (the server answers it with a 400 before anything decodes)."""
+    family = getattr(model, "family", None)
+    noise_canvas = family is not None and family.rules.noise_canvas
+    renoising = selection_rule_name(config) == "entropy_bound"
+    if not noise_canvas:
+        if renoising:
+            raise ValueError("unmasking: entropy_bound renoises a canvas with no mask token (DiffusionGemma's)")
+        return
+    canvas = model.args.extra["canvas_length"]
+    for ok, name, why in (
+        (renoising, "unmasking", "must be entropy_bound: this model has no mask token"),
+        (config.block_length == canvas, "block_length", f"must be the model's canvas_length, {canvas}"),
+        (config.cache in ("none", "prefix", "dual"), "cache", "must be none, prefix or dual for this model"),
+        (
+            config.cache == "none" or config.refresh in ("full", "vicinity"),
+            "refresh",
+            "must be full or vicinity: the next canvas's first forward commits this one as the encoder does",
+        ),
+        (config.suffix_window == 0, "suffix_window", "must be 0: nothing after a canvas is part of a forward"),
+        (not config.fixed, "fixed", "not with a canvas that every step rewrites"),
+        (config.suffix is None, "suffix", "not with this model: a canvas attends only to what is before it"),
+        (config.parallel_blocks == 1, "parallel_blocks", "must be 1 for this model"),
+    ):
+        if not ok:
+            raise ValueError(f"{name}: {why} (got {getattr(config, name)!r})")

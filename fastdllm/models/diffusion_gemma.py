@@ -33,9 +33,8 @@ from torch import nn
 
 from .args import ModelArgs
 from .family import ConfigField, DecodingRules, Family, WeightNames
-from .kv_cache import KVCache
 from .moe import _grouped_mm_ok, expert_linear
-from .transformer import Transformer
+from .transformer import Transformer, rope_tables_of
 
 MODEL_TYPE = "diffusion_gemma"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -205,14 +204,6 @@ class GemmaLayer(nn.Module):
         return x * scalar
 
 
-def _rope_tables(
-    inv_freq: torch.Tensor, max_len: int, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:  # (max_len, head_dim), float32
-    freqs = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
 def _inv_freq(head_dim: int, theta: float, rotary: float | None, device=None) -> torch.Tensor:
     """Default RoPE (rotary None) over the whole head, or Gemma 4's proportional RoPE: the first
     `rotary` share of the frequencies as the whole head's, the rest 0 (those dims pass through)."""
@@ -248,7 +239,7 @@ class DiffusionGemma(Transformer):
             ("sliding", a.head_dim, a.rope_theta, None),
             ("full", e["full_head_dim"], e["full_rope_theta"], e["full_rotary"]),
         ):
-            cos, sin = _rope_tables(_inv_freq(head, theta, rotary, device), a.max_seq_len, device)
+            cos, sin = rope_tables_of(_inv_freq(head, theta, rotary, device), a.max_seq_len, device)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
             self.register_buffer(f"{name}_sin", sin, persistent=False)
 
@@ -258,10 +249,6 @@ class DiffusionGemma(Transformer):
         (sliding and full layers differ in heads and head width)."""
         e, a = self.args.extra, self.args
         return (a.n_layers, 1, max(a.n_kv_heads * a.head_dim, e["full_kv_heads"] * e["full_head_dim"]))
-
-    def new_cache(self, batch: int, length: int) -> KVCache:
-        layers, heads, width = self.kv_shape
-        return KVCache(layers, batch, heads, length, width, dtype=self.dtype, device=self.device)
 
     @property
     def embed_scale(self) -> torch.Tensor:
@@ -316,10 +303,21 @@ class DiffusionGemma(Transformer):
         is recomputed as the encoder commits it by the next block's first forward (`cache="dual"`
         with the vicinity or full refresh, `"prefix"`, `"none"`)."""
         del compiled, block_size, batch_invariant
+        if any(start >= hi for _, _, hi, _, start in windows):
+            raise ValueError("windows: each must hold a canvas (start < hi)")
+        h, out, offset = self._hidden(x, windows, cache, embeds), [], 0
+        for _, lo, hi, _, start in windows:
+            out.append(self.head(h[offset + start - lo : offset + hi - lo]))
+            offset += hi - lo
+        return out
+
+    def _hidden(self, x: torch.Tensor, windows, cache, embeds) -> torch.Tensor:
+        """Final-norm hidden states (N, dim) of the windows packed end to end (`packed_logits`); a
+        window whose canvas starts at its end is the encoder's causal pass alone."""
         tokens, canvas, positions, full, sliding, signal = [], [], [], [], [], []
         offset, dev = 0, x.device
         for row, lo, hi, keys, start in windows:
-            if not lo <= start < hi <= keys:
+            if not lo <= start <= hi <= keys:
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not hold a canvas from {start}")
             f, s = self._masks(lo, hi, keys, start, dev)
             full.append((row, lo, offset, hi - lo, keys, f[None, None]))
@@ -344,12 +342,7 @@ class DiffusionGemma(Transformer):
         for i, (layer, kind) in enumerate(zip(self.layers, self.args.extra["layer_types"])):
             cos, sin, segments = tables[kind]
             h = layer(h, cos, sin, segments, canvas, None if cache is None else cache.layer(i))
-        h = self.norm(h)[0]
-        out, offset = [], 0
-        for _, lo, hi, _, start in windows:
-            out.append(self.head(h[offset + start - lo : offset + hi - lo]))
-            offset += hi - lo
-        return out
+        return self.norm(h)[0]
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, batch_invariant: bool = False
@@ -357,27 +350,9 @@ class DiffusionGemma(Transformer):
         """The encoder's causal pass: logits (B, L, V) of each whole sequence (no padding)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("attention_mask: DiffusionGemma's forward takes unpadded sequences")
-        n = input_ids.shape[1]
-        windows = [(i, 0, n, n, n) for i in range(input_ids.shape[0])]
-        h = self._hidden_causal(input_ids, windows)
-        return self.head(h).view(input_ids.shape[0], n, -1)
-
-    def _hidden_causal(self, x: torch.Tensor, windows) -> torch.Tensor:
-        n = x.shape[1]
-        full, sliding = self._masks(0, n, n, n, x.device)
-        segs_full = [(i, 0, i * n, n, n, full[None, None]) for i in range(x.shape[0])]
-        segs_sliding = [(i, 0, i * n, n, n, sliding[None, None]) for i in range(x.shape[0])]
-        positions = torch.arange(n, device=x.device).repeat(x.shape[0])
-        canvas = torch.zeros(positions.shape[0], dtype=torch.bool, device=x.device)
-        h = self.embed(x.reshape(-1))[None]
-        tables = {
-            SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions], segs_sliding),
-            FULL: (self.full_cos[positions], self.full_sin[positions], segs_full),
-        }
-        for layer, kind in zip(self.layers, self.args.extra["layer_types"]):
-            cos, sin, segments = tables[kind]
-            h = layer(h, cos, sin, segments, canvas)
-        return self.norm(h)[0]
+        bsz, n = input_ids.shape
+        h = self._hidden(input_ids, [(i, 0, n, n, n) for i in range(bsz)], None, None)
+        return self.head(h).view(bsz, n, -1)
 
 
 # ---- the checkpoint: transformers' config.json and weight names ------------------------------------

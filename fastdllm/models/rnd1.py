@@ -10,7 +10,7 @@ are: the output at position i predicts token i + 1.
 
 Its decoding (`rnd/sampling.py`, `diffusion_sample`) is the `rnd1` preset (`GenerationConfig.rnd1`):
 the answer is one block decoded with no cache, each step revealing the masked positions of lowest
-entropy on a schedule (`unmasking.RND1Schedule`, `unmasking.RND1Proposal`); a checkpoint of this
+entropy on a schedule (`engine.rnd1.RND1Schedule`, `engine.rnd1.RND1Proposal`); a checkpoint of this
 family decodes so unless told otherwise. Its sequence always ends with one pad token after the
 answer (and after a suffix), which the model sees: the reference reserves the last of its
 `max_new_tokens` positions for it, so our `gen_length` N is its `max_new_tokens` N + 1.

@@ -47,6 +47,11 @@ class RMSNorm(nn.Module):
 def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (max_len, head_dim) in fp32, half-split layout (rotate_half)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    return rope_tables_of(inv_freq, max_len, device)
+
+
+def rope_tables_of(inv_freq: torch.Tensor, max_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (max_len, 2 * len(inv_freq)) in fp32 of given inverse frequencies."""
     t = torch.arange(max_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -313,8 +318,8 @@ class Transformer(nn.Module):
         return self.args.mask_token_id
 
     def new_cache(self, batch: int, length: int) -> KVCache:
-        a = self.args
-        return KVCache(a.n_layers, batch, a.n_kv_heads, length, a.head_dim, dtype=self.dtype, device=self.device)
+        layers, heads, width = self.kv_shape
+        return KVCache(layers, batch, heads, length, width, dtype=self.dtype, device=self.device)
 
     # ---- forward passes -------------------------------------------------------------------
     def compiled_layers(self) -> list:
