@@ -74,6 +74,7 @@ SELECTION_RULES = Registry(
         "left_to_right": f"{_UNMASKING}:LeftToRight",
         "rnd1": "fastdllm.engine.rnd1:RND1Schedule",
         "entropy_bound": "fastdllm.engine.renoising:EntropyBound",
+        "wedlm": "fastdllm.engine.wedlm:WeDLMRule",
     },
 )
 # A model family's own proposal (`DecodingRules.proposal`).
@@ -210,6 +211,18 @@ class GenerationConfig:
         "optional float",
         "unmasking=entropy_bound: a canvas may stop once its mean entropy (nats) is below this "
         "(none: every canvas takes max_denoising_steps)",
+        row=True,
+    )
+    window_size: int = _opt(
+        16,
+        "int",
+        "unmasking=wedlm: a step reveals only among this many positions from the first masked one "
+        "(WeDLM's sliding window)",
+    )
+    pos_penalty_factor: float = _opt(
+        0.02,
+        "float",
+        "unmasking=wedlm: a masked position's entropy is raised by this per position after the window's first mask",
         row=True,
     )
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token", row=True)
@@ -485,6 +498,18 @@ class GenerationConfig:
         return cls._published(overrides, **fields)
 
     @classmethod
+    def wedlm(cls, **overrides) -> GenerationConfig:
+        """WeDLM's decoding (Tencent/WeDLM's engine with the settings of its evaluation scripts): a
+        window of the 16 positions from the first masked one; each step reveals the window's masks
+        whose entropy plus 0.02 per position after its first mask is under 0.4 (at least the lowest),
+        greedily; a token is final once every position before it is revealed, and its K/V join an
+        exact prefix cache (the model's attention is causal, its masks after its tokens). Gen length
+        256 (its `max_tokens`)."""
+        fields = dict(unmasking="wedlm", threshold=0.4, block_length=1, cache="prefix", suffix_window=0)
+        fields.update(refresh="vicinity", window_size=16, pos_penalty_factor=0.02, temperature=0.0)
+        return cls._published(overrides, **fields)
+
+    @classmethod
     def _dream_coder(cls, overrides: dict, temperature: float, gen_length: int) -> GenerationConfig:
         """Dream's own `diffusion_generate` as a coder's card runs it: the answer as one block with
         no cache, a step per token, Dream's timesteps revealing the lowest-entropy positions
@@ -522,7 +547,7 @@ class GenerationConfig:
     @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
         """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "d3llm", "dmax",
-        "rnd1", "diffusion_gemma", "diffucoder", "dream-coder")."""
+        "rnd1", "diffusion_gemma", "diffucoder", "dream-coder", "wedlm")."""
         if name not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {name!r})")
         return getattr(cls, PRESETS[name])(**overrides)
@@ -640,6 +665,12 @@ class GenerationConfig:
         return self.gen_length // self.block_length
 
     @property
+    def columns_past_answer(self) -> int:
+        """Masked positions after the answer that decoding may reveal (and the answer attend to):
+        WeDLM's window runs `window_size - 1` past the answer's last position."""
+        return self.window_size - 1 if self.unmasking == "wedlm" else 0
+
+    @property
     def total_steps(self) -> int:
         return self.gen_length if self.steps is None else self.steps
 
@@ -749,7 +780,7 @@ class GenerationConfig:
                 "confidence_threshold",
                 "must be > 0 or None",
             )
-        if self.threshold is not None and self.unmasking == "entropy":  # an entropy, in nats
+        if self.threshold is not None and self.unmasking in ("entropy", "wedlm"):  # an entropy, in nats
             need(is_num(self.threshold) and 0 < self.threshold < float("inf"), "threshold", "must be > 0 (nats)")
         elif self.threshold is not None:
             need(is_num(self.threshold) and 0 < self.threshold <= 1, "threshold", "must be in (0, 1] or None")
@@ -768,6 +799,23 @@ class GenerationConfig:
             "threshold",
             "unmasking=entropy needs a threshold (an entropy, in nats)",
         )
+        need(is_int(self.window_size) and self.window_size >= 1, "window_size", "must be a positive integer")
+        need(
+            is_num(self.pos_penalty_factor) and finite(self.pos_penalty_factor) and self.pos_penalty_factor >= 0,
+            "pos_penalty_factor",
+            "must be a finite number >= 0",
+        )
+        if self.unmasking == "wedlm":  # its window moves one position at a time: blocks of one
+            need(
+                self.block_length == 1,
+                "block_length",
+                "must be 1 with unmasking=wedlm (its window slides by positions)",
+            )
+            need(
+                self.parallel_blocks == 1,
+                "parallel_blocks",
+                "must be 1 with unmasking=wedlm (its window is window_size)",
+            )
         need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
         if self.alg_temp is not None:
             need(
@@ -994,6 +1042,7 @@ PRESETS = {
     "diffusion_gemma": "diffusion_gemma",
     "diffucoder": "diffucoder",
     "dream-coder": "dream_coder",
+    "wedlm": "wedlm",
 }
 
 

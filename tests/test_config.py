@@ -60,6 +60,8 @@ BAD = {
     "t_min": -0.1,
     "t_max": 0.2,
     "stability_threshold": -1,
+    "window_size": 0,
+    "pos_penalty_factor": -0.1,
     "confidence_threshold": 0,
 }
 

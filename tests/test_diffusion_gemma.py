@@ -311,7 +311,7 @@ def test_the_server_decodes_it_and_refuses_what_it_cannot_do(checkpoint, tokeniz
     server = LiveServer(model, tokenizer, defaults=config)
     try:
         name = MODEL
-        for field, value in (("cache", "delayed"), ("suffix", " The end.")):
+        for field, value in (("cache", "delayed"), ("suffix", " The end."), ("preset", "wedlm")):
             r = server.post("/v1/completions", {"model": name, "prompt": "Q", "max_tokens": 4, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         r = server.post("/v1/completions", {"model": name, "prompt": "Q", "max_tokens": 4, "logprobs": 2})

@@ -32,6 +32,11 @@ modeling file) in its own interpreter, on our checkpoints saved in the real layo
   tiny seeded mixture-of-experts checkpoint its classes load strictly: set FASTDLLM_RND1_REFERENCE
   to a vz415/RND1 checkout at 520473c (upstream's last merge) and FASTDLLM_RND1_PYTHON to an
   interpreter with transformers==4.57.1, accelerate and torch;
+- WeDLM's engine decoder (`wedlm/engine/wedlm_decoder.py` and its `Sampler`, driven as its model
+  runner drives them, on the CPU) with its transformers model (`hf_compat/modeling_wedlm.py`), on
+  tiny seeded checkpoints in its Qwen2.5 and Qwen3 layouts: set FASTDLLM_WEDLM_REFERENCE to a
+  Tencent/WeDLM checkout and FASTDLLM_WEDLM_PYTHON to an interpreter with transformers==4.57.1 and
+  torch;
 - DMax's step, `ThresholdParallelDecoder.decode_uniform` of its vendored dInfer (`dInfer/python/
   dinfer/decoding/parallel_strategy.py`, pure PyTorch: loaded here without the package, whose other
   modules need vLLM), on the same logits as our policies: set FASTDLLM_DMAX_REFERENCE to a
@@ -851,3 +856,103 @@ def test_rnd1_decodes_as_its_published_sampler(tiny_rnd1, tokenizer, tmp_path, p
         assert ours.nfe == ref["nfe"], (c, ours.nfe, ref["nfe"])
         sampled += c["temperature"] > 0
     assert sampled > 0
+
+
+WEDLM_CHECKOUT = os.environ.get("FASTDLLM_WEDLM_REFERENCE")
+WEDLM_PYTHON = os.environ.get("FASTDLLM_WEDLM_PYTHON")
+WEDLM_RUNNER = Path(__file__).parent / "reference" / "wedlm_decode.py"
+WEDLM_LIVE = bool(
+    WEDLM_CHECKOUT and WEDLM_PYTHON and Path(WEDLM_CHECKOUT, "wedlm", "engine", "wedlm_decoder.py").exists()
+)
+# its published settings (window 16, entropy under 0.4, 0.02 per position, greedy, stopping at EOS);
+# thresholds that reveal many positions at once, none (one position per step), a steep penalty,
+# windows of 4 and 1 (autoregressive), an answer shorter than the window; sampled, with its top-k
+# and top-p
+_WEDLM = dict(gen_length=24, window_size=16, threshold=0.4, pos_penalty_factor=0.02, temperature=0.0, seed=0)
+WEDLM_CONFIGS = [
+    dict(_WEDLM, stop_at_eos=True),
+    dict(_WEDLM, stop_at_eos=False),
+    dict(_WEDLM, threshold=3.0, window_size=4, stop_at_eos=False),
+    dict(_WEDLM, threshold=None, window_size=8, gen_length=20, stop_at_eos=False),
+    dict(_WEDLM, threshold=3.0, pos_penalty_factor=0.5, stop_at_eos=False),
+    dict(_WEDLM, gen_length=6, stop_at_eos=False),
+    dict(_WEDLM, window_size=1, gen_length=12, stop_at_eos=True),
+    dict(_WEDLM, threshold=1.0, temperature=0.8, seed=3, stop_at_eos=False),
+    dict(_WEDLM, threshold=1.0, temperature=0.8, seed=4, top_k=5, stop_at_eos=False),
+    dict(_WEDLM, threshold=1.0, temperature=0.8, seed=5, top_p=0.6, stop_at_eos=True),
+]
+WEDLM_QK_NORM_CONFIGS = [
+    dict(_WEDLM, stop_at_eos=False),
+    dict(_WEDLM, threshold=1.0, temperature=0.8, seed=6, stop_at_eos=True),
+]
+
+
+def wedlm_model(tokenizer, layout: str):
+    """A tiny WeDLM of seeded random weights in its Qwen2.5 layout (q/k/v biases) or its Qwen3
+    layout (q/k norms, a head width of its own), its output head sharpened (many entropies under
+    the thresholds) and EOS made likelier (answers that stop)."""
+    from tests.conftest import random_model
+
+    if layout == "qwen2.5":
+        model = random_model("wedlm", tokenizer, seed=8, n_heads=4, n_kv_heads=2, qkv_bias=True)
+    else:
+        model = random_model("wedlm", tokenizer, seed=9, n_heads=4, n_kv_heads=2, head_size=16, qk_norm=True)
+    with torch.no_grad():
+        model.output.weight.mul_(6.0)
+        model.output.weight[model.args.eos_token_id].mul_(2.0)
+    return model
+
+
+@live_or_recorded(
+    WEDLM_LIVE,
+    "wedlm",
+    "wedlm_qk_norm",
+    reason="set FASTDLLM_WEDLM_REFERENCE (a Tencent/WeDLM checkout) and FASTDLLM_WEDLM_PYTHON",
+)
+@pytest.mark.parametrize("part", PARTS)
+@pytest.mark.parametrize("layout", ["qwen2.5", "qwen3"])
+def test_wedlm_decodes_as_its_engines_decoder(tokenizer, tmp_path, part, layout):
+    """WeDLM's sliding window as its engine decodes (`wedlm_decoder.py`, `sampler.py`, with its own
+    transformers model): the same logits, and the same tokens greedy and sampled under the same
+    seed, with two forwards fewer per answer (its separate prefill, and its forward that only prunes
+    the window's last final tokens: `engine.wedlm`); greedy rows in a batch decode as alone."""
+    model = wedlm_model(tokenizer, layout)
+    folder = save_pretrained(model, tmp_path / "wedlm", tokenizer, dtype=torch.float32)
+    texts = ["Question: 3 + 4 = ? Answer:", "Question: what is 2 + 2?", "Tom has 5 apples and buys 3 more. He has"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    mask = model.mask_token_id
+    # sequences with no mask before a token: plain causal attention in both (the reference's forward)
+    sequences = [p + p[:4] + [mask] * 5 for p in prompts]
+    configs = WEDLM_CONFIGS if layout == "qwen2.5" else WEDLM_QK_NORM_CONFIGS
+    fixture = "wedlm" if layout == "qwen2.5" else "wedlm_qk_norm"
+    spec = {"logits": sequences, "prompts": prompts, "configs": configs}
+    code = WEDLM_CHECKOUT if WEDLM_LIVE else None
+    theirs = list(_reference_runs(WEDLM_PYTHON, WEDLM_RUNNER, code, folder, spec, fixture))
+    live = _LIVE_RESULTS.get((fixture, weights_digest(folder)))
+    for seq, logits in zip(sequences, live["logits"] if live else ()):
+        ours = model(torch.tensor([seq]))[0]
+        assert torch.allclose(ours, torch.tensor(logits), atol=1e-4, rtol=1e-4), (
+            (ours - torch.tensor(logits)).abs().max()
+        )
+    eos = model.args.eos_token_id
+    runs = iter(theirs)
+    stopped = parallel = 0
+    for c, prompt, ref in compared(configs, prompts, runs, part):
+        config = GenerationConfig.wedlm(**c)
+        ours = fastdllm.generate(model, [prompt], config=config)
+        tokens = ours.sequences[0].tolist()
+        n = len(ref["tokens"])
+        assert tokens[:n] == ref["tokens"], (c, prompt)
+        assert tokens[n:] == [eos] * (c["gen_length"] - n)  # after a stop: EOS
+        assert ours.nfe == ref["nfe"] - 2, (c, ours.nfe, ref["nfe"])
+        stopped += n < c["gen_length"]
+        parallel += max(ours.tokens_per_step[0]) > 1
+    if part == "all" and layout == "qwen2.5":
+        assert stopped and parallel  # some answers stopped at EOS, some steps revealed several positions
+        # greedy rows in one batch: each as the reference decoded it alone
+        for k, c in enumerate(configs):
+            refs = theirs[k * len(prompts) : (k + 1) * len(prompts)]
+            if c["temperature"] == 0:
+                batch = fastdllm.generate(model, prompts, config=GenerationConfig.wedlm(**c))
+                for row, ref in zip(batch.sequences.tolist(), refs):
+                    assert row[: len(ref["tokens"])] == ref["tokens"], c

@@ -21,7 +21,16 @@ import pytest
 from .conftest import REPO
 
 WORKER = Path(__file__).parent / "distributed" / "tp_worker.py"
-FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe", "tiny_rnd1"]
+FAMILIES = [
+    "tiny_llada",
+    "tiny_dream",
+    "tiny_sdar",
+    "tiny_v2",
+    "tiny_llada2",
+    "tiny_llada_moe",
+    "tiny_rnd1",
+    "tiny_wedlm",
+]
 QUESTION = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
 
 

@@ -63,7 +63,8 @@ def layout_columns(prompt_length: int, config: GenerationConfig) -> int:
     cache): its prompt, region (one block more where a block-causal prompt ends inside a block)
     and suffix, and the columns a step reads past it."""
     suffix = len(config.suffix) if config.suffix is not None else 0  # text: about its length in tokens
-    return prompt_length + config.gen_length + suffix + config.block_length * (1 + config.parallel_blocks)
+    past = config.columns_past_answer
+    return prompt_length + config.gen_length + past + suffix + config.block_length * (1 + config.parallel_blocks)
 
 
 def decision_key(config: GenerationConfig) -> GenerationConfig:
@@ -153,6 +154,12 @@ class Row:
         return a_lo, max(a_lo, a_hi), a_lo - lo, max(a_lo, a_hi) - lo
 
     @property
+    def answered(self) -> bool:
+        """Whether the blocks before its current one hold its whole answer (its region may run
+        past it: `lead_tokens`, `GenerationConfig.columns_past_answer`)."""
+        return self.block * self.config.block_length >= self.lead + self.asked
+
+    @property
     def done(self) -> bool:
         return self.answer is not None
 
@@ -231,7 +238,7 @@ def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
     if masked and ((ids == model.mask_token_id) & mask).any():
         raise ValueError(f"input_ids: a prompt contains the mask token (id {model.mask_token_id})")
     suffix = 0 if config.suffix is None else len(config.suffix)
-    suffix += int(family is not None and family.rules.closing_token is not None)
+    suffix += int(family is not None and family.rules.closing_token is not None) + config.columns_past_answer
     if ids.shape[1] + config.gen_length + suffix > model.args.max_seq_len:
         raise ValueError(
             f"gen_length: prompt ({ids.shape[1]} tokens) + gen_length ({config.gen_length})"
@@ -447,6 +454,9 @@ class BlockDecoder:
     def _row(self, prompt, config, generator, tag) -> Row:
         blk = self.config.block_length
         lead = len(prompt) % blk if self.model.args.block_size else 0
+        if config.columns_past_answer:  # a region past the answer, which decoding reveals and reads
+            region = config.replace(gen_length=config.gen_length + config.columns_past_answer, steps=None)
+            return Row(prompt, region, generator, tag, asked=config.gen_length)
         if not lead:
             return Row(prompt, config, generator, tag, asked=config.gen_length)
         region = config.replace(
@@ -736,7 +746,7 @@ class BlockDecoder:
                     r.block_logprobs[r.block] = window_logprobs[k * blk + b_lo : k * blk + b_hi]
                 r.block += 1
                 k += 1
-                if r.finished or r.block == r.num_blocks or k > h[3]:
+                if r.finished or r.answered or k > h[3]:
                     break
                 r.unrefreshed += 1  # revealed whole while it was a later block: no forward of its own
                 r.finished = (
@@ -744,7 +754,7 @@ class BlockDecoder:
                     and r.block >= r.stop_block
                     and any(t in self.stop_set for t in tokens[k * blk : (k + 1) * blk])
                 )
-            if r.finished or r.block == r.num_blocks:
+            if r.finished or r.answered:
                 self._leave(i, r)
             else:
                 r.step = 0

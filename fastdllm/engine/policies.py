@@ -3,7 +3,8 @@
 `policies_for(model, config)` turns a config into the loop's two policy objects: the cache
 policy (`cache_policies`: which window each step recomputes, and its refresh rule) and the
 unmasking strategy (`unmasking`: the proposal and the selection rule; `renoising` for a canvas with
-no mask token), with the model family's own rules applied (Dream's block start with a cache).
+no mask token, `wedlm` for WeDLM's sliding window), with the model family's own rules applied
+(Dream's block start with a cache).
 Callers that bring their own objects pass them one way, as `policies=`, wherever a config goes
 (`generate`, `iter_generate`, `stream_blocks`, `evaluate`, the server's scheduler): a `Policies`
 bundle, where a field left None is the one the config names (`Policies(cache=MyCache(model))`), or a
@@ -19,6 +20,7 @@ from ..config import GenerationConfig, selection_rule_name
 from .cache_policies import CachePolicy, cache_policy, configure
 from .renoising import RenoisingStrategy
 from .unmasking import UnmaskingStrategy
+from .wedlm import WeDLMStrategy
 
 
 @dataclass
@@ -43,6 +45,8 @@ def policies_for(
     cache = configure(cache, model, config) if cache is not None else cache_policy(model, config)
     if strategy is None and selection_rule_name(config) == "entropy_bound":  # a canvas with no mask
         strategy = RenoisingStrategy.from_config(config)
+    if strategy is None and selection_rule_name(config) == "wedlm":  # a sliding window
+        strategy = WeDLMStrategy.from_config(config)
     if strategy is None:
         family = getattr(model, "family", None)
         strategy = UnmaskingStrategy.from_config(config, family.rules if family is not None else None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import diffusion_gemma, dream, fast_dllm_v2, llada, llada2, llada_moe, rnd1, sdar
+from . import diffusion_gemma, dream, fast_dllm_v2, llada, llada2, llada_moe, rnd1, sdar, wedlm
 from .family import Family
 from .transformer import ModelArgs, Transformer
 
@@ -17,6 +17,7 @@ FAMILIES: dict[str, Family] = {
         llada_moe.FAMILY,
         rnd1.FAMILY,
         diffusion_gemma.FAMILY,
+        wedlm.FAMILY,
     )
 }
 # Other model_type spellings of a family.
@@ -51,4 +52,5 @@ __all__ = [
     "llada_moe",
     "rnd1",
     "sdar",
+    "wedlm",
 ]

@@ -26,6 +26,9 @@ class ModelArgs:
     head_size: int = 0  # the width of one head where a config sets it (Qwen3); 0: dim // n_heads
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     block_size: int = 0  # block-causal attention in blocks of this many positions; 0: bidirectional
+    # With block_size 1 (causal): every [MASK] is ordered after every token, so a mask attends to all
+    # tokens and the masks before it, a token to no mask (WeDLM's topological reordering).
+    masks_last: bool = False
     fused_qkv: bool = False  # one q/k/v projection (LLaDA2's query_key_value), split by heads
     rope_dim: int = 0  # RoPE rotates the first rope_dim dims of each head (partial rotary); 0: all
     # A mixture of experts in every layer from `first_dense_layers` on (0 experts: dense MLPs only).

@@ -395,7 +395,10 @@ class Transformer(nn.Module):
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not cover logits for [{start}, {hi})")
             cols = torch.arange(lo, hi, device=x.device)
             mask = None
-            if self.args.block_size and lo // bs < (keys - 1) // bs:  # else every query sees every key
+            if self.args.masks_last:
+                order = self.attention_order(x[row, : max(keys, hi)], torch.arange(max(keys, hi), device=x.device))
+                mask = order[None, :keys] <= order[lo:hi, None]
+            elif self.args.block_size and lo // bs < (keys - 1) // bs:  # else every query sees every key
                 mask = (torch.arange(keys, device=x.device) // bs)[None, :] <= (cols // bs)[:, None]
             segments.append(Segment(row, lo, hi, keys, offset, mask))
             tokens.append(x[row, lo:hi])
@@ -424,6 +427,13 @@ class Transformer(nn.Module):
             out = self.head(torch.cat(picks))
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
 
+    def attention_order(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Where each token comes in causal attention's order: its position, or with `masks_last`
+        after every token for a [MASK] (positions kept among masks), as WeDLM reorders them."""
+        if not self.args.masks_last:
+            return positions
+        return positions + (tokens == self.mask_token_id) * (1 << 40)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
 
@@ -447,6 +457,8 @@ class Transformer(nn.Module):
         window's first `keep` hidden states (B, keep, V): with shifted logits the window starts one
         column before the block."""
         key_mask = key_ok[:, None, None, :]
+        if self.args.masks_last:
+            raise ValueError("cuda_graphs: not with a model whose masks attend last (WeDLM)")
         if self.args.block_size:
             key_mask = block_causal_mask(positions, key_positions, block_size or self.args.block_size, key_mask)
         return self.head(self.hidden(tokens, positions, key_mask, cache, start)[:, :keep])
@@ -475,7 +487,8 @@ class Transformer(nn.Module):
         positions = positions_from_mask(attention_mask, bsz, length, input_ids.device)
         key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         if self.args.block_size:
-            key_mask = block_causal_mask(positions, positions, self.args.block_size, key_mask)
+            order = self.attention_order(input_ids, positions)
+            key_mask = block_causal_mask(order, order, self.args.block_size, key_mask)
         with BatchInvariant() if batch_invariant else contextlib.nullcontext():
             return self.head(self.hidden(input_ids, positions, key_mask, batch_invariant=batch_invariant))
 
@@ -519,7 +532,8 @@ class Transformer(nn.Module):
         if positions is None:
             positions = positions_from_mask(None, bsz, length, x.device)
         if self.args.block_size:  # the keys are the whole sequence: the window's, or the cache's
-            key_mask = block_causal_mask(positions[:, ws:we], positions, block_size or self.args.block_size, key_mask)
+            order = self.attention_order(x, positions)
+            key_mask = block_causal_mask(order[:, ws:we], order, block_size or self.args.block_size, key_mask)
         with BatchInvariant() if batch_invariant else contextlib.nullcontext():
             h = self.hidden(
                 x[:, ws:we],

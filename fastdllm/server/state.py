@@ -80,7 +80,12 @@ class Server:
         d = settings.defaults
         server_wide = {"compile": d.compile, "deterministic": d.deterministic}
         # Named presets fitted to the model's family; tuned ones were made for it and stay as written.
-        self.presets = {name: GenerationConfig.preset(name).fit_to_model(model) for name in PRESETS}
+        self.presets, self.unfit = {}, {}  # presets that cannot decode this model: why not
+        for name in PRESETS:
+            try:
+                self.presets[name] = GenerationConfig.preset(name).fit_to_model(model)
+            except ValueError as e:  # WeDLM's one-position blocks on a block-causal model, say
+                self.unfit[name] = str(e)
         self.presets.update(settings.presets)
         self.presets = {name: c.replace(**server_wide) for name, c in self.presets.items()}
         self.warmed, self.warm_error = False, None  # set by the app's warm-up decode
@@ -129,6 +134,13 @@ class Server:
         server's defaults, or the preset it names, with the request's own fields."""
         base = self.settings.defaults
         if req.preset is not None:
+            if req.preset in self.unfit and req.preset not in self.presets:
+                raise APIError(
+                    400,
+                    f"preset: {req.preset!r} does not apply to this model ({self.unfit[req.preset]})",
+                    param="preset",
+                    code="invalid_value",
+                )
             if req.preset not in self.presets:
                 raise APIError(
                     400,

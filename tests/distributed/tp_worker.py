@@ -31,6 +31,7 @@ FIXTURES = {
     "tiny_llada2": ("llada2_moe", dict(seed=5, n_heads=2, n_kv_heads=1, block_size=8)),
     "tiny_llada_moe": ("lladamoe", dict(seed=6, router_bias=True)),
     "tiny_rnd1": ("rnd1", dict(seed=7, n_kv_heads=1)),
+    "tiny_wedlm": ("wedlm", dict(seed=8, n_heads=4, n_kv_heads=2, qkv_bias=True)),
 }
 
 
