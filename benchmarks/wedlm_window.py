@@ -1,7 +1,7 @@
 """WeDLM's sliding window against one token per forward on the same model, and against its own
 decoder.
 
-    python benchmarks/wedlm_window.py [--dim 256 --layers 4] [--sharpen 6] [--prompts 8] [--gen 64]
+    python benchmarks/wedlm_window.py [--dim 256 --layers 4] [--sharpen 30] [--prompts 8] [--gen 64]
         [--threads 2] [--reference-python PY --reference CHECKOUT] [--out FILE]
 
 A random checkpoint in WeDLM's Qwen2.5 layout (float32), its output head multiplied by `--sharpen`
@@ -63,7 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--sharpen", type=float, default=6.0)
+    p.add_argument("--sharpen", type=float, default=30.0)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -111,7 +111,7 @@ def main() -> None:
             )
     base = results["wedlm, one at a time"]["tokens"]
     same_cache = results["wedlm, no cache, one at a time"]["tokens"] == base
-    same_batch = results["wedlm, batch of %d" % len(prompts)]["tokens"] == base
+    same_batch = results[f"wedlm, batch of {len(prompts)}"]["tokens"] == base
     summary = {
         "model": {"dim": a.dim, "layers": a.layers, "sharpen": a.sharpen, "vocab": model.args.vocab_size},
         "prompts": len(prompts),
