@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..text.tokenizer import Tokenizer, load_tokenizer
-from . import Transformer, family_of
+from . import FAMILIES, Transformer, family_of
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "embedded" / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
@@ -175,6 +175,47 @@ def checkpoint_dtype(config: dict) -> torch.dtype:
     """The dtype a config.json says its weights are in (`torch_dtype`; transformers 5 writes
     `dtype`), float32 where it says none."""
     return DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.float32)
+
+
+def _check_mask_token(config: dict, tokenizer: Tokenizer, where: str) -> None:
+    family = family_of(config, where)
+    mask_id = family.args_from_config(config, where).mask_token_id
+    if mask_id >= tokenizer.vocab_size or tokenizer.fast.id_to_token(mask_id) is None:
+        raise ValueError(
+            f"{where}: mask_token_id {mask_id} is not a token of the tokenizer "
+            f"(vocabulary of {tokenizer.vocab_size}; {family.name} masks with "
+            f"{family.special_tokens.get('mask_token_id')!r})"
+        )
+
+
+def load_gguf(path: Path, dtype=None, device="cpu") -> tuple[Transformer, Tokenizer]:
+    """A GGUF file's model and tokenizer (`models.gguf`): its tensors dequantized into the family's
+    model, in `dtype` ("auto": the file's float type where the device computes it natively)."""
+    from . import gguf
+
+    f = gguf.GGUFFile(path)
+    tensors = {t.name: [int(n) for n in t.shape] for t in f.reader.tensors}
+    model_type, args = gguf.read_args(f, tensors)
+    family = FAMILIES[model_type]
+    config = family.config_from_args(args)
+    where = f"{path} (general.architecture {f.arch})"
+    tokenizer = gguf.read_tokenizer(f)
+    _check_mask_token(config, tokenizer, where)
+    model = build_model(config, where)
+    wanted = resolve_dtype(dtype)
+    if wanted is None:
+        wanted, model.dtype_note = auto_dtype(gguf.file_dtype(f), device)
+    config["torch_dtype"] = str(gguf.file_dtype(f)).removeprefix("torch.")
+    state = gguf.read_state(f, args, model_type, wanted)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if expected != got:
+        wrong = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
+        raise ValueError(f"{where}: tensors do not match the model its metadata describes: {wrong[:5]}")
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
+    model.gguf_types = f.tensor_types
+    model.setup_rope(torch.device(device))
+    return model.eval().requires_grad_(False), tokenizer
 
 
 def build_model(config: dict, where: str = "config.json", device="meta") -> Transformer:
@@ -401,23 +442,25 @@ def load(
         raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(QUANTIZE)}")
     if quantize is None and (group_size is not None or quantize_head):
         raise ValueError(f"{'group_size' if group_size is not None else 'quantize_head'}: only with quantize")
-    folder = resolve_model_path(path_or_repo_id, revision=revision, local_files_only=local_files_only, token=token)
-    if path_or_repo_id is None and not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"the embedded default model is missing from the package ({folder})")
-    config = read_config(folder)
-    args = family_of(config, str(folder / "config.json")).args_from_config(config, str(folder / "config.json"))
-    tokenizer = load_tokenizer(folder)
-    mask_id = args.mask_token_id
-    if mask_id >= tokenizer.vocab_size or tokenizer.fast.id_to_token(mask_id) is None:
-        family = family_of(config)
-        raise ValueError(
-            f"{folder / 'config.json'}: mask_token_id {mask_id} is not a token of the tokenizer "
-            f"(vocabulary of {tokenizer.vocab_size}; {family.name} masks with "
-            f"{family.special_tokens.get('mask_token_id')!r})"
-        )
     if ep != 1 and (tp is None or ep != tp[1]):
         raise ValueError(f"ep: must be 1 or the number of tensor-parallel ranks ({1 if tp is None else tp[1]})")
-    model = load_model(folder, dtype=dtype, device="cpu" if quantize else device, tp=tp, ep=ep, ep_dispatch=ep_dispatch)
+    from .gguf import is_gguf
+
+    if is_gguf(path_or_repo_id):
+        if tp is not None and tp[1] > 1:
+            raise ValueError("tp: not with a GGUF file (convert it: load it and save_pretrained, then split that)")
+        model, tokenizer = load_gguf(Path(path_or_repo_id), dtype=dtype, device="cpu" if quantize else device)
+        folder = Path(path_or_repo_id).parent
+    else:
+        folder = resolve_model_path(path_or_repo_id, revision=revision, local_files_only=local_files_only, token=token)
+        if path_or_repo_id is None and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"the embedded default model is missing from the package ({folder})")
+        config = read_config(folder)
+        tokenizer = load_tokenizer(folder)
+        _check_mask_token(config, tokenizer, str(folder / "config.json"))
+        model = load_model(
+            folder, dtype=dtype, device="cpu" if quantize else device, tp=tp, ep=ep, ep_dispatch=ep_dispatch
+        )
     if adapters:
         from .lora import merge_adapter
 
@@ -438,13 +481,13 @@ def load(
         model.setup_rope(device)
     model.stop_token_ids = sorted(set(tokenizer.stop_token_ids()) | {model.args.eos_token_id})
     gen_path = folder / "generation_config.json"
-    if gen_path.is_file():
+    if gen_path.is_file() and not is_gguf(path_or_repo_id):
         try:
             model.generation_config = json.loads(gen_path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{gen_path}: not valid JSON ({e})") from None
     model.name_or_path = str(path_or_repo_id) if path_or_repo_id is not None else "fastdllm/llada-arith"
-    model.decoding = recognized_decoding(model.name_or_path, config) or model.decoding
+    model.decoding = recognized_decoding(model.name_or_path, model.config) or model.decoding
     return model, tokenizer
 
 

@@ -1,0 +1,218 @@
+"""GGUF files (llama.cpp's format) in: the model, its tokenizer and its chat template, read with the
+`gguf` package.
+
+A file of an architecture llama.cpp writes for a family we run (`ARCHITECTURES`: LLaDA, Dream)
+becomes the family's model (its sizes from the file's metadata) and state dict (llama.cpp's tensor
+names mapped onto ours). Every tensor
+is dequantized at load by `gguf.quants` (F32, F16 and BF16 exactly; Q8_0, Q4_0, the K-quants to
+float32 within their format's error), then held in the dtype asked for; `quantize=` may quantize
+it again into our int8/int4 layers. LLaDA's converter permutes the rows of q and k for llama.cpp's
+interleaved RoPE (`LLaDAModel.permute`); that permutation is undone here.
+
+The tokenizer is rebuilt from the file's vocabulary, merges and token types, with the pre-tokenizer
+its `tokenizer.ggml.pre` names (`PRE_TOKENIZERS`): the same token ids for every text as the
+tokenizer the file was converted from, control tokens special as there, and a BOS added where the
+file says `add_bos_token` (llama.cpp adds it then; LLaDA's converter always says so)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.models import BPE
+
+from ..text.tokenizer import QWEN2_PATTERN, Tokenizer
+from . import FAMILIES
+from .transformer import ModelArgs
+
+# llama.cpp's architecture name -> our family's model_type
+ARCHITECTURES = {"llada": "llada", "dream": "dream"}
+
+# llama.cpp's tensor names -> ours ({i}: the layer)
+TOP = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+LAYER = {
+    "attn_norm.weight": "attention_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "attn_q.weight": "attention.wq.weight",
+    "attn_k.weight": "attention.wk.weight",
+    "attn_v.weight": "attention.wv.weight",
+    "attn_q.bias": "attention.wq.bias",
+    "attn_k.bias": "attention.wk.bias",
+    "attn_v.bias": "attention.wv.bias",
+    "attn_output.weight": "attention.wo.weight",
+    "attn_q_norm.weight": "attention.q_norm.weight",
+    "attn_k_norm.weight": "attention.k_norm.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+}
+
+# `tokenizer.ggml.pre` -> how text is split before the byte-level BPE (llama.cpp's regexes)
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+PRE_TOKENIZERS = {"gpt-2": None, "default": None, "qwen2": QWEN2_PATTERN, "llama-bpe": LLAMA3_PATTERN}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensors (`gguf.GGUFReader`, memory-mapped)."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        try:
+            self.reader = GGUFReader(str(path))
+        except Exception as e:  # its reader raises ValueError or struct errors on a bad file
+            raise ValueError(f"{path}: not a GGUF file this reader can read ({e})") from None
+        self.path = path
+        self.arch = self.get("general.architecture")
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def hp(self, key: str, default=None):
+        """An architecture's hyperparameter (`{arch}.{key}`)."""
+        return self.get(f"{self.arch}.{key}", default)
+
+    @property
+    def tensor_types(self) -> dict[str, str]:
+        return {t.name: t.tensor_type.name for t in self.reader.tensors}
+
+    def tensor(self, t) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(
+            np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        )  # a copy: the file is mapped read-only
+
+
+def is_gguf(path) -> bool:
+    return path is not None and str(path).lower().endswith(".gguf") and Path(path).is_file()
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's LLaDA permutation of q/k rows (per head: halves interleaved for its RoPE)."""
+    shape = w.shape
+    return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def read_args(f: GGUFFile, tensors: dict) -> tuple[str, ModelArgs]:
+    """(model_type, ModelArgs) of the file: its family's fixed fields, sizes from its metadata."""
+    if f.arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{f.path}: general.architecture {f.arch!r} is not one we run from GGUF "
+            f"(we read {', '.join(ARCHITECTURES)})"
+        )
+    model_type = ARCHITECTURES[f.arch]
+    family = FAMILIES[model_type]
+    reference = family.args_from_config(family.reference_config)
+    embd = tensors["token_embd.weight"]
+    vocab, dim = int(embd[1]), int(embd[0])  # GGUF lists a matrix's columns first
+    n_heads = int(f.hp("attention.head_count"))
+    key_length = f.hp("attention.key_length")
+    fields = dict(
+        dim=dim,
+        n_layers=int(f.hp("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(f.hp("attention.head_count_kv", n_heads)),
+        hidden_dim=int(f.hp("feed_forward_length", 0) or reference.hidden_dim),
+        vocab_size=vocab,
+        max_seq_len=int(f.hp("context_length", reference.max_seq_len)),
+        rope_theta=float(f.hp("rope.freq_base", reference.rope_theta)),
+        norm_eps=float(f.hp("attention.layer_norm_rms_epsilon", reference.norm_eps)),
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        tie_embeddings="output.weight" not in tensors,
+        mask_token_id=int(f.get("tokenizer.ggml.mask_token_id", reference.mask_token_id)),
+        eos_token_id=int(f.get("tokenizer.ggml.eos_token_id", reference.eos_token_id)),
+        shifted_logits=family.shifted_logits,
+        head_size=int(key_length) if key_length and int(key_length) != dim // n_heads else 0,
+    )
+    args = {**reference.__dict__, **fields, **family.fixed}
+    return model_type, ModelArgs(**{k: v for k, v in args.items() if k in ModelArgs.__dataclass_fields__})
+
+
+def read_tokenizer(f: GGUFFile) -> Tokenizer:
+    """The file's tokenizer: a byte-level BPE of its vocabulary and merges (`tokenizer.ggml.model`
+    "gpt2"), split as its `tokenizer.ggml.pre` says."""
+    kind, pre = f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise ValueError(f"{f.path}: tokenizer.ggml.model {kind!r}: only byte-level BPE ('gpt2') is read")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{f.path}: tokenizer.ggml.pre {pre!r} is not one we rebuild ({', '.join(PRE_TOKENIZERS)})")
+    tokens, types = list(f.get("tokenizer.ggml.tokens")), list(f.get("tokenizer.ggml.token_type"))
+    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
+    fast = FastTokenizer(
+        BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token=None, fuse_unk=False, byte_fallback=False)
+    )
+    pattern = PRE_TOKENIZERS[pre]
+    if pattern is None:
+        fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        fast.normalizer = normalizers.NFC() if pre == "qwen2" else None
+        fast.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    fast.decoder = decoders.ByteLevel()
+    added = [(i, t, ty == CONTROL) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)]
+    for _, token, special in added:
+        fast.add_tokens([AddedToken(token, special=special, normalized=False)])
+    config: dict = {}
+    for key, name in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token"), ("mask", "mask_token")):
+        i = f.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and 0 <= int(i) < len(tokens):
+            config[name] = tokens[int(i)]
+    template = f.get("tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    if f.get("tokenizer.ggml.add_bos_token") and "bos_token" in config:
+        bos = config["bos_token"]
+        fast.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, fast.token_to_id(bos))]
+        )
+        config["add_bos_token"] = True
+    return Tokenizer(fast, config)
+
+
+def read_state(f: GGUFFile, args: ModelArgs, model_type: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our state dict from the file's tensors, each dequantized, in `dtype`."""
+    state = {}
+    for t in f.reader.tensors:
+        name, rest = t.name, None
+        if name in TOP:
+            ours = TOP[name]
+        elif name.startswith("blk."):
+            _, i, rest = name.split(".", 2)
+            if rest not in LAYER:
+                raise ValueError(f"{f.path}: tensor {name!r} is not one of the {f.arch} layers we read")
+            ours = f"layers.{i}.{LAYER[rest]}"
+        elif name == "rope_freqs.weight":
+            continue  # RoPE's frequencies come from rope_theta
+        else:
+            raise ValueError(f"{f.path}: tensor {name!r} is not one we read")
+        w = f.tensor(t)
+        if model_type == "llada" and rest in ("attn_q.weight", "attn_q.bias"):
+            w = _unpermute(w, args.n_heads)
+        elif model_type == "llada" and rest in ("attn_k.weight", "attn_k.bias"):
+            w = _unpermute(w, args.n_kv_heads)
+        state[ours] = w.to(dtype)
+    return state
+
+
+def file_dtype(f: GGUFFile) -> torch.dtype:
+    """The dtype its float weights are stored in (the matrices'; quantized ones compute in float32)."""
+    kinds = {t.tensor_type.name for t in f.reader.tensors if len(t.shape) > 1}
+    for name, dtype in (("BF16", torch.bfloat16), ("F16", torch.float16)):
+        if kinds == {name}:
+            return dtype
+    return torch.float32

@@ -1,0 +1,152 @@
+"""GGUF files written by llama.cpp's own converter load as the checkpoints they were made from.
+
+The files in `tests/fixtures/gguf/` are our tiny LLaDA and Dream checkpoints (the seeded models
+of `conftest`) converted by llama.cpp's `convert_hf_to_gguf.py` (`tests/reference/gguf_convert.py`)
+at F32, F16 and Q8_0; `manifest.json` records the digest of the weights each was made from, so a
+change of those models fails here and asks for the files to be made again. To make them again,
+with the llama.cpp source (llama-cpp-python's source distribution on PyPI, vendor/llama.cpp) and an
+interpreter with what its converter pins (torch, transformers, sentencepiece, gguf):
+
+    FASTDLLM_RECORD_FIXTURES=1 FASTDLLM_GGUF_CONVERTER=.../vendor/llama.cpp FASTDLLM_GGUF_PYTHON=PY \\
+        python -m pytest -q tests/test_gguf.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm.evaluation.tasks import get_task
+from fastdllm.models.loading import save_pretrained
+from tests.test_reference import weights_digest
+
+HERE = Path(__file__).parent
+FIXTURES = HERE / "fixtures" / "gguf"
+MANIFEST = FIXTURES / "manifest.json"
+CONVERTER = os.environ.get("FASTDLLM_GGUF_CONVERTER")
+CONVERTER_PYTHON = os.environ.get("FASTDLLM_GGUF_PYTHON")
+RECORD = os.environ.get("FASTDLLM_RECORD_FIXTURES") == "1"
+OUTTYPES = ("f32", "f16", "q8_0")
+CORPUS = [
+    "Question: Tom has 5 apples and buys 3 more. How many apples does he have?",
+    "héllo wörld — 12345 67 !!  \n\n\tx  y",
+    "<|start_header_id|>user<|end_header_id|>\n\nhi there<|eot_id|>",
+    "don't won't I'll we've   trailing spaces   ",
+]
+
+
+@pytest.fixture(scope="module", params=["tiny_llada", "tiny_dream"])
+def checkpoint(request, tokenizer, tmp_path_factory):
+    """(name, the model, its folder, {outtype: the GGUF file llama.cpp's converter made of it})."""
+    name = request.param
+    model = request.getfixturevalue(name)
+    folder = save_pretrained(model, tmp_path_factory.mktemp(name), tokenizer, dtype=torch.float32)
+    digest = weights_digest(folder)
+    manifest = json.loads(MANIFEST.read_text()) if MANIFEST.is_file() else {}
+    files = {}
+    for outtype in OUTTYPES:
+        path = FIXTURES / f"{name}-{outtype}.gguf"
+        if CONVERTER and CONVERTER_PYTHON:
+            if not RECORD:
+                path = folder.parent / path.name
+            run = subprocess.run(
+                [
+                    CONVERTER_PYTHON,
+                    str(HERE / "reference" / "gguf_convert.py"),
+                    CONVERTER,
+                    str(folder),
+                    outtype,
+                    str(path),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert run.returncode == 0, run.stderr[-2000:]
+            if RECORD:
+                manifest[path.name] = {"weights_sha256": digest, "outtype": outtype}
+                MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        else:
+            assert manifest.get(path.name, {}).get("weights_sha256") == digest, (
+                f"{path.name}: made from other weights than {name}'s; make it again (see this module's docstring)"
+            )
+        files[outtype] = path
+    return name, model, folder, files
+
+
+def test_the_tokenizer_encodes_as_the_one_it_was_converted_from(checkpoint, tokenizer):
+    """Every text of a corpus (the arith problems among them) to the same ids; control tokens are
+    special; a BOS is added where the file says so (LLaDA's converter always does)."""
+    name, _, _, files = checkpoint
+    _, tok = fastdllm.load(str(files["f32"]), dtype="float32")
+    texts = CORPUS + [
+        tokenizer.decode(get_task("arith").encode(tokenizer, d, [])) for d in get_task("arith").load(limit=50)
+    ]
+    for text in texts:
+        assert tok.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False), text
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == tokenizer.decode(tokenizer.encode(text))
+    ids = tok.encode("hi")
+    if name == "tiny_llada":
+        assert ids[0] == tokenizer.token_to_id(tokenizer.bos_token) and ids[1:] == tokenizer.encode("hi")
+    assert tok.chat_template == tokenizer.chat_template
+    assert tok.eos_token_id == tokenizer.eos_token_id and tok.stop_token_ids() == tokenizer.stop_token_ids()
+
+
+def test_float_files_give_the_checkpoints_logits_and_answers(checkpoint, tokenizer):
+    """F32: the same weights, logits and greedy answers as the safetensors checkpoint; F16: its
+    weights rounded to half precision; Q8_0: within its format's error (8 bits per weight in blocks
+    of 32 with a half-precision scale)."""
+    name, model, folder, files = checkpoint
+    ids = torch.tensor([tokenizer.encode(CORPUS[0])])
+    want = model(ids)
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=16, block_length=8, stop_at_eos=False)
+    prompts = [tokenizer.encode(t) for t in CORPUS[:2]]
+    answers = fastdllm.generate(model, prompts, config=config).sequences
+    for outtype, path in files.items():
+        loaded, _ = fastdllm.load(str(path), dtype="float32")
+        assert loaded.family.name == model.family.name and loaded.args.mask_token_id == model.args.mask_token_id
+        got = loaded(ids)
+        if outtype == "f32":
+            for key, p in model.state_dict().items():
+                assert torch.equal(p, loaded.state_dict()[key]), key
+            assert torch.equal(got, want)
+            assert torch.equal(fastdllm.generate(loaded, prompts, config=config).sequences, answers)
+        elif outtype == "f16":
+            for key, p in model.state_dict().items():
+                assert torch.equal(p.half().float(), loaded.state_dict()[key]) or p.dim() == 1, key
+            assert (got - want).abs().max() < 1e-2 * want.abs().max()
+        else:
+            assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
+
+
+def test_the_cli_generates_from_a_gguf_file(checkpoint, capsys):
+    from fastdllm.cli.main import main as cli
+
+    _, _, _, files = checkpoint
+    argv = ["generate", "--model", str(files["q8_0"]), "--gen-length", "8", "--block-length", "8", "--json", "hi"]
+    assert cli(argv) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] <= 8
+
+
+def test_a_file_we_cannot_read_is_refused_by_name(tmp_path):
+    from gguf import GGUFWriter
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        fastdllm.load(str(bad))
+    other = tmp_path / "llama.gguf"
+    writer = GGUFWriter(str(other), "llama")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 2).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="general.architecture 'llama'"):
+        fastdllm.load(str(other))
