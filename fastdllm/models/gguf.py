@@ -55,8 +55,11 @@ LAYER = {
 }
 
 # `tokenizer.ggml.pre` -> how text is split before the byte-level BPE (llama.cpp's regexes)
-LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-PRE_TOKENIZERS = {"gpt-2": None, "default": None, "qwen2": QWEN2_PATTERN, "llama-bpe": LLAMA3_PATTERN}
+LLAMA3_PATTERN = (  # as Llama 3's tokenizer.json writes it
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {"gpt-2": None, "qwen2": QWEN2_PATTERN, "llama-bpe": LLAMA3_PATTERN}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 
 
@@ -142,7 +145,7 @@ def read_args(f: GGUFFile, tensors: dict) -> tuple[str, ModelArgs]:
 def read_tokenizer(f: GGUFFile) -> Tokenizer:
     """The file's tokenizer: a byte-level BPE of its vocabulary and merges (`tokenizer.ggml.model`
     "gpt2"), split as its `tokenizer.ggml.pre` says."""
-    kind, pre = f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.pre", "default")
+    kind, pre = f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.pre")
     if kind != "gpt2":
         raise ValueError(f"{f.path}: tokenizer.ggml.model {kind!r}: only byte-level BPE ('gpt2') is read")
     if pre not in PRE_TOKENIZERS:
