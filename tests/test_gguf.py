@@ -150,3 +150,59 @@ def test_a_file_we_cannot_read_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="general.architecture 'llama'"):
         fastdllm.load(str(other))
+
+
+def test_our_export_is_what_llama_cpps_converter_writes(checkpoint, tokenizer, tmp_path):
+    """`write_gguf` at F32: the converter's tensors, byte for byte and type for type, and its
+    metadata but for the descriptive `general.*` keys it guesses from names and our tokenizer's
+    own BOS flag (LLaDA's converter always sets it)."""
+    from gguf import GGUFReader
+
+    from fastdllm.models.gguf import write_gguf
+
+    name, model, _, files = checkpoint
+    ours = GGUFReader(str(write_gguf(model, tokenizer, tmp_path / "ours.gguf", "f32")))
+    theirs = GGUFReader(str(files["f32"]))
+    mine, converted = {t.name: t for t in ours.tensors}, {t.name: t for t in theirs.tensors}
+    assert set(mine) == set(converted)
+    for key, t in converted.items():
+        assert mine[key].tensor_type == t.tensor_type and mine[key].data.tobytes() == t.data.tobytes(), key
+    descriptive = {"general.basename", "general.finetune", "general.organization", "general.size_label"}
+    descriptive |= {"general.sampling.temp", "general.name", "GGUF.kv_count"}
+    for key, field in theirs.fields.items():
+        if key in descriptive:
+            continue
+        assert key in ours.fields, key
+        if key != "tokenizer.ggml.add_bos_token":
+            assert ours.fields[key].contents() == field.contents(), key
+
+
+@pytest.mark.parametrize("kind, step", [("f16", 2**-11), ("q8_0", 1 / 127), ("q4_0", 1 / 8)])
+def test_an_exported_file_loads_back_within_its_formats_error(tiny_dream, tokenizer, tmp_path, kind, step):
+    """Each matrix within its format's rounding (F16: half an ulp; Q8_0 and Q4_0: a block's scale,
+    its largest weight over 127 or 8, at most the matrix's), vectors exact, the tokenizer the same."""
+    from fastdllm.models.gguf import write_gguf
+
+    path = write_gguf(tiny_dream, tokenizer, tmp_path / f"dream-{kind}.gguf", kind)
+    loaded, tok = fastdllm.load(str(path), dtype="float32")
+    for name, w in tiny_dream.state_dict().items():
+        got = loaded.state_dict()[name]
+        if w.dim() == 1:
+            assert torch.equal(got, w), name
+        else:
+            assert (got - w).abs().max() <= step * w.abs().max() * 1.0001, name
+    assert tok.encode(CORPUS[1]) == tokenizer.encode(CORPUS[1])
+
+
+def test_the_cli_exports_gguf_and_refuses_what_gguf_cannot_take(tiny_llada_dir, tmp_path, capsys):
+    from fastdllm.cli.main import main as cli
+
+    out = tmp_path / "tiny.gguf"
+    assert cli(["quantize", str(tiny_llada_dir), str(out), "--bits", "8", "--format", "gguf"]) == 0
+    assert "Q8_0" in capsys.readouterr().out and fastdllm.load(str(out))[0].family.name == "LLaDA"
+    assert cli(["quantize", str(tiny_llada_dir), str(tmp_path / "x"), "--bits", "16"]) == 2
+    assert "bits:" in capsys.readouterr().err
+    assert (
+        cli(["quantize", str(tiny_llada_dir), str(out), "--bits", "4", "--format", "gguf", "--group-size", "64"]) == 2
+    )
+    assert "group_size:" in capsys.readouterr().err

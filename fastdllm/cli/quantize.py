@@ -1,5 +1,7 @@
 """`fastdllm quantize SRC DST --bits 8|4`: write a weight-only quantized checkpoint once, so that
-loading it is fast and small (`fastdllm.models.loading.quantize_checkpoint`)."""
+loading it is fast and small (`fastdllm.models.loading.quantize_checkpoint`); with `--format gguf`,
+a GGUF file for llama.cpp (`fastdllm.models.gguf.write_gguf`: --bits 8 is Q8_0, 4 Q4_0, 16 F16,
+32 F32)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ EPILOG = """examples:
   fastdllm quantize GSAI-ML/LLaDA-8B-Instruct llada-8b-w4 --bits 4
   fastdllm quantize llada-arith llada-arith-w8 --bits 8 --format gptq
   fastdllm eval --task arith --model llada-arith-w8
+  fastdllm quantize llada-arith llada-arith-q8_0.gguf --bits 8 --format gguf
 """
+GGUF_KINDS = {8: "q8_0", 4: "q4_0", 16: "f16", 32: "f32"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("fastdllm quantize", __doc__.split("\n\n")[0], EPILOG)
     p.add_argument("src", help="checkpoint folder, hub id or embedded model name")
     p.add_argument("dst", help="folder to write")
-    p.add_argument("--bits", type=int, required=True, choices=[8, 4])
+    p.add_argument("--bits", type=int, required=True, choices=[8, 4, 16, 32], help="16 and 32: --format gguf only")
     p.add_argument(
         "--group-size",
         type=int,
@@ -30,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--format",
         default="compressed-tensors",
-        choices=list(FORMATS),
-        help="checkpoint layout (default compressed-tensors: what vLLM and llm-compressor use)",
+        choices=[*FORMATS, "gguf"],
+        help="checkpoint layout (default compressed-tensors: what vLLM and llm-compressor use; gguf: "
+        "one file for llama.cpp)",
     )
     p.add_argument("--quantize-head", action="store_true", help="quantize the output head too")
     p.add_argument(
@@ -42,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..models.loading import load, quantize_checkpoint
     from ..quant import weight_bytes
 
+    if args.format == "gguf":
+        return _gguf(args)
+    if args.bits > 8:
+        raise UserError(f"bits: {args.bits} only with --format gguf (a float GGUF)")
     try:
         dst = quantize_checkpoint(
             args.src,
@@ -62,4 +71,22 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {dst}: {q['layers']} layers {q['bits'][0]}-bit ({args.format}, group size {q['group_size']}), "
         f"weights {size / 2**20:.1f} MiB resident"
     )
+    return 0
+
+
+def _gguf(args) -> int:
+    """The source model as one GGUF file (LLaDA or Dream), as llama.cpp's converter writes it."""
+    from pathlib import Path
+
+    from ..models.gguf import write_gguf
+    from ..models.loading import load
+
+    if args.group_size is not None or args.quantize_head:
+        raise UserError("group_size: not with --format gguf (its blocks are its own: 32 weights per scale)")
+    try:
+        model, tokenizer = load(args.src, dtype="float32", device="cpu")
+        dst = write_gguf(model, tokenizer, Path(args.dst), GGUF_KINDS[args.bits])
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
+    print(f"wrote {dst}: {GGUF_KINDS[args.bits].upper()} matrices, {dst.stat().st_size / 2**20:.1f} MiB")
     return 0

@@ -219,3 +219,143 @@ def file_dtype(f: GGUFFile) -> torch.dtype:
         if kinds == {name}:
             return dtype
     return torch.float32
+
+
+# --- out: what llama.cpp's converter writes for these families, from our model -----------------
+# `fastdllm quantize --format gguf`'s types: the matrices' storage (norms and biases stay F32)
+WRITE_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+FILE_TYPES = {
+    "f32": "ALL_F32",
+    "f16": "MOSTLY_F16",
+    "bf16": "MOSTLY_BF16",
+    "q8_0": "MOSTLY_Q8_0",
+    "q4_0": "MOSTLY_Q4_0",
+}
+NORMAL, UNUSED = 1, 5
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's LLaDA layout of q/k rows (`LLaDAModel.permute`), the inverse of `_unpermute`."""
+    shape = w.shape
+    return w.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _pre_tokenizer_name(fast: FastTokenizer) -> str:
+    """The `tokenizer.ggml.pre` that splits text as `fast` does; a ValueError where none does."""
+    import json
+
+    pre = json.loads(fast.to_str()).get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return "gpt-2"
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(parts) == 2 and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel":
+        pattern = parts[0].get("pattern", {}).get("Regex")
+        for name, known in PRE_TOKENIZERS.items():
+            if known is not None and pattern == known:
+                return name
+    raise ValueError("format: this tokenizer's pre-tokenizer has no llama.cpp name (gpt-2, qwen2, llama-bpe)")
+
+
+def _vocabulary(tokenizer: Tokenizer, size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, llama.cpp token types, merges) of a byte-level BPE tokenizer, padded to `size` as
+    llama.cpp's converter pads a vocabulary smaller than the model's."""
+    import json
+
+    fast = tokenizer.fast
+    model = json.loads(fast.to_str())["model"]
+    if model.get("type") != "BPE":
+        raise ValueError("format: gguf export needs a byte-level BPE tokenizer")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    added = {t.content: t.special for t in fast.get_added_tokens_decoder().values()}
+    by_id = {i: t for t, i in fast.get_vocab(with_added_tokens=True).items()}
+    tokens, types = [], []
+    for i in range(size):
+        token = by_id.get(i)
+        if token is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+        else:
+            tokens.append(token)
+            types.append(NORMAL if token not in added else CONTROL if added[token] else USER_DEFINED)
+    return tokens, types, merges
+
+
+def write_gguf(model, tokenizer: Tokenizer, path, kind: str = "f16") -> Path:
+    """Write `model` (LLaDA or Dream) and its tokenizer as the GGUF llama.cpp's converter writes for
+    that family, its matrices stored as `kind` (`WRITE_TYPES`; a matrix whose rows the format's
+    blocks do not divide is stored as F16, as the converter does)."""
+    import gguf
+    from gguf.quants import quantize
+
+    ours = {v: k for k, v in ARCHITECTURES.items()}
+    family = getattr(model, "family", None)
+    if family is None or family.model_type not in ours:
+        raise ValueError(f"format: gguf export is for {', '.join(ARCHITECTURES)} models")
+    if kind not in WRITE_TYPES:
+        raise ValueError(f"format: gguf type {kind!r} is not one of {', '.join(WRITE_TYPES)}")
+    if getattr(model, "quantization", None) is not None:
+        raise ValueError("format: export a full-precision model to gguf (its weights are quantized in memory)")
+    arch, a = ours[family.model_type], model.args
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type("model")
+    w.add_name(Path(str(getattr(model, "name_or_path", "model"))).name)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_block_count(a.n_layers)
+    w.add_context_length(a.max_seq_len)
+    w.add_embedding_length(a.dim)
+    w.add_feed_forward_length(a.hidden_dim)
+    w.add_head_count(a.n_heads)
+    w.add_head_count_kv(a.n_kv_heads)
+    w.add_rope_freq_base(a.rope_theta)
+    w.add_layer_norm_rms_eps(a.norm_eps)
+    w.add_file_type(gguf.LlamaFileType[FILE_TYPES[kind]])
+    if a.head_size and a.head_size != a.dim // a.n_heads:
+        w.add_key_length(a.head_dim)
+        w.add_value_length(a.head_dim)
+    if arch == "llada":  # as its converter writes them
+        w.add_vocab_size(a.vocab_size)
+        w.add_rope_dimension_count(a.head_dim)
+    w.add_causal_attention(False)
+    w.add_diffusion_shift_logits(a.shifted_logits)
+    tokens, types, merges = _vocabulary(tokenizer, a.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_pre_tokenizer_name(tokenizer.fast))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for add, name in ((w.add_bos_token_id, "bos_token"), (w.add_eos_token_id, "eos_token")):
+        if tokenizer.id_of(tokenizer.config.get(name) if name == "bos_token" else tokenizer.eos_token) is not None:
+            add(tokenizer.id_of(tokenizer.bos_token if name == "bos_token" else tokenizer.eos_token))
+    if tokenizer.pad_token_id is not None:
+        w.add_pad_token_id(tokenizer.pad_token_id)
+    w.add_mask_token_id(a.mask_token_id)
+    w.add_add_bos_token(bool(tokenizer.config.get("add_bos_token")))
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
+    names = {v: k for k, v in TOP.items()}
+    names.update({f"layers.{i}.{v}": f"blk.{i}.{k}" for i in range(a.n_layers) for k, v in LAYER.items()})
+    qtype = gguf.GGMLQuantizationType[WRITE_TYPES[kind]]
+    for name, tensor in model.state_dict().items():
+        if name not in names:
+            raise ValueError(f"format: {name} has no place in a {arch} GGUF")
+        t = tensor.detach().float().cpu()
+        theirs = names[name]
+        if arch == "llada" and theirs.endswith(("attn_q.weight", "attn_q.bias")):
+            t = _permute(t, a.n_heads)
+        elif arch == "llada" and theirs.endswith(("attn_k.weight", "attn_k.bias")):
+            t = _permute(t, a.n_kv_heads)
+        data = t.numpy()
+        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(theirs, data)
+            continue
+        try:
+            stored, stored_type = quantize(data, qtype), qtype
+        except gguf.QuantError:  # rows the format's blocks do not divide
+            stored, stored_type = quantize(data, gguf.GGMLQuantizationType.F16), gguf.GGMLQuantizationType.F16
+        w.add_tensor(theirs, stored, raw_dtype=stored_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
