@@ -206,3 +206,43 @@ def test_the_cli_exports_gguf_and_refuses_what_gguf_cannot_take(tiny_llada_dir, 
         cli(["quantize", str(tiny_llada_dir), str(out), "--bits", "4", "--format", "gguf", "--group-size", "64"]) == 2
     )
     assert "group_size:" in capsys.readouterr().err
+
+
+LLAMA_CPP_BIN = os.environ.get("FASTDLLM_LLAMA_CPP_BIN")  # a llama.cpp build's bin/
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (LLAMA_CPP_BIN and Path(LLAMA_CPP_BIN, "llama-diffusion-cli").is_file()),
+    reason="set FASTDLLM_LLAMA_CPP_BIN to a llama.cpp build's bin/ (llama-diffusion-cli, llama-tokenize)",
+)
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_llama_cpp_runs_our_export_of_the_embedded_model(tmp_path, kind):
+    """The embedded model exported here: llama.cpp's tokenizer gives our ids for its chat prompt, and
+    its diffusion example (LLaDA's low-confidence schedule, greedy) answers an arith problem right."""
+    from fastdllm.models.gguf import write_gguf
+
+    model, tok = fastdllm.load(None, dtype="float32")
+    path = write_gguf(model, tok, tmp_path / f"arith-{kind}.gguf", kind)
+    task = get_task("arith")
+    doc = task.load(limit=1)[0]
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(tok.decode(task.encode(tok, doc, []), skip_special_tokens=False))
+    run = subprocess.run(
+        [f"{LLAMA_CPP_BIN}/llama-tokenize", "-m", str(path), "-f", str(prompt), "--ids", "--log-disable"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == task.encode(tok, doc, [])
+    question = f"Question: {doc.data['question']}\nAnswer:"  # its chat template from the file
+    run = subprocess.run(
+        [f"{LLAMA_CPP_BIN}/llama-diffusion-cli", "-m", str(path), "-p", question, "-ub", "128", "-b", "128"]
+        + ["-c", "128", "--diffusion-steps", "64", "--diffusion-block-length", "32", "--temp", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"#### {doc.gold}" in run.stdout + run.stderr
