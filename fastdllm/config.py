@@ -375,6 +375,14 @@ class GenerationConfig:
         server=False,
         row=True,
     )
+    adapter: str | None = _opt(
+        None,
+        "optional str",
+        "the LoRA adapter a row decodes with, by the name it was loaded under (--lora-modules NAME=PATH); "
+        "none: the base model",
+        server=False,
+        row=True,
+    )
     compile: bool = _opt(
         False,
         "bool",
@@ -799,6 +807,8 @@ class GenerationConfig:
             "threshold",
             "unmasking=entropy needs a threshold (an entropy, in nats)",
         )
+        if self.adapter is not None:
+            need(isinstance(self.adapter, str) and self.adapter != "", "adapter", "must be a name or None")
         need(is_int(self.window_size) and self.window_size >= 1, "window_size", "must be a positive integer")
         need(
             is_num(self.pos_penalty_factor) and finite(self.pos_penalty_factor) and self.pos_penalty_factor >= 0,

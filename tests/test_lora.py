@@ -89,3 +89,128 @@ def test_the_cli_merges_lora_and_names_a_missing_adapter(tiny_dream_dir, tmp_pat
     assert "text" in json.loads(capsys.readouterr().out)
     assert cli.main(common + ["--lora", str(tmp_path / "missing")]) == 2
     assert "adapter_config.json" in capsys.readouterr().err
+
+
+def named_adapters(tiny_dream_dir, tmp_path):
+    """Two PEFT adapters of different ranks and targets on the tiny Dream checkpoint (PeftModels
+    of each), and our model holding both by name over its weights."""
+    base, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
+    one = adapter(qwen2_reference(base, tiny_dream_dir), tmp_path / "one", seed=1)
+    config = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["k_proj", "o_proj", "up_proj"], use_rslora=True)
+    two = peft.get_peft_model(qwen2_reference(base, tiny_dream_dir), config)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in two.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    two.save_pretrained(tmp_path / "two")
+    modules = {"one": tmp_path / "one", "two": tmp_path / "two"}
+    ours, tok = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu", lora_modules=modules)
+    return base, {"one": one, "two": two.eval()}, ours, tok
+
+
+def test_named_adapters_give_peft_logits_row_by_row(tiny_dream_dir, tmp_path):
+    """Unmerged, by name: each row of one forward gives its adapter's PeftModel logits (and the base
+    row the base's), as the adapter merged alone does."""
+    base, peft_models, ours, _ = named_adapters(tiny_dream_dir, tmp_path)
+    x = torch.randint(0, 700, (3, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = ours(x, adapters=["one", None, "two"])
+        torch.testing.assert_close(got[1], base(x[1:2])[0])
+        for row, name in ((0, "one"), (2, "two")):
+            want = peft_models[name](input_ids=x[row : row + 1], attention_mask=_full_mask(1, 19)).logits[0]
+            torch.testing.assert_close(got[row], want, atol=2e-4, rtol=1e-4)
+            merged, _ = fastdllm.load(tiny_dream_dir, dtype="float32", adapters=[tmp_path / name])
+            torch.testing.assert_close(got[row], merged(x[row : row + 1])[0], atol=2e-4, rtol=1e-4)
+        assert (got[0] - base(x[:1])[0]).abs().max() > 1e-2
+
+
+def test_rows_with_different_adapters_decode_in_one_batch_as_alone(tiny_dream_dir, tmp_path):
+    from fastdllm.engine.decoder import BlockDecoder
+
+    _, _, ours, tok = named_adapters(tiny_dream_dir, tmp_path)
+    base = fastdllm.GenerationConfig(gen_length=16, block_length=8, threshold=0.5, stop_at_eos=False)
+    prompts = [tok.encode("Question: 1 + 2?"), tok.encode("Tom has 5 apples"), tok.encode("Question: 1 + 2?")]
+    names = ["one", None, "two"]
+    decoder = BlockDecoder(ours, base)
+    rows = [decoder.add([p], config=base.replace(adapter=n))[0] for p, n in zip(prompts, names)]
+    while decoder.active:
+        decoder.step()
+    alone = [fastdllm.generate(ours, [p], config=base.replace(adapter=n)).sequences[0] for p, n in zip(prompts, names)]
+    assert [r.answer.tolist() for r in rows] == [a.tolist() for a in alone]
+    assert alone[0].tolist() != alone[2].tolist()  # the same prompt, two adapters, two answers
+    with pytest.raises(ValueError, match="^adapter:"):
+        fastdllm.generate(ours, [prompts[0]], config=base.replace(adapter="three"))
+
+
+def test_named_adapters_over_a_quantized_base(tiny_dream_dir, tmp_path):
+    """int8 base weights with float adapters: a quantized layer's output plus each token's adapter
+    delta, (x A^T) B^T scale, exactly; the model then as far from the float one as the base is."""
+    _, _, full, _ = named_adapters(tiny_dream_dir, tmp_path)
+    modules = {"one": tmp_path / "one", "two": tmp_path / "two"}  # the same adapters, over int8 weights
+    quantized, _ = fastdllm.load(tiny_dream_dir, dtype="float32", quantize="int8", lora_modules=modules)
+    assert quantized.quantization is not None
+    layer = quantized.layers[0].attention.wq
+    lora = quantized.lora.layers["layers.0.attention.wq"]
+    x = torch.randn(1, 5, layer.in_features, generator=torch.Generator().manual_seed(5))
+    ids = torch.tensor([[0, -1, 0, 1, 0]])
+    with torch.no_grad():
+        plain = layer(x)
+        with quantized.lora.tokens(ids):
+            got = layer(x)
+        want = plain.clone()
+        rows = ids[0] == quantized.lora.index("one")
+        want[0, rows] += (x[0, rows] @ lora["A"][0].T) @ lora["B"][0].T * lora["scale"][0]
+        torch.testing.assert_close(got, want)  # "two" does not adapt q_proj: its token stays plain
+        tokens = torch.randint(0, 700, (2, 12), generator=torch.Generator().manual_seed(4))
+        q, f = quantized(tokens, adapters=["one", "two"]), full(tokens, adapters=["one", "two"])
+        base_error = (quantized(tokens) - full(tokens)).abs().max()
+    assert (q - quantized(tokens)).abs().max() > 1e-2  # the adapters act
+    assert (q - f).abs().max() < 2 * base_error
+
+
+def test_the_server_serves_each_adapter_by_name(tiny_dream_dir, tmp_path):
+    """/v1/models lists each adapter (its base as parent, as vLLM's); a request naming one decodes
+    with it, as generate does alone, beside a request to the base in the same server; echo scoring
+    scores under it; an unknown name is a 404."""
+    from tests.test_server import MODEL, LiveServer
+
+    _, _, ours, tok = named_adapters(tiny_dream_dir, tmp_path)
+    config = fastdllm.GenerationConfig(gen_length=8, block_length=8, threshold=0.5, stop_at_eos=False)
+    server = LiveServer(ours, tok, defaults=config)
+    try:
+        cards = {c["id"]: c for c in server.client.models.list().model_dump()["data"]}
+        assert set(cards) == {MODEL, "one", "two"} and cards["one"]["parent"] == MODEL
+        answers = {}
+        for name in (MODEL, "one", "two"):
+            r = server.post("/v1/completions", {"model": name, "prompt": "Question: 1 + 2?", "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            answers[name] = r.json()["choices"][0]["text"]
+        for name in ("one", "two"):
+            alone = fastdllm.generate(ours, [tok.encode("Question: 1 + 2?")], config=config.replace(adapter=name))
+            assert answers[name] == tok.decode(alone.sequences[0])
+        scored = {}
+        for name in (MODEL, "one"):
+            body = {"model": name, "prompt": "Question: 1 + 2?", "max_tokens": 1, "echo": True, "logprobs": 1}
+            r = server.post("/v1/completions", body)
+            assert r.status_code == 200, r.text
+            scored[name] = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert scored[MODEL] != scored["one"]
+        r = server.post("/v1/completions", {"model": "three", "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    finally:
+        server.stop()
+
+
+def test_the_cli_decodes_with_a_named_adapter(tiny_dream_dir, tmp_path, capsys):
+    from fastdllm.cli.main import main as cli
+
+    _, _, ours, tok = named_adapters(tiny_dream_dir, tmp_path)
+    argv = ["generate", "--model", str(tiny_dream_dir), "--lora-modules", f"one={tmp_path / 'one'}"]
+    argv += ["--gen-length", "8", "--block-length", "8", "--threshold", "0.5", "--no-stop-at-eos", "--json", "--raw"]
+    assert cli([*argv, "--adapter", "one", "Question: 1 + 2?"]) == 0
+    config = fastdllm.GenerationConfig(gen_length=8, block_length=8, threshold=0.5, stop_at_eos=False, adapter="one")
+    alone = fastdllm.generate(ours, [tok.encode("Question: 1 + 2?")], config=config)
+    assert json.loads(capsys.readouterr().out)["text"] == tok.decode(alone.sequences[0])
+    assert cli([*argv[:3], "--lora-modules", "nopath", "hi"]) == 2
+    assert "--lora-modules: expected NAME=PATH" in capsys.readouterr().err

@@ -54,6 +54,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a PEFT LoRA adapter folder, merged into the weights at load (repeatable: merged in order)",
     )
+    p.add_argument(
+        "--lora-modules",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter kept beside the weights under NAME (repeatable): rows choose one with "
+        "--adapter NAME, the server serves each as a model named NAME, and rows of different adapters "
+        "decode in one batch",
+    )
     p.add_argument("--revision", default=None, help="for a hub id: the branch, tag or commit (default: main)")
     p.add_argument("--local-files-only", action="store_true", help="for a hub id: use the hub cache only, no network")
     p.add_argument(
@@ -289,6 +298,7 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
             ep=ep,
             ep_dispatch=getattr(args, "ep_dispatch", "all-reduce"),
             adapters=getattr(args, "lora", None),
+            lora_modules=lora_modules(getattr(args, "lora_modules", None)),
         )
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
@@ -355,3 +365,18 @@ def text_config(args: argparse.Namespace) -> GenerationConfig:
         return config.with_max_new_tokens(args.max_new_tokens)
     except ConfigError as e:
         raise UserError(f"{flag(e.param)}: {e.detail}") from None
+
+
+def lora_modules(pairs: list[str] | None) -> dict[str, str] | None:
+    """--lora-modules NAME=PATH ... as {name: path}; a UserError naming the flag when one is not."""
+    if not pairs:
+        return None
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--lora-modules: expected NAME=PATH, got {pair!r}")
+        if name in out:
+            raise UserError(f"--lora-modules: {name!r} given twice")
+        out[name] = path
+    return out

@@ -69,6 +69,8 @@ class SequenceView:
     # per row: input vectors that replace some columns' token embeddings in every forward of this
     # step ({row: (columns, vectors)}; DMax's soft embeddings, `Transformer.packed_logits`)
     embeds: dict | None = None
+    # per row that decodes with a LoRA adapter, its index (`Transformer.lora`); other rows: the base
+    adapters: dict | None = None
 
     def refresh(self, i: int) -> int:
         return self.refreshes[i] if self.refreshes else 1
@@ -282,6 +284,7 @@ class CachePolicy:
                 block_size=seq.block_length or None,
                 batch_invariant=self.batch_invariant,
                 embeds=seq.embeds,
+                adapters=seq.adapters,
             )
             self._store_prompts()
             store = self.store if chunks else None

@@ -382,6 +382,10 @@ class BlockDecoder:
         config = config or self.config
         if not self.accepts(config):
             raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
+        if config.adapter is not None:
+            if getattr(self.model, "lora", None) is None:
+                raise ValueError(f"adapter: {config.adapter!r}: this model has no adapters loaded (--lora-modules)")
+            self.model.lora.index(config.adapter)
         ids, mask = prepare_inputs(self.model, input_ids, attention_mask, config)
         strategy = self._strategy_for(config)
         gens = (
@@ -577,6 +581,8 @@ class BlockDecoder:
         and only for a prompt longer than its config's `prefill_chunk` (whole blocks)."""
         chunk, blk = r.config.prefill_chunk, self.config.block_length
         if chunk is None or not self.model.args.block_size or not self.policy.keeps_prompt:
+            return 0
+        if r.config.adapter is not None:  # its prompt's K/V are its adapter's
             return 0
         chunk = chunk // blk * blk
         return chunk if len(r.prompt) > chunk else 0
@@ -863,6 +869,7 @@ class BlockDecoder:
             tuple(1 + r.unrefreshed for r in rows),
             tuple(r.reused for r in rows),
             {i: r.soft for i, r in enumerate(rows) if r.soft is not None} or None,
+            {i: self.model.lora.index(r.config.adapter) for i, r in enumerate(rows) if r.config.adapter} or None,
         )
 
     def _relayout(self, moves: list[tuple[Row, int | None]], prefilled: dict | None = None) -> None:
@@ -908,7 +915,9 @@ class BlockDecoder:
         self.x, self.step_of = x, step_of
         self.stopping = torch.tensor([r.config.stop_at_eos for r, _ in moves], device=dev)  # per row
         joined = {i: r for i, (r, src) in enumerate(moves) if src is None}
-        reused = self.policy.reuse(bsz, {i: r.prompt.tolist() for i, r in joined.items()})
+        # a row with an adapter neither shares nor stores its prompt's K/V (the store holds the base's)
+        shared = {i: r.prompt.tolist() for i, r in joined.items() if r.config.adapter is None}
+        reused = self.policy.reuse(bsz, shared)
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
             self._begin(i, r)

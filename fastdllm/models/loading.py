@@ -414,6 +414,7 @@ def load(
     ep: int = 1,
     ep_dispatch: str = "all-reduce",
     adapters: list[str | os.PathLike] | None = None,
+    lora_modules: dict[str, str | os.PathLike] | None = None,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a model and its tokenizer from a folder or hub id; with no argument, the embedded model.
 
@@ -432,6 +433,10 @@ def load(
     with experts), their tokens dispatched by `ep_dispatch` ("all-reduce" or "all-to-all").
     adapters: PEFT LoRA adapter folders merged into the weights at load, in order
     (`models.lora`: W += scale * B @ A, as PEFT's merge_and_unload), before any `quantize`.
+    lora_modules: {name: folder} of PEFT LoRA adapters kept beside the weights (after any
+    `quantize`, over the quantized layers), each row choosing one by name
+    (`GenerationConfig.adapter`): rows with different adapters decode in one batch
+    (`models.lora.LoRAAdapters`).
     """
     device = check_device(device)
     if quantize is not None and tp is not None and tp[1] > 1:
@@ -479,6 +484,12 @@ def load(
         install(model, quantize_weights(model, QUANTIZE[quantize], group_size, quantize_head), device=device)
         model.to(device)
         model.setup_rope(device)
+    if lora_modules:
+        from .lora import attach_adapters
+
+        if tp is not None and tp[1] > 1:
+            raise ValueError("lora_modules: not with tensor parallelism (each rank holds part of each weight)")
+        attach_adapters(model, lora_modules)
     model.stop_token_ids = sorted(set(tokenizer.stop_token_ids()) | {model.args.eos_token_id})
     gen_path = folder / "generation_config.json"
     if gen_path.is_file() and not is_gguf(path_or_repo_id):

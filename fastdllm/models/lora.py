@@ -80,3 +80,128 @@ def merge_adapter(model, path: str | os.PathLike) -> int:
             weight.copy_((weight.float() + scale * delta.to(weight.device)).to(weight.dtype))
     model._compiled_layers = None  # compiled layers closed over the old weights
     return len(pairs)
+
+
+def _pairs(model, path, tensors: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """An adapter's A and B per linear module of ours (`layers.0.attention.wq`), float or quantized."""
+    ours = {theirs: name for name, theirs in model.family.weight_names(model.args).items() if isinstance(theirs, str)}
+    modules = dict(model.named_modules())
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        module, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if part not in ("A.weight", "B.weight"):
+            raise ValueError(f"{path}: {key}: not a LoRA A or B weight")
+        name = ours.get(f"{module}.weight", "").removesuffix(".weight")
+        if not hasattr(modules.get(name), "in_features"):
+            raise ValueError(f"{path}: {module}: not a linear layer of this {model.family.name} model")
+        pairs.setdefault(name, {})[part[0]] = value
+    for name, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{path}: {name}: needs both lora_A and lora_B")
+        layer = modules[name]
+        if (ab["B"].shape[0], ab["A"].shape[1]) != (layer.out_features, layer.in_features):
+            raise ValueError(
+                f"{path}: {name}: the adapter's shape does not fit ({layer.out_features}, {layer.in_features})"
+            )
+    return pairs
+
+
+class LoRAAdapters:
+    """Named adapters kept beside the base weights, so that rows decoding with different adapters
+    (and the base) share one forward, as vLLM serves `--lora-modules`. Each adapted linear layer
+    holds its adapters' A (n, r, in) and B (n, out, r) stacked (ranks padded with zeros) and adds,
+    to the output of each token whose row decodes with adapter k, (x A_k^T) B_k^T scale_k, as PEFT's
+    unmerged `LoraLayer` does: a forward hook on the layer, so a quantized layer takes it too. The
+    tokens of each adapter present go through two matmuls of their own (plain PyTorch, no custom
+    kernel); a forward with no adapter row costs nothing more.
+
+    `model.lora` holds them; `tokens(ids)` sets, for the forwards inside it, each token's adapter
+    (its index in `names`, -1: the base) in the shape of the forward's tokens, or one for all."""
+
+    def __init__(self, model):
+        self.model = model
+        self.names: list[str] = []
+        self.paths: list[str] = []
+        self.layers: dict[str, dict] = {}  # module -> {"A": [per adapter], "B": [...], "scale": [...]}
+        self.ids: torch.Tensor | None = None
+        self._hooks: list = []
+
+    def index(self, name: str) -> int:
+        if name not in self.names:
+            raise ValueError(f"adapter: {name!r} is not loaded (loaded: {', '.join(self.names) or 'none'})")
+        return self.names.index(name)
+
+    def add(self, name: str, path: str | os.PathLike) -> None:
+        """Load the PEFT adapter at `path` under `name` (refusals as `merge_adapter`'s)."""
+        if name in self.names:
+            raise ValueError(f"adapter: {name!r} is loaded already")
+        config, tensors = read_adapter(path)
+        r, alpha = config["r"], config.get("lora_alpha", config["r"])
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        pairs = _pairs(self.model, path, tensors)
+        k = len(self.names)
+        self.names.append(name)
+        self.paths.append(str(path))
+        dtype, device = self.model.dtype, self.model.device
+        for module, ab in pairs.items():
+            layer = self.layers.setdefault(module, {"A": [None] * k, "B": [None] * k, "scale": [0.0] * k})
+            layer["A"].append(ab["A"].to(device, dtype))
+            layer["B"].append(ab["B"].to(device, dtype))
+            layer["scale"].append(scale)
+        for layer in self.layers.values():
+            for part in ("A", "B"):
+                layer[part] += [None] * (len(self.names) - len(layer[part]))
+            layer["scale"] += [0.0] * (len(self.names) - len(layer["scale"]))
+        self._install()
+
+    def _install(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        modules = dict(self.model.named_modules())
+        self._hooks = [modules[m].register_forward_hook(self._hook(layer)) for m, layer in self.layers.items()]
+
+    def _hook(self, layer: dict):
+        def add_deltas(module, inputs, output):
+            ids = self.ids
+            if ids is None:
+                return output
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])
+            flat = ids.reshape(-1).expand(x.shape[0]) if ids.numel() == 1 else ids.reshape(-1)
+            if flat.shape[0] != x.shape[0]:
+                raise ValueError(f"adapter: {flat.shape[0]} token adapters for {x.shape[0]} tokens")
+            out = output.reshape(-1, output.shape[-1])
+            for k in flat.unique().tolist():
+                if k < 0 or layer["A"][k] is None:
+                    continue
+                rows = (flat == k).nonzero()[:, 0]
+                delta = (x[rows] @ layer["A"][k].T) @ layer["B"][k].T * layer["scale"][k]
+                out = out.index_add(0, rows, delta.to(out.dtype))
+            return out.view(output.shape)
+
+        return add_deltas
+
+    class _Tokens:
+        def __init__(self, owner, ids):
+            self.owner, self.ids = owner, ids
+
+        def __enter__(self):
+            self.before, self.owner.ids = self.owner.ids, self.ids
+
+        def __exit__(self, *exc):
+            self.owner.ids = self.before
+
+    def tokens(self, ids: torch.Tensor | None):
+        """A context in which the forwards' tokens decode with adapters `ids` (None: the base)."""
+        return self._Tokens(self, ids)
+
+
+def attach_adapters(model, adapters: dict[str, str | os.PathLike]) -> LoRAAdapters:
+    """Load named adapters beside `model`'s weights (`model.lora`); rows choose one by name
+    (`GenerationConfig.adapter`)."""
+    if model.family.model_class is not None:
+        raise ValueError(f"lora_modules: not yet for {model.family.name} (its layers are not the shared transformer's)")
+    lora = getattr(model, "lora", None) or LoRAAdapters(model)
+    for name, path in adapters.items():
+        lora.add(name, path)
+    model.lora = lora
+    return lora

@@ -283,6 +283,7 @@ class Transformer(nn.Module):
         self.decoding: str | None = None if family is None else family.rules.published
         self._compiled_layers: list | None = None  # built on first use (not modules: no second state_dict)
         self._graphed_window = None  # `graphed_window_logits`, compiled on first use
+        self.lora = None  # named LoRA adapters beside the weights (`models.lora.LoRAAdapters`)
 
     def make_layers(self, args: ModelArgs) -> nn.ModuleList:
         """The layers (a family whose layers are not Llama-shaped builds its own: `Family.model_class`)."""
@@ -371,6 +372,7 @@ class Transformer(nn.Module):
         block_size: int | None = None,
         batch_invariant: bool = False,
         embeds: dict | None = None,
+        adapters: dict | None = None,
     ) -> list[torch.Tensor]:
         """Rows' windows in one forward, packed end to end (no padding): `windows` are per row
         (row, lo, hi, keys, start): compute the columns [lo, hi) of row `row` of the layout `x`
@@ -382,7 +384,8 @@ class Transformer(nn.Module):
         A block-causal model's queries see the keys of their block and the blocks before it, in
         blocks of `block_size` (default its own). `embeds` {row: (columns, vectors)}: input vectors
         that replace those columns' token embeddings (DMax's soft embeddings), where a window of that
-        row computes them. Returns one (hi - start, V) tensor per window."""
+        row computes them. `adapters` {row: index}: the LoRA adapter each row's tokens decode with
+        (`self.lora`; other rows: the base). Returns one (hi - start, V) tensor per window."""
         shift = 1 if self.args.shifted_logits else 0
         bs = block_size or self.args.block_size
         tokens, positions, segments, offset = [], [], [], 0
@@ -405,7 +408,10 @@ class Transformer(nn.Module):
             positions.append(cols)
             offset += hi - lo
         tokens, positions = torch.cat(tokens)[None], torch.cat(positions)[None]
-        with BatchInvariant() if batch_invariant else contextlib.nullcontext():
+        ids = None
+        if adapters and self.lora is not None:
+            ids = torch.cat([torch.full((s.width,), adapters.get(s.row, -1), device=x.device) for s in segments])[None]
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext(), self.adapted(ids):
             h = self.tok_embeddings(tokens)
             for s in segments if embeds else ():
                 if s.row in embeds:
@@ -479,17 +485,33 @@ class Transformer(nn.Module):
             self._graphed_window = step
         return self._graphed_window
 
+    def adapted(self, ids: torch.Tensor | None):
+        """A context in which each token's LoRA adapter is `ids` (its index in `self.lora.names`,
+        -1: the base; the shape of the forward's tokens); nothing without adapters."""
+        return contextlib.nullcontext() if self.lora is None or ids is None else self.lora.tokens(ids)
+
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, batch_invariant: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        batch_invariant: bool = False,
+        adapters: list[str | None] | None = None,
     ) -> torch.Tensor:
-        """Plain full forward: logits (B, L, V) with the family's native meaning (shifted for Dream)."""
+        """Plain full forward: logits (B, L, V) with the family's native meaning (shifted for Dream).
+        `adapters`: per row, the name of the LoRA adapter it runs with (None: the base)."""
         bsz, length = input_ids.shape
+        ids = None
+        if adapters is not None:
+            if self.lora is None or len(adapters) != bsz:
+                raise ValueError("adapters: one name (or None) per row, of adapters loaded with the model")
+            ids = torch.tensor([-1 if a is None else self.lora.index(a) for a in adapters], device=input_ids.device)
+            ids = ids[:, None].expand(bsz, length)
         positions = positions_from_mask(attention_mask, bsz, length, input_ids.device)
         key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         if self.args.block_size:
             order = self.attention_order(input_ids, positions)
             key_mask = block_causal_mask(order, order, self.args.block_size, key_mask)
-        with BatchInvariant() if batch_invariant else contextlib.nullcontext():
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext(), self.adapted(ids):
             return self.head(self.hidden(input_ids, positions, key_mask, batch_invariant=batch_invariant))
 
     def logits_for(

@@ -162,13 +162,16 @@ def add_routes(app: FastAPI, server: Server) -> None:
         return {"prompt": tokenizer.decode(req.tokens)}
 
     def model_card(name: str) -> dict:
-        return {
+        card = {
             "id": name,
             "object": "model",
             "created": server.created,
             "owned_by": "fastdllm",
             "max_model_len": model.args.max_seq_len,
         }
+        if name in settings.adapters:  # as vLLM lists a LoRA module: its base model as root and parent
+            card.update(root=model.lora.paths[model.lora.index(name)], parent=settings.model_name)
+        return card
 
     @app.get("/v1/models")
     async def models():

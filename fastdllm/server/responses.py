@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -392,8 +393,13 @@ async def score(server: Server, req: CompletionRequest) -> JSONResponse:
 
     top = max(1, req.logprobs)
 
+    adapter = None
+    if req.model in server.settings.adapters:  # every token scored under the adapter the request names
+        adapter = torch.tensor(model.lora.index(req.model), device=model.device)
+
     def each():
-        return [prefix_logprobs(model, p, top=top, extra=extra) for p in prompts]
+        with model.adapted(adapter):
+            return [prefix_logprobs(model, p, top=top, extra=extra) for p in prompts]
 
     def compute():
         with server.scoring_lock:

@@ -43,9 +43,13 @@ class ServerSettings:
     presets: dict[str, GenerationConfig] = field(default_factory=dict)  # more presets requests may name
     kv_cache_bytes: int | None = None  # the running rows' K/V budget (`Scheduler`); None: unbounded
 
+    adapters: tuple[str, ...] = ()  # the model's LoRA adapters, each served as a model of its name
+
     @property
     def names(self) -> tuple[str, ...]:
-        return (self.model_name, *[a for a in self.aliases if a != self.model_name])
+        """Every id a request may name: the model, its aliases, its adapters."""
+        base = (self.model_name, *[a for a in self.aliases if a != self.model_name])
+        return (*base, *[a for a in self.adapters if a not in base])
 
 
 def default_model_name(path: str | None) -> str:
@@ -62,6 +66,9 @@ class Server:
     def __init__(self, model, tokenizer, settings: ServerSettings, commands: LocalCommands | None = None):
         """`commands`: how forwards reach the other ranks of a tensor-parallel model (`ranks.py`)."""
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        lora = getattr(model, "lora", None)
+        if lora is not None and not settings.adapters:
+            settings.adapters = tuple(lora.names)
         self.commands = commands or LocalCommands()
         self.scoring_lock = threading.Lock()  # scoring forwards run one request at a time, off the event loop
         self.scheduler = Scheduler(
@@ -149,7 +156,7 @@ class Server:
                     code="invalid_value",
                 )
             base = self.presets[req.preset]
-        base = base.replace(seed=None)
+        base = base.replace(seed=None, adapter=req.model if req.model in self.settings.adapters else None)
         overrides: dict[str, Any] = {}
         for name in DLLM_FIELDS:
             if name in req.model_fields_set:
