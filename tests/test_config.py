@@ -61,6 +61,7 @@ BAD = {
     "t_max": 0.2,
     "stability_threshold": -1,
     "window_size": 0,
+    "adapter": "",
     "pos_penalty_factor": -0.1,
     "confidence_threshold": 0,
 }
