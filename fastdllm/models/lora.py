@@ -115,15 +115,15 @@ class LoRAAdapters:
     tokens of each adapter present go through two matmuls of their own (plain PyTorch, no custom
     kernel); a forward with no adapter row costs nothing more.
 
-    `model.lora` holds them; `tokens(ids)` sets, for the forwards inside it, each token's adapter
-    (its index in `names`, -1: the base) in the shape of the forward's tokens, or one for all."""
+    `model.lora` holds them; `tokens(ids)` sets, for the forwards inside it, each token's adapter."""
 
     def __init__(self, model):
         self.model = model
         self.names: list[str] = []
         self.paths: list[str] = []
         self.layers: dict[str, dict] = {}  # module -> {"A": [per adapter], "B": [...], "scale": [...]}
-        self.ids: torch.Tensor | None = None
+        # for the forward running: per adapter present, its tokens' rows (None: every token)
+        self.groups: list | None = None
         self._hooks: list = []
 
     def index(self, name: str) -> int:
@@ -162,37 +162,47 @@ class LoRAAdapters:
 
     def _hook(self, layer: dict):
         def add_deltas(module, inputs, output):
-            ids = self.ids
-            if ids is None:
+            if self.groups is None:
                 return output
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            flat = ids.reshape(-1).expand(x.shape[0]) if ids.numel() == 1 else ids.reshape(-1)
-            if flat.shape[0] != x.shape[0]:
-                raise ValueError(f"adapter: {flat.shape[0]} token adapters for {x.shape[0]} tokens")
             out = output.reshape(-1, output.shape[-1])
-            for k in flat.unique().tolist():
-                if k < 0 or layer["A"][k] is None:
+            for k, rows in self.groups:
+                if layer["A"][k] is None:  # this adapter leaves this layer as it is
                     continue
-                rows = (flat == k).nonzero()[:, 0]
-                delta = (x[rows] @ layer["A"][k].T) @ layer["B"][k].T * layer["scale"][k]
-                out = out.index_add(0, rows, delta.to(out.dtype))
+                a, b, scale = layer["A"][k], layer["B"][k], layer["scale"][k]
+                if rows is None:  # every token of the forward
+                    out = out + ((x @ a.T) @ b.T * scale).to(out.dtype)
+                else:
+                    if rows.shape[0] and int(rows[-1]) >= x.shape[0]:
+                        raise ValueError(f"adapter: token {int(rows[-1])} of a forward of {x.shape[0]}")
+                    out = out.index_add(0, rows, ((x[rows] @ a.T) @ b.T * scale).to(out.dtype))
             return out.view(output.shape)
 
         return add_deltas
 
     class _Tokens:
-        def __init__(self, owner, ids):
-            self.owner, self.ids = owner, ids
+        def __init__(self, owner, groups):
+            self.owner, self.groups = owner, groups
 
         def __enter__(self):
-            self.before, self.owner.ids = self.owner.ids, self.ids
+            self.before, self.owner.groups = self.owner.groups, self.groups
 
         def __exit__(self, *exc):
-            self.owner.ids = self.before
+            self.owner.groups = self.before
 
     def tokens(self, ids: torch.Tensor | None):
-        """A context in which the forwards' tokens decode with adapters `ids` (None: the base)."""
-        return self._Tokens(self, ids)
+        """A context in which the forwards' tokens decode with adapters `ids` (each token's index in
+        `names`, -1: the base; one for all tokens, or one per token of the forward, flattened in
+        order). The tokens of each adapter are found once here, not per layer."""
+        groups = None
+        if ids is not None:
+            flat = ids.reshape(-1)
+            present = [k for k in flat.unique().tolist() if k >= 0]
+            if flat.numel() == 1 or (len(present) == 1 and bool((flat == present[0]).all())):
+                groups = [(k, None) for k in present]
+            else:
+                groups = [(k, (flat == k).nonzero()[:, 0]) for k in present]
+        return self._Tokens(self, groups or None)
 
 
 def attach_adapters(model, adapters: dict[str, str | os.PathLike]) -> LoRAAdapters:
