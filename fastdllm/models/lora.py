@@ -51,32 +51,23 @@ def read_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]
     return config, load_file(str(weights_path))
 
 
+def scale_of(config: dict) -> float:
+    """PEFT's scale of an adapter's delta: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+    r, alpha = config["r"], config.get("lora_alpha", config["r"])
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
 def merge_adapter(model, path: str | os.PathLike) -> int:
     """Merge the LoRA adapter at `path` into `model`'s weights in place; returns the layers changed."""
     config, tensors = read_adapter(path)
     if getattr(model, "quantization", None) is not None:
         raise ValueError("adapters: the base model is quantized; merge the adapter into float weights, then quantize")
-    r, alpha = config["r"], config.get("lora_alpha", config["r"])
-    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    ours = {theirs: name for name, theirs in model.family.weight_names(model.args).items() if isinstance(theirs, str)}
+    scale, pairs = scale_of(config), _pairs(model, path, tensors)
     params = dict(model.named_parameters())
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        module, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-        if part not in ("A.weight", "B.weight"):
-            raise ValueError(f"{path}: {key}: not a LoRA A or B weight")
-        pairs.setdefault(module, {})[part[0]] = value
     with torch.no_grad():
         for module, ab in pairs.items():
-            name = ours.get(f"{module}.weight")
-            if name is None or name not in params or set(ab) != {"A", "B"}:
-                raise ValueError(f"{path}: {module}: not a linear layer of this {model.family.name} model")
-            weight = params[name]
+            weight = params[f"{module}.weight"]
             delta = ab["B"].float() @ ab["A"].float()
-            if delta.shape != weight.shape:
-                raise ValueError(
-                    f"{path}: {module}: the adapter's {tuple(delta.shape)} does not fit {tuple(weight.shape)}"
-                )
             weight.copy_((weight.float() + scale * delta.to(weight.device)).to(weight.dtype))
     model._compiled_layers = None  # compiled layers closed over the old weights
     return len(pairs)
@@ -136,9 +127,7 @@ class LoRAAdapters:
         if name in self.names:
             raise ValueError(f"adapter: {name!r} is loaded already")
         config, tensors = read_adapter(path)
-        r, alpha = config["r"], config.get("lora_alpha", config["r"])
-        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        pairs = _pairs(self.model, path, tensors)
+        scale, pairs = scale_of(config), _pairs(self.model, path, tensors)
         k = len(self.names)
         self.names.append(name)
         self.paths.append(str(path))
