@@ -293,6 +293,7 @@ class DiffusionGemma(Transformer):
         block_size: int | None = None,
         batch_invariant: bool = False,
         embeds: dict | None = None,
+        adapters: dict | None = None,
     ) -> list[torch.Tensor]:
         """Rows' windows in one forward, packed end to end: each window (row, lo, hi, keys, start)
         computes the columns [lo, hi) of its row of `x` ([start, hi) its canvas; the columns before
@@ -301,8 +302,10 @@ class DiffusionGemma(Transformer):
         vectors)}: a canvas's self-conditioning signal (`soft_input`), zeros where none is given.
         Exact with any window that recomputes every column whose K/V are not an encoder's: a canvas
         is recomputed as the encoder commits it by the next block's first forward (`cache="dual"`
-        with the vicinity or full refresh, `"prefix"`, `"none"`)."""
+        with the vicinity or full refresh, `"prefix"`, `"none"`). No LoRA adapters (`adapters`)."""
         del compiled, block_size, batch_invariant
+        if adapters:
+            raise ValueError("adapter: not yet for DiffusionGemma")
         if any(start >= hi for _, _, hi, _, start in windows):
             raise ValueError("windows: each must hold a canvas (start < hi)")
         h, out, offset = self._hidden(x, windows, cache, embeds), [], 0
