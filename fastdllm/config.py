@@ -118,6 +118,7 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+LOGPROBS_MODES = ("processed", "raw")
 # The most top tokens a generated token's log-probability reports (OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
 
@@ -373,6 +374,13 @@ class GenerationConfig:
         "report each generated token's log-probability from the forward that wrote it, and the N most "
         "likely tokens there (0: none; at most 20)",
         server=False,
+        row=True,
+    )
+    logprobs_mode: str = _opt(
+        "processed",
+        "str",
+        "with logprobs: processed (under the row's temperature, top-k / top-p and grammar, as vLLM "
+        "reports them) or raw (the model's log-softmax as it is)",
         row=True,
     )
     adapter: str | None = _opt(
@@ -807,6 +815,7 @@ class GenerationConfig:
             "threshold",
             "unmasking=entropy needs a threshold (an entropy, in nats)",
         )
+        need(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}")
         if self.adapter is not None:
             need(isinstance(self.adapter, str) and self.adapter != "", "adapter", "must be a name or None")
         need(is_int(self.window_size) and self.window_size >= 1, "window_size", "must be a positive integer")

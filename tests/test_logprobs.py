@@ -148,3 +148,47 @@ def test_generate_json_reports_them(capsys):
     assert len(record["logprobs"]) == record["tokens"] > 0
     text, logprob, top = record["logprobs"][0]
     assert record["text"].startswith(text) and logprob <= 0 and len(top) == 2 and top[0][0] == text
+
+
+def test_raw_logprobs_are_the_models_own(embedded):
+    """`logprobs_mode="raw"`: the model's log-softmax, whatever the sampling (vLLM's raw_logprobs);
+    the same tokens as processed ones at the same seed."""
+    model, tok = embedded
+    prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    base = GenerationConfig(gen_length=32, block_length=32, cache="none", temperature=2.0, seed=0, logprobs=0)
+    processed, raw = generate(model, [prompt], base), generate(model, [prompt], base.replace(logprobs_mode="raw"))
+    assert torch.equal(processed.sequences, raw.sequences)
+    greedy = generate(model, [prompt], base.replace(temperature=0.0, logprobs_mode="raw"))
+    assert raw.logprobs[0] != processed.logprobs[0]
+    first = [j for j, s in enumerate(raw.unmask_step[0].tolist()) if s == 0]  # revealed by the first forward
+    x = torch.cat([torch.tensor(prompt), torch.full((32,), model.mask_token_id)])[None]
+    with torch.inference_mode():
+        full = model(x)[0, len(prompt) :].float().log_softmax(-1)
+    for j in first:
+        assert math.isclose(raw.logprobs[0][j], full[j, int(raw.sequences[0, j])].item(), abs_tol=1e-4)
+    assert first and greedy.logprobs[0][0] is not None
+    with pytest.raises(ValueError, match="^logprobs_mode: "):
+        GenerationConfig(logprobs_mode="logits")
+
+
+def test_a_grammars_rows_report_logprobs_after_its_mask(embedded):
+    """Under a JSON schema the processed log-probabilities are renormalised over the tokens the
+    grammar allowed at each position: a token it forces has log-probability 0, and none is below
+    its raw value; raw ones are the model's."""
+    from fastdllm.engine.constraints import response_format_constraint
+
+    model, tok = embedded
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    config = GenerationConfig(gen_length=32, block_length=32, logprobs=0, stop_at_eos=False)
+    runs = {}
+    for mode in ("processed", "raw"):
+        constraint = response_format_constraint(fmt, tok, model.stop_token_ids, budget=32)
+        runs[mode] = generate(model, [prompt], config.replace(logprobs_mode=mode), constraints=[constraint])
+    assert torch.equal(runs["processed"].sequences, runs["raw"].sequences)
+    processed, raw = runs["processed"].logprobs[0], runs["raw"].logprobs[0]
+    pairs = [(p, r) for p, r in zip(processed, raw) if p is not None]
+    assert pairs and all(p >= r - 1e-5 for p, r in pairs)
+    assert any(p == 0.0 and r < -1e-3 for p, r in pairs)  # a token only the grammar allowed
+    assert tok.decode(runs["processed"].sequences[0]).startswith("{")

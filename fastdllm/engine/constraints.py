@@ -108,6 +108,10 @@ class GrammarConstraint:
         self.grammar, self.what, self.asked_budget = grammar, what, budget
         self.budget = budget  # answer tokens the grammar must finish in, its stop token included
         self.consumed: list[int] = []
+        # With `keeps_masks` (a row reporting log-probabilities), the last `amend`'s grammar mask at
+        # each position it wrote: {block position: (V,) True where the grammar allowed a token}
+        self.keeps_masks = False
+        self.masks: dict[int, torch.Tensor] = {}
 
     def reset(self) -> None:
         """Back to the answer's start (a batch that failed decodes the row again)."""
@@ -233,18 +237,17 @@ class GrammarConstraint:
     def amend(self, logits: torch.Tensor, tokens: torch.Tensor, chosen: torch.Tensor, masked: torch.Tensor) -> None:
         """Amend one row's step in place (see the module docstring). logits (T, V); tokens,
         chosen, masked (T,): the step's proposals, the rule's choice, the masked positions."""
+        self.masks = {}
         open_ = masked.nonzero().flatten().tolist()
         if not open_:
             return
         if self.finished:  # the answer is complete: the rest is the end
-            tokens[masked] = self.stop_id
-            chosen.copy_(masked)
+            self._ended(tokens, chosen, masked, masked, logits.shape[-1])
             return
         f = open_[0]
         allowed = self.allowed(logits.shape[-1], logits.device)
         if not bool(allowed.any()):  # the grammar is in an error state: end the answer
-            tokens[masked] = self.stop_id
-            chosen.copy_(masked)
+            self._ended(tokens, chosen, masked, masked, logits.shape[-1])
             return
         first = int(torch.where(allowed, logits[f].float(), float("-inf")).argmax())
         run, j = [first], f + 1
@@ -262,7 +265,11 @@ class GrammarConstraint:
                 return scores.topk(min(RANKED_ALTERNATIVES, int(allowed.sum()))).indices.tolist()
 
             run = self._within_budget(run, ranked)
-        if not self.matcher.consume_tokens(run):
+        for k, t in enumerate(run if self.keeps_masks else ()):  # each token's mask, as it is consumed
+            self.masks[f + k] = allowed if k == 0 else self.allowed(logits.shape[-1], logits.device)
+            if not self.matcher.consume_tokens([t]):
+                raise RuntimeError(f"grammar rejected tokens it validated: {self.matcher.get_error()}")
+        if not self.keeps_masks and not self.matcher.consume_tokens(run):
             raise RuntimeError(f"grammar rejected tokens it validated: {self.matcher.get_error()}")
         self.consumed += run
         chosen.zero_()
@@ -271,8 +278,19 @@ class GrammarConstraint:
         if self.finished:  # the grammar took its last token: what is left of the block ends
             rest = masked.clone()
             rest[: f + len(run)] = False
-            tokens[rest] = self.stop_id
+            self._ended(tokens, chosen, masked, rest, logits.shape[-1])
+
+    def _ended(self, tokens, chosen, masked, rest, vocab: int) -> None:
+        """The positions `rest` become the stop token, the only token the grammar allows there."""
+        tokens[rest] = self.stop_id
+        if rest is masked:
+            chosen.copy_(masked)
+        else:
             chosen |= rest
+        if self.keeps_masks:
+            only = torch.zeros(vocab, dtype=torch.bool, device=tokens.device)
+            only[self.stop_id] = True
+            self.masks.update({p: only for p in rest.nonzero().flatten().tolist()})
 
 
 def response_format_constraint(

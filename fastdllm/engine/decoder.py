@@ -406,6 +406,7 @@ class BlockDecoder:
                     raise ValueError("constraints: a prompt ending inside a block-causal block is not supported yet")
                 if c is not None:
                     c.fit_within(config.gen_length)
+                    c.keeps_masks = config.logprobs is not None  # its log-probabilities after its mask
                 r.constraint = c
         self.joining.extend(rows)
         return rows
@@ -952,6 +953,12 @@ class BlockDecoder:
             written = torch.cat([written, decision.ahead], 1)
         width = written.shape[1]
         lp = token_logprobs(logits[:, :width], [r.config for r in self.rows])
+        for i, r in enumerate(self.rows):  # a grammar's rows: renormalised over what it allowed
+            if r.constraint is None or r.config.logprobs_mode == "raw":
+                continue
+            for p, allowed in r.constraint.masks.items():
+                kept = torch.where(allowed, lp[i, p], float("-inf"))
+                lp[i, p] = kept - kept.logsumexp(-1)
         cols = columns[:, :width]
         chosen = lp.gather(-1, tokens[..., None]).squeeze(-1)
         self.logp.scatter_(1, cols, torch.where(written, chosen, self.logp.gather(1, cols)))

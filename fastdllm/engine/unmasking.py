@@ -156,11 +156,12 @@ def token_logprobs(logits: torch.Tensor, configs) -> torch.Tensor:
     """(B, T, V) float32 log-probabilities a row's sampling draws from, for logits (B, T, V) and
     each row's config: at temperature > 0 of softmax(logits / temperature) after its top-k / top-p
     filtering (a filtered token: -inf), at temperature 0 of the logits as they are (as vLLM reports
-    processed log-probabilities)."""
+    processed log-probabilities); with `logprobs_mode="raw"`, the logits' own log-softmax."""
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(configs):
-        groups.setdefault((c.temperature, c.top_p, c.top_k), []).append(i)
+        raw = c.logprobs_mode == "raw"
+        groups.setdefault((0.0, None, None) if raw else (c.temperature, c.top_p, c.top_k), []).append(i)
     for (temperature, top_p, top_k), rows in groups.items():
         idx = torch.tensor(rows, device=logits.device)
         part = logits.index_select(0, idx).float()
