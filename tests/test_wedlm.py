@@ -153,3 +153,18 @@ def test_lm_eval_decodes_it_with_its_engines_settings(folder):
     assert (config.unmasking, config.block_length, config.window_size) == ("wedlm", 1, 8)
     out = lm.generate_until([_Req("Question: 2 + 2?\nAnswer:", {"until": ["Question:"], "max_gen_toks": 6})])
     assert len(out) == 1 and isinstance(out[0], str)
+
+
+def test_a_grammar_decodes_its_window_left_to_right(model, tokenizer):
+    """Under a JSON schema the window's first mask takes the grammar's token and a run after it the
+    grammar accepts: the answer parses and follows the schema, in fewer steps than its tokens."""
+    from fastdllm.engine.constraints import response_format_constraint
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    constraint = response_format_constraint(fmt, tokenizer, model.stop_token_ids, budget=24)
+    config = GenerationConfig.wedlm(gen_length=24, threshold=3.0)
+    out = fastdllm.generate(model, [tokenizer.encode(PROMPTS[0])], config=config, constraints=[constraint])
+    text = tokenizer.decode(out.sequences[0][: out.num_tokens[0]])
+    assert isinstance(json.loads(text)["n"], int), text
+    assert out.nfe < out.num_tokens[0]

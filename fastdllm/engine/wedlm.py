@@ -24,6 +24,10 @@ It stops at its `stop_token_ids` (EOS added); we stop at the model's stop tokens
 token is [MASK] it fills the position with it; we take the most likely other token, drawing nothing
 more. Each row samples from its own generator; the reference draws a batch's rows from one stream
 (a row alone draws the same numbers under the same seed).
+
+A row under a grammar (`constraints.GrammarConstraint`, which WeDLM's engine has not) reveals the
+window left to right: its first mask takes the grammar's most likely token, and the run of
+positions the rule chose right after it as far as the grammar accepts them.
 """
 
 from __future__ import annotations
@@ -131,8 +135,6 @@ class WeDLMStrategy:
     def decide(
         self, logits, block, clock, generators, mask_id, later=None, editable=None, constraints=None, carry=None
     ) -> Decision:
-        if constraints:
-            raise ValueError("unmasking: wedlm does not decode under a grammar constraint")
         window = block if later is None else torch.cat([block, later], 1)
         masked = window == mask_id
         tokens = window.clone()
@@ -150,6 +152,8 @@ class WeDLMStrategy:
             tokens[i, where] = drawn
             conf[i, where] = -entropy(rows).to(conf.dtype)
         chosen = self.rule.select(conf, masked, clock, generators, None) & masked
+        for i, constraint in (constraints or {}).items():  # the grammar's say, over the whole window
+            constraint.amend(logits[i], tokens[i], chosen[i], masked[i])
         blk = block.shape[1]
         if later is None:
             return Decision(tokens, chosen)
