@@ -956,3 +956,48 @@ def test_wedlm_decodes_as_its_engines_decoder(tokenizer, tmp_path, part, layout)
                 batch = fastdllm.generate(model, prompts, config=GenerationConfig.wedlm(**c))
                 for row, ref in zip(batch.sequences.tolist(), refs):
                     assert row[: len(ref["tokens"])] == ref["tokens"], c
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not WEDLM_LIVE, reason="set FASTDLLM_WEDLM_REFERENCE (a Tencent/WeDLM checkout) and FASTDLLM_WEDLM_PYTHON"
+)
+def test_a_checkpoint_wedlms_own_classes_made_decodes_as_its_engine(tokenizer, tmp_path):
+    """A tiny checkpoint WeDLM's transformers classes make and save (its config's own defaults
+    written out: q/k/v biases, no q/k norm) loads here and decodes as its engine's decoder does."""
+    folder = tmp_path / "made"
+    folder.mkdir()
+    tokenizer.save(folder)
+    config = dict(
+        vocab_size=tokenizer.vocab_size + 64 - tokenizer.vocab_size % 64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        mask_token_id=tokenizer.token_to_id("<|mdm_mask|>"),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    prompts = [tokenizer.encode(t) for t in ("Question: 3 + 4 = ? Answer:", "Tom has 5 apples")]
+    configs = [dict(_WEDLM, stop_at_eos=False), dict(_WEDLM, threshold=3.0, window_size=4, stop_at_eos=False)]
+    spec = {"make": {"seed": 0, "config": config}, "logits": [p + p for p in prompts], "prompts": prompts}
+    spec["configs"] = configs
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(spec))
+    out = subprocess.run(
+        [WEDLM_PYTHON, str(WEDLM_RUNNER), WEDLM_CHECKOUT, str(folder), str(job)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    model, _ = fastdllm.load(str(folder), dtype="float32")
+    assert model.family.name == "WeDLM" and model.args.qkv_bias and not model.args.qk_norm
+    for ids, logits in zip(spec["logits"], theirs["logits"]):
+        assert torch.allclose(model(torch.tensor([ids]))[0], torch.tensor(logits), atol=1e-4, rtol=1e-4)
+    runs = iter(theirs["runs"])
+    for c in configs:
+        for prompt in prompts:
+            ref = next(runs)
+            ours = fastdllm.generate(model, [prompt], config=GenerationConfig.wedlm(**c))
+            assert ours.sequences[0].tolist()[: len(ref["tokens"])] == ref["tokens"], (c, prompt)
+            assert ours.nfe == ref["nfe"] - 2

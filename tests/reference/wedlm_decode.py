@@ -1,7 +1,8 @@
 """Run WeDLM's published decoder (its engine's `WeDLMDecoder` and `Sampler`, `wedlm/engine/`) with
 its own transformers model (`hf_compat/modeling_wedlm.py`), in an interpreter with the transformers
 it was written for (4.56/4.57) and torch. argv: the checkout (Tencent/WeDLM), a checkpoint folder, a
-JSON file of {"logits": [ids...], "prompts", "configs"}; prints {"logits": [[...]], "runs":
+JSON file of {"logits": [ids...], "prompts", "configs"} (with "make": {"seed", "config"}, the
+checkpoint is first made in the folder by its own classes); prints {"logits": [[...]], "runs":
 [{"tokens", "nfe", "seconds"}, ...]} (configs outer, prompts inner).
 
 The engine's model runner needs CUDA (flash-attn's paged kernels, CUDA graphs, NCCL); its decoder
@@ -58,6 +59,15 @@ Sequence.block_size = BLOCK
 
 spec = json.load(open(job))
 torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
+if "make" in spec:  # a checkpoint its own classes make: seeded random weights, saved by transformers
+    from hf_compat.configuration_wedlm import WeDLMConfig
+
+    torch.manual_seed(spec["make"]["seed"])
+    made = WeDLMForCausalLM(WeDLMConfig(**spec["make"]["config"])).to(torch.float32)
+    with torch.no_grad():
+        for name, p in made.named_parameters():  # sharper than its init, norms off their ones
+            p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.0)).mul_(1.0 if p.dim() == 1 else 8.0)
+    made.save_pretrained(folder, safe_serialization=True)
 model, info = WeDLMForCausalLM.from_pretrained(
     folder, torch_dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
 )
