@@ -65,7 +65,7 @@ if "make" in spec:  # a checkpoint its own classes make: seeded random weights, 
     torch.manual_seed(spec["make"]["seed"])
     made = WeDLMForCausalLM(WeDLMConfig(**spec["make"]["config"])).to(torch.float32)
     with torch.no_grad():
-        for name, p in made.named_parameters():  # sharper than its init, norms off their ones
+        for p in made.parameters():  # sharper than its init, norms off their ones
             p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.0)).mul_(1.0 if p.dim() == 1 else 8.0)
     made.save_pretrained(folder, safe_serialization=True)
 model, info = WeDLMForCausalLM.from_pretrained(
