@@ -246,3 +246,14 @@ def test_llama_cpp_runs_our_export_of_the_embedded_model(tmp_path, kind):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert f"#### {doc.gold}" in run.stdout + run.stderr
+
+
+def test_plan_reads_a_gguf_and_says_it_is_dequantized(checkpoint, capsys):
+    from fastdllm.cli.main import main as cli
+
+    _, model, _, files = checkpoint
+    assert cli(["plan", "--model", str(files["q8_0"]), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "Q8_0" in out and "dequantized at load" in out
+    assert cli(["plan", "--model", str(files["q8_0"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == sum(p.numel() for p in model.parameters())

@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         return 0 if fits is not False else 1
+    if config.get("gguf_tensor_types"):
+        print(
+            f"a GGUF of {', '.join(config['gguf_tensor_types'])} tensors: every one is dequantized at load, so "
+            f"it takes {args.quantize or args.dtype} weights in memory (--quantize to hold int8/int4)"
+        )
     print(
         f"{args.model or 'llada-arith'}: {scaled(r.parameters, 1000, 'KMB')} parameters, "
         f"{scaled(r.active_parameters, 1000, 'KMB')} per token; tp {r.tp}, ep {r.ep}, "

@@ -142,6 +142,17 @@ def read_args(f: GGUFFile, tensors: dict) -> tuple[str, ModelArgs]:
     return model_type, ModelArgs(**{k: v for k, v in args.items() if k in ModelArgs.__dataclass_fields__})
 
 
+def config_of_gguf(path: Path) -> dict:
+    """The family config.json a GGUF file's metadata describes (`fastdllm plan`), with its tensor
+    types under `gguf_tensor_types`: every one is dequantized at load."""
+    f = GGUFFile(path)
+    model_type, args = read_args(f, {t.name: [int(n) for n in t.shape] for t in f.reader.tensors})
+    config = FAMILIES[model_type].config_from_args(args)
+    config["gguf_tensor_types"] = sorted(set(f.tensor_types.values()))
+    config["torch_dtype"] = str(file_dtype(f)).removeprefix("torch.")  # what `--dtype auto` starts from
+    return config
+
+
 def read_tokenizer(f: GGUFFile) -> Tokenizer:
     """The file's tokenizer: a byte-level BPE of its vocabulary and merges (`tokenizer.ggml.model`
     "gpt2"), split as its `tokenizer.ggml.pre` says."""

@@ -114,8 +114,12 @@ def plan(
 
 def config_of(path_or_repo_id: str | None, revision: str | None = None, local_files_only: bool = False) -> dict:
     """config.json alone: of a folder, an embedded model, a .json file, or a hub repo id (only that
-    file is downloaded)."""
+    file is downloaded); a GGUF file's, as its family writes it."""
     text = None if path_or_repo_id is None else str(path_or_repo_id)
+    from .gguf import config_of_gguf, is_gguf
+
+    if is_gguf(text):  # its metadata and tensor shapes; no tensor is read
+        return config_of_gguf(Path(text))
     if text is not None and text.endswith(".json") and Path(text).is_file():
         try:
             return json.loads(Path(text).read_text())
