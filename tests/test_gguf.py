@@ -257,3 +257,24 @@ def test_plan_reads_a_gguf_and_says_it_is_dequantized(checkpoint, capsys):
     assert "Q8_0" in out and "dequantized at load" in out
     assert cli(["plan", "--model", str(files["q8_0"]), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind, quantize", [("q8_0", "int8"), ("q4_0", "int4")])
+def test_q8_0_and_q4_0_blocks_become_our_int8_and_int4_layers(tiny_llada, tokenizer, tmp_path, kind, quantize):
+    """`quantize=` on a GGUF of that format takes its blocks as they are (groups of 32, its float16
+    scales): each layer's weight is exactly the file's, and no second rounding happens."""
+    from fastdllm.models.gguf import quantized_weights, write_gguf
+
+    path = write_gguf(tiny_llada, tokenizer, tmp_path / f"tiny-{kind}.gguf", kind)
+    floats, _ = fastdllm.load(str(path), dtype="float32")
+    held, _ = fastdllm.load(str(path), dtype="float32", quantize=quantize)
+    assert held.quantization["group_size"] == [32] and held.quantization["bits"] == [int(quantize[3:])]
+    blocks = quantized_weights(path, floats, int(quantize[3:]))
+    assert blocks and set(blocks) == {n for n, m in held.named_modules() if type(m).__name__ == "QuantizedLinear"}
+    for name, qw in blocks.items():
+        assert torch.equal(qw.dequantize(torch.float32), floats.get_submodule(name).weight), name
+    ids = torch.tensor([tokenizer.encode(CORPUS[0])])
+    want = floats(ids)  # the same weights: only the kernels' bfloat16 activations differ
+    assert (held(ids) - want).abs().max() < 0.02 * want.abs().max()
+    with pytest.raises(ValueError, match="^group_size: "):
+        fastdllm.load(str(path), dtype="float32", quantize=quantize, group_size=64)

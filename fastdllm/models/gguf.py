@@ -370,3 +370,51 @@ def write_gguf(model, tokenizer: Tokenizer, path, kind: str = "f16") -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# --- Q8_0 / Q4_0 blocks as our int8 / int4 layers ----------------------------------------------
+# llama.cpp's block of 32 weights: a float16 scale d, then the values; Q8_0 w = d q (q int8),
+# Q4_0 w = d (q - 8) (q in 0..15, element j in the low nibble of byte j, j + 16 in its high one).
+BLOCK_BITS = {"Q8_0": 8, "Q4_0": 4}
+
+
+def _blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (out, in) int8 in the signed range, scale (out, in / 32) float32) of a Q8_0 or Q4_0
+    tensor, exactly as llama.cpp stores them."""
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # (out, blocks * bytes per block)
+    rows, kind = raw.shape[0], t.tensor_type.name
+    size = 34 if kind == "Q8_0" else 18
+    blocks = raw.view(rows, -1, size)
+    scale = blocks[..., :2].contiguous().view(torch.float16).view(rows, -1).float()
+    if kind == "Q8_0":
+        values = blocks[..., 2:].contiguous().view(torch.int8).view(rows, -1)
+    else:
+        packed = blocks[..., 2:].to(torch.int16)
+        values = (torch.cat([packed & 0xF, packed >> 4], -1) - 8).to(torch.int8).view(rows, -1)
+    return values, scale
+
+
+def quantized_weights(path: Path, model, bits: int, include_head: bool = False) -> dict | None:
+    """Our module name -> `QuantizedWeight` of the file's own blocks, for every linear layer
+    `quantize=` would quantize, where each is stored as the `bits`' block format (Q8_0 for 8, Q4_0
+    for 4: symmetric, groups of 32, the scales as stored); None where one is not (the layers are
+    then quantized from the dequantized weights)."""
+    from ..quant.linear import quantizable_linears
+    from ..quant.weights import QuantizedWeight
+
+    f = GGUFFile(path)
+    theirs = {v: k for k, v in TOP.items()}
+    theirs.update({f"layers.{i}.{v}": f"blk.{i}.{k}" for i in range(model.args.n_layers) for k, v in LAYER.items()})
+    tensors = {t.name: t for t in f.reader.tensors}
+    out = {}
+    for name in quantizable_linears(model, include_head):
+        t = tensors.get(theirs.get(f"{name}.weight", ""))
+        if t is None or BLOCK_BITS.get(t.tensor_type.name) != bits:
+            return None
+        values, scale = _blocks(t)
+        rest = theirs[f"{name}.weight"].split(".", 2)[-1]
+        if f.arch == "llada" and rest in ("attn_q.weight", "attn_k.weight"):  # its rows back in our order
+            heads = model.args.n_heads if rest == "attn_q.weight" else model.args.n_kv_heads
+            values, scale = _unpermute(values, heads), _unpermute(scale, heads)
+        out[name] = QuantizedWeight(values, scale.to(model.dtype), None, bits, 32)
+    return out

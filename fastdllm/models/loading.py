@@ -475,13 +475,21 @@ def load(
             merge_adapter(model, adapter)
     if quantize:
         from ..quant import install, quantize_weights
+        from .gguf import quantized_weights
 
         if model.quantization is not None:
             raise ValueError(
                 f"quantize: {folder} is already quantized ({model.quantization['format']}, "
                 f"{model.quantization['bits'][0]}-bit); load it without quantize"
             )
-        install(model, quantize_weights(model, QUANTIZE[quantize], group_size, quantize_head), device=device)
+        bits = QUANTIZE[quantize]
+        # a GGUF's own Q8_0 / Q4_0 blocks, as they are, where its layers are all stored so
+        blocks = (
+            quantized_weights(Path(path_or_repo_id), model, bits, quantize_head) if is_gguf(path_or_repo_id) else None
+        )
+        if blocks is not None and group_size not in (None, 32):
+            raise ValueError(f"group_size: a GGUF's {('Q4_0', 'Q8_0')[bits == 8]} blocks are groups of 32")
+        install(model, blocks or quantize_weights(model, bits, group_size, quantize_head), device=device)
         model.to(device)
         model.setup_rope(device)
     if lora_modules:
