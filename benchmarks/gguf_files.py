@@ -5,10 +5,11 @@
 
 Writes the model with `fastdllm quantize --format gguf`'s writer at F32, F16, Q8_0 and Q4_0 (with
 `--converter`, also llama.cpp's own `convert_hf_to_gguf.py` at F32 and Q8_0, from the safetensors
-checkpoint), then per file: its size, the median of three loads (`fastdllm.load`, float32), and the
-accuracy, forwards and tokens/s of `fastdllm eval`'s decoding (the model's defaults) on the first
-`--limit` held-out arith problems. Every type is dequantized at load: the files are smaller on disk,
-not in memory.
+checkpoint), then per file: its size, the median of three loads (`fastdllm.load`, float32), the
+weights' bytes in memory, and the accuracy, forwards and tokens/s of `fastdllm eval`'s decoding (the
+model's defaults) on the first `--limit` held-out arith problems. Every type is dequantized at
+load, but for our Q8_0 and Q4_0 files also loaded with `quantize=` (their blocks held as our int8 /
+int4 layers).
 """
 
 from __future__ import annotations
@@ -27,23 +28,25 @@ import fastdllm
 from fastdllm.evaluation.harness import evaluate
 from fastdllm.models.gguf import write_gguf
 from fastdllm.models.loading import save_pretrained
+from fastdllm.quant import weight_bytes
 
 CONVERT = Path(__file__).resolve().parent.parent / "tests" / "reference" / "gguf_convert.py"
 
 
-def measure(path: Path, limit: int) -> dict:
+def measure(path: Path, limit: int, quantize: str | None = None) -> dict:
     files = [path] if path.is_file() else sorted(path.glob("*"))
     size = sum(f.stat().st_size for f in files)
     loads = []
     for _ in range(3):
         started = time.perf_counter()
-        model, tok = fastdllm.load(str(path), dtype="float32")
+        model, tok = fastdllm.load(str(path), dtype="float32", quantize=quantize)
         loads.append(time.perf_counter() - started)
     started = time.perf_counter()
     result = evaluate(model, tok, "arith", limit=limit)
     seconds = time.perf_counter() - started
     return {
         "bytes": size,
+        "weight_bytes_in_memory": weight_bytes(model)["weight_bytes"],
         "load_s": round(statistics.median(loads), 3),
         "accuracy": result["accuracy"],
         "nfe_per_problem": round(result["nfe_per_sample"], 2),
@@ -81,8 +84,13 @@ def main() -> None:
                 )
                 assert run.returncode == 0, run.stderr[-2000:]
                 paths[f"llama.cpp {kind.upper()}"] = out
-        for name, path in paths.items():
-            results[name] = measure(path, a.limit)
+        held = {
+            "ours Q8_0 held as int8": (paths["ours Q8_0"], "int8"),
+            "ours Q4_0 held as int4": (paths["ours Q4_0"], "int4"),
+        }
+        for name, path in [*paths.items(), *held.items()]:
+            path, quantize = path if isinstance(path, tuple) else (path, None)
+            results[name] = measure(path, a.limit, quantize)
             r = results[name]
             print(
                 f"{name:24s} {r['bytes'] / 2**20:7.2f} MiB  load {r['load_s']:.3f} s  accuracy {r['accuracy']:.3f}  "

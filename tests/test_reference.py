@@ -1001,3 +1001,38 @@ def test_a_checkpoint_wedlms_own_classes_made_decodes_as_its_engine(tokenizer, t
             ours = fastdllm.generate(model, [prompt], config=GenerationConfig.wedlm(**c))
             assert ours.sequences[0].tolist()[: len(ref["tokens"])] == ref["tokens"], (c, prompt)
             assert ours.nfe == ref["nfe"] - 2
+
+
+PEFT_RUNNER = Path(__file__).parent / "reference" / "peft_llada.py"
+
+
+@live_or_recorded(
+    FAST_DLLM_LIVE,
+    "peft_llada",
+    reason="set FASTDLLM_REFERENCE (NVlabs/Fast-dLLM) and FASTDLLM_REFERENCE_PYTHON with peft installed",
+)
+def test_a_peft_adapter_over_lladas_own_code_gives_its_logits_here(tiny_llada, tokenizer, tmp_path):
+    """A LoRA adapter PEFT made over LLaDA's own modeling file (its module names: q_proj, v_proj,
+    ff_out), run by PEFT there and by us, merged and by name: the same logits."""
+    code = Path(CHECKOUT or "", "llada")
+    modeling = code / "model" if FAST_DLLM_LIVE else None
+    folder = save_pretrained(tiny_llada, tmp_path / "llada", tokenizer, dtype=torch.float32)
+    for f in LLADA_FILES if modeling is not None else ():
+        shutil.copy(modeling / f, folder / f)
+    inputs = [tokenizer.encode("Question: 3 + 4 = ? Answer:"), tokenizer.encode("Tom has 5 apples and buys 3 more")]
+    spec = {"seed": 0, "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "ff_out"], "inputs": inputs, "vocab": 64}
+    (run,) = _reference_runs(PYTHON, PEFT_RUNNER, modeling and str(code), folder, spec, "peft_llada")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: torch.tensor(v) for k, v in run["adapter"].items()}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps(run["config"]))
+    merged, _ = fastdllm.load(folder, dtype="float32", adapters=[adapter])
+    named, _ = fastdllm.load(folder, dtype="float32", lora_modules={"peft": adapter})
+    for ids, logits, argmax in zip(inputs, run["logits"], run["argmax"]):
+        x = torch.tensor([ids])
+        for got in (merged(x)[0], named(x, adapters=["peft"])[0]):
+            assert torch.allclose(got[:, :64], torch.tensor(logits), atol=2e-4, rtol=1e-4)
+            assert got.argmax(-1).tolist() == argmax
+        assert not torch.allclose(tiny_llada(x)[0, :, :64], torch.tensor(logits), atol=1e-2)  # it adapts
