@@ -1003,7 +1003,28 @@ def test_a_checkpoint_wedlms_own_classes_made_decodes_as_its_engine(tokenizer, t
             assert ours.nfe == ref["nfe"] - 2
 
 
-PEFT_RUNNER = Path(__file__).parent / "reference" / "peft_llada.py"
+PEFT_RUNNER = Path(__file__).parent / "reference" / "peft_adapter.py"
+
+
+def _peft_parity(model, folder, run, inputs) -> None:
+    """The recorded PEFT adapter loaded here merged and by name: PEFT's logits and argmax."""
+    from safetensors.torch import save_file
+
+    adapter = folder.parent / "adapter"
+    adapter.mkdir()
+    save_file({k: torch.tensor(v) for k, v in run["adapter"].items()}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps(run["config"]))
+    merged, _ = fastdllm.load(folder, dtype="float32", adapters=[adapter])
+    named, _ = fastdllm.load(folder, dtype="float32", lora_modules={"peft": adapter})
+    for ids, logits, argmax in zip(inputs, run["logits"], run["argmax"]):
+        x = torch.tensor([ids])
+        for got in (merged(x)[0], named(x, adapters=["peft"])[0]):
+            assert torch.allclose(got[:, :64], torch.tensor(logits), atol=2e-4, rtol=1e-4)
+            assert got.argmax(-1).tolist() == argmax
+        assert not torch.allclose(model(x)[0, :, :64], torch.tensor(logits), atol=1e-2)  # it adapts
+
+
+PEFT_INPUTS = ["Question: 3 + 4 = ? Answer:", "Tom has 5 apples and buys 3 more"]
 
 
 @live_or_recorded(
@@ -1019,20 +1040,31 @@ def test_a_peft_adapter_over_lladas_own_code_gives_its_logits_here(tiny_llada, t
     folder = save_pretrained(tiny_llada, tmp_path / "llada", tokenizer, dtype=torch.float32)
     for f in LLADA_FILES if modeling is not None else ():
         shutil.copy(modeling / f, folder / f)
-    inputs = [tokenizer.encode("Question: 3 + 4 = ? Answer:"), tokenizer.encode("Tom has 5 apples and buys 3 more")]
+    inputs = [tokenizer.encode(t) for t in PEFT_INPUTS]
     spec = {"seed": 0, "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "ff_out"], "inputs": inputs, "vocab": 64}
     (run,) = _reference_runs(PYTHON, PEFT_RUNNER, modeling and str(code), folder, spec, "peft_llada")
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    from safetensors.torch import save_file
+    _peft_parity(tiny_llada, folder, run, inputs)
 
-    save_file({k: torch.tensor(v) for k, v in run["adapter"].items()}, str(adapter / "adapter_model.safetensors"))
-    (adapter / "adapter_config.json").write_text(json.dumps(run["config"]))
-    merged, _ = fastdllm.load(folder, dtype="float32", adapters=[adapter])
-    named, _ = fastdllm.load(folder, dtype="float32", lora_modules={"peft": adapter})
-    for ids, logits, argmax in zip(inputs, run["logits"], run["argmax"]):
-        x = torch.tensor([ids])
-        for got in (merged(x)[0], named(x, adapters=["peft"])[0]):
-            assert torch.allclose(got[:, :64], torch.tensor(logits), atol=2e-4, rtol=1e-4)
-            assert got.argmax(-1).tolist() == argmax
-        assert not torch.allclose(tiny_llada(x)[0, :, :64], torch.tensor(logits), atol=1e-2)  # it adapts
+
+@live_or_recorded(
+    SDAR_LIVE,
+    "peft_sdar",
+    reason="set FASTDLLM_SDAR_REFERENCE (JetAstra/SDAR) and FASTDLLM_SDAR_PYTHON with peft installed",
+)
+def test_a_peft_adapter_over_sdars_own_code_gives_its_logits_here(tiny_sdar, tokenizer, tmp_path):
+    """The same over SDAR's own modeling file (Qwen3 names, block-causal attention as its routine
+    masks it), rsLoRA on attention and MLP projections."""
+    folder = save_pretrained(tiny_sdar, tmp_path / "sdar", tokenizer, dtype=torch.float32)
+    for f in ("configuration_sdar.py", "modeling_sdar.py") if SDAR_LIVE else ():
+        shutil.copy(Path(SDAR_CHECKOUT, SDAR_MODEL_FILES, f), folder / f)
+    (folder / "fused_linear_diffusion_cross_entropy.py").write_text(
+        "class FusedLinearDiffusionCrossEntropyLoss:\n    pass\n"
+    )
+    inputs = [tokenizer.encode(t) for t in PEFT_INPUTS]
+    spec = {"seed": 1, "r": 2, "alpha": 6, "targets": ["k_proj", "o_proj", "up_proj", "down_proj"], "inputs": inputs}
+    spec.update(vocab=64, block_size=tiny_sdar.args.block_size)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent / "reference" / "cpu_shims"))
+    (run,) = _reference_runs(
+        SDAR_PYTHON, PEFT_RUNNER, SDAR_CHECKOUT if SDAR_LIVE else None, folder, spec, "peft_sdar", env
+    )
+    _peft_parity(tiny_sdar, folder, run, inputs)
