@@ -6,7 +6,8 @@ LLaDA's `model/` (unused for the other), the checkpoint folder, a JSON file of {
 "alpha", "targets", "inputs": [[ids]], "vocab": k, ["block_size": b]}; prints {"runs":
 [{"adapter": {name: [[...]]}, "config": {...}, "logits": [[[...]]], "argmax": [[...]]}]}: the
 adapter's tensors and config as PEFT saves them, and per input the wrapped model's logits over the
-first k vocabulary entries and its argmax over all. PEFT initialises A at random and B at zero; B is drawn from the seed so the adapter does something."""
+first k vocabulary entries and its argmax over all. PEFT initialises A at random and B at zero;
+B is drawn from the seed so the adapter does something."""
 
 import json
 import sys
