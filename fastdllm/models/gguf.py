@@ -1,13 +1,14 @@
-"""GGUF files (llama.cpp's format) in: the model, its tokenizer and its chat template, read with the
-`gguf` package.
+"""GGUF files (llama.cpp's format) in and out: the model, its tokenizer and its chat template,
+read and written with the `gguf` package.
 
-A file of an architecture llama.cpp writes for a family we run (`ARCHITECTURES`: LLaDA, Dream)
-becomes the family's model (its sizes from the file's metadata) and state dict (llama.cpp's tensor
-names mapped onto ours). Every tensor
-is dequantized at load by `gguf.quants` (F32, F16 and BF16 exactly; Q8_0, Q4_0, the K-quants to
-float32 within their format's error), then held in the dtype asked for; `quantize=` may quantize
-it again into our int8/int4 layers. LLaDA's converter permutes the rows of q and k for llama.cpp's
-interleaved RoPE (`LLaDAModel.permute`); that permutation is undone here.
+A file of an architecture llama.cpp writes for a family we run (`ARCHITECTURES`: LLaDA, Dream,
+RND1, whose experts llama.cpp stacks as we do) becomes the family's model (its sizes from the
+file's metadata) and state dict (llama.cpp's tensor names mapped onto ours). Every tensor is
+dequantized at load by `gguf.quants` (F32, F16 and BF16 exactly; Q8_0, Q4_0, the K-quants to
+float32 within their format's error), then held in the dtype asked for; with `quantize=` a Q8_0
+or Q4_0 file's own blocks become our int8 / int4 layers (`quantized_weights`). LLaDA's converter
+permutes the rows of q and k for llama.cpp's interleaved RoPE (`LLaDAModel.permute`); that
+permutation is undone here (and done again by `write_gguf`).
 
 The tokenizer is rebuilt from the file's vocabulary, merges and token types, with the pre-tokenizer
 its `tokenizer.ggml.pre` names (`PRE_TOKENIZERS`): the same token ids for every text as the
@@ -29,7 +30,7 @@ from . import FAMILIES
 from .transformer import ModelArgs
 
 # llama.cpp's architecture name -> our family's model_type
-ARCHITECTURES = {"llada": "llada", "dream": "dream"}
+ARCHITECTURES = {"llada": "llada", "dream": "dream", "rnd1": "rnd1"}
 
 # llama.cpp's tensor names -> ours ({i}: the layer)
 TOP = {
@@ -52,6 +53,10 @@ LAYER = {
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
+    "ffn_gate_inp.weight": "feed_forward.router.weight",  # a mixture of experts' (RND1's), stacked as ours
+    "ffn_gate_exps.weight": "feed_forward.w1",
+    "ffn_up_exps.weight": "feed_forward.w3",
+    "ffn_down_exps.weight": "feed_forward.w2",
 }
 
 # `tokenizer.ggml.pre` -> how text is split before the byte-level BPE (llama.cpp's regexes)
@@ -138,6 +143,12 @@ def read_args(f: GGUFFile, tensors: dict) -> tuple[str, ModelArgs]:
         shifted_logits=family.shifted_logits,
         head_size=int(key_length) if key_length and int(key_length) != dim // n_heads else 0,
     )
+    if f.hp("expert_count"):
+        fields.update(
+            n_experts=int(f.hp("expert_count")),
+            n_active_experts=int(f.hp("expert_used_count")),
+            moe_hidden_dim=int(f.hp("expert_feed_forward_length")),
+        )
     args = {**reference.__dict__, **fields, **family.fixed}
     return model_type, ModelArgs(**{k: v for k, v in args.items() if k in ModelArgs.__dataclass_fields__})
 
@@ -292,9 +303,9 @@ def _vocabulary(tokenizer: Tokenizer, size: int) -> tuple[list[str], list[int], 
 
 
 def write_gguf(model, tokenizer: Tokenizer, path, kind: str = "f16") -> Path:
-    """Write `model` (LLaDA or Dream) and its tokenizer as the GGUF llama.cpp's converter writes for
-    that family, its matrices stored as `kind` (`WRITE_TYPES`; a matrix whose rows the format's
-    blocks do not divide is stored as F16, as the converter does)."""
+    """Write `model` (LLaDA, Dream or RND1) and its tokenizer as the GGUF llama.cpp's converter writes
+    for that family, its matrices stored as `kind` (`WRITE_TYPES`; a matrix whose rows the format's
+    blocks do not divide is stored as F16, and a router in F32, as the converter does)."""
     import gguf
     from gguf.quants import quantize
 
@@ -321,7 +332,11 @@ def write_gguf(model, tokenizer: Tokenizer, path, kind: str = "f16") -> Path:
     w.add_rope_freq_base(a.rope_theta)
     w.add_layer_norm_rms_eps(a.norm_eps)
     w.add_file_type(gguf.LlamaFileType[FILE_TYPES[kind]])
-    if a.head_size and a.head_size != a.dim // a.n_heads:
+    if a.n_experts:  # as its converter writes a Qwen2-MoE-shaped model (RND1)
+        w.add_expert_count(a.n_experts)
+        w.add_expert_used_count(a.n_active_experts)
+        w.add_expert_feed_forward_length(a.moe_hidden_dim)
+    if a.n_experts or (a.head_size and a.head_size != a.dim // a.n_heads):
         w.add_key_length(a.head_dim)
         w.add_value_length(a.head_dim)
     if arch == "llada":  # as its converter writes them
@@ -357,7 +372,7 @@ def write_gguf(model, tokenizer: Tokenizer, path, kind: str = "f16") -> Path:
         elif arch == "llada" and theirs.endswith(("attn_k.weight", "attn_k.bias")):
             t = _permute(t, a.n_kv_heads)
         data = t.numpy()
-        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32 or theirs.endswith("ffn_gate_inp.weight"):
             w.add_tensor(theirs, data)
             continue
         try:

@@ -198,6 +198,9 @@ def load_gguf(path: Path, dtype=None, device="cpu") -> tuple[Transformer, Tokeni
     model_type, args = gguf.read_args(f, tensors)
     family = FAMILIES[model_type]
     config = family.config_from_args(args)
+    for key in ("bos_token_id", "pad_token_id"):  # the file's own (RND1's closing pad is its pad)
+        if f.get(f"tokenizer.ggml.{key.replace('pad_', 'padding_')}") is not None:
+            config[key] = int(f.get(f"tokenizer.ggml.{key.replace('pad_', 'padding_')}"))
     where = f"{path} (general.architecture {f.arch})"
     tokenizer = gguf.read_tokenizer(f)
     _check_mask_token(config, tokenizer, where)
