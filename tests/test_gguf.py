@@ -280,3 +280,20 @@ def test_q8_0_and_q4_0_blocks_become_our_int8_and_int4_layers(tiny_llada, tokeni
     assert (held(ids) - want).abs().max() < 0.02 * want.abs().max()
     with pytest.raises(ValueError, match="^group_size: "):
         fastdllm.load(str(path), dtype="float32", quantize=quantize, group_size=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+def test_the_embedded_models_answers_are_unchanged_from_gguf(tmp_path, kind):
+    """The embedded model written as a GGUF (at F32 llama.cpp's converter's tensors, byte for byte)
+    and loaded back: its greedy answers to 32 held-out arith problems are the safetensors model's."""
+    from fastdllm.models.gguf import write_gguf
+
+    model, tok = fastdllm.load(None, dtype="float32")
+    loaded, gtok = fastdllm.load(str(write_gguf(model, tok, tmp_path / f"arith-{kind}.gguf", kind)), dtype="float32")
+    task = get_task("arith")
+    prompts = [task.encode(tok, d, []) for d in task.load(limit=32)]
+    assert [task.encode(gtok, d, []) for d in task.load(limit=32)] == prompts
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=128)
+    want = fastdllm.generate(model, prompts, config=config).sequences
+    assert torch.equal(fastdllm.generate(loaded, prompts, config=config).sequences, want)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _gguf(args) -> int:
-    """The source model as one GGUF file (LLaDA or Dream), as llama.cpp's converter writes it."""
+    """The source model as one GGUF file (LLaDA, Dream or RND1), as llama.cpp's converter writes it."""
     from pathlib import Path
 
     from ..models.gguf import write_gguf
