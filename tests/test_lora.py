@@ -212,5 +212,7 @@ def test_the_cli_decodes_with_a_named_adapter(tiny_dream_dir, tmp_path, capsys):
     config = fastdllm.GenerationConfig(gen_length=8, block_length=8, threshold=0.5, stop_at_eos=False, adapter="one")
     alone = fastdllm.generate(ours, [tok.encode("Question: 1 + 2?")], config=config)
     assert json.loads(capsys.readouterr().out)["text"] == tok.decode(alone.sequences[0])
+    assert cli([*argv[:3], "--lora", f"one={tmp_path / 'one'}", *argv[5:], "--adapter", "one", "Question: 1 + 2?"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == tok.decode(alone.sequences[0])  # --lora NAME=PATH too
     assert cli([*argv[:3], "--lora-modules", "nopath", "hi"]) == 2
     assert "--lora-modules: expected NAME=PATH" in capsys.readouterr().err

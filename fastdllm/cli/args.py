@@ -51,8 +51,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--lora",
         action="append",
         default=None,
-        metavar="PATH",
-        help="a PEFT LoRA adapter folder, merged into the weights at load (repeatable: merged in order)",
+        metavar="PATH|NAME=PATH",
+        help="a PEFT LoRA adapter folder, merged into the weights at load (repeatable: merged in order); "
+        "NAME=PATH keeps it beside the weights under NAME, as --lora-modules does",
     )
     p.add_argument(
         "--lora-modules",
@@ -297,8 +298,11 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
             tp=(rank, world),
             ep=ep,
             ep_dispatch=getattr(args, "ep_dispatch", "all-reduce"),
-            adapters=getattr(args, "lora", None),
-            lora_modules=lora_modules(getattr(args, "lora_modules", None)),
+            adapters=[p for p in getattr(args, "lora", None) or [] if not _named(p)] or None,
+            lora_modules=lora_modules(
+                [p for p in getattr(args, "lora", None) or [] if _named(p)]
+                + (getattr(args, "lora_modules", None) or [])
+            ),
         )
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
@@ -380,3 +384,11 @@ def lora_modules(pairs: list[str] | None) -> dict[str, str] | None:
             raise UserError(f"--lora-modules: {name!r} given twice")
         out[name] = path
     return out
+
+
+def _named(value: str) -> bool:
+    """Whether a --lora value is NAME=PATH (a name, then a path) rather than a folder to merge."""
+    import os
+
+    name, sep, _ = value.partition("=")
+    return bool(sep) and not os.path.exists(value) and name.replace("-", "").replace("_", "").replace(".", "").isalnum()
