@@ -179,7 +179,7 @@ def test_our_export_is_what_llama_cpps_converter_writes(checkpoint, tokenizer, t
             assert ours.fields[key].contents() == field.contents(), key
 
 
-@pytest.mark.parametrize("kind, step", [("f16", 2**-11), ("q8_0", 1 / 127), ("q4_0", 1 / 8)])
+@pytest.mark.parametrize("kind, step", [("f16", 2**-11), ("bf16", 2**-8), ("q8_0", 1 / 127), ("q4_0", 1 / 8)])
 def test_an_exported_file_loads_back_within_its_formats_error(tiny_dream, tokenizer, tmp_path, kind, step):
     """Each matrix within its format's rounding (F16: half an ulp; Q8_0 and Q4_0: a block's scale,
     its largest weight over 127 or 8, at most the matrix's), vectors exact, the tokenizer the same."""
