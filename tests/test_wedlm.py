@@ -168,3 +168,9 @@ def test_a_grammar_decodes_its_window_left_to_right(model, tokenizer):
     text = tokenizer.decode(out.sequences[0][: out.num_tokens[0]])
     assert isinstance(json.loads(text)["n"], int), text
     assert out.nfe < out.num_tokens[0]
+
+
+@pytest.mark.parametrize("command", [["bench", "--quick"], ["tune", "--task", "arith", "--out", "x.json"]])
+def test_bench_and_tune_say_why_they_do_not_apply(folder, capsys, command):
+    assert cli([command[0], "--model", str(folder), *command[1:]]) == 2
+    assert "sliding window" in capsys.readouterr().err

@@ -247,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
             f"--model: {model.family.name} has no mask token, and the rows of this table are masked "
             "decoding's (Fast-dLLM's); measure it with fastdllm eval"
         )
+    if model.args.masks_last:
+        raise UserError(
+            f"--model: {model.family.name} decodes with its own sliding window over causal attention (blocks "
+            "of one position), and the rows of this table are Fast-dLLM's blocks; measure it with fastdllm "
+            "eval (benchmarks/wedlm_window.py compares its windows)"
+        )
     rank = getattr(model, "tp", (0, 1))[0]  # under --tp every rank measures; rank 0 writes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

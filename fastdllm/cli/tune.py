@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             f"--model: {model.family.name} has no mask token; the knobs tune searches (cache, threshold, "
             "block length) are masked decoding's"
         )
+    if model.args.masks_last:
+        raise UserError(
+            f"--model: {model.family.name} decodes with its own sliding window (blocks of one position); the "
+            "knobs tune searches (cache, block length, multi-block) are block decoding's: set --threshold, "
+            "--window-size and --pos-penalty-factor and measure with fastdllm eval"
+        )
     try:
         result = tune(
             model,

@@ -181,7 +181,7 @@ class Server:
 
     def check_context(self, prompts: list[list[int]], config: GenerationConfig, param: str) -> None:
         limit = self.model.args.max_seq_len
-        longest = max(len(p) for p in prompts) + len(config.suffix or ())
+        longest = max(len(p) for p in prompts) + len(config.suffix or ()) + config.columns_past_answer
         if longest + config.gen_length > limit:
             raise APIError(
                 400,
