@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fastdllm import ConfigError, GenerationConfig, generate
-from fastdllm.engine.unmasking import BlockClock, Editing, LeftToRight, soft_embeddings
+from fastdllm.engine.unmasking import BlockClock, Editing, LeftToRight
+from fastdllm.models.transformer import soft_embeddings
 
 from .conftest import random_prompts
 

@@ -454,7 +454,8 @@ def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
     """Step after step on the same random logits, from a block of masks (its first position a prompt
     token): the same tokens revealed and revised, the same end of the block, the same soft
     embeddings."""
-    from fastdllm.engine.unmasking import BlockClock, UnmaskingStrategy, soft_embeddings
+    from fastdllm.engine.unmasking import BlockClock, UnmaskingStrategy
+    from fastdllm.models.transformer import soft_embeddings
 
     trace = _dmax_traces()[str(seed)]
     embedding, logits = _dmax_inputs(seed)

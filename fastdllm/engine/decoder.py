@@ -46,7 +46,7 @@ from ..config import GenerationConfig, is_int
 from .cache_policies import SequenceView
 from .policies import Policies, PolicySource, policies_for, resolve
 from .renoising import check_canvas
-from .unmasking import BlockClock, Decision, soft_embeddings, token_logprobs
+from .unmasking import BlockClock, Decision, SoftTokens, token_logprobs
 
 
 def join_key(config: GenerationConfig) -> tuple:
@@ -110,7 +110,9 @@ class Row:
     # and the suffix after the region, which every forward of a bidirectional model sees.
     fixed: tuple = ()
     suffix: torch.Tensor | None = None
-    soft: tuple | None = None  # DMax's soft embeddings for its next forward: (columns, vectors)
+    # what its strategy's signal makes its next forward's input at some columns (DMax's soft
+    # embeddings, DiffusionGemma's self-conditioning): (columns, vectors)
+    soft: tuple | None = None
     # with `config.logprobs`, per block that became final: per answer position of it, (its token's
     # log-probability in the forward that wrote it, the most likely tokens there as (id,
     # log-probability) pairs), None where no forward chose the token (fixed, or padding after a stop)
@@ -567,8 +569,6 @@ class BlockDecoder:
         for r in rows:
             r.step += 1
         done = self._block_over(block[:, :blk], decision)
-        if self.editing is not None and self.editing.soft_embeddings:
-            self._soft_embeddings(view.starts, block[:, :blk], region[:, :blk], decision, done)
         if decision.signal is not None or decision.carry is not None:
             self._carry_on(view.starts, decision, done)
         record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
@@ -671,8 +671,12 @@ class BlockDecoder:
                 out[idx] = getattr(d, name)
             return out
 
-        names = ("tokens", "chosen", "edited", "ahead_tokens", "ahead", "top_token", "top_prob", "block_done", "signal")
+        names = ("tokens", "chosen", "edited", "ahead_tokens", "ahead", "top_token", "top_prob", "block_done")
         decision = Decision(*(merged(n) for n in names))
+        if isinstance(first.signal, SoftTokens):
+            decision.signal = SoftTokens.merged([(idx, d.signal) for idx, d in parts], len(rows))
+        else:
+            decision.signal = merged("signal")
         if any(d.carry is not None for _, d in parts):
             decision.carry = [None] * len(rows)
             for members, (_, d) in zip(groups.values(), parts):
@@ -687,26 +691,19 @@ class BlockDecoder:
             return decision.block_done
         return ~(block == self.mask_id).any(-1)
 
-    def _soft_embeddings(self, starts, block, region, decision, done) -> None:
-        """DMax's feedback: each position revealed in a row's block (not one fixed or from the
-        prompt) enters the row's next forward as p E[top] + (1 - p) E[mask], p its most probable
-        token's probability, rescaled to p |E[top]| + (1 - p) |E[mask]|; a row whose block ended
-        starts its next one from tokens."""
-        soft = (region >= 0) & (block != self.mask_id) & ~done[:, None]
-        mixed = soft_embeddings(self.model.tok_embeddings, decision.top_token, decision.top_prob, self.mask_id)
-        cols = torch.tensor(starts, device=block.device)[:, None] + torch.arange(block.shape[1], device=block.device)
-        for i, (r, any_soft) in enumerate(zip(self.rows, soft.any(-1).tolist())):
-            r.soft = (cols[i][soft[i]], mixed[i][soft[i]]) if any_soft else None
-
     def _carry_on(self, starts, decision: Decision, done: torch.Tensor) -> None:
         """What a strategy hands each row's next step in its block: its state (`Decision.carry`) and
-        the signal that conditions the next forward, as the model takes it (`soft_input`)."""
+        the signal that conditions the next forward, as the model takes it (`soft_input`: input
+        vectors for the block's columns, or those of them the signal keeps)."""
         blk = self.config.block_length
         for i, (r, over) in enumerate(zip(self.rows, done.tolist())):
             r.carry = None if over or decision.carry is None else decision.carry[i]
             if decision.signal is not None and not over:
+                signal = decision.signal[i]
                 cols = torch.arange(starts[i], starts[i] + blk, device=self.device)
-                r.soft = (cols, self.model.soft_input(decision.signal[i]))
+                vectors = self.model.soft_input(signal)
+                keep = getattr(signal, "keep", None)
+                r.soft = (cols, vectors) if keep is None else (cols[keep], vectors[keep]) if bool(keep.any()) else None
 
     def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work, columns) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or

@@ -753,19 +753,6 @@ class Lookahead:
         return (sure | forced).view(bsz, n * blk)
 
 
-def soft_embeddings(embedding, top_token: torch.Tensor, top_prob: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """DMax's soft input for a revealed position: p E[top] + (1 - p) E[mask], p the probability of
-    the position's most probable token, rescaled to the norm p |E[top]| + (1 - p) |E[mask]| (so
-    that it stays on the embeddings' sphere), in float32; (B, T, D) for `top_*` (B, T)."""
-    p = top_prob.float().unsqueeze(-1)
-    rest = (1 - p).clamp_min(0)
-    top = embedding(top_token).float()
-    mask = embedding(torch.tensor([mask_id], device=top_token.device))[0].float()
-    mixed = p * top + rest * mask
-    target = p * top.norm(dim=-1, keepdim=True) + rest * mask.norm()
-    return mixed * (target / (mixed.norm(dim=-1, keepdim=True) + 1e-6))
-
-
 class EntropyLookahead(Lookahead):
     """d3LLM's multi-block decoding (`generate_multi_block`), with the entropy rule
     (`unmasking="entropy"`) deciding the current block. A later block takes part once the block
@@ -805,6 +792,29 @@ class EntropyLookahead(Lookahead):
 
 
 @dataclass
+class SoftTokens:
+    """DMax's signal for a row's next forward: per position its most probable token and that
+    token's probability, and which positions enter the forward as their soft embeddings (`keep`:
+    those revealed in the block; the model mixes them, `Transformer.soft_input`)."""
+
+    top_token: torch.Tensor
+    top_prob: torch.Tensor
+    keep: torch.Tensor
+
+    def __getitem__(self, i) -> SoftTokens:
+        return SoftTokens(self.top_token[i], self.top_prob[i], self.keep[i])
+
+    @staticmethod
+    def merged(parts: list, rows: int) -> SoftTokens:
+        """One signal for the batch from the groups' ((row indices, signal), ...)."""
+        first = parts[0][1]
+        out = SoftTokens(*(t.new_empty((rows, *t.shape[1:])) for t in (first.top_token, first.top_prob, first.keep)))
+        for idx, sig in parts:
+            out.top_token[idx], out.top_prob[idx], out.keep[idx] = sig.top_token, sig.top_prob, sig.keep
+        return out
+
+
+@dataclass
 class Decision:
     """What one step decides for every row: the tokens proposed for its current block, which of
     its masked positions they reveal (`chosen`), which revealed ones they rewrite (`edited`, None
@@ -821,9 +831,10 @@ class Decision:
     top_prob: torch.Tensor | None = None
     # (B,) whether each row's block is done, where the strategy decides it (a canvas with no mask)
     block_done: torch.Tensor | None = None
-    # (B, T, V) what conditions each row's next forward (its model's `soft_input`: DiffusionGemma's
-    # self-conditioning), None: nothing
-    signal: torch.Tensor | None = None
+    # what conditions each row's next forward, as its model turns it into input vectors
+    # (`soft_input`): DiffusionGemma's (B, T, V) logits (self-conditioning), DMax's `SoftTokens`;
+    # None: nothing
+    signal: torch.Tensor | SoftTokens | None = None
     # per row, the strategy's state for the row's next step in this block (`Row.carry`)
     carry: list | None = None
 
@@ -948,6 +959,8 @@ class UnmaskingStrategy:
             top_logit, top_token = lf.max(-1)
             top_prob = (top_logit - torch.logsumexp(lf, -1)).exp()
         decision = Decision(tokens, chosen, edited, ahead_tokens, ahead, top_token, top_prob)
+        if self.editing is not None and self.editing.soft_embeddings:  # every revealed position, fed back
+            decision.signal = SoftTokens(top_token, top_prob, editable | chosen)
         if self.editing is not None:
             decision.block_done, decision.carry = self.editing.block_done(
                 block, decision, editable, clock, carry, mask_id

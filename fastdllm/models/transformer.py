@@ -70,6 +70,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def soft_embeddings(embedding, top_token: torch.Tensor, top_prob: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """DMax's soft input for a revealed position: p E[top] + (1 - p) E[mask], p the probability of
+    the position's most probable token, rescaled to the norm p |E[top]| + (1 - p) |E[mask]| (so
+    that it stays on the embeddings' sphere), in float32; (B, T, D) for `top_*` (B, T)."""
+    p = top_prob.float().unsqueeze(-1)
+    rest = (1 - p).clamp_min(0)
+    top = embedding(top_token).float()
+    mask = embedding(torch.tensor([mask_id], device=top_token.device))[0].float()
+    mixed = p * top + rest * mask
+    target = p * top.norm(dim=-1, keepdim=True) + rest * mask.norm()
+    return mixed * (target / (mixed.norm(dim=-1, keepdim=True) + 1e-6))
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -484,6 +497,11 @@ class Transformer(nn.Module):
 
             self._graphed_window = step
         return self._graphed_window
+
+    def soft_input(self, signal) -> torch.Tensor:
+        """Input vectors (T, D) for a block's columns from a strategy's signal: DMax's soft
+        embeddings (`engine.unmasking.SoftTokens`: p E[top] + (1 - p) E[mask], rescaled)."""
+        return soft_embeddings(self.tok_embeddings, signal.top_token, signal.top_prob, self.mask_token_id)
 
     def adapted(self, ids: torch.Tensor | None):
         """A context in which each token's LoRA adapter is `ids` (its index in `self.lora.names`,
