@@ -89,20 +89,16 @@ class WeDLMRule(SelectionRule):
         return cls(config.threshold, config.pos_penalty_factor)
 
     def select(self, conf, masked, clock, generators, draws):
-        chosen = torch.zeros_like(masked)
-        for i in range(masked.shape[0]):
-            where = masked[i].nonzero()[:, 0]
-            if not where.numel():
-                continue
-            columns = where.float()
-            adjusted = -conf[i, where] + (columns - columns[0]) * self.factor
-            if self.threshold is not None:
-                under = (adjusted < self.threshold).nonzero()[:, 0]
-                if under.numel():
-                    chosen[i, where[under]] = True
-                    continue
-            chosen[i, where[adjusted.argmin()]] = True
-        return chosen
+        # every row at once, without a host read: distances from each row's first mask, in float32
+        columns = torch.arange(masked.shape[1], device=masked.device, dtype=torch.float32)
+        first = masked.int().argmax(-1, keepdim=True).float()
+        adjusted = -conf + (columns - first) * self.factor
+        adjusted = torch.where(masked, adjusted, torch.inf)
+        lowest = torch.zeros_like(masked).scatter_(-1, adjusted.argmin(-1, keepdim=True), True)
+        if self.threshold is None:
+            return lowest & masked
+        under = (adjusted < self.threshold) & masked
+        return torch.where(under.any(-1, keepdim=True), under, lowest & masked)
 
 
 class WeDLMWindow:
@@ -140,7 +136,14 @@ class WeDLMStrategy:
         tokens = window.clone()
         # the entropies as the reference adds its float32 penalties to them (bfloat16 ones widened)
         conf = torch.zeros(window.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=window.device)
-        for i in range(window.shape[0]):
+        if self.config.temperature == 0:  # greedy: every row's window at once, nothing drawn
+            drawn = sample(logits, self.config, None)
+            guarded = logits.masked_fill(
+                torch.arange(logits.shape[-1], device=logits.device) == mask_id, NEG_INF
+            ).argmax(-1)
+            tokens = torch.where(masked, torch.where(drawn == mask_id, guarded, drawn), window)
+            conf = torch.where(masked, -entropy(logits).to(conf.dtype), conf)
+        for i in range(window.shape[0] if self.config.temperature > 0 else 0):
             where = masked[i].nonzero()[:, 0]
             if not where.numel():
                 continue
