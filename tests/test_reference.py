@@ -1045,6 +1045,18 @@ def test_a_peft_adapter_over_lladas_own_code_gives_its_logits_here(tiny_llada, t
     spec = {"seed": 0, "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "ff_out"], "inputs": inputs, "vocab": 64}
     (run,) = _reference_runs(PYTHON, PEFT_RUNNER, modeling and str(code), folder, spec, "peft_llada")
     _peft_parity(tiny_llada, folder, run, inputs)
+    # its output head is adapted too: a batch mixing its rows and the base's decodes each as alone
+    from fastdllm.engine.decoder import BlockDecoder
+
+    named, _ = fastdllm.load(folder, dtype="float32", lora_modules={"peft": folder.parent / "adapter"})
+    base = GenerationConfig(gen_length=16, block_length=8, threshold=0.5, stop_at_eos=False)
+    configs = [base.replace(adapter="peft"), base, base.replace(adapter="peft")]
+    decoder = BlockDecoder(named, base)
+    rows = [decoder.add([p], config=c)[0] for p, c in zip([inputs[0], inputs[0], inputs[1]], configs)]
+    while decoder.active:
+        decoder.step()
+    for r, p, c in zip(rows, [inputs[0], inputs[0], inputs[1]], configs):
+        assert r.answer.tolist() == fastdllm.generate(named, [p], config=c).sequences[0].tolist()
 
 
 @live_or_recorded(

@@ -443,7 +443,16 @@ class Transformer(nn.Module):
                     picks.append(torch.cat([h[s.offset : s.offset + 1], h[s.offset : s.offset + hi - shift - lo]]))
                 else:
                     picks.append(h[a : a + hi - start])
-            out = self.head(torch.cat(picks))
+            picked = None  # the head sees the picked columns only: their adapters, in that order
+            if ids is not None:
+                picked = torch.cat(
+                    [
+                        torch.full((hi - start,), adapters.get(row, -1), device=x.device)
+                        for row, _, hi, _, start in windows
+                    ]
+                )
+            with self.adapted(picked):
+                out = self.head(torch.cat(picks))
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
 
     def attention_order(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
