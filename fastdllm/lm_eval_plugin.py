@@ -19,7 +19,8 @@ takes the same arguments as `lm_eval`, and adds this package's task folder (`TAS
 test split offline (in Python: `lm_eval.tasks.TaskManager(include_path=TASKS_DIR)`).
 
 model_args: `pretrained` (folder or hub id; default the embedded model), `device`, `dtype`,
-`preset` (a file that `fastdllm tune` wrote; the fields given beside it override it), and any
+`preset` (a file that `fastdllm tune` wrote; the fields given beside it override it), `lora` (a
+PEFT adapter folder, merged into the weights: as vLLM's `lora_local_path`), and any
 GenerationConfig field (gen_length, block_length, steps, threshold, factor, cache, alg,
 temperature, ...), e.g. `threshold=none` for the schedule. Without gen_length, each request's
 `max_gen_toks` is used (rounded up to a whole number of blocks). Each request's `until` strings
@@ -67,6 +68,7 @@ class LMMethods:
         mc_batch_size: int | str = 16,
         mc_seed: int | str = 0,
         preset: str | None = None,
+        lora: str | None = None,
         **kwargs,
     ):
         super().__init__()
@@ -81,7 +83,7 @@ class LMMethods:
         if unknown:
             raise ValueError(
                 f"fastdllm: unknown model_args {', '.join(sorted(unknown))}; use pretrained, "
-                f"device, dtype, preset or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})"
+                f"device, dtype, preset, lora or GenerationConfig fields ({', '.join(GenerationConfig.field_names())})"
             )
         self.gen_kwargs = _config_kwargs(kwargs)
         self.fixed_gen_length = "gen_length" in self.gen_kwargs
@@ -91,7 +93,8 @@ class LMMethods:
 
             if not torch.cuda.is_available():  # lm_eval's CLI passes --device cuda by default
                 device = None
-        self.model, self.tokenizer = load(pretrained, dtype=dtype, device=device)
+        # a PEFT adapter merged into the weights: every request type (generation, likelihoods) uses it
+        self.model, self.tokenizer = load(pretrained, dtype=dtype, device=device, adapters=[lora] if lora else None)
         if preset in PRESETS:  # a named preset, fitted to the model, the model_args given on top
             self.base_config = GenerationConfig.preset(preset, **self.gen_kwargs).fit_to_model(
                 self.model, keep=set(self.gen_kwargs)

@@ -216,3 +216,22 @@ def test_the_cli_decodes_with_a_named_adapter(tiny_dream_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["text"] == tok.decode(alone.sequences[0])  # --lora NAME=PATH too
     assert cli([*argv[:3], "--lora-modules", "nopath", "hi"]) == 2
     assert "--lora-modules: expected NAME=PATH" in capsys.readouterr().err
+
+
+def test_lm_eval_scores_and_decodes_with_a_merged_adapter(tiny_dream_dir, tmp_path):
+    """`lora=PATH` in model_args merges the adapter: generation and the ELBO both use it."""
+    from fastdllm import lm_eval_plugin
+    from tests.test_eval import _FakeLM
+
+    base, _ = fastdllm.load(tiny_dream_dir, dtype="float32", device="cpu")
+    adapter(qwen2_reference(base, tiny_dream_dir), tmp_path / "lora", seed=5)
+    cls = lm_eval_plugin.make_model_class(_FakeLM, lambda name: lambda c: c)
+    plain = cls(pretrained=str(tiny_dream_dir), dtype="float32", mc_num=2, mc_batch_size=2)
+    adapted = cls(
+        pretrained=str(tiny_dream_dir), dtype="float32", lora=str(tmp_path / "lora"), mc_num=2, mc_batch_size=2
+    )
+    merged, _ = fastdllm.load(tiny_dream_dir, dtype="float32", adapters=[tmp_path / "lora"])
+    x = torch.randint(0, 700, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted.model(x), merged(x))
+        assert (adapted.model(x) - plain.model(x)).abs().max() > 1e-2

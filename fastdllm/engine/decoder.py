@@ -385,6 +385,8 @@ class BlockDecoder:
         if not self.accepts(config):
             raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
         if config.adapter is not None:
+            if config.cuda_graphs:
+                raise ValueError("adapter: not with cuda_graphs (a captured step holds the base weights' graph)")
             if getattr(self.model, "lora", None) is None:
                 raise ValueError(f"adapter: {config.adapter!r}: this model has no adapters loaded (--lora-modules)")
             self.model.lora.index(config.adapter)
