@@ -151,16 +151,16 @@ def test_named_adapters_over_a_quantized_base(tiny_dream_dir, tmp_path):
     quantized, _ = fastdllm.load(tiny_dream_dir, dtype="float32", quantize="int8", lora_modules=modules)
     assert quantized.quantization is not None
     layer = quantized.layers[0].attention.wq
-    lora = quantized.lora.layers["layers.0.attention.wq"]
+    a, b, scale = quantized.lora.layers["layers.0.attention.wq"][quantized.lora.index("one")]
     x = torch.randn(1, 5, layer.in_features, generator=torch.Generator().manual_seed(5))
     ids = torch.tensor([[0, -1, 0, 1, 0]])
     with torch.no_grad():
         plain = layer(x)
-        with quantized.lora.tokens(ids):
+        with quantized.lora.tokens([(int(k), 1) for k in ids[0]]):  # runs of one token each
             got = layer(x)
         want = plain.clone()
         rows = ids[0] == quantized.lora.index("one")
-        want[0, rows] += (x[0, rows] @ lora["A"][0].T) @ lora["B"][0].T * lora["scale"][0]
+        want[0, rows] += (x[0, rows] @ a.T) @ b.T * scale
         torch.testing.assert_close(got, want)  # "two" does not adapt q_proj: its token stays plain
         tokens = torch.randint(0, 700, (2, 12), generator=torch.Generator().manual_seed(4))
         q, f = quantized(tokens, adapters=["one", "two"]), full(tokens, adapters=["one", "two"])
@@ -219,7 +219,8 @@ def test_the_cli_decodes_with_a_named_adapter(tiny_dream_dir, tmp_path, capsys):
 
 
 def test_lm_eval_scores_and_decodes_with_a_merged_adapter(tiny_dream_dir, tmp_path):
-    """`lora=PATH` in model_args merges the adapter: generation and the ELBO both use it."""
+    """`lora=PATH` in model_args merges the adapter into the plugin's model, which every request
+    type (generation, the ELBO) runs: its logits are the merged model's, not the base's."""
     from fastdllm import lm_eval_plugin
     from tests.test_eval import _FakeLM
 

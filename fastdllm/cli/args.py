@@ -265,6 +265,16 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
         raise UserError(f"{flag(e.param)}: {e.detail} (with the checkpoint's generation_config.json)") from None
 
 
+def not_block_decoding(model) -> str | None:
+    """Why a model does not decode in Fast-dLLM's blocks (so `bench`'s rows and `tune`'s knobs do
+    not apply to it), or None where it does."""
+    if model.family.rules.noise_canvas:
+        return f"{model.family.name} has no mask token (it renoises whole canvases)"
+    if model.args.masks_last:
+        return f"{model.family.name} decodes with its own sliding window over causal attention (blocks of one position)"
+    return None
+
+
 def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
     """The model the flags name. With `--tp N` (where the command runs tensor-parallel:
     `tensor_parallel`) the ranks torchrun started join, each keeps its part of the model, and only

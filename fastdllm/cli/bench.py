@@ -20,7 +20,7 @@ from ..evaluation.bench import (
     run_config,
     table_rows,
 )
-from .args import UserError, add_model_args, load_model_or_exit
+from .args import UserError, add_model_args, load_model_or_exit, not_block_decoding
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,17 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _per_gen_length(args)
     model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
-    if model.family.rules.noise_canvas:
-        raise UserError(
-            f"--model: {model.family.name} has no mask token, and the rows of this table are masked "
-            "decoding's (Fast-dLLM's); measure it with fastdllm eval"
-        )
-    if model.args.masks_last:
-        raise UserError(
-            f"--model: {model.family.name} decodes with its own sliding window over causal attention (blocks "
-            "of one position), and the rows of this table are Fast-dLLM's blocks; measure it with fastdllm "
-            "eval (benchmarks/wedlm_window.py compares its windows)"
-        )
+    why = not_block_decoding(model)
+    if why:
+        raise UserError(f"--model: {why}; the rows of this table are Fast-dLLM's blocks: measure it with fastdllm eval")
     rank = getattr(model, "tp", (0, 1))[0]  # under --tp every rank measures; rank 0 writes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import re
 
 from ..config import GenerationConfig
 from ..evaluation.tasks import get_task, list_tasks
-from .args import UserError, add_generation_args, add_model_args
+from .args import UserError, add_generation_args, add_model_args, not_block_decoding
 
 EXAMPLES = """examples:
   fastdllm tune --task arith --budget 1 --out arith.json
@@ -104,16 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(str(e)) from None
     base = config_from_args(args)
     model, tokenizer = load_model_or_exit(args)
-    if model.family.rules.noise_canvas:
+    why = not_block_decoding(model)
+    if why:
         raise UserError(
-            f"--model: {model.family.name} has no mask token; the knobs tune searches (cache, threshold, "
-            "block length) are masked decoding's"
-        )
-    if model.args.masks_last:
-        raise UserError(
-            f"--model: {model.family.name} decodes with its own sliding window (blocks of one position); the "
-            "knobs tune searches (cache, block length, multi-block) are block decoding's: set --threshold, "
-            "--window-size and --pos-penalty-factor and measure with fastdllm eval"
+            f"--model: {why}; the knobs tune searches (cache, block length, multi-block) are block "
+            "decoding's: set its own decoding fields and measure with fastdllm eval"
         )
     try:
         result = tune(

@@ -697,15 +697,19 @@ class BlockDecoder:
         """What a strategy hands each row's next step in its block: its state (`Decision.carry`) and
         the signal that conditions the next forward, as the model takes it (`soft_input`: input
         vectors for the block's columns, or those of them the signal keeps)."""
-        blk = self.config.block_length
+        blk, signal = self.config.block_length, decision.signal
+        keep = getattr(signal, "keep", None)  # the columns a signal feeds back, where it says
+        kept = keep.any(-1).tolist() if keep is not None else None  # one read for the batch
         for i, (r, over) in enumerate(zip(self.rows, done.tolist())):
             r.carry = None if over or decision.carry is None else decision.carry[i]
-            if decision.signal is not None and not over:
-                signal = decision.signal[i]
-                cols = torch.arange(starts[i], starts[i] + blk, device=self.device)
-                vectors = self.model.soft_input(signal)
-                keep = getattr(signal, "keep", None)
-                r.soft = (cols, vectors) if keep is None else (cols[keep], vectors[keep]) if bool(keep.any()) else None
+            if signal is None or over:
+                continue
+            if kept is not None and not kept[i]:
+                r.soft = None
+                continue
+            cols = torch.arange(starts[i], starts[i] + blk, device=self.device)
+            vectors = self.model.soft_input(signal[i])
+            r.soft = (cols, vectors) if keep is None else (cols[keep[i]], vectors[keep[i]])
 
     def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work, columns) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or

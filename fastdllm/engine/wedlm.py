@@ -63,6 +63,13 @@ def top_p_filtered(logits: torch.Tensor, p: float | None) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
 
 
+def best_other_than(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """Each position's most likely token other than [MASK] (our stand-in where a draw is [MASK])."""
+    guarded = logits.clone()
+    guarded[..., mask_id] = NEG_INF
+    return guarded.argmax(-1)
+
+
 def sample(logits: torch.Tensor, config, generator: torch.Generator | None) -> torch.Tensor:
     """The reference's `Sampler.sample_tokens` for the masks' logits (n, V): the argmax of their
     softmax at temperature 0; else top-k, then top-p, then the temperature, one draw per row."""
@@ -138,10 +145,8 @@ class WeDLMStrategy:
         conf = torch.zeros(window.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=window.device)
         if self.config.temperature == 0:  # greedy: every row's window at once, nothing drawn
             drawn = sample(logits, self.config, None)
-            guarded = logits.masked_fill(
-                torch.arange(logits.shape[-1], device=logits.device) == mask_id, NEG_INF
-            ).argmax(-1)
-            tokens = torch.where(masked, torch.where(drawn == mask_id, guarded, drawn), window)
+            drawn = torch.where(drawn == mask_id, best_other_than(logits, mask_id), drawn)
+            tokens = torch.where(masked, drawn, window)
             conf = torch.where(masked, -entropy(logits).to(conf.dtype), conf)
         for i in range(window.shape[0] if self.config.temperature > 0 else 0):
             where = masked[i].nonzero()[:, 0]
@@ -149,10 +154,7 @@ class WeDLMStrategy:
                 continue
             rows = logits[i, where]
             drawn = sample(rows, self.config, None if generators is None else generators[i])
-            guarded = rows.clone()
-            guarded[:, mask_id] = NEG_INF
-            drawn = torch.where(drawn == mask_id, guarded.argmax(-1), drawn)
-            tokens[i, where] = drawn
+            tokens[i, where] = torch.where(drawn == mask_id, best_other_than(rows, mask_id), drawn)
             conf[i, where] = -entropy(rows).to(conf.dtype)
         chosen = self.rule.select(conf, masked, clock, generators, None) & masked
         for i, constraint in (constraints or {}).items():  # the grammar's say, over the whole window

@@ -89,10 +89,6 @@ class GGUFFile:
         """An architecture's hyperparameter (`{arch}.{key}`)."""
         return self.get(f"{self.arch}.{key}", default)
 
-    @property
-    def tensor_types(self) -> dict[str, str]:
-        return {t.name: t.tensor_type.name for t in self.reader.tensors}
-
     def tensor(self, t) -> torch.Tensor:
         from gguf.quants import dequantize
 
@@ -111,7 +107,26 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def read_args(f: GGUFFile, tensors: dict) -> tuple[str, ModelArgs]:
+def _permuted_heads(arch: str, name: str, args: ModelArgs) -> int | None:
+    """The heads whose rows llama.cpp's converter permutes in tensor `name` (LLaDA's q and k), or
+    None: the rows are ours as they are."""
+    if arch != "llada":
+        return None
+    if name.endswith(("attn_q.weight", "attn_q.bias")):
+        return args.n_heads
+    if name.endswith(("attn_k.weight", "attn_k.bias")):
+        return args.n_kv_heads
+    return None
+
+
+def _gguf_names(args: ModelArgs) -> dict[str, str]:
+    """Our parameter name -> llama.cpp's tensor name."""
+    names = {v: k for k, v in TOP.items()}
+    names.update({f"layers.{i}.{v}": f"blk.{i}.{k}" for i in range(args.n_layers) for k, v in LAYER.items()})
+    return names
+
+
+def read_args(f: GGUFFile) -> tuple[str, ModelArgs]:
     """(model_type, ModelArgs) of the file: its family's fixed fields, sizes from its metadata."""
     if f.arch not in ARCHITECTURES:
         raise ValueError(
@@ -121,6 +136,7 @@ def read_args(f: GGUFFile, tensors: dict) -> tuple[str, ModelArgs]:
     model_type = ARCHITECTURES[f.arch]
     family = FAMILIES[model_type]
     reference = family.args_from_config(family.reference_config)
+    tensors = {t.name: [int(n) for n in t.shape] for t in f.reader.tensors}
     embd = tensors["token_embd.weight"]
     vocab, dim = int(embd[1]), int(embd[0])  # GGUF lists a matrix's columns first
     n_heads = int(f.hp("attention.head_count"))
@@ -153,14 +169,24 @@ def read_args(f: GGUFFile, tensors: dict) -> tuple[str, ModelArgs]:
     return model_type, ModelArgs(**{k: v for k, v in args.items() if k in ModelArgs.__dataclass_fields__})
 
 
+def read_config(f: GGUFFile) -> tuple[str, ModelArgs, dict]:
+    """(model_type, ModelArgs, the family's config.json) the file's metadata describes, with its
+    own BOS and pad ids (RND1's closing pad is its pad) and its float type as `torch_dtype`."""
+    model_type, args = read_args(f)
+    config = FAMILIES[model_type].config_from_args(args)
+    for key, theirs in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+        if f.get(f"tokenizer.ggml.{theirs}") is not None:
+            config[key] = int(f.get(f"tokenizer.ggml.{theirs}"))
+    config["torch_dtype"] = str(file_dtype(f)).removeprefix("torch.")  # what `--dtype auto` starts from
+    return model_type, args, config
+
+
 def config_of_gguf(path: Path) -> dict:
     """The family config.json a GGUF file's metadata describes (`fastdllm plan`), with its tensor
     types under `gguf_tensor_types`: every one is dequantized at load."""
     f = GGUFFile(path)
-    model_type, args = read_args(f, {t.name: [int(n) for n in t.shape] for t in f.reader.tensors})
-    config = FAMILIES[model_type].config_from_args(args)
-    config["gguf_tensor_types"] = sorted(set(f.tensor_types.values()))
-    config["torch_dtype"] = str(file_dtype(f)).removeprefix("torch.")  # what `--dtype auto` starts from
+    config = read_config(f)[2]
+    config["gguf_tensor_types"] = sorted({t.tensor_type.name for t in f.reader.tensors})
     return config
 
 
@@ -189,9 +215,9 @@ def read_tokenizer(f: GGUFFile) -> Tokenizer:
             ]
         )
     fast.decoder = decoders.ByteLevel()
-    added = [(i, t, ty == CONTROL) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)]
-    for _, token, special in added:
-        fast.add_tokens([AddedToken(token, special=special, normalized=False)])
+    for token, kind in zip(tokens, types):
+        if kind in (CONTROL, USER_DEFINED):
+            fast.add_tokens([AddedToken(token, special=kind == CONTROL, normalized=False)])
     config: dict = {}
     for key, name in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token"), ("mask", "mask_token")):
         i = f.get(f"tokenizer.ggml.{key}_token_id")
@@ -209,11 +235,11 @@ def read_tokenizer(f: GGUFFile) -> Tokenizer:
     return Tokenizer(fast, config)
 
 
-def read_state(f: GGUFFile, args: ModelArgs, model_type: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_state(f: GGUFFile, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our state dict from the file's tensors, each dequantized, in `dtype`."""
     state = {}
     for t in f.reader.tensors:
-        name, rest = t.name, None
+        name = t.name
         if name in TOP:
             ours = TOP[name]
         elif name.startswith("blk."):
@@ -225,12 +251,8 @@ def read_state(f: GGUFFile, args: ModelArgs, model_type: str, dtype: torch.dtype
             continue  # RoPE's frequencies come from rope_theta
         else:
             raise ValueError(f"{f.path}: tensor {name!r} is not one we read")
-        w = f.tensor(t)
-        if model_type == "llada" and rest in ("attn_q.weight", "attn_q.bias"):
-            w = _unpermute(w, args.n_heads)
-        elif model_type == "llada" and rest in ("attn_k.weight", "attn_k.bias"):
-            w = _unpermute(w, args.n_kv_heads)
-        state[ours] = w.to(dtype)
+        w, heads = f.tensor(t), _permuted_heads(f.arch, name, args)
+        state[ours] = (w if heads is None else _unpermute(w, heads)).to(dtype)
     return state
 
 
@@ -302,6 +324,25 @@ def _vocabulary(tokenizer: Tokenizer, size: int) -> tuple[list[str], list[int], 
     return tokens, types, merges
 
 
+def _write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int) -> None:
+    """The tokenizer's part of the metadata: vocabulary, types, merges, pre-tokenizer, special ids,
+    BOS flag and chat template, as the converter writes them."""
+    tokens, types, merges = _vocabulary(tokenizer, vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_pre_tokenizer_name(tokenizer.fast))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for add, token in ((w.add_bos_token_id, tokenizer.bos_token), (w.add_eos_token_id, tokenizer.eos_token)):
+        if tokenizer.id_of(token) is not None:
+            add(tokenizer.id_of(token))
+    if tokenizer.pad_token_id is not None:
+        w.add_pad_token_id(tokenizer.pad_token_id)
+    w.add_add_bos_token(bool(tokenizer.config.get("add_bos_token")))
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
+
+
 def write_gguf(model, tokenizer: Tokenizer, path, kind: str = "f16") -> Path:
     """Write `model` (LLaDA, Dream or RND1) and its tokenizer as the GGUF llama.cpp's converter writes
     for that family, its matrices stored as `kind` (`WRITE_TYPES`; a matrix whose rows the format's
@@ -344,34 +385,16 @@ def write_gguf(model, tokenizer: Tokenizer, path, kind: str = "f16") -> Path:
         w.add_rope_dimension_count(a.head_dim)
     w.add_causal_attention(False)
     w.add_diffusion_shift_logits(a.shifted_logits)
-    tokens, types, merges = _vocabulary(tokenizer, a.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(_pre_tokenizer_name(tokenizer.fast))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    for add, name in ((w.add_bos_token_id, "bos_token"), (w.add_eos_token_id, "eos_token")):
-        if tokenizer.id_of(tokenizer.config.get(name) if name == "bos_token" else tokenizer.eos_token) is not None:
-            add(tokenizer.id_of(tokenizer.bos_token if name == "bos_token" else tokenizer.eos_token))
-    if tokenizer.pad_token_id is not None:
-        w.add_pad_token_id(tokenizer.pad_token_id)
     w.add_mask_token_id(a.mask_token_id)
-    w.add_add_bos_token(bool(tokenizer.config.get("add_bos_token")))
-    if tokenizer.chat_template:
-        w.add_chat_template(tokenizer.chat_template)
-    names = {v: k for k, v in TOP.items()}
-    names.update({f"layers.{i}.{v}": f"blk.{i}.{k}" for i in range(a.n_layers) for k, v in LAYER.items()})
+    _write_tokenizer(w, tokenizer, a.vocab_size)
+    names = _gguf_names(a)
     qtype = gguf.GGMLQuantizationType[WRITE_TYPES[kind]]
     for name, tensor in model.state_dict().items():
         if name not in names:
             raise ValueError(f"format: {name} has no place in a {arch} GGUF")
-        t = tensor.detach().float().cpu()
-        theirs = names[name]
-        if arch == "llada" and theirs.endswith(("attn_q.weight", "attn_q.bias")):
-            t = _permute(t, a.n_heads)
-        elif arch == "llada" and theirs.endswith(("attn_k.weight", "attn_k.bias")):
-            t = _permute(t, a.n_kv_heads)
-        data = t.numpy()
+        t, theirs = tensor.detach().float().cpu(), names[name]
+        heads = _permuted_heads(arch, theirs, a)
+        data = (t if heads is None else _permute(t, heads)).numpy()
         if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32 or theirs.endswith("ffn_gate_inp.weight"):
             w.add_tensor(theirs, data)
             continue
@@ -418,8 +441,7 @@ def quantized_weights(path: Path, model, bits: int, include_head: bool = False) 
     from ..quant.weights import QuantizedWeight
 
     f = GGUFFile(path)
-    theirs = {v: k for k, v in TOP.items()}
-    theirs.update({f"layers.{i}.{v}": f"blk.{i}.{k}" for i in range(model.args.n_layers) for k, v in LAYER.items()})
+    theirs = _gguf_names(model.args)
     tensors = {t.name: t for t in f.reader.tensors}
     out = {}
     for name in quantizable_linears(model, include_head):
@@ -427,9 +449,8 @@ def quantized_weights(path: Path, model, bits: int, include_head: bool = False) 
         if t is None or BLOCK_BITS.get(t.tensor_type.name) != bits:
             return None
         values, scale = _blocks(t)
-        rest = theirs[f"{name}.weight"].split(".", 2)[-1]
-        if f.arch == "llada" and rest in ("attn_q.weight", "attn_k.weight"):  # its rows back in our order
-            heads = model.args.n_heads if rest == "attn_q.weight" else model.args.n_kv_heads
+        heads = _permuted_heads(f.arch, t.name, model.args)
+        if heads is not None:  # its rows back in our order
             values, scale = _unpermute(values, heads), _unpermute(scale, heads)
         out[name] = QuantizedWeight(values, scale.to(model.dtype), None, bits, 32)
     return out

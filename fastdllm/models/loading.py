@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..text.tokenizer import Tokenizer, load_tokenizer
-from . import FAMILIES, Transformer, family_of
+from . import Transformer, family_of
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "embedded" / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
@@ -177,6 +177,26 @@ def checkpoint_dtype(config: dict) -> torch.dtype:
     return DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")), torch.float32)
 
 
+def _quantize_loaded(model, source, bits: int, group_size: int | None, quantize_head: bool, device) -> None:
+    """`load(quantize=...)`: the loaded model's linear layers as int8/int4 ones on `device`; a GGUF
+    whose layers are all stored in that width's block format (Q8_0, Q4_0) gives its blocks as they
+    are (`gguf.quantized_weights`)."""
+    from ..quant import install, quantize_weights
+    from .gguf import is_gguf, quantized_weights
+
+    if model.quantization is not None:
+        raise ValueError(
+            f"quantize: {source} is already quantized ({model.quantization['format']}, "
+            f"{model.quantization['bits'][0]}-bit); load it without quantize"
+        )
+    blocks = quantized_weights(Path(source), model, bits, quantize_head) if is_gguf(source) else None
+    if blocks is not None and group_size not in (None, 32):
+        raise ValueError(f"group_size: a GGUF's {('Q4_0', 'Q8_0')[bits == 8]} blocks are groups of 32")
+    install(model, blocks or quantize_weights(model, bits, group_size, quantize_head), device=device)
+    model.to(device)
+    model.setup_rope(device)
+
+
 def _check_mask_token(config: dict, tokenizer: Tokenizer, where: str) -> None:
     family = family_of(config, where)
     mask_id = family.args_from_config(config, where).mask_token_id
@@ -194,13 +214,7 @@ def load_gguf(path: Path, dtype=None, device="cpu") -> tuple[Transformer, Tokeni
     from . import gguf
 
     f = gguf.GGUFFile(path)
-    tensors = {t.name: [int(n) for n in t.shape] for t in f.reader.tensors}
-    model_type, args = gguf.read_args(f, tensors)
-    family = FAMILIES[model_type]
-    config = family.config_from_args(args)
-    for key in ("bos_token_id", "pad_token_id"):  # the file's own (RND1's closing pad is its pad)
-        if f.get(f"tokenizer.ggml.{key.replace('pad_', 'padding_')}") is not None:
-            config[key] = int(f.get(f"tokenizer.ggml.{key.replace('pad_', 'padding_')}"))
+    _, args, config = gguf.read_config(f)
     where = f"{path} (general.architecture {f.arch})"
     tokenizer = gguf.read_tokenizer(f)
     _check_mask_token(config, tokenizer, where)
@@ -208,15 +222,13 @@ def load_gguf(path: Path, dtype=None, device="cpu") -> tuple[Transformer, Tokeni
     wanted = resolve_dtype(dtype)
     if wanted is None:
         wanted, model.dtype_note = auto_dtype(gguf.file_dtype(f), device)
-    config["torch_dtype"] = str(gguf.file_dtype(f)).removeprefix("torch.")
-    state = gguf.read_state(f, args, model_type, wanted)
+    state = gguf.read_state(f, args, wanted)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if expected != got:
         wrong = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
         raise ValueError(f"{where}: tensors do not match the model its metadata describes: {wrong[:5]}")
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
-    model.gguf_types = f.tensor_types
     model.setup_rope(torch.device(device))
     return model.eval().requires_grad_(False), tokenizer
 
@@ -442,7 +454,8 @@ def load(
     (`models.lora.LoRAAdapters`).
     """
     device = check_device(device)
-    if quantize is not None and tp is not None and tp[1] > 1:
+    split = tp is not None and tp[1] > 1
+    if quantize is not None and split:
         raise ValueError(
             "tp: quantize in memory is not split; write a quantized checkpoint (fastdllm quantize) and load it with tp"
         )
@@ -455,7 +468,7 @@ def load(
     from .gguf import is_gguf
 
     if is_gguf(path_or_repo_id):
-        if tp is not None and tp[1] > 1:
+        if split:
             raise ValueError("tp: not with a GGUF file (convert it: load it and save_pretrained, then split that)")
         model, tokenizer = load_gguf(Path(path_or_repo_id), dtype=dtype, device="cpu" if quantize else device)
         folder = Path(path_or_repo_id).parent
@@ -472,33 +485,16 @@ def load(
     if adapters:
         from .lora import merge_adapter
 
-        if tp is not None and tp[1] > 1:
+        if split:
             raise ValueError("adapters: not with tensor parallelism (each rank holds part of each weight)")
         for adapter in adapters:
             merge_adapter(model, adapter)
     if quantize:
-        from ..quant import install, quantize_weights
-        from .gguf import quantized_weights
-
-        if model.quantization is not None:
-            raise ValueError(
-                f"quantize: {folder} is already quantized ({model.quantization['format']}, "
-                f"{model.quantization['bits'][0]}-bit); load it without quantize"
-            )
-        bits = QUANTIZE[quantize]
-        # a GGUF's own Q8_0 / Q4_0 blocks, as they are, where its layers are all stored so
-        blocks = (
-            quantized_weights(Path(path_or_repo_id), model, bits, quantize_head) if is_gguf(path_or_repo_id) else None
-        )
-        if blocks is not None and group_size not in (None, 32):
-            raise ValueError(f"group_size: a GGUF's {('Q4_0', 'Q8_0')[bits == 8]} blocks are groups of 32")
-        install(model, blocks or quantize_weights(model, bits, group_size, quantize_head), device=device)
-        model.to(device)
-        model.setup_rope(device)
+        _quantize_loaded(model, path_or_repo_id, QUANTIZE[quantize], group_size, quantize_head, device)
     if lora_modules:
         from .lora import attach_adapters
 
-        if tp is not None and tp[1] > 1:
+        if split:
             raise ValueError("lora_modules: not with tensor parallelism (each rank holds part of each weight)")
         attach_adapters(model, lora_modules)
     model.stop_token_ids = sorted(set(tokenizer.stop_token_ids()) | {model.args.eos_token_id})

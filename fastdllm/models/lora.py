@@ -1,14 +1,15 @@
-"""LoRA adapters in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`), merged
-into the model's weights at load: W += scale * B @ A, with scale = lora_alpha / r (lora_alpha /
-sqrt(r) with `use_rslora`), as PEFT's `merge_and_unload` does, so an adapted model decodes at the
-base model's speed.
+"""LoRA adapters in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`): merged
+into the model's weights at load (`merge_adapter`): W += scale * B @ A, with scale = lora_alpha / r
+(lora_alpha / sqrt(r) with `use_rslora`), as PEFT's `merge_and_unload` does, so an adapted model
+decodes at the base model's speed; or kept beside them by name (`LoRAAdapters`), so that rows of
+different adapters share forwards.
 
 An adapter's tensors are named as PEFT saves them, after the checkpoint's own module names
 (`base_model.model.<module>.lora_A.weight`); they are mapped to ours through the family's
 weight names, so an adapter trained on the published checkpoint (LLaDA's, Dream's, ...) applies
 as it is. Refused, each with an error that names it: DoRA (`use_dora`), a bias the adapter
 trains, `fan_in_fan_out`, per-module ranks or alphas, a module that is not a linear weight of ours
-(an embedding, a stacked expert), and a quantized base (merging needs float weights).
+(an embedding, a stacked expert), and, for merging, a quantized base (it needs float weights).
 """
 
 from __future__ import annotations
@@ -100,11 +101,10 @@ def _pairs(model, path, tensors: dict) -> dict[str, dict[str, torch.Tensor]]:
 class LoRAAdapters:
     """Named adapters kept beside the base weights, so that rows decoding with different adapters
     (and the base) share one forward, as vLLM serves `--lora-modules`. Each adapted linear layer
-    holds its adapters' A (n, r, in) and B (n, out, r) stacked (ranks padded with zeros) and adds,
-    to the output of each token whose row decodes with adapter k, (x A_k^T) B_k^T scale_k, as PEFT's
-    unmerged `LoraLayer` does: a forward hook on the layer, so a quantized layer takes it too. The
-    tokens of each adapter present go through two matmuls of their own (plain PyTorch, no custom
-    kernel); a forward with no adapter row costs nothing more.
+    adds, to the output of each token whose row decodes with adapter k, (x A_k^T) B_k^T scale_k, as
+    PEFT's unmerged `LoraLayer` does: a forward hook on the layer, so a quantized layer takes it
+    too. The tokens of each adapter present go through two matmuls of their own (plain PyTorch, no
+    custom kernel); a forward with no adapter row costs nothing more.
 
     `model.lora` holds them; `tokens(ids)` sets, for the forwards inside it, each token's adapter."""
 
@@ -112,7 +112,7 @@ class LoRAAdapters:
         self.model = model
         self.names: list[str] = []
         self.paths: list[str] = []
-        self.layers: dict[str, dict] = {}  # module -> {"A": [per adapter], "B": [...], "scale": [...]}
+        self.layers: dict[str, dict] = {}  # module -> {adapter index: (A, B, scale)}
         # for the forward running: per adapter present, its tokens' rows (None: every token)
         self.groups: list | None = None
         self._hooks: list = []
@@ -133,14 +133,7 @@ class LoRAAdapters:
         self.paths.append(str(path))
         dtype, device = self.model.dtype, self.model.device
         for module, ab in pairs.items():
-            layer = self.layers.setdefault(module, {"A": [None] * k, "B": [None] * k, "scale": [0.0] * k})
-            layer["A"].append(ab["A"].to(device, dtype))
-            layer["B"].append(ab["B"].to(device, dtype))
-            layer["scale"].append(scale)
-        for layer in self.layers.values():
-            for part in ("A", "B"):
-                layer[part] += [None] * (len(self.names) - len(layer[part]))
-            layer["scale"] += [0.0] * (len(self.names) - len(layer["scale"]))
+            self.layers.setdefault(module, {})[k] = (ab["A"].to(device, dtype), ab["B"].to(device, dtype), scale)
         self._install()
 
     def _install(self) -> None:
@@ -156,14 +149,12 @@ class LoRAAdapters:
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
             out = output.reshape(-1, output.shape[-1])
             for k, rows in self.groups:
-                if layer["A"][k] is None:  # this adapter leaves this layer as it is
+                if k not in layer:  # this adapter leaves this layer as it is
                     continue
-                a, b, scale = layer["A"][k], layer["B"][k], layer["scale"][k]
+                a, b, scale = layer[k]
                 if rows is None:  # every token of the forward
                     out = out + ((x @ a.T) @ b.T * scale).to(out.dtype)
                 else:
-                    if rows.shape[0] and int(rows[-1]) >= x.shape[0]:
-                        raise ValueError(f"adapter: token {int(rows[-1])} of a forward of {x.shape[0]}")
                     out = out.index_add(0, rows, ((x[rows] @ a.T) @ b.T * scale).to(out.dtype))
             return out.view(output.shape)
 
@@ -179,19 +170,26 @@ class LoRAAdapters:
         def __exit__(self, *exc):
             self.owner.groups = self.before
 
-    def tokens(self, ids: torch.Tensor | None):
-        """A context in which the forwards' tokens decode with adapters `ids` (each token's index in
-        `names`, -1: the base; one for all tokens, or one per token of the forward, flattened in
-        order). The tokens of each adapter are found once here, not per layer."""
+    def tokens(self, runs: int | list[tuple[int, int]] | None):
+        """A context in which the forwards' tokens decode with adapters: `runs` is one adapter's index
+        (in `names`; -1: the base) for every token, or (index, count) runs in the forward's token
+        order. Each adapter's tokens are found here, once per forward, from the runs alone (no read
+        of the device), not in every layer."""
         groups = None
-        if ids is not None:
-            flat = ids.reshape(-1)
-            present = [k for k in flat.unique().tolist() if k >= 0]
-            if flat.numel() == 1 or (len(present) == 1 and bool((flat == present[0]).all())):
-                groups = [(k, None) for k in present]
-            else:
-                groups = [(k, (flat == k).nonzero()[:, 0]) for k in present]
-        return self._Tokens(self, groups or None)
+        if isinstance(runs, int):
+            groups = [(runs, None)] if runs >= 0 else None
+        elif runs:
+            present = sorted({k for k, n in runs if k >= 0 and n})
+            if len(present) == 1 and all(k == present[0] for k, n in runs if n):
+                groups = [(present[0], None)]
+            elif present:
+                starts = [sum(n for _, n in runs[:j]) for j in range(len(runs))]
+                device = self.model.device
+                groups = [
+                    (k, torch.cat([torch.arange(s, s + n, device=device) for (j, n), s in zip(runs, starts) if j == k]))
+                    for k in present
+                ]
+        return self._Tokens(self, groups)
 
 
 def attach_adapters(model, adapters: dict[str, str | os.PathLike]) -> LoRAAdapters:

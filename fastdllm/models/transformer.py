@@ -421,10 +421,8 @@ class Transformer(nn.Module):
             positions.append(cols)
             offset += hi - lo
         tokens, positions = torch.cat(tokens)[None], torch.cat(positions)[None]
-        ids = None
-        if adapters and self.lora is not None:
-            ids = torch.cat([torch.full((s.width,), adapters.get(s.row, -1), device=x.device) for s in segments])[None]
-        with BatchInvariant() if batch_invariant else contextlib.nullcontext(), self.adapted(ids):
+        runs = [(adapters.get(s.row, -1), s.width) for s in segments] if adapters else None
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext(), self.adapted(runs):
             h = self.tok_embeddings(tokens)
             for s in segments if embeds else ():
                 if s.row in embeds:
@@ -443,14 +441,8 @@ class Transformer(nn.Module):
                     picks.append(torch.cat([h[s.offset : s.offset + 1], h[s.offset : s.offset + hi - shift - lo]]))
                 else:
                     picks.append(h[a : a + hi - start])
-            picked = None  # the head sees the picked columns only: their adapters, in that order
-            if ids is not None:
-                picked = torch.cat(
-                    [
-                        torch.full((hi - start,), adapters.get(row, -1), device=x.device)
-                        for row, _, hi, _, start in windows
-                    ]
-                )
+            # the head sees the picked columns only: their adapters, in that order
+            picked = [(adapters.get(row, -1), hi - start) for row, _, hi, _, start in windows] if adapters else None
             with self.adapted(picked):
                 out = self.head(torch.cat(picks))
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
@@ -512,10 +504,11 @@ class Transformer(nn.Module):
         embeddings (`engine.unmasking.SoftTokens`: p E[top] + (1 - p) E[mask], rescaled)."""
         return soft_embeddings(self.tok_embeddings, signal.top_token, signal.top_prob, self.mask_token_id)
 
-    def adapted(self, ids: torch.Tensor | None):
-        """A context in which each token's LoRA adapter is `ids` (its index in `self.lora.names`,
-        -1: the base; the shape of the forward's tokens); nothing without adapters."""
-        return contextlib.nullcontext() if self.lora is None or ids is None else self.lora.tokens(ids)
+    def adapted(self, runs):
+        """A context in which the forward's tokens decode with LoRA adapters (`lora.LoRAAdapters.
+        tokens`: one index in `self.lora.names` for all, -1 the base, or (index, count) runs in token
+        order); nothing without adapters."""
+        return contextlib.nullcontext() if self.lora is None or runs is None else self.lora.tokens(runs)
 
     def forward(
         self,
@@ -527,18 +520,17 @@ class Transformer(nn.Module):
         """Plain full forward: logits (B, L, V) with the family's native meaning (shifted for Dream).
         `adapters`: per row, the name of the LoRA adapter it runs with (None: the base)."""
         bsz, length = input_ids.shape
-        ids = None
+        runs = None
         if adapters is not None:
             if self.lora is None or len(adapters) != bsz:
                 raise ValueError("adapters: one name (or None) per row, of adapters loaded with the model")
-            ids = torch.tensor([-1 if a is None else self.lora.index(a) for a in adapters], device=input_ids.device)
-            ids = ids[:, None].expand(bsz, length)
+            runs = [(-1 if a is None else self.lora.index(a), length) for a in adapters]
         positions = positions_from_mask(attention_mask, bsz, length, input_ids.device)
         key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         if self.args.block_size:
             order = self.attention_order(input_ids, positions)
             key_mask = block_causal_mask(order, order, self.args.block_size, key_mask)
-        with BatchInvariant() if batch_invariant else contextlib.nullcontext(), self.adapted(ids):
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext(), self.adapted(runs):
             return self.head(self.hidden(input_ids, positions, key_mask, batch_invariant=batch_invariant))
 
     def logits_for(

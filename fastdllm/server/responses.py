@@ -9,7 +9,6 @@ import json
 import time
 import uuid
 
-import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -395,7 +394,7 @@ async def score(server: Server, req: CompletionRequest) -> JSONResponse:
 
     adapter = None
     if req.model in server.settings.adapters:  # every token scored under the adapter the request names
-        adapter = torch.tensor(model.lora.index(req.model), device=model.device)
+        adapter = model.lora.index(req.model)
 
     def each():
         with model.adapted(adapter):
