@@ -22,8 +22,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
+from fastdllm.engine.kv import runner_for
 from fastdllm.evaluation.tasks import arith
-from fastdllm.models.prefix_store import lookups, prefix_stores, reset_prefix_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.row_clocks import emit, write_rows  # noqa: E402
@@ -46,13 +46,13 @@ def main() -> None:
         runs, rates, stored = {}, {}, {}
         with torch.inference_mode():
             generate(model, ids[:2], config.replace(prefix_cache="off"))  # warm-up
-            reset_prefix_cache(model)
+            runner_for(model).reset_prefix_cache()
             for run in ("off", "on", "again"):
-                hits, queries = lookups(model).hits, lookups(model).queries
+                hits, queries = runner_for(model).lookups.hits, runner_for(model).lookups.queries
                 runs[run] = generate(model, ids, config.replace(prefix_cache="off") if run == "off" else config)
-                counted = lookups(model)
+                counted = runner_for(model).lookups
                 rates[run] = (counted.hits - hits) / (counted.queries - queries) if counted.queries > queries else None
-                stored[run] = sum(s.bytes for s in prefix_stores(model))
+                stored[run] = runner_for(model).prefix_bytes
         for run, out in runs.items():
             row = {
                 "model": name,

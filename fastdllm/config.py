@@ -106,7 +106,7 @@ def selection_rule_name(config: GenerationConfig) -> str:
 REMASKING = ("low_confidence", "random")
 # Selection rules whose reference decodes the whole answer as one block (`GenerationConfig.one_block`).
 ONE_BLOCK_RULES = ("rnd1", "dream_schedule")
-# Prompt K/V shared across rows and requests (`models.prefix_store`): where exact (block-causal
+# Prompt K/V shared across rows and requests (`engine.kv.prefix`): where exact (block-causal
 # attention), also where approximate (bidirectional), or never.
 PREFIX_CACHE = ("exact", "approximate", "off")
 MIN_TEMPERATURE = 1e-3  # below it, dividing float32 logits overflows

@@ -1,4 +1,4 @@
-"""The rows' K/V in one pool of pages of a block (`models.kv_cache.PagedKVCache`)."""
+"""The rows' K/V in one pool of pages of a block (`engine.kv.pages.PagedKVCache`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from fastdllm import GenerationConfig, generate
 from fastdllm.engine.decoder import BlockDecoder
-from fastdllm.models.kv_cache import PagedKVCache
-from fastdllm.models.prefix_store import reset_prefix_cache
+from fastdllm.engine.kv import KVRunner, runner_for
+from fastdllm.engine.kv.pages import PagedKVCache
 
 from .conftest import random_prompts, write_kv
 
@@ -124,9 +124,9 @@ def test_a_long_prompt_prefilled_in_chunks_decodes_as_in_one_forward(family, req
     block = model.args.block_size
     short, long_ = random_prompts(model, [block, 12 * block + 1], seed=2)
     for store in ("off", "exact"):
-        reset_prefix_cache(model)
+        runner_for(model).reset_prefix_cache()
         whole = generate(model, [short, long_], config=chunked(block, None).replace(prefix_cache=store))
-        reset_prefix_cache(model)
+        runner_for(model).reset_prefix_cache()
         decoder = BlockDecoder(model, chunked(block, 2 * block).replace(prefix_cache=store))
         rows = decoder.add([short, long_])
         sizes = []
@@ -159,7 +159,7 @@ def test_a_row_dropped_while_prefilled_returns_its_pages(tiny_sdar):
     decoder = BlockDecoder(tiny_sdar, chunked(block, 2 * block).replace(prefix_cache="off"))
     rows = decoder.add([short, long_])
     decoder.step()
-    pool = decoder.policy._pool
+    pool = decoder.pages.pool
     assert decoder.prefilling == [rows[1]] and pool.pending
     decoder.drop([rows[1]])
     assert not pool.pending and pool.pages_in_use == len(pool.tables[0])
@@ -179,14 +179,60 @@ def test_a_finished_decode_leaves_its_pool_to_the_next(tiny_llada):
     model = tiny_llada
     prompts = random_prompts(model, [30, 50])
     config = GenerationConfig(gen_length=32, block_length=16, stop_at_eos=False, prefix_cache="off")
-    model.__dict__.pop("_spare_kv_pool", None)
+    runner = runner_for(model)
+    runner.spare = None
     first = generate(model, prompts, config=config)
-    spare = model.__dict__["_spare_kv_pool"]
+    spare = runner.spare
     assert spare.pages > 0 and spare.pages_in_use == 0
     with torch.inference_mode():
         again = generate(model, prompts, config=config)
     with torch.no_grad():
         third = generate(model, prompts[:1], config=config)
-    assert model.__dict__["_spare_kv_pool"] is spare
+    assert runner.spare is spare
     assert third.kv_cache_bytes < first.kv_cache_bytes  # its own peak, not the pool's first decode's
     assert torch.equal(first.sequences, again.sequences) and torch.equal(third.sequences[0], first.sequences[0])
+
+
+def test_the_runner_owns_the_kv_and_nothing_rides_on_the_model(tiny_sdar):
+    """Pages and stored prompts are the runner's: a decode given its own runner fills that runner's
+    store (not the model's default one), and nothing is left on the model."""
+    model = tiny_sdar
+    before = dict(model.__dict__)
+    prompt = list(range(10, 34))  # six blocks of 4
+    config = GenerationConfig.for_model(
+        model, GenerationConfig(gen_length=8, block_length=4), checkpoint_defaults=False
+    )
+    mine = KVRunner(model)
+    runner_for(model).reset_prefix_cache()
+    first = generate(model, [prompt], config, kv=mine)
+    assert mine.prefix_bytes > 0 and runner_for(model).prefix_bytes == 0
+    elsewhere = generate(model, [prompt], config)  # the default runner has none of it yet
+    again = generate(model, [prompt], config, kv=mine)
+    assert elsewhere.prompt_positions[0] == first.prompt_positions[0] > again.prompt_positions[0]
+    assert torch.equal(first.sequences, again.sequences)
+    assert model.__dict__.keys() == before.keys()
+
+
+def test_a_runner_budget_is_one_pool_that_never_grows(tiny_llada):
+    model = tiny_llada
+    runner = KVRunner(model, budget_bytes=KVRunner(model).page_bytes(16) * 40)
+    pool = runner.pool(16)
+    assert pool.pages == 40 and not pool.growable
+    runner.release(pool)
+    assert runner.pool(16) is pool and runner.spare is None
+    with pytest.raises(ValueError, match="budget_bytes"):
+        KVRunner(model, budget_bytes=-1)
+
+
+def test_a_store_over_a_pool_that_starts_empty_keeps_to_its_budget(tiny_sdar):
+    """A decode's growable pool holds no page when its store is made: the store's budget still
+    counts each page's bytes (it once counted 0 there, and kept every prompt)."""
+    model = tiny_sdar
+    page = KVRunner(model).page_bytes(4)
+    runner = KVRunner(model, prefix_cache_bytes=2 * page)
+    config = GenerationConfig.for_model(
+        model, GenerationConfig(gen_length=8, block_length=4), checkpoint_defaults=False
+    )
+    generate(model, [list(range(10, 34))], config, kv=runner)  # six prompt blocks of 4
+    (store,) = runner.stores()
+    assert len(store.entries) == 2 and runner.prefix_bytes == 2 * page

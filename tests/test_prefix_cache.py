@@ -1,4 +1,4 @@
-"""Prompt K/V shared across rows and requests (`models.prefix_store`): keyed by a hash chain of
+"""Prompt K/V shared across rows and requests (`engine.kv.prefix`): keyed by a hash chain of
 blocks, every hit's tokens compared, least recently used evicted within a byte budget; exact and on
 by default for block-causal models, an opt-in approximation for bidirectional ones."""
 
@@ -14,11 +14,11 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.engine.cache_policies import cache_policy
 from fastdllm.engine.decoder import BlockDecoder
+from fastdllm.engine.kv import runner_for
+from fastdllm.engine.kv.pages import PagedKVCache
+from fastdllm.engine.kv.prefix import PrefixStore
 from fastdllm.evaluation.tasks import arith
-from fastdllm.models.kv_cache import PagedKVCache
-from fastdllm.models.prefix_store import PrefixStore, prefix_stores, reset_prefix_cache
 
 from .conftest import write_kv
 
@@ -121,7 +121,7 @@ def test_block_causal_prefixes_are_computed_once_and_decode_the_same(name):
     """4-shot prompts sharing their exemplars: on by default, token-identical to decoding without
     it, the shared blocks computed by one row of the batch, and a second batch finds them all."""
     model, tok = fastdllm.load(name, dtype=torch.float32)
-    reset_prefix_cache(model)
+    runner_for(model).reset_prefix_cache()
     ids = fewshot(tok, 6, 4)
     config = GenerationConfig.for_model(model, GenerationConfig(gen_length=32), checkpoint_defaults=False)
     assert config.prefix_cache == "exact"
@@ -136,7 +136,7 @@ def test_block_causal_prefixes_are_computed_once_and_decode_the_same(name):
     assert all(r <= len(p) for r, p in zip(again.prompt_positions, ids))
     # the rows hold the stored exemplar blocks by reference: once, not once per row
     assert again.kv_cache_bytes <= on.kv_cache_bytes < off.kv_cache_bytes / 2
-    pool = model.__dict__["_spare_kv_pool"]  # the decodes are done: every stored page is cached, none in use
+    pool = runner_for(model).spare  # the decodes are done: every stored page is cached, none in use
     assert pool.cached_pages == len(pool.stored) == len(pool.prefix.entries) > 0 and pool.pages_in_use == 0
 
 
@@ -145,7 +145,7 @@ def test_a_row_that_shares_an_uncomputed_prefix_waits_one_step(tiny_sdar):
     config = GenerationConfig.for_model(
         tiny_sdar, GenerationConfig(gen_length=8, block_length=4), checkpoint_defaults=False
     )
-    reset_prefix_cache(tiny_sdar)
+    runner_for(tiny_sdar).reset_prefix_cache()
     decoder = BlockDecoder(tiny_sdar, config)
     first, second = decoder.add([prompt + [40, 41], prompt + [50, 51]])
     decoder.step()
@@ -156,9 +156,9 @@ def test_a_row_that_shares_an_uncomputed_prefix_waits_one_step(tiny_sdar):
 
 def test_bidirectional_models_share_only_when_asked(tiny_llada):
     exact = GenerationConfig(gen_length=16, block_length=8)
-    assert cache_policy(tiny_llada, exact).store is None  # not exact for bidirectional attention
-    assert cache_policy(tiny_llada, exact.replace(prefix_cache="approximate")).store is not None
-    assert cache_policy(tiny_llada, exact.replace(cache="none", prefix_cache="approximate")).store is None
+    assert BlockDecoder(tiny_llada, exact).pages.store is None  # not exact for bidirectional attention
+    assert BlockDecoder(tiny_llada, exact.replace(prefix_cache="approximate")).pages.store is not None
+    assert BlockDecoder(tiny_llada, exact.replace(cache="none", prefix_cache="approximate")).pages.store is None
     with pytest.raises(ValueError, match="prefix_cache"):
         GenerationConfig(prefix_cache="sometimes")
 
@@ -168,13 +168,13 @@ def test_a_row_that_rewrites_a_shared_page_copies_it_first(tiny_llada):
     prompt (its K/V now see the decoded answer). Rows write into copies; the stored pages keep
     what they held, so other answers after the same prefix do not change them."""
     model = tiny_llada
-    reset_prefix_cache(model)
+    runner_for(model).reset_prefix_cache()
     shared = list(range(5, 37))
     config = GenerationConfig(
         gen_length=16, block_length=8, cache="dual", refresh="full", prefix_cache="approximate", stop_at_eos=False
     )
     first = generate(model, [shared + [40 + i, 50 + i] for i in range(3)], config)
-    (store,) = [s for s in prefix_stores(model) if s.entries]
+    (store,) = [s for s in runner_for(model).stores() if s.entries]
     columns = [e.page * 8 + c for e in store.entries.values() for c in range(8)]
     held = store.pool.k[:, :, columns].clone()
     others = [shared + [60 + i, 70 + i, 80 + i] for i in range(3)]
@@ -190,7 +190,7 @@ def test_every_cache_policy_fills_the_store(request, name, cache):
     """Whatever the policy, the rows' prompts are stored after their first forward: a second
     request with the same prompt computes none of its stored blocks again."""
     model = request.getfixturevalue(name)
-    reset_prefix_cache(model)
+    runner_for(model).reset_prefix_cache()
     prompt = list(range(10, 34))  # six blocks of 4
     config = GenerationConfig.for_model(
         model,
@@ -220,8 +220,10 @@ def test_a_policy_object_keeps_the_configs_engine_settings(tiny_sdar):
     given = resolve(Policies(cache=DualCache(tiny_sdar)), tiny_sdar, config).cache
     whole = resolve(Policies(DualCache(tiny_sdar), named.strategy), tiny_sdar, config).cache
     for policy in (named.cache, given, whole):
-        assert policy.page_size == 4 and policy.batch_invariant and policy.shares_prefixes
-    reset_prefix_cache(tiny_sdar)
+        assert policy.batch_invariant
+        pages = BlockDecoder(tiny_sdar, config, policies=Policies(cache=policy)).pages
+        assert pages.page_size == 4 and pages.shares
+    runner_for(tiny_sdar).reset_prefix_cache()
     prompt = list(range(10, 34))
     generate(tiny_sdar, [prompt], config)
     again = generate(tiny_sdar, [prompt], config, policies=Policies(cache=DualCache(tiny_sdar)))
@@ -244,7 +246,7 @@ def test_a_tight_kv_budget_runs_more_rows_when_prompts_share_a_prefix():
     budget = int(2.5 * own)
     seen = {}
     for sharing in ("exact", "off"):
-        reset_prefix_cache(model)
+        runner_for(model).reset_prefix_cache()
         server = LiveServer(
             model, tok, defaults=defaults.replace(prefix_cache=sharing), kv_cache_bytes=budget, max_batch_size=8
         )
@@ -257,7 +259,7 @@ def test_a_tight_kv_budget_runs_more_rows_when_prompts_share_a_prefix():
                 server.scheduler.resume()
                 answers = [a.result() for a in asked]
             assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
-            kv_pool = model.__dict__["_kv_pool"]
+            kv_pool = server.scheduler.kv.budget_pool
             assert kv_pool.peak_pages * kv_pool.page_bytes <= budget
             seen[sharing] = (
                 server.scheduler.snapshot()["max_batch_rows"],

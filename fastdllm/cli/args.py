@@ -323,14 +323,14 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
     return model, tokenizer
 
 
-def follow_rank_zero(model, tokenizer, rank: int, command: str) -> int:
-    """A tensor-parallel rank other than 0: repeat rank 0's commands until it stops (`engine.ranks`);
-    one line and exit status 1 when rank 0 is gone."""
+def follow_rank_zero(model, tokenizer, rank: int, command: str, kv=None) -> int:
+    """A tensor-parallel rank other than 0: repeat rank 0's commands until it stops (`engine.ranks`;
+    `kv`: the runner of its decoders' K/V); one line and exit status 1 when rank 0 is gone."""
     from ..engine.ranks import follow
     from ..models.tp import RankLost
 
     try:
-        follow(model, tokenizer)
+        follow(model, tokenizer, kv=kv)
     except RankLost as e:
         print(f"fastdllm {command}: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
         return 1

@@ -180,6 +180,7 @@ def settings_from_args(args, config: GenerationConfig, family: str | None = None
         tool_call_parser=args.tool_call_parser,
         presets=presets,
         kv_cache_bytes=None if args.kv_cache_memory is None else args.kv_cache_memory << 20,
+        prefix_cache_bytes=args.prefix_cache_memory << 20,
     )
 
 
@@ -199,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, settings = prepare(args, tensor_parallel=True)
     rank, world = getattr(model, "tp", (0, 1))
     if rank:  # every other rank repeats rank 0's commands (`engine.ranks`)
-        model.kv_pool_bytes = settings.kv_cache_bytes  # as rank 0's scheduler bounds its pool
-        return follow_rank_zero(model, tokenizer, rank, "serve")
+        from ..engine.kv import KVRunner
+
+        kv = KVRunner(model, settings.kv_cache_bytes, settings.prefix_cache_bytes)  # as rank 0's scheduler's
+        return follow_rank_zero(model, tokenizer, rank, "serve", kv=kv)
     commands = None
     if world > 1:
         from ..engine.ranks import Commands
@@ -255,7 +258,6 @@ def prepare(args, tensor_parallel: bool = False):
     from .args import config_from_args, load_model_or_exit, with_model_defaults
 
     model, tokenizer = load_model_or_exit(args, tensor_parallel=tensor_parallel)
-    model.prefix_cache_bytes = args.prefix_cache_memory << 20  # the budget of `models.prefix_store`
     family = getattr(getattr(model, "family", None), "name", None)
     settings = settings_from_args(args, with_model_defaults(args, config_from_args(args), model), family)
     if settings.defaults.compile:  # compiled before the first request, not during it

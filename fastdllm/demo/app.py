@@ -15,6 +15,7 @@ import time
 import gradio as gr
 
 from ..config import PRESETS
+from ..engine.kv import KVRunner
 from ..models.loading import EMBEDDED_MODELS, load
 from .frames import LABELS, Frame, figures_line, frames, page_fields, pane_config, parse_fixed_words
 
@@ -24,19 +25,23 @@ EXAMPLE = "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How mu
 
 
 class Models:
-    """The models the page has loaded, by name (one at a time stays in memory)."""
+    """The models the page has loaded, by name (one at a time stays in memory), each with a K/V
+    runner per pane (`engine.kv.KVRunner`): a pane's prompts are stored for that pane alone, so
+    neither pane's figures profit from the other's work."""
 
     def __init__(self, name: str, model, tokenizer, dtype=None, device=None):
         self.dtype, self.device = dtype, device
         self.loaded = {name: (model, tokenizer)}
+        self.runners = {name: tuple(KVRunner(model) for _ in PANES)}
 
     def get(self, name: str):
         if name not in self.loaded:
             try:
-                pair = load(name or None, dtype=self.dtype, device=self.device)
+                model, tokenizer = load(name or None, dtype=self.dtype, device=self.device)
             except (FileNotFoundError, OSError) as e:
                 raise ValueError(f"model: {e}") from None
-            self.loaded = {name: pair}
+            self.loaded = {name: (model, tokenizer)}
+            self.runners = {name: tuple(KVRunner(model) for _ in PANES)}
         return self.loaded[name]
 
 
@@ -51,9 +56,9 @@ def turn(models: Models, model_name, message, histories, presets, fixed_text, su
     configs = [pane_config(model, p, options).replace(fixed=fixed, suffix=suffix or None) for p in presets]
     histories = [h + [{"role": "user", "content": message}] for h in histories]
     runs = []
-    for history, config in zip(histories, configs):
+    for history, config, kv in zip(histories, configs, models.runners[model_name]):
         ids = tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in history])
-        runs.append(frames(model, tokenizer, ids, config))
+        runs.append(frames(model, tokenizer, ids, config, kv))
     latest: list[Frame | None] = [None] * len(runs)
     live = list(range(len(runs)))
     while live:

@@ -84,16 +84,17 @@ class TokenTexts:
         return self.texts[t]
 
 
-def frames(model, tokenizer, prompt_ids: list[int], config: GenerationConfig) -> Iterator[Frame]:
+def frames(model, tokenizer, prompt_ids: list[int], config: GenerationConfig, kv=None) -> Iterator[Frame]:
     """The frames of one answer: one per step of the loop, then the final one with the answer's
     text and figures (tokens/s over this pane's own decoding time, NFE, forward positions per
-    token). Infill texts are encoded here (ConfigError naming the field)."""
+    token), its K/V in `kv` (the pane's `engine.kv.KVRunner`). Infill texts are encoded here
+    (ConfigError naming the field)."""
     config = encode_infill(config, tokenizer, model.mask_token_id)
     fixed = {p + k for p, ids in config.fixed for k in range(len(ids))}
     text_of = TokenTexts(tokenizer)
     mask = model.mask_token_id
     busy = 0.0  # seconds inside this pane's decoding (panes interleave on one thread)
-    events = iter_generate(model, [prompt_ids], config)
+    events = iter_generate(model, [prompt_ids], config, kv=kv)
     while True:
         t0 = time.perf_counter()
         with torch.inference_mode():

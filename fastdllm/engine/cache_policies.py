@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CACHE_POLICIES, REFRESH_RULES
-from ..models.kv_cache import FixedSlots, PagedKVCache, pool_for, release_pool
-from ..models.prefix_store import store_for
+from .kv.pages import FixedSlots, PagedKVCache
+from .kv.rows import RowPages, Window
 
 
 @dataclass
@@ -81,11 +81,6 @@ class SequenceView:
         return max(self.seen[i], self.starts[i] + self.width)
 
 
-# A row's part of a forward: (row, first column, end column, keys, first column whose logits are
-# returned); `Transformer.packed_logits`.
-Window = tuple[int, int, int, int, int]
-
-
 class CachePolicy:
     """Answers "every row's block logits at this step" by one packed forward over a window of each
     row. `forward` runs one and records its work in `work`: per forward, (row, query positions,
@@ -98,6 +93,10 @@ class CachePolicy:
     # Whether a row's forwards after its first read its prompt's K/V from the cache, so that a
     # prompt computed before the row joins is worth computing (chunked prefill, `BlockDecoder`).
     keeps_prompt = False
+    # Whether a forward reads keys an earlier forward wrote: the rows' pages are a cache (counted
+    # in `RunStats.kv_cache_bytes`, and prompts shared through the prefix store), not one
+    # forward's working memory.
+    holds_cache = True
 
     def __init__(self, model, compiled: bool = False):
         self.model = model
@@ -109,16 +108,8 @@ class CachePolicy:
         self.graphs = False
         self.work: list[list[tuple[int, int, int]]] = []
         self.history: list[list[Window]] | None = None  # set to [] to record windows
-        self.peak_cache_bytes = 0  # the most K/V bytes this policy's rows held at once (memory accounting)
-        self.page_size = model.args.block_size or 32  # positions per page of the pool (a decoding block)
-        self._pool: PagedKVCache | None = None
-        # whether rows share prompt K/V across rows and requests (`store`)
-        self.shares_prefixes = False
-        self._unstored: dict[int, tuple[int, list[int]]] = {}  # row -> (first block to store, prompt)
-        self._prefill: list = []  # this step's prefill chunks (`prefill`)
-        self.prefill_work: list[tuple[int, int, int]] = []  # (key, query positions, keys) per chunk computed
-        self._adopted: dict[int, int] = {}  # at the last relayout: new row -> the prefilled prompt's key
-        self._joined: dict[int, int] = {}  # at the last relayout: new row -> its columns (pages taken in `reuse`)
+        # the rows' pages (`kv.rows.RowPages`), given by the loop that decodes with this policy
+        self.pages: RowPages | None = None
 
     @classmethod
     def from_config(cls, model, config) -> CachePolicy:
@@ -130,12 +121,6 @@ class CachePolicy:
         self.history = []
         return self
 
-    @property
-    def store(self):
-        """The prefix store the rows share prompt K/V through (`models.prefix_store`: pages of the
-        pool), None where they do not."""
-        return store_for(self.model, self._the_pool()) if self.shares_prefixes else None
-
     def take_work(self) -> list[list[tuple[int, int, int]]]:
         work, self.work = self.work, []
         return work
@@ -145,138 +130,25 @@ class CachePolicy:
         the width), where row i has taken `steps[i]` steps in its block (0: the block begins)."""
         raise NotImplementedError
 
-    # -- the rows' K/V: one pool of pages of a block, a page table per layout row
-    def cache_for(self, seq: SequenceView) -> PagedKVCache:
-        """The pool, with pages for every column each row's forwards may write (to `seq.end`)."""
-        pool = self._pool_for(seq.x.shape[0])
-        for i in range(seq.x.shape[0]):
-            pool.reserve(i, seq.end(i))
-        self._account(pool)
-        return pool
+    def relayout(self, sources: list[int | None]) -> None:
+        """The loop laid its rows out again: new row i is old row `sources[i]` (None: a row that
+        just joined). A policy with state per row moves it here; the rows' pages move by
+        themselves (`RowPages.relayout`)."""
 
-    def _the_pool(self) -> PagedKVCache:
-        if self._pool is None:
-            self._pool = pool_for(self.model, self.page_size)
-        return self._pool
-
-    def _pool_for(self, bsz: int) -> PagedKVCache:
-        pool = self._the_pool()
-        if len(pool.tables) != bsz:  # rows laid out without `relayout` (a first batch)
-            kept = list(range(min(bsz, len(pool.tables))))
-            pool.set_rows(kept + [None] * (bsz - len(kept)))
-        return pool
-
-    def _account(self, pool: PagedKVCache) -> None:
-        self.peak_cache_bytes = max(self.peak_cache_bytes, pool.peak_pages * pool.page_bytes)
-
-    def relayout(self, sources: list[int | None], columns: list[int] | None = None, adopt: dict | None = None) -> None:
-        """The decoding loop laid its rows out again: new row i is old row `sources[i]` (None: a row
-        that just joined, whose region takes `columns[i]` columns, and whose prompt's pages are
-        those prefilled under the key `adopt[i]`, if any; its other pages are taken in `reuse`,
-        after those the prefix store shares). Each kept row keeps its pages; those of rows that
-        left return to the pool. Nothing is copied."""
-        if not sources and (self._pool is None or not self._pool.pending):
-            if self._pool is not None:
-                release_pool(self.model, self._pool)  # every page back, for the next decode
-            self._pool = None
-            return
-        pool = self._the_pool()
-        pool.set_rows(sources, None, adopt)
-        self._adopted = dict(adopt or {})
-        self._joined = {i: c for i, (s, c) in enumerate(zip(sources, columns or [None] * len(sources))) if s is None}
-        self._account(pool)
-
-    # -- chunked prefill: a prompt's K/V computed in the forwards of the rows decoding, before its
-    # row joins them (block-causal models, whose prompt blocks' K/V depend on nothing after them)
-    def start_prefill(self, key: int, tokens: list[int]) -> int:
-        """Pending pages for a prompt (`key`: its row's), holding what the prefix store has of it;
-        returns the columns found there, from which its prefill starts."""
-        pool = self._the_pool()
-        pool.start_pending(key)
-        if self.store is None:
-            return 0
-        row = pool.append_pending([key])
-        found = self._share_stored(pool, row, tokens)
-        pool.drop_appended(row)
-        return found
-
-    def _share_stored(self, pool: PagedKVCache, row: int, tokens: list[int]) -> int:
-        """The prefix store's pages of the prompt's longest stored prefix of blocks, made row
-        `row`'s first pages (by reference); the columns they hold."""
-        pages = self.store.lookup(tokens)
-        pool.share(row, pages)
-        return len(pages) * pool.page_size
-
-    def prefill(self, chunks: list[tuple[int, torch.Tensor, int, int]]) -> None:
-        """Prompts' columns to compute in this step's first forward: (key, the prompt's tokens,
-        first column, end column); their logits are not read, their K/V written to their pages."""
-        self._prefill = list(chunks)
-
-    def release_prefill(self, key: int) -> None:
-        if self._pool is not None:
-            self._pool.release(key)
-
-    def prefill_only(self, chunks) -> None:
-        """A forward of prefill chunks alone (no row is decoding)."""
-        self.prefill(chunks)
+    def prefill_only(self) -> None:
+        """A forward of the queued prefill chunks alone (no row is decoding)."""
         empty = torch.zeros((0, 0), dtype=torch.long, device=self.model.device)
-        self.forward(SequenceView(empty, (), (), (), self.page_size, 0), [])
-
-    def reuse(self, bsz: int, prompts: dict[int, list[int]]) -> dict[int, int]:
-        """Rows that just joined (row -> its prompt): the stored K/V of each prompt's longest stored
-        prefix of blocks, shared as the row's first pages, then pages for the rest of its columns;
-        per row, the columns reused. The blocks it then computes itself are stored after its first
-        forward."""
-        # prefilled in chunks (and stored chunk by chunk): its pages hold the whole prompt
-        out = {i: len(prompts[i]) for i in self._adopted}
-        pool, store = self._pool_for(bsz), self.store
-        for i, tokens in prompts.items():
-            if store is not None and i not in self._adopted:
-                bs = store.block_size
-                out[i] = self._share_stored(pool, i, tokens)
-                if out[i] < len(tokens) // bs * bs:
-                    self._unstored[i] = (out[i] // bs, tokens)
-            if self._joined.get(i) is not None:
-                pool.reserve(i, self._joined[i])
-        self._joined = {}
-        self._account(pool)
-        return out
-
-    def _store_prompts(self) -> None:
-        """After the forward of rows that just joined (their first, whatever the policy's windows):
-        their prompts' blocks that the store lacked."""
-        if not self._unstored:
-            return
-        store = self.store
-        for i, (first, tokens) in self._unstored.items():
-            store.insert(tokens, first, self._pool.tables[i][first : len(tokens) // store.block_size])
-        self._unstored.clear()
+        self.forward(SequenceView(empty, (), (), (), self.pages.page_size, 0), [])
 
     def forward(self, seq: SequenceView, windows: list[Window]) -> list[torch.Tensor]:
-        """One packed forward of `windows`; per window, the logits from its start column on. The
-        prefill chunks of this step (`prefill`) ride in the first forward: their prompts are laid
-        out after the rows, their logits dropped."""
+        """One packed forward of `windows` over the rows' pages (`RowPages.run`: this step's
+        prefill chunks ride in it); per window, the logits from its start column on."""
         self.work.append([(row, hi - lo, keys) for row, lo, hi, keys, _ in windows])
         if self.history is not None:
             self.history.append(list(windows))
-        x, cache, chunks = seq.x, self.cache_for(seq), self._prefill
-        self._prefill = []
-        for row, lo, hi, _, _ in windows:
-            cache.own(row, lo, hi)  # pages the prefix store (or another row) shares are copied first
-        if chunks:
-            first = cache.append_pending([key for key, *_ in chunks])
-            width = max([x.shape[1]] + [hi for *_, hi in chunks])
-            pad = torch.nn.functional.pad
-            x = torch.cat(
-                [pad(x, (0, width - x.shape[1]))] + [pad(t[None], (0, width - len(t))) for _, t, _, _ in chunks]
-            )
-            for j, (key, _, lo, hi) in enumerate(chunks):
-                cache.reserve(first + j, hi)
-                cache.own(first + j, lo, hi)
-                windows = windows + [(first + j, lo, hi, hi, hi - 1)]
-                self.prefill_work.append((key, hi - lo, hi))
-        try:
-            parts = self.model.packed_logits(
+
+        def packed(x, windows, cache):
+            return self.model.packed_logits(
                 x,
                 windows,
                 cache,
@@ -286,16 +158,8 @@ class CachePolicy:
                 embeds=seq.embeds,
                 adapters=seq.adapters,
             )
-            self._store_prompts()
-            store = self.store if chunks else None
-            for j, (_, tokens, lo, hi) in enumerate(chunks if store is not None else ()):
-                # exact (a block-causal prompt): stored now, for the rows that share the prefix
-                bs = store.block_size
-                store.insert(tokens[: hi // bs * bs].tolist(), lo // bs, cache.tables[first + j][lo // bs : hi // bs])
-        finally:
-            if chunks:
-                cache.drop_appended(first)
-        return parts[: len(parts) - len(chunks)]
+
+        return self.pages.run(seq, windows, packed)
 
     def full_window(self, seq: SequenceView, i: int) -> Window:
         """The whole row; at its first block, after what the prefix store gave it (as far as the
@@ -314,10 +178,7 @@ class CachePolicy:
 class NoCache(CachePolicy):
     name = "none"
     refreshes_at_block_start = False
-
-    def _account(self, pool):
-        """Each forward's own K/V (every key a row reads is one its window writes): working memory
-        of one forward, not a cache (`peak_cache_bytes` stays 0)."""
+    holds_cache = False  # every key a row reads is one its own window writes
 
     def block_logits(self, seq, steps):
         return self.stack(seq, self.forward(seq, [self.full_window(seq, i) for i in range(len(steps))]))
@@ -435,7 +296,7 @@ class PrefixCache(CachePolicy):
     def block_logits(self, seq, steps):
         n = len(steps)
         shift = int(self.model.args.shifted_logits)
-        if self.graphs and self.reuse_suffix and all(steps) and min(seq.starts) - shift > 0 and not self._prefill:
+        if self.graphs and self.reuse_suffix and all(steps) and min(seq.starts) - shift > 0 and not self.pages.chunks:
             return self._graphed_step(seq)
         windows, partial = [], []
         for i, k in enumerate(steps):
@@ -446,7 +307,7 @@ class PrefixCache(CachePolicy):
             else:
                 partial.append(i)
                 windows.append((i, self.refresh.first_column(seq, i), seq.end(i), seq.seen[i], seq.starts[i]))
-        cache = self.cache_for(seq)
+        cache = self.pages.cache_for(seq)
         before = self.refresh.probe(cache, seq, partial) if partial else None
         parts = self.forward(seq, windows)
         stale = self.refresh.check(cache, seq, partial, before) if partial else []
@@ -472,7 +333,7 @@ class PrefixCache(CachePolicy):
         are a tensor (`Transformer.window_logits_static`). The same arithmetic as the eager step
         over more (masked) keys."""
         bsz = seq.x.shape[0]
-        cache = self.cache_for(seq)
+        cache = self.pages.cache_for(seq)
         capacity = seq.x.shape[1]
         shift = int(self.model.args.shifted_logits)
         width = seq.width + shift
@@ -549,8 +410,7 @@ class SubBlockCache(DualCache):
             compiled=config.compile,
         )
 
-    def relayout(self, sources, columns=None, adopt=None):
-        super().relayout(sources, columns, adopt)
+    def relayout(self, sources):
         if self._logits is not None:
             kept = [(i, j) for i, j in enumerate(sources) if j is not None]
             logits = self._logits.new_zeros((len(sources),) + tuple(self._logits.shape[1:]))
@@ -642,8 +502,7 @@ class DelayedCache(CachePolicy):
     def from_config(cls, model, config) -> DelayedCache:
         return cls(model, config.cache_delay, config.refresh_interval, compiled=config.compile)
 
-    def relayout(self, sources, columns=None, adopt=None):
-        super().relayout(sources, columns, adopt)
+    def relayout(self, sources):
         old = self.row_states
         self.row_states = [old[j] if j is not None and j < len(old) else _DelayedRow() for j in sources]
 
@@ -706,13 +565,8 @@ def cache_policy(model, config) -> CachePolicy:
 
 def configure(policy: CachePolicy, model, config) -> CachePolicy:
     """The settings a config gives every policy alike, whether it names the policy or a caller
-    passed the object (`policies.Policies`): pages of one block, batch-invariant forwards with
-    `config.deterministic`, CUDA graphs, and prefix sharing where `config.prefix_cache` asks for it
-    (exact: block-causal models only)."""
-    policy.page_size = config.block_length
+    passed the object (`policies.Policies`): batch-invariant forwards with `config.deterministic`,
+    CUDA graphs. (Pages and prefix sharing are the loop's, for every policy: `kv.rows.RowPages`.)"""
     policy.batch_invariant = config.deterministic
     policy.graphs = config.cuda_graphs
-    exact = bool(model.args.block_size)  # a block-causal prompt block's K/V depend on it alone
-    wanted = config.prefix_cache == "approximate" or (config.prefix_cache == "exact" and exact)
-    policy.shares_prefixes = wanted and not isinstance(policy, NoCache)
     return policy

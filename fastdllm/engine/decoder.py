@@ -15,7 +15,7 @@ The layout: the rows sit in one (B, L) tensor, each from column 0: its prompt, t
 column's RoPE position is its index), padding after it. A row never moves while it decodes; its
 current block starts at its own column. A step's forward packs each row's window end to end
 (`Transformer.packed_logits`): the dense math sees no padding, and each row attends over its own
-keys, in its own pages of the K/V pool (`models.kv_cache.PagedKVCache`). The layout is rebuilt
+keys, in its own pages of the K/V pool (`kv.pages.PagedKVCache`, held for the loop by `pages`). The layout is rebuilt
 only when rows join or leave (`_relayout`); a kept row keeps its pages.
 
 Rows may join when their configs differ at most in the fields declared per row (`join_key`: the
@@ -44,6 +44,8 @@ from torch.profiler import record_function
 
 from ..config import GenerationConfig, is_int
 from .cache_policies import SequenceView
+from .kv.rows import RowPages, shares_prefixes
+from .kv.runner import KVRunner, runner_for
 from .policies import Policies, PolicySource, policies_for, resolve
 from .renoising import check_canvas
 from .unmasking import BlockClock, Decision, SoftTokens, token_logprobs
@@ -299,13 +301,16 @@ class BlockDecoder:
     blocks that became final in it ((row, block, tokens)) and `left` the rows that left.
 
     `policies` (see `fastdllm.engine.policies`; default: those the config names, `policies_for`), or
-    `cache` / `strategy` alone, are the objects it decodes with: a new policy plugs in here."""
+    `cache` / `strategy` alone, are the objects it decodes with: a new policy plugs in here. `kv`:
+    the runner whose pool and prefix store the rows use (`kv.runner`; default: the model's,
+    `runner_for`); the rows' pages are `pages`, the same for every cache policy."""
 
     def __init__(
         self,
         model,
         config: GenerationConfig,
         policies: PolicySource = None,
+        kv: KVRunner | None = None,
     ):
         self.model, self.config = model, config
         family = getattr(model, "family", None)
@@ -326,6 +331,14 @@ class BlockDecoder:
         self.key = decision_key(config) if self.own_strategy else join_key(config)
         policies = resolve(policies, model, config)
         self.policy, self.strategy = policies.cache, policies.strategy
+        holds = self.policy.holds_cache
+        self.pages = RowPages(
+            kv or runner_for(model),
+            config.block_length,
+            shares=holds and shares_prefixes(model, config),
+            counted=holds,
+        )
+        self.policy.pages = self.pages
         self.strategies = {decision_key(config): self.strategy}
         self.device = model.device
         self.mask_id = model.mask_token_id
@@ -485,7 +498,7 @@ class BlockDecoder:
         self.joining = [r for r in self.joining if id(r) not in gone]
         for r in self.prefilling:
             if id(r) in gone:
-                self.policy.release_prefill(id(r))
+                self.pages.release_prefill(id(r))
         self.prefilling = [r for r in self.prefilling if id(r) not in gone]
         if any(id(r) in gone for r in self.rows):
             self._relayout([(r, i) for i, r in enumerate(self.rows) if id(r) not in gone])
@@ -510,7 +523,7 @@ class BlockDecoder:
         if self.joining:
             new, self.joining = self._admissible(self.joining)
             for r in [r for r in new if self._prefill_chunk(r)]:
-                r.prefilled = self.policy.start_prefill(id(r), r.prompt.tolist())
+                r.prefilled = self.pages.start_prefill(id(r), r.prompt.tolist())
                 self.prefilling.append(r)
                 new.remove(r)
         ready = [r for r in self.prefilling if r.prefilled >= len(r.prompt)]
@@ -525,13 +538,14 @@ class BlockDecoder:
         if not self.rows:
             if not chunks:
                 return None
+            self.pages.queue_prefill(chunks)
             with self.forward_clock, record_function("fastdllm.prefill"):
-                self.policy.prefill_only(chunks)
+                self.policy.prefill_only()
             self.nfe += len(self.policy.take_work())
             self._charge_prefill()
             none = torch.zeros((0, self.config.block_length), dtype=torch.long, device=self.device)
             return Step([], [], none, none.bool())
-        self.policy.prefill(chunks)
+        self.pages.queue_prefill(chunks)
         rows, blk, mask_id = self.rows, self.config.block_length, self.mask_id
         view = self._view()
         # each row's current block (and the blocks after it): gathered from its own columns
@@ -602,20 +616,20 @@ class BlockDecoder:
     def _charge_prefill(self) -> None:
         """The chunks computed in this step's forwards, charged to their rows."""
         rows = {id(r): r for r in self.prefilling}
-        for key, queries, keys in self.policy.prefill_work:
+        for key, queries, keys in self.pages.prefill_work:
             r = rows[key]
             r.prefilled += queries
             r.forward_positions += queries
             r.attended_positions += queries * keys
             self.computed_positions += queries
-        self.policy.prefill_work.clear()
+        self.pages.prefill_work.clear()
 
     def _admissible(self, joining: list[Row]) -> tuple[list[Row], list[Row]]:
         """The rows that join now, and those that wait a step: a row whose prompt's first block
         missing from the prefix store is one that a row joining now (or a prompt being prefilled)
         computes waits for it to be stored, rather than compute it too (a batch of prompts sharing
         few-shot exemplars computes them once)."""
-        store = self.policy.store
+        store = self.pages.store
         if store is None:
             return joining, []
         now, later, computing = [], [], set()
@@ -880,13 +894,14 @@ class BlockDecoder:
         """Lay the rows out again when rows join or leave: `moves` are the new layout's rows in
         order, each with its index in the old layout (None: a row that joins). A row keeps its
         columns (its prompt from column 0, then its region) and its pages of the K/V pool
-        (`CachePolicy.relayout`); rows that move on to their next block stay where they are.
+        (`RowPages.relayout`); rows that move on to their next block stay where they are.
         `prefilled`: new row -> the key of the pages its prompt was prefilled into."""
         dev = self.device
         self.rows = [r for r, _ in moves]
         if not moves:
             self.x = self.step_of = self.row_nfe = self.opened = None
             self.logp = self.top_ids = self.top_lp = None
+            self.pages.relayout([])
             self.policy.relayout([])
             return
         # room after the longest row for the columns a step reads past a row's region
@@ -915,13 +930,14 @@ class BlockDecoder:
         sources = [src for _, src in moves]
         self.row_nfe = self._carry(self.row_nfe, sources, 0)
         self.opened = self._carry(self.opened, sources, 0)
-        self.policy.relayout(sources, [None if src is not None else r.extent for r, src in moves], prefilled)
+        self.pages.relayout(sources, [None if src is not None else r.extent for r, src in moves], prefilled)
+        self.policy.relayout(sources)
         self.x, self.step_of = x, step_of
         self.stopping = torch.tensor([r.config.stop_at_eos for r, _ in moves], device=dev)  # per row
         joined = {i: r for i, (r, src) in enumerate(moves) if src is None}
         # a row with an adapter neither shares nor stores its prompt's K/V (the store holds the base's)
         shared = {i: r.prompt.tolist() for i, r in joined.items() if r.config.adapter is None}
-        reused = self.policy.reuse(bsz, shared)
+        reused = self.pages.reuse(bsz, shared)
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
             self._begin(i, r)

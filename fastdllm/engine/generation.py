@@ -23,6 +23,7 @@ import torch
 
 from ..config import GenerationConfig, is_int
 from .decoder import BlockDecoder
+from .kv.runner import KVRunner
 from .policies import PolicySource
 
 
@@ -140,14 +141,16 @@ def iter_generate(
     row_seeds: Sequence[int] | None = None,
     policies: PolicySource = None,
     constraints: Sequence | None = None,
+    kv: KVRunner | None = None,
 ) -> Iterator[StepEvent]:
     """The decoding loop (`decoder.BlockDecoder`) over one batch, as a generator of events.
     `generate` runs it to the end.
 
     `policies` (a `policies.Policies` bundle, or a callable (model, config) -> Policies) replaces
-    the policies that the config names: a new policy plugs in here."""
+    the policies that the config names: a new policy plugs in here. `kv`: the `kv.KVRunner` whose
+    pages and prefix store the rows use (default: the model's, shared by calls that bring none)."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
-    decoder = BlockDecoder(model, config, policies=policies)
+    decoder = BlockDecoder(model, config, policies=policies, kv=kv)
     rows = decoder.add(input_ids, attention_mask, row_seeds, constraints=constraints)
     blk = config.block_length
     slot = {id(r): i for i, r in enumerate(rows)}
@@ -203,7 +206,7 @@ def iter_generate(
         forward_positions=[r.forward_positions for r in rows],
         attended_positions=[r.attended_positions for r in rows],
         prompt_positions=[r.prompt_positions for r in rows],
-        kv_cache_bytes=getattr(decoder.policy, "peak_cache_bytes", 0),
+        kv_cache_bytes=decoder.pages.peak_bytes,
         row_forwards=decoder.row_forwards,
         computed_positions=decoder.computed_positions,
         **answer_logprobs(rows, blk),
@@ -251,6 +254,7 @@ def generate(
     policies: PolicySource = None,
     num_return_sequences: int = 1,
     constraints: Sequence | None = None,
+    kv: KVRunner | None = None,
     **options,
 ) -> GenerationOutput:
     """Generate `config.gen_length` tokens after each prompt.
@@ -263,6 +267,7 @@ def generate(
     `GenerationConfig.with_options`). `constraints`: per row, None or a `constraints.GrammarConstraint`
     its answer must follow (JSON, a schema, a regex). `num_return_sequences`: each prompt decoded that many times,
     its copies next to each other, each with its own random stream (as transformers orders them).
+    `kv`: the `kv.KVRunner` that holds the K/V (see `iter_generate`).
     Returns the generated ids and the statistics of the run.
     """
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
@@ -287,7 +292,7 @@ def generate(
     t0 = time.perf_counter()
     last = None
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, policies, constraints):
+        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, policies, constraints, kv):
             if on_step is not None and event.kind != "done":
                 on_step(event)
             last = event
@@ -332,15 +337,16 @@ def stream_blocks(
     attention_mask=None,
     row_seeds=None,
     policies: PolicySource = None,
+    kv: KVRunner | None = None,
 ) -> Iterator[tuple[int, list[list[int]], list[bool]]]:
     """Yield (block index, per-row token ids of that block, per-row finished) as soon as each
     block is final: inside a block tokens settle out of order, so a block is the unit a server
-    can stream. Rows that already finished get an empty list. `policies`: as for `iter_generate`
+    can stream. Rows that already finished get an empty list. `policies`, `kv`: as for `iter_generate`
     (whose events also count the forwards so far)."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     blk = config.block_length
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, policies=policies):
+        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, policies=policies, kv=kv):
             if event.kind != "block":
                 continue
             b = event.block

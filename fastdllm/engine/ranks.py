@@ -93,10 +93,11 @@ def _receive() -> tuple:
     return box[0]
 
 
-def follow(model, tokenizer, policies=None) -> None:
+def follow(model, tokenizer, policies=None, kv=None) -> None:
     """A rank other than 0: repeat rank 0's commands until it stops (returns) or is gone
-    (RankLost). A command that fails here failed on rank 0 too (the same inputs): rank 0 answers
-    for it, and this rank waits for the next one."""
+    (RankLost), its decoders' K/V under `kv` (a `kv.KVRunner` of rank 0's budget). A command that
+    fails here failed on rank 0 too (the same inputs): rank 0 answers for it, and this rank waits
+    for the next one."""
     decoder: BlockDecoder | None = None
     stops = model.stop_token_ids
     while True:
@@ -106,7 +107,7 @@ def follow(model, tokenizer, policies=None) -> None:
                 return
             if op == "new":
                 (config,) = args
-                decoder = BlockDecoder(model, config, policies=policies)
+                decoder = BlockDecoder(model, config, policies=policies, kv=kv)
             elif op == "add":
                 prompts, seeds, config, specs = args
                 constraints = None

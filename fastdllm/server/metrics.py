@@ -14,8 +14,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..models.prefix_store import lookups, prefix_stores
-
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -76,7 +74,7 @@ class ServerMetrics:
         vllm_waiting.labels(model_name).set_function(lambda: scheduler.snapshot()["queued"])
         usage = Gauge("vllm:kv_cache_usage_perc", "K/V of the running rows over --kv-cache-memory", label, registry=r)
         usage.labels(model_name).set_function(lambda: _usage(scheduler.snapshot()))
-        r.register(PrefixStores(scheduler.model, model_name))
+        r.register(PrefixStores(scheduler.kv, model_name))
 
     def on_block(self, arrival: float, previous: float | None, now: float) -> None:
         """A request's block became final at `now` (its previous one at `previous`)."""
@@ -107,14 +105,14 @@ def _usage(snapshot: dict) -> float:
 
 
 class PrefixStores:
-    """The model's prefix stores (`models.prefix_store`), read at each scrape: prompt tokens looked
-    up and found (vLLM's names) and the bytes they hold."""
+    """The scheduler's prefix stores (its `engine.kv.KVRunner`'s), read at each scrape: prompt
+    tokens looked up and found (vLLM's names) and the bytes they hold."""
 
-    def __init__(self, model, model_name: str):
-        self.model, self.model_name = model, model_name
+    def __init__(self, kv, model_name: str):
+        self.kv, self.model_name = kv, model_name
 
     def collect(self):
-        stores, counted = prefix_stores(self.model), lookups(self.model)
+        counted = self.kv.lookups
         label = ["model_name"]
         queries = CounterMetricFamily(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=label
@@ -125,5 +123,5 @@ class PrefixStores:
         )
         queries.add_metric([self.model_name], counted.queries)
         hits.add_metric([self.model_name], counted.hits)
-        held.add_metric([self.model_name], sum(s.bytes for s in stores))
+        held.add_metric([self.model_name], self.kv.prefix_bytes)
         return [queries, hits, held]

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 from ..config import GenerationConfig
 from ..engine.decoder import BlockDecoder, join_key, layout_columns
+from ..engine.kv import KVRunner
+from ..engine.kv.prefix import DEFAULT_BUDGET_BYTES, PrefixStore
 from ..engine.policies import PolicySource
 from ..engine.ranks import LocalCommands, constraint_specs
-from ..models.prefix_store import DEFAULT_BUDGET_BYTES, PrefixStore
 from ..models.tp import RankLost
 from .schema import APIError
 
@@ -118,8 +119,9 @@ class Scheduler:
     next step, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
     without, it waits for the batch to finish. A row leaves as soon as it is done.
 
-    `kv_cache_bytes` bounds the K/V of the running rows, held in a pool of pages of a block
-    (`models.kv_cache.PagedKVCache`): a job's rows hold at most their own columns in whole pages
+    `kv_cache_bytes` bounds the K/V of the running rows, held in a pool of pages of a block that
+    the scheduler's runner (`kv`, `engine.kv.KVRunner`) allocates once, with the prefix store of
+    `prefix_cache_bytes` over it: a job's rows hold at most their own columns in whole pages
     (`Job.pages`), and a prompt block that an earlier row holds is counted once where the rows
     share it by reference (`pages_held`). A job is admitted while the running jobs' pages and its
     own fit; the others wait in the queue (`never_fits`: one that could never fit, which a server
@@ -140,10 +142,11 @@ class Scheduler:
         policies: PolicySource = None,
         commands: LocalCommands | None = None,
         kv_cache_bytes: int | None = None,
+        prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
     ):
         self.model = model
         self.kv_cache_bytes = kv_cache_bytes
-        model.kv_pool_bytes = kv_cache_bytes  # the batches' rows page into one pool of the budget
+        self.kv = KVRunner(model, kv_cache_bytes, prefix_cache_bytes)  # the batches' rows page into its pool
         self.token_kv_bytes = model.new_cache(1, 1).nbytes()  # one position of every layer, on this rank
         self.kv_in_use = 0  # bytes the running batch's layout holds (what `kv_cache_bytes` bounds)
         self.commands = commands or LocalCommands()
@@ -206,7 +209,7 @@ class Scheduler:
         `BlockDecoder._admissible`), under a policy whose forwards never recompute a prompt block
         (a cached one, refreshing the vicinity only), with a store that may keep as many pages as
         the pool holds (so it drops none that rows still share)."""
-        store_bytes = getattr(self.model, "prefix_cache_bytes", DEFAULT_BUDGET_BYTES)
+        store_bytes = self.kv.prefix_cache_bytes
         return (
             bool(self.model.args.block_size)
             and config.prefix_cache != "off"
@@ -282,9 +285,6 @@ class Scheduler:
             self.pending.clear()
             self.cond.notify_all()
         self.thread.join(timeout)
-        if not self.thread.is_alive():  # the model's decodes outside a server page into pools of their own again
-            self.model.kv_pool_bytes = None
-            self.model.__dict__.pop("_kv_pool", None)
 
     # -- the inference thread
     def _take_batch(self) -> list[Job] | None:
@@ -365,7 +365,7 @@ class Scheduler:
         config = jobs[0].config
         run = self.commands.run
         try:
-            decoder = run(("new", config), BlockDecoder, self.model, config, policies=self.policies)
+            decoder = run(("new", config), BlockDecoder, self.model, config, policies=self.policies, kv=self.kv)
         except RankLost:
             raise
         except Exception as e:  # a config the loop refuses fails its requests, never the server

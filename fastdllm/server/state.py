@@ -42,6 +42,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # "hermes" | "llama3_json" (None: the one the chat template teaches)
     presets: dict[str, GenerationConfig] = field(default_factory=dict)  # more presets requests may name
     kv_cache_bytes: int | None = None  # the running rows' K/V budget (`Scheduler`); None: unbounded
+    prefix_cache_bytes: int = 256 << 20  # the prompt K/V the prefix store keeps (`engine.kv.prefix`)
 
     adapters: tuple[str, ...] = ()  # the model's LoRA adapters, each served as a model of its name
 
@@ -80,6 +81,7 @@ class Server:
             continuous=settings.continuous,
             commands=self.commands,
             kv_cache_bytes=settings.kv_cache_bytes,
+            prefix_cache_bytes=settings.prefix_cache_bytes,
         )
         self.metrics = ServerMetrics(self.scheduler, settings.model_name)
         self.scheduler.batch_hook = self.metrics.on_batch

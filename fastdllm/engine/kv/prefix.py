@@ -6,7 +6,7 @@ block j's tokens (a hash chain), so a key stands for the whole prefix up to the 
 entry keeps the block's K/V of every layer, its tokens and its parent's key: a lookup walks a new
 prompt's chain from the first block and stops at the first miss, and every hit compares the
 entry's tokens and parent with the prompt's own, so a hash collision never serves another
-prompt's K/V. An entry's K/V is a page of the K/V pool (`models.kv_cache.PagedKVCache`), the page
+prompt's K/V. An entry's K/V is a page of the K/V pool (`kv.pages.PagedKVCache`), the page
 of the row that computed it, held by reference: a row that finds it holds the same page, and
 copies it only before writing into it. Entries are evicted least recently used first once their
 bytes pass the store's budget, and when the pool needs their pages for rows (only pages no row
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 @dataclass
 class Lookups:
     """Prompt tokens looked up and found (vLLM's prefix-cache hit rate is hits / queries), counted
-    for a model across its stores, so that they only grow while pools come and go."""
+    by a runner across its stores, so that they only grow while pools come and go."""
 
     hits: int = 0
     queries: int = 0
@@ -91,7 +91,8 @@ class PrefixStore:
     def _touch(self, keys: list[int]) -> None:
         # the deepest block first and the first block last: eviction takes a chain's tail before its head
         for key in reversed(keys):
-            self.entries.move_to_end(key)
+            if key in self.entries:  # an ancestor the pool evicted since the row found it
+                self.entries.move_to_end(key)
 
     def lookup(self, tokens: list[int]) -> list[int]:
         """The pages of the prompt's longest stored prefix of full blocks, in order (marked as
@@ -117,6 +118,8 @@ class PrefixStore:
             self._touch(keys[: j + 1])
             while self.bytes > self.budget:
                 self._remove(next(iter(self.entries)))
+            if keys[j] not in self.entries:  # the budget took it: a lookup would never reach its children
+                break
 
     def _remove(self, key: int) -> None:
         self.pool.drop([self.entries.pop(key).page], stored=True)
@@ -137,30 +140,4 @@ class PrefixStore:
             self._remove(key)
 
 
-DEFAULT_BUDGET_BYTES = 256 << 20
-
-
-def store_for(model, pool) -> PrefixStore:
-    """The prefix store over `pool` (one per pool: its pages are the store's blocks), under
-    `model.prefix_cache_bytes` (default 256 MiB)."""
-    if pool.prefix is None:
-        lookups = model.__dict__.setdefault("_prefix_lookups", Lookups())
-        PrefixStore(pool, getattr(model, "prefix_cache_bytes", DEFAULT_BUDGET_BYTES), lookups)
-        model.__dict__.setdefault("_prefix_stores", weakref.WeakSet()).add(pool.prefix)
-    return pool.prefix
-
-
-def lookups(model) -> Lookups:
-    """The model's prefix-cache lookups, all stores together."""
-    return model.__dict__.get("_prefix_lookups") or Lookups()
-
-
-def prefix_stores(model) -> list[PrefixStore]:
-    """The model's prefix stores alive (one per pool)."""
-    return list(model.__dict__.get("_prefix_stores", ()))
-
-
-def reset_prefix_cache(model) -> None:
-    """Forget every prompt the model's prefix stores keep (vLLM's `reset_prefix_cache`)."""
-    for store in prefix_stores(model):
-        store.clear()
+DEFAULT_BUDGET_BYTES = 256 << 20  # a store's budget where its runner names none
