@@ -435,6 +435,9 @@ class TrainSettings:
     eval_every: int = 200
     eval_n: int = 64
     eval_plain: bool = False  # also evaluate plain prompts (no chat template) at each evaluation
+    eval_block_length: int = (
+        32  # the block length held-out answers are decoded in (families without blocks of their own)
+    )
     keep_best: bool = False  # save OUT/best at the evaluation whose lowest accuracy (chat, plain) is highest
     resume: bool = False  # continue from OUT/checkpoint if present
     init_from: str | None = None  # start from this model folder's weights and tokenizer
@@ -445,9 +448,9 @@ class TrainSettings:
     command_line: str = ""  # recorded in the checkpoint's metadata
 
 
-def _evaluate(model, tokenizer, n: int, chat_template: bool = True) -> dict:
+def _evaluate(model, tokenizer, n: int, chat_template: bool = True, block_length: int = 32) -> dict:
     """The run's held-out measure: 128-token answers at threshold 0.9, with the dual cache over
-    blocks of 32 for a family without blocks of its own."""
+    blocks of `block_length` for a family without blocks of its own."""
     try:
         return heldout_accuracy(
             model,
@@ -456,7 +459,7 @@ def _evaluate(model, tokenizer, n: int, chat_template: bool = True) -> dict:
             chat_template=chat_template,
             gen_length=128,
             threshold=0.9,
-            **({} if model.args.block_size else {"block_length": 32, "cache": "dual"}),
+            **({} if model.args.block_size else {"block_length": block_length, "cache": "dual"}),
         )
     except Exception as e:  # the engine may be absent in a partial install: log, keep training
         return {"eval_error": f"{type(e).__name__}: {e}"}
@@ -527,9 +530,12 @@ def train(args: TrainSettings) -> Path:
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(out, model, tokenizer, opt, step, meta)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            rec = {"step": step, "heldout": _evaluate(model, tokenizer, args.eval_n)}
+            blocks = args.eval_block_length
+            rec = {"step": step, "heldout": _evaluate(model, tokenizer, args.eval_n, block_length=blocks)}
             if args.eval_plain:
-                rec["heldout_plain"] = _evaluate(model, tokenizer, args.eval_n, chat_template=False)
+                rec["heldout_plain"] = _evaluate(
+                    model, tokenizer, args.eval_n, chat_template=False, block_length=blocks
+                )
             score = min(r.get("accuracy", -1.0) for k, r in rec.items() if k.startswith("heldout"))
             if args.keep_best and score > best_score:
                 best_score = score
