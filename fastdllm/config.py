@@ -9,84 +9,50 @@ validation raises `ConfigError`, a `ValueError` that names the parameter in `.pa
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
-from importlib import import_module
 from typing import Any
 
 
-# One registry per kind of policy: the names a config may give it, and the class each names.
-class Registry:
-    """The policies of one kind that configs may name: name -> class. The built-in ones are
-    declared here as where they live ("module:Class", imported on first use), so that reading and
-    validating a config needs no torch; `register` adds a class (a user's policy) under its
-    `name`. The CLI, the server and the lm-eval plugin read the names through the config's
-    validation; the engine resolves them here."""
+# The names a config may give each kind of policy; the classes they name are the engine's
+# (`engine.registry`), which adds the name of every class registered there.
+class Names:
+    """The names configs may give one kind of policy: the built-in ones, and those a policy class
+    adds as it registers (`engine.registry.Registry.register`, a user's policy included), so that
+    reading and validating a config needs no torch."""
 
-    def __init__(self, kind: str, builtins: dict[str, str]):
+    def __init__(self, kind: str, builtins: tuple[str, ...]):
         self.kind = kind
-        self._where: dict[str, str | None] = dict(builtins)
-        self._classes: dict[str, type] = {}
+        self._names = list(builtins)
 
     def __contains__(self, name) -> bool:
-        return name in self._where
+        return name in self._names
 
     def __iter__(self):
-        return iter(list(self._where))
+        return iter(list(self._names))
 
-    def __getitem__(self, name: str) -> type:
-        if name not in self._classes:
-            if name not in self._where:
-                raise ValueError(f"{self.kind}: must be one of {', '.join(self)} (got {name!r})")
-            module, attr = self._where[name].split(":")
-            self._classes[name] = getattr(import_module(module), attr)
-        return self._classes[name]
-
-    def register(self, cls: type) -> type:
-        """Make `cls` a policy that configs name by `cls.name` (usable as a class decorator)."""
-        self._where[cls.name] = None
-        self._classes[cls.name] = cls
-        return cls
+    def add(self, name: str) -> None:
+        if name not in self._names:
+            self._names.append(name)
 
 
-_CACHE, _UNMASKING = "fastdllm.engine.cache_policies", "fastdllm.engine.unmasking"
-CACHE_POLICIES = Registry(
-    "cache",
-    {
-        "none": f"{_CACHE}:NoCache",
-        "prefix": f"{_CACHE}:PrefixCache",
-        "dual": f"{_CACHE}:DualCache",
-        "sub-block": f"{_CACHE}:SubBlockCache",
-        "delayed": f"{_CACHE}:DelayedCache",
-    },
-)
-REFRESH_RULES = Registry(
-    "refresh",
-    {"full": f"{_CACHE}:FullRefresh", "vicinity": f"{_CACHE}:VicinityRefresh", "adaptive": f"{_CACHE}:AdaptiveRefresh"},
-)
-SELECTION_RULES = Registry(
+CACHE_POLICIES = Names("cache", ("none", "prefix", "dual", "sub-block", "delayed"))
+REFRESH_RULES = Names("refresh", ("full", "vicinity", "adaptive"))
+SELECTION_RULES = Names(
     "unmasking",
-    {
-        "threshold": f"{_UNMASKING}:Threshold",
-        "factor": f"{_UNMASKING}:Factor",
-        "linear": f"{_UNMASKING}:LinearSchedule",
-        "dream_schedule": f"{_UNMASKING}:DreamSchedule",
-        "quota": f"{_UNMASKING}:Quota",
-        "entropy": f"{_UNMASKING}:EntropyThreshold",
-        "left_to_right": f"{_UNMASKING}:LeftToRight",
-        "rnd1": "fastdllm.engine.rnd1:RND1Schedule",
-        "entropy_bound": "fastdllm.engine.renoising:EntropyBound",
-        "wedlm": "fastdllm.engine.wedlm:WeDLMRule",
-    },
+    (
+        "threshold",
+        "factor",
+        "linear",
+        "dream_schedule",
+        "quota",
+        "entropy",
+        "left_to_right",
+        "rnd1",
+        "entropy_bound",
+        "wedlm",
+    ),
 )
 # A model family's own proposal (`DecodingRules.proposal`).
-PROPOSALS = Registry(
-    "proposal",
-    {
-        "sdar": f"{_UNMASKING}:SDARProposal",
-        "fast_dllm_v2": f"{_UNMASKING}:FastDLLMv2Proposal",
-        "llada2": f"{_UNMASKING}:LLaDA2Proposal",
-        "rnd1": "fastdllm.engine.rnd1:RND1Proposal",
-    },
-)
+PROPOSALS = Names("proposal", ("sdar", "fast_dllm_v2", "llada2", "rnd1"))
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
@@ -412,6 +378,18 @@ class GenerationConfig:
         "is in its batch, in bfloat16 too (slower; a server-wide setting)",
         server=False,
     )
+
+    def __init__(self, **options):
+        """The decoding options by name (`field_names()`; each unset one its declared default),
+        transformers' keywords included (`max_new_tokens`, `do_sample`:
+        `from_transformers_names`). A name that is not an option raises a ConfigError naming it."""
+        options = from_transformers_names(options)
+        for name in options:
+            if name not in self.__dataclass_fields__:
+                raise ConfigError(name, "is not a decoding option (see GenerationConfig.field_names())")
+        for f in fields(self):  # every field is declared with a default (`_opt`)
+            object.__setattr__(self, f.name, options.get(f.name, f.default))
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         # `fixed` as given ({pos: text or ids}, or pairs) -> sorted (pos, text | ids tuple) pairs,
@@ -1116,21 +1094,3 @@ def from_transformers_names(fields: dict) -> dict:
         if is_int(block) and block >= 1:
             fields["gen_length"] = -(-n // block) * block
     return fields
-
-
-_dataclass_init = GenerationConfig.__init__
-
-
-def _init(self, *args, **kwargs):
-    try:
-        _dataclass_init(self, *args, **from_transformers_names(kwargs))
-    except TypeError:  # an unknown keyword: name it as every other mistake is named
-        unknown = [k for k in kwargs if k not in GenerationConfig.__dataclass_fields__]
-        if not unknown:
-            raise
-        raise ConfigError(unknown[0], "is not a decoding option (see GenerationConfig.field_names())") from None
-
-
-_init.__doc__ = _dataclass_init.__doc__
-_init.__wrapped__ = _dataclass_init
-GenerationConfig.__init__ = _init

@@ -122,3 +122,18 @@ def test_the_text_layer_and_the_sandbox_import_no_torch():
                 else []
             )
             assert not any(n.split(".")[0] in heavy for n in names), (name, names)
+
+
+def test_every_named_policy_class_registers_where_it_is_defined():
+    """The config declares names only; the classes they name register themselves in the engine's
+    registries, so the layering test above sees every arrow (no "module:Class" strings)."""
+    from fastdllm import config
+    from fastdllm.engine import policies, registry  # noqa: F401 - policies: the built-ins registered
+
+    for kind in ("CACHE_POLICIES", "REFRESH_RULES", "SELECTION_RULES", "PROPOSALS"):
+        names, classes = getattr(config, kind), getattr(registry, kind)
+        for name in names:
+            assert classes[name].name == name
+    source = (PACKAGE / "config.py").read_text(encoding="utf-8")
+    assert "import_module" not in source and "fastdllm.engine" not in source
+    assert "GenerationConfig.__init__ =" not in source

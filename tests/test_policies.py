@@ -11,9 +11,10 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.config import REFRESH_RULES, SELECTION_RULES, ConfigError, selection_rule_name
+from fastdllm.config import REFRESH_RULES, ConfigError, selection_rule_name
 from fastdllm.engine.cache_policies import VicinityRefresh, register_refresh_rule
 from fastdllm.engine.policies import Policies, policies_for
+from fastdllm.engine.registry import SELECTION_RULES
 from fastdllm.engine.unmasking import (
     DreamSchedule,
     Factor,

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import CACHE_POLICIES, REFRESH_RULES
 from .kv.pages import FixedSlots, PagedKVCache
 from .kv.rows import RowPages, Window
+from .registry import CACHE_POLICIES, REFRESH_RULES
 
 
 @dataclass
@@ -175,6 +175,7 @@ class CachePolicy:
         return torch.stack([p[: seq.width] for p in parts])
 
 
+@CACHE_POLICIES.register
 class NoCache(CachePolicy):
     name = "none"
     refreshes_at_block_start = False
@@ -215,6 +216,7 @@ class RefreshRule:
         return []
 
 
+@REFRESH_RULES.register
 class FullRefresh(RefreshRule):
     """Fast-dLLM: every block-start forward recomputes the whole sequence."""
 
@@ -224,6 +226,7 @@ class FullRefresh(RefreshRule):
         return True
 
 
+@REFRESH_RULES.register
 class VicinityRefresh(RefreshRule):
     """After dInfer: from the just-finished block to the end, against the cached K/V of the older
     prefix; the whole sequence at a row's first block (nothing is cached yet) and every `every`
@@ -238,6 +241,7 @@ class VicinityRefresh(RefreshRule):
         return max(0, seq.starts[i] - seq.refresh(i) * seq.block_length)
 
 
+@REFRESH_RULES.register
 class AdaptiveRefresh(VicinityRefresh):
     """The vicinity refresh, then a per-row test of whether it sufficed (see the module
     docstring): a row whose current block's last-layer keys moved by more than `tol` (relative)
@@ -272,6 +276,7 @@ def _refresh_rule(refresh: RefreshRule | str, every=None, tol=0.1) -> RefreshRul
 
 
 # ---- caching policies ---------------------------------------------------------------------------
+@CACHE_POLICIES.register
 class PrefixCache(CachePolicy):
     name = "prefix"
     keeps_prompt = True
@@ -359,11 +364,13 @@ class PrefixCache(CachePolicy):
         )
 
 
+@CACHE_POLICIES.register
 class DualCache(PrefixCache):
     name = "dual"
     reuse_suffix = True
 
 
+@CACHE_POLICIES.register
 class SubBlockCache(DualCache):
     """DualCache, and inside a block Fast-dLLM v2's block cache (its `generate(use_block_cache=True)`).
 
@@ -469,6 +476,7 @@ class SubBlockCache(DualCache):
         return (i, self.refresh.first_column(seq, i), seq.end(i), seq.seen[i], seq.starts[i])
 
 
+@CACHE_POLICIES.register
 class DelayedCache(CachePolicy):
     """d3LLM's delayed KV cache (`generate_multi_block_kv_cache`), for decoding over several blocks
     at once: a row's cache holds its committed prefix, the prompt and the blocks finished

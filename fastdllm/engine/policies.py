@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..config import GenerationConfig, selection_rule_name
 from .cache_policies import CachePolicy, cache_policy, configure
 from .renoising import RenoisingStrategy
+from .rnd1 import RND1Proposal  # noqa: F401 - its classes register themselves (`registry`)
 from .unmasking import UnmaskingStrategy
 from .wedlm import WeDLMStrategy
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..config import GenerationConfig, selection_rule_name
+from .registry import SELECTION_RULES
 from .unmasking import Decision, SelectionRule
 
 
@@ -32,6 +33,7 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(normalized.clamp(min=torch.finfo(normalized.dtype).min) * probs).sum(-1)
 
 
+@SELECTION_RULES.register
 class EntropyBound(SelectionRule):
     """The entropy-bound acceptance (`EntropyBoundSampler.accept_canvas`): positions sorted by
     entropy (ascending, `torch.sort` as there), the k lowest kept while their cumulative entropy

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .registry import PROPOSALS, SELECTION_RULES
 from .unmasking import NEG_INF, Proposal, SelectionRule
 
 
@@ -24,6 +25,7 @@ def _rnd1_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
 
 
+@PROPOSALS.register
 class RND1Proposal(Proposal):
     """RND1's `forward_scores`, in the model's dtype as there: the logits divided by the temperature
     (at least 1e-8: temperature 0 is its greedy mode), top-k then top-p filtered, their
@@ -37,6 +39,8 @@ class RND1Proposal(Proposal):
     the same seed. *Deliberate difference*: where the draw picks [MASK], the reference reveals it
     as a token (and the answer keeps it); we take the most likely other token, drawing nothing
     more, so the row's stream stays the reference's."""
+
+    name = "rnd1"
 
     model_dtype = True
     redraws = False
@@ -66,6 +70,7 @@ class RND1Proposal(Proposal):
         return tokens, (p * logp).sum(-1)
 
 
+@SELECTION_RULES.register
 class RND1Schedule(SelectionRule):
     """RND1's (`rnd/sampling.py`, `diffusion_sample`): after step i of a block's N steps, the
     floor(n (N - 1 - i) / N) masked positions of highest entropy stay masked, n being the block's

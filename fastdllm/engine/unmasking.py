@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from .. import config as config_names
-from ..config import PROPOSALS, SELECTION_RULES
+from .registry import PROPOSALS, SELECTION_RULES
 
 NEG_INF = float("-inf")
 
@@ -259,6 +259,7 @@ class SelectionRule:
         raise NotImplementedError
 
 
+@SELECTION_RULES.register
 class Threshold(SelectionRule):
     name = "threshold"
 
@@ -276,6 +277,7 @@ class Threshold(SelectionRule):
         return _and_the_most_confident(masked & (conf >= self.threshold), conf, masked)
 
 
+@SELECTION_RULES.register
 class EntropyThreshold(SelectionRule):
     """dParallel's rule (`get_transfer_index_entropy`; Dream's `alg="entropy_threshold"`): every
     masked position whose entropy is at most `threshold` (in nats), and always the one of lowest
@@ -302,6 +304,7 @@ class EntropyThreshold(SelectionRule):
         return _and_the_most_confident(chosen, conf, masked)
 
 
+@SELECTION_RULES.register
 class LeftToRight(SelectionRule):
     """DMax's rule (dInfer's `get_transfer_index_uniform`): the block's masked positions, left to
     right, up to the first whose confidence is below `threshold`; when the leftmost is already
@@ -327,6 +330,7 @@ class LeftToRight(SelectionRule):
         return torch.where(candidates.any(-1, keepdim=True), candidates, first)
 
 
+@SELECTION_RULES.register
 class Factor(SelectionRule):
     name = "factor"
 
@@ -350,6 +354,7 @@ class Factor(SelectionRule):
         return _top_k_mask(conf, count) & masked
 
 
+@SELECTION_RULES.register
 class LinearSchedule(SelectionRule):
     name = "linear"
     uses_steps = True
@@ -359,6 +364,7 @@ class LinearSchedule(SelectionRule):
         return _top_k_mask(conf.masked_fill(~masked, NEG_INF), k) & masked
 
 
+@SELECTION_RULES.register
 class DreamSchedule(SelectionRule):
     name = "dream_schedule"
     uses_steps = True
@@ -406,6 +412,7 @@ class DreamSchedule(SelectionRule):
         return chosen & masked
 
 
+@SELECTION_RULES.register
 class Quota(SelectionRule):
     """SDAR's `block_diffusion_generate` ("low_confidence_dynamic"; "static" without a threshold):
     step i of a block has a quota k_i, the *block length* (not its masks) split evenly over the
@@ -532,9 +539,12 @@ class DreamProposal(Proposal):
         return _propose_dream(logits, self.config, generators, draws, self.score)
 
 
+@PROPOSALS.register
 class SDARProposal(Proposal):
     """SDAR's sampling: logits / temperature; the token sampled from them after top-k / top-p
     filtering (greedy at temperature 0), its confidence read from the unfiltered softmax."""
+
+    name = "sdar"
 
     def __call__(self, logits, generators, draws, clock=None):
         c = self.config
@@ -565,11 +575,14 @@ class DMaxProposal(Proposal):
         return tokens, conf
 
 
+@PROPOSALS.register
 class FastDLLMv2Proposal(Proposal):
     """Fast-dLLM v2's `sample_with_top_p`: greedy at temperature 0, with the softmax's probability
     as the confidence; else the token sampled from softmax(logits / temperature) after top-p
     truncation (renormalised), with its probability there as the confidence. In the model's dtype,
     as the reference computes it (bfloat16 for the released models)."""
+
+    name = "fast_dllm_v2"
 
     model_dtype = True
 
@@ -584,6 +597,7 @@ class FastDLLMv2Proposal(Proposal):
         return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+@PROPOSALS.register
 class LLaDA2Proposal(Proposal):
     """LLaDA2's `_sample_with_temperature_topk_topp`: logits divided by the temperature (unless it
     is 0 or 1), top-k then top-p filtered, the token drawn from their softmax, its probability
@@ -591,6 +605,8 @@ class LLaDA2Proposal(Proposal):
     `multinomial` even at temperature 0, so its "greedy" default samples from softmax(logits);
     here temperature 0 is greedy (the argmax and its softmax probability; deterministic, as
     LLaDA2.1's own sampler does it), and the published draws are temperature=1."""
+
+    name = "llada2"
 
     def __call__(self, logits, generators, draws, clock=None):
         c = self.config

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .registry import SELECTION_RULES
 from .unmasking import NEG_INF, Decision, SelectionRule
 
 
@@ -80,6 +81,7 @@ def sample(logits: torch.Tensor, config, generator: torch.Generator | None) -> t
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+@SELECTION_RULES.register
 class WeDLMRule(SelectionRule):
     """WeDLM's position selection (`Sampler.select_positions_to_fill`): each masked position's
     entropy (`conf` is its negative) plus `pos_penalty_factor` times its distance from the window's
