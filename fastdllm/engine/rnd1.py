@@ -1,5 +1,5 @@
 """RND1's decoding (`rnd/sampling.py`'s `diffusion_sample`): its proposal and its selection rule,
-registered by name (`config.PROPOSALS`, `config.SELECTION_RULES`: "rnd1")."""
+registered by name (`registry.PROPOSALS`, `registry.SELECTION_RULES`: "rnd1")."""
 
 from __future__ import annotations
 

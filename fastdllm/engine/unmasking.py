@@ -14,7 +14,7 @@ and passed to the loop. Two separate choices make it, each an object:
      threshold), top-1 minus top-2 probability (topk_margin), or negative entropy (entropy).
      With a threshold or factor rule the confidence is always the token's probability, whatever
      `alg` says: those rules are defined on probabilities, as in Fast-dLLM's Dream code.
-2. **How many / which** (a `SelectionRule`, registered by name in `config.SELECTION_RULES`; which one a
+2. **How many / which** (a `SelectionRule`, registered by name in `registry.SELECTION_RULES`; which one a
    config means is `config.selection_rule_name`, the one statement of the precedence
    unmasking > factor > threshold > schedule; a new rule is one class and
    `register_selection_rule`):
