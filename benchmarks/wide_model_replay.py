@@ -32,7 +32,7 @@ CONFIGS = {
 
 def record_windows(config_name: str, gen_length: int, num_fewshot: int, problems: int) -> list[list[tuple]]:
     import fastdllm
-    from fastdllm.engine.cache_policies import cache_policy
+    from fastdllm.engine.cache import cache_policy
     from fastdllm.engine.policies import Policies
     from fastdllm.evaluation.tasks import arith
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastdllm.embedded.recipe import build_tokenizer, new_model
-from fastdllm.engine.cache_policies import DualCache, PrefixCache
+from fastdllm.engine.cache import DualCache, PrefixCache
 from fastdllm.models.loading import save_pretrained
 from fastdllm.models.transformer import ModelArgs
 

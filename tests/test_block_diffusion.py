@@ -299,7 +299,7 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
     whole-block forward, whose logits equal a full block-causal forward; a later step of the
     sub-block recomputes only the sub-block, and its logits equal a forward in which every other
     position's K/V are those of the last whole-block forward (written here from the weights)."""
-    from fastdllm.engine.cache_policies import SubBlockCache
+    from fastdllm.engine.cache import SubBlockCache
 
     folder = save_pretrained(tiny_v2, tmp_path / "v2", tokenizer, dtype=torch.float32)
     blk, size = tiny_v2.args.block_size, 4

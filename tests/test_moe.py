@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.engine.cache_policies import CachePolicy
+from fastdllm.engine.cache import CachePolicy
 from fastdllm.engine.policies import Policies
 from fastdllm.engine.unmasking import Editing, LLaDA2Proposal, UnmaskingStrategy
 from fastdllm.models.loading import save_pretrained

@@ -10,7 +10,7 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig
 from fastdllm.config import ConfigError
-from fastdllm.engine.cache_policies import cache_policy
+from fastdllm.engine.cache import cache_policy
 from fastdllm.engine.policies import Policies, policies_for
 from fastdllm.engine.unmasking import Lookahead
 

@@ -12,7 +12,7 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig
 from fastdllm.config import REFRESH_RULES, ConfigError, selection_rule_name
-from fastdllm.engine.cache_policies import VicinityRefresh, register_refresh_rule
+from fastdllm.engine.cache.refresh import VicinityRefresh, register_refresh_rule
 from fastdllm.engine.policies import Policies, policies_for
 from fastdllm.engine.registry import SELECTION_RULES
 from fastdllm.engine.unmasking import (

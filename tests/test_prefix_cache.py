@@ -208,7 +208,7 @@ def test_every_cache_policy_fills_the_store(request, name, cache):
 def test_a_policy_object_keeps_the_configs_engine_settings(tiny_sdar):
     """A cache policy passed as an object decodes under the config's page size, determinism and
     prefix sharing, exactly as the one the config names."""
-    from fastdllm.engine.cache_policies import DualCache
+    from fastdllm.engine.cache import DualCache
     from fastdllm.engine.policies import Policies, resolve
 
     config = GenerationConfig.for_model(

@@ -2,7 +2,7 @@
 
 Every row's answer region (its `gen_length` positions after its prompt) starts as all [MASK] and is
 decoded in blocks of `block_length`, left to right. A step is one forward of every row in the batch
-(`step`): the *cache policy* (`cache_policies.py`) gives each row's current block its logits, the
+(`step`): the *cache policy* (`engine/cache/`) gives each row's current block its logits, the
 *unmasking strategy* (`unmasking.py`) decides what each row reveals (`UnmaskingStrategy.decide`),
 and the loop writes it. A row's block ends at the step that reveals its last mask; at the next
 step the row starts its next block (and a caching policy refreshes its cache), whatever the other
@@ -43,7 +43,7 @@ import torch
 from torch.profiler import record_function
 
 from ..config import GenerationConfig, is_int
-from .cache_policies import SequenceView
+from .cache import SequenceView
 from .kv.rows import RowPages, shares_prefixes
 from .kv.runner import KVRunner, runner_for
 from .policies import Policies, PolicySource, policies_for, resolve
@@ -514,11 +514,25 @@ class BlockDecoder:
 
     # -- one step
     def step(self) -> Step | None:
-        """One step of every row in the batch (rows that joined are laid out first): the forward,
-        the strategy's decision, written into the layout; then the rows whose block it ended move
-        to their next block or leave. The chunks of prompts being prefilled ride in the forward
-        (alone, with no row decoding: a step of no rows). None when no row is left."""
+        """One step of every row in the batch, in three parts: plan (rows join or leave, prompts
+        being prefilled take their chunk), forward (each row's window, packed, through the cache
+        policy), apply (the strategy's decision written into the layout; the rows whose block it
+        ended move on or leave). A forward of prefill chunks alone is a step of no rows; None when
+        no row is left."""
         self.last_blocks, self.left = [], []
+        chunks = self._plan()
+        if not self.rows:
+            return self._prefill_alone(chunks) if chunks else None
+        self.pages.queue_prefill(chunks)
+        view = self._view()
+        with self.forward_clock, record_function("fastdllm.forward"):
+            logits = self.policy.block_logits(view, [r.step for r in self.rows])
+        work = self._count_forwards()
+        return self._apply(view, logits, work)
+
+    def _plan(self) -> list[tuple[int, torch.Tensor, int, int]]:
+        """Rows that may join now do (a long block-causal prompt starts its prefill instead), and
+        the layout is rebuilt for them; returns this step's prefill chunks."""
         new = []
         if self.joining:
             new, self.joining = self._admissible(self.joining)
@@ -534,31 +548,34 @@ class BlockDecoder:
                 [(r, i) for i, r in enumerate(self.rows)] + [(r, None) for r in joined],
                 {len(self.rows) + j: id(r) for j, r in enumerate(ready)},
             )
-        chunks = self._prefill_chunks()
-        if not self.rows:
-            if not chunks:
-                return None
-            self.pages.queue_prefill(chunks)
-            with self.forward_clock, record_function("fastdllm.prefill"):
-                self.policy.prefill_only()
-            self.nfe += len(self.policy.take_work())
-            self._charge_prefill()
-            none = torch.zeros((0, self.config.block_length), dtype=torch.long, device=self.device)
-            return Step([], [], none, none.bool())
+        return self._prefill_chunks()
+
+    def _prefill_alone(self, chunks) -> Step:
+        """A forward of prefill chunks while no row decodes: a step of no rows."""
         self.pages.queue_prefill(chunks)
-        rows, blk, mask_id = self.rows, self.config.block_length, self.mask_id
-        view = self._view()
-        # each row's current block (and the blocks after it): gathered from its own columns
-        columns = torch.tensor(view.starts, device=self.device)[:, None] + torch.arange(self.width, device=self.device)
-        window, steps_of = self.x.gather(1, columns), self.step_of.gather(1, columns)
-        block, region = window[:, :blk], steps_of[:, :blk]
-        with self.forward_clock, record_function("fastdllm.forward"):
-            logits = self.policy.block_logits(view, [r.step for r in rows])
+        with self.forward_clock, record_function("fastdllm.prefill"):
+            self.policy.prefill_only()
+        self._count_forwards()
+        none = torch.zeros((0, self.config.block_length), dtype=torch.long, device=self.device)
+        return Step([], [], none, none.bool())
+
+    def _count_forwards(self) -> list:
+        """The step's forwards counted, and the prefill chunks they computed charged to their rows;
+        returns the forwards' work per row."""
         work = self.policy.take_work()
         self.nfe += len(work)
         self._charge_prefill()
+        return work
+
+    def _apply(self, view: SequenceView, logits: torch.Tensor, work) -> Step:
+        """Each row's decision on its window (its current block, and the blocks after it),
+        written without a host read; then the rows whose block is over move on."""
+        rows, blk = self.rows, self.config.block_length
+        columns = torch.tensor(view.starts, device=self.device)[:, None] + torch.arange(self.width, device=self.device)
+        window, steps_of = self.x.gather(1, columns), self.step_of.gather(1, columns)
+        block, region = window[:, :blk], steps_of[:, :blk]
         later = window[:, blk:] if self.width > blk else None
-        editable = None if self.editing is None else (region >= 0) & (block != mask_id)  # not a prompt token
+        editable = None if self.editing is None else (region >= 0) & (block != self.mask_id)  # not a prompt token
         clock = BlockClock(
             [r.step for r in rows],
             [r.config.steps_per_block()[r.block] for r in rows],
@@ -569,7 +586,6 @@ class BlockDecoder:
         decision = self._decide(logits, block, clock, later, editable)
         if self.logp is not None:
             self._record_logprobs(logits, columns, decision)
-        # the decision, written without a host read (torch.where, not block[chosen] = ...)
         if decision.edited is not None:
             block = torch.where(decision.edited, decision.tokens, block)
         block = torch.where(decision.chosen, decision.tokens, block)

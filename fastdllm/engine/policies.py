@@ -1,7 +1,7 @@
 """The policies one generation decodes with, built in one place.
 
 `policies_for(model, config)` turns a config into the loop's two policy objects: the cache
-policy (`cache_policies`: which window each step recomputes, and its refresh rule) and the
+policy (`cache`: which window each step recomputes, and its refresh rule) and the
 unmasking strategy (`unmasking`: the proposal and the selection rule; `renoising` for a canvas with
 no mask token, `wedlm` for WeDLM's sliding window), with the model family's own rules applied
 (Dream's block start with a cache).
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import GenerationConfig, selection_rule_name
-from .cache_policies import CachePolicy, cache_policy, configure
+from .cache import CachePolicy, cache_policy, configure
 from .renoising import RenoisingStrategy
 from .rnd1 import RND1Proposal  # noqa: F401 - its classes register themselves (`registry`)
 from .unmasking import UnmaskingStrategy
@@ -39,7 +39,7 @@ def policies_for(
     model, config: GenerationConfig, cache: CachePolicy | None = None, strategy: UnmaskingStrategy | None = None
 ) -> Policies:
     """The policies `config` names (either one replaced by the object given, which takes the
-    config's engine settings all the same: `cache_policies.configure`). The family's rule
+    config's engine settings all the same: `cache.configure`). The family's rule
     applies to a strategy built from the config: a Dream model decoding with a block cache, and a
     Fast-dLLM v2 model always, reveal each block's first position at its block-start step, as
     their reference code does; `sub_block_length` reveals blocks sub-block by sub-block."""

@@ -1,5 +1,5 @@
 """The policy classes that configs name, one registry per kind. Each class registers itself where
-it is defined (`CACHE_POLICIES.register` as a class decorator, `cache_policies.register_cache_policy`
+it is defined (`CACHE_POLICIES.register` as a class decorator, `cache.register_cache_policy`
 and the like for a user's policy), and its name joins the names a config accepts
 (`config.CACHE_POLICIES`, ...). The built-in classes are all registered once `engine.policies`,
 which builds a config's policies, is imported."""

@@ -64,7 +64,7 @@ class DecodingRules:
     # Its reference loop edits revealed tokens (LLaDA2.1's editing_threshold), so tuning tries it.
     edits: bool = False
     # Which of d3LLM's two codes its multi-block decoding follows (`unmasking.EntropyLookahead`,
-    # `cache_policies.DelayedCache`): "llada" (d3llm_llada_generate_util) or "dream"
+    # `cache.DelayedCache`): "llada" (d3llm_llada_generate_util) or "dream"
     # (d3llm_dream_generate_util).
     d3llm_code: str = "llada"
     # The preset (`config.PRESETS`) its reference decodes with, where it has its own: a checkpoint

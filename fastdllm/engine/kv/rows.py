@@ -1,7 +1,7 @@
 """A decode's rows over its runner's pool: page tables, prompts shared through the prefix store,
 prompts prefilled in chunks, copy-on-write before a write. One `RowPages` per decoding loop
 (`BlockDecoder.pages`), the same for every cache policy: a policy says which windows to compute
-(`cache_policies`), and `run` gives their forward its pages.
+(`engine.cache`), and `run` gives their forward its pages.
 """
 
 from __future__ import annotations
