@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdllm import GenerationConfig
-from fastdllm.engine.unmasking import BlockClock, EntropyThreshold, UnmaskingStrategy
+from fastdllm.engine.decode import BlockClock, EntropyThreshold, UnmaskingStrategy
 from fastdllm.evaluation.aup import aup
 
 # d3LLM's AUP_leaderboard/data_llada.yaml, GSM8K-CoT, and the AUP its README reports for each
@@ -110,7 +110,7 @@ def test_a_checkpoint_named_for_dparallel_decodes_as_dparallel(tiny_llada, tiny_
 
 
 def test_d3llms_later_blocks_take_their_sure_positions_and_the_lowest_overall():
-    from fastdllm.engine.unmasking import EntropyLookahead, Lookahead
+    from fastdllm.engine.decode import EntropyLookahead, Lookahead
 
     assert isinstance(Lookahead.from_config(GenerationConfig.d3llm()), EntropyLookahead)
     rule = EntropyLookahead(depth=3, add=0.5, activate=0.95, threshold=0.5)

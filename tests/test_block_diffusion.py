@@ -226,7 +226,7 @@ def test_an_unknown_model_type_names_the_families_we_know(tmp_path, tiny_sdar, t
 
 # ---- the references' decoding rules, on hand-checkable cases ----------------------------------------
 def test_sdar_quota_rule():
-    from fastdllm.engine.unmasking import BlockClock, Quota
+    from fastdllm.engine.decode import BlockClock, Quota
 
     conf = torch.tensor([[0.95, 0.2, 0.91, 0.3], [0.95, 0.2, 0.9, 0.3]], dtype=torch.float64)
     masked = torch.ones(2, 4, dtype=torch.bool)
@@ -251,7 +251,7 @@ def test_sdar_quota_rule():
 
 
 def test_fast_dllm_v2_rules_sub_blocks_and_the_first_position():
-    from fastdllm.engine.unmasking import BlockClock, FirstPositionAtBlockStart, SubBlocks, Threshold
+    from fastdllm.engine.decode import BlockClock, FirstPositionAtBlockStart, SubBlocks, Threshold
 
     conf = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.99, 0.99, 0.99, 0.99]])
     masked = torch.ones(1, 8, dtype=torch.bool)

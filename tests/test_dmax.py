@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdllm import ConfigError, GenerationConfig, generate
-from fastdllm.engine.unmasking import BlockClock, Editing, LeftToRight
+from fastdllm.engine.decode import BlockClock, Editing, LeftToRight
 from fastdllm.models.transformer import soft_embeddings
 
 from .conftest import random_prompts

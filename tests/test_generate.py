@@ -7,8 +7,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate, stream_blocks
+from fastdllm.engine.decode import BlockClock, Factor, Threshold, UnmaskingStrategy, linear_schedule_at
 from fastdllm.engine.policies import Policies
-from fastdllm.engine.unmasking import BlockClock, Factor, Threshold, UnmaskingStrategy, linear_schedule_at
 
 from .conftest import DualRefreshed, PrefixRefreshed
 

@@ -7,9 +7,9 @@ import torch
 
 import fastdllm
 from fastdllm import ConfigError, GenerationConfig, generate
+from fastdllm.engine.decode import UnmaskingStrategy
 from fastdllm.engine.decoder import BlockDecoder
 from fastdllm.engine.policies import Policies
-from fastdllm.engine.unmasking import UnmaskingStrategy
 from fastdllm.text.completion import complete
 from fastdllm.text.infill import encode_infill
 

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.engine.cache import CachePolicy
+from fastdllm.engine.decode import Editing, LLaDA2Proposal, UnmaskingStrategy
 from fastdllm.engine.policies import Policies
-from fastdllm.engine.unmasking import Editing, LLaDA2Proposal, UnmaskingStrategy
 from fastdllm.models.loading import save_pretrained
 from fastdllm.models.moe import MoEFeedForward, route
 from fastdllm.models.transformer import ModelArgs

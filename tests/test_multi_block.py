@@ -11,8 +11,8 @@ import fastdllm
 from fastdllm import GenerationConfig
 from fastdllm.config import ConfigError
 from fastdllm.engine.cache import cache_policy
+from fastdllm.engine.decode import Lookahead
 from fastdllm.engine.policies import Policies, policies_for
-from fastdllm.engine.unmasking import Lookahead
 
 from .conftest import random_prompts
 

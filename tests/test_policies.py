@@ -13,18 +13,18 @@ import fastdllm
 from fastdllm import GenerationConfig
 from fastdllm.config import REFRESH_RULES, ConfigError, selection_rule_name
 from fastdllm.engine.cache.refresh import VicinityRefresh, register_refresh_rule
-from fastdllm.engine.policies import Policies, policies_for
-from fastdllm.engine.registry import SELECTION_RULES
-from fastdllm.engine.unmasking import (
+from fastdllm.engine.decode import (
     DreamSchedule,
     Factor,
     FirstPositionAtBlockStart,
     LinearSchedule,
     SelectionRule,
     Threshold,
-    _top_k_mask,
     register_selection_rule,
 )
+from fastdllm.engine.decode.rules import _top_k_mask
+from fastdllm.engine.policies import Policies, policies_for
+from fastdllm.engine.registry import SELECTION_RULES
 from fastdllm.evaluation import harness as evaluate_module
 from fastdllm.evaluation.tasks import arith
 
@@ -184,7 +184,7 @@ def test_a_partial_bundle_takes_the_rest_from_the_config(model):
 
 
 def test_a_confidence_temperature_tempers_confidences_not_tokens(model):
-    from fastdllm.engine.unmasking import UnmaskingStrategy
+    from fastdllm.engine.decode import UnmaskingStrategy
 
     torch.manual_seed(0)
     logits = torch.randn(2, 8, 50) * 4

@@ -454,7 +454,7 @@ def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
     """Step after step on the same random logits, from a block of masks (its first position a prompt
     token): the same tokens revealed and revised, the same end of the block, the same soft
     embeddings."""
-    from fastdllm.engine.unmasking import BlockClock, UnmaskingStrategy
+    from fastdllm.engine.decode import BlockClock, UnmaskingStrategy
     from fastdllm.models.transformer import soft_embeddings
 
     trace = _dmax_traces()[str(seed)]
@@ -916,7 +916,7 @@ def test_wedlm_decodes_as_its_engines_decoder(tokenizer, tmp_path, part, layout)
     """WeDLM's sliding window as its engine decodes (`wedlm_decoder.py`, `sampler.py`, with its own
     transformers model): the same logits, and the same tokens greedy and sampled under the same
     seed, with two forwards fewer per answer (its separate prefill, and its forward that only prunes
-    the window's last final tokens: `engine.wedlm`); greedy rows in a batch decode as alone."""
+    the window's last final tokens: `engine.decode.wedlm`); greedy rows in a batch decode as alone."""
     model = wedlm_model(tokenizer, layout)
     folder = save_pretrained(model, tmp_path / "wedlm", tokenizer, dtype=torch.float32)
     texts = ["Question: 3 + 4 = ? Answer:", "Question: what is 2 + 2?", "Tom has 5 apples and buys 3 more. He has"]

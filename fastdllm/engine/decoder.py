@@ -3,7 +3,7 @@
 Every row's answer region (its `gen_length` positions after its prompt) starts as all [MASK] and is
 decoded in blocks of `block_length`, left to right. A step is one forward of every row in the batch
 (`step`): the *cache policy* (`engine/cache/`) gives each row's current block its logits, the
-*unmasking strategy* (`unmasking.py`) decides what each row reveals (`UnmaskingStrategy.decide`),
+*unmasking strategy* (`engine/decode/`) decides what each row reveals (`UnmaskingStrategy.decide`),
 and the loop writes it. A row's block ends at the step that reveals its last mask; at the next
 step the row starts its next block (and a caching policy refreshes its cache), whatever the other
 rows are doing. A row that stops (a stop token in a finished block, or its last block) leaves the
@@ -44,11 +44,10 @@ from torch.profiler import record_function
 
 from ..config import GenerationConfig, is_int
 from .cache import SequenceView
+from .decode import BlockClock, Decision, SoftTokens, check_canvas, token_logprobs
 from .kv.rows import RowPages, shares_prefixes
 from .kv.runner import KVRunner, runner_for
 from .policies import Policies, PolicySource, policies_for, resolve
-from .renoising import check_canvas
-from .unmasking import BlockClock, Decision, SoftTokens, token_logprobs
 
 
 def join_key(config: GenerationConfig) -> tuple:
@@ -106,7 +105,7 @@ class Row:
     # A grammar its answer must follow (`constraints.GrammarConstraint`): it amends every step's
     # choice so the answer is revealed left to right, each token checked.
     constraint: object = None
-    strategy: object = None  # the unmasking strategy it decides with (`unmasking.UnmaskingStrategy`)
+    strategy: object = None  # the unmasking strategy it decides with (`decode.UnmaskingStrategy`)
     # Infilling: tokens fixed at answer positions ((position, id) pairs), laid out before the first
     # step and never masked (their step is -1, as a prompt token's: no rule reveals or edits them),
     # and the suffix after the region, which every forward of a bidirectional model sees.
@@ -979,7 +978,7 @@ class BlockDecoder:
 
     def _record_logprobs(self, logits: torch.Tensor, columns: torch.Tensor, decision: Decision) -> None:
         """Where this step wrote a token (revealed, edited, or ahead in a later block), its
-        log-probability and the most likely tokens in this forward (`unmasking.token_logprobs`)."""
+        log-probability and the most likely tokens in this forward (`decode.token_logprobs`)."""
         tokens, written = decision.tokens, decision.chosen
         if decision.edited is not None:
             written = written | decision.edited

@@ -2,7 +2,7 @@
 
 `policies_for(model, config)` turns a config into the loop's two policy objects: the cache
 policy (`cache`: which window each step recomputes, and its refresh rule) and the
-unmasking strategy (`unmasking`: the proposal and the selection rule; `renoising` for a canvas with
+unmasking strategy (`decode`: the proposal and the selection rule; `decode.renoising` for a canvas with
 no mask token, `wedlm` for WeDLM's sliding window), with the model family's own rules applied
 (Dream's block start with a cache).
 Callers that bring their own objects pass them one way, as `policies=`, wherever a config goes
@@ -18,10 +18,7 @@ from dataclasses import dataclass
 
 from ..config import GenerationConfig, selection_rule_name
 from .cache import CachePolicy, cache_policy, configure
-from .renoising import RenoisingStrategy
-from .rnd1 import RND1Proposal  # noqa: F401 - its classes register themselves (`registry`)
-from .unmasking import UnmaskingStrategy
-from .wedlm import WeDLMStrategy
+from .decode import RenoisingStrategy, UnmaskingStrategy, WeDLMStrategy
 
 
 @dataclass

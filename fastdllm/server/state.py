@@ -14,9 +14,9 @@ from typing import Any
 
 from ..config import PRESETS, ConfigError, GenerationConfig
 from ..engine.constraints import GrammarConstraint, response_format_constraint
+from ..engine.decode import check_canvas
 from ..engine.generation import generate
 from ..engine.ranks import LocalCommands
-from ..engine.renoising import check_canvas
 from ..text import tool_calls
 from ..text.infill import encode_infill
 from .metrics import ServerMetrics

@@ -35,8 +35,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .registry import SELECTION_RULES
-from .unmasking import NEG_INF, Decision, SelectionRule
+from ..registry import SELECTION_RULES
+from .decision import Decision
+from .rules import SelectionRule
+from .sampling import NEG_INF
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

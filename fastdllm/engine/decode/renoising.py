@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import GenerationConfig, selection_rule_name
-from .registry import SELECTION_RULES
-from .unmasking import Decision, SelectionRule
+from ...config import GenerationConfig, selection_rule_name
+from ..registry import SELECTION_RULES
+from .decision import Decision
+from .rules import SelectionRule
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .registry import PROPOSALS, SELECTION_RULES
-from .unmasking import NEG_INF, Proposal, SelectionRule
+from ..registry import PROPOSALS, SELECTION_RULES
+from .proposals import Proposal
+from .rules import SelectionRule
+from .sampling import NEG_INF
 
 
 def _rnd1_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""LLaDA2.1's token editing (and DMax's use of it): revising revealed tokens after a block's
+masks are gone."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Editing:
+    """LLaDA2.1's token-to-token editing. In every step, besides revealing masked positions, an
+    already revealed position of the current block (never a prompt token) takes the step's
+    proposed token when that token differs from the one there and its confidence is strictly
+    above `threshold`. A block then ends not at its last mask but at the first step after it that
+    edits nothing, or after `max_post_steps` such steps (each row on its own). Its quality mode is
+    threshold 0.7 with editing 0.5, its speed mode threshold 0.5 with editing 0.0 (any change is
+    taken: the edits repair what the low threshold got wrong)."""
+
+    def __init__(
+        self,
+        threshold: float,
+        max_post_steps: int,
+        stop_confidence: float | None = None,
+        soft_embeddings: bool = False,
+    ):
+        self.threshold, self.max_post_steps = threshold, max_post_steps
+        self.stop_confidence, self.soft_embeddings = stop_confidence, soft_embeddings
+
+    @classmethod
+    def from_config(cls, config) -> Editing | None:
+        if config.editing_threshold is None:
+            return None
+        return cls(config.editing_threshold, config.max_post_steps, config.stop_confidence, config.soft_embeddings)
+
+    @property
+    def needs_top(self) -> bool:
+        """Whether a step's decision carries each position's most probable token and its probability."""
+        return self.stop_confidence is not None or self.soft_embeddings
+
+    def confident_stop(self, block, revealed, top_prob, changed, steps, mask_id) -> torch.Tensor:
+        """DMax's end of a block, (B,): no mask left, and every position masked at the block's start
+        (revealed in it, `revealed`, or still masked) has its most probable token at least
+        `stop_confidence` likely, or the step changed nothing, or the block took its length in
+        steps. *Deliberate difference*: DMax also ends a block that still has masks when they are
+        all that likely (at temperature > 0 a sampled token may be less likely than the threshold);
+        here a block ends only without masks, as every block in this loop does."""
+        masked = block == mask_id
+        active = revealed | masked
+        sure = ((top_prob >= self.stop_confidence) | ~active).all(-1)
+        return ~masked.any(-1) & (sure | ~changed | (steps >= block.shape[1]))
+
+    def select(self, tokens, conf, current, editable) -> torch.Tensor:
+        """(B, T) True where the proposal rewrites a revealed token."""
+        return editable & (tokens != current) & (conf > self.threshold)
+
+    def block_done(self, block, decision, editable, clock, carry, mask_id) -> tuple[torch.Tensor, list]:
+        """(B,) whether each row's block is over after this step, and per row what the next step of
+        its block reads (`Decision.carry`: its steps after the last mask and whether it goes on). A
+        block ends at its first step after the last mask that edits nothing, or after
+        `max_post_steps` such steps; with DMax's rule (`stop_confidence`), `confident_stop`."""
+        after = torch.where(decision.chosen, decision.tokens, torch.where(decision.edited, decision.tokens, block))
+        had_mask, has_mask = (block == mask_id).any(-1), (after == mask_id).any(-1)
+        edited = decision.edited.any(-1)
+        if self.stop_confidence is not None:
+            revealed = editable | decision.chosen  # in this block, not a prompt or fixed token
+            changed = decision.chosen.any(-1) | edited
+            steps = torch.tensor([k + 1 for k in clock.step], device=block.device)
+            done = self.confident_stop(after, revealed, decision.top_prob, changed, steps, mask_id)
+            return done, [None] * block.shape[0]
+        opened = [c is None for c in carry] if carry is not None else [True] * block.shape[0]
+        post = torch.stack(
+            [(~had_mask[i]).long() if o else carry[i][0] for i, o in enumerate(opened)]
+        )  # a block that opens with no mask is already past it
+        alive = torch.stack(
+            [torch.ones((), dtype=torch.bool, device=block.device) if o else carry[i][1] for i, o in enumerate(opened)]
+        )
+        alive = alive & (had_mask | edited)
+        post = post + (~has_mask & alive)
+        alive = alive & (has_mask | (post <= self.max_post_steps))
+        return ~alive, [(post[i], alive[i]) for i in range(block.shape[0])]

@@ -1,0 +1,167 @@
+"""The unmasking strategy: a proposal, a selection rule, editing and lookahead, returning one
+`Decision` per step."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+
+from ... import config as config_names
+from ..registry import SELECTION_RULES
+from .decision import Decision, SoftTokens
+from .editing import Editing
+from .lookahead import Lookahead
+from .proposals import Proposal, proposal_for
+from .rules import BlockClock, FirstPositionAtBlockStart, SelectionRule, SubBlocks
+from .sampling import NEG_INF
+
+
+class UnmaskingStrategy:
+    """One unmasking policy: a proposal (tokens and confidences), a factory of the selection
+    rule (`rule`: one object, as rules keep no state), whether it draws
+    randomness (then each row gets a generator), its token editing (`Editing`, or None) and its
+    multi-block decoding (`Lookahead`, or None: one block at a time).
+    `confidence_temperature`: the confidences the rules read come from logits divided by it,
+    the tokens from the logits as they are (a benchmark's calibrated view; greedy only)."""
+
+    def __init__(
+        self,
+        proposal: Proposal,
+        make_rule,
+        draws_randomness: bool,
+        editing: Editing | None = None,
+        confidence_temperature: float = 1.0,
+        lookahead: Lookahead | None = None,
+    ):
+        self.proposal, self.make_rule, self.draws_randomness = proposal, make_rule, draws_randomness
+        self.editing, self.confidence_temperature = editing, confidence_temperature
+        self.lookahead = lookahead
+        self._rule: SelectionRule | None = None
+
+    @property
+    def fills_after_eos(self) -> bool:
+        """Whether `eos_early_stop` fills the window after the first EOS (d3LLM's rule) rather than
+        stopping the row at it (LLaDA2.0's): the lookahead's (`Lookahead.fills_after_eos`)."""
+        return self.lookahead is not None and self.lookahead.fills_after_eos
+
+    @classmethod
+    def from_config(cls, config, rules=None) -> UnmaskingStrategy:
+        """`rules`: the model family's `DecodingRules` (its own proposal, where it has one, and
+        which of d3LLM's codes its multi-block decoding follows); None: LLaDA's."""
+        rule = SELECTION_RULES[config_names.selection_rule_name(config)]
+        proposal = proposal_for(config, rule, None if rules is None else rules.proposal)
+        return cls(
+            proposal,
+            lambda: rule.from_config(config),
+            proposal.draws_randomness() or rule.draws_randomness(config),
+            Editing.from_config(config),
+            config.confidence_temperature,
+            Lookahead.from_config(config, "llada" if rules is None else rules.d3llm_code),
+        )
+
+    def propose(self, logits: torch.Tensor, generators, draws, clock=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, confidence), each (B, T), for logits (B, T, V). `draws[i]` names the generator
+        of batch row i, or is None for a row with nothing to reveal (it draws nothing)."""
+        logits = logits if self.proposal.model_dtype else logits.float()
+        tokens, conf = self.proposal(logits, generators, draws, clock)
+        if self.confidence_temperature != 1.0:  # greedy (checked by the config): no randomness drawn twice
+            _, conf = self.proposal(logits / self.confidence_temperature, generators, draws, clock)
+        return tokens, conf
+
+    def decide(
+        self,
+        logits: torch.Tensor,
+        block: torch.Tensor,
+        clock: BlockClock,
+        generators,
+        mask_id: int,
+        later: torch.Tensor | None = None,
+        editable: torch.Tensor | None = None,
+        constraints: dict | None = None,
+        carry: list | None = None,
+    ) -> Decision:
+        """One step's decision for every row: `logits` (B, W, V) of the current block (B, T) and,
+        with multi-block decoding, of the blocks after it (`later`, (B, W - T) their tokens);
+        `editable` (B, T) the revealed positions an editing rule may rewrite; `constraints`
+        {row: grammar} the rows whose answers follow one. Every row takes part."""
+        rule = self.rule
+        blk = block.shape[1]
+        masked = block == mask_id
+        raw_logits = logits  # before the [MASK] guard: DMax's top probabilities include the mask
+        drawing = None if generators is None else list(range(block.shape[0]))
+        with record_function("fastdllm.propose"):
+            tokens, conf = self.propose(logits, generators, drawing, clock)
+        proposed_mask = tokens == mask_id
+        # A model may rank [MASK] first (an untrained one does): revealing it would leave the
+        # position masked for ever. Those positions get the best other token instead; the
+        # references would loop or keep the mask there, and no other position changes. Greedy
+        # proposals draw nothing, so the other token is proposed every step and no host read
+        # decides it; sampled ones propose again only when needed, so that each row's random
+        # stream advances as in the reference (one whose reference draws once per step takes the
+        # best other token without drawing again: `Proposal.redraws`).
+        if generators is None or bool(proposed_mask.any()):
+            logits = logits.clone()
+            logits[..., mask_id] = NEG_INF
+            again = self.proposal.redraws and generators is not None
+            others, others_conf = self.propose(logits, generators if again else None, drawing if again else None, clock)
+            tokens = torch.where(proposed_mask, others, tokens)
+            conf = torch.where(proposed_mask, others_conf, conf)
+        constraints = constraints or {}
+        ahead_tokens = ahead = None
+        if later is not None:  # the blocks after the current one: what the lookahead rule reveals
+            ahead_tokens = tokens[:, blk:]
+            later_masked = later == mask_id
+            if constraints:  # a grammar reveals left to right: its later blocks wait
+                later_masked[list(constraints)] = False
+            ahead = self.lookahead.select(conf[:, blk:], later_masked, masked, conf[:, :blk]) & later_masked
+            logits, tokens, conf = logits[:, :blk], tokens[:, :blk], conf[:, :blk]
+        with record_function("fastdllm.select"):
+            chosen = rule.select(conf, masked, clock, generators, drawing) & masked
+        for i, constraint in constraints.items():  # the grammar's say: left to right, each token accepted
+            constraint.amend(logits[i], tokens[i], chosen[i], masked[i])
+        edited = None
+        if self.editing is not None:
+            if constraints:  # a checked token is never rewritten
+                editable = editable.clone()
+                editable[list(constraints)] = False
+            edited = self.editing.select(tokens, conf, block, editable)
+        top_token = top_prob = None
+        if self.editing is not None and self.editing.needs_top:  # DMax's _get_prob_stats, float32
+            lf = raw_logits[:, :blk].float()
+            top_logit, top_token = lf.max(-1)
+            top_prob = (top_logit - torch.logsumexp(lf, -1)).exp()
+        decision = Decision(tokens, chosen, edited, ahead_tokens, ahead, top_token, top_prob)
+        if self.editing is not None and self.editing.soft_embeddings:  # every revealed position, fed back
+            decision.signal = SoftTokens(top_token, top_prob, editable | chosen)
+        if self.editing is not None:
+            decision.block_done, decision.carry = self.editing.block_done(
+                block, decision, editable, clock, carry, mask_id
+            )
+        return decision
+
+    @property
+    def rule(self) -> SelectionRule:
+        """The selection rule (rules keep no state: one serves every generation)."""
+        if self._rule is None:
+            self._rule = self.make_rule()
+        return self._rule
+
+    def _with_rule(self, make_rule) -> UnmaskingStrategy:
+        return UnmaskingStrategy(
+            self.proposal, make_rule, self.draws_randomness, self.editing, self.confidence_temperature, self.lookahead
+        )
+
+    def new_rule(self) -> SelectionRule:
+        """A fresh selection rule."""
+        return self.make_rule()
+
+    def in_sub_blocks(self, size: int) -> UnmaskingStrategy:
+        """The same strategy, revealing each block sub-block by sub-block (`SubBlocks`)."""
+        inner = self.make_rule
+        return self._with_rule(lambda: SubBlocks(inner(), size))
+
+    def revealing_first_at_block_start(self) -> UnmaskingStrategy:
+        """The same strategy whose block-start step reveals the block's first position
+        (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache, Fast-dLLM v2)."""
+        inner = self.make_rule
+        return self._with_rule(lambda: FirstPositionAtBlockStart(inner()))
