@@ -96,7 +96,7 @@ def main(argv=None) -> int:
 def _prefill_equal(model, batch, padded, invariant: bool) -> str:
     """How many padded rows' logits of one full forward of the batch equal their own alone."""
     from fastdllm import GenerationConfig
-    from fastdllm.engine.decoder import prepare_inputs
+    from fastdllm.engine.rows import prepare_inputs
 
     ids, mask = prepare_inputs(model, batch, None, GenerationConfig(gen_length=32, block_length=32))
     width = ids.shape[1]

@@ -102,7 +102,7 @@ def _opt(default, kind: str, help: str, server: bool = True, search: tuple = (),
     `server` says whether an API request may set it under this name; `search` lists the values
     `fastdllm tune` tries for it (a speed knob; empty: tune leaves the field as given); `row` that
     it decides only what a row reveals, not what a forward computes, so rows that differ in it
-    share forwards (`engine.decoder.join_key`)."""
+    share forwards (`engine.rows.join_key`)."""
     meta = {"kind": kind, "help": help, "server": server, "search": search, "row": row}
     return field(default=default, metadata=meta)
 

@@ -11,7 +11,8 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.engine.decoder import BlockDecoder, join_key
+from fastdllm.engine.decoder import BlockDecoder
+from fastdllm.engine.rows import join_key
 from fastdllm.evaluation.tasks import arith
 from fastdllm.evaluation.tasks.arith import prompt_ids
 from fastdllm.server.scheduler import BlockFinal, JobEnded, JobFailed

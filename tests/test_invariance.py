@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fastdllm import GenerationConfig, generate
-from fastdllm.engine.decoder import BlockDecoder, prepare_inputs
+from fastdllm.engine.decoder import BlockDecoder
+from fastdllm.engine.rows import prepare_inputs
 
 from .test_continuous import config_for
 

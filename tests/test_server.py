@@ -19,8 +19,8 @@ import uvicorn
 
 import fastdllm
 from fastdllm.config import GenerationConfig
-from fastdllm.engine.decoder import layout_columns
 from fastdllm.engine.generation import generate
+from fastdllm.engine.rows import layout_columns
 from fastdllm.server import ChoiceText, ServerSettings, create_app
 from fastdllm.server.scheduler import JobEnded, JobFailed
 from fastdllm.text.completion import complete

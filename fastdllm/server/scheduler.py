@@ -12,11 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import GenerationConfig
-from ..engine.decoder import BlockDecoder, join_key, layout_columns
+from ..engine.decoder import BlockDecoder
 from ..engine.kv import KVRunner
 from ..engine.kv.prefix import DEFAULT_BUDGET_BYTES, PrefixStore
 from ..engine.policies import PolicySource
 from ..engine.ranks import LocalCommands, constraint_specs
+from ..engine.rows import join_key, layout_columns
 from ..models.tp import RankLost
 from .schema import APIError
 
@@ -89,7 +90,7 @@ class Job:
 
     def pages(self, answer: bool = True) -> int:
         """The pages of a block its rows hold at most in the K/V pool: each row's columns
-        (`decoder.layout_columns`) in whole blocks; without `answer`, its prompts' alone."""
+        (`rows.layout_columns`) in whole blocks; without `answer`, its prompts' alone."""
         cfg, block = self.config, self.config.block_length
         gen = 0 if answer else cfg.gen_length
         return sum(-(-(layout_columns(len(p), cfg) - gen) // block) for p in self.prompts)
@@ -114,7 +115,7 @@ class Job:
 class Scheduler:
     """One bounded FIFO queue of jobs, served by one inference thread that batches them.
 
-    Jobs whose configs differ at most in the answer's length and steps (`decoder.join_key`) decode
+    Jobs whose configs differ at most in the answer's length and steps (`rows.join_key`) decode
     together. With `continuous` (the default), a job that arrives while a batch runs joins it at the
     next step, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
     without, it waits for the batch to finish. A row leaves as soon as it is done.

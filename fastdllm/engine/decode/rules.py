@@ -297,7 +297,7 @@ class FirstPositionAtBlockStart(SelectionRule):
     rule decides the steps after it (a schedule counts the block-start step as its step 0).
     Fast-dLLM's Dream with a block cache does this; so does Fast-dLLM v2 always: its first token
     of a block is the argmax of the previous block's last logit, read by the forward that commits
-    that block. A row whose block opens with prompt tokens (`decoder.Row.lead`) has no such
+    that block. A row whose block opens with prompt tokens (`rows.Row.lead`) has no such
     token to reveal: the rule decides its block-start step too."""
 
     def __init__(self, inner: SelectionRule):

@@ -1,0 +1,255 @@
+"""The rows the decoding loop runs (`Row`, built from a batch's prompts by `prepare_inputs`), what
+one step returns (`Step`), and the keys that decide which rows may decode together (`join_key`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import GenerationConfig, is_int
+
+
+def join_key(config: GenerationConfig) -> tuple:
+    """What must be equal for rows to decode in one batch: what the forwards depend on (block
+    length, cache policy, window, ...). The fields declared per row (`GenerationConfig.row_fields`:
+    the answer's length, steps, threshold, temperature, stop rules, ...) may differ: each row
+    decides with its own."""
+    rows = set(GenerationConfig.row_fields())
+    return tuple((f, getattr(config, f)) for f in GenerationConfig.field_names() if f not in rows)
+
+
+def layout_columns(prompt_length: int, config: GenerationConfig) -> int:
+    """The most columns a row of this prompt length and config takes in the loop's layout (and its
+    cache): its prompt, region (one block more where a block-causal prompt ends inside a block)
+    and suffix, and the columns a step reads past it."""
+    suffix = len(config.suffix) if config.suffix is not None else 0  # text: about its length in tokens
+    past = config.columns_past_answer
+    return prompt_length + config.gen_length + past + suffix + config.block_length * (1 + config.parallel_blocks)
+
+
+def decision_key(config: GenerationConfig) -> GenerationConfig:
+    """The config but what the loop reads per row (its length and step schedule): rows equal in
+    it decide with one strategy object."""
+    return config.replace(gen_length=config.block_length, steps=None, fixed=(), suffix=None)
+
+
+@dataclass(eq=False)
+class Row:
+    """One prompt being decoded, with what it cost (as decoded alone)."""
+
+    prompt: torch.Tensor  # (P,) token ids before its decoding region
+    config: GenerationConfig  # its region's length (gen_length) and steps; the decoding fields are the batch's
+    generator: torch.Generator | None
+    tag: object = None  # the caller's handle (the server's job)
+    block: int = 0  # the block it decodes now (or next, once it left)
+    step: int = 0  # the steps it took in that block
+    # blocks before the current one that became final without a forward of their own since its
+    # last block-start forward (multi-block decoding revealed them whole): a refresh recomputes them
+    unrefreshed: int = 0
+    reused: int = 0  # its prompt's leading columns whose K/V it had before its first forward
+    prefilled: int = 0  # while it waits to join: its prompt's columns computed so far (chunked prefill)
+    finished: bool = False  # stopped at a stop token
+    answer: torch.Tensor | None = None  # (gen_length,) once it left the batch (EOS-filled after a stop)
+    unmask_step: torch.Tensor | None = None  # (gen_length,) the row's step revealing each position
+    nfe: int = 0  # forwards it took part in
+    tokens_per_step: list[int] = field(default_factory=list)  # positions revealed (edits not counted)
+    forward_positions: int = 0  # query positions of those forwards
+    attended_positions: int = 0  # query x key positions
+    # A block-causal model's blocks lie at fixed positions (p // block_size), so a prompt that ends
+    # inside one shares it with the answer's first tokens: those prompt tokens (`lead_tokens`) open
+    # the row's decoding region, already revealed, and the region is one block longer than the
+    # answer (`asked` tokens), as the references decode to the end of the block holding the last one.
+    asked: int = 0
+    lead_tokens: torch.Tensor | None = None
+    # A grammar its answer must follow (`constraints.GrammarConstraint`): it amends every step's
+    # choice so the answer is revealed left to right, each token checked.
+    constraint: object = None
+    strategy: object = None  # the unmasking strategy it decides with (`decode.UnmaskingStrategy`)
+    # Infilling: tokens fixed at answer positions ((position, id) pairs), laid out before the first
+    # step and never masked (their step is -1, as a prompt token's: no rule reveals or edits them),
+    # and the suffix after the region, which every forward of a bidirectional model sees.
+    fixed: tuple = ()
+    suffix: torch.Tensor | None = None
+    # what its strategy's signal makes its next forward's input at some columns (DMax's soft
+    # embeddings, DiffusionGemma's self-conditioning): (columns, vectors)
+    soft: tuple | None = None
+    # with `config.logprobs`, per block that became final: per answer position of it, (its token's
+    # log-probability in the forward that wrote it, the most likely tokens there as (id,
+    # log-probability) pairs), None where no forward chose the token (fixed, or padding after a stop)
+    block_logprobs: dict = field(default_factory=dict)
+    carry: object = None  # its strategy's state for its next step in this block (`Decision.carry`)
+
+    @property
+    def stop_block(self) -> int:
+        """The first of its region's blocks whose stop tokens end the row: the block of its last
+        fixed token (a stop token before it pads the fill; the fixed tokens stay)."""
+        return max(((self.lead + p) // self.config.block_length for p, _ in self.fixed), default=0)
+
+    @property
+    def extent(self) -> int:
+        """Its columns in the layout: prompt, region and suffix."""
+        return len(self.prompt) + self.config.gen_length + (0 if self.suffix is None else len(self.suffix))
+
+    @property
+    def lead(self) -> int:
+        return 0 if self.lead_tokens is None else len(self.lead_tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    def column(self, block_length: int) -> int:
+        """Where its current block starts in the layout (its prompt fills the columns before its region)."""
+        return len(self.prompt) + self.block * block_length
+
+    @property
+    def prompt_positions(self) -> int:
+        """Its prompt's length less what the prefix store gave it: the work of one prefill (an
+        autoregressive model's share of the prompt, with the same prefix cache)."""
+        return len(self.prompt) + self.lead - self.reused
+
+    def answer_span(self, block: int, block_length: int) -> tuple[int, int, int, int]:
+        """Where block `block` of the region lies in the answer: (answer from, to, block from, to),
+        clipped to the answer's `asked` positions."""
+        lo, hi = block * block_length - self.lead, (block + 1) * block_length - self.lead
+        a_lo, a_hi = max(0, lo), min(self.asked, hi)
+        return a_lo, max(a_lo, a_hi), a_lo - lo, max(a_lo, a_hi) - lo
+
+    @property
+    def answered(self) -> bool:
+        """Whether the blocks before its current one hold its whole answer (its region may run
+        past it: `lead_tokens`, `GenerationConfig.columns_past_answer`)."""
+        return self.block * self.config.block_length >= self.lead + self.asked
+
+    @property
+    def done(self) -> bool:
+        return self.answer is not None
+
+
+@dataclass
+class Step:
+    """What one step did: the rows that took part (all of the batch), each one's block at the
+    step, the block's tokens after it (B, block_length), and what it revealed (`chosen`) and
+    rewrote (`edited`, None without editing) there."""
+
+    rows: list[Row]
+    blocks: list[int]
+    tokens: torch.Tensor
+    chosen: torch.Tensor
+    edited: torch.Tensor | None = None
+
+
+def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):
+    """Left-pad a list of prompts (or check a padded tensor); returns ids (B, P) and mask (B, P)."""
+    pad_id = model.args.eos_token_id
+    vocab = model.args.vocab_size
+    if (
+        input_ids is None
+        or isinstance(input_ids, (str, bytes))
+        or (isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], str))
+    ):
+        raise ValueError(
+            "input_ids: generate() takes token ids (a list of ints, a list of lists, or a tensor); "
+            "for text use fastdllm.generate_text(model, tokenizer, text)"
+        )
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected (batch, length), got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+            raise ValueError(f"input_ids: token ids must be integers, got a {input_ids.dtype} tensor")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+        ids = input_ids.to(model.device, torch.long)
+        if attention_mask is None:
+            mask = torch.ones_like(ids, dtype=torch.bool)
+        else:
+            mask = attention_mask.to(model.device).bool()
+            if mask.shape != ids.shape:
+                raise ValueError("attention_mask: must have the shape of input_ids")
+            if not mask[:, -1].all() or (mask[:, 1:].long() < mask[:, :-1].long()).any():
+                raise ValueError("attention_mask: prompts must be left-padded (ones at the end of every row)")
+    else:
+        input_ids = list(input_ids)
+        if not input_ids:
+            raise ValueError("input_ids: empty batch")
+        rows = (
+            [input_ids]
+            if not isinstance(input_ids[0], (list, tuple, torch.Tensor))
+            else [list(r.tolist() if isinstance(r, torch.Tensor) else r) for r in input_ids]
+        )
+        for r in rows:
+            for t in r:
+                if not is_int(t):
+                    raise ValueError(f"input_ids: token ids must be integers, got {t!r} ({type(t).__name__})")
+                if not 0 <= t < vocab:
+                    raise ValueError(f"input_ids: token id {t} is outside the vocabulary [0, {vocab})")
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if r:
+                ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+                mask[i, width - len(r) :] = True
+        ids, mask = ids.to(model.device), mask.to(model.device)
+    if ids.shape[1] == 0 or (mask.sum(-1) == 0).any():
+        raise ValueError("input_ids: empty prompt (every row needs at least one token)")
+    family = getattr(model, "family", None)
+    masked = family is None or not family.rules.noise_canvas  # with no mask token, any token may be in a prompt
+    if masked and ((ids == model.mask_token_id) & mask).any():
+        raise ValueError(f"input_ids: a prompt contains the mask token (id {model.mask_token_id})")
+    suffix = 0 if config.suffix is None else len(config.suffix)
+    suffix += int(family is not None and family.rules.closing_token is not None) + config.columns_past_answer
+    if ids.shape[1] + config.gen_length + suffix > model.args.max_seq_len:
+        raise ValueError(
+            f"gen_length: prompt ({ids.shape[1]} tokens) + gen_length ({config.gen_length})"
+            + (f" + suffix ({suffix})" if suffix else "")
+            + f" exceeds the model's max_sequence_length ({model.args.max_seq_len})"
+        )
+    return ids, mask
+
+
+def row_generators(config: GenerationConfig, batch: int, row_seeds, device) -> list[torch.Generator]:
+    if row_seeds is not None:
+        if len(row_seeds) != batch:
+            raise ValueError(f"row_seeds: need one seed per row ({batch}), got {len(row_seeds)}")
+        seeds = list(row_seeds)
+    else:
+        base = config.seed if config.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        seeds = [base + i for i in range(batch)]
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
+class ForwardClock:
+    """Time inside the forwards, without waiting for the device: on a GPU each forward is
+    bracketed by CUDA events, read once when the total is asked for; on a CPU, the wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple] = []
+        self.wall = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.events.append((start, torch.cuda.Event(enable_timing=True)))
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.events[-1][1].record()
+        else:
+            self.wall += time.perf_counter() - self._t0
+
+    @property
+    def seconds(self) -> float:
+        if not self.events:
+            return self.wall
+        self.events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.events) / 1000
