@@ -97,14 +97,49 @@ class ConfigError(ValueError):
         self.param, self.detail = param, message
 
 
-def _opt(default, kind: str, help: str, server: bool = True, search: tuple = (), row: bool = False):
+def _opt(default, kind: str, help: str, server: bool = True, search: tuple = (), row: bool = False, checks: tuple = ()):
     """A field: `kind` is int | float | str | bool, prefixed with "optional " when None is allowed;
     `server` says whether an API request may set it under this name; `search` lists the values
     `fastdllm tune` tries for it (a speed knob; empty: tune leaves the field as given); `row` that
     it decides only what a row reveals, not what a forward computes, so rows that differ in it
-    share forwards (`engine.rows.join_key`)."""
-    meta = {"kind": kind, "help": help, "server": server, "search": search, "row": row}
+    share forwards (`engine.rows.join_key`); `checks`, the field's own rules, (predicate, what is
+    allowed) pairs that `validate` applies to a value that is not None (the rules that join fields
+    are `validate`'s)."""
+    meta = {"kind": kind, "help": help, "server": server, "search": search, "row": row, "checks": checks}
     return field(default=default, metadata=meta)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    return v == v and v not in (float("inf"), float("-inf"))
+
+
+def _positive_int(v) -> bool:
+    return is_int(v) and v > 0
+
+
+def _unit_interval(v) -> bool:
+    return _is_num(v) and 0 <= v <= 1
+
+
+def _zero_or_warm(v) -> bool:
+    """A temperature that dividing float32 logits by does not overflow (0: none)."""
+    return v == 0 or v >= MIN_TEMPERATURE
+
+
+def _above(lo):
+    return lambda v: _is_num(v) and v > lo
+
+
+def _finite_at_least(lo):
+    return lambda v: _is_num(v) and _finite(v) and v >= lo
+
+
+def _one_of(names):
+    return lambda v: v in names
 
 
 @dataclass(frozen=True)
@@ -128,11 +163,40 @@ class GenerationConfig:
     reference requires divisibility). `steps` defaults to gen_length.
     """
 
-    gen_length: int = _opt(256, "int", "tokens to generate (a multiple of block_length)", server=False, row=True)
-    block_length: int = _opt(32, "int", "block size: blocks are decoded left to right", search=(8, 16, 32, 64))
+    gen_length: int = _opt(
+        256,
+        "int",
+        "tokens to generate (a multiple of block_length)",
+        server=False,
+        row=True,
+        checks=((_positive_int, "must be a positive integer"),),
+    )
+    block_length: int = _opt(
+        32,
+        "int",
+        "block size: blocks are decoded left to right",
+        search=(8, 16, 32, 64),
+        checks=((_positive_int, "must be a positive integer"),),
+    )
     steps: int | None = _opt(None, "optional int", "schedule steps over all blocks (default: gen_length)", row=True)
-    temperature: float = _opt(0.0, "float", "sampling temperature (0: greedy)", server=False, row=True)
-    remasking: str = _opt("low_confidence", "str", "LLaDA's confidence: " + " | ".join(REMASKING), row=True)
+    temperature: float = _opt(
+        0.0,
+        "float",
+        "sampling temperature (0: greedy)",
+        server=False,
+        row=True,
+        checks=(
+            (_finite_at_least(0), "must be a finite number >= 0"),
+            (_zero_or_warm, f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}"),
+        ),
+    )
+    remasking: str = _opt(
+        "low_confidence",
+        "str",
+        "LLaDA's confidence: " + " | ".join(REMASKING),
+        row=True,
+        checks=((_one_of(REMASKING), "must be one of " + ", ".join(REMASKING)),),
+    )
     threshold: float | None = _opt(
         0.9,
         "optional float",
@@ -141,9 +205,19 @@ class GenerationConfig:
         search=(0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99),
         row=True,
     )
-    factor: float | None = _opt(None, "optional float", "factor-rule parallel decoding (takes precedence)", row=True)
+    factor: float | None = _opt(
+        None,
+        "optional float",
+        "factor-rule parallel decoding (takes precedence)",
+        row=True,
+        checks=((_above(0), "must be > 0 or None"),),
+    )
     cache: str = _opt(
-        "dual", "str", "KV cache policy: " + " | ".join(CACHE_POLICIES), search=("none", "prefix", "dual")
+        "dual",
+        "str",
+        "KV cache policy: " + " | ".join(CACHE_POLICIES),
+        search=("none", "prefix", "dual"),
+        checks=((_one_of(CACHE_POLICIES), lambda: "must be one of " + ", ".join(CACHE_POLICIES)),),
     )
     unmasking: str | None = _opt(
         None,
@@ -152,14 +226,53 @@ class GenerationConfig:
         + " | ".join(SELECTION_RULES)
         + " (default: factor if set, else threshold, else the step schedule)",
         row=True,
+        checks=((_one_of(SELECTION_RULES), lambda: "must be None or one of " + ", ".join(SELECTION_RULES)),),
     )
-    alg: str | None = _opt(None, "optional str", "Dream's confidence: " + " | ".join(DREAM_ALGS), row=True)
-    alg_temp: float | None = _opt(None, "optional float", "Dream: sample positions with this temperature", row=True)
-    eps: float = _opt(1e-3, "float", "Dream: the final timestep", row=True)
-    top_p: float | None = _opt(None, "optional float", "nucleus sampling (Dream)", server=False, row=True)
-    top_k: int | None = _opt(None, "optional int", "top-k sampling (Dream)", row=True)
+    alg: str | None = _opt(
+        None,
+        "optional str",
+        "Dream's confidence: " + " | ".join(DREAM_ALGS),
+        row=True,
+        checks=((_one_of(DREAM_ALGS), "must be None or one of " + ", ".join(DREAM_ALGS)),),
+    )
+    alg_temp: float | None = _opt(
+        None,
+        "optional float",
+        "Dream: sample positions with this temperature",
+        row=True,
+        checks=(
+            (_finite_at_least(0), "must be a finite number >= 0 or None"),
+            (_zero_or_warm, f"must be 0 or None (top-k) or at least {MIN_TEMPERATURE:g}"),
+        ),
+    )
+    eps: float = _opt(
+        1e-3,
+        "float",
+        "Dream: the final timestep",
+        row=True,
+        checks=((lambda v: _is_num(v) and 0 < v < 1, "must be in (0, 1)"),),
+    )
+    top_p: float | None = _opt(
+        None,
+        "optional float",
+        "nucleus sampling (Dream)",
+        server=False,
+        row=True,
+        checks=((lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1] or None"),),
+    )
+    top_k: int | None = _opt(
+        None,
+        "optional int",
+        "top-k sampling (Dream)",
+        row=True,
+        checks=((_positive_int, "must be a positive integer or None"),),
+    )
     max_denoising_steps: int = _opt(
-        48, "int", "unmasking=entropy_bound (DiffusionGemma): at most this many steps per canvas", row=True
+        48,
+        "int",
+        "unmasking=entropy_bound (DiffusionGemma): at most this many steps per canvas",
+        row=True,
+        checks=((_positive_int, "must be >= 1"),),
     )
     entropy_bound: float = _opt(
         0.1,
@@ -167,11 +280,22 @@ class GenerationConfig:
         "unmasking=entropy_bound: keep the lowest-entropy tokens whose summed entropy less the largest "
         "stays at most this; renoise the rest",
         row=True,
+        checks=((_above(0), "must be > 0"),),
     )
-    t_min: float = _opt(0.4, "float", "unmasking=entropy_bound: the temperature at a canvas's last step", row=True)
+    t_min: float = _opt(
+        0.4,
+        "float",
+        "unmasking=entropy_bound: the temperature at a canvas's last step",
+        row=True,
+        checks=((lambda v: _is_num(v) and v >= 0, "must be >= 0"),),
+    )
     t_max: float = _opt(0.8, "float", "unmasking=entropy_bound: the temperature at a canvas's first step", row=True)
     stability_threshold: int = _opt(
-        1, "int", "unmasking=entropy_bound: a canvas may stop once its argmax held this many steps", row=True
+        1,
+        "int",
+        "unmasking=entropy_bound: a canvas may stop once its argmax held this many steps",
+        row=True,
+        checks=((lambda v: is_int(v) and v >= 0, "must be >= 0"),),
     )
     confidence_threshold: float | None = _opt(
         0.005,
@@ -179,18 +303,21 @@ class GenerationConfig:
         "unmasking=entropy_bound: a canvas may stop once its mean entropy (nats) is below this "
         "(none: every canvas takes max_denoising_steps)",
         row=True,
+        checks=((_above(0), "must be > 0 or None"),),
     )
     window_size: int = _opt(
         16,
         "int",
         "unmasking=wedlm: a step reveals only among this many positions from the first masked one "
         "(WeDLM's sliding window)",
+        checks=((_positive_int, "must be a positive integer"),),
     )
     pos_penalty_factor: float = _opt(
         0.02,
         "float",
         "unmasking=wedlm: a masked position's entropy is raised by this per position after the window's first mask",
         row=True,
+        checks=((_finite_at_least(0), "must be a finite number >= 0"),),
     )
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token", row=True)
     eos_early_stop: bool = _opt(
@@ -214,14 +341,21 @@ class GenerationConfig:
         "block is rewritten when the model's new token differs and is more "
         "confident than this; 'none': no editing",
         search=(None, 0.5, 0.8, 0.95),
+        checks=((_unit_interval, "must be in [0, 1] or None"),),
     )
-    max_post_steps: int = _opt(16, "int", "with editing: at most this many steps of a block after its last mask")
+    max_post_steps: int = _opt(
+        16,
+        "int",
+        "with editing: at most this many steps of a block after its last mask",
+        checks=((lambda v: is_int(v) and v >= 0, "must be a non-negative integer"),),
+    )
     stop_confidence: float | None = _opt(
         None,
         "optional float",
         "with editing: a block ends at the step where every position masked at its start has its most "
         "probable token at least this likely, or that changes nothing, and after at most block_length "
         "steps (DMax's rule); None: LLaDA2.1's (max_post_steps)",
+        checks=((lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),),
     )
     soft_embeddings: bool = _opt(
         False,
@@ -234,6 +368,7 @@ class GenerationConfig:
         "optional int",
         "forwards see only this many positions after the current block (after DPad); 'none': the whole answer region",
         search=(None, 0, 8, 16, 32, 64),
+        checks=((lambda v: is_int(v) and v >= 0, "must be a non-negative integer or None"),),
     )
     parallel_blocks: int = _opt(
         1,
@@ -241,6 +376,7 @@ class GenerationConfig:
         "multi-block decoding (after D2F): while the current block is finished, up to this many blocks "
         "in all are decoded in the same forwards (1: one block at a time)",
         search=(1, 2, 3),
+        checks=((_positive_int, "must be a positive integer"),),
     )
     block_add_threshold: float = _opt(
         0.5,
@@ -249,6 +385,7 @@ class GenerationConfig:
         "this fraction of its positions revealed (D2F's block_add_threshold)",
         search=(0.25, 0.5, 0.75),
         row=True,
+        checks=((_unit_interval, "must be in [0, 1]"),),
     )
     decoded_token_threshold: float = _opt(
         0.9,
@@ -256,6 +393,7 @@ class GenerationConfig:
         "with parallel_blocks > 1: a later block whose predecessor has this fraction revealed reveals "
         "at least its most confident position each step (D2F's decoded_token_threshold)",
         row=True,
+        checks=((_unit_interval, "must be in [0, 1]"),),
     )
     lookahead_threshold: float = _opt(
         0.95,
@@ -264,6 +402,7 @@ class GenerationConfig:
         "confident than this (D2F's skip_threshold; stricter than threshold)",
         search=(0.9, 0.95, 0.99),
         row=True,
+        checks=((_unit_interval, "must be in [0, 1]"),),
     )
     refresh: str = _opt(
         "vicinity",
@@ -272,26 +411,34 @@ class GenerationConfig:
         + " | ".join(REFRESH_RULES)
         + " (vicinity: from the just-finished block on, after dInfer)",
         search=("full", "vicinity", "adaptive"),
+        checks=((_one_of(REFRESH_RULES), lambda: "must be one of " + ", ".join(REFRESH_RULES)),),
     )
     refresh_every: int | None = _opt(
-        None, "optional int", "with refresh=vicinity: a full refresh every N blocks", search=(None, 2, 4)
+        None,
+        "optional int",
+        "with refresh=vicinity: a full refresh every N blocks",
+        search=(None, 2, 4),
+        checks=((_positive_int, "must be a positive integer or None"),),
     )
     cache_delay: int = _opt(
         2,
         "int",
         "with cache=delayed: the forwards a finished block waits, every one of them full, before its "
         "K/V join the cache (d3LLM's cache_delay_iter)",
+        checks=((lambda v: is_int(v) and v >= 0, "must be an integer >= 0"),),
     )
     refresh_interval: int | None = _opt(
         None,
         "optional int",
         "with cache=delayed: a full forward every N forwards of a row (d3LLM's refresh_interval)",
+        checks=((_positive_int, "must be a positive integer or None"),),
     )
     refresh_tol: float = _opt(
         0.1,
         "float",
         "with refresh=adaptive: the relative change of the just-finished "
         "block's keys above which a row is refreshed fully",
+        checks=((_finite_at_least(0), "must be a finite number >= 0"),),
     )
     prefix_cache: str = _opt(
         "exact",
@@ -301,6 +448,7 @@ class GenerationConfig:
         + " (exact: where a prompt block's K/V depend on it alone, block-causal models; "
         "approximate: bidirectional models too, like Fast-dLLM's prefix cache)",
         search=("exact", "approximate"),
+        checks=((_one_of(PREFIX_CACHE), "must be one of " + ", ".join(PREFIX_CACHE)),),
     )
     prefill_chunk: int | None = _opt(
         2048,
@@ -318,6 +466,7 @@ class GenerationConfig:
         "chosen (a calibrated view for benchmarks: `fastdllm bench --calibrate`); greedy decoding only",
         server=False,
         row=True,
+        checks=((lambda v: _is_num(v) and _finite(v) and v > 0, "must be a finite number > 0"),),
     )
     fixed: tuple = _opt(
         (),
@@ -333,7 +482,14 @@ class GenerationConfig:
         "bidirectional attention; block-causal families cannot see it)",
         row=True,
     )
-    seed: int | None = _opt(None, "optional int", "random seed (rows use seed, seed + 1, ...)", server=False, row=True)
+    seed: int | None = _opt(
+        None,
+        "optional int",
+        "random seed (rows use seed, seed + 1, ...)",
+        server=False,
+        row=True,
+        checks=((is_int, "must be an integer or None"),),
+    )
     logprobs: int | None = _opt(
         None,
         "optional int",
@@ -341,6 +497,7 @@ class GenerationConfig:
         "likely tokens there (0: none; at most 20)",
         server=False,
         row=True,
+        checks=((lambda v: is_int(v) and 0 <= v <= MAX_LOGPROBS, f"must be an integer 0-{MAX_LOGPROBS} or None"),),
     )
     logprobs_mode: str = _opt(
         "processed",
@@ -348,6 +505,7 @@ class GenerationConfig:
         "with logprobs: processed (under the row's temperature, top-k / top-p and grammar, as vLLM "
         "reports them) or raw (the model's log-softmax as it is)",
         row=True,
+        checks=((_one_of(LOGPROBS_MODES), "must be one of " + ", ".join(LOGPROBS_MODES)),),
     )
     adapter: str | None = _opt(
         None,
@@ -356,6 +514,7 @@ class GenerationConfig:
         "none: the base model",
         server=False,
         row=True,
+        checks=((lambda v: isinstance(v, str) and v != "", "must be a name or None"),),
     )
     compile: bool = _opt(
         False,
@@ -724,252 +883,180 @@ class GenerationConfig:
 
     # -- validation
     def validate(self) -> None:
-        """Every check in one place: a ConfigError naming the parameter and what is allowed.
+        """Every field's own rules (declared beside it, `checks`; a bool field must be a bool),
+        then the rules that join fields, grouped by what they concern. A ConfigError naming the
+        parameter and what is allowed."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), f.metadata["kind"]
+            if value is None and kind.startswith("optional "):
+                continue
+            if kind.endswith("bool"):
+                _need(isinstance(value, bool), self, f.name, "must be true or false")
+            for ok, allowed in f.metadata["checks"]:
+                _need(ok(value), self, f.name, allowed() if callable(allowed) else allowed)
+        self._check_schedule()
+        self._check_selection()
+        self._check_blocks_and_cache()
+        self._check_editing()
+        self._check_infill()
+        _need(
+            not (self.cuda_graphs and self.deterministic),
+            self,
+            "cuda_graphs",
+            "not with deterministic (its forwards attend row by row)",
+        )
 
-        Long on purpose: one `need` per field, in declaration order, so that every rule a config
-        obeys reads as one list (the cross-field rules beside the fields they join)."""
-
-        def need(ok: bool, name: str, allowed: str, got=None) -> None:
-            """`got`: the offending part, in words, where the field's whole value is not it."""
-            if not ok:
-                raise ConfigError(name, f"{allowed} (got {got if got is not None else repr(getattr(self, name))})")
-
-        def is_num(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        need(is_int(self.gen_length) and self.gen_length > 0, "gen_length", "must be a positive integer")
-        need(is_int(self.block_length) and self.block_length > 0, "block_length", "must be a positive integer")
-        need(self.gen_length % self.block_length == 0, "block_length", f"must divide gen_length={self.gen_length}")
+    def _check_schedule(self) -> None:
+        """The answer's blocks and steps, and the temperature schedule of a renoising canvas."""
+        _need(
+            self.gen_length % self.block_length == 0, self, "block_length", f"must divide gen_length={self.gen_length}"
+        )
         if self.steps is not None:
-            need(is_int(self.steps), "steps", "must be an integer or None")
+            _need(is_int(self.steps), self, "steps", "must be an integer or None")
             if self.one_block:  # RND1's schedule: more steps than masks is a slower reveal, as there
-                need(self.steps >= 1, "steps", "must be at least 1")
+                _need(self.steps >= 1, self, "steps", "must be at least 1")
             else:
-                need(
+                _need(
                     self.num_blocks <= self.steps <= self.gen_length,
+                    self,
                     "steps",
                     f"must be between the number of blocks ({self.num_blocks}) and gen_length ({self.gen_length})",
                 )
-        finite = lambda v: v == v and v not in (float("inf"), float("-inf"))  # noqa: E731
-        need(
-            is_num(self.temperature) and finite(self.temperature) and self.temperature >= 0,
-            "temperature",
-            "must be a finite number >= 0",
-        )
-        # logits / temperature overflows to inf (and softmax to NaN) for tiny temperatures: 0 is greedy
-        need(
-            self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
-            "temperature",
-            f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}",
-        )
-        need(self.remasking in REMASKING, "remasking", f"must be one of {', '.join(REMASKING)}")
-        need(is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps", "must be >= 1")
-        need(is_num(self.entropy_bound) and self.entropy_bound > 0, "entropy_bound", "must be > 0")
-        need(is_num(self.t_min) and self.t_min >= 0, "t_min", "must be >= 0")
-        need(is_num(self.t_max) and self.t_max > self.t_min, "t_max", f"must be > t_min={self.t_min}")
-        need(is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold", "must be >= 0")
-        if self.confidence_threshold is not None:
-            need(
-                is_num(self.confidence_threshold) and self.confidence_threshold > 0,
-                "confidence_threshold",
-                "must be > 0 or None",
-            )
+        _need(_is_num(self.t_max) and self.t_max > self.t_min, self, "t_max", f"must be > t_min={self.t_min}")
+
+    def _check_selection(self) -> None:
+        """The selection rule and its parameters; greedy-only calibration."""
         if self.threshold is not None and self.unmasking in ("entropy", "wedlm"):  # an entropy, in nats
-            need(is_num(self.threshold) and 0 < self.threshold < float("inf"), "threshold", "must be > 0 (nats)")
+            _need(_above(0)(self.threshold) and _finite(self.threshold), self, "threshold", "must be > 0 (nats)")
         elif self.threshold is not None:
-            need(is_num(self.threshold) and 0 < self.threshold <= 1, "threshold", "must be in (0, 1] or None")
-        if self.factor is not None:
-            need(is_num(self.factor) and self.factor > 0, "factor", "must be > 0 or None")
-        need(self.cache in CACHE_POLICIES, "cache", f"must be one of {', '.join(CACHE_POLICIES)}")
-        need(
-            self.unmasking is None or self.unmasking in SELECTION_RULES,
-            "unmasking",
-            f"must be None or one of {', '.join(SELECTION_RULES)}",
-        )
+            _need(_is_num(self.threshold) and 0 < self.threshold <= 1, self, "threshold", "must be in (0, 1] or None")
         for rule in ("threshold", "factor"):  # the rule named needs its parameter
-            need(self.unmasking != rule or getattr(self, rule) is not None, rule, f"unmasking={rule} needs a {rule}")
-        need(
+            _need(
+                self.unmasking != rule or getattr(self, rule) is not None,
+                self,
+                rule,
+                f"unmasking={rule} needs a {rule}",
+            )
+        _need(
             self.unmasking != "entropy" or self.threshold is not None,
+            self,
             "threshold",
             "unmasking=entropy needs a threshold (an entropy, in nats)",
         )
-        need(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}")
-        if self.adapter is not None:
-            need(isinstance(self.adapter, str) and self.adapter != "", "adapter", "must be a name or None")
-        need(is_int(self.window_size) and self.window_size >= 1, "window_size", "must be a positive integer")
-        need(
-            is_num(self.pos_penalty_factor) and finite(self.pos_penalty_factor) and self.pos_penalty_factor >= 0,
-            "pos_penalty_factor",
-            "must be a finite number >= 0",
-        )
         if self.unmasking == "wedlm":  # its window moves one position at a time: blocks of one
-            need(
+            _need(
                 self.block_length == 1,
+                self,
                 "block_length",
                 "must be 1 with unmasking=wedlm (its window slides by positions)",
             )
-            need(
+            _need(
                 self.parallel_blocks == 1,
+                self,
                 "parallel_blocks",
                 "must be 1 with unmasking=wedlm (its window is window_size)",
             )
-        need(self.alg is None or self.alg in DREAM_ALGS, "alg", f"must be None or one of {', '.join(DREAM_ALGS)}")
-        if self.alg_temp is not None:
-            need(
-                is_num(self.alg_temp) and finite(self.alg_temp) and self.alg_temp >= 0,
-                "alg_temp",
-                "must be a finite number >= 0 or None",
-            )
-            need(
-                self.alg_temp == 0 or self.alg_temp >= MIN_TEMPERATURE,
-                "alg_temp",
-                f"must be 0 or None (top-k) or at least {MIN_TEMPERATURE:g}",
-            )
-        need(is_num(self.eps) and 0 < self.eps < 1, "eps", "must be in (0, 1)")
-        if self.top_p is not None:
-            need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1] or None")
-        if self.top_k is not None:
-            need(is_int(self.top_k) and self.top_k >= 1, "top_k", "must be a positive integer or None")
-        need(isinstance(self.stop_at_eos, bool), "stop_at_eos", "must be true or false")
-        need(isinstance(self.eos_early_stop, bool), "eos_early_stop", "must be true or false")
-        need(self.stop_at_eos or not self.eos_early_stop, "eos_early_stop", "needs stop_at_eos")
-        if self.sub_block_length is not None:
-            need(
-                is_int(self.sub_block_length)
-                and self.sub_block_length >= 1
-                and is_int(self.block_length)
-                and self.block_length % self.sub_block_length == 0,
-                "sub_block_length",
-                f"must be a positive integer dividing block_length={self.block_length}, or None",
-            )
-        need(
-            self.cache != "sub-block" or self.sub_block_length is not None,
-            "cache",
-            "'sub-block' needs sub_block_length",
-        )
-        if self.editing_threshold is not None:
-            need(
-                is_num(self.editing_threshold) and 0 <= self.editing_threshold <= 1,
-                "editing_threshold",
-                "must be in [0, 1] or None",
-            )
-        need(
-            is_int(self.max_post_steps) and self.max_post_steps >= 0, "max_post_steps", "must be a non-negative integer"
-        )
-        if self.stop_confidence is not None:
-            need(is_num(self.stop_confidence) and 0 < self.stop_confidence <= 1, "stop_confidence", "must be in (0, 1]")
-            need(self.editing_threshold is not None, "stop_confidence", "needs editing (editing_threshold)")
-            need(self.parallel_blocks == 1, "stop_confidence", "decides one block at a time: use parallel_blocks=1")
-        need(isinstance(self.soft_embeddings, bool), "soft_embeddings", "must be true or false")
-        need(
-            not self.soft_embeddings or self.editing_threshold is not None,
-            "soft_embeddings",
-            "needs editing (editing_threshold): the fed-back positions are the ones a step may revise",
-        )
-        need(
-            not self.soft_embeddings or (not self.cuda_graphs and self.parallel_blocks == 1),
-            "soft_embeddings",
-            "not with cuda_graphs or parallel_blocks > 1",
-        )
-        if self.suffix_window is not None:
-            need(
-                is_int(self.suffix_window) and self.suffix_window >= 0,
-                "suffix_window",
-                "must be a non-negative integer or None",
-            )
-        need(
-            is_int(self.parallel_blocks) and self.parallel_blocks >= 1,
-            "parallel_blocks",
-            "must be a positive integer",
-        )
-        for name in ("block_add_threshold", "decoded_token_threshold", "lookahead_threshold"):
-            value = getattr(self, name)
-            need(is_num(value) and 0 <= value <= 1, name, "must be in [0, 1]")
-        need(
-            self.parallel_blocks == 1 or (self.sub_block_length is None and self.cache != "sub-block"),
-            "parallel_blocks",
-            "sub-block decoding (sub_block_length) reveals one block at a time: use parallel_blocks=1",
-        )
-        need(self.refresh in REFRESH_RULES, "refresh", f"must be one of {', '.join(REFRESH_RULES)}")
-        need(self.prefix_cache in PREFIX_CACHE, "prefix_cache", f"must be one of {', '.join(PREFIX_CACHE)}")
-        need(
-            is_num(self.refresh_tol) and finite(self.refresh_tol) and self.refresh_tol >= 0,
-            "refresh_tol",
-            "must be a finite number >= 0",
-        )
-        if self.refresh_every is not None:
-            need(
-                is_int(self.refresh_every) and self.refresh_every >= 1,
-                "refresh_every",
-                "must be a positive integer or None",
-            )
-        need(is_int(self.cache_delay) and self.cache_delay >= 0, "cache_delay", "must be an integer >= 0")
-        need(
-            self.prefill_chunk is None or (is_int(self.prefill_chunk) and self.prefill_chunk >= self.block_length),
-            "prefill_chunk",
-            f"must be None or an integer >= block_length ({self.block_length})",
-        )
-        if self.refresh_interval is not None:
-            need(
-                is_int(self.refresh_interval) and self.refresh_interval >= 1,
-                "refresh_interval",
-                "must be a positive integer or None",
-            )
-        need(
-            is_num(self.confidence_temperature)
-            and finite(self.confidence_temperature)
-            and self.confidence_temperature > 0,
-            "confidence_temperature",
-            "must be a finite number > 0",
-        )
-        need(
+        _need(self.stop_at_eos or not self.eos_early_stop, self, "eos_early_stop", "needs stop_at_eos")
+        _need(
             self.confidence_temperature == 1 or self.temperature == 0,
+            self,
             "confidence_temperature",
             "needs greedy decoding (temperature 0): sampled tokens would be drawn twice",
         )
+
+    def _check_blocks_and_cache(self) -> None:
+        """Sub-blocks, several blocks at once, and what the cache policy needs."""
+        if self.sub_block_length is not None:
+            _need(
+                is_int(self.sub_block_length)
+                and self.sub_block_length >= 1
+                and self.block_length % self.sub_block_length == 0,
+                self,
+                "sub_block_length",
+                f"must be a positive integer dividing block_length={self.block_length}, or None",
+            )
+        _need(
+            self.cache != "sub-block" or self.sub_block_length is not None,
+            self,
+            "cache",
+            "'sub-block' needs sub_block_length",
+        )
+        _need(
+            self.parallel_blocks == 1 or (self.sub_block_length is None and self.cache != "sub-block"),
+            self,
+            "parallel_blocks",
+            "sub-block decoding (sub_block_length) reveals one block at a time: use parallel_blocks=1",
+        )
+        _need(
+            self.prefill_chunk is None or (is_int(self.prefill_chunk) and self.prefill_chunk >= self.block_length),
+            self,
+            "prefill_chunk",
+            f"must be None or an integer >= block_length ({self.block_length})",
+        )
+
+    def _check_editing(self) -> None:
+        """LLaDA2.1's editing and what rides on it (DMax's stop and soft embeddings)."""
+        if self.stop_confidence is not None:
+            _need(self.editing_threshold is not None, self, "stop_confidence", "needs editing (editing_threshold)")
+            _need(
+                self.parallel_blocks == 1, self, "stop_confidence", "decides one block at a time: use parallel_blocks=1"
+            )
+        _need(
+            not self.soft_embeddings or self.editing_threshold is not None,
+            self,
+            "soft_embeddings",
+            "needs editing (editing_threshold): the fed-back positions are the ones a step may revise",
+        )
+        _need(
+            not self.soft_embeddings or (not self.cuda_graphs and self.parallel_blocks == 1),
+            self,
+            "soft_embeddings",
+            "not with cuda_graphs or parallel_blocks > 1",
+        )
+
+    def _check_infill(self) -> None:
+        """Fixed tokens inside the answer and a suffix after it."""
         for pos, value in self.fixed:
-            need(is_int(pos) and pos >= 0, "fixed", "positions must be integers >= 0", got=f"position {pos!r}")
-            need(
+            _need(is_int(pos) and pos >= 0, self, "fixed", "positions must be integers >= 0", got=f"position {pos!r}")
+            _need(
                 (isinstance(value, str) and value != "")
                 or (isinstance(value, tuple) and value and all(is_int(t) for t in value)),
+                self,
                 "fixed",
                 f"at {pos}: a non-empty text or token ids",
                 got=repr(value),
             )
-            need(pos < self.gen_length, "fixed", f"positions must be below gen_length={self.gen_length}", f"{pos}")
+            _need(
+                pos < self.gen_length, self, "fixed", f"positions must be below gen_length={self.gen_length}", f"{pos}"
+            )
             if not isinstance(value, str):
-                need(
+                _need(
                     pos + len(value) <= self.gen_length,
+                    self,
                     "fixed",
                     f"at {pos}: beyond gen_length={self.gen_length}",
                     got=f"{len(value)} tokens",
                 )
         spans = [(p, p + len(v)) for p, v in self.fixed if not isinstance(v, str)]
         for (a, a_end), (b, _) in zip(spans, spans[1:]):
-            need(a_end <= b, "fixed", f"the spans at {a} and {b} overlap", got=f"the span at {a} ends at {a_end}")
+            _need(
+                a_end <= b, self, "fixed", f"the spans at {a} and {b} overlap", got=f"the span at {a} ends at {a_end}"
+            )
         if self.suffix is not None:
-            need(
+            _need(
                 (isinstance(self.suffix, str) and self.suffix != "")
                 or (isinstance(self.suffix, tuple) and self.suffix and all(is_int(t) for t in self.suffix)),
+                self,
                 "suffix",
                 "must be a non-empty text, token ids, or None",
             )
-        if self.seed is not None:
-            need(is_int(self.seed), "seed", "must be an integer or None")
-        if self.logprobs is not None:
-            need(
-                is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                f"must be an integer 0-{MAX_LOGPROBS} or None",
-            )
-        need(isinstance(self.compile, bool), "compile", "must be true or false")
-        need(isinstance(self.deterministic, bool), "deterministic", "must be true or false")
-        need(isinstance(self.cuda_graphs, bool), "cuda_graphs", "must be true or false")
-        need(
-            not (self.cuda_graphs and self.deterministic),
-            "cuda_graphs",
-            "not with deterministic (its forwards attend row by row)",
-        )
+
+
+def _need(ok: bool, config: GenerationConfig, name: str, allowed: str, got=None) -> None:
+    """A ConfigError naming `name` unless `ok`; `got`: the offending part, in words, where the
+    field's whole value is not it."""
+    if not ok:
+        raise ConfigError(name, f"{allowed} (got {got if got is not None else repr(getattr(config, name))})")
 
 
 def _fixed_pairs(fixed) -> tuple:
