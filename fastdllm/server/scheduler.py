@@ -148,7 +148,7 @@ class Scheduler:
         self.model = model
         self.kv_cache_bytes = kv_cache_bytes
         self.kv = KVRunner(model, kv_cache_bytes, prefix_cache_bytes)  # the batches' rows page into its pool
-        self.token_kv_bytes = model.new_cache(1, 1).nbytes()  # one position of every layer, on this rank
+        self.token_kv_bytes = self.kv.page_bytes(1)  # one position of every layer, on this rank
         self.kv_in_use = 0  # bytes the running batch's layout holds (what `kv_cache_bytes` bounds)
         self.commands = commands or LocalCommands()
         self.on_rank_lost: Callable[[RankLost], None] | None = None
