@@ -110,9 +110,9 @@ def test_a_checkpoint_named_for_dparallel_decodes_as_dparallel(tiny_llada, tiny_
 
 
 def test_d3llms_later_blocks_take_their_sure_positions_and_the_lowest_overall():
-    from fastdllm.engine.decode import EntropyLookahead, Lookahead
+    from fastdllm.engine.decode import EntropyLookahead, lookahead_for
 
-    assert isinstance(Lookahead.from_config(GenerationConfig.d3llm()), EntropyLookahead)
+    assert isinstance(lookahead_for(GenerationConfig.d3llm()), EntropyLookahead)
     rule = EntropyLookahead(depth=3, add=0.5, activate=0.95, threshold=0.5)
     current = torch.tensor([[False, False, True, True]])  # half revealed: block 1 takes part, block 2 not
     current_conf = torch.tensor([[-0.1, -0.1, -0.9, -0.8]])  # its masked ones: entropies 0.9 and 0.8

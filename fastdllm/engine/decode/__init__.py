@@ -1,5 +1,13 @@
 """Unmasking policies: given the current block's logits, which masked positions become tokens.
 
+The files: the shared parts (`decision`: what a strategy returns; `sampling`: per-row draws;
+`rules` and `proposals`: the two bases; `lookahead`: several blocks at once; `strategy`: the
+`UnmaskingStrategy` that joins them), then one file per published decoder: `fast_dllm`
+(threshold, factor), `llada` (its proposal and linear schedule), `dream` (its `alg` scores and
+timestep schedule), `dparallel` (the entropy threshold, d3LLM's lookahead), `sdar`,
+`fast_dllm_v2` (sub-blocks), `dmax`, `llada2` (LLaDA2.1's editing), `rnd1`, `renoising`
+(DiffusionGemma's canvas without a mask token) and `wedlm` (its sliding window).
+
 An `UnmaskingStrategy` is one policy, built once from a config (`UnmaskingStrategy.from_config`)
 and passed to the loop. Two separate choices make it, each an object:
 
@@ -49,35 +57,20 @@ block, so batched and single runs consume identical random streams.
 """
 
 from .decision import Decision, SoftTokens, token_logprobs
-from .editing import Editing
-from .lookahead import EntropyLookahead, Lookahead
-from .proposals import (
-    DMaxProposal,
-    DreamProposal,
-    FastDLLMv2Proposal,
-    LLaDA2Proposal,
-    LLaDAProposal,
-    Proposal,
-    SDARProposal,
-)
+from .dmax import DMaxProposal, LeftToRight
+from .dparallel import EntropyLookahead, EntropyThreshold
+from .dream import DreamProposal, DreamSchedule
+from .fast_dllm import Factor, FirstPositionAtBlockStart, Threshold
+from .fast_dllm_v2 import FastDLLMv2Proposal, SubBlocks
+from .llada import LinearSchedule, LLaDAProposal
+from .llada2 import Editing, LLaDA2Proposal
+from .lookahead import Lookahead
+from .proposals import Proposal
 from .renoising import RenoisingStrategy, check_canvas
 from .rnd1 import RND1Proposal, RND1Schedule
-from .rules import (
-    BlockClock,
-    DreamSchedule,
-    EntropyThreshold,
-    Factor,
-    FirstPositionAtBlockStart,
-    LeftToRight,
-    LinearSchedule,
-    Quota,
-    SelectionRule,
-    SubBlocks,
-    Threshold,
-    linear_schedule_at,
-    register_selection_rule,
-)
-from .strategy import UnmaskingStrategy
+from .rules import BlockClock, SelectionRule, linear_schedule_at, register_selection_rule
+from .sdar import Quota, SDARProposal
+from .strategy import UnmaskingStrategy, lookahead_for, proposal_for
 from .wedlm import WeDLMRule, WeDLMStrategy
 
 __all__ = [
@@ -112,6 +105,8 @@ __all__ = [
     "WeDLMStrategy",
     "check_canvas",
     "linear_schedule_at",
+    "lookahead_for",
+    "proposal_for",
     "register_selection_rule",
     "token_logprobs",
 ]

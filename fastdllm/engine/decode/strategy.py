@@ -7,12 +7,18 @@ import torch
 from torch.profiler import record_function
 
 from ... import config as config_names
-from ..registry import SELECTION_RULES
+from ..registry import PROPOSALS, SELECTION_RULES
 from .decision import Decision, SoftTokens
-from .editing import Editing
+from .dmax import DMaxProposal
+from .dparallel import EntropyLookahead
+from .dream import DreamProposal
+from .fast_dllm import FirstPositionAtBlockStart
+from .fast_dllm_v2 import SubBlocks
+from .llada import LLaDAProposal
+from .llada2 import Editing
 from .lookahead import Lookahead
-from .proposals import Proposal, proposal_for
-from .rules import BlockClock, FirstPositionAtBlockStart, SelectionRule, SubBlocks
+from .proposals import Proposal
+from .rules import BlockClock, SelectionRule
 from .sampling import NEG_INF
 
 
@@ -56,7 +62,7 @@ class UnmaskingStrategy:
             proposal.draws_randomness() or rule.draws_randomness(config),
             Editing.from_config(config),
             config.confidence_temperature,
-            Lookahead.from_config(config, "llada" if rules is None else rules.d3llm_code),
+            lookahead_for(config, "llada" if rules is None else rules.d3llm_code),
         )
 
     def propose(self, logits: torch.Tensor, generators, draws, clock=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,3 +171,36 @@ class UnmaskingStrategy:
         (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache, Fast-dLLM v2)."""
         inner = self.make_rule
         return self._with_rule(lambda: FirstPositionAtBlockStart(inner()))
+
+
+def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None = None) -> Proposal:
+    """LLaDA's proposal without `alg`, Dream's with it. Only Dream's own schedule reads `alg` as
+    a score: the parallel rules (threshold, factor) compare probabilities (Fast-dLLM's Dream
+    "confidence_threshold"); a margin or a negative entropy is on another scale (an entropy score
+    is never >= 0.9, so every step would reveal one token)."""
+    if getattr(rule, "score", None) == "entropy":  # dParallel's entropy, in its LLaDA or Dream form
+        return LLaDAProposal(config, "entropy") if config.alg is None else DreamProposal(config, "unfiltered_entropy")
+    if getattr(rule, "score", None) == "logsumexp":
+        return DMaxProposal(config)
+    if getattr(rule, "proposal", None) is not None:  # a rule that comes with its reference's proposal
+        return PROPOSALS[rule.proposal](config)
+    if family_proposal is not None:
+        return PROPOSALS[family_proposal](config)
+    if config.alg is None:
+        return LLaDAProposal(config)
+    score = "probability"
+    if rule.uses_steps:
+        score = {"topk_margin": "margin", "entropy": "entropy"}.get(config.alg, "probability")
+    return DreamProposal(config, score)
+
+
+def lookahead_for(config, d3llm_code: str = "llada") -> Lookahead | None:
+    """The lookahead a config asks for (None: one block at a time): d3LLM's entropy form with
+    `unmasking="entropy"`, else the threshold form; `d3llm_code`: which of d3LLM's codes the model
+    family follows (`DecodingRules`)."""
+    if config.parallel_blocks == 1:
+        return None
+    args = (config.parallel_blocks, config.block_add_threshold, config.decoded_token_threshold)
+    if config.unmasking == "entropy":
+        return EntropyLookahead(*args, config.threshold, keeps_lowest=d3llm_code == "llada")
+    return Lookahead(*args, config.lookahead_threshold)

@@ -1,9 +1,36 @@
-"""LLaDA2.1's token editing (and DMax's use of it): revising revealed tokens after a block's
-masks are gone."""
+"""LLaDA2's decoding: its proposal and LLaDA2.1's token editing (DMax decodes with it too)."""
 
 from __future__ import annotations
 
 import torch
+
+from ..registry import PROPOSALS
+from .proposals import Proposal
+from .sampling import filter_top_p_top_k, sample_each
+
+
+@PROPOSALS.register
+class LLaDA2Proposal(Proposal):
+    """LLaDA2's `_sample_with_temperature_topk_topp`: logits divided by the temperature (unless it
+    is 0 or 1), top-k then top-p filtered, the token drawn from their softmax, its probability
+    there the confidence. *Deliberate difference*: the published LLaDA2.0 sampler draws with
+    `multinomial` even at temperature 0, so its "greedy" default samples from softmax(logits);
+    here temperature 0 is greedy (the argmax and its softmax probability; deterministic, as
+    LLaDA2.1's own sampler does it), and the published draws are temperature=1."""
+
+    name = "llada2"
+
+    def __call__(self, logits, generators, draws, clock=None):
+        c = self.config
+        if c.temperature <= 0:
+            probs = logits.softmax(-1)
+            tokens = probs.argmax(-1)
+        else:
+            if c.temperature != 1:
+                logits = logits / c.temperature
+            probs = filter_top_p_top_k(logits, c.top_p, c.top_k).softmax(-1)
+            tokens = sample_each(probs, generators, draws)
+        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 class Editing:
