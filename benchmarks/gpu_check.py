@@ -116,7 +116,10 @@ def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "e
     vocab = model.args.vocab_size
     capacity = max(capacity, length(history))
     x = torch.randint(0, vocab, (batch, capacity), device=device)
-    cache = model.new_cache(batch, capacity)
+    from fastdllm.engine.kv.pages import FixedSlots, PagedKVCache
+
+    cache = PagedKVCache.for_rows(model, batch, capacity)
+    slots = FixedSlots(cache, cache.slot_table(capacity))  # the fixed-shape step's view of it
     shift = int(model.args.shifted_logits)
     positions = torch.arange(capacity, device=device).expand(batch, capacity)
     for forward in history:
@@ -125,7 +128,7 @@ def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "e
             columns = (lo + torch.arange(hi - lo, device=device)).expand(batch, hi - lo)
             key_ok = (torch.arange(capacity, device=device) < keys).expand(batch, capacity)
             step = model.graphed_window_logits()
-            step(x.gather(1, columns), columns, columns, key_ok, positions, cache, None, hi - start)
+            step(x.gather(1, columns), columns, columns, key_ok, positions, slots, None, hi - start)
             continue
         model.packed_logits(x, [(b, lo, hi, keys, start) for b in range(batch)], cache, compiled=mode == "compile")
 

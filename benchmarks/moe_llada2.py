@@ -40,6 +40,7 @@ import fastdllm
 import fastdllm.models.moe as moe
 from fastdllm import GenerationConfig
 from fastdllm.embedded.recipe import build_tokenizer
+from fastdllm.engine.kv.pages import PagedKVCache
 from fastdllm.evaluation.tasks import arith
 from fastdllm.models import Transformer
 from fastdllm.models.llada2 import FAMILY
@@ -144,8 +145,9 @@ def time_shares(model: Transformer, prefix: int = 256, block: int = 32, reps: in
         return wrapper
 
     x = torch.randint(0, model.args.vocab_size - 2, (1, prefix + block))
-    cache = model.new_cache(1, prefix + block)
-    model.logits_for(x, prefix, prefix + block, cache=cache)  # fills the cache (and warms up)
+    end = prefix + block
+    cache = PagedKVCache.for_rows(model, 1, end)
+    model.packed_logits(x, [(0, 0, end, end, prefix)], cache)  # fills the cache (and warms up)
     moe.route, moe.expert_linear = timed("router", route), timed("experts", linear)
     moe.MoEFeedForward.forward = timed("moe", forward)
     shared = [m.shared for m in model.modules() if isinstance(m, moe.MoEFeedForward) and m.shared is not None]
@@ -156,7 +158,7 @@ def time_shares(model: Transformer, prefix: int = 256, block: int = 32, reps: in
             spent[k] = 0.0
         t0 = time.perf_counter()
         for _ in range(reps):
-            model.logits_for(x, prefix, prefix + block, window=(prefix, prefix + block), cache=cache)
+            model.packed_logits(x, [(0, prefix, end, end, prefix)], cache)
         total = (time.perf_counter() - t0) / reps
     finally:
         moe.route, moe.expert_linear, moe.MoEFeedForward.forward = route, linear, forward

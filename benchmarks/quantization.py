@@ -115,14 +115,17 @@ def wide_rows(args, dtype: str) -> dict:
     x = torch.randint(0, 1000, (1, length))
     positions = torch.arange(length)[None]
     ws = length - block
-    caches = {name: model.new_cache(1, length) for name, model in models.items()}
+    from fastdllm.engine.kv.pages import FixedSlots, PagedKVCache
+
+    pools = {name: PagedKVCache.for_rows(model, 1, length) for name, model in models.items()}
+    caches = {name: FixedSlots(pool, pool.slot_table(length)) for name, pool in pools.items()}
     for name, model in models.items():  # fill each cache once (and warm up)
-        model.hidden(x, positions, None, caches[name], 0)
+        model.hidden(x, positions, None, caches[name], positions)
     # The layers only: the output head (126464 x 4096) stays unquantized in every row and would dominate.
     for _ in range(args.repeats):
         for name, model in models.items():
             t0 = time.perf_counter()
-            model.hidden(x[:, ws:], positions[:, ws:], None, caches[name], ws)
+            model.hidden(x[:, ws:], positions[:, ws:], None, caches[name], positions[:, ws:])
             out["rows"][name]["forward_s"].append(time.perf_counter() - t0)
     for name, r in out["rows"].items():
         r["forward_median_s"] = statistics.median(r.pop("forward_s"))

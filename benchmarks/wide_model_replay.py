@@ -82,7 +82,9 @@ def replay(model, history: list[list[tuple]]) -> float:
     end column, keys, first logit column); tokens are random: only the shapes matter."""
     length = max(max(hi, keys) for windows in history for _, _, hi, keys, _ in windows)
     x = torch.randint(0, 1000, (1, length))
-    cache = model.new_cache(1, length)
+    from fastdllm.engine.kv.pages import PagedKVCache
+
+    cache = PagedKVCache.for_rows(model, 1, length)
     t0 = time.perf_counter()
     for windows in history:
         model.packed_logits(x, windows, cache)

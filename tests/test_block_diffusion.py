@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
+from fastdllm.engine.kv.pages import PagedKVCache
 from fastdllm.engine.policies import Policies
 from fastdllm.models.loading import save_pretrained
 
@@ -132,14 +133,15 @@ def test_cached_windows_equal_a_full_block_causal_forward(name, request):
     b, shift = model.args.block_size, int(model.args.shifted_logits)
     x = sample_ids(model, 6 * b)[None].clone()
     x[0, 2 * b :] = model.mask_token_id
-    cache = model.new_cache(1, 6 * b)
-    model.logits_for(x[:, : 3 * b], 2 * b, 3 * b, cache=cache.narrow(1, 3 * b))
+    cache = PagedKVCache.for_rows(model, 1, 6 * b)
+    model.packed_logits(x, [(0, 0, 3 * b, 3 * b, 2 * b)], cache)
     x[0, 2 * b : 3 * b] = torch.arange(b) + 5  # block 2 decoded
     for step in range(3):
         if step:
             x[0, 3 * b + step] = 40 + step  # a token revealed in block 3
-        window = (2 * b, 4 * b) if step == 0 else (3 * b, 4 * b)
-        got = model.logits_for(x[:, : 4 * b], 3 * b, 4 * b, window=window, cache=cache.narrow(1, 4 * b))
+        lo = 2 * b if step == 0 else 3 * b - shift
+        (got,) = model.packed_logits(x, [(0, lo, 4 * b, 4 * b, 3 * b)], cache)
+        got = got[None]
         want = model(x)[:, 3 * b - shift : 4 * b - shift]
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (step, (got - want).abs().max())
 

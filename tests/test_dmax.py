@@ -9,6 +9,7 @@ import torch
 
 from fastdllm import ConfigError, GenerationConfig, generate
 from fastdllm.engine.decode import BlockClock, Editing, LeftToRight
+from fastdllm.engine.kv.pages import PagedKVCache
 from fastdllm.models.transformer import soft_embeddings
 
 from .conftest import random_prompts
@@ -58,7 +59,7 @@ def test_the_input_hook_replaces_only_the_columns_it_names(tiny_llada):
     windows = [(0, 0, 10, 10, 0)]
 
     def logits(embeds=None):
-        cache = model.new_cache(1, 10)
+        cache = PagedKVCache.for_rows(model, 1, 10)
         return model.packed_logits(x, windows, cache, embeds=embeds)[0]
 
     plain = logits()

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fastdllm
+from fastdllm.engine.kv.pages import PagedKVCache
 from fastdllm.models import llada
 from fastdllm.models.loading import save_pretrained
-from fastdllm.models.transformer import positions_from_mask
 
 from .conftest import REPO
 
@@ -140,27 +140,28 @@ def _padded_batch(lengths, total, vocab=700, pad=0):
 
 
 @pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
-@pytest.mark.parametrize("lengths", [[11], [11, 7, 3]])
+@pytest.mark.parametrize("lengths", [[24], [24, 17, 13]])
 def test_cached_windows_equal_full_forward(arch, lengths, request):
-    """Right after a full forward fills the cache, prefix- and dual-mode logits of any window equal
-    the full forward's logits at those positions (fp32, tight tolerance), with left padding too."""
+    """Right after a packed forward fills the rows' pages, prefix- and dual-mode windows of any
+    span give each row's full forward's logits there (fp32, tight tolerance), rows of different
+    lengths packed together."""
     model = request.getfixturevalue(arch)
-    ids, mask = _padded_batch(lengths, 24)
-    bsz, length = ids.shape
-    positions = positions_from_mask(mask, bsz, length, "cpu")
-    key_mask = mask[:, None, None, :]
+    shift = int(model.args.shifted_logits)
+    x = torch.randint(
+        5, model.args.vocab_size - 5, (len(lengths), max(lengths)), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
-        full = model.logits_for(ids, 1, length, positions=positions, key_mask=key_mask)
-        for s, e in [(max(lengths), max(lengths) + 8), (length - 8, length), (5, 9)]:
-            cache = model.new_cache(bsz, length)
-            filled = model.logits_for(ids, s, e, cache=cache, positions=positions, key_mask=key_mask)
-            torch.testing.assert_close(filled, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
-            prefix = model.logits_for(
-                ids, s, e, window=(s, length), cache=cache, positions=positions, key_mask=key_mask
-            )
-            dual = model.logits_for(ids, s, e, window=(s, e), cache=cache, positions=positions, key_mask=key_mask)
-            torch.testing.assert_close(prefix, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(dual, full[:, s - 1 : e - 1], atol=1e-5, rtol=1e-5)
+        full = [model.logits_for(x[i : i + 1, :n], 1, n)[0] for i, n in enumerate(lengths)]
+        for s, width in [(11, 2), (5, 4), (9, 4)]:
+            cache = PagedKVCache.for_rows(model, len(lengths), max(lengths))
+            filled = model.packed_logits(x, [(i, 0, n, n, s) for i, n in enumerate(lengths)], cache)
+            prefix = model.packed_logits(x, [(i, s - shift, n, n, s) for i, n in enumerate(lengths)], cache)
+            dual = model.packed_logits(x, [(i, s - shift, s + width, n, s) for i, n in enumerate(lengths)], cache)
+            for i, n in enumerate(lengths):
+                want = full[i][s - 1 : n - 1]
+                torch.testing.assert_close(filled[i], want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(prefix[i], want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(dual[i], want[:width], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])

@@ -18,6 +18,7 @@ import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.engine.cache import CachePolicy
 from fastdllm.engine.decode import Editing, LLaDA2Proposal, UnmaskingStrategy
+from fastdllm.engine.kv.pages import PagedKVCache
 from fastdllm.engine.policies import Policies
 from fastdllm.models.loading import save_pretrained
 from fastdllm.models.moe import MoEFeedForward, route
@@ -262,10 +263,10 @@ class HostSyncs(TorchDispatchMode):
 def test_a_moe_forward_never_waits_on_the_host(name, request):
     model = request.getfixturevalue(name)
     x = masked_ids(model, 20)[None].repeat(3, 1)
-    cache = model.new_cache(3, 24)
+    cache = PagedKVCache.for_rows(model, 3, 20)
     with HostSyncs() as syncs:
-        model.logits_for(x, 16, 20, cache=cache.narrow(3, 20))
-        model.logits_for(x, 16, 20, window=(16, 20), cache=cache.narrow(3, 20))
+        model.packed_logits(x, [(i, 0, 20, 20, 16) for i in range(3)], cache)
+        model.packed_logits(x, [(i, 16, 20, 20, 16) for i in range(3)], cache)
     assert syncs.count == 0, syncs.ops
     # the counter sees a sync where there is one
     with HostSyncs() as syncs:

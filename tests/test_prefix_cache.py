@@ -15,7 +15,7 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.engine.decoder import BlockDecoder
-from fastdllm.engine.kv import runner_for
+from fastdllm.engine.kv import KVRunner, runner_for
 from fastdllm.engine.kv.pages import PagedKVCache
 from fastdllm.engine.kv.prefix import PrefixStore
 from fastdllm.evaluation.tasks import arith
@@ -241,7 +241,7 @@ def test_a_tight_kv_budget_runs_more_rows_when_prompts_share_a_prefix():
     model, tok = fastdllm.load("sdar-arith", dtype=torch.float32)
     prompts = fewshot(tok, 6, 4)
     defaults = GenerationConfig.for_model(model, GenerationConfig(gen_length=32), checkpoint_defaults=False)
-    token = model.new_cache(1, 1).nbytes()
+    token = KVRunner(model).page_bytes(1)
     own = max(Job([p], [0], defaults, None).pages() for p in prompts) * defaults.block_length * token
     budget = int(2.5 * own)
     seen = {}

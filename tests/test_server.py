@@ -20,6 +20,7 @@ import uvicorn
 import fastdllm
 from fastdllm.config import GenerationConfig
 from fastdllm.engine.generation import generate
+from fastdllm.engine.kv import KVRunner
 from fastdllm.engine.rows import layout_columns
 from fastdllm.server import ChoiceText, ServerSettings, create_app
 from fastdllm.server.scheduler import JobEnded, JobFailed
@@ -1017,7 +1018,7 @@ def test_a_kv_budget_queues_what_does_not_fit_and_refuses_what_never_could(loade
     answered, as alone), one that alone exceeds it gets a 400 naming max_tokens, and the usage
     gauge reads the budget's share in use."""
     model, tok = loaded
-    token = model.new_cache(1, 1).nbytes()
+    token = KVRunner(model).page_bytes(1)
     prompt = tok.encode_chat(MSG)
     block = DEFAULTS.block_length
     config = DEFAULTS.replace(gen_length=64)
@@ -1051,7 +1052,7 @@ def test_a_kv_budget_counts_each_rows_own_pages(loaded):
     """A short prompt and a long one run together under a budget of their own pages, which two
     rows of the longer one's length would exceed."""
     model, tok = loaded
-    token = model.new_cache(1, 1).nbytes()
+    token = KVRunner(model).page_bytes(1)
     short = [{"role": "user", "content": "2 + 2?"}]
     long_ = [{"role": "user", "content": " ".join(["Tom has 5 apples and buys 3 more."] * 12)}]
     block = DEFAULTS.block_length

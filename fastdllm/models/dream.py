@@ -2,8 +2,8 @@
 
 Qwen2 architecture with q/k/v biases and grouped-query attention, bidirectional attention.
 Dream was initialised from an autoregressive model and keeps its *shifted* prediction: the
-logit at position i-1 predicts token i. `Transformer.logits_for` hides the shift, so decoding
-code always receives "logits for position i".
+logit at position i-1 predicts token i. `Transformer.packed_logits` (and `logits_for`) hide the
+shift, so decoding code always receives "logits for position i".
 
 Numerics, where we deliberately differ: RoPE is applied in float32 for both families (LLaDA's
 `rope_full_precision`), while Dream's own code rotates in the model's dtype. In float32 the two

@@ -11,9 +11,10 @@ block and of earlier blocks, none after. The family files only translate their c
 config fields and weight names into `ModelArgs` and the module names used here, and say whether
 the logits are shifted.
 
-The one forward that decoding needs is `Transformer.logits_for`: compute a window
-[ws, we) of the sequence, optionally against a KV cache holding everything else,
-and return logits for the positions [start, end) only.
+The one forward that decoding needs is `Transformer.packed_logits`: every row's window of the
+layout in one packed sequence, each attending over its own keys in its pages of the K/V pool
+(`engine.kv`); `window_logits_static` is its fixed-shape form (CUDA graphs). `logits_for` is a
+full forward's logits of a span (scoring and tools).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from torch import nn
 
 from .args import ModelArgs
 from .invariance import BatchInvariant
-from .kv_cache import KVCache
 from .mlp import FeedForward
 from .moe import MoEFeedForward
 
@@ -152,8 +152,8 @@ class Attention(nn.Module):
 
     def attend_segments(self, q, k, v, segments, layer_cache) -> torch.Tensor:
         """Attention of packed rows (`Segment`s of the one sequence (1, heads, N, head_dim)): each
-        row's window K/V written into its own row of the cache (a `KVCache` row, or its pages of a
-        `PagedKVCache`), its queries attending over its own keys (views into the cache where they
+        row's window K/V written into its own pages of the cache (`PagedKVCache`), its queries
+        attending over its own keys (views into the cache where they
         are one run: no padding, no copy). (1, N, heads * head_dim)."""
         gqa = self.n_kv_heads != self.n_heads
         out = q.new_empty(q.shape)
@@ -252,7 +252,7 @@ class Transformer(nn.Module):
     (`name_or_path`), and its `stop_token_ids` (EOS and end of turn, from the tokenizer: tokens
     after which nothing matters).
 
-    `compiled=True` in `hidden` / `logits_for` runs each layer's dense math (norms, projections,
+    `compiled=True` in `packed_logits` runs each layer's dense math (norms, projections,
     RoPE, the MLP) through `torch.compile` (inductor, dynamic shapes: any window width, batch size
     and cache length); attention, which writes the cache in place, stays eager, so the cache's
     views and masks cause no recompilation. The first calls compile (seconds on a CPU; `generate.
@@ -331,10 +331,6 @@ class Transformer(nn.Module):
     def mask_token_id(self) -> int:
         return self.args.mask_token_id
 
-    def new_cache(self, batch: int, length: int) -> KVCache:
-        layers, heads, width = self.kv_shape
-        return KVCache(layers, batch, heads, length, width, dtype=self.dtype, device=self.device)
-
     # ---- forward passes -------------------------------------------------------------------
     def compiled_layers(self) -> list:
         """Per layer, the dense math before and after attention through torch.compile."""
@@ -353,7 +349,7 @@ class Transformer(nn.Module):
         tokens,
         positions,
         key_mask=None,
-        cache: KVCache | None = None,
+        cache=None,
         window_start: int = 0,
         compiled: bool = False,
         batch_invariant: bool = False,
@@ -379,7 +375,7 @@ class Transformer(nn.Module):
         self,
         x: torch.Tensor,
         windows: list[tuple[int, int, int, int, int]],
-        cache: KVCache,
+        cache,
         *,
         compiled: bool = False,
         block_size: int | None = None,
@@ -464,7 +460,7 @@ class Transformer(nn.Module):
         start: torch.Tensor,
         key_ok: torch.Tensor,
         key_positions: torch.Tensor,
-        cache: KVCache,
+        cache,
         block_size: int | None,
         keep: int,
     ) -> torch.Tensor:
@@ -489,7 +485,7 @@ class Transformer(nn.Module):
         if self._graphed_window is None:
             compiled = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=False)
 
-            def step(tokens, positions, start, key_ok, key_positions, cache: KVCache, block_size=None, keep=None):
+            def step(tokens, positions, start, key_ok, key_positions, cache, block_size=None, keep=None):
                 # The graph writes the cache in place: its buffers must be static inputs (as a
                 # module's buffers are), or inductor declines to capture a graph that mutates them.
                 for buffer in (cache.k, cache.v):
@@ -539,52 +535,30 @@ class Transformer(nn.Module):
         start: int,
         end: int,
         *,
-        window: tuple[int, int] | None = None,
-        cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
-        compiled: bool = False,
         block_size: int | None = None,
         batch_invariant: bool = False,
     ) -> torch.Tensor:
-        """Logits (B, end-start, V) in which row j predicts token `start + j`, for every family.
-
-        window=None (or the whole sequence) runs a full forward; with `cache` it also fills the
-        cache. A smaller window [ws, we) needs a cache filled by an earlier full forward: the
-        window's K/V are recomputed and written back, everything else is read from the cache.
-        Prefix mode is window (block_start, L); DualCache is window (block_start, block_end).
-        `positions` (B, L) and `key_mask` (B, 1, 1, L) describe the whole sequence (padding).
-        `block_size`: a block-causal model's attention blocks for this call (the decoding block,
-        where the family decodes in blocks other than its training block); default its own.
-        `batch_invariant`: each row's logits exactly as computed alone (`models.invariance`).
-        """
+        """Logits (B, end-start, V) in which row j predicts token `start + j`, for every family,
+        from a full forward of `x` (B, L) (scoring, tools; decoding's forward is `packed_logits`).
+        `positions` (B, L) and `key_mask` (B, 1, 1, L) describe the sequence (padding).
+        `block_size`: a block-causal model's attention blocks for this call; default its own.
+        `batch_invariant`: each row's logits exactly as computed alone (`models.invariance`)."""
         bsz, length = x.shape
-        ws, we = (0, length) if window is None else window
         shift = 1 if self.args.shifted_logits else 0
         # Position 0 has no position before it: its row is its own output (as Fast-dLLM v2 pads the
         # shift), read only where a region opens with the prompt's first token, which is never masked.
         first = start == 0 and shift
-        if shift and start - shift < ws:
-            ws = max(0, start - shift)  # Dream: the logit for `start` comes from position start-1
-        if ws < 0 or not (ws <= start - shift + first and end - shift <= we <= length):
-            raise ValueError(f"window {(ws, we)} does not cover logits for [{start}, {end})")
-        if cache is None and (ws, we) != (0, length):
-            raise ValueError("a partial window needs a KV cache filled by a full forward")
+        if not (0 <= start - shift + first and start < end <= length):
+            raise ValueError(f"logits for [{start}, {end}) are not in a sequence of {length}")
         if positions is None:
             positions = positions_from_mask(None, bsz, length, x.device)
-        if self.args.block_size:  # the keys are the whole sequence: the window's, or the cache's
+        if self.args.block_size:
             order = self.attention_order(x, positions)
-            key_mask = block_causal_mask(order[:, ws:we], order, block_size or self.args.block_size, key_mask)
+            key_mask = block_causal_mask(order, order, block_size or self.args.block_size, key_mask)
         with BatchInvariant() if batch_invariant else contextlib.nullcontext():
-            h = self.hidden(
-                x[:, ws:we],
-                positions[:, ws:we],
-                key_mask,
-                cache,
-                ws,
-                compiled=compiled,
-                batch_invariant=batch_invariant,
-            )
+            h = self.hidden(x, positions, key_mask, batch_invariant=batch_invariant)
             if first:
                 return self.head(torch.cat([h[:, :1], h[:, : end - shift]], 1))
-            return self.head(h[:, start - shift - ws : end - shift - ws])
+            return self.head(h[:, start - shift : end - shift])

@@ -62,6 +62,14 @@ class PagedKVCache:
         self._spans: list = []  # per row: its runs of consecutive pages (`_runs`), None: not yet known
         self.peak_pages = 0
 
+    @classmethod
+    def for_rows(cls, model, rows: int, columns: int) -> PagedKVCache:
+        """A pool of `rows` rows of `columns` columns each, every row one run of pages, laid out:
+        the cache of a forward outside the decoding loop (a benchmark's replay, a test)."""
+        pool = cls(*model.kv_shape, columns, rows, dtype=model.dtype, device=model.device, growable=False)
+        pool.set_rows([None] * rows, [columns] * rows)
+        return pool
+
     @property
     def pages(self) -> int:
         return self.k.shape[2] // self.page_size
