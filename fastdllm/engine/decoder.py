@@ -357,7 +357,7 @@ class BlockDecoder:
         if decision.signal is not None or decision.carry is not None:
             self._carry_on(view.starts, decision, done)
         record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
-        self._after_step(block, region, done, decision.revealed(), work, columns)
+        self._after_step(block, region, done, decision.revealed_counts(), work, columns)
         return record
 
     def _prefill_chunk(self, r: Row) -> int:
@@ -494,7 +494,7 @@ class BlockDecoder:
             vectors = self.model.soft_input(signal[i])
             r.soft = (cols, vectors) if keep is None else (cols[keep[i]], vectors[keep[i]])
 
-    def _after_step(self, window, steps_of, done: torch.Tensor, revealed: torch.Tensor, work, columns) -> None:
+    def _after_step(self, window, steps_of, done: torch.Tensor, revealed_counts: torch.Tensor, work, columns) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
         move to their next block (past any that the blocks before revealed whole). One read from
         the device: the rows' windows (their current block and those after it, at `columns`), and
@@ -505,11 +505,11 @@ class BlockDecoder:
         hit = hit.any(-1) & self.stopping
         # blocks after the current one that are whole already (multi-block decoding)
         n_later = self.width // blk - 1
-        whole = torch.zeros_like(revealed)
+        whole = torch.zeros_like(revealed_counts)
         if n_later and (self.editing is None or self.editing.max_post_steps == 0):
             later_masked = (window[:, blk:] == self.mask_id).view(len(rows), n_later, blk)
             whole = (~later_masked.any(-1)).long().cumprod(-1).sum(-1)
-        parts = [done.long()[:, None], revealed[:, None], hit.long()[:, None], whole[:, None], window]
+        parts = [done.long()[:, None], revealed_counts[:, None], hit.long()[:, None], whole[:, None], window]
         host = torch.cat(parts, 1).tolist()
         for i, r in enumerate(rows):
             r.tokens_per_step.append(host[i][1])

@@ -76,7 +76,7 @@ class Decision:
     # per row, the strategy's state for the row's next step in this block (`Row.carry`)
     carry: list | None = None
 
-    def revealed(self) -> torch.Tensor:
-        """(B,) positions each row revealed (edits not counted)."""
+    def revealed_counts(self) -> torch.Tensor:
+        """(B,) how many positions each row revealed (edits not counted)."""
         n = self.chosen.sum(-1)
         return n if self.ahead is None else n + self.ahead.sum(-1)
