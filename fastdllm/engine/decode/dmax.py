@@ -6,7 +6,7 @@ import torch
 
 from ..registry import SELECTION_RULES
 from .proposals import Proposal
-from .rules import SelectionRule
+from .rules import OneParameterRule
 from .sampling import draw_uniform
 
 
@@ -28,7 +28,7 @@ class DMaxProposal(Proposal):
 
 
 @SELECTION_RULES.register
-class LeftToRight(SelectionRule):
+class LeftToRight(OneParameterRule):
     """DMax's rule (dInfer's `get_transfer_index_uniform`): the block's masked positions, left to
     right, up to the first whose confidence is below `threshold`; when the leftmost is already
     below it, the leftmost alone. The confidence is the proposed token's probability in DMax's
@@ -36,15 +36,6 @@ class LeftToRight(SelectionRule):
 
     name = "left_to_right"
     score = "logsumexp"
-
-    def __init__(self, threshold: float):
-        self.threshold = threshold
-
-    @classmethod
-    def from_config(cls, config):
-        if config.threshold is None:
-            raise ValueError("threshold: the left-to-right rule needs a threshold")
-        return cls(config.threshold)
 
     def select(self, conf, masked, clock, generators, draws):
         low = masked & (conf < self.threshold)

@@ -6,22 +6,13 @@ from __future__ import annotations
 import torch
 
 from ..registry import SELECTION_RULES
-from .rules import SelectionRule, _and_the_most_confident, _top_k_mask
+from .rules import OneParameterRule, SelectionRule, _and_the_most_confident, _top_k_mask
 from .sampling import NEG_INF
 
 
 @SELECTION_RULES.register
-class Threshold(SelectionRule):
+class Threshold(OneParameterRule):
     name = "threshold"
-
-    def __init__(self, threshold: float):
-        self.threshold = threshold
-
-    @classmethod
-    def from_config(cls, config):
-        if config.threshold is None:
-            raise ValueError("threshold: the threshold rule needs a threshold")
-        return cls(config.threshold)
 
     def select(self, conf, masked, clock, generators, draws):
         conf = conf.masked_fill(~masked, NEG_INF)
@@ -29,17 +20,9 @@ class Threshold(SelectionRule):
 
 
 @SELECTION_RULES.register
-class Factor(SelectionRule):
+class Factor(OneParameterRule):
     name = "factor"
-
-    def __init__(self, factor: float):
-        self.factor = factor
-
-    @classmethod
-    def from_config(cls, config):
-        if config.factor is None:
-            raise ValueError("factor: the factor rule needs a factor")
-        return cls(config.factor)
+    parameter = "factor"
 
     def select(self, conf, masked, clock, generators, draws):
         conf = conf.masked_fill(~masked, NEG_INF)

@@ -107,6 +107,23 @@ class SelectionRule:
         raise NotImplementedError
 
 
+class OneParameterRule(SelectionRule):
+    """A rule read from one config field (`parameter`), which it needs: the threshold rules, the
+    factor rule."""
+
+    parameter = "threshold"
+
+    def __init__(self, value: float):
+        setattr(self, self.parameter, value)
+
+    @classmethod
+    def from_config(cls, config) -> SelectionRule:
+        value = getattr(config, cls.parameter)
+        if value is None:
+            raise ValueError(f"{cls.parameter}: unmasking={cls.name} needs a {cls.parameter}")
+        return cls(value)
+
+
 def register_selection_rule(cls: type[SelectionRule]) -> type[SelectionRule]:
     """Make `cls` a selection rule that configs name by `cls.name` (`unmasking=...`); usable as a
     class decorator."""
