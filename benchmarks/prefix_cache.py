@@ -15,7 +15,7 @@ default (`exact`); LLaDA's bidirectional prompts only with `approximate` (accura
 from __future__ import annotations
 
 import argparse
-import sys
+import json
 from pathlib import Path
 
 import torch
@@ -25,10 +25,20 @@ from fastdllm import GenerationConfig, generate
 from fastdllm.engine.kv import runner_for
 from fastdllm.evaluation.tasks import arith
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.row_clocks import emit, write_rows  # noqa: E402
-
 CASES = [("sdar-arith", 4, "exact"), ("llada2-arith", 4, "exact"), ("llada-arith", 4, "approximate")]
+
+
+def emit(row: dict, rows: list[dict]) -> None:
+    """Print a result row as JSON and keep it."""
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
+
+def write_rows(path: Path | None, rows: list[dict]) -> None:
+    """The rows as JSON lines at `path` (none: nothing written)."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def main() -> None:
