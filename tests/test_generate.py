@@ -561,3 +561,29 @@ def test_a_model_that_ranks_the_mask_first_still_reveals_every_position(tiny_lla
     config = GenerationConfig(gen_length=16, block_length=8, threshold=None, cache="none", stop_at_eos=False)
     out = generate(tiny_llada, prompts(tokenizer)[:1], config=config)
     assert not (out.sequences == tiny_llada.mask_token_id).any() and out.nfe == 16
+
+
+def test_only_the_row_that_proposed_the_mask_draws_again():
+    """Sampled decoding: a row that proposes [MASK] proposes again from its own stream; the other
+    rows of its batch draw nothing more, so each decides as alone."""
+    from fastdllm.engine.decode import BlockClock
+
+    config = GenerationConfig(
+        gen_length=8, block_length=8, threshold=None, temperature=0.7, alg="entropy", alg_temp=0.3, stop_at_eos=False
+    )
+    strategy = UnmaskingStrategy.from_config(config)
+    vocab, mask = 50, 7
+    logits = torch.randn(2, 8, vocab, generator=torch.Generator().manual_seed(0))
+    logits[1, :, mask] += 100  # row 1 ranks [MASK] first everywhere
+    block = torch.full((2, 8), mask)
+
+    def clock(n):
+        return BlockClock([0] * n, [8] * n, torch.full((n,), 8))
+
+    together = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    both = strategy.decide(logits, block, clock(2), together, mask)
+    alone = [torch.Generator().manual_seed(1)]
+    first = strategy.decide(logits[:1], block[:1], clock(1), alone, mask)
+    assert torch.equal(both.tokens[0], first.tokens[0]) and torch.equal(both.chosen[0], first.chosen[0])
+    assert torch.equal(together[0].get_state(), alone[0].get_state())
+    assert not (both.tokens[1] == mask).any()

@@ -102,14 +102,18 @@ class UnmaskingStrategy:
         # position masked for ever. Those positions get the best other token instead; the
         # references would loop or keep the mask there, and no other position changes. Greedy
         # proposals draw nothing, so the other token is proposed every step and no host read
-        # decides it; sampled ones propose again only when needed, so that each row's random
-        # stream advances as in the reference (one whose reference draws once per step takes the
-        # best other token without drawing again: `Proposal.redraws`).
+        # decides it; sampled ones propose again only when needed, and only the rows that proposed
+        # it draw again, so that each row's random stream advances as in the reference and as when
+        # it decodes alone (one whose reference draws once per step takes the best other token
+        # without drawing again: `Proposal.redraws`).
         if generators is None or bool(proposed_mask.any()):
             logits = logits.clone()
             logits[..., mask_id] = NEG_INF
             again = self.proposal.redraws and generators is not None
-            others, others_conf = self.propose(logits, generators if again else None, drawing if again else None, clock)
+            redraw = None
+            if again:
+                redraw = [r if needs else None for r, needs in zip(drawing, proposed_mask.any(-1).tolist())]
+            others, others_conf = self.propose(logits, generators if again else None, redraw, clock)
             tokens = torch.where(proposed_mask, others, tokens)
             conf = torch.where(proposed_mask, others_conf, conf)
         constraints = constraints or {}
