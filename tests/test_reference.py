@@ -86,6 +86,7 @@ LLADA2_FILES = ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
 DPARALLEL_CHECKOUT = os.environ.get("FASTDLLM_DPARALLEL_REFERENCE")
 DPARALLEL_PYTHON = os.environ.get("FASTDLLM_DPARALLEL_PYTHON")
 DPARALLEL_DREAM_RUNNER = Path(__file__).parent / "reference" / "dparallel_dream.py"
+FAST_DLLM_DREAM_RUNNER = Path(__file__).parent / "reference" / "fast_dllm_dream.py"
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 RECORD = os.environ.get("FASTDLLM_RECORD_FIXTURES") == "1"
@@ -506,6 +507,40 @@ def test_the_entropy_rule_decodes_as_dparallels_dream_code(tmp_path, part):
     for c, prompt, ref in compared(DPARALLEL_DREAM_CONFIGS, prompts, theirs, part):
         # Dream's form of the rule (a config with `alg`): float32 entropy of the raw logits, strictly below
         config = GenerationConfig.dparallel(stop_at_eos=False, alg="entropy", **c)
+        ours = fastdllm.generate(model, [prompt], config=config)
+        assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
+        assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)
+
+
+FAST_DLLM_DREAM_CONFIGS = [
+    dict(gen_length=gen, block_length=32, cache=cache, threshold=threshold)
+    for gen in (64, 128)
+    for cache in ("prefix", "dual")
+    for threshold in (0.9, 0.5)
+]
+FAST_DLLM_DREAM_LIVE = bool(
+    CHECKOUT and PYTHON and Path(CHECKOUT, "dream", "model", "generation_utils_block.py").exists()
+)
+
+
+@live_or_recorded(
+    FAST_DLLM_DREAM_LIVE, "fast_dllm_dream", reason="set FASTDLLM_REFERENCE (a NVlabs/Fast-dLLM checkout) and _PYTHON"
+)
+@pytest.mark.parametrize("part", PARTS)
+def test_the_embedded_dream_decodes_as_fast_dllms_dream_code(tmp_path, part):
+    """Fast-dLLM's Dream loop: a block-start forward over the whole sequence that fills the cache
+    and reveals the block's first position, then cached forwards (the rest of the sequence, or the
+    block alone with the dual cache; each opening at the block, its first column's logit its own
+    output) revealing every position at or above the threshold (always the most confident) until
+    the block is full."""
+    modeling = Path(CHECKOUT or "", "dream", "model") if FAST_DLLM_DREAM_LIVE else None
+    files = ("configuration_dream.py", "modeling_dream.py")
+    model, prompts = _reference_checkpoint("dream-arith", tmp_path / "dream", modeling, files, dtype="float32")
+    spec = {"prompts": prompts, "configs": FAST_DLLM_DREAM_CONFIGS}
+    code = CHECKOUT if FAST_DLLM_DREAM_LIVE else None
+    theirs = _reference_runs(PYTHON, FAST_DLLM_DREAM_RUNNER, code, tmp_path / "dream", spec, "fast_dllm_dream")
+    for c, prompt, ref in compared(FAST_DLLM_DREAM_CONFIGS, prompts, theirs, part):
+        config = GenerationConfig.fast_dllm(stop_at_eos=False, **c)
         ours = fastdllm.generate(model, [prompt], config=config)
         assert ours.sequences[0].tolist() == ref["tokens"], (str(c), prompt)
         assert ref["nfe"] == ours.nfe, (c, ref["nfe"], ours.nfe)

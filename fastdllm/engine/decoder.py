@@ -92,6 +92,7 @@ class BlockDecoder:
             counted=holds,
         )
         self.policy.pages = self.pages
+        self.policy.block_start_reveals_first = getattr(self.strategy, "reveals_first_at_block_start", False)
         self.strategies = {decision_key(config): self.strategy}
         self.device = model.device
         self.mask_id = model.mask_token_id

@@ -75,6 +75,9 @@ class CachePolicy:
         self.history: list[list[Window]] | None = None  # set to [] to record windows
         # the rows' pages (`kv.rows.RowPages`), given by the loop that decodes with this policy
         self.pages: RowPages | None = None
+        # whether the loop's strategy reveals each block's first position at its block-start step
+        # (set by the loop: `UnmaskingStrategy.reveals_first_at_block_start`)
+        self.block_start_reveals_first = False
 
     @classmethod
     def from_config(cls, model, config) -> CachePolicy:

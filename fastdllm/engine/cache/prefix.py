@@ -30,6 +30,16 @@ class PrefixCache(CachePolicy):
         super().__init__(model, compiled)
         self.refresh = refresh_rule(refresh, refresh_every, refresh_tol)
 
+    @property
+    def shift(self) -> int:
+        """How far a step's window opens before its block: one column with shifted logits (the
+        block's first token's logit), none where the block-start step revealed that token
+        (`block_start_reveals_first`: Fast-dLLM's Dream): no later step reads its logit, so the
+        window opens at the block and its first column's logit is its own output, as Fast-dLLM's
+        Dream loops read it, and the column before the block keeps the K/V the block-start
+        forward cached."""
+        return int(self.model.args.shifted_logits and not self.block_start_reveals_first)
+
     @classmethod
     def from_config(cls, model, config) -> PrefixCache:
         return cls(model, refresh=REFRESH_RULES[config.refresh].from_config(config), compiled=config.compile)
@@ -66,9 +76,10 @@ class PrefixCache(CachePolicy):
     def step_window(self, seq, i) -> Window:
         """A step after the block's first: the block and the blocks after it in the logits
         (DualCache), or everything from the block on (prefix cache), against the cached rest. With
-        shifted logits the window starts one column earlier (the block's first token's logit)."""
+        shifted logits the window starts one column earlier (the block's first token's logit), unless
+        the block-start step revealed that token (`shift`)."""
         start = seq.starts[i]
-        lo = max(0, start - int(self.model.args.shifted_logits))
+        lo = max(0, start - self.shift)
         hi = start + seq.width if self.reuse_suffix else seq.end(i)
         return (i, lo, hi, seq.seen[i], start)
 
@@ -81,7 +92,7 @@ class PrefixCache(CachePolicy):
         bsz = seq.x.shape[0]
         cache = self.pages.cache_for(seq)
         capacity = seq.x.shape[1]
-        shift = int(self.model.args.shifted_logits)
+        shift = self.shift
         width = seq.width + shift
         dev = seq.x.device
         for i, s in enumerate(seq.starts):
@@ -93,7 +104,7 @@ class PrefixCache(CachePolicy):
         self.work.append([(i, width, seq.seen[i]) for i in range(bsz)])
         if self.history is not None:
             self.history.append([(i, s - shift, s + seq.width, seq.seen[i], s) for i, s in enumerate(seq.starts)])
-        return self.model.graphed_window_logits()(
+        logits = self.model.graphed_window_logits()(
             seq.x.gather(1, columns),
             columns,
             columns,
@@ -103,6 +114,9 @@ class PrefixCache(CachePolicy):
             seq.block_length or None,
             seq.width,
         )
+        if self.model.args.shifted_logits and not shift:  # the window opens at the block: its first
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)  # column's logit is its own output
+        return logits
 
 
 @CACHE_POLICIES.register

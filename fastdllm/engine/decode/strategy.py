@@ -156,10 +156,16 @@ class UnmaskingStrategy:
             self._rule = self.make_rule()
         return self._rule
 
+    # Whether each block's first position is revealed at its block-start step, so that no later
+    # step of the block reads that position's logit (`revealing_first_at_block_start`).
+    reveals_first_at_block_start = False
+
     def _with_rule(self, make_rule) -> UnmaskingStrategy:
-        return UnmaskingStrategy(
+        strategy = UnmaskingStrategy(
             self.proposal, make_rule, self.draws_randomness, self.editing, self.confidence_temperature, self.lookahead
         )
+        strategy.reveals_first_at_block_start = self.reveals_first_at_block_start
+        return strategy
 
     def new_rule(self) -> SelectionRule:
         """A fresh selection rule."""
@@ -174,7 +180,9 @@ class UnmaskingStrategy:
         """The same strategy whose block-start step reveals the block's first position
         (`FirstPositionAtBlockStart`: Fast-dLLM's Dream with a block cache, Fast-dLLM v2)."""
         inner = self.make_rule
-        return self._with_rule(lambda: FirstPositionAtBlockStart(inner()))
+        strategy = self._with_rule(lambda: FirstPositionAtBlockStart(inner()))
+        strategy.reveals_first_at_block_start = True
+        return strategy
 
 
 def proposal_for(config, rule: type[SelectionRule], family_proposal: str | None = None) -> Proposal:
