@@ -29,6 +29,7 @@ HELP = {
     "tokenizer_corpus": "what a fresh run's BPE is trained on",
     "vocab_size": "a fresh run's BPE vocabulary",
     "eval_plain": "also evaluate plain prompts (no chat template) at each evaluation",
+    "eval_block_length": "the block length held-out answers are decoded in (families without blocks of their own)",
     "keep_best": "save OUT/best at the evaluation whose lowest accuracy (chat, plain) is highest",
     "editing_noise": "share of unmasked answer tokens replaced by random ones, which the model learns to "
     "restore (LLaDA2.1's token-to-token objective, for editing); 0: none",

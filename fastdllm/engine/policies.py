@@ -40,7 +40,7 @@ def policies_for(
     applies to a strategy built from the config: a Dream model decoding with a block cache, and a
     Fast-dLLM v2 model always, reveal each block's first position at its block-start step, as
     their reference code does; `sub_block_length` reveals blocks sub-block by sub-block."""
-    cache = configure(cache, model, config) if cache is not None else cache_policy(model, config)
+    cache = configure(cache, config) if cache is not None else cache_policy(model, config)
     if strategy is None and selection_rule_name(config) == "entropy_bound":  # a canvas with no mask
         strategy = RenoisingStrategy.from_config(config)
     if strategy is None and selection_rule_name(config) == "wedlm":  # a sliding window

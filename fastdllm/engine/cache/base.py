@@ -156,10 +156,10 @@ def register_cache_policy(cls: type[CachePolicy]) -> type[CachePolicy]:
 
 def cache_policy(model, config) -> CachePolicy:
     """The policy a config names, with the config's engine settings (`configure`)."""
-    return configure(CACHE_POLICIES[config.cache].from_config(model, config), model, config)
+    return configure(CACHE_POLICIES[config.cache].from_config(model, config), config)
 
 
-def configure(policy: CachePolicy, model, config) -> CachePolicy:
+def configure(policy: CachePolicy, config) -> CachePolicy:
     """The settings a config gives every policy alike, whether it names the policy or a caller
     passed the object (`policies.Policies`): batch-invariant forwards with `config.deterministic`,
     CUDA graphs. (Pages and prefix sharing are the loop's, for every policy: `kv.rows.RowPages`.)"""

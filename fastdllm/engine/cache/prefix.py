@@ -58,8 +58,8 @@ class PrefixCache(CachePolicy):
         refresh rule finds their cache stale (`RefreshRule.check`); with CUDA graphs, DualCache's
         steps after a block's first through fixed shapes."""
         n = len(steps)
-        shift = int(self.model.args.shifted_logits)
-        if self.graphs and self.reuse_suffix and all(steps) and min(seq.starts) - shift > 0 and not self.pages.chunks:
+        graphed = self.graphs and self.reuse_suffix and all(steps) and not self.pages.chunks
+        if graphed and min(seq.starts) - self.shift > 0:
             return self._graphed_step(seq)
         windows = self.windows(seq, steps)
         partial = [i for i, k in enumerate(steps) if k == 0 and not self.refresh.needs_full(seq.blocks[i])]

@@ -9,6 +9,13 @@ from __future__ import annotations
 import torch
 
 
+def kv_bytes(kv_shape: tuple[int, int, int], positions: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values of `positions` positions in every layer, for a model's `kv_shape`
+    (layers, K/V heads, head width)."""
+    layers, heads, dim = kv_shape
+    return 2 * layers * heads * dim * positions * dtype.itemsize
+
+
 class PagedKVCache:
     """The rows' K/V in one pool of pages, each `page_size` positions (a decoding block) of every
     layer, as vLLM's and SGLang's paged KV caches keep theirs.
@@ -84,7 +91,7 @@ class PagedKVCache:
     def page_bytes(self) -> int:
         """One page of keys and values in every layer (from the shape: also while no page is held)."""
         layers, heads, _, dim = self.k.shape
-        return 2 * layers * heads * self.page_size * dim * self.k.element_size()
+        return kv_bytes((layers, heads, dim), self.page_size, self.k.dtype)
 
     def layer(self, i: int) -> PagedLayerKV:
         return PagedLayerKV(self, i)

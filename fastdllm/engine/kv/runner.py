@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from .pages import PagedKVCache
+from .pages import PagedKVCache, kv_bytes
 from .prefix import DEFAULT_BUDGET_BYTES, Lookups, PrefixStore
 
 
@@ -40,8 +40,7 @@ class KVRunner:
         self.budget_pool: PagedKVCache | None = None  # the one pool of `budget_bytes`
 
     def page_bytes(self, page_size: int) -> int:
-        layers, heads, dim = self.model.kv_shape
-        return 2 * layers * heads * dim * page_size * self.model.dtype.itemsize
+        return kv_bytes(self.model.kv_shape, page_size, self.model.dtype)
 
     def pool(self, page_size: int) -> PagedKVCache:
         """The pool a decode's rows page into, every page free but those the store keeps."""
