@@ -88,7 +88,13 @@ PRESETS = {
         rope_dim=32,
         block_size=4,
     ),
+    # DiffusionGemma's layout at llada's width: sliding layers of 6 heads over 2 K/V heads, every
+    # third layer full attention with a head twice as wide over one K/V head (K = V), the dense MLP
+    # and eight routed experts of an eighth of its width beside it, two per token
+    "gemma": dict(dim=192, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=512),
 }
+# The DiffusionGemma twins' canvas: every arith answer (at most ~57 tokens with its end token) fits one.
+GEMMA_CANVAS = 64
 # A mixture-of-experts family's routing at small sizes: LLaDA2's structure (a dense first layer,
 # one shared expert, top-2 of 8 experts in 4 groups of which 2 are kept); a family's `fixed`
 # fields win (LLaDA-MoE routes without groups).
@@ -154,6 +160,13 @@ def new_model(
     are ModelArgs fields (a block-diffusion family's `block_size`, say)."""
     family = FAMILIES[arch]
     vocab = 64 * math.ceil(tokenizer.vocab_size / 64)
+    if family.rules.noise_canvas:
+        config = gemma_config(PRESETS[preset], vocab, tokenizer, max_seq_len)
+        args = family.args_from_config(config)
+        torch.manual_seed(seed)
+        model = family.model_class(args, family=family, config=config, stop_token_ids=tokenizer.stop_token_ids())
+        _initialise(model)
+        return model
     fields = dict(
         **PRESETS[preset],
         vocab_size=vocab,
@@ -188,12 +201,63 @@ def new_model(
         config={k: v for k, v in ids.items() if k in family.reference_config},
         stop_token_ids=tokenizer.stop_token_ids(),
     )
+    _initialise(model)
+    return model
+
+
+def _initialise(model: Transformer) -> None:
     for name, p in model.named_parameters():
         if p.dim() >= 2:  # matrices, and the experts' stacks of them
             torch.nn.init.normal_(p, std=0.02)
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)
-    return model
+
+
+def gemma_config(sizes: dict, vocab: int, tokenizer: Tokenizer, max_seq_len: int = 2048) -> dict:
+    """A DiffusionGemma config.json (transformers' `DiffusionGemmaConfig` layout) of `sizes` (a
+    preset): Gemma 4's pattern of sliding layers with a full-attention layer every third (the last
+    one full), the full layers' heads twice as wide over half the K/V heads (K = V) with
+    proportional RoPE on a quarter of the frequencies, eight routed experts of an eighth of the dense
+    MLP's width beside it (two per token), logits soft-capped at 30, canvases of `GEMMA_CANVAS`."""
+    layers, head = sizes["n_layers"], sizes["dim"] // sizes["n_heads"]
+    types = ["sliding_attention" if (i + 1) % 3 else "full_attention" for i in range(layers)]
+    types[-1] = "full_attention"
+    full = {"head_dim": 2 * head, "num_key_value_heads": max(1, sizes["n_kv_heads"] // 2)}
+    text = {
+        "model_type": "diffusion_gemma_text",
+        "vocab_size": vocab,
+        "hidden_size": sizes["dim"],
+        "intermediate_size": sizes["hidden_dim"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": sizes["n_heads"],
+        "num_key_value_heads": sizes["n_kv_heads"],
+        "head_dim": head,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": max_seq_len,
+        "rms_norm_eps": 1e-6,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]),
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+        },
+        "sliding_window": 128,
+        "layer_types": types,
+        "per_layer_config": {str(i): full for i, t in enumerate(types) if t == "full_attention"},
+        "final_logit_softcapping": 30.0,
+        "num_experts": 8,
+        "top_k_experts": 2,
+        "moe_intermediate_size": sizes["hidden_dim"] // 8,
+    }
+    return {
+        "architectures": ["DiffusionGemmaForBlockDiffusion"],
+        "model_type": "diffusion_gemma",
+        "canvas_length": GEMMA_CANVAS,
+        "tie_word_embeddings": True,
+        "text_config": text,
+    }
 
 
 # ---- what made each shipped model ---------------------------------------------------------------

@@ -148,6 +148,58 @@ def sft_loss(
     return loss
 
 
+# Share of rows trained with a self-conditioning signal (the rest with none, as a canvas's first step).
+P_SELF_CONDITIONING = 0.5
+
+
+def renoising_loss(
+    model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: torch.Generator, eot_id: int
+) -> torch.Tensor:
+    """A denoising objective for a family with no mask token (DiffusionGemma), as it decodes: a
+    canvas of `canvas_length` answer positions (the one holding a part of the answer or its end,
+    chosen per row) follows the clean prompt and the clean canvases before it; each of its positions
+    is replaced by a uniformly drawn token with probability t ~ U(0, 1) (stratified across the
+    batch), and the model, reading the prompt as its encoder does and the canvas as its decoder
+    does, is trained to give the clean token at every canvas position (cross-entropy, the mean over
+    the canvas, then over rows), since decoding keeps its accepted samples and renoises the rest.
+    For `P_SELF_CONDITIONING` of the rows, the canvas first goes through the model without a
+    signal (no gradient), and those logits are its self-conditioning signal in the trained forward
+    (per-example self-conditioning, which transformers' `self_conditioning_mask` is for).
+    DiffusionGemma's own training recipe is not published in code we could read: this is our
+    reading of its decoding, without the encoder's autoregressive loss."""
+    canvas = model.args.extra["canvas_length"]
+    vocab = model.args.vocab_size
+    bsz, total = ids.shape
+    t = (torch.randperm(bsz, generator=gen) + torch.rand(bsz, generator=gen)) / bsz
+    conditioned = torch.rand(bsz, generator=gen) < P_SELF_CONDITIONING
+    rows, windows, clean = [], [], []
+    for i in range(bsz):
+        s = int(starts[i])
+        ends = ((ids[i, s:] == eot_id) | (ids[i, s:] == model.args.eos_token_id)).nonzero()
+        answer = int(ends[0]) + 1 if len(ends) else total - s
+        k = int(torch.randint(0, (answer - 1) // canvas + 1, (1,), generator=gen))
+        lo = s + k * canvas
+        row = F.pad(ids[i, :lo + canvas], (0, max(0, lo + canvas - total)), value=model.args.eos_token_id)
+        target = row[lo:].clone()
+        noise = torch.randint(0, vocab, (canvas,), generator=gen)
+        row[lo:] = torch.where(torch.rand(canvas, generator=gen) < t[i], noise.to(row.device), target)
+        rows.append(row)
+        clean.append(target)
+        windows.append((i, 0, lo + canvas, lo + canvas, lo))
+    x = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=model.args.eos_token_id)
+    embeds = None
+    if bool(conditioned.any()):
+        with torch.no_grad():
+            first = model.packed_logits(x, [w for w in windows if conditioned[w[0]]])
+        embeds = {
+            w[0]: (torch.arange(w[4], w[2], device=x.device), model.soft_input(logits))
+            for w, logits in zip((w for w in windows if conditioned[w[0]]), first)
+        }
+    logits = model.packed_logits(x, windows, embeds=embeds)
+    losses = [F.cross_entropy(out.float(), target) for out, target in zip(logits, clean)]
+    return torch.stack(losses).mean()
+
+
 def block_diffusion_logits(
     model: Transformer, noisy: torch.Tensor, clean: torch.Tensor, pos: torch.Tensor
 ) -> torch.Tensor:
@@ -450,17 +502,16 @@ class TrainSettings:
 
 def _evaluate(model, tokenizer, n: int, chat_template: bool = True, block_length: int = 32) -> dict:
     """The run's held-out measure: 128-token answers at threshold 0.9, with the dual cache over
-    blocks of `block_length` for a family without blocks of its own."""
+    blocks of `block_length` for a family without blocks of its own; for a family with no mask
+    token, one canvas decoded as its published decoding does."""
+    if model.family.rules.noise_canvas:
+        config = {"gen_length": model.args.extra["canvas_length"]}
+    elif model.args.block_size:
+        config = {"gen_length": 128, "threshold": 0.9}
+    else:
+        config = {"gen_length": 128, "threshold": 0.9, "block_length": block_length, "cache": "dual"}
     try:
-        return heldout_accuracy(
-            model,
-            tokenizer,
-            n,
-            chat_template=chat_template,
-            gen_length=128,
-            threshold=0.9,
-            **({} if model.args.block_size else {"block_length": block_length, "cache": "dual"}),
-        )
+        return heldout_accuracy(model, tokenizer, n, chat_template=chat_template, **config)
     except Exception as e:  # the engine may be absent in a partial install: log, keep training
         return {"eval_error": f"{type(e).__name__}: {e}"}
 
@@ -508,7 +559,11 @@ def train(args: TrainSettings) -> Path:
             g["lr"] = lr
         ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget, args.data_mix, model.args.max_seq_len)
         gen = torch.Generator().manual_seed(args.seed * 7919 + step)
-        loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen, args.editing_noise)
+        if model.family.rules.noise_canvas:
+            eot = tokenizer.token_to_id(SPECIAL_TOKENS["eot"])
+            loss = renoising_loss(model, ids.to(args.device), starts.to(args.device), gen, eot)
+        else:
+            loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen, args.editing_noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
