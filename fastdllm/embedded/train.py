@@ -179,7 +179,7 @@ def renoising_loss(
         answer = int(ends[0]) + 1 if len(ends) else total - s
         k = int(torch.randint(0, (answer - 1) // canvas + 1, (1,), generator=gen))
         lo = s + k * canvas
-        row = F.pad(ids[i, :lo + canvas], (0, max(0, lo + canvas - total)), value=model.args.eos_token_id)
+        row = F.pad(ids[i, : lo + canvas], (0, max(0, lo + canvas - total)), value=model.args.eos_token_id)
         target = row[lo:].clone()
         noise = torch.randint(0, vocab, (canvas,), generator=gen)
         row[lo:] = torch.where(torch.rand(canvas, generator=gen) < t[i], noise.to(row.device), target)
@@ -412,7 +412,7 @@ def balance_experts(model: Transformer, speed: float = BIAS_UPDATE_SPEED) -> Non
     step's forward and falls for those chosen more; the bias moves choices only, never weights."""
     with torch.no_grad():
         for layer in model.layers:
-            moe = layer.feed_forward
+            moe = getattr(layer, "feed_forward", None)  # DiffusionGemma's layers route without a bias
             if hasattr(moe, "expert_bias") and getattr(moe, "load", None) is not None:
                 load = moe.load.float()
                 moe.expert_bias += speed * torch.sign(load.mean() - load)
