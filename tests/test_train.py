@@ -472,3 +472,75 @@ def test_each_shipped_models_recipe_is_a_record_the_model_card_shows_and_train_t
             assert (args["data_mix"], args["steps"], args["lr"], args["seed"]) == (s.mix, s.steps, s.lr, s.seed)
             assert args["resume"] == s.resume and (args["init_from"] is None) == (s.init_from is None or s.resume)
             folders.add(args["out"].removeprefix("runs/"))
+
+
+def test_a_diffusion_gemma_twin_is_a_checkpoint_transformers_reads(tokenizer, tmp_path):
+    """The DiffusionGemma twin's config.json is transformers' layout: its own
+    `DiffusionGemmaForBlockDiffusion` builds from it and, given our weights, computes the decoder's
+    logits of a canvas that ours compute."""
+    from fastdllm.models.loading import save_pretrained
+
+    model = embedded.new_model("diffusion_gemma", "micro", tokenizer, seed=1).eval()
+    assert model.family.rules.noise_canvas and model.args.extra["canvas_length"] == embedded.GEMMA_CANVAS
+    assert model.args.extra["layer_types"] == ["sliding_attention", "full_attention"]
+    folder = save_pretrained(model, tmp_path / "twin", tokenizer, dtype=torch.float32, remote_code=False)
+    loaded, _ = fastdllm.load(str(folder), dtype="float32")
+    prompt = tokenizer.encode("Tom has 5 apples.")
+    canvas = torch.randint(0, tokenizer.vocab_size, (embedded.GEMMA_CANVAS,)).tolist()
+    x = torch.tensor([prompt + canvas])
+    n = x.shape[1]
+    with torch.no_grad():
+        ours = loaded.packed_logits(x, [(0, 0, n, n, len(prompt))])[0]
+    assert torch.allclose(ours, model.packed_logits(x, [(0, 0, n, n, len(prompt))])[0])
+    transformers = pytest.importorskip("transformers")
+    try:
+        reference = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=torch.float32).eval()
+    except AttributeError:
+        pytest.skip("this transformers has no DiffusionGemma")
+    cache = transformers.DynamicCache(config=reference.config.get_text_config(decoder=True))
+    with torch.no_grad():
+        reference.model.encoder(input_ids=torch.tensor([prompt]), cache=cache)
+        theirs = reference(decoder_input_ids=torch.tensor([canvas]), cache=cache).logits[0]
+    assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+
+
+def test_the_renoising_objective_denoises_uniform_noise_with_self_conditioning(tokenizer):
+    """DiffusionGemma's objective: the prompt and the canvases before the trained one are clean,
+    the trained canvas's tokens are uniform noise where they differ from the clean ones, about half
+    of the rows get a self-conditioning signal from a first forward, and a few steps on one batch
+    lower the loss."""
+    torch.manual_seed(0)
+    model = embedded.new_model("diffusion_gemma", "micro", tokenizer)
+    ids, starts = train.make_batch(tokenizer, 0, 0, 1500, "focus")
+    eot = tokenizer.token_to_id(embedded.SPECIAL_TOKENS["eot"])
+    calls = []
+    real = model.packed_logits
+
+    def spy(x, windows, **kw):
+        calls.append((x.clone(), list(windows), kw.get("embeds")))
+        return real(x, windows, **kw)
+
+    model.packed_logits = spy
+    loss = train.renoising_loss(model, ids, starts, torch.Generator().manual_seed(0), eot)
+    assert len(calls) == 2  # the self-conditioning forward, then the trained one
+    (_, first, _), (x, windows, embeds) = calls
+    assert 0 < len(first) < len(windows) == ids.shape[0] and set(embeds) == {w[0] for w in first}
+    noised = 0
+    for row, lo, hi, keys, start in windows:
+        assert lo == 0 and hi == keys == start + embedded.GEMMA_CANVAS and (start - int(starts[row])) % 64 == 0
+        assert torch.equal(x[row, :start], ids[row, :start])  # the clean past
+        clean = torch.nn.functional.pad(
+            ids[row, start:hi], (0, hi - min(hi, ids.shape[1])), value=tokenizer.eos_token_id
+        )
+        noised += int((x[row, start:hi] != clean).sum())
+    assert noised > 0
+    model.packed_logits = real
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = train.renoising_loss(model, ids, starts, torch.Generator().manual_seed(0), eot)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses

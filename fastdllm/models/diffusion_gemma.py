@@ -196,7 +196,8 @@ class GemmaLayer(nn.Module):
     def forward(self, x, cos, sin, segments, canvas: torch.Tensor, layer_cache=None) -> torch.Tensor:
         h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, segments, layer_cache))
         x = x + h
-        dense = self.post_ffn_norm_1(self.w2(_gelu(self.w1(self.ffn_norm(x))) * self.w3(self.ffn_norm(x))))
+        normed = self.ffn_norm(x)
+        dense = self.post_ffn_norm_1(self.w2(_gelu(self.w1(normed)) * self.w3(normed)))
         flat = x.reshape(-1, x.shape[-1])
         routed = self.post_ffn_norm_2(self.experts(self.experts_norm(flat), flat).view_as(x))
         x = x + self.post_ffn_norm(dense + routed)
