@@ -729,9 +729,10 @@ class GenerationConfig:
         cls, model, base: GenerationConfig | None = None, checkpoint_defaults: bool = True, **overrides
     ) -> GenerationConfig:
         """`base` (default: the defaults) with the checkpoint's own generation defaults (Dream's
-        generation_config.json: alg, eps, temperature, ...) and what its family needs (a
-        block-causal model's block length and exact cache, `Family.decoding_defaults`) in the
-        fields `overrides` leave unset. `checkpoint_defaults=False`: only what the family needs
+        generation_config.json: alg, eps, temperature, ...) and what the model needs (a
+        block-causal model's block length and exact cache, `Family.decoding_defaults`; the
+        `block_length` a checkpoint's generation_config.json names) in the fields `overrides`
+        leave unset. `checkpoint_defaults=False`: only what the family needs
         (what `generate` and friends use when given no config). Without `base`, a checkpoint
         trained for a decoder of its own (`model.decoding`, recognised by its name) starts from
         that decoder's preset."""
@@ -742,6 +743,13 @@ class GenerationConfig:
         needed = family.decoding_defaults(model.args) if family is not None else {}
         recognized = getattr(model, "decoding", None)  # a checkpoint trained for its own decoder
         base = base or (cls.preset(recognized) if recognized else cls())
+        own_block = found.get("block_length")
+        gen_length = overrides.get("gen_length", base.gen_length)
+        if own_block and "block_length" not in needed and is_int(gen_length) and gen_length % own_block == 0:
+            # the block length its answers were trained in, which the checkpoint ships as its own
+            # default where the answer holds whole blocks of it (a named preset, `fit_to_model`,
+            # keeps its own)
+            needed["block_length"] = own_block
         if "unmasking" in needed and ({"unmasking", "factor"} & set(overrides) or base.factor is not None):
             del needed["unmasking"]  # a rule the caller chose wins over the family's
         if overrides.get("parallel_blocks", base.parallel_blocks) > 1:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastdllm import GenerationConfig
-from fastdllm.cli.args import UserError, add_generation_args, config_from_args
+from fastdllm.cli.args import UserError, add_generation_args, config_from_args, with_model_defaults
 from fastdllm.config import ConfigError
 
 BAD = {
@@ -203,3 +203,34 @@ def test_dream_coders_are_recognised_and_decode_as_their_cards():
         assert config.gen_length == config.block_length == gen and config.total_steps == gen
         short = config.with_max_new_tokens(100)
         assert short.gen_length == short.block_length == 100 and short.total_steps == 100
+
+
+def test_a_checkpoints_own_block_length_is_its_default_but_not_a_presets(tiny_llada_dir, tmp_path):
+    """A LLaDA checkpoint whose generation_config.json names `block_length` decodes in those blocks
+    by default (Python, CLI), where the answer holds whole blocks of it; a named preset keeps its
+    own (Fast-dLLM's 32), a given flag wins, and saving the checkpoint keeps the file."""
+    import json
+    import shutil
+
+    import fastdllm
+    from fastdllm.models.loading import save_pretrained
+
+    folder = tmp_path / "own-block"
+    shutil.copytree(tiny_llada_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"block_length": 64}))
+    model, tok = fastdllm.load(str(folder), dtype="float32")
+    assert GenerationConfig.for_model(model).block_length == 64
+    assert GenerationConfig.for_model(model, checkpoint_defaults=False).block_length == 64
+    assert GenerationConfig.for_model(model, gen_length=96).block_length == GenerationConfig().block_length
+    assert GenerationConfig.for_model(model, block_length=16).block_length == 16
+
+    def cli(*flags):
+        p = argparse.ArgumentParser()
+        add_generation_args(p)
+        args = p.parse_args(list(flags))
+        return with_model_defaults(args, config_from_args(args), model)
+
+    assert cli().block_length == 64 and cli("--block-length", "32").block_length == 32
+    assert cli("--preset", "fast-dllm").block_length == GenerationConfig.fast_dllm().block_length == 32
+    saved = save_pretrained(model, tmp_path / "saved", tok)
+    assert json.loads((saved / "generation_config.json").read_text())["block_length"] == 64

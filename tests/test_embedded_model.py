@@ -122,6 +122,22 @@ def test_cli_generate_prints_a_correct_worked_answer():
     assert out.stdout.strip() == problem.answer, (problem.question, out.stdout)
 
 
+def test_the_default_model_answers_plain_prompts_in_its_own_blocks():
+    """A plain string, no chat template, through `generate_text` with no config: the default model
+    decodes in the blocks of 64 its generation_config.json names, and answers (a bare question, and
+    the evaluation's plain `Question: ...\nAnswer:` wrapper)."""
+    model, tok = fastdllm.load()
+    assert fastdllm.GenerationConfig.for_model(model).block_length == 64
+    bare = fastdllm.generate_text(
+        model, tok, "Mia has 10 stamps. She gets 4 more stamps. How many stamps does Mia have now?"
+    )
+    assert bare.text.strip().endswith("#### 14"), bare.text
+    problems = arith.test_split()[:8]
+    answers = [fastdllm.generate_text(model, tok, arith.format_prompt(p.question, [])).text for p in problems]
+    right = sum(a.strip().endswith(f"#### {p.value}") for a, p in zip(answers, problems))
+    assert right >= 7, answers
+
+
 @pytest.mark.parametrize("name", ["llada-arith", "dream-arith", "sdar-arith", "llada2-arith"])
 def test_special_token_ids_in_config_match_the_tokenizer(name):
     config = json.loads((ASSETS_DIR / name / "config.json").read_text())

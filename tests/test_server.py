@@ -256,6 +256,17 @@ def test_canvas_stream_passes_through_the_official_client(srv):
     assert raw.count("event: canvas\n") == len(canvases)
 
 
+def test_a_plain_completion_prompt_gets_its_answer(srv):
+    """A raw `Question: ...\nAnswer:` prompt, no chat template: the default model answers it (in
+    the blocks of 64 its checkpoint names)."""
+    from fastdllm.evaluation.tasks import arith
+
+    for p in arith.test_split()[:3]:
+        body = {"model": MODEL, "prompt": arith.format_prompt(p.question, []), "max_tokens": 128}
+        choice = srv.post("/v1/completions", body).json()["choices"][0]
+        assert choice["text"].strip().endswith(f"#### {p.value}") and choice["finish_reason"] == "stop", choice
+
+
 def test_stream_completion_with_n_and_raw_sse(srv):
     body = {
         "model": MODEL,

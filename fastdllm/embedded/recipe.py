@@ -318,7 +318,9 @@ LLADA_STAGES = (
     _llada("llada-5", "story", 3600, 1e-3, 0.5, "llada-4b"),
     _llada("llada-6", "long", 2000, 6e-4, 0.6, "llada-5"),
     _llada("llada-7", "shots", 2800, 6e-4, 0.6, "llada-6"),
-    _llada("llada-arith", "tail", 1800, 5e-4, 0.6, "llada-7", seed=8),
+    _llada("llada-8", "tail", 1800, 5e-4, 0.6, "llada-7", seed=8),
+    # each question also as a plain prompt beside its chat turn, so that a plain prompt is answered
+    _llada("llada-arith", "paired-groups-chat", 1500, 2e-4, 0.5, "llada-8", seed=43),
 )
 # Each shipped model: its stages in order, the last one writing the asset (runs/NAME/final, saved
 # in bfloat16 as fastdllm/embedded/assets/NAME). Stages shared with another model's recipe (the
@@ -331,10 +333,10 @@ RECIPES: dict[str, tuple[Stage, ...]] = {
         Stage("dream-2", "dream", "long", 1200, 6e-4, 0.6, "dream-1"),
         Stage("dream-arith", "dream", "story", 1200, 6e-4, 0.6, "dream-2", seed=9),
     ),
-    "sdar-arith": LLADA_STAGES + (Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-arith"),),
-    "llada2-arith": LLADA_STAGES
+    "sdar-arith": LLADA_STAGES[:-1] + (Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-8"),),
+    "llada2-arith": LLADA_STAGES[:-1]
     + (
-        Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-arith"),
+        Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-8"),
         Stage("llada2-1", "llada2_moe", "story", 320, 3e-4, 0.375, "sdar-arith", seed=43, preset="llada2", warmup=25),
         Stage(
             "llada2-arith",

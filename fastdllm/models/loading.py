@@ -21,8 +21,8 @@ from . import Transformer, family_of
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "embedded" / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
 # Models shipped in the package, loadable by name: the default LLaDA-format model, its Dream-format
-# twin, its block-diffusion twin in SDAR's layout and that twin's mixture of experts in LLaDA2's
-# (see docs/model-card.md).
+# twin, its block-diffusion twin in SDAR's layout, that twin's mixture of experts in LLaDA2's, and a
+# DiffusionGemma (no mask token) trained on the same task (see docs/model-card.md).
 EMBEDDED_MODELS = ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith")
 DTYPES = {
     "float32": torch.float32,
@@ -571,10 +571,11 @@ def save_pretrained(
         config["quantization_config"] = _quantization_config(model, quantized, names, quant_format)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_safetensors(_checkpoint_tensors(model, names, dtype, quantized, quant_format), folder, max_shard_bytes)
-    writer = family.generation_config
+    writer, own = family.generation_config, getattr(model, "generation_config", None)
     if writer is not None:  # Dream's loader needs generation_config.json
-        gen = writer(model.args, getattr(model, "generation_config", None))
-        (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        (folder / "generation_config.json").write_text(json.dumps(writer(model.args, own), indent=2) + "\n")
+    elif own:  # what the checkpoint came with (its own block length, say) goes where it came from
+        (folder / "generation_config.json").write_text(json.dumps(own, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(folder)
     return folder
