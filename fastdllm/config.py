@@ -743,25 +743,23 @@ class GenerationConfig:
         needed = family.decoding_defaults(model.args) if family is not None else {}
         recognized = getattr(model, "decoding", None)  # a checkpoint trained for its own decoder
         base = base or (cls.preset(recognized) if recognized else cls())
-        own_block = found.get("block_length")
-        gen_length = overrides.get("gen_length", base.gen_length)
-        if own_block and "block_length" not in needed and is_int(gen_length) and gen_length % own_block == 0:
-            # the block length its answers were trained in, which the checkpoint ships as its own
-            # default where the answer holds whole blocks of it (a named preset, `fit_to_model`,
-            # keeps its own)
-            needed["block_length"] = own_block
+        if "block_length" not in needed:
+            needed.update(_own_block(model, overrides.get("gen_length", base.gen_length)))
         if "unmasking" in needed and ({"unmasking", "factor"} & set(overrides) or base.factor is not None):
             del needed["unmasking"]  # a rule the caller chose wins over the family's
         if overrides.get("parallel_blocks", base.parallel_blocks) > 1:
             needed = _one_block_fields_dropped(needed)
         return base.replace(**{**needed, **checkpoint, **overrides})
 
-    def fit_to_model(self, model, keep=()) -> GenerationConfig:
+    def fit_to_model(self, model, keep=(), own_block: bool = False) -> GenerationConfig:
         """This config (a named preset) with what the model's family needs (a block-diffusion
         model's block length, and its exact cache where the config has a cache), but for the
-        fields in `keep` (the ones a user gave)."""
+        fields in `keep` (the ones a user gave). `own_block`: also the block length the checkpoint
+        names (the default preset takes it; a published method's preset keeps its own)."""
         family = getattr(model, "family", None)
         needed = family.decoding_defaults(model.args) if family is not None else {}
+        if own_block and "block_length" not in needed:
+            needed.update(_own_block(model, self.gen_length))
         if self.unmasking is not None and self.unmasking != needed.get("unmasking"):
             needed.pop("unmasking", None)  # a preset that names its own rule (dParallel's, DMax's) keeps it
         if self.cache == "none":
@@ -1091,6 +1089,13 @@ def _fixed_pairs(fixed) -> tuple:
         if a == b:
             raise ConfigError("fixed", f"position {a} is fixed twice")
     return tuple(pairs)
+
+
+def _own_block(model, gen_length) -> dict:
+    """{"block_length": N} where the checkpoint's generation_config.json names the block length N
+    its answers were trained in and an answer of `gen_length` holds whole blocks of it, else {}."""
+    own = (getattr(model, "generation_config", None) or {}).get("block_length")
+    return {"block_length": own} if is_int(own) and own > 0 and is_int(gen_length) and gen_length % own == 0 else {}
 
 
 def _one_block_fields_dropped(needed: dict) -> dict:

@@ -97,7 +97,7 @@ class LMMethods:
         self.model, self.tokenizer = load(pretrained, dtype=dtype, device=device, adapters=[lora] if lora else None)
         if preset in PRESETS:  # a named preset, fitted to the model, the model_args given on top
             self.base_config = GenerationConfig.preset(preset, **self.gen_kwargs).fit_to_model(
-                self.model, keep=set(self.gen_kwargs)
+                self.model, keep=set(self.gen_kwargs), own_block=preset == "default"
             )
             self.fixed_gen_length = True
         elif preset is not None:  # a tuned preset, with the model_args given beside it on top

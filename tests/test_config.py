@@ -232,5 +232,9 @@ def test_a_checkpoints_own_block_length_is_its_default_but_not_a_presets(tiny_ll
 
     assert cli().block_length == 64 and cli("--block-length", "32").block_length == 32
     assert cli("--preset", "fast-dllm").block_length == GenerationConfig.fast_dllm().block_length == 32
+    assert cli("--preset", "default").block_length == 64  # our default decoding takes the model's own
+    from fastdllm.demo.frames import pane_config
+
+    assert pane_config(model, "default").block_length == 64 and pane_config(model, "fast-dllm").block_length == 32
     saved = save_pretrained(model, tmp_path / "saved", tok)
     assert json.loads((saved / "generation_config.json").read_text())["block_length"] == 64

@@ -256,15 +256,25 @@ def test_canvas_stream_passes_through_the_official_client(srv):
     assert raw.count("event: canvas\n") == len(canvases)
 
 
-def test_a_plain_completion_prompt_gets_its_answer(srv):
-    """A raw `Question: ...\nAnswer:` prompt, no chat template: the default model answers it (in
-    the blocks of 64 its checkpoint names)."""
+def test_a_plain_completion_prompt_gets_its_answer(loaded):
+    """A raw `Question: ...\nAnswer:` prompt, no chat template, to `fastdllm serve` as its command
+    line sets it up: the default model answers it, in the blocks of 64 its checkpoint names."""
+    from fastdllm.cli.args import config_from_args, with_model_defaults
+    from fastdllm.cli.serve import build_parser, settings_from_args
     from fastdllm.evaluation.tasks import arith
 
-    for p in arith.test_split()[:3]:
-        body = {"model": MODEL, "prompt": arith.format_prompt(p.question, []), "max_tokens": 128}
-        choice = srv.post("/v1/completions", body).json()["choices"][0]
-        assert choice["text"].strip().endswith(f"#### {p.value}") and choice["finish_reason"] == "stop", choice
+    model, tok = loaded
+    args = build_parser().parse_args([])
+    settings = settings_from_args(args, with_model_defaults(args, config_from_args(args), model))
+    assert settings.defaults.block_length == 64
+    server = LiveServer(model, tok, defaults=settings.defaults)
+    try:
+        for p in arith.test_split()[:4]:
+            body = {"model": MODEL, "prompt": arith.format_prompt(p.question, []), "max_tokens": 128}
+            choice = server.post("/v1/completions", body).json()["choices"][0]
+            assert choice["text"].strip().endswith(f"#### {p.value}"), choice
+    finally:
+        server.stop()
 
 
 def test_stream_completion_with_n_and_raw_sse(srv):

@@ -234,7 +234,9 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
                 file=sys.stderr,
             )
         try:
-            return config.fit_to_model(model, keep=set(getattr(args, "_explicit", ())))
+            return config.fit_to_model(
+                model, keep=set(getattr(args, "_explicit", ())), own_block=args.preset == "default"
+            )
         except ConfigError as e:
             raise UserError(f"{flag(e.param)}: {e.detail} (for this model)") from None
     given = {n: getattr(config, n) for n in getattr(args, "_explicit", ())}

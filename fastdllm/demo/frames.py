@@ -53,7 +53,8 @@ def pane_config(model, preset: str, options: dict[str, str] | None = None) -> Ge
         if text is not None and str(text).strip() != ""
     }
     if preset in PRESETS:
-        return GenerationConfig.preset(preset).fit_to_model(model, keep=set(given)).replace(**given)
+        config = GenerationConfig.preset(preset)
+        return config.fit_to_model(model, keep=set(given), own_block=preset == "default").replace(**given)
     if not Path(preset).is_file():
         raise ConfigError("preset", f"one of {', '.join(PRESETS)}, or a preset file (no file {preset})")
     family = getattr(getattr(model, "family", None), "name", None)

@@ -92,7 +92,7 @@ class Server:
         self.presets, self.unfit = {}, {}  # presets that cannot decode this model: why not
         for name in PRESETS:
             try:
-                self.presets[name] = GenerationConfig.preset(name).fit_to_model(model)
+                self.presets[name] = GenerationConfig.preset(name).fit_to_model(model, own_block=name == "default")
             except ValueError as e:  # WeDLM's one-position blocks on a block-causal model, say
                 self.unfit[name] = str(e)
         self.presets.update(settings.presets)
