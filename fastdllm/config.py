@@ -751,6 +751,21 @@ class GenerationConfig:
             needed = _one_block_fields_dropped(needed)
         return base.replace(**{**needed, **checkpoint, **overrides})
 
+    @classmethod
+    def for_call(cls, model, apply) -> GenerationConfig:
+        """The config of a call given no config (`generate`, `generate_text`): what the model
+        needs (`for_model` without the checkpoint's sampling defaults), changed by `apply` (the
+        call's keywords). A block length of the checkpoint's own yields to the default where the
+        keywords ask for an answer that does not hold whole blocks of it (`gen_length=32` on a
+        checkpoint of blocks of 64)."""
+        config = cls.for_model(model, checkpoint_defaults=False)
+        try:
+            return apply(config)
+        except ConfigError as e:
+            if e.param != "block_length" or not _own_block(model, config.gen_length):
+                raise
+            return apply(config.replace(block_length=cls().block_length))
+
     def fit_to_model(self, model, keep=(), own_block: bool = False) -> GenerationConfig:
         """This config (a named preset) with what the model's family needs (a block-diffusion
         model's block length, and its exact cache where the config has a cache), but for the

@@ -89,7 +89,7 @@ def test_the_embedded_templates_and_ids_match_transformers():
     transformers = pytest.importorskip("transformers")
     import fastdllm
 
-    for name in ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith"):
+    for name in ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith", "gemma-arith"):
         _, tok = fastdllm.load(name)
         hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.fast, **tok.special_tokens_context())
         hf.chat_template = tok.chat_template

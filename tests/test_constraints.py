@@ -58,7 +58,8 @@ def test_parallel_candidates_are_kept_where_the_grammar_accepts_them(loaded):
     model, tok = loaded
     ids = tok.encode_chat([{"role": "user", "content": Q}])
     constraint = GrammarConstraint.json(tok, model.stop_token_ids, SCHEMA)
-    out = generate(model, [ids], GenerationConfig(gen_length=64, threshold=0.9), constraints=[constraint])
+    config = GenerationConfig.for_model(model, gen_length=64, threshold=0.9)  # its own blocks of 64
+    out = generate(model, [ids], config, constraints=[constraint])
     per_step = out.tokens_per_step[0]
     assert max(per_step[:-1]) > 1  # before the final fill with stop tokens
     assert out.nfe < len(constraint.consumed)
@@ -375,8 +376,9 @@ def test_generate_takes_transformers_keywords(loaded):
     ids = tok.encode_chat([{"role": "user", "content": Q}])
     out = generate(model, [ids], max_new_tokens=20, do_sample=False)
     assert out.sequences.shape == (1, 20) and out.unmask_step.shape == (1, 20)
-    full = generate(model, [ids], GenerationConfig(gen_length=32))
+    full = generate(model, [ids], gen_length=out.config.gen_length)  # max_new_tokens: whole blocks, cut
     assert torch.equal(out.sequences[0], full.sequences[0, :20])
+    assert generate(model, [ids], gen_length=32).config.block_length == 32  # its blocks of 64 yield
     many = generate(model, [ids, ids[:-2]], num_return_sequences=3, gen_length=32, temperature=1.0, seed=0)
     assert many.sequences.shape == (6, 32)
     tensor_in = generate(model, torch.tensor([ids]), num_return_sequences=2, gen_length=32)

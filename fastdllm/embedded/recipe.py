@@ -352,6 +352,8 @@ RECIPES: dict[str, tuple[Stage, ...]] = {
             editing_noise=0.1,
         ),
     ),
+    # a DiffusionGemma from scratch: no mask token, so no weights of the masked twins carry over
+    "gemma-arith": (Stage("gemma-arith", "diffusion_gemma", "focus", 1000, 2e-3, 0.5, preset="gemma"),),
 }
 
 

@@ -270,9 +270,10 @@ def generate(
     `kv`: the `kv.KVRunner` that holds the K/V (see `iter_generate`).
     Returns the generated ids and the statistics of the run.
     """
-    config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     cut = options.get("max_new_tokens")
-    if options:
+    if config is None:
+        config = GenerationConfig.for_call(model, lambda c: c.with_options(**options) if options else c)
+    elif options:
         config = config.with_options(**options)
     if not is_int(num_return_sequences) or num_return_sequences < 1:
         raise ValueError(f"num_return_sequences: must be a positive integer (got {num_return_sequences!r})")

@@ -65,10 +65,11 @@ def generate_text(
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("prompt: a string or a non-empty list of strings")
         ids = [tokenizer.encode(t) for t in texts]
-    config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
-    config = (
-        config.replace(**options) if max_new_tokens is None else config.with_max_new_tokens(max_new_tokens, **options)
-    )
+
+    def apply(c: GenerationConfig) -> GenerationConfig:
+        return c.replace(**options) if max_new_tokens is None else c.with_max_new_tokens(max_new_tokens, **options)
+
+    config = apply(config) if config is not None else GenerationConfig.for_call(model, apply)
     keep = max_new_tokens if max_new_tokens is not None else config.gen_length
     config = encode_infill(config, tokenizer, model.mask_token_id, keep)
     out = generate(model, ids, config=config)

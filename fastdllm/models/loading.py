@@ -23,7 +23,7 @@ DEFAULT_MODEL_DIR = ASSETS_DIR / "llada-arith"
 # Models shipped in the package, loadable by name: the default LLaDA-format model, its Dream-format
 # twin, its block-diffusion twin in SDAR's layout, that twin's mixture of experts in LLaDA2's, and a
 # DiffusionGemma (no mask token) trained on the same task (see docs/model-card.md).
-EMBEDDED_MODELS = ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith")
+EMBEDDED_MODELS = ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith", "gemma-arith")
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
