@@ -297,9 +297,12 @@ D3LLM_DREAM_RUNNER = Path(__file__).parent / "reference" / "d3llm_dream.py"
 # On the embedded LLaDA at a third of its confidence, with early stop and a cache delay of 0 or 1,
 # prompt 2's answer differs at two positions of its second block (" 8" where d3LLM writes " 0"),
 # in the same number of forwards: the logits and decisions agree step for step until the answer's
-# EOS is revealed, after which d3LLM's reveals come one forward later than ours (a forward that
-# reveals nothing) and two later tokens differ; why its later logits differ is not traced yet.
-# The test asserts exactly this set, so a fix or a new divergence fails it.
+# first EOS moves earlier (revealed at 40 while 56 was). Its loop takes the step's masks before its
+# early stop fills the positions after that EOS, so in the next step a filled position (41) is
+# still a mask to its selection and takes the step's lowest-entropy reveal (its argmax is EOS
+# again); we fill first and reveal 39 there. Every later reveal of the second block then comes one
+# step later in its loop, and two of its tokens differ. The test asserts exactly this set, so a
+# fix or a new divergence fails it.
 D3LLM_KNOWN_DIVERGENCES = {
     "d3llm_llada_kv_cache": {
         (frozenset({**D3LLM_KV_CACHE_CONFIGS[0], "cache_delay_iter": d}.items()), 2) for d in (0, 1)
