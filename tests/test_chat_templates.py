@@ -88,8 +88,9 @@ def test_renders_as_transformers_does(name, conv, add_generation_prompt):
 def test_the_embedded_templates_and_ids_match_transformers():
     transformers = pytest.importorskip("transformers")
     import fastdllm
+    from fastdllm.models.loading import EMBEDDED_MODELS
 
-    for name in ("llada-arith", "dream-arith", "sdar-arith", "llada2-arith", "gemma-arith"):
+    for name in EMBEDDED_MODELS:
         _, tok = fastdllm.load(name)
         hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.fast, **tok.special_tokens_context())
         hf.chat_template = tok.chat_template

@@ -481,6 +481,9 @@ def test_a_diffusion_gemma_twin_is_a_checkpoint_transformers_reads(tokenizer, tm
     from fastdllm.models.loading import save_pretrained
 
     model = embedded.new_model("diffusion_gemma", "micro", tokenizer, seed=1).eval()
+    with torch.no_grad():  # off its init (norm weights of one, small logits), so a misread weight shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3) if p.dim() == 1 else p.mul_(6.0)
     assert model.family.rules.noise_canvas and model.args.extra["canvas_length"] == embedded.GEMMA_CANVAS
     assert model.args.extra["layer_types"] == ["sliding_attention", "full_attention"]
     folder = save_pretrained(model, tmp_path / "twin", tokenizer, dtype=torch.float32, remote_code=False)

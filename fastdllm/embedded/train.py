@@ -200,6 +200,14 @@ def renoising_loss(
     return torch.stack(losses).mean()
 
 
+def batch_loss(model, tokenizer, ids, starts, gen, editing_noise: float = 0.0) -> torch.Tensor:
+    """The family's objective on a batch: denoising uniform noise for a family with no mask token
+    (`renoising_loss`), else LLaDA's SFT objective (`sft_loss`)."""
+    if model.family.rules.noise_canvas:
+        return renoising_loss(model, ids, starts, gen, tokenizer.token_to_id(SPECIAL_TOKENS["eot"]))
+    return sft_loss(model, ids, starts, gen, editing_noise)
+
+
 def block_diffusion_logits(
     model: Transformer, noisy: torch.Tensor, clean: torch.Tensor, pos: torch.Tensor
 ) -> torch.Tensor:
@@ -559,11 +567,7 @@ def train(args: TrainSettings) -> Path:
             g["lr"] = lr
         ids, starts = make_batch(tokenizer, step, args.seed, args.token_budget, args.data_mix, model.args.max_seq_len)
         gen = torch.Generator().manual_seed(args.seed * 7919 + step)
-        if model.family.rules.noise_canvas:
-            eot = tokenizer.token_to_id(SPECIAL_TOKENS["eot"])
-            loss = renoising_loss(model, ids.to(args.device), starts.to(args.device), gen, eot)
-        else:
-            loss = sft_loss(model, ids.to(args.device), starts.to(args.device), gen, args.editing_noise)
+        loss = batch_loss(model, tokenizer, ids.to(args.device), starts.to(args.device), gen, args.editing_noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
