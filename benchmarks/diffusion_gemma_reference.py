@@ -8,9 +8,9 @@ the same checkpoint, same seeds.
 A random checkpoint made and saved by transformers' class (float32; sliding and full layers, a
 mixture of experts), loaded by `fastdllm.load`. Both decode the same prompts under the same torch
 seed with transformers' default decoding (bound 0.1, temperatures 0.8 to 0.4, adaptive stopping):
-transformers one prompt at a time (its batch draws every row from one stream, so its rows are not
-comparable one by one), ours one at a time and as one batch. Reports tokens/s, decoder forwards per
-answer, and how many answers are token-identical: in float32 the two round a logit differently
+transformers one prompt at a time and as one batch (its batch draws every row from one stream, so
+its batch is timed, not compared one by one), ours one at a time and as one batch. Reports tokens/s,
+decoder forwards per answer, and how many answers are token-identical: in float32 the two round a logit differently
 (~1e-6) and self-conditioning carries each step's logits into the next, so long runs can part;
 with --float64 both compute the same logits and every answer should agree.
 """
@@ -105,6 +105,15 @@ def main() -> None:
         out = reference.generate(torch.tensor([ids]), max_new_tokens=gen, max_denoising_steps=a.steps)
         theirs.append((out.sequences[0, len(ids) :].tolist(), round(gen / float(out.tokens_per_forward[0]))))
     reference_seconds = time.perf_counter() - started
+    # its own batch (left-padded, with an attention mask): the same forwards, its rows drawn from
+    # one stream, so timed but not compared token for token
+    width = max(len(ids) for ids in prompts)
+    padded = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids in prompts])
+    attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    reference.generate(padded, attention_mask=attention, max_new_tokens=gen, max_denoising_steps=a.steps)
+    reference_batch_seconds = time.perf_counter() - started
     fastdllm.generate(model, [prompts[0]], config=config.replace(seed=0))  # warm-up
     started = time.perf_counter()
     alone = [fastdllm.generate(model, [ids], config=config.replace(seed=i)) for i, ids in enumerate(prompts)]
@@ -124,6 +133,7 @@ def main() -> None:
             cache=config.cache,
         ),
         "reference": {"seconds": reference_seconds, "tokens_per_s": tokens / reference_seconds},
+        "reference_batched": {"seconds": reference_batch_seconds, "tokens_per_s": tokens / reference_batch_seconds},
         "ours_one_at_a_time": {"seconds": alone_seconds, "tokens_per_s": tokens / alone_seconds},
         "ours_batched": {"seconds": batch_seconds, "tokens_per_s": tokens / batch_seconds},
         "forwards_per_answer": {"reference": [f for _, f in theirs], "ours": [o.nfe for o in alone]},

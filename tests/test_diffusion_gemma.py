@@ -356,9 +356,9 @@ def test_lm_eval_decodes_it_with_its_published_settings(checkpoint):
     assert len(out) == 1 and isinstance(out[0], str)
 
 
-def test_it_quantizes_saves_and_refuses_tensor_parallelism(checkpoint, tmp_path, tokenizer):
-    """int8 in memory decodes; a save loads back to the same weights; --tp is refused by name (its
-    layers are not split yet)."""
+def test_it_quantizes_saves_and_refuses_what_it_cannot_split(checkpoint, tmp_path, tokenizer):
+    """int8 in memory decodes; a save loads back to the same weights; a split its heads do not
+    allow, or expert parallelism, is refused by name (tensor parallelism itself: `tests/test_tp.py`)."""
     from fastdllm.models.loading import load_model, save_pretrained
 
     _, model, folder = checkpoint
@@ -369,8 +369,10 @@ def test_it_quantizes_saves_and_refuses_tensor_parallelism(checkpoint, tmp_path,
     again, _ = fastdllm.load(str(saved), dtype="float32")
     for name, p in model.state_dict().items():
         assert torch.equal(p, again.state_dict()[name]), name
-    with pytest.raises(ValueError, match="^tp:"):
-        load_model(folder, tp=(0, 2))
+    with pytest.raises(ValueError, match="^tp: 3 does not divide the 4 attention heads"):
+        load_model(folder, tp=(0, 3))
+    with pytest.raises(ValueError, match="^ep: not yet for DiffusionGemma"):
+        load_model(folder, tp=(0, 2), ep=2)
 
 
 @pytest.mark.parametrize("command", [["bench", "--quick"], ["tune", "--task", "arith", "--out", "x.json"]])
@@ -395,7 +397,7 @@ def test_logprobs_are_the_final_canvas_tokens_under_its_last_step(checkpoint, to
 
 
 def test_plan_counts_its_active_experts_and_the_pool_it_holds(checkpoint):
-    from fastdllm.models.loading import read_config
+    from fastdllm.models.loading import load_model, read_config
     from fastdllm.models.plan import plan
 
     _, model, folder = checkpoint
@@ -405,6 +407,13 @@ def test_plan_counts_its_active_experts_and_the_pool_it_holds(checkpoint):
     expert = model.layers[0].experts_gate_up.numel() + model.layers[0].experts_down.numel()
     n, active = model.args.n_experts, model.args.n_active_experts
     assert p.parameters - p.active_parameters == layers * expert // n * (n - active)  # idle experts
+    # a rank of two holds what the loader reads for it, and the pool its split layers need
+    rank = load_model(folder, dtype="float32", tp=(0, 2))
+    p2 = plan(read_config(folder), max_len=100, dtype="float32", tp=2)
+    assert p2.sharded_bytes + p2.replicated_bytes == sum(t.numel() * 4 for t in rank.parameters())
+    assert p2.sharded_bytes + p2.replicated_bytes < p.sharded_bytes + p.replicated_bytes
+    layers, heads, width = rank.kv_shape
+    assert p2.kv_cache_bytes == 2 * layers * heads * width * 100 * 4
 
 
 def test_the_grouped_experts_add_up_as_the_reference_does(checkpoint):

@@ -82,19 +82,19 @@ def test_quantize_weight_rejects_a_group_that_does_not_divide():
 
 # ---- kernels -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "bits,group,out_f,zero,kernel",
+    "bits,group,out_f,zero,kernel,in_f",
     [
-        (8, None, 48, False, "int8"),
-        (4, 32, 48, False, "int4-cpu"),
-        (4, 32, 48, True, "int4-cpu"),  # asymmetric: the kernel's float offsets
-        (4, 32, 24, False, "dequantize"),  # output width not a multiple of 16
-        (8, 32, 48, False, "dequantize"),  # grouped int8
-        (8, None, 48, True, "dequantize"),  # asymmetric int8
+        (8, None, 48, False, "int8", 64),
+        (4, 32, 48, False, "int4-cpu", 64),
+        (4, 32, 48, True, "int4-cpu", 64),  # asymmetric: the kernel's float offsets
+        (4, 32, 24, False, "dequantize", 64),  # output width not a multiple of 16
+        (8, 32, 48, False, "dequantize", 64),  # grouped int8
+        (8, None, 48, True, "dequantize", 64),  # asymmetric int8
+        (8, None, 48, False, "dequantize", 24),  # input width not a multiple of 16 (the kernel crashes)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_kernel_computes_the_dequantized_linear(bits, group, out_f, zero, kernel, dtype):
-    in_f = 64
+def test_each_kernel_computes_the_dequantized_linear(bits, group, out_f, zero, kernel, in_f, dtype):
     qw = quantize_weight(torch.randn(out_f, in_f), bits, group, scale_dtype=dtype)
     if zero:
         qw.zero = signed(bits, qw.scale.shape, seed=3) // 4

@@ -109,6 +109,25 @@ def test_int4_checkpoints_and_the_all_to_all_dispatch_split_over_two_ranks(tmp_p
 
 
 @pytest.mark.slow
+def test_diffusion_gemma_split_over_two_ranks_decodes_as_one_process(tmp_path):
+    """A DiffusionGemma made by transformers' class, split by its own cuts (sliding and full
+    layers' heads, the full layers' one K = V head replicated, the dense MLP and every expert by
+    hidden units): logits within float32 rounding, the same renoised canvases for a batch of two,
+    two all-reduces a layer (attention; both MLPs in one), each rank reading its parts alone."""
+    out = tmp_path / "tp.json"
+    run = torchrun(str(WORKER), str(out), "tiny_diffusion_gemma", env={"TP_WORKER_BITS": "8"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results.pop("ranks_agree") is True
+    r = results["tiny_diffusion_gemma"]
+    assert r["max_logit_diff"] < 1e-4 and r["same_tokens"] and r["read_parts_equal"], r
+    assert r["all_reduces_per_layer"] == 2 and r["heads_per_rank"] == 2
+    assert r["weight_bytes_per_rank"] < r["weight_bytes"]
+    q = r["quantized"]["int8"]  # its kernels round to bfloat16 on each rank before the sum
+    assert q["max_logit_diff"] < 0.03 * q["max_logit"], q
+
+
+@pytest.mark.slow
 def test_generate_with_tp_prints_one_processes_answer():
     one = subprocess.run(
         [sys.executable, "-m", "fastdllm", "generate", "--dtype", "float32", "--json", QUESTION],

@@ -27,6 +27,8 @@ layer's width.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -149,6 +151,7 @@ class GemmaLayer(nn.Module):
         self.register_buffer("decoder_scalar", torch.ones(1))
         self.register_buffer("encoder_scalar", torch.ones(1))
         self.top_k = args.n_active_experts
+        self.reduce_ffn = None  # under tensor parallelism: sums the ranks' partial MLP outputs
 
     def experts(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The routed experts of each token (N, dim): chosen from the un-normed residual, as Gemma 4
@@ -197,10 +200,12 @@ class GemmaLayer(nn.Module):
         h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, segments, layer_cache))
         x = x + h
         normed = self.ffn_norm(x)
-        dense = self.post_ffn_norm_1(self.w2(_gelu(self.w1(normed)) * self.w3(normed)))
+        dense = self.w2(_gelu(self.w1(normed)) * self.w3(normed))
         flat = x.reshape(-1, x.shape[-1])
-        routed = self.post_ffn_norm_2(self.experts(self.experts_norm(flat), flat).view_as(x))
-        x = x + self.post_ffn_norm(dense + routed)
+        routed = self.experts(self.experts_norm(flat), flat).view_as(x)
+        if self.reduce_ffn is not None:  # each rank holds a slice of both MLPs' hidden units
+            dense, routed = self.reduce_ffn(torch.stack((dense, routed))).unbind(0)
+        x = x + self.post_ffn_norm(self.post_ffn_norm_1(dense) + self.post_ffn_norm_2(routed))
         scalar = torch.where(canvas[None, :, None], self.decoder_scalar, self.encoder_scalar).to(x.dtype)
         return x * scalar
 
@@ -243,6 +248,82 @@ class DiffusionGemma(Transformer):
             cos, sin = rope_tables_of(_inv_freq(head, theta, rotary, device), a.max_seq_len, device)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
             self.register_buffer(f"{name}_sin", sin, persistent=False)
+
+    def tp_cuts(self, rank: int, world: int, ep: int = 1) -> dict:
+        """Per parameter that tensor parallelism splits, the part rank `rank` of `world` keeps
+        (`models.tp.Cut`): each layer's q heads and its output projection's input columns, its
+        kv heads (the one its q heads read where a layer has fewer than the ranks: a full layer's
+        single K = V head), and the hidden units of its dense MLP and of every expert (gate and up
+        rows, down columns). The embeddings, norms, router and self-conditioning MLP stay whole."""
+        from .tp import check_split
+
+        a, e = self.args, self.args.extra
+        for kv in (a.n_kv_heads, e["full_kv_heads"]):
+            check_split(replace(a, n_kv_heads=kv), world, 1)
+        if ep != 1:
+            raise ValueError("ep: not yet for DiffusionGemma (its experts are split by tensor parallelism: ep=1)")
+        for name in ("hidden_dim", "moe_hidden_dim"):
+            if getattr(a, name) % world:
+                raise ValueError(f"tp: {world} does not divide the MLP's {name} ({getattr(a, name)})")
+
+        def part(width: int) -> tuple[int, int]:
+            return rank * width // world, (rank + 1) * width // world
+
+        h, hidden, moe = a.n_heads // world, part(a.hidden_dim), part(a.moe_hidden_dim)
+        out = {}
+        for i, kind in enumerate(e["layer_types"]):
+            hd, kv_n = (a.head_dim, a.n_kv_heads) if kind == SLIDING else (e["full_head_dim"], e["full_kv_heads"])
+            if kv_n >= world:
+                kv = part(kv_n * hd)
+            else:  # the kv head this rank's q heads read, replicated
+                head = rank * h // (a.n_heads // kv_n)
+                kv = (head * hd, (head + 1) * hd)
+            p = f"layers.{i}."
+            q = (rank * h * hd, (rank + 1) * h * hd)
+            out[p + "attention.wq.weight"] = (0, [q])
+            out[p + "attention.wk.weight"] = (0, [kv])
+            if kind == SLIDING:
+                out[p + "attention.wv.weight"] = (0, [kv])
+            out[p + "attention.wo.weight"] = (1, [q])
+            out[p + "w1.weight"] = out[p + "w3.weight"] = (0, [hidden])
+            out[p + "w2.weight"] = (1, [hidden])
+            gate, up = moe, (a.moe_hidden_dim + moe[0], a.moe_hidden_dim + moe[1])
+            out[p + "experts_gate_up"] = (1, [gate, up])
+            out[p + "experts_down"] = (2, [moe])
+        return out
+
+    def split_layers(self, rank: int, world: int, all_reduced) -> None:
+        """The layers' shapes as rank `rank` of `world` holds them (`tp_cuts`), with the ranks'
+        partial sums added up by `all_reduced(module)` after each attention's output projection and
+        by `reduce_ffn` (both MLPs' partial outputs in one all-reduce) before the norms that follow."""
+        import torch.distributed as dist
+
+        from .tp import collective
+
+        a, e = self.args, self.args.extra
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            collective(dist.all_reduce, t)
+            return t
+
+        for layer in self.layers:
+            att = layer.attention
+            att.n_heads = a.n_heads // world
+            att.n_kv_heads = max(1, att.n_kv_heads // world)
+            for linear in (m for m in att.modules() if isinstance(m, nn.Linear)):
+                linear.out_features, linear.in_features = linear.weight.shape
+            for linear in (layer.w1, layer.w3, layer.w2):
+                linear.out_features, linear.in_features = linear.weight.shape
+            all_reduced(att.wo)
+            layer.reduce_ffn = reduce
+        self.args = replace(
+            a,
+            n_heads=a.n_heads // world,
+            n_kv_heads=max(1, a.n_kv_heads // world),
+            hidden_dim=a.hidden_dim // world,
+            moe_hidden_dim=a.moe_hidden_dim // world,
+            extra={**e, "full_kv_heads": max(1, e["full_kv_heads"] // world)},
+        )
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

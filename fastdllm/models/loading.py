@@ -268,7 +268,7 @@ class CheckpointTensors:
             return self._handles[self._file[name]].get_tensor(name)
         whole = self._handles[self._file[name]].get_slice(name)
         dim, segments = cut
-        parts = [whole[a:b] if dim == 0 else whole[:, a:b] for a, b in segments]
+        parts = [whole[(slice(None),) * dim + (slice(a, b),)] for a, b in segments]
         return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -300,10 +300,8 @@ def load_model(
     parts: dict = {}
     if ep > 1 and fmt is not None:
         raise ValueError("ep: a quantized checkpoint's experts are split by tensor parallelism only (use ep=1)")
-    if tp is not None and tp[1] > 1 and model.family.model_class is not None:
-        raise ValueError(f"tp: not yet for {model.family.name} (its layers are not the shared transformer's)")
     if tp is not None and tp[1] > 1:
-        parts = tensor_parallel.cuts(model.args, *tp, ep)
+        parts = tensor_parallel.cuts_of(model, *tp, ep)
         tensor_parallel.apply(model, *tp, ep=ep, dispatch=ep_dispatch)  # on the meta device: shapes, hooks
     dtype = resolve_dtype(dtype)
     if dtype is None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .loading import EMBEDDED_MODELS, build_model, read_config, resolve_model_path
-from .tp import check_split, cuts
+from .tp import apply, check_split, cuts_of
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -83,7 +83,7 @@ def plan(
     model = build_model(config, device="meta")
     args = model.args
     check_split(args, tp, ep)
-    parts = cuts(args, 0, tp)  # what tensor parallelism splits, exactly as `tp.apply` splits it
+    parts = cuts_of(model, 0, tp)  # what tensor parallelism splits, exactly as `tp.apply` splits it
     size = DTYPE_BYTES[dtype]
     max_len = args.max_seq_len if max_len is None else max_len
     layers, kv_heads, kv_width = model.kv_shape  # what the pool holds per position and layer
@@ -108,6 +108,8 @@ def plan(
             replicated += _linear_bytes(numel, p.shape[0], quantize, group_size, size)
         else:
             replicated += numel * size
+    if tp > 1 and hasattr(model, "split_layers"):  # a family's own split: the pool a rank of it holds
+        layers, kv_per_rank, kv_width = apply(model, 0, tp).kv_shape
     kv = 2 * layers * kv_per_rank * kv_width * batch * max_len * size
     return RankPlan(total, active, int(sharded), int(replicated), kv, tp, ep)
 

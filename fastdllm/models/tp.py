@@ -15,6 +15,9 @@ CPUs) and `apply(model, rank, world)` splits the model in place:
   so every rank's hidden states, and so its logits, are the whole model's. The embedding, the
   norms and the output head are replicated.
 
+A family whose layers are its own (DiffusionGemma) says how they split: `tp_cuts` (its parts, as
+`cuts` gives the shared transformer's) and `split_layers` (their shapes and all-reduces).
+
 Every rank then runs the same decoding loop on the same inputs and takes the same decisions (an
 all-reduce hands every rank the same bits); rank 0 speaks for them. A rank's sums are split
 differently from one process's, so logits differ by float rounding (~1e-6 in float32).
@@ -157,6 +160,12 @@ def cuts(args, rank: int, world: int, ep: int = 1) -> dict[str, Cut]:
     return out
 
 
+def cuts_of(model, rank: int, world: int, ep: int = 1) -> dict[str, Cut]:
+    """`cuts` for the model's layers: the shared transformer's, or a family's own (`tp_cuts`)."""
+    own = getattr(model, "tp_cuts", None)
+    return own(rank, world, ep) if own is not None else cuts(model.args, rank, world, ep)
+
+
 def take(t: torch.Tensor, cut: Cut) -> torch.Tensor:
     """The part of the whole tensor `t` that `cut` keeps."""
     dim, segments = cut
@@ -206,7 +215,7 @@ def apply(model, rank: int, world: int, split: bool = True, ep: int = 1, dispatc
             "and load it with tp"
         )
     args = model.args
-    parts = cuts(args, rank, world, ep)
+    parts = cuts_of(model, rank, world, ep)
     if split:
         with torch.no_grad():
             for name, param in list(model.named_parameters()):
@@ -217,6 +226,10 @@ def apply(model, rank: int, world: int, split: bool = True, ep: int = 1, dispatc
                         attr,
                         nn.Parameter(take(param.data, parts[name]), requires_grad=False),
                     )
+    model.tp, model.ep = (rank, world), ep
+    if hasattr(model, "split_layers"):  # a family with layers of its own (DiffusionGemma)
+        model.split_layers(rank, world, _all_reduce_output)
+        return model
     hd = args.head_dim
     n_heads = args.n_heads // world
     n_kv = max(1, args.n_kv_heads // world)
@@ -240,7 +253,6 @@ def apply(model, rank: int, world: int, split: bool = True, ep: int = 1, dispatc
         moe_hidden_dim=args.moe_hidden_dim // (1 if ep > 1 else world),
         shared_expert_hidden_dim=args.shared_expert_hidden_dim // world,
     )
-    model.tp, model.ep = (rank, world), ep
     return model
 
 

@@ -97,7 +97,15 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("input_order", qw.input_order)
         n, k = qw.shape
         kernel_dtype = kernel_dtype_for(device.type, dtype)
-        if qw.bits == 8 and qw.per_channel and qw.zero is None and kernel_runs("int8", device.type, kernel_dtype):
+        # PyTorch's CPU int8 kernel reads bfloat16 inputs 16 columns at a time: a width that is no
+        # multiple of 16 crashes the process, so such a layer dequantizes instead
+        if (
+            qw.bits == 8
+            and qw.per_channel
+            and qw.zero is None
+            and k % 16 == 0
+            and kernel_runs("int8", device.type, kernel_dtype)
+        ):
             self.kernel = "int8"
             self.register_buffer("qweight", qw.values.contiguous())
             self.register_buffer("scales", qw.scale[:, 0].to(dtype).contiguous())

@@ -32,7 +32,30 @@ FIXTURES = {
     "tiny_llada_moe": ("lladamoe", dict(seed=6, router_bias=True)),
     "tiny_rnd1": ("rnd1", dict(seed=7, n_kv_heads=1)),
     "tiny_wedlm": ("wedlm", dict(seed=8, n_heads=4, n_kv_heads=2, qkv_bias=True)),
+    # made by transformers' own class (layers of its own: sliding and full, K = V, experts beside
+    # a dense MLP); decoded with its published renoising
+    "tiny_diffusion_gemma": ("diffusion_gemma", dict(seed=9)),
 }
+
+
+def whole_model(name: str, arch: str, tok, seed: int, folder: Path, rank: int, **kw):
+    if arch != "diffusion_gemma":
+        return conftest.random_model(arch, tok, seed=seed, **kw)
+    from tests.test_diffusion_gemma import make_reference
+
+    made = folder.parent / f"{name}-made"
+    if rank == 0:
+        make_reference(tok, made, seed=seed)
+    dist.barrier()
+    return load_model(made, dtype=torch.float32)
+
+
+def generation_config(model):
+    if model.family.rules.noise_canvas:  # its canvas of 8, a few denoising steps
+        return fastdllm.GenerationConfig.for_model(model, gen_length=16, max_denoising_steps=6, seed=3)
+    return fastdllm.GenerationConfig.for_model(
+        model, fastdllm.GenerationConfig(gen_length=16, block_length=8, threshold=0.2, stop_at_eos=False)
+    )
 
 
 REDUCE = dist.all_reduce
@@ -54,9 +77,9 @@ def main():
         seed = kw.pop("seed")
         if "TP_WORKER_HEADS" in os.environ:  # more ranks than the fixtures' heads: more heads
             kw["n_heads"] = int(os.environ["TP_WORKER_HEADS"])
-        whole = conftest.random_model(arch, tok, seed=seed, **kw)
-        split = tp.apply(copy.deepcopy(whole), rank, world)
         folder = Path(out_path).parent / name
+        whole = whole_model(name, arch, tok, seed, folder, rank, **kw)
+        split = tp.apply(copy.deepcopy(whole), rank, world)
         if rank == 0:
             save_pretrained(whole, folder, tok, dtype=torch.float32)
         dist.barrier()
@@ -68,9 +91,7 @@ def main():
         with torch.no_grad():
             diff = (whole(ids) - split(ids)).abs().max().item()
         dist.all_reduce = REDUCE
-        config = fastdllm.GenerationConfig.for_model(
-            whole, fastdllm.GenerationConfig(gen_length=16, block_length=8, threshold=0.2, stop_at_eos=False)
-        )
+        config = generation_config(whole)
         prompts = [tok.encode("Question: 1 + 1"), tok.encode("Question: Tom has 5 apples and buys 3 more.")]
         alone = fastdllm.generate(whole, prompts, config=config).sequences
         shared = fastdllm.generate(split, prompts, config=config).sequences
@@ -97,7 +118,7 @@ def main():
             }
         experts = {}
         dispatches = os.environ.get("TP_WORKER_DISPATCHES", "all-reduce,all-to-all").split(",")
-        for dispatch in dispatches if whole.args.n_experts else ():
+        for dispatch in dispatches if whole.args.n_experts and not hasattr(whole, "tp_cuts") else ():
             # expert parallelism: whole routed experts per rank, split in memory and read alone
             ep_split = tp.apply(copy.deepcopy(whole), rank, world, ep=world, dispatch=dispatch)
             ep_read = load_model(folder, dtype=torch.float32, tp=(rank, world), ep=world, ep_dispatch=dispatch)
