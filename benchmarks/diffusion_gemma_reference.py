@@ -3,7 +3,7 @@ the same checkpoint, same seeds.
 
     python benchmarks/diffusion_gemma_reference.py [--dim 128 --layers 4 --experts 8]
         [--prompts 4] [--canvases 2] [--canvas 32] [--steps 48] [--threads 2] [--float64] [--shots N]
-        [--out FILE]
+        [--profile] [--out FILE]
 
 A random checkpoint made and saved by transformers' class (float32; sliding and full layers, a
 mixture of experts), loaded by `fastdllm.load`. Both decode the same prompts under the same torch
@@ -65,6 +65,31 @@ def make_checkpoint(folder: Path, tok, a) -> None:
     tok.save(folder)
 
 
+# The work both loops must do, whoever runs it: the matmuls, attention's kernel, and the draws of
+# the samples (torch.multinomial's exponential noise over the vocabulary).
+ARITHMETIC = (
+    "aten::mm",
+    "aten::bmm",
+    "aten::addmm",
+    "aten::_grouped_mm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::exponential_",
+)
+
+
+def arithmetic_share(run) -> dict:
+    """Seconds of CPU `run()` spends in ARITHMETIC's operators (self time) against its whole run
+    under the profiler: the share no loop around the same arithmetic can take away."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        started = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - started
+    arithmetic = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ARITHMETIC) / 1e6
+    return {"seconds": seconds, "arithmetic_seconds": arithmetic, "share": arithmetic / seconds}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dim", type=int, default=128)
@@ -77,6 +102,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--float64", action="store_true")
     p.add_argument("--shots", type=int, default=0, help="worked examples before each question (a longer prompt)")
+    p.add_argument("--profile", action="store_true", help="also the share of each batch's time in arithmetic both do")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -99,6 +125,8 @@ def main() -> None:
     prompts = [tok.encode(f"{shots}Question: what is {i} + {i + 3}? Answer:") for i in range(a.prompts)]
     gen = a.canvases * a.canvas
     config = GenerationConfig.for_model(model, gen_length=gen, max_denoising_steps=a.steps, stop_at_eos=False)
+    torch.manual_seed(0)
+    reference.generate(torch.tensor([prompts[0]]), max_new_tokens=gen, max_denoising_steps=a.steps)  # warm-up
     theirs, started = [], time.perf_counter()
     for i, ids in enumerate(prompts):
         torch.manual_seed(i)
@@ -143,6 +171,17 @@ def main() -> None:
             "of": len(prompts),
         },
     }
+    if a.profile:
+        result["arithmetic_share"] = {
+            "reference_batched": arithmetic_share(
+                lambda: reference.generate(
+                    padded, attention_mask=attention, max_new_tokens=gen, max_denoising_steps=a.steps
+                )
+            ),
+            "ours_batched": arithmetic_share(
+                lambda: fastdllm.generate(model, prompts, config=config, row_seeds=list(range(len(prompts))))
+            ),
+        }
     print(json.dumps(result, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -306,9 +306,9 @@ def test_gemma_twin_is_a_diffusion_gemma_checkpoint_that_denoises_from_noise():
     assert 1 < len(steps) <= decoding.max_denoising_steps
 
 
-# Measured on the 64 problems (float32, gen 128, the shipped weights, its published decoding): 28.1%
-# with 8.9 decoder forwards per problem, the same with no cache (its cache is exact).
-GEMMA_FLOOR = 0.2
+# Measured on the 64 problems (float32, gen 128, the shipped weights, its published decoding): 73.4%
+# with 4.11 decoder forwards per problem, the same with no cache (its cache is exact).
+GEMMA_FLOOR = 0.6
 
 
 @pytest.mark.slow

@@ -353,7 +353,10 @@ RECIPES: dict[str, tuple[Stage, ...]] = {
         ),
     ),
     # a DiffusionGemma from scratch: no mask token, so no weights of the masked twins carry over
-    "gemma-arith": (Stage("gemma-arith", "diffusion_gemma", "focus", 1000, 2e-3, 0.5, preset="gemma"),),
+    "gemma-arith": (
+        Stage("gemma-1", "diffusion_gemma", "focus", 1000, 2e-3, 0.5, preset="gemma"),
+        Stage("gemma-arith", "diffusion_gemma", "focus", 1000, 1e-3, 0.5, "gemma-1", seed=1, preset="gemma"),
+    ),
 }
 
 
