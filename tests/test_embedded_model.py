@@ -128,12 +128,12 @@ def test_the_default_model_answers_plain_prompts_in_its_own_blocks():
     the evaluation's plain `Question: ...\nAnswer:` wrapper)."""
     model, tok = fastdllm.load()
     assert fastdllm.GenerationConfig.for_model(model).block_length == 64
-    bare = fastdllm.generate_text(
-        model, tok, "Mia has 10 stamps. She gets 4 more stamps. How many stamps does Mia have now?"
-    )
-    assert bare.text.strip().endswith("#### 14"), bare.text
-    problems = arith.test_split()[:8]
-    answers = [fastdllm.generate_text(model, tok, arith.format_prompt(p.question, [])).text for p in problems]
+    problems = arith.test_split()[:16]
+    # bare questions, a format it saw least (on 200 problems: 76.5%; 12 of these 16)
+    bare = [fastdllm.generate_text(model, tok, p.question).text for p in problems]
+    assert all(a.strip() for a in bare), bare
+    assert sum(a.strip().endswith(f"#### {p.value}") for a, p in zip(bare, problems)) >= 10, bare
+    answers = [fastdllm.generate_text(model, tok, arith.format_prompt(p.question, [])).text for p in problems[:8]]
     right = sum(a.strip().endswith(f"#### {p.value}") for a, p in zip(answers, problems))
     assert right >= 7, answers
 

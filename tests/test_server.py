@@ -240,7 +240,7 @@ def test_canvas_stream_passes_through_the_official_client(srv):
     assert text == "".join(c.choices[0].delta.content or "" for c in plain if c.choices)
     assert not any((c.model_extra or {}).get("canvas") for c in plain)
     canvases = [c.model_extra["canvas"] for c in chunks if not c.choices]
-    assert len(canvases) >= 3 and all(len(c["tokens"]) == 64 for c in canvases)
+    assert len(canvases) >= 2 and all(len(c["tokens"]) == 64 for c in canvases)
     masked = [c["tokens"].count("<|mdm_mask|>") for c in canvases]
     assert masked == sorted(masked, reverse=True) and masked[0] > 0
     assert all(c["revealed"] for c in canvases[:-1]) and [c["nfe"] for c in canvases] == list(

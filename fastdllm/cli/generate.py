@@ -14,7 +14,7 @@ GENERATE_EXAMPLES = """examples:
   fastdllm generate --json --seed 0 --temperature 0.7 "..."
   echo "A pen costs 2 dollars. Ann buys 5 pens and gets 8 dollars off. How much does Ann pay?" | fastdllm generate -
   fastdllm generate --fix $'23:\\n#### 7' "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"  # the last line fixed
-  fastdllm generate --gen-length 32 --suffix $'\\n#### 7' "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"  # the working before a suffix
+  fastdllm generate --gen-length 64 --suffix $'\\n#### 7' "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"  # the working before a suffix
 """  # noqa: E501 (commands as a user types them)
 
 

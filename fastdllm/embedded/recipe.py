@@ -319,22 +319,27 @@ LLADA_STAGES = (
     _llada("llada-6", "long", 2000, 6e-4, 0.6, "llada-5"),
     _llada("llada-7", "shots", 2800, 6e-4, 0.6, "llada-6"),
     _llada("llada-8", "tail", 1800, 5e-4, 0.6, "llada-7", seed=8),
+)
+LLADA_PAIRS = (
     # each question also as a plain prompt beside its chat turn, so that a plain prompt is answered
-    _llada("llada-arith", "paired-groups-chat", 1500, 2e-4, 0.5, "llada-8", seed=43),
+    _llada("llada-pairs", "paired-groups-chat", 1500, 2e-4, 0.5, "llada-8", seed=43),
+    _llada("llada-pairs-2", "paired-groups-chat", 1000, 1e-4, 0.5, "llada-pairs", seed=47, stopped_at=750),
+    # the pairs alone, with no chat-only rows: plain answers closer to chat ones
+    _llada("llada-arith", "paired", 500, 5e-5, 0.5, "llada-pairs-2", seed=48),
 )
 # Each shipped model: its stages in order, the last one writing the asset (runs/NAME/final, saved
 # in bfloat16 as fastdllm/embedded/assets/NAME). Stages shared with another model's recipe (the
 # Dream twin starts from llada-5) are listed in each.
 RECIPES: dict[str, tuple[Stage, ...]] = {
-    "llada-arith": LLADA_STAGES,
+    "llada-arith": LLADA_STAGES + LLADA_PAIRS,
     "dream-arith": LLADA_STAGES[:7]
     + (
         Stage("dream-1", "dream", "story", 800, 1e-3, 0.5, "llada-5"),
         Stage("dream-2", "dream", "long", 1200, 6e-4, 0.6, "dream-1"),
         Stage("dream-arith", "dream", "story", 1200, 6e-4, 0.6, "dream-2", seed=9),
     ),
-    "sdar-arith": LLADA_STAGES[:-1] + (Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-8"),),
-    "llada2-arith": LLADA_STAGES[:-1]
+    "sdar-arith": LLADA_STAGES + (Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-8"),),
+    "llada2-arith": LLADA_STAGES
     + (
         Stage("sdar-arith", "sdar", "story", 1000, 1e-3, 0.5, "llada-8"),
         Stage("llada2-1", "llada2_moe", "story", 320, 3e-4, 0.375, "sdar-arith", seed=43, preset="llada2", warmup=25),
