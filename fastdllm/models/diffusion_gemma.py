@@ -292,30 +292,19 @@ class DiffusionGemma(Transformer):
             out[p + "experts_down"] = (2, [moe])
         return out
 
-    def split_layers(self, rank: int, world: int, all_reduced) -> None:
-        """The layers' shapes as rank `rank` of `world` holds them (`tp_cuts`), with the ranks'
-        partial sums added up by `all_reduced(module)` after each attention's output projection and
-        by `reduce_ffn` (both MLPs' partial outputs in one all-reduce) before the norms that follow."""
-        import torch.distributed as dist
-
-        from .tp import collective
-
+    def split_layers(self, rank: int, world: int, all_reduce) -> None:
+        """The layers' shapes as rank `rank` of `world` holds them (`tp_cuts`), the ranks' partial
+        sums added up by `all_reduce` after each attention's output projection and, for both MLPs'
+        partial outputs in one call, by `reduce_ffn` before the norms that follow."""
         a, e = self.args, self.args.extra
-
-        def reduce(t: torch.Tensor) -> torch.Tensor:
-            collective(dist.all_reduce, t)
-            return t
-
         for layer in self.layers:
             att = layer.attention
             att.n_heads = a.n_heads // world
             att.n_kv_heads = max(1, att.n_kv_heads // world)
-            for linear in (m for m in att.modules() if isinstance(m, nn.Linear)):
+            for linear in (m for m in layer.modules() if isinstance(m, nn.Linear)):
                 linear.out_features, linear.in_features = linear.weight.shape
-            for linear in (layer.w1, layer.w3, layer.w2):
-                linear.out_features, linear.in_features = linear.weight.shape
-            all_reduced(att.wo)
-            layer.reduce_ffn = reduce
+            att.wo.register_forward_hook(lambda _module, _inputs, output: all_reduce(output))
+            layer.reduce_ffn = all_reduce
         self.args = replace(
             a,
             n_heads=a.n_heads // world,

@@ -86,8 +86,6 @@ def plan(
     parts = cuts_of(model, 0, tp)  # what tensor parallelism splits, exactly as `tp.apply` splits it
     size = DTYPE_BYTES[dtype]
     max_len = args.max_seq_len if max_len is None else max_len
-    layers, kv_heads, kv_width = model.kv_shape  # what the pool holds per position and layer
-    kv_per_rank = max(1, kv_heads // tp)
     sharded = replicated = 0.0
     total = active = 0
     for name, p in model.named_parameters():
@@ -108,9 +106,9 @@ def plan(
             replicated += _linear_bytes(numel, p.shape[0], quantize, group_size, size)
         else:
             replicated += numel * size
-    if tp > 1 and hasattr(model, "split_layers"):  # a family's own split: the pool a rank of it holds
-        layers, kv_per_rank, kv_width = apply(model, 0, tp).kv_shape
-    kv = 2 * layers * kv_per_rank * kv_width * batch * max_len * size
+    # what the pool holds per position and layer on a rank: the model's shapes as `tp.apply` splits them
+    layers, kv_heads, kv_width = (apply(model, 0, tp, ep=ep) if tp > 1 else model).kv_shape
+    kv = 2 * layers * kv_heads * kv_width * batch * max_len * size
     return RankPlan(total, active, int(sharded), int(replicated), kv, tp, ep)
 
 

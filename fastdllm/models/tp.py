@@ -192,12 +192,14 @@ def _first_sentence(message: str) -> str:
     return text.split(". ")[0].rstrip(".") or message
 
 
-def _all_reduce_output(module: nn.Module) -> None:
-    def hook(_module, _inputs, output):
-        collective(dist.all_reduce, output)
-        return output
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over the ranks, in place (a lost rank raised as RankLost)."""
+    collective(dist.all_reduce, t)
+    return t
 
-    module.register_forward_hook(hook)
+
+def _all_reduce_output(module: nn.Module) -> None:
+    module.register_forward_hook(lambda _module, _inputs, output: all_reduce(output))
 
 
 def apply(model, rank: int, world: int, split: bool = True, ep: int = 1, dispatch: str = "all-reduce"):
@@ -228,7 +230,7 @@ def apply(model, rank: int, world: int, split: bool = True, ep: int = 1, dispatc
                     )
     model.tp, model.ep = (rank, world), ep
     if hasattr(model, "split_layers"):  # a family with layers of its own (DiffusionGemma)
-        model.split_layers(rank, world, _all_reduce_output)
+        model.split_layers(rank, world, all_reduce)
         return model
     hd = args.head_dim
     n_heads = args.n_heads // world

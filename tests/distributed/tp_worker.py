@@ -118,6 +118,7 @@ def main():
             }
         experts = {}
         dispatches = os.environ.get("TP_WORKER_DISPATCHES", "all-reduce,all-to-all").split(",")
+        # expert parallelism where the family takes it (DiffusionGemma refuses it by name)
         for dispatch in dispatches if whole.args.n_experts and not hasattr(whole, "tp_cuts") else ():
             # expert parallelism: whole routed experts per rank, split in memory and read alone
             ep_split = tp.apply(copy.deepcopy(whole), rank, world, ep=world, dispatch=dispatch)
