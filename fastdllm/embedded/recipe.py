@@ -324,8 +324,11 @@ LLADA_PAIRS = (
     # each question also as a plain prompt beside its chat turn, so that a plain prompt is answered
     _llada("llada-pairs", "paired-groups-chat", 1500, 2e-4, 0.5, "llada-8", seed=43),
     _llada("llada-pairs-2", "paired-groups-chat", 1000, 1e-4, 0.5, "llada-pairs", seed=47, stopped_at=750),
-    # the pairs alone, with no chat-only rows: plain answers closer to chat ones
-    _llada("llada-arith", "paired", 500, 5e-5, 0.5, "llada-pairs-2", seed=48),
+    # the pairs alone, with no chat-only rows: plain answers closer to chat ones, a little more each run
+    _llada("llada-pairs-3", "paired", 500, 5e-5, 0.5, "llada-pairs-2", seed=48),
+    _llada("llada-pairs-4", "paired", 600, 5e-5, 0.5, "llada-pairs-3", seed=49),
+    _llada("llada-pairs-5", "paired", 600, 5e-5, 0.5, "llada-pairs-4", seed=50),
+    _llada("llada-arith", "paired", 600, 5e-5, 0.5, "llada-pairs-5", seed=51),
 )
 # Each shipped model: its stages in order, the last one writing the asset (runs/NAME/final, saved
 # in bfloat16 as fastdllm/embedded/assets/NAME). Stages shared with another model's recipe (the
