@@ -42,7 +42,7 @@ def configs(names, gen_length):
     made = {
         "baseline": GenerationConfig.baseline(gen_length=gen_length),
         "fast-dllm": GenerationConfig.fast_dllm(gen_length=gen_length),
-        "default": GenerationConfig(gen_length=gen_length),
+        "default": None,  # the model's own: `GenerationConfig.for_model` (its checkpoint's block length)
     }
     return {n: made[n] for n in names}
 
@@ -57,8 +57,9 @@ def embedded_rows(args, dtype: str) -> list[dict]:
         for cfg_name, cfg in configs(args.configs, args.gen_length).items():
             for q in QUANT:
                 model, tok = models[q]
+                config = cfg or fastdllm.GenerationConfig.for_model(model, gen_length=args.gen_length)
                 m = evaluate(
-                    model, tok, "arith", limit=args.limit, config=cfg, batch_size=args.batch_size, progress=False
+                    model, tok, "arith", limit=args.limit, config=config, batch_size=args.batch_size, progress=False
                 )
                 row = {
                     "model": name,
