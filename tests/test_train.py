@@ -219,6 +219,35 @@ def test_training_steps_resume_exactly(tmp_path):
     assert resumed.is_dir() and tok.token_to_id("<|mdm_mask|>") == model.mask_token_id
 
 
+def test_average_of_writes_the_mean_of_runs_weights_through_the_cli(tokenizer, tmp_path):
+    from fastdllm.cli.main import main
+    from fastdllm.models.loading import save_pretrained
+
+    folders = []
+    for seed in (1, 2, 3):
+        model = embedded.new_model("llada", "micro", tokenizer, seed=seed)
+        folders.append(
+            save_pretrained(model, tmp_path / f"run{seed}", tokenizer, dtype=torch.float32, remote_code=False)
+        )
+    runs = [fastdllm.load(str(f), dtype="float32")[0].state_dict() for f in folders]
+    argv = ["train-tiny", "--out", str(tmp_path / "soup"), "--average-of", ",".join(map(str, folders))]
+    assert main(argv) == 0
+    soup, tok = fastdllm.load(str(tmp_path / "soup" / "final"), dtype="float32")
+    assert soup.args.dim == 32 and tok.token_to_id("<|mdm_mask|>") == soup.mask_token_id
+    for name, value in soup.state_dict().items():
+        mean = sum(r[name] for r in runs) / 3
+        torch.testing.assert_close(value, mean.bfloat16().float(), atol=0, rtol=0, msg=name)
+    # one folder is no average; runs of different sizes are refused by name, and nothing is written
+    with pytest.raises(ValueError, match="average_of: needs at least two"):
+        train.average_weights([str(folders[0])], tmp_path / "one")
+    other = save_pretrained(
+        embedded.new_model("llada", "llada", tokenizer), tmp_path / "big", tokenizer, remote_code=False
+    )
+    with pytest.raises(ValueError, match="average_of: .* is not the architecture"):
+        train.average_weights([str(folders[0]), str(other)], tmp_path / "mixed")
+    assert not (tmp_path / "mixed").exists()
+
+
 def test_sft_loss_masks_only_the_answer_region(tokenizer):
     model = embedded.new_model("llada", "micro", tokenizer)
     ids, starts = train.make_batch(tokenizer, 0, 0, 600)
@@ -455,7 +484,7 @@ def test_each_shipped_models_recipe_is_a_record_the_model_card_shows_and_train_t
 
     from fastdllm.cli.train_tiny import add_arguments
     from fastdllm.embedded.mixes import MIXES
-    from fastdllm.embedded.recipe import RECIPES, recipe_table
+    from fastdllm.embedded.recipe import RECIPES, Average, recipe_table
     from fastdllm.models.loading import EMBEDDED_MODELS
 
     card = (Path(__file__).resolve().parents[1] / "docs" / "model-card.md").read_text()
@@ -467,8 +496,13 @@ def test_each_shipped_models_recipe_is_a_record_the_model_card_shows_and_train_t
         assert stages[-1].name == name and stages[0].init_from is None
         folders = set()
         for s in stages:
-            assert s.mix in MIXES and (s.init_from is None or s.init_from in folders), s
             args = vars(parser.parse_args(shlex.split(s.command())[2:]))
+            if isinstance(s, Average):  # the mean of earlier stages' final weights
+                assert len(s.parts) >= 2 and set(s.parts) <= folders, s
+                assert args["average_of"].split(",") == [f"runs/{part}/final" for part in s.parts]
+                folders.add(args["out"].removeprefix("runs/"))
+                continue
+            assert s.mix in MIXES and (s.init_from is None or s.init_from in folders), s
             assert (args["data_mix"], args["steps"], args["lr"], args["seed"]) == (s.mix, s.steps, s.lr, s.seed)
             assert args["resume"] == s.resume and (args["init_from"] is None) == (s.init_from is None or s.resume)
             folders.add(args["out"].removeprefix("runs/"))

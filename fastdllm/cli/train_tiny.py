@@ -10,6 +10,7 @@ from ..embedded.mixes import MIXES
 from ..embedded.recipe import PRESETS, TOKENIZER_CORPORA
 from ..embedded.train import TRAINABLE, TrainSettings, train
 from ..models import FAMILIES
+from .args import UserError
 
 CHOICES = {
     "arch": sorted(FAMILIES),
@@ -31,6 +32,8 @@ HELP = {
     "eval_plain": "also evaluate plain prompts (no chat template) at each evaluation",
     "eval_block_length": "the block length held-out answers are decoded in (families without blocks of their own)",
     "keep_best": "save OUT/best at the evaluation whose lowest accuracy (chat, plain) is highest",
+    "average_of": "comma-separated model folders: write the mean of their weights to OUT/final (a uniform "
+    "model soup of runs fine-tuned from one start) instead of training",
     "editing_noise": "share of unmasked answer tokens replaced by random ones, which the model learns to "
     "restore (LLaDA2.1's token-to-token objective, for editing); 0: none",
 }
@@ -62,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = vars(p.parse_args(argv))
     command_line = "fastdllm train-tiny " + " ".join(sys.argv[1:] if argv is None else argv)
-    final = train(TrainSettings(**args, command_line=command_line))
+    try:
+        final = train(TrainSettings(**args, command_line=command_line))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(str(e)) from None
     print(f"saved {final}")
     return 0

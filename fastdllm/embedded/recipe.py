@@ -304,6 +304,20 @@ class Stage:
         return " ".join(parts)
 
 
+@dataclass(frozen=True)
+class Average:
+    """A stage that trains nothing: the uniform mean of earlier stages' final weights
+    (`train.average_weights`, `fastdllm train-tiny --average-of`)."""
+
+    name: str
+    arch: str
+    parts: tuple[str, ...]
+
+    def command(self) -> str:
+        folders = ",".join(f"runs/{part}/final" for part in self.parts)
+        return f"fastdllm train-tiny --arch {self.arch} --out runs/{self.name} --average-of {folders}"
+
+
 def _llada(name, mix, steps, lr, decay, init_from, **kw) -> Stage:
     return Stage(name, "llada", mix, steps, lr, decay, init_from, **kw)
 
@@ -333,7 +347,7 @@ LLADA_PAIRS = (
 # Each shipped model: its stages in order, the last one writing the asset (runs/NAME/final, saved
 # in bfloat16 as fastdllm/embedded/assets/NAME). Stages shared with another model's recipe (the
 # Dream twin starts from llada-5) are listed in each.
-RECIPES: dict[str, tuple[Stage, ...]] = {
+RECIPES: dict[str, tuple[Stage | Average, ...]] = {
     "llada-arith": LLADA_STAGES + LLADA_PAIRS,
     "dream-arith": LLADA_STAGES[:7]
     + (
@@ -381,6 +395,9 @@ def recipe_table() -> str:
                 continue
             seen[s.name] = s
             name = f"**{s.name}**" if s.name in shipped else s.name
+            if isinstance(s, Average):
+                lines.append(f"| {name} | mean of {', '.join(s.parts)} | | | | | `{s.command()}` |")
+                continue
             origin = "scratch" if s.init_from is None else s.init_from + (" (`--resume`)" if s.resume else "")
             steps = f"{s.stopped_at} of {s.steps}" if s.stopped_at else str(s.steps)
             lines.append(f"| {name} | {origin} | {s.mix} | {steps} | {s.lr:g} | {s.decay_frac:g} | `{s.command()}` |")

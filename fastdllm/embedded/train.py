@@ -505,6 +505,7 @@ class TrainSettings:
     vocab_size: int = 1024  # a fresh run's BPE vocabulary, special tokens included
     trainable: str = "all"  # "experts": only the routed experts and their routers learn (see trainable_parameters)
     editing_noise: float = 0.0  # share of unmasked answer tokens corrupted for the token-to-token objective (sft_loss)
+    average_of: str | None = None  # comma-separated model folders: OUT/final is their weights' mean, no training
     command_line: str = ""  # recorded in the checkpoint's metadata
 
 
@@ -524,7 +525,27 @@ def _evaluate(model, tokenizer, n: int, chat_template: bool = True, block_length
         return {"eval_error": f"{type(e).__name__}: {e}"}
 
 
+def average_weights(folders: list[str], out: Path) -> Path:
+    """A uniform model soup (Wortsman et al., 2022): `out`/final holds the element-wise mean, in
+    float32, of the weights of `folders`, runs of one architecture fine-tuned from a shared start;
+    the first folder's tokenizer and config go with it, saved in bfloat16 like a run's final weights."""
+    if len(folders) < 2:
+        raise ValueError(f"average_of: needs at least two model folders (got {folders!r})")
+    model = load_model(folders[0], dtype=torch.float32)
+    total = {k: v.clone() for k, v in model.state_dict().items()}
+    for folder in folders[1:]:
+        other = load_model(folder, dtype=torch.float32)
+        if other.args != model.args:
+            raise ValueError(f"average_of: {folder} is not the architecture of {folders[0]}")
+        for k, v in other.state_dict().items():
+            total[k] += v
+    model.load_state_dict({k: v / len(folders) for k, v in total.items()})
+    return save_pretrained(model, out / "final", load_tokenizer(folders[0]), dtype=torch.bfloat16, remote_code=False)
+
+
 def train(args: TrainSettings) -> Path:
+    if args.average_of is not None:
+        return average_weights([f for f in args.average_of.split(",") if f], Path(args.out))
     if not 0.0 <= args.editing_noise < 1.0:
         raise ValueError(f"editing_noise: must be in [0, 1) (got {args.editing_noise!r})")
     torch.set_num_threads(args.threads or torch.get_num_threads())
