@@ -127,6 +127,7 @@ def test_catching_sigxcpu_does_not_escape_the_cpu_limit():
     assert r.verdict == "timeout" and "CPU time" in r.reason, r
 
 
+@pytest.mark.slow  # seconds of real time, spent waiting
 def test_sleep_times_out_and_daemon_is_reaped():
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\ntime.sleep(600)\n"
     r = run_program(code, timeout=1.5, wall_timeout=2.0)
@@ -491,6 +492,7 @@ def burn_cores(seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(os.cpu_count() or 2)]
 
 
+@pytest.mark.slow  # seconds of real time, spent waiting
 def test_cpu_time_decides_timeouts_on_a_busy_machine():
     """1.2 s of CPU under a 2 s limit passes even when every core is busy (the wall time then
     exceeds the limit); 3 s of CPU does not."""
@@ -547,6 +549,7 @@ def test_a_uid_is_never_handed_out_while_a_box_holds_it():
     assert sorted(got) == sorted([taken[0], last[0]])
 
 
+@pytest.mark.slow  # seconds of real time, spent waiting
 @needs_user
 def test_a_long_box_survives_more_boxes_than_there_are_uid_slots(monkeypatch):
     """A box that runs while more boxes than the uid range holds start and end beside it is not
@@ -683,6 +686,7 @@ def test_an_orphan_is_counted_and_ended(box_plan):
     assert leftover_processes() == []
 
 
+@pytest.mark.slow  # seconds of real time, spent waiting
 def test_a_process_tree_sums_the_cpu_and_memory_of_every_descendant():
     """The meter of a box without a control group, on a host process tree: a parent whose two
     children each hold 100 MB and spin, one of them through an orphaned grandchild."""
