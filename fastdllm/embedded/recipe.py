@@ -310,12 +310,11 @@ class Average:
     (`train.average_weights`, `fastdllm train-tiny --average-of`)."""
 
     name: str
-    arch: str
     parts: tuple[str, ...]
 
     def command(self) -> str:
         folders = ",".join(f"runs/{part}/final" for part in self.parts)
-        return f"fastdllm train-tiny --arch {self.arch} --out runs/{self.name} --average-of {folders}"
+        return f"fastdllm train-tiny --out runs/{self.name} --average-of {folders}"
 
 
 def _llada(name, mix, steps, lr, decay, init_from, **kw) -> Stage:
@@ -346,7 +345,7 @@ LLADA_PAIRS = (
     # half the rows behind the plain wrapper or bare; alone it answers as llada-pairs-6 does, and the
     # mean of the two answers plain prompts better than either (a uniform soup of runs from one start)
     _llada("llada-plainmix", "plain", 600, 5e-5, 0.5, "llada-pairs-6", seed=52),
-    Average("llada-arith", "llada", ("llada-pairs-6", "llada-plainmix")),
+    Average("llada-arith", ("llada-pairs-6", "llada-plainmix")),
 )
 # Each shipped model: its stages in order, the last one writing the asset (runs/NAME/final, saved
 # in bfloat16 as fastdllm/embedded/assets/NAME). Stages shared with another model's recipe (the
