@@ -530,7 +530,7 @@ def average_weights(folders: list[str], out: Path) -> Path:
     float32, of the weights of `folders`, runs of one architecture fine-tuned from a shared start;
     the first folder's tokenizer and config go with it, saved in bfloat16 like a run's final weights."""
     if len(folders) < 2:
-        raise ValueError(f"average_of: needs at least two model folders (got {folders!r})")
+        raise ValueError(f"average_of: needs at least two model folders (got {', '.join(folders) or 'none'})")
     model = load_model(folders[0], dtype=torch.float32)
     total = {k: v.clone() for k, v in model.state_dict().items()}
     for folder in folders[1:]:
