@@ -121,10 +121,17 @@ def test_each_kernel_computes_the_dequantized_linear(bits, group, out_f, zero, k
     )
 
 
-def test_int8_above_the_row_threshold_computes_the_same_linear():
+def test_int8_rows_above_the_threshold_dequantize_and_compute_the_same_linear():
+    from fastdllm.quant.linear import dequantize_above_rows
+
+    # the break-even grows with the weight, and with float32 activations four times further
+    assert dequantize_above_rows("cpu", 512 * 192, kernel_casts=False) == 32
+    assert dequantize_above_rows("cpu", 4096 * 4096, kernel_casts=False) == 128
+    assert dequantize_above_rows("cpu", 4096 * 4096, kernel_casts=True) == 512
+    assert dequantize_above_rows("cuda", 4096 * 4096, kernel_casts=False) == 0
     qw = quantize_weight(torch.randn(48, 64), 8, scale_dtype=torch.float32)
     layer = QuantizedLinear(qw, dtype=torch.float32)
-    few, many = torch.randn(4, 64), torch.randn(QuantizedLinear.DEQUANTIZE_ABOVE_ROWS["cpu"] + 50, 64)
+    few, many = torch.randn(4, 64), torch.randn(layer.dequantize_above + 50, 64)
     assert torch.allclose(layer(many), F.linear(many, qw.dequantize()), atol=1e-4)  # dense, in float32
     want = F.linear(few, qw.dequantize())  # the kernel, in bfloat16
     assert (layer(few) - want).abs().max() <= 0.02 * want.abs().max()

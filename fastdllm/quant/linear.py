@@ -67,24 +67,41 @@ def kernel_dtype_for(device_type: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def dequantize_above_rows(device_type: str, weight_elements: int, kernel_casts: bool) -> int:
+    """Rows above which an int8 layer dequantizes its weight for one dense matmul rather than run
+    PyTorch's int8 kernel. Dequantizing costs in proportion to the weight, the kernel's loss per
+    row in proportion to it too, but a large weight leaves the cache as it dequantizes, so the
+    break-even grows with it; with float32 activations (`kernel_casts`: the kernel runs in
+    bfloat16) the dense matmul it is weighed against is dearer, and the break-even four times as
+    far (`benchmarks/quantized_kernels.py [--dtype float32]` on one CPU thread: at 4096 x 4096 the
+    kernel wins at 32 rows and loses at 256 in bfloat16, wins at 256 and loses at 1024 in float32;
+    at 512 x 192 it loses from 32 rows in both). On CUDA the kernel loses at every row count (see
+    `QuantizedLinear`)."""
+    if device_type != "cpu":
+        return 0
+    return max(32, weight_elements // (32768 if kernel_casts else 131072))
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T (+ b) with W held as a `QuantizedWeight` in the buffers its kernel needs
     (`kernel`: "int8", "int4-cpu" or "dequantize").
 
-    PyTorch's int8 kernel is fast for a few rows (a 4096 x 4096 layer on one CPU thread: 1.7 ms
-    for one row against 4.2 ms in bf16) and slow for many (142 ms for 256 rows against 42 ms;
+    PyTorch's int8 kernel is fast for a few rows (a 4096 x 4096 layer on one CPU thread: 1.4 ms
+    for one row against 3.1 ms in bf16) and slow for many (133 ms for 256 rows against 40 ms;
     `benchmarks/quantized_kernels.py`), and a diffusion model's forwards carry a block of positions
-    per row of the batch; so above `DEQUANTIZE_ABOVE_ROWS` rows an int8 layer dequantizes its
-    weight and runs one dense matmul (87 ms for those 256 rows). The int4 CPU kernel's weight layout
+    per row of the batch; so above `dequantize_above` rows an int8 layer dequantizes its weight and
+    runs one dense matmul (79 ms for those 256 rows). Where that pays depends on the weight's size
+    (a small one dequantizes within the cache: a 512 x 192 layer pays from 32 rows, 0.096 ms against
+    0.105) and on the activations' dtype (float32 ones make the dense matmul dearer: a 4096 x 4096
+    layer pays only from several hundred rows, 430 ms against 504 for 1024 rows, 178 against 117
+    for 256; `--dtype float32`): see `dequantize_above_rows`. The int4 CPU kernel's weight layout
     is its own, with no cheap way back to a dense weight, so int4 layers always use the kernel
-    (15 ms for 32 rows against 8.3 ms in bf16).
+    (12.7 ms for 32 rows against 7.2 ms in bf16).
 
     On CUDA the int8 kernel loses at every row count the loop uses: on an H200, replaying the
     default config's schedules on 4 layers of LLaDA-8B's width, one row decoded 99 tokens/s through
     it against 3,015 in bf16 (`benchmarks/gpu_check.py --quant int8`), so there an int8 layer always
     dequantizes."""
-
-    DEQUANTIZE_ABOVE_ROWS = {"cpu": 128}
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -132,6 +149,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", qw.scale.to(dtype).contiguous())
             self.register_buffer("zeros", None if qw.zero is None else qw.zero.contiguous())
         self.dtype, self.kernel_dtype = dtype, kernel_dtype
+        self.dequantize_above = dequantize_above_rows(device.type, n * k, kernel_dtype != dtype)
         # The scales in the kernel's dtype, cast once (the model dtype's stay exact for `dequantized`).
         scales = {"int8": "scales", "int4-cpu": "scales_and_zeros"}.get(self.kernel)
         if scales is not None:
@@ -164,7 +182,7 @@ class QuantizedLinear(nn.Module):
             x = x.index_select(-1, self.input_order)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "int8" and x2.shape[0] > self.DEQUANTIZE_ABOVE_ROWS.get(x2.device.type, 0):
+        if self.kernel == "int8" and x2.shape[0] > self.dequantize_above:
             y = F.linear(x2, self.dequantized())
         elif self.kernel == "int8":
             y = torch._weight_int8pack_mm(x2.to(self.kernel_dtype), self.qweight, self.kernel_scales).to(self.dtype)
