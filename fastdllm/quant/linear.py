@@ -90,11 +90,8 @@ class QuantizedLinear(nn.Module):
     for one row against 3.1 ms in bf16) and slow for many (133 ms for 256 rows against 40 ms;
     `benchmarks/quantized_kernels.py`), and a diffusion model's forwards carry a block of positions
     per row of the batch; so above `dequantize_above` rows an int8 layer dequantizes its weight and
-    runs one dense matmul (79 ms for those 256 rows). Where that pays depends on the weight's size
-    (a small one dequantizes within the cache: a 512 x 192 layer pays from 32 rows, 0.096 ms against
-    0.105) and on the activations' dtype (float32 ones make the dense matmul dearer: a 4096 x 4096
-    layer pays only from several hundred rows, 430 ms against 504 for 1024 rows, 178 against 117
-    for 256; `--dtype float32`): see `dequantize_above_rows`. The int4 CPU kernel's weight layout
+    runs one dense matmul (79 ms for those 256 rows); where that pays depends on the weight's size
+    and the activations' dtype (`dequantize_above_rows`). The int4 CPU kernel's weight layout
     is its own, with no cheap way back to a dense weight, so int4 layers always use the kernel
     (12.7 ms for 32 rows against 7.2 ms in bf16).
 
