@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastdllm import GenerationConfig
-from fastdllm.engine.decode import BlockClock, EntropyThreshold, UnmaskingStrategy
+from fastdllm.engine.decode import BlockClock, DecodeView, EntropyThreshold, UnmaskingStrategy
 from fastdllm.evaluation.aup import aup
 
 # d3LLM's AUP_leaderboard/data_llada.yaml, GSM8K-CoT, and the AUP its README reports for each
@@ -57,12 +57,12 @@ def test_entropy_rule_reveals_low_entropy_positions_and_always_the_lowest():
     for threshold, want in ((0.5, [True, False, False]), (1.0, [True, True, False]), (0.01, [True, False, False])):
         config = GenerationConfig(unmasking="entropy", threshold=threshold)
         strategy = UnmaskingStrategy.from_config(config)
-        d = strategy.decide(logits, block, clock, None, 4)
+        d = strategy.decide(logits, DecodeView(block, clock, 4))
         assert d.chosen[0].tolist() == want, threshold
     # only the masked positions count: the lowest-entropy one among them is always revealed
     block[0, 0] = 5
     d = UnmaskingStrategy.from_config(GenerationConfig(unmasking="entropy", threshold=0.01)).decide(
-        logits, block, clock, None, 4
+        logits, DecodeView(block, clock, 4)
     )
     assert d.chosen[0].tolist() == [False, True, False]
 

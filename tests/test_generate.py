@@ -7,7 +7,7 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig, generate, stream_blocks
-from fastdllm.engine.decode import BlockClock, Factor, Threshold, UnmaskingStrategy, linear_schedule_at
+from fastdllm.engine.decode import BlockClock, DecodeView, Factor, Threshold, UnmaskingStrategy, linear_schedule_at
 from fastdllm.engine.policies import Policies
 
 from .conftest import DualRefreshed, PrefixRefreshed
@@ -581,9 +581,9 @@ def test_only_the_row_that_proposed_the_mask_draws_again():
         return BlockClock([0] * n, [8] * n, torch.full((n,), 8))
 
     together = [torch.Generator().manual_seed(s) for s in (1, 2)]
-    both = strategy.decide(logits, block, clock(2), together, mask)
+    both = strategy.decide(logits, DecodeView(block, clock(2), mask, together))
     alone = [torch.Generator().manual_seed(1)]
-    first = strategy.decide(logits[:1], block[:1], clock(1), alone, mask)
+    first = strategy.decide(logits[:1], DecodeView(block[:1], clock(1), mask, alone))
     assert torch.equal(both.tokens[0], first.tokens[0]) and torch.equal(both.chosen[0], first.chosen[0])
     assert torch.equal(together[0].get_state(), alone[0].get_state())
     assert not (both.tokens[1] == mask).any()

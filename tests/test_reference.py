@@ -463,7 +463,7 @@ def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
     """Step after step on the same random logits, from a block of masks (its first position a prompt
     token): the same tokens revealed and revised, the same end of the block, the same soft
     embeddings."""
-    from fastdllm.engine.decode import BlockClock, UnmaskingStrategy
+    from fastdllm.engine.decode import BlockClock, DecodeView, UnmaskingStrategy
     from fastdllm.models.transformer import soft_embeddings
 
     trace = _dmax_traces()[str(seed)]
@@ -478,7 +478,7 @@ def test_the_dmax_policies_step_as_dmaxs_decode_uniform(seed):
         masked = ours == mask_id
         editable = (region >= 0) & ~masked
         clock = BlockClock.uniform(masked, blk, step)
-        d = strategy.decide(next(logits), ours, clock, None, mask_id, editable=editable)
+        d = strategy.decide(next(logits), DecodeView(ours, clock, mask_id, editable=editable))
         ours = torch.where(d.edited, d.tokens, ours)
         ours = torch.where(d.chosen, d.tokens, ours)
         region = torch.where(d.chosen, torch.full_like(region, step), region)

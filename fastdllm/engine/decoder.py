@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 from ..config import GenerationConfig
 from .cache import SequenceView
-from .decode import BlockClock, Decision, SoftTokens, check_canvas, token_logprobs
+from .decode import BlockClock, Decision, DecodeView, token_logprobs
 from .kv.rows import RowPages, shares_prefixes
 from .kv.runner import KVRunner, runner_for
 from .policies import Policies, PolicySource, policies_for, resolve
@@ -66,18 +66,6 @@ class BlockDecoder:
         kv: KVRunner | None = None,
     ):
         self.model, self.config = model, config
-        family = getattr(model, "family", None)
-        if (
-            model.args.block_size
-            and config.block_length != model.args.block_size
-            and not (family is not None and family.rules.any_decoding_block)
-        ):
-            raise ValueError(
-                f"block_length: must be {model.args.block_size} for this model, whose attention is "
-                f"block-causal in blocks of {model.args.block_size} (got {config.block_length})"
-            )
-        self.noise_canvas = family is not None and family.rules.noise_canvas
-        check_canvas(model, config)
         # A strategy the caller brought serves every row, and so rows must agree on every
         # decision field; otherwise each row decides with the strategy its own config names.
         self.own_strategy = policies is not None and not (isinstance(policies, Policies) and policies.strategy is None)
@@ -92,7 +80,6 @@ class BlockDecoder:
             counted=holds,
         )
         self.policy.pages = self.pages
-        self.policy.block_start_reveals_first = getattr(self.strategy, "reveals_first_at_block_start", False)
         self.strategies = {decision_key(config): self.strategy}
         self.device = model.device
         self.mask_id = model.mask_token_id
@@ -108,11 +95,9 @@ class BlockDecoder:
         # what the forwards computed: rows summed over them, and query positions
         self.row_forwards = self.computed_positions = 0
         self.forward_clock = ForwardClock(self.device)
-        self.lookahead = self.strategy.lookahead
-        self.editing = self.strategy.editing
         # the columns a step decodes from each row's current block on: the block, and with
         # multi-block decoding the blocks after it
-        self.width = config.block_length * (1 if self.lookahead is None else self.lookahead.depth)
+        self.width = config.block_length * self.strategy.depth
         # per row of the layout (its prompt, then its region, from column 0): tokens, and the
         # row's step that revealed each position (-1: masked or a prompt token)
         self.x = self.step_of = None
@@ -164,7 +149,7 @@ class BlockDecoder:
             if strategy.draws_randomness
             else [None] * ids.shape[0]
         )
-        fixed, suffix = self._infill(config, constraints)
+        fixed, suffix = self._infill(config, constraints, strategy.closing_tokens)
         tags = [None] * ids.shape[0] if tags is None else list(tags)
         rows = [self._row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
         for r in rows:
@@ -182,11 +167,11 @@ class BlockDecoder:
         self.joining.extend(rows)
         return rows
 
-    def _infill(self, config: GenerationConfig, constraints) -> tuple[tuple, torch.Tensor | None]:
+    def _infill(self, config: GenerationConfig, constraints, closing_tokens) -> tuple[tuple, torch.Tensor | None]:
         """A config's fixed tokens and suffix, checked against this model: token ids (text is
         encoded by the front ends, `text.infill.encode_infill`), not the mask token, and a suffix
-        only where attention is bidirectional."""
-        closing = self._closing_token()
+        only where attention is bidirectional; then the tokens the decoder closes the answer with."""
+        closing = torch.tensor(closing_tokens, dtype=torch.long, device=self.device) if closing_tokens else None
         if not config.fixed and config.suffix is None:
             return (), closing
         for name, value in [("fixed", v) for _, v in config.fixed] + [("suffix", config.suffix)]:
@@ -211,21 +196,6 @@ class BlockDecoder:
         if closing is not None:
             suffix = closing if suffix is None else torch.cat([suffix, closing])
         return fixed, suffix
-
-    def _closing_token(self) -> torch.Tensor | None:
-        """The token the family's reference places after the answer and any suffix (RND1's pad), which
-        every forward sees, as a suffix does; None for a family without one."""
-        family = getattr(self.model, "family", None)
-        if family is None or family.rules.closing_token is None:
-            return None
-        key, default = family.rules.closing_token
-        token = self.model.config.get(key)
-        token = default if token is None else token
-        if not 0 <= token < self.model.args.vocab_size:
-            raise ValueError(
-                f"{key}: {token} is not a token of this model (vocabulary of {self.model.args.vocab_size})"
-            )
-        return torch.tensor([token], dtype=torch.long, device=self.device)
 
     def _row(self, prompt, config, generator, tag) -> Row:
         blk = self.config.block_length
@@ -329,7 +299,6 @@ class BlockDecoder:
         window, steps_of = self.x.gather(1, columns), self.step_of.gather(1, columns)
         block, region = window[:, :blk], steps_of[:, :blk]
         later = window[:, blk:] if self.width > blk else None
-        editable = None if self.editing is None else (region >= 0) & (block != self.mask_id)  # not a prompt token
         clock = BlockClock(
             [r.step for r in rows],
             [r.config.steps_per_block()[r.block] for r in rows],
@@ -337,7 +306,23 @@ class BlockDecoder:
             list(view.starts),
             [r.extent for r in rows],
         )
-        decision = self._decide(logits, block, clock, later, editable)
+        decision = self._decide(
+            logits,
+            DecodeView(
+                block,
+                clock,
+                self.mask_id,
+                later=later,
+                # what an editing rule may rewrite: revealed, not a prompt or fixed token
+                editable=(region >= 0) & (block != self.mask_id) if self.strategy.edits else None,
+                steps_of=steps_of,
+                constraints={i: r.constraint for i, r in enumerate(rows) if r.constraint is not None},
+                carry=[r.carry for r in rows],
+                configs=[r.config for r in rows],
+                eos_id=self.model.args.eos_token_id,
+                stop_ids=self.stop_ids,
+            ),
+        )
         if self.logp is not None:
             self._record_logprobs(logits, columns, decision)
         if decision.edited is not None:
@@ -349,7 +334,8 @@ class BlockDecoder:
             later_region = torch.where(decision.ahead, self.row_nfe[:, None], steps_of[:, blk:])
             block, region = torch.cat([block, later], 1), torch.cat([region, later_region], 1)
         self.row_nfe += 1
-        self._early_stop(block, region)
+        if decision.fill is not None:  # the decoder's early stop: EOS, revealed by no step
+            block = torch.where(decision.fill, self.model.args.eos_token_id, block)
         self.x.scatter_(1, columns, block)
         self.step_of.scatter_(1, columns, region)
         for r in rows:
@@ -417,58 +403,25 @@ class BlockDecoder:
                 now.append(r)
         return now, later
 
-    def _decide(self, logits, block, clock, later, editable):
-        """Each row's decision, by the strategy it decides with: rows that share one in one call."""
-        rows, mask_id = self.rows, self.mask_id
+    def _decide(self, logits: torch.Tensor, view: DecodeView) -> Decision:
+        """Each row's decision, by the decoder it decides with: rows that share one in one call."""
+        rows = self.rows
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault(id(r.strategy), []).append(i)
 
-        def decide(strategy, members: list[int], idx=None):
-            pick = (lambda t: t) if idx is None else (lambda t: None if t is None else t[idx])
-            generators = [rows[i].generator for i in members] if strategy.draws_randomness else None
-            constraints = {j: rows[i].constraint for j, i in enumerate(members) if rows[i].constraint is not None}
-            return strategy.decide(
-                pick(logits),
-                pick(block),
-                clock if idx is None else clock.take(members),
-                generators,
-                mask_id,
-                pick(later),
-                pick(editable),
-                constraints,
-                carry=[rows[i].carry for i in members],
-            )
+        def decide(members: list[int], part: DecodeView, logits: torch.Tensor) -> Decision:
+            strategy = rows[members[0]].strategy
+            part.generators = [rows[i].generator for i in members] if strategy.draws_randomness else None
+            return strategy.decide(logits, part)
 
         if len(groups) == 1:
-            return decide(rows[0].strategy, list(range(len(rows))))
+            return decide(list(range(len(rows))), view, logits)
         parts = []
         for members in groups.values():
             idx = torch.tensor(members, device=self.device)
-            parts.append((idx, decide(rows[members[0]].strategy, members, idx)))
-        # one decision for the batch, each group's rows in their places
-        first = parts[0][1]
-
-        def merged(name):
-            if getattr(first, name) is None:
-                return None
-            out = getattr(first, name).new_empty((len(rows),) + tuple(getattr(first, name).shape[1:]))
-            for idx, d in parts:
-                out[idx] = getattr(d, name)
-            return out
-
-        names = ("tokens", "chosen", "edited", "ahead_tokens", "ahead", "top_token", "top_prob", "block_done")
-        decision = Decision(*(merged(n) for n in names))
-        if isinstance(first.signal, SoftTokens):
-            decision.signal = SoftTokens.merged([(idx, d.signal) for idx, d in parts], len(rows))
-        else:
-            decision.signal = merged("signal")
-        if any(d.carry is not None for _, d in parts):
-            decision.carry = [None] * len(rows)
-            for members, (_, d) in zip(groups.values(), parts):
-                for j, i in enumerate(members):
-                    decision.carry[i] = None if d.carry is None else d.carry[j]
-        return decision
+            parts.append((idx, decide(members, view.take(members), logits[idx])))
+        return Decision.merged(parts, len(rows))
 
     def _block_over(self, block, decision) -> torch.Tensor:
         """(B,) whether each row's block is over after this step: where the strategy decides it
@@ -482,8 +435,7 @@ class BlockDecoder:
         the signal that conditions the next forward, as the model takes it (`soft_input`: input
         vectors for the block's columns, or those of them the signal keeps)."""
         blk, signal = self.config.block_length, decision.signal
-        keep = getattr(signal, "keep", None)  # the columns a signal feeds back, where it says
-        kept = keep.any(-1).tolist() if keep is not None else None  # one read for the batch
+        kept = None if signal is None else signal.rows_kept()  # one read for the batch
         for i, (r, over) in enumerate(zip(self.rows, done.tolist())):
             r.carry = None if over or decision.carry is None else decision.carry[i]
             if signal is None or over:
@@ -492,8 +444,8 @@ class BlockDecoder:
                 r.soft = None
                 continue
             cols = torch.arange(starts[i], starts[i] + blk, device=self.device)
-            vectors = self.model.soft_input(signal[i])
-            r.soft = (cols, vectors) if keep is None else (cols[keep[i]], vectors[keep[i]])
+            vectors, keep = self.model.soft_input(signal.payload(i)), signal.keep(i)
+            r.soft = (cols, vectors) if keep is None else (cols[keep], vectors[keep])
 
     def _after_step(self, window, steps_of, done: torch.Tensor, revealed_counts: torch.Tensor, work, columns) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
@@ -507,7 +459,7 @@ class BlockDecoder:
         # blocks after the current one that are whole already (multi-block decoding)
         n_later = self.width // blk - 1
         whole = torch.zeros_like(revealed_counts)
-        if n_later and (self.editing is None or self.editing.max_post_steps == 0):
+        if n_later and self.strategy.later_blocks_final:
             later_masked = (window[:, blk:] == self.mask_id).view(len(rows), n_later, blk)
             whole = (~later_masked.any(-1)).long().cumprod(-1).sum(-1)
         parts = [done.long()[:, None], revealed_counts[:, None], hit.long()[:, None], whole[:, None], window]
@@ -571,60 +523,11 @@ class BlockDecoder:
         """Row i starts a block: its masks now (a family with no mask token: its canvas, drawn now
         from the row's generator)."""
         r.soft = r.carry = None
-        start = r.column(self.config.block_length)
-        if self.noise_canvas:
-            blk = self.config.block_length
-            noise = torch.randint(0, self.model.args.vocab_size, (1, blk), generator=r.generator, device=self.device)
-            self.x[i, start : start + blk] = noise[0]
-        masked = self.x[i, start : start + self.config.block_length] == self.mask_id
-        self.opened[i] = masked.sum()
-
-    def _early_stop(self, window: torch.Tensor, steps_of: torch.Tensor) -> None:
-        """`eos_early_stop`, each row by its own rule: d3LLM's with its multi-block entropy
-        decoding (`Lookahead.fills_after_eos`), else LLaDA2.0's; editing has its own."""
-        early = [r.config.eos_early_stop for r in self.rows]
-        if not any(early) or self.editing is not None:
-            return
-        d3llm = [e and r.strategy.fills_after_eos for e, r in zip(early, self.rows)]
-        llada2 = [e and not d for e, d in zip(early, d3llm)]
-        if any(d3llm):
-            self._fill_after_eos(window, steps_of, d3llm)
-        if any(llada2):
-            self._stop_early(window, steps_of, llada2)
-
-    def _fill_after_eos(self, window: torch.Tensor, steps_of: torch.Tensor, rows: list[bool]) -> None:
-        """d3LLM's early stop (`handle_early_stop`): once a row has revealed its EOS, every position
-        of its window after the first one becomes EOS, revealed or masked; the masks before it are
-        still decoded, and the row stops with the block that holds it (as `stop_at_eos`). Blocks
-        past the window are never decoded: the row has stopped before they would be."""
-        eos = self.model.args.eos_token_id
-        hit = (window == eos) & (steps_of >= 0)
-        after = (hit.long().cumsum(-1) - hit.long()) > 0  # strictly after the first revealed EOS
-        after &= torch.tensor(rows, device=window.device)[:, None]
-        window[after] = eos  # as `_stop_early`, the filled positions keep step -1: no step revealed them
-
-    def _stop_early(self, window: torch.Tensor, steps_of: torch.Tensor, rows: list[bool]) -> None:
-        """LLaDA2.0's `eos_early_stop`: a row whose block holds a revealed stop token with no masked
-        position before it is done now; the block's masks after it become EOS (as everything after a
-        stop is), so it takes no more steps.
-
-        The published 2.0 generate looks for the first `eos_id` in the whole sequence, prompt
-        included (a prompt holding that token ends the answer at once, before its start); here only
-        revealed answer tokens count, and they are the model's stop tokens, as for `stop_at_eos`. The
-        answer up to the stop is the same as without early stopping (revealed tokens are final); only
-        the steps after it are saved.
-
-        LLaDA2.1's loop (token editing on) has its own rule, which is `stop_at_eos`'s: it stops only
-        after a block, once the answer so far has no mask and holds EOS, so editing may still
-        rewrite an early EOS and the tokens before it. With editing this is therefore not called."""
         blk = self.config.block_length
-        block = window[:, :blk]
-        masked = block == self.mask_id
-        stop = torch.isin(block, self.stop_ids) & (steps_of[:, :blk] >= 0)
-        first = stop.int().argmax(-1, keepdim=True)
-        stopped = stop.any(-1) & (masked.cumsum(-1).gather(-1, first).squeeze(-1) == 0)
-        stopped &= torch.tensor(rows, device=block.device)  # the rows whose config asks for it
-        block[stopped[:, None] & masked] = self.model.args.eos_token_id
+        start = r.column(blk)
+        self.x[i, start : start + blk] = r.strategy.open_block(self.x[i, start : start + blk], r.generator)
+        masked = self.x[i, start : start + blk] == self.mask_id
+        self.opened[i] = masked.sum()
 
     def _leave(self, i: int, r: Row) -> None:
         blk, n = self.config.block_length, r.asked

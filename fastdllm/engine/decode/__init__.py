@@ -56,7 +56,8 @@ Randomness comes from one generator per row, drawn only for rows that still have
 block, so batched and single runs consume identical random streams.
 """
 
-from .decision import Decision, SoftTokens, token_logprobs
+from .base import DECODERS, Decoder, DecodeView, register_decoder
+from .decision import Decision, SelfConditioning, Signal, SoftTokens, token_logprobs
 from .dmax import DMaxProposal, LeftToRight
 from .dparallel import EntropyLookahead, EntropyThreshold
 from .dream import DreamProposal, DreamSchedule
@@ -74,7 +75,13 @@ from .strategy import UnmaskingStrategy, lookahead_for, proposal_for
 from .wedlm import WeDLMRule, WeDLMStrategy
 
 __all__ = [
+    "DECODERS",
     "BlockClock",
+    "DecodeView",
+    "Decoder",
+    "SelfConditioning",
+    "Signal",
+    "register_decoder",
     "DMaxProposal",
     "Decision",
     "DreamProposal",

@@ -1,9 +1,10 @@
-"""What a strategy returns for a step (`Decision`, DMax's `SoftTokens`) and the log-probabilities
-rows report (`token_logprobs`)."""
+"""What a decoder returns for a step (`Decision`, with the `Signal` that conditions the next forward:
+DMax's `SoftTokens`, DiffusionGemma's `SelfConditioning`) and the log-probabilities rows report
+(`token_logprobs`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -29,27 +30,62 @@ def token_logprobs(logits: torch.Tensor, configs) -> torch.Tensor:
     return out
 
 
+class Signal:
+    """What conditions a row's next forward, as its model turns it into input vectors
+    (`soft_input`): per row, what the model reads (`payload`) and which of the block's columns it
+    replaces (`keep`, None: all of them)."""
+
+    def payload(self, i: int):
+        raise NotImplementedError
+
+    def keep(self, i: int) -> torch.Tensor | None:
+        return None
+
+    def rows_kept(self) -> list[bool] | None:
+        """Per row, whether it feeds any column back (one host read); None: every row does."""
+        return None
+
+    @classmethod
+    def merged(cls, parts: list, rows: int) -> Signal:
+        """One signal for the batch from the groups' ((row indices, signal), ...)."""
+        first = parts[0][1]
+        names = [f.name for f in fields(first)]
+        out = cls(*(getattr(first, n).new_empty((rows, *getattr(first, n).shape[1:])) for n in names))
+        for idx, sig in parts:
+            for n in names:
+                getattr(out, n)[idx] = getattr(sig, n)
+        return out
+
+
 @dataclass
-class SoftTokens:
+class SoftTokens(Signal):
     """DMax's signal for a row's next forward: per position its most probable token and that
-    token's probability, and which positions enter the forward as their soft embeddings (`keep`:
+    token's probability, and which positions enter the forward as their soft embeddings (`kept`:
     those revealed in the block; the model mixes them, `Transformer.soft_input`)."""
 
     top_token: torch.Tensor
     top_prob: torch.Tensor
-    keep: torch.Tensor
+    kept: torch.Tensor
 
-    def __getitem__(self, i) -> SoftTokens:
-        return SoftTokens(self.top_token[i], self.top_prob[i], self.keep[i])
+    def payload(self, i: int) -> SoftTokens:
+        return SoftTokens(self.top_token[i], self.top_prob[i], self.kept[i])
 
-    @staticmethod
-    def merged(parts: list, rows: int) -> SoftTokens:
-        """One signal for the batch from the groups' ((row indices, signal), ...)."""
-        first = parts[0][1]
-        out = SoftTokens(*(t.new_empty((rows, *t.shape[1:])) for t in (first.top_token, first.top_prob, first.keep)))
-        for idx, sig in parts:
-            out.top_token[idx], out.top_prob[idx], out.keep[idx] = sig.top_token, sig.top_prob, sig.keep
-        return out
+    def keep(self, i: int) -> torch.Tensor:
+        return self.kept[i]
+
+    def rows_kept(self) -> list[bool]:
+        return self.kept.any(-1).tolist()
+
+
+@dataclass
+class SelfConditioning(Signal):
+    """DiffusionGemma's signal: the step's processed logits (B, T, V), which the model softmaxes
+    into every column of the canvas's next forward (`DiffusionGemma.soft_input`)."""
+
+    logits: torch.Tensor
+
+    def payload(self, i: int) -> torch.Tensor:
+        return self.logits[i]
 
 
 @dataclass
@@ -67,16 +103,46 @@ class Decision:
     # each position's most probable token and its probability (DMax's stop rule and soft embeddings)
     top_token: torch.Tensor | None = None
     top_prob: torch.Tensor | None = None
-    # (B,) whether each row's block is done, where the strategy decides it (a canvas with no mask)
+    # (B,) whether each row's block is done, where the decoder decides it (editing, a canvas with
+    # no mask); None: once it has no mask left
     block_done: torch.Tensor | None = None
-    # what conditions each row's next forward, as its model turns it into input vectors
-    # (`soft_input`): DiffusionGemma's (B, T, V) logits (self-conditioning), DMax's `SoftTokens`;
-    # None: nothing
-    signal: torch.Tensor | SoftTokens | None = None
-    # per row, the strategy's state for the row's next step in this block (`Row.carry`)
+    # what conditions each row's next forward; None: nothing
+    signal: Signal | None = None
+    # per row, the decoder's state for the row's next step in this block (`Row.carry`)
     carry: list | None = None
+    # (B, W) positions of the window that become EOS with no step revealing them: a decoder's
+    # early stop (everything after a stop is EOS)
+    fill: torch.Tensor | None = None
 
     def revealed_counts(self) -> torch.Tensor:
         """(B,) how many positions each row revealed (edits not counted)."""
         n = self.chosen.sum(-1)
         return n if self.ahead is None else n + self.ahead.sum(-1)
+
+    @classmethod
+    def merged(cls, parts: list, rows: int) -> Decision:
+        """One decision for `rows` rows from groups of rows that decided apart: ((row indices,
+        decision), ...), each group's rows put back in their places."""
+        out = {}
+        for f in fields(cls):
+            given = [getattr(d, f.name) for _, d in parts if getattr(d, f.name) is not None]
+            if f.name == "carry" or not given:
+                out[f.name] = None
+            elif f.name == "signal":
+                out[f.name] = type(given[0]).merged([(idx, d.signal) for idx, d in parts], rows)
+            else:
+                # a mask one group leaves out (no edits, no early stop) is False for its rows
+                merged = given[0].new_zeros((rows, *given[0].shape[1:]))
+                for idx, d in parts:
+                    value = getattr(d, f.name)
+                    if value is None and given[0].dtype != torch.bool:
+                        raise ValueError(f"{f.name}: decided by some rows' decoders and not by others'")
+                    if value is not None:
+                        merged[idx] = value
+                out[f.name] = merged
+        if any(d.carry is not None for _, d in parts):
+            out["carry"] = [None] * rows
+            for idx, d in parts:
+                for j, i in enumerate(idx.tolist()):
+                    out["carry"][i] = None if d.carry is None else d.carry[j]
+        return cls(**out)

@@ -1,5 +1,5 @@
-"""dParallel's entropy threshold (and d3LLM's, which shares it), and d3LLM's lookahead over the
-blocks after the current one."""
+"""dParallel's entropy threshold (and d3LLM's, which shares it), d3LLM's lookahead over the blocks
+after the current one and its early stop."""
 
 from __future__ import annotations
 
@@ -38,6 +38,16 @@ class EntropyThreshold(SelectionRule):
         return _and_the_most_confident(chosen, conf, masked)
 
 
+def fill_after_eos(window, revealed, view, rows) -> torch.Tensor:
+    """d3LLM's early stop (`handle_early_stop`), as the positions it fills with EOS (B, W): once a
+    row has revealed its EOS, every position of its window after the first one becomes EOS, revealed
+    or masked; the masks before it are still decoded, and the row stops with the block that holds
+    it (as `stop_at_eos`). Blocks past the window are never decoded: the row has stopped before they
+    would be. Arguments as `llada2.stop_at_first_stop`'s."""
+    hit = (window == view.eos_id) & revealed
+    return ((hit.long().cumsum(-1) - hit.long()) > 0) & rows[:, None]  # strictly after the first
+
+
 class EntropyLookahead(Lookahead):
     """d3LLM's multi-block decoding (`generate_multi_block`), with the entropy rule
     (`unmasking="entropy"`) deciding the current block. A later block takes part once the block
@@ -54,7 +64,7 @@ class EntropyLookahead(Lookahead):
     strictly below the threshold where its LLaDA code (and we, in both) reveal at it too: it differs
     only for an entropy equal to the threshold to the last bit of a float64."""
 
-    fills_after_eos = True
+    early_stop = staticmethod(fill_after_eos)
 
     def __init__(self, depth: int, add: float, activate: float, threshold: float, keeps_lowest: bool = True):
         super().__init__(depth, add, activate, threshold)

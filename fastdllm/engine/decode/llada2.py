@@ -1,4 +1,5 @@
-"""LLaDA2's decoding: its proposal and LLaDA2.1's token editing (DMax decodes with it too)."""
+"""LLaDA2's decoding: its proposal, LLaDA2.0's early stop and LLaDA2.1's token editing (DMax decodes
+with it too)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,30 @@ class Editing:
         post = post + (~has_mask & alive)
         alive = alive & (has_mask | (post <= self.max_post_steps))
         return ~alive, [(post[i], alive[i]) for i in range(block.shape[0])]
+
+
+def stop_at_first_stop(window, revealed, view, rows) -> torch.Tensor:
+    """LLaDA2.0's `eos_early_stop`, as the positions it fills with EOS (B, W): a row whose block holds
+    a revealed stop token with no masked position before it is done now; the block's masks after it
+    become EOS (as everything after a stop is), so it takes no more steps. `window` is the window
+    after the step's decision, `revealed` where a step revealed its token, `rows` (B,) the rows
+    whose config asks for it.
+
+    The published 2.0 generate looks for the first `eos_id` in the whole sequence, prompt included
+    (a prompt holding that token ends the answer at once, before its start); here only revealed
+    answer tokens count, and they are the model's stop tokens, as for `stop_at_eos`. The answer up to
+    the stop is the same as without early stopping (revealed tokens are final); only the steps after
+    it are saved.
+
+    LLaDA2.1's loop (token editing on) has its own rule, which is `stop_at_eos`'s: it stops only after
+    a block, once the answer so far has no mask and holds EOS, so editing may still rewrite an early
+    EOS and the tokens before it. A decoder that edits therefore has no early stop of its own."""
+    blk = view.block.shape[1]
+    block = window[:, :blk]
+    masked = block == view.mask_id
+    stop = torch.isin(block, view.stop_ids) & revealed[:, :blk]
+    first = stop.int().argmax(-1, keepdim=True)
+    stopped = stop.any(-1) & (masked.cumsum(-1).gather(-1, first).squeeze(-1) == 0) & rows
+    fill = torch.zeros_like(revealed)
+    fill[:, :blk] = stopped[:, None] & masked
+    return fill

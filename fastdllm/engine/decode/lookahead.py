@@ -24,10 +24,9 @@ class Lookahead:
     loop's and decides when the window moves on (then the exact cache commit runs as for one
     block), and at most `depth` blocks take part."""
 
-    # The early stop a row with `eos_early_stop` takes (`BlockDecoder.step`): LLaDA2.0's (a block
-    # whose revealed stop token has no mask before it ends the row), unless the decoder whose
-    # multi-block decoding this is fills its window after the first EOS (d3LLM's `handle_early_stop`).
-    fills_after_eos = False
+    # the early stop of the decoder whose multi-block decoding this is (`Decision.fill`); None: the
+    # masked decoder's own (LLaDA2.0's)
+    early_stop = None
 
     def __init__(self, depth: int, add: float, activate: float, threshold: float):
         self.depth, self.add, self.activate, self.threshold = depth, add, activate, threshold

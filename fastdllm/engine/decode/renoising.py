@@ -1,13 +1,14 @@
 """DiffusionGemma's decoding (transformers' `DiffusionGemmaGenerationMixin.generate`): no mask token.
 
-A block (a *canvas* of the model's `canvas_length`) opens as uniform random tokens (the loop draws
-them when the block opens: `DecodingRules.noise_canvas`). Step i of at most N (`max_denoising_steps`)
+A block (a *canvas* of the model's `canvas_length`) opens as uniform random tokens, drawn when it
+opens (`RenoisingStrategy.open_block`; the family has no mask token: `DecodingRules.noise_canvas`).
+Step i of at most N (`max_denoising_steps`)
 divides the logits by a temperature falling linearly from `t_max` to `t_min`
 (t = t_min + (t_max - t_min) (N - i) / N), samples a token at every position (the *denoiser*
 canvas), and keeps the lowest-entropy samples whose summed entropy less the largest is at most
 `entropy_bound` (`EntropyBound`); every other position is *renoised* with a fresh uniform token.
 The step's logits, softmaxed, condition the next forward (self-conditioning: `Decision.signal`,
-which the model turns into its input, `DiffusionGemma.soft_input`). The canvas is done once its
+`SelfConditioning`, which the model turns into its input, `DiffusionGemma.soft_input`). The canvas is done once its
 argmax has held for `stability_threshold` steps with a mean entropy under `confidence_threshold`
 (None: no such stop), or after N steps; it then becomes its argmax.
 
@@ -23,7 +24,8 @@ import torch
 
 from ...config import GenerationConfig, selection_rule_name
 from ..registry import SELECTION_RULES
-from .decision import Decision
+from .base import Decoder, DecodeView, register_decoder
+from .decision import Decision, SelfConditioning
 from .rules import SelectionRule
 
 
@@ -56,33 +58,37 @@ class EntropyBound(SelectionRule):
         return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
-class RenoisingStrategy:
+@register_decoder(EntropyBound.name)
+class RenoisingStrategy(Decoder):
     """DiffusionGemma's decisions, one complete decision per step: the canvas to write (the renoised
     canvas, or the argmax once done), what it accepted (`chosen`), whether the block is done, the
     self-conditioning signal of the next step, and per row the argmax history its stop rule reads
     (`Decision.carry`)."""
 
-    lookahead = editing = None
     draws_randomness = True
-    fills_after_eos = False
 
-    def __init__(self, config):
+    def __init__(self, config, vocab_size: int | None = None):
+        self.vocab_size = vocab_size
         self.rule = EntropyBound.from_config(config)
         self.steps, self.t_min, self.t_max = config.max_denoising_steps, config.t_min, config.t_max
         self.stability, self.confidence = config.stability_threshold, config.confidence_threshold
 
     @classmethod
-    def from_config(cls, config, rules=None) -> RenoisingStrategy:
-        return cls(config)
+    def from_config(cls, config, model=None, cache=None) -> RenoisingStrategy:
+        return cls(config, None if model is None else model.args.vocab_size)
+
+    def open_block(self, tokens, generator):
+        """The canvas: uniform random tokens from the row's generator, in the reference's order
+        (before the block's first step draws)."""
+        return torch.randint(0, self.vocab_size, (1, len(tokens)), generator=generator, device=tokens.device)[0]
 
     def temperature(self, step: int) -> torch.Tensor:
         """The reference's float32 temperature at step `step` (0-based) of a canvas."""
         remaining = torch.tensor(self.steps - step, dtype=torch.int32)
         return self.t_min + (self.t_max - self.t_min) * (remaining / self.steps)
 
-    def decide(
-        self, logits, block, clock, generators, mask_id, later=None, editable=None, constraints=None, carry=None
-    ) -> Decision:
+    def decide(self, logits, view: DecodeView) -> Decision:
+        block, clock, generators, carry = view.block, view.clock, view.generators, view.carry
         bsz, length, vocab = logits.shape
         tokens, chosen = block.clone(), torch.zeros_like(block, dtype=torch.bool)
         done = torch.zeros(bsz, dtype=torch.bool, device=block.device)
@@ -120,7 +126,7 @@ class RenoisingStrategy:
             chosen,
             edited=torch.ones_like(chosen),
             block_done=done,
-            signal=signal,
+            signal=SelfConditioning(signal),
             carry=histories,
         )
 

@@ -1,5 +1,6 @@
 """RND1's decoding (`rnd/sampling.py`'s `diffusion_sample`): its proposal and its selection rule,
-registered by name (`registry.PROPOSALS`, `registry.SELECTION_RULES`: "rnd1")."""
+registered by name (`registry.PROPOSALS`, `registry.SELECTION_RULES`: "rnd1"), and the token its
+reference closes the answer with."""
 
 from __future__ import annotations
 
@@ -9,6 +10,21 @@ from ..registry import PROPOSALS, SELECTION_RULES
 from .proposals import Proposal
 from .rules import SelectionRule
 from .sampling import NEG_INF
+
+
+def closing_tokens(model) -> tuple[int, ...]:
+    """The token a family's reference places after the answer and any suffix (RND1's pad:
+    `DecodingRules.closing_token`), which every forward sees as it sees a suffix; () for a family
+    without one."""
+    rule = model.family.rules.closing_token
+    if rule is None:
+        return ()
+    key, default = rule
+    token = model.config.get(key)
+    token = default if token is None else token
+    if not 0 <= token < model.args.vocab_size:
+        raise ValueError(f"{key}: {token} is not a token of this model (vocabulary of {model.args.vocab_size})")
+    return (token,)
 
 
 def _rnd1_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

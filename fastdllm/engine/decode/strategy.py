@@ -1,13 +1,16 @@
-"""The unmasking strategy: a proposal, a selection rule, editing and lookahead, returning one
-`Decision` per step."""
+"""The masked decoder: a proposal, a selection rule, editing, lookahead and an early stop, returning
+one complete `Decision` per step."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch.profiler import record_function
 
 from ... import config as config_names
 from ..registry import PROPOSALS, SELECTION_RULES
+from .base import Decoder, DecodeView, register_decoder
 from .decision import Decision, SoftTokens
 from .dmax import DMaxProposal
 from .dparallel import EntropyLookahead
@@ -15,18 +18,20 @@ from .dream import DreamProposal
 from .fast_dllm import FirstPositionAtBlockStart
 from .fast_dllm_v2 import SubBlocks
 from .llada import LLaDAProposal
-from .llada2 import Editing
+from .llada2 import Editing, stop_at_first_stop
 from .lookahead import Lookahead
 from .proposals import Proposal
-from .rules import BlockClock, SelectionRule
+from .rnd1 import closing_tokens
+from .rules import SelectionRule
 from .sampling import NEG_INF
 
 
-class UnmaskingStrategy:
-    """One unmasking policy: a proposal (tokens and confidences), a factory of the selection
-    rule (`rule`: one object, as rules keep no state), whether it draws
-    randomness (then each row gets a generator), its token editing (`Editing`, or None) and its
-    multi-block decoding (`Lookahead`, or None: one block at a time).
+@register_decoder()
+class UnmaskingStrategy(Decoder):
+    """The masked decoder: a proposal (tokens and confidences), a factory of the selection rule
+    (`rule`: one object, as rules keep no state), whether it draws randomness (then each row gets a
+    generator), its token editing (`Editing`, or None), its multi-block decoding (`Lookahead`, or
+    None: one block at a time) and its early stop (LLaDA2.0's, or the lookahead's: d3LLM's).
     `confidence_temperature`: the confidences the rules read come from logits divided by it,
     the tokens from the logits as they are (a benchmark's calibrated view; greedy only)."""
 
@@ -42,21 +47,28 @@ class UnmaskingStrategy:
         self.proposal, self.make_rule, self.draws_randomness = proposal, make_rule, draws_randomness
         self.editing, self.confidence_temperature = editing, confidence_temperature
         self.lookahead = lookahead
+        self.depth = 1 if lookahead is None else lookahead.depth
+        self.edits = editing is not None
+        self.later_blocks_final = editing is None or editing.max_post_steps == 0
+        if editing is not None:  # editing may still rewrite an early stop: `llada2.stop_at_first_stop`
+            self.early_stop = None
+        elif lookahead is not None and lookahead.early_stop is not None:
+            self.early_stop = lookahead.early_stop
+        else:
+            self.early_stop = stop_at_first_stop
         self._rule: SelectionRule | None = None
 
-    @property
-    def fills_after_eos(self) -> bool:
-        """Whether `eos_early_stop` fills the window after the first EOS (d3LLM's rule) rather than
-        stopping the row at it (LLaDA2.0's): the lookahead's (`Lookahead.fills_after_eos`)."""
-        return self.lookahead is not None and self.lookahead.fills_after_eos
-
     @classmethod
-    def from_config(cls, config, rules=None) -> UnmaskingStrategy:
-        """`rules`: the model family's `DecodingRules` (its own proposal, where it has one, and
-        which of d3LLM's codes its multi-block decoding follows); None: LLaDA's."""
+    def from_config(cls, config, model=None, cache=None) -> UnmaskingStrategy:
+        """With `model`, its family's rules: its own proposal, which of d3LLM's codes its multi-block
+        decoding follows, the token its reference closes the answer with, and the block start of
+        Dream's cached loops and of every Fast-dLLM v2 loop (the block's first position revealed by
+        the block-start step); `sub_block_length` reveals blocks sub-block by sub-block."""
+        family = None if model is None else getattr(model, "family", None)
+        rules = None if family is None else family.rules
         rule = SELECTION_RULES[config_names.selection_rule_name(config)]
         proposal = proposal_for(config, rule, None if rules is None else rules.proposal)
-        return cls(
+        strategy = cls(
             proposal,
             lambda: rule.from_config(config),
             proposal.draws_randomness() or rule.draws_randomness(config),
@@ -64,6 +76,17 @@ class UnmaskingStrategy:
             config.confidence_temperature,
             lookahead_for(config, "llada" if rules is None else rules.d3llm_code),
         )
+        if rules is None:
+            return strategy
+        strategy.closing_tokens = closing_tokens(model)
+        if config.sub_block_length is not None:
+            strategy = strategy.in_sub_blocks(config.sub_block_length)
+        # Dream's rule belongs to its cached loops; a block-causal family's (Fast-dLLM v2's) to every loop
+        if rules.block_start_reveals_first and (
+            model.args.block_size or (cache is not None and cache.refreshes_at_block_start)
+        ):
+            strategy = strategy.revealing_first_at_block_start()
+        return strategy
 
     def propose(self, logits: torch.Tensor, generators, draws, clock=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, confidence), each (B, T), for logits (B, T, V). `draws[i]` names the generator
@@ -74,23 +97,13 @@ class UnmaskingStrategy:
             _, conf = self.proposal(logits / self.confidence_temperature, generators, draws, clock)
         return tokens, conf
 
-    def decide(
-        self,
-        logits: torch.Tensor,
-        block: torch.Tensor,
-        clock: BlockClock,
-        generators,
-        mask_id: int,
-        later: torch.Tensor | None = None,
-        editable: torch.Tensor | None = None,
-        constraints: dict | None = None,
-        carry: list | None = None,
-    ) -> Decision:
-        """One step's decision for every row: `logits` (B, W, V) of the current block (B, T) and,
-        with multi-block decoding, of the blocks after it (`later`, (B, W - T) their tokens);
-        `editable` (B, T) the revealed positions an editing rule may rewrite; `constraints`
-        {row: grammar} the rows whose answers follow one. Every row takes part."""
-        rule = self.rule
+    def decide(self, logits: torch.Tensor, view: DecodeView) -> Decision:
+        """One step's decision for every row: `logits` (B, W, V) of the current block and, with
+        multi-block decoding, of the blocks after it (`view.later`); `view.editable` the revealed
+        positions an editing rule may rewrite; `view.constraints` the rows whose answers follow a
+        grammar. Every row takes part."""
+        rule, block, clock, generators, mask_id = self.rule, view.block, view.clock, view.generators, view.mask_id
+        later, editable, constraints = view.later, view.editable, view.constraints
         blk = block.shape[1]
         masked = block == mask_id
         raw_logits = logits  # before the [MASK] guard: DMax's top probabilities include the mask
@@ -116,7 +129,6 @@ class UnmaskingStrategy:
             others, others_conf = self.propose(logits, generators if again else None, redraw, clock)
             tokens = torch.where(proposed_mask, others, tokens)
             conf = torch.where(proposed_mask, others_conf, conf)
-        constraints = constraints or {}
         ahead_tokens = ahead = None
         if later is not None:  # the blocks after the current one: what the lookahead rule reveals
             ahead_tokens = tokens[:, blk:]
@@ -145,9 +157,24 @@ class UnmaskingStrategy:
             decision.signal = SoftTokens(top_token, top_prob, editable | chosen)
         if self.editing is not None:
             decision.block_done, decision.carry = self.editing.block_done(
-                block, decision, editable, clock, carry, mask_id
+                block, decision, editable, clock, view.carry, mask_id
             )
+        decision.fill = self._early_stop(decision, view)
         return decision
+
+    def _early_stop(self, decision: Decision, view: DecodeView) -> torch.Tensor | None:
+        """The positions this step's early stop fills with EOS, for the rows whose config asks for
+        it (`eos_early_stop`); None where none does."""
+        if self.early_stop is None or view.configs is None or not any(c.eos_early_stop for c in view.configs):
+            return None
+        window = torch.where(decision.chosen, decision.tokens, view.block)
+        revealed = decision.chosen
+        if decision.ahead is not None:
+            window = torch.cat([window, torch.where(decision.ahead, decision.ahead_tokens, view.later)], 1)
+            revealed = torch.cat([revealed, decision.ahead], 1)
+        revealed = revealed | (view.steps_of >= 0)
+        rows = torch.tensor([c.eos_early_stop for c in view.configs], device=window.device)
+        return self.early_stop(window, revealed, view, rows)
 
     @property
     def rule(self) -> SelectionRule:
@@ -156,15 +183,9 @@ class UnmaskingStrategy:
             self._rule = self.make_rule()
         return self._rule
 
-    # Whether each block's first position is revealed at its block-start step, so that no later
-    # step of the block reads that position's logit (`revealing_first_at_block_start`).
-    reveals_first_at_block_start = False
-
     def _with_rule(self, make_rule) -> UnmaskingStrategy:
-        strategy = UnmaskingStrategy(
-            self.proposal, make_rule, self.draws_randomness, self.editing, self.confidence_temperature, self.lookahead
-        )
-        strategy.reveals_first_at_block_start = self.reveals_first_at_block_start
+        strategy = copy.copy(self)
+        strategy.make_rule, strategy._rule = make_rule, None
         return strategy
 
     def new_rule(self) -> SelectionRule:

@@ -13,7 +13,7 @@ its K/V for good. That is why WeDLM's prefix cache is exact.
 
 In the loop this is multi-block decoding with blocks of one position (`block_length` 1): the current
 block is the first masked position, the `window_size - 1` after it are decoded in the same forwards
-(`WeDLMWindow.depth`), and a row whose first block is revealed moves past every block revealed
+(`WeDLMStrategy.depth`), and a row whose first block is revealed moves past every block revealed
 after it, as the reference prunes its window. The window runs past the answer's end
 (`GenerationConfig.columns_past_answer`): the reference keeps refilling it with masks up to the
 last answer token, whose neighbours there are revealed and seen like any other.
@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import SELECTION_RULES
+from .base import Decoder, DecodeView, register_decoder
 from .decision import Decision
 from .rules import SelectionRule
 from .sampling import NEG_INF
@@ -112,36 +113,24 @@ class WeDLMRule(SelectionRule):
         return torch.where(under.any(-1, keepdim=True), under, lowest & masked)
 
 
-class WeDLMWindow:
-    """The loop's multi-block view of the window (`BlockDecoder.width`): `depth` one-position blocks
-    decoded in each forward."""
-
-    fills_after_eos = False
-
-    def __init__(self, depth: int):
-        self.depth = depth
-
-
-class WeDLMStrategy:
+@register_decoder(WeDLMRule.name)
+class WeDLMStrategy(Decoder):
     """WeDLM's decisions for the loop: per row, its window's masks sampled and selected
-    (`WeDLMRule`); the window's first position is the loop's block, the rest what it reveals ahead."""
-
-    editing = None
-    fills_after_eos = False
+    (`WeDLMRule`); the window's first position is the loop's block, the rest what it reveals ahead
+    (`depth` one-position blocks decoded in each forward)."""
 
     def __init__(self, config):
         self.config = config
         self.rule = WeDLMRule.from_config(config)
-        self.lookahead = WeDLMWindow(config.window_size)
+        self.depth = config.window_size
         self.draws_randomness = config.temperature > 0
 
     @classmethod
-    def from_config(cls, config, rules=None) -> WeDLMStrategy:
+    def from_config(cls, config, model=None, cache=None) -> WeDLMStrategy:
         return cls(config)
 
-    def decide(
-        self, logits, block, clock, generators, mask_id, later=None, editable=None, constraints=None, carry=None
-    ) -> Decision:
+    def decide(self, logits, view: DecodeView) -> Decision:
+        block, later, mask_id, generators, clock = view.block, view.later, view.mask_id, view.generators, view.clock
         window = block if later is None else torch.cat([block, later], 1)
         masked = window == mask_id
         tokens = window.clone()
@@ -161,7 +150,7 @@ class WeDLMStrategy:
             tokens[i, where] = torch.where(drawn == mask_id, best_other_than(rows, mask_id), drawn)
             conf[i, where] = -entropy(rows).to(conf.dtype)
         chosen = self.rule.select(conf, masked, clock, generators, None) & masked
-        for i, constraint in (constraints or {}).items():  # the grammar's say, over the whole window
+        for i, constraint in view.constraints.items():  # the grammar's say, over the whole window
             constraint.amend(logits[i], tokens[i], chosen[i], masked[i])
         blk = block.shape[1]
         if later is None:
