@@ -14,12 +14,15 @@ from fastdllm import GenerationConfig
 from fastdllm.config import REFRESH_RULES, ConfigError, selection_rule_name
 from fastdllm.engine.cache.refresh import VicinityRefresh, register_refresh_rule
 from fastdllm.engine.decode import (
+    Decision,
+    Decoder,
     DreamSchedule,
     Factor,
     FirstPositionAtBlockStart,
     LinearSchedule,
     SelectionRule,
     Threshold,
+    register_decoder,
     register_selection_rule,
 )
 from fastdllm.engine.decode.rules import _top_k_mask
@@ -204,3 +207,50 @@ def test_a_confidence_temperature_tempers_confidences_not_tokens(model):
         GenerationConfig(confidence_temperature=2.0, temperature=0.5)
     with pytest.raises(ConfigError, match="confidence_temperature"):
         GenerationConfig(confidence_temperature=0.0)
+
+
+class LeftmostArgmax(SelectionRule):
+    """Names the toy decoder below (`unmasking="test_leftmost_argmax"`)."""
+
+    name = "test_leftmost_argmax"
+
+
+@register_decoder(LeftmostArgmax.name)
+class LeftmostDecoder(Decoder):
+    """A whole decoder in a few lines (docs/decoding.md's example): greedy, one position a step, the
+    leftmost mask taking its argmax."""
+
+    @classmethod
+    def from_config(cls, config, model=None, cache=None):
+        return cls()
+
+    def decide(self, logits, view):
+        masked = view.block == view.mask_id
+        chosen = masked & (masked.long().cumsum(-1) == 1)
+        return Decision(logits.argmax(-1), chosen)
+
+
+register_selection_rule(LeftmostArgmax)
+
+
+def test_a_decoder_is_one_class_that_the_loop_never_names(model):
+    """A decoder registered for its rule decodes by name through generate, and in one batch with
+    rows of another decoder each row decodes as alone (their decisions merged by the loop)."""
+    from fastdllm.engine.decoder import BlockDecoder
+
+    m, tok = model
+    ids = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:2]]
+    toy = GenerationConfig(gen_length=32, block_length=16, unmasking=LeftmostArgmax.name, stop_at_eos=False)
+    out = fastdllm.generate(m, ids, config=toy)
+    assert out.unmask_step[0].tolist() == list(range(32)) and out.nfe == 32
+    with torch.no_grad():  # its first token: the argmax of the first forward (the whole row)
+        logits = m(torch.tensor([ids[0] + [m.mask_token_id] * 32]))
+    assert int(logits[0, len(ids[0])].argmax()) == out.sequences[0, 0]
+    plain = toy.replace(unmasking=None)
+    decoder = BlockDecoder(m, toy)
+    rows = [decoder.add([ids[0]], config=toy)[0], decoder.add([ids[1]], config=plain)[0]]
+    while decoder.active:
+        decoder.step()
+    assert torch.equal(rows[0].answer, out.sequences[0])
+    assert torch.equal(rows[1].answer, fastdllm.generate(m, [ids[1]], config=plain).sequences[0])
+    assert rows[1].nfe < rows[0].nfe  # the other decoder really decided its own row

@@ -1,37 +1,21 @@
-"""The decoding loop: a batch of rows, each on its own clock.
+"""The decoding loop: a batch of rows, each on its own clock (docs/decoding.md walks one step).
 
 Every row's answer region (its `gen_length` positions after its prompt) starts as all [MASK] and is
-decoded in blocks of `block_length`, left to right. A step is one forward of every row in the batch
-(`step`): the *cache policy* (`engine/cache/`) gives each row's current block its logits, the
-*unmasking strategy* (`engine/decode/`) decides what each row reveals (`UnmaskingStrategy.decide`),
-and the loop writes it. A row's block ends at the step that reveals its last mask; at the next
-step the row starts its next block (and a caching policy refreshes its cache), whatever the other
-rows are doing. A row that stops (a stop token in a finished block, or its last block) leaves the
-batch at once, and a row that `add` queues joins at the next step. So every row in a forward needs
-it: no row waits in the batch for another row's block to end. Positions after the current block
-are never revealed (but with multi-block decoding, the blocks right after it).
+decoded in blocks of `block_length`, left to right. A step (`BlockDecoder.step`) plans (rows join or
+leave), runs one packed forward of every row's window through the cache policy (`engine/cache/`),
+and applies each row's `Decision` from its decoder (`engine/decode/`): the loop writes what a
+decision says and knows no decoder. A row's block ends at the step its decision ends it; the row
+then starts its next block at the next step (or leaves: a stop token, its last block), whatever
+the other rows do. Rows sit in one (B, L) layout from column 0 (a column's RoPE position is its
+index), rebuilt only when rows join or leave; each row's K/V are its own pages of the pool
+(`kv.rows.RowPages`). Rows whose configs differ only in fields declared per row (`join_key`) share
+forwards, each deciding with its own decoder and random stream; a row decodes in a batch as alone
+(bit-identically with `deterministic=True`: `models.invariance`).
 
-The layout: the rows sit in one (B, L) tensor, each from column 0: its prompt, then its region (a
-column's RoPE position is its index), padding after it. A row never moves while it decodes; its
-current block starts at its own column. A step's forward packs each row's window end to end
-(`Transformer.packed_logits`): the dense math sees no padding, and each row attends over its own
-keys, in its own pages of the K/V pool (`kv.pages.PagedKVCache`, held for the loop by `pages`). The layout is rebuilt
-only when rows join or leave (`_relayout`); a kept row keeps its pages.
-
-Rows may join when their configs differ at most in the fields declared per row (`join_key`: the
-answer's length, steps, threshold, temperature, stop rules, ...): each row follows its own
-schedule, selection rule and random stream (a row draws only at its own steps), and its own
-refresh decisions (a row at its block's first step gets its block-start window while the others
-take their cached steps, in the same forward). Rows decode in a batch as alone: each row's keys
-are its own, and only the dense math's row count changes how its sums are rounded (~1e-6 of a
-logit in float32, up to ~1e-2 in bfloat16), so a near-tied token can differ; with
-`deterministic=True` every row decodes bit-identically to alone (`models.invariance`).
-
-A block ends at the step that reveals its last mask. *Deliberate difference*: Fast-dLLM's cached
-loops (prefix and DualCache) always run at least one cached forward after the block-start forward,
-so when that forward already completes the block they spend one more that reveals nothing; we do
-not, so our NFE there is theirs less one per such block, with the same tokens
-(`tests/test_reference.py` runs the reference's own code to check both).
+*Deliberate difference*: Fast-dLLM's cached loops (prefix and DualCache) always run at least one
+cached forward after the block-start forward, so when that forward already completes the block
+they spend one more that reveals nothing; we do not, so our NFE there is theirs less one per such
+block, with the same tokens (`tests/test_reference.py` runs the reference's own code to check both).
 """
 
 from __future__ import annotations
@@ -41,11 +25,24 @@ from torch.profiler import record_function
 
 from ..config import GenerationConfig
 from .cache import SequenceView
-from .decode import BlockClock, Decision, DecodeView, token_logprobs
+from .decode import BlockClock, Decision, DecodeView
 from .kv.rows import RowPages, shares_prefixes
 from .kv.runner import KVRunner, runner_for
+from .logprobs import LogprobColumns
 from .policies import Policies, PolicySource, policies_for, resolve
-from .rows import ForwardClock, Row, Step, decision_key, join_key, prepare_inputs, row_generators
+from .rows import (
+    ForwardClock,
+    Row,
+    Step,
+    carried,
+    check_adapter,
+    constrain,
+    decision_key,
+    infill,
+    join_key,
+    prepare_inputs,
+    row_generators,
+)
 
 
 class BlockDecoder:
@@ -87,7 +84,7 @@ class BlockDecoder:
         self.stop_set = set(model.stop_token_ids)
         self.rows: list[Row] = []
         self.joining: list[Row] = []
-        # rows whose prompts are being computed in chunks before they join (`_prefill_chunk`)
+        # rows whose prompts are being computed in chunks before they join (`Row.prefill_chunk`)
         self.prefilling: list[Row] = []
         self.left: list[Row] = []
         self.last_blocks: list[tuple[Row, int, list[int]]] = []
@@ -101,10 +98,8 @@ class BlockDecoder:
         # per row of the layout (its prompt, then its region, from column 0): tokens, and the
         # row's step that revealed each position (-1: masked or a prompt token)
         self.x = self.step_of = None
-        # with rows that report log-probabilities (`config.logprobs`), per layout column: the
-        # log-probability of the token a forward wrote there (NaN: none did), and the most likely
-        # tokens there as (B, L, k) ids and log-probabilities
-        self.logp = self.top_ids = self.top_lp = None
+        # with rows that report log-probabilities (`config.logprobs`), theirs per layout column
+        self.logprobs: LogprobColumns | None = None
         self.stopping = None  # per row: whether its config stops at a stop token (stop_at_eos)
         # per row: its steps so far (the index `step_of` records) and its current block's masks
         # when it began
@@ -136,12 +131,7 @@ class BlockDecoder:
         config = config or self.config
         if not self.accepts(config):
             raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
-        if config.adapter is not None:
-            if config.cuda_graphs:
-                raise ValueError("adapter: not with cuda_graphs (a captured step holds the base weights' graph)")
-            if getattr(self.model, "lora", None) is None:
-                raise ValueError(f"adapter: {config.adapter!r}: this model has no adapters loaded (--lora-modules)")
-            self.model.lora.index(config.adapter)
+        check_adapter(self.model, config)
         ids, mask = prepare_inputs(self.model, input_ids, attention_mask, config)
         strategy = self._strategy_for(config)
         gens = (
@@ -149,67 +139,15 @@ class BlockDecoder:
             if strategy.draws_randomness
             else [None] * ids.shape[0]
         )
-        fixed, suffix = self._infill(config, constraints, strategy.closing_tokens)
+        fixed, suffix = infill(self.model, config, constraints, strategy.closing_tokens)
         tags = [None] * ids.shape[0] if tags is None else list(tags)
-        rows = [self._row(ids[i][mask[i]], config, gens[i], tags[i]) for i in range(ids.shape[0])]
+        causal = bool(self.model.args.block_size)
+        rows = [Row.of_prompt(ids[i][mask[i]], config, gens[i], tags[i], causal) for i in range(ids.shape[0])]
         for r in rows:
             r.fixed, r.suffix, r.strategy = fixed, suffix, strategy
-        if constraints is not None:
-            if len(constraints) != len(rows):
-                raise ValueError(f"constraints: {len(constraints)} given for {len(rows)} rows")
-            for r, c in zip(rows, constraints):
-                if c is not None and r.lead:
-                    raise ValueError("constraints: a prompt ending inside a block-causal block is not supported yet")
-                if c is not None:
-                    c.fit_within(config.gen_length)
-                    c.keeps_masks = config.logprobs is not None  # its log-probabilities after its mask
-                r.constraint = c
+        constrain(rows, constraints, config)
         self.joining.extend(rows)
         return rows
-
-    def _infill(self, config: GenerationConfig, constraints, closing_tokens) -> tuple[tuple, torch.Tensor | None]:
-        """A config's fixed tokens and suffix, checked against this model: token ids (text is
-        encoded by the front ends, `text.infill.encode_infill`), not the mask token, and a suffix
-        only where attention is bidirectional; then the tokens the decoder closes the answer with."""
-        closing = torch.tensor(closing_tokens, dtype=torch.long, device=self.device) if closing_tokens else None
-        if not config.fixed and config.suffix is None:
-            return (), closing
-        for name, value in [("fixed", v) for _, v in config.fixed] + [("suffix", config.suffix)]:
-            if isinstance(value, str):
-                raise ValueError(
-                    f"{name}: give token ids to generate(); text is encoded by generate_text, the CLI "
-                    "and the server (fastdllm.text.infill.encode_infill)"
-                )
-            if value is not None and any(not 0 <= t < self.model.args.vocab_size for t in value):
-                raise ValueError(f"{name}: token ids must be in [0, {self.model.args.vocab_size})")
-            if value is not None and self.mask_id in value:
-                raise ValueError(f"{name}: holds the mask token (id {self.mask_id})")
-        if config.suffix is not None and self.model.args.block_size:
-            raise ValueError(
-                f"suffix: this model's attention is block-causal (blocks of {self.model.args.block_size}): "
-                "no block sees text after it, so an answer cannot lead into a suffix; fixed tokens work"
-            )
-        if constraints is not None and any(c is not None for c in constraints):
-            raise ValueError("fixed: not with a grammar constraint, which reveals the answer left to right")
-        fixed = tuple((p + k, t) for p, ids in config.fixed for k, t in enumerate(ids))
-        suffix = None if config.suffix is None else torch.tensor(config.suffix, dtype=torch.long, device=self.device)
-        if closing is not None:
-            suffix = closing if suffix is None else torch.cat([suffix, closing])
-        return fixed, suffix
-
-    def _row(self, prompt, config, generator, tag) -> Row:
-        blk = self.config.block_length
-        lead = len(prompt) % blk if self.model.args.block_size else 0
-        if config.columns_past_answer:  # a region past the answer, which decoding reveals and reads
-            region = config.replace(gen_length=config.gen_length + config.columns_past_answer, steps=None)
-            return Row(prompt, region, generator, tag, asked=config.gen_length)
-        if not lead:
-            return Row(prompt, config, generator, tag, asked=config.gen_length)
-        region = config.replace(
-            gen_length=config.gen_length + blk,
-            steps=None if config.steps is None else config.steps + config.steps // config.num_blocks,
-        )
-        return Row(prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:])
 
     @property
     def batch(self) -> list[Row]:
@@ -259,8 +197,12 @@ class BlockDecoder:
         the layout is rebuilt for them; returns this step's prefill chunks."""
         new = []
         if self.joining:
-            new, self.joining = self._admissible(self.joining)
-            for r in [r for r in new if self._prefill_chunk(r)]:
+            waits = self.pages.waits(
+                [r.prompt.tolist() for r in self.joining], [r.prompt.tolist() for r in self.prefilling]
+            )
+            new = [r for r, w in zip(self.joining, waits) if not w]
+            self.joining = [r for r, w in zip(self.joining, waits) if w]
+            for r in [r for r in new if self._chunk(r)]:
                 r.prefilled = self.pages.start_prefill(id(r), r.prompt.tolist())
                 self.prefilling.append(r)
                 new.remove(r)
@@ -288,7 +230,7 @@ class BlockDecoder:
         returns the forwards' work per row."""
         work = self.policy.take_work()
         self.nfe += len(work)
-        self._charge_prefill()
+        self.computed_positions += self.pages.charge_prefill(self.prefilling)
         return work
 
     def _apply(self, view: SequenceView, logits: torch.Tensor, work) -> Step:
@@ -323,8 +265,8 @@ class BlockDecoder:
                 stop_ids=self.stop_ids,
             ),
         )
-        if self.logp is not None:
-            self._record_logprobs(logits, columns, decision)
+        if self.logprobs is not None:
+            self.logprobs.record(logits, columns, decision, rows)
         if decision.edited is not None:
             block = torch.where(decision.edited, decision.tokens, block)
         block = torch.where(decision.chosen, decision.tokens, block)
@@ -340,68 +282,24 @@ class BlockDecoder:
         self.step_of.scatter_(1, columns, region)
         for r in rows:
             r.step += 1
-        done = self._block_over(block[:, :blk], decision)
+        done = decision.blocks_over(block[:, :blk], self.mask_id)
         if decision.signal is not None or decision.carry is not None:
             self._carry_on(view.starts, decision, done)
         record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
         self._after_step(block, region, done, decision.revealed_counts(), work, columns)
         return record
 
-    def _prefill_chunk(self, r: Row) -> int:
-        """The positions of its prompt a row computes per step before it joins (0: none; it joins
-        at once and its first forward computes its whole prompt). Only where a prompt block's K/V
-        depend on nothing after it (a block-causal model) and its cache keeps them (not `NoCache`),
-        and only for a prompt longer than its config's `prefill_chunk` (whole blocks)."""
-        chunk, blk = r.config.prefill_chunk, self.config.block_length
-        if chunk is None or not self.model.args.block_size or not self.policy.keeps_prompt:
-            return 0
-        if r.config.adapter is not None:  # its prompt's K/V are its adapter's
-            return 0
-        chunk = chunk // blk * blk
-        return chunk if len(r.prompt) > chunk else 0
+    def _chunk(self, r: Row) -> int:
+        return r.prefill_chunk(bool(self.model.args.block_size), self.policy.keeps_prompt)
 
     def _prefill_chunks(self) -> list[tuple[int, torch.Tensor, int, int]]:
         """This step's chunk of every prompt being prefilled: (its row's key, tokens, from, to)."""
         out = []
         for r in self.prefilling:
-            hi = min(len(r.prompt), r.prefilled + self._prefill_chunk(r))
+            hi = min(len(r.prompt), r.prefilled + self._chunk(r))
             if hi > r.prefilled:
                 out.append((id(r), r.prompt, r.prefilled, hi))
         return out
-
-    def _charge_prefill(self) -> None:
-        """The chunks computed in this step's forwards, charged to their rows."""
-        rows = {id(r): r for r in self.prefilling}
-        for key, queries, keys in self.pages.prefill_work:
-            r = rows[key]
-            r.prefilled += queries
-            r.forward_positions += queries
-            r.attended_positions += queries * keys
-            self.computed_positions += queries
-        self.pages.prefill_work.clear()
-
-    def _admissible(self, joining: list[Row]) -> tuple[list[Row], list[Row]]:
-        """The rows that join now, and those that wait a step: a row whose prompt's first block
-        missing from the prefix store is one that a row joining now (or a prompt being prefilled)
-        computes waits for it to be stored, rather than compute it too (a batch of prompts sharing
-        few-shot exemplars computes them once)."""
-        store = self.pages.store
-        if store is None:
-            return joining, []
-        now, later, computing = [], [], set()
-        for r in self.prefilling:  # the blocks their chunks are computing
-            tokens = r.prompt.tolist()
-            computing.update(store.keys(tokens)[store.match(tokens) :])
-        for r in joining:
-            tokens = r.prompt.tolist()
-            keys = store.keys(tokens)
-            first = store.match(tokens)
-            if first < len(keys) and keys[first] in computing:
-                later.append(r)
-            else:
-                computing.update(keys[first:])
-                now.append(r)
-        return now, later
 
     def _decide(self, logits: torch.Tensor, view: DecodeView) -> Decision:
         """Each row's decision, by the decoder it decides with: rows that share one in one call."""
@@ -422,13 +320,6 @@ class BlockDecoder:
             idx = torch.tensor(members, device=self.device)
             parts.append((idx, decide(members, view.take(members), logits[idx])))
         return Decision.merged(parts, len(rows))
-
-    def _block_over(self, block, decision) -> torch.Tensor:
-        """(B,) whether each row's block is over after this step: where the strategy decides it
-        (editing, a canvas with no mask), its say; else the block has no mask left."""
-        if decision.block_done is not None:
-            return decision.block_done
-        return ~(block == self.mask_id).any(-1)
 
     def _carry_on(self, starts, decision: Decision, done: torch.Tensor) -> None:
         """What a strategy hands each row's next step in its block: its state (`Decision.carry`) and
@@ -483,7 +374,9 @@ class BlockDecoder:
                 continue
             tokens = h[4:]
             r.finished, r.unrefreshed = bool(h[2]) and r.block >= r.stop_block, 0
-            window_logprobs = self._window_logprobs(columns[i], i, r)
+            window_logprobs = None
+            if self.logprobs is not None and r.config.logprobs is not None:
+                window_logprobs = self.logprobs.window(i, columns[i], r.config.logprobs)
             k = 0
             while True:
                 _, _, b_lo, b_hi = r.answer_span(r.block, blk)
@@ -508,16 +401,6 @@ class BlockDecoder:
                 self._begin(i, r)
         if len(kept) < len(rows):
             self._relayout(kept)
-
-    def _window_logprobs(self, columns: torch.Tensor, i: int, r: Row) -> list | None:
-        """Row i's window (its `columns`) as (log-probability, top tokens) per column, None per
-        column no forward wrote; None for a row that does not report them."""
-        if self.logp is None or r.config.logprobs is None:
-            return None
-        k = r.config.logprobs
-        values = self.logp[i, columns].tolist()
-        ids, lps = self.top_ids[i, columns, :k].tolist(), self.top_lp[i, columns, :k].tolist()
-        return [None if v != v else (v, list(zip(d, p))) for v, d, p in zip(values, ids, lps)]
 
     def _begin(self, i: int, r: Row) -> None:
         """Row i starts a block: its masks now (a family with no mask token: its canvas, drawn now
@@ -573,7 +456,7 @@ class BlockDecoder:
         self.rows = [r for r, _ in moves]
         if not moves:
             self.x = self.step_of = self.row_nfe = self.opened = None
-            self.logp = self.top_ids = self.top_lp = None
+            self.logprobs = None
             self.pages.relayout([])
             self.policy.relayout([])
             return
@@ -588,7 +471,7 @@ class BlockDecoder:
             width = min(length, self.x.shape[1])
             x[dst, :width] = self.x[src, :width]
             step_of[dst, :width] = self.step_of[src, :width]
-        self._lay_out_logprobs(moves, length, kept)
+        self.logprobs = LogprobColumns.laid_out(self.logprobs, self.rows, length, kept, dev)
         for i, (r, src) in enumerate(moves):
             if src is None:
                 p = len(r.prompt)
@@ -601,8 +484,8 @@ class BlockDecoder:
                 if r.suffix is not None:
                     x[i, p + r.config.gen_length : r.extent] = r.suffix
         sources = [src for _, src in moves]
-        self.row_nfe = self._carry(self.row_nfe, sources, 0)
-        self.opened = self._carry(self.opened, sources, 0)
+        self.row_nfe = carried(self.row_nfe, sources, dev)
+        self.opened = carried(self.opened, sources, dev)
         self.pages.relayout(sources, [None if src is not None else r.extent for r, src in moves], prefilled)
         self.policy.relayout(sources)
         self.x, self.step_of = x, step_of
@@ -614,60 +497,3 @@ class BlockDecoder:
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
             self._begin(i, r)
-
-    def _lay_out_logprobs(self, moves, length: int, kept: list[tuple[int, int]]) -> None:
-        """The log-probability columns for the new layout, where a row of it reports them; kept
-        rows keep theirs."""
-        asked = [r.config.logprobs for r, _ in moves if r.config.logprobs is not None]
-        if not asked:
-            self.logp = self.top_ids = self.top_lp = None
-            return
-        bsz, k, dev = len(moves), max(asked), self.device
-        logp = torch.full((bsz, length), float("nan"), device=dev)
-        top_ids = torch.zeros((bsz, length, k), dtype=torch.long, device=dev)
-        top_lp = torch.full((bsz, length, k), float("nan"), device=dev)
-        if kept and self.logp is not None:
-            dst, src = (torch.tensor(t, device=dev) for t in zip(*kept))
-            width, old_k = min(length, self.logp.shape[1]), min(k, self.top_lp.shape[-1])
-            logp[dst, :width] = self.logp[src, :width]
-            top_ids[dst, :width, :old_k] = self.top_ids[src, :width, :old_k]
-            top_lp[dst, :width, :old_k] = self.top_lp[src, :width, :old_k]
-        self.logp, self.top_ids, self.top_lp = logp, top_ids, top_lp
-
-    def _record_logprobs(self, logits: torch.Tensor, columns: torch.Tensor, decision: Decision) -> None:
-        """Where this step wrote a token (revealed, edited, or ahead in a later block), its
-        log-probability and the most likely tokens in this forward (`decode.token_logprobs`)."""
-        tokens, written = decision.tokens, decision.chosen
-        if decision.edited is not None:
-            written = written | decision.edited
-        if decision.ahead is not None and self.width > self.config.block_length:
-            tokens = torch.cat([tokens, decision.ahead_tokens], 1)
-            written = torch.cat([written, decision.ahead], 1)
-        width = written.shape[1]
-        lp = token_logprobs(logits[:, :width], [r.config for r in self.rows])
-        for i, r in enumerate(self.rows):  # a grammar's rows: renormalised over what it allowed
-            if r.constraint is None or r.config.logprobs_mode == "raw":
-                continue
-            for p, allowed in r.constraint.masks.items():
-                kept = torch.where(allowed, lp[i, p], float("-inf"))
-                lp[i, p] = kept - kept.logsumexp(-1)
-        cols = columns[:, :width]
-        chosen = lp.gather(-1, tokens[..., None]).squeeze(-1)
-        self.logp.scatter_(1, cols, torch.where(written, chosen, self.logp.gather(1, cols)))
-        k = self.top_lp.shape[-1]
-        if k:
-            values, ids = lp.topk(k, -1)
-            cols, keep = cols[..., None].expand(-1, -1, k), written[..., None]
-            self.top_lp.scatter_(1, cols, torch.where(keep, values, self.top_lp.gather(1, cols)))
-            self.top_ids.scatter_(1, cols, torch.where(keep, ids, self.top_ids.gather(1, cols)))
-
-    def _carry(self, values: torch.Tensor | None, sources: list[int | None], fill) -> torch.Tensor:
-        """Per-row values for the new layout: a kept row's own, `fill` for a row that joins."""
-        dtype = torch.bool if isinstance(fill, bool) else torch.long
-        out = torch.full((len(sources),), fill, dtype=dtype, device=self.device)
-        kept = [(i, s) for i, s in enumerate(sources) if s is not None]
-        if kept and values is not None:
-            out[torch.tensor([i for i, _ in kept], device=self.device)] = values[
-                torch.tensor([s for _, s in kept], device=self.device)
-            ]
-        return out

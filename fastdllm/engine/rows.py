@@ -35,6 +35,74 @@ def decision_key(config: GenerationConfig) -> GenerationConfig:
     return config.replace(gen_length=config.block_length, steps=None, fixed=(), suffix=None)
 
 
+def infill(model, config: GenerationConfig, constraints, closing_tokens) -> tuple[tuple, torch.Tensor | None]:
+    """A config's fixed tokens and suffix, checked against this model: token ids (text is
+    encoded by the front ends, `text.infill.encode_infill`), not the mask token, and a suffix
+    only where attention is bidirectional; then the tokens the decoder closes the answer with."""
+    closing = torch.tensor(closing_tokens, dtype=torch.long, device=model.device) if closing_tokens else None
+    if not config.fixed and config.suffix is None:
+        return (), closing
+    for name, value in [("fixed", v) for _, v in config.fixed] + [("suffix", config.suffix)]:
+        if isinstance(value, str):
+            raise ValueError(
+                f"{name}: give token ids to generate(); text is encoded by generate_text, the CLI "
+                "and the server (fastdllm.text.infill.encode_infill)"
+            )
+        if value is not None and any(not 0 <= t < model.args.vocab_size for t in value):
+            raise ValueError(f"{name}: token ids must be in [0, {model.args.vocab_size})")
+        if value is not None and model.mask_token_id in value:
+            raise ValueError(f"{name}: holds the mask token (id {model.mask_token_id})")
+    if config.suffix is not None and model.args.block_size:
+        raise ValueError(
+            f"suffix: this model's attention is block-causal (blocks of {model.args.block_size}): "
+            "no block sees text after it, so an answer cannot lead into a suffix; fixed tokens work"
+        )
+    if constraints is not None and any(c is not None for c in constraints):
+        raise ValueError("fixed: not with a grammar constraint, which reveals the answer left to right")
+    fixed = tuple((p + k, t) for p, ids in config.fixed for k, t in enumerate(ids))
+    suffix = None if config.suffix is None else torch.tensor(config.suffix, dtype=torch.long, device=model.device)
+    if closing is not None:
+        suffix = closing if suffix is None else torch.cat([suffix, closing])
+    return fixed, suffix
+
+
+def check_adapter(model, config: GenerationConfig) -> None:
+    """The LoRA adapter a config names is one the model has loaded, and not under a captured step."""
+    if config.adapter is None:
+        return
+    if config.cuda_graphs:
+        raise ValueError("adapter: not with cuda_graphs (a captured step holds the base weights' graph)")
+    if getattr(model, "lora", None) is None:
+        raise ValueError(f"adapter: {config.adapter!r}: this model has no adapters loaded (--lora-modules)")
+    model.lora.index(config.adapter)
+
+
+def constrain(rows: list[Row], constraints, config: GenerationConfig) -> None:
+    """Give each row its grammar (`constraints`: per row, None or the grammar its answer follows)."""
+    if constraints is None:
+        return
+    if len(constraints) != len(rows):
+        raise ValueError(f"constraints: {len(constraints)} given for {len(rows)} rows")
+    for r, c in zip(rows, constraints):
+        if c is not None and r.lead:
+            raise ValueError("constraints: a prompt ending inside a block-causal block is not supported yet")
+        if c is not None:
+            c.fit_within(config.gen_length)
+            c.keeps_masks = config.logprobs is not None  # its log-probabilities after its mask
+        r.constraint = c
+
+
+def carried(values: torch.Tensor | None, sources: list[int | None], device) -> torch.Tensor:
+    """Per-row counts for a new layout: a kept row's own (new row i is old row `sources[i]`), 0 for
+    a row that joins."""
+    out = torch.zeros((len(sources),), dtype=torch.long, device=device)
+    kept = [(i, s) for i, s in enumerate(sources) if s is not None]
+    if kept and values is not None:
+        dst, src = (torch.tensor(t, device=device) for t in zip(*kept))
+        out[dst] = values[src]
+    return out
+
+
 @dataclass(eq=False)
 class Row:
     """One prompt being decoded, with what it cost (as decoded alone)."""
@@ -80,6 +148,36 @@ class Row:
     # log-probability) pairs), None where no forward chose the token (fixed, or padding after a stop)
     block_logprobs: dict = field(default_factory=dict)
     carry: object = None  # its strategy's state for its next step in this block (`Decision.carry`)
+
+    @classmethod
+    def of_prompt(cls, prompt, config: GenerationConfig, generator, tag, block_causal: bool) -> Row:
+        """A row for `prompt`: with a block-causal model, a prompt that ends inside a block leads
+        into one more block of region (`lead_tokens`); a config that reads past the answer
+        (`columns_past_answer`) gets that region too."""
+        blk = config.block_length
+        lead = len(prompt) % blk if block_causal else 0
+        if config.columns_past_answer:  # a region past the answer, which decoding reveals and reads
+            region = config.replace(gen_length=config.gen_length + config.columns_past_answer, steps=None)
+            return cls(prompt, region, generator, tag, asked=config.gen_length)
+        if not lead:
+            return cls(prompt, config, generator, tag, asked=config.gen_length)
+        region = config.replace(
+            gen_length=config.gen_length + blk,
+            steps=None if config.steps is None else config.steps + config.steps // config.num_blocks,
+        )
+        return cls(prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:])
+
+    def prefill_chunk(self, block_causal: bool, cache_keeps_prompt: bool) -> int:
+        """The positions of its prompt the row computes per step before it joins (0: none; it joins
+        at once and its first forward computes its whole prompt). Only where a prompt block's K/V
+        depend on nothing after it (a block-causal model) and its cache keeps them (not `NoCache`),
+        not with an adapter (its prompt's K/V are its adapter's), and only for a prompt longer than
+        its config's `prefill_chunk` (whole blocks)."""
+        chunk, blk = self.config.prefill_chunk, self.config.block_length
+        if chunk is None or not block_causal or not cache_keeps_prompt or self.config.adapter is not None:
+            return 0
+        chunk = chunk // blk * blk
+        return chunk if len(self.prompt) > chunk else 0
 
     @property
     def stop_block(self) -> int:

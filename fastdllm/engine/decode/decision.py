@@ -45,6 +45,11 @@ class Signal:
         """Per row, whether it feeds any column back (one host read); None: every row does."""
         return None
 
+    def blocks_over(self, block: torch.Tensor, mask_id: int) -> torch.Tensor:
+        """(B,) whether each row's block is over after this step, for its block (B, T) as written:
+        where the decoder decides it, its say; else once the block has no mask left."""
+        return self.block_done if self.block_done is not None else ~(block == mask_id).any(-1)
+
     @classmethod
     def merged(cls, parts: list, rows: int) -> Signal:
         """One signal for the batch from the groups' ((row indices, signal), ...)."""
@@ -118,6 +123,11 @@ class Decision:
         """(B,) how many positions each row revealed (edits not counted)."""
         n = self.chosen.sum(-1)
         return n if self.ahead is None else n + self.ahead.sum(-1)
+
+    def blocks_over(self, block: torch.Tensor, mask_id: int) -> torch.Tensor:
+        """(B,) whether each row's block is over after this step, for its block (B, T) as written:
+        where the decoder decides it, its say; else once the block has no mask left."""
+        return self.block_done if self.block_done is not None else ~(block == mask_id).any(-1)
 
     @classmethod
     def merged(cls, parts: list, rows: int) -> Decision:

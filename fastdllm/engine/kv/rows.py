@@ -117,6 +117,24 @@ class RowPages:
 
     # -- chunked prefill: a prompt's K/V computed in the forwards of the rows decoding, before its
     # row joins them (block-causal models, whose prompt blocks' K/V depend on nothing after them)
+    def waits(self, joining: list[list[int]], prefilling: list[list[int]]) -> list[bool]:
+        """Per prompt of rows about to join, whether it waits a step: its first block missing from
+        the prefix store is one that a prompt joining before it (or one being prefilled) computes,
+        so it waits for it to be stored rather than compute it too (a batch of prompts sharing
+        few-shot exemplars computes them once)."""
+        store = self.store
+        if store is None:
+            return [False] * len(joining)
+        computing, out = set(), []
+        for tokens in prefilling:  # the blocks their chunks are computing
+            computing.update(store.keys(tokens)[store.match(tokens) :])
+        for tokens in joining:
+            keys, first = store.keys(tokens), store.match(tokens)
+            out.append(first < len(keys) and keys[first] in computing)
+            if not out[-1]:
+                computing.update(keys[first:])
+        return out
+
     def start_prefill(self, key: int, tokens: list[int]) -> int:
         """Pending pages for a prompt (`key`: its row's), holding what the prefix store has of it;
         returns the columns found there, from which its prefill starts."""
@@ -133,6 +151,19 @@ class RowPages:
         """Prompts' columns to compute in this step's first forward: (key, the prompt's tokens,
         first column, end column); their logits are not read, their K/V written to their pages."""
         self.chunks = list(chunks)
+
+    def charge_prefill(self, rows) -> int:
+        """The chunks this step's forwards computed, charged to their rows (those being prefilled:
+        a row's key is its id); returns the query positions computed."""
+        by_key, computed = {id(r): r for r in rows}, 0
+        for key, queries, keys in self.prefill_work:
+            r = by_key[key]
+            r.prefilled += queries
+            r.forward_positions += queries
+            r.attended_positions += queries * keys
+            computed += queries
+        self.prefill_work.clear()
+        return computed
 
     def release_prefill(self, key: int) -> None:
         if self.pool is not None:
