@@ -198,7 +198,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> GenerationConfig:
                 return GenerationConfig.preset(args.preset, **{**given, **overrides})
             if not Path(args.preset).is_file():
                 raise UserError(f"--preset: one of {', '.join(PRESETS)}, or a preset file (no file {args.preset})")
-            args._preset_family = read_preset(args.preset).get("family")
+            args._preset_family = read_preset(args.preset, GenerationConfig.field_names()).get("family")
             return GenerationConfig.from_preset(args.preset, **{**given, **overrides})
         values = {**{n: getattr(args, n) for n in names}, **overrides}
         try:
