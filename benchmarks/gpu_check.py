@@ -41,10 +41,10 @@ FAMILIES = {  # family module -> the embedded twin whose schedules it replays
 
 
 def record(twin: str, config_name: str, gen_length: int, problems: int) -> tuple[list[list[tuple]], int]:
-    """Every forward's windows (`CachePolicy.history`) of `problems` decodes, one row each, and the
+    """Every forward's windows (`KVRunner.history`) of `problems` decodes, one row each, and the
     tokens they generated."""
     import fastdllm
-    from fastdllm.engine.policies import policies_for
+    from fastdllm.engine.kv.runner import KVRunner
     from fastdllm.evaluation.tasks import arith
 
     model, tok = fastdllm.load(twin, dtype="float32", device="cpu")
@@ -52,12 +52,11 @@ def record(twin: str, config_name: str, gen_length: int, problems: int) -> tuple
     config = base.replace(gen_length=gen_length, **CONFIGS[config_name])
     if config_name == "baseline":
         config = config.replace(steps=gen_length)
-    runs, tokens = [], 0
+    runs, tokens, runner = [], 0, KVRunner(model)  # one runner: later prompts share stored blocks
     for p in arith.test_split()[:problems]:
-        policies = policies_for(model, config)
-        policies.cache.record()
-        out = fastdllm.generate(model, [arith.prompt_ids(tok, p.question, [])], config=config, policies=policies)
-        runs.append(policies.cache.history)
+        runner.record()
+        out = fastdllm.generate(model, [arith.prompt_ids(tok, p.question, [])], config=config, kv=runner)
+        runs.append(runner.history)
         tokens += sum(out.num_tokens)
     return runs, tokens
 

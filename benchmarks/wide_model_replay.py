@@ -32,20 +32,17 @@ CONFIGS = {
 
 def record_windows(config_name: str, gen_length: int, num_fewshot: int, problems: int) -> list[list[tuple]]:
     import fastdllm
-    from fastdllm.engine.cache import cache_policy
-    from fastdllm.engine.policies import Policies
+    from fastdllm.engine.kv.runner import KVRunner
     from fastdllm.evaluation.tasks import arith
 
     model, tok = fastdllm.load(dtype="float32")
     cfg = fastdllm.GenerationConfig(gen_length=gen_length, **CONFIGS[config_name])
     shots = arith.fewshot_exemplars(num_fewshot)
-    runs = []
+    runs, runner = [], KVRunner(model)  # one runner: later prompts share stored blocks
     for p in arith.test_split()[:problems]:
-        policy = cache_policy(model, cfg).record()
-        fastdllm.generate(
-            model, [arith.prompt_ids(tok, p.question, shots)], config=cfg, policies=Policies(cache=policy)
-        )
-        runs.append(policy.history)
+        runner.record()
+        fastdllm.generate(model, [arith.prompt_ids(tok, p.question, shots)], config=cfg, kv=runner)
+        runs.append(runner.history)
     return runs
 
 

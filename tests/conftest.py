@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastdllm.embedded.recipe import build_tokenizer, new_model
-from fastdllm.engine.cache import DualCache, PrefixCache
+from fastdllm.engine.kv.runner import KVRunner
 from fastdllm.models.loading import save_pretrained
 from fastdllm.models.transformer import ModelArgs
 
@@ -66,24 +66,16 @@ def nothing_of_the_sandbox_survives():
     assert sandbox_files() == []
 
 
-# Exactness anchors: caches refreshed at every step must decode as no cache.
-class _RefreshEveryStep:
+# Exactness anchor: caches refreshed at every step must decode as no cache.
+class RefreshingRunner(KVRunner):
     """Before every windowed step, refill the cache with a full forward of the current canvas, then
     take the logits from the window: with a fresh cache the window must reproduce the full forward."""
 
-    def block_logits(self, seq, steps):
+    def logits(self, pages, seq, policy, steps):
         if any(steps):
-            super().block_logits(seq, [0] * len(steps))  # refresh every cached position
-            self.take_work()  # the anchor's own forward: not the policy's work
-        return super().block_logits(seq, steps)
-
-
-class PrefixRefreshed(_RefreshEveryStep, PrefixCache):
-    name = "prefix_refreshed"
-
-
-class DualRefreshed(_RefreshEveryStep, DualCache):
-    name = "dual_refreshed"
+            super().logits(pages, seq, policy, [0] * len(steps))  # refresh every cached position
+            pages.take_work()  # the anchor's own forward: not the policy's work
+        return super().logits(pages, seq, policy, steps)
 
 
 def write_kv(cache, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:

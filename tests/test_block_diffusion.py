@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.engine.kv.pages import PagedKVCache
+from fastdllm.engine.kv.runner import KVRunner
 from fastdllm.engine.policies import Policies
 from fastdllm.models.loading import save_pretrained
 
@@ -311,22 +312,23 @@ def test_fast_dllm_v2_block_cache_steps_follow_its_reference(tiny_v2, tokenizer,
         sub_block_length=size,
         cache="sub-block",
     )
-    policy = SubBlockCache.from_config(tiny_v2, config).record()
     steps = []
-    block_logits = policy.block_logits
 
-    def recording(seq, row_steps):
-        x = seq.x[0].clone()
-        out = block_logits(seq, row_steps)
-        steps.append((x, seq.starts[0], row_steps[0], out[0].clone()))
-        return out
+    class Recording(KVRunner):
+        def logits(self, pages, seq, policy, row_steps):
+            x = seq.x[0].clone()
+            out = super().logits(pages, seq, policy, row_steps)
+            steps.append((x, seq.starts[0], row_steps[0], out[0].clone()))
+            return out
 
-    policy.block_logits = recording
+    runner = Recording(tiny_v2).record()
     prompt = tokenizer.encode("Question: what is 12 + 30?\nAnswer:")
-    generate(tiny_v2, [prompt], config=config, policies=Policies(cache=policy))
-    assert len(policy.history) == len(steps)
+    generate(
+        tiny_v2, [prompt], config=config, policies=Policies(cache=SubBlockCache.from_config(tiny_v2, config)), kv=runner
+    )
+    assert len(runner.history) == len(steps)
     # one row: per forward its window [ws, we) and the logits' columns [lo, hi)
-    history = [(ws, we, lo, we) for (_, ws, we, _, lo) in (windows[0] for windows in policy.history)]
+    history = [(ws, we, lo, we) for (_, ws, we, _, lo) in (windows[0] for windows in runner.history)]
     last_whole, kinds = None, set()
     # v2 reveals a block's first token at its block-start step, which makes no block cache: the
     # block's next step is a whole-block forward even though its first sub-block opens revealed.

@@ -10,7 +10,7 @@ from fastdllm import GenerationConfig, generate, stream_blocks
 from fastdllm.engine.decode import BlockClock, DecodeView, Factor, Threshold, UnmaskingStrategy, linear_schedule_at
 from fastdllm.engine.policies import Policies
 
-from .conftest import DualRefreshed, PrefixRefreshed
+from .conftest import RefreshingRunner
 
 
 def prompts(tokenizer):
@@ -31,9 +31,15 @@ def test_refreshed_caches_equal_no_cache(arch, threshold, request, tokenizer):
     cfg = GenerationConfig(**base)
     # The same unmasking policy as without a cache (Dream's block start differs with one: tested below).
     strategy = UnmaskingStrategy.from_config(cfg)
-    for policy in (PrefixRefreshed, DualRefreshed):  # policy objects plug into the loop directly
-        out = generate(model, prompts(tokenizer), config=cfg, policies=Policies(policy(model), strategy))
-        assert torch.equal(out.sequences, ref.sequences), policy.name
+    for cache in ("prefix", "dual"):  # a runner and a decoder object plug into the loop directly
+        out = generate(
+            model,
+            prompts(tokenizer),
+            config=cfg.replace(cache=cache, refresh="full"),
+            policies=Policies(strategy=strategy),
+            kv=RefreshingRunner(model),
+        )
+        assert torch.equal(out.sequences, ref.sequences), cache
         assert out.nfe_per_row == ref.nfe_per_row
 
 

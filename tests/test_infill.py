@@ -13,7 +13,7 @@ from fastdllm.engine.policies import Policies
 from fastdllm.text.completion import complete
 from fastdllm.text.infill import encode_infill
 
-from .conftest import DualRefreshed, PrefixRefreshed, random_prompts
+from .conftest import RefreshingRunner, random_prompts
 
 BASELINE = dict(cache="none", threshold=None, suffix_window=None, refresh="full", stop_at_eos=False)
 
@@ -67,20 +67,26 @@ def test_fixed_tokens_and_a_suffix_decode_as_the_plain_loop_does(tiny_llada):
 
 
 @pytest.mark.parametrize("arch", ["tiny_llada", "tiny_dream"])
-@pytest.mark.parametrize("policy", [pytest.param(PrefixRefreshed, marks=pytest.mark.slow), DualRefreshed])
-def test_caches_see_the_suffix_and_fixed_tokens(arch, policy, request):
+@pytest.mark.parametrize("cache", [pytest.param("prefix", marks=pytest.mark.slow), "dual"])
+def test_caches_see_the_suffix_and_fixed_tokens(arch, cache, request):
     model = request.getfixturevalue(arch)
     prompts = random_prompts(model, [6, 11], seed=5)
     config = GenerationConfig(
-        gen_length=32, block_length=8, threshold=0.3, fixed={9: (40, 41), 30: (7,)}, suffix=(5, 6, 7, 8)
+        gen_length=32,
+        block_length=8,
+        threshold=0.3,
+        fixed={9: (40, 41), 30: (7,)},
+        suffix=(5, 6, 7, 8),
+        cache=cache,
+        refresh="full",
     )
     strategy = UnmaskingStrategy.from_config(config)
     plain = generate(model, prompts, config=config.replace(cache="none", suffix_window=None))
     full = config.replace(suffix_window=None)
-    cached = generate(model, prompts, config=full, policies=Policies(policy(model), strategy))
+    cached = generate(model, prompts, config=full, policies=Policies(strategy=strategy), kv=RefreshingRunner(model))
     assert torch.equal(plain.sequences, cached.sequences)
     # the default suffix window still shows a row its whole suffix
-    windowed = generate(model, prompts, config=config, policies=Policies(policy(model), strategy))
+    windowed = generate(model, prompts, config=config, policies=Policies(strategy=strategy), kv=RefreshingRunner(model))
     assert torch.equal(plain.sequences, windowed.sequences)
 
 

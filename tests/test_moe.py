@@ -16,9 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastdllm
 from fastdllm import GenerationConfig, generate
-from fastdllm.engine.cache import CachePolicy
 from fastdllm.engine.decode import Editing, LLaDA2Proposal, UnmaskingStrategy
 from fastdllm.engine.kv.pages import PagedKVCache
+from fastdllm.engine.kv.runner import KVRunner
 from fastdllm.engine.policies import Policies
 from fastdllm.models.loading import save_pretrained
 from fastdllm.models.moe import MoEFeedForward, route
@@ -338,15 +338,15 @@ def test_llada2_proposal_is_greedy_at_temperature_0_and_samples_filtered_probabi
 
 
 # ---- LLaDA2.1's token editing on a scripted model -----------------------------------------------
-class Scripted(CachePolicy):
+class Scripted(KVRunner):
     """Returns the next of a list of per-step logits, whatever the sequence."""
 
     def __init__(self, model, steps):
         super().__init__(model)
         self.steps, self.calls = steps, 0
 
-    def block_logits(self, seq, steps):
-        self.work.append([(i, seq.width, seq.x.shape[1]) for i in range(len(steps))])
+    def logits(self, pages, seq, policy, steps):
+        pages.work.append([(i, seq.width, seq.x.shape[1]) for i in range(len(steps))])
         out = self.steps[min(self.calls, len(self.steps) - 1)]
         self.calls += 1
         return out
@@ -385,8 +385,8 @@ def test_editing_rewrites_revealed_tokens_and_ends_the_block_after_a_quiet_step(
 
     def run(**changes):
         config = base.replace(**changes)
-        policies = Policies(Scripted(tiny_llada, script), UnmaskingStrategy.from_config(config))
-        return generate(tiny_llada, [prompt], config=config, policies=policies)
+        policies = Policies(strategy=UnmaskingStrategy.from_config(config))
+        return generate(tiny_llada, [prompt], config=config, policies=policies, kv=Scripted(tiny_llada, script))
 
     plain = run()
     assert plain.sequences[0].tolist() == [A, B, C, D] and plain.nfe == 3
@@ -567,8 +567,8 @@ def test_eos_early_stop_ends_the_row_inside_its_block(tiny_llada, tokenizer):
 
     def run(**changes):
         config = base.replace(**changes)
-        policies = Policies(Scripted(tiny_llada, script), UnmaskingStrategy.from_config(config))
-        return generate(tiny_llada, [prompt], config=config, policies=policies)
+        policies = Policies(strategy=UnmaskingStrategy.from_config(config))
+        return generate(tiny_llada, [prompt], config=config, policies=policies, kv=Scripted(tiny_llada, script))
 
     after_block = run()
     assert after_block.sequences[0, :4].tolist() == [A, B, eos, D] and after_block.nfe == 3
@@ -607,8 +607,8 @@ def test_eos_early_stop_with_editing_stops_after_the_block_as_llada21_does(tiny_
     )
 
     def run(script):
-        policies = Policies(Scripted(tiny_llada, script), UnmaskingStrategy.from_config(config))
-        return generate(tiny_llada, [prompt], config=config, policies=policies)
+        policies = Policies(strategy=UnmaskingStrategy.from_config(config))
+        return generate(tiny_llada, [prompt], config=config, policies=policies, kv=Scripted(tiny_llada, script))
 
     kept = run(reveal + keeps)
     assert kept.sequences[0].tolist() == [A, B, eos, D] + [eos] * 4 and kept.nfe == 4

@@ -10,9 +10,8 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig
 from fastdllm.config import ConfigError
-from fastdllm.engine.cache import cache_policy
 from fastdllm.engine.decode import Lookahead
-from fastdllm.engine.policies import Policies, policies_for
+from fastdllm.engine.kv.runner import KVRunner
 
 from .conftest import random_prompts
 
@@ -93,12 +92,12 @@ def test_blocks_revealed_whole_ahead_of_time_are_refreshed_with_the_next_one(tin
         block_add_threshold=0.0,
         lookahead_threshold=0.0,
     )
-    policy = cache_policy(model, config).record()
-    out = fastdllm.generate(model, prompts(model, (6,)), config=config, policies=Policies(cache=policy))
+    runner = KVRunner(model).record()
+    out = fastdllm.generate(model, prompts(model, (6,)), config=config, kv=runner)
     assert (out.sequences != model.mask_token_id).all()
     blk = config.block_length
     # the vicinity refreshes: from before the block (a step's window starts at it, a full one at 0)
-    starts = [(lo, start) for windows in policy.history for _, lo, _, _, start in windows if 0 < lo < start]
+    starts = [(lo, start) for windows in runner.history for _, lo, _, _, start in windows if 0 < lo < start]
     # block 0's first step reveals blocks 1 and 2 whole; block 3 is the next to have a forward
     assert starts and all(start - lo == 3 * blk for lo, start in starts), starts
 
@@ -144,10 +143,9 @@ def test_published_settings_decode_one_block_at_a_time():
 
 
 def _windows(model, ids, config):
-    policies = policies_for(model, config)
-    policies.cache.record()
-    out = fastdllm.generate(model, ids, config=config, policies=policies)
-    return out, policies.cache.history
+    runner = KVRunner(model).record()
+    out = fastdllm.generate(model, ids, config=config, kv=runner)
+    return out, runner.history
 
 
 def test_a_delayed_cache_that_never_commits_decodes_as_no_cache(tiny_llada):

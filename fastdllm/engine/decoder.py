@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from ..config import GenerationConfig
 from .cache import SequenceView
 from .decode import BlockClock, Decision, DecodeView
-from .kv.rows import RowPages, shares_prefixes
+from .kv.rows import RowPages
 from .kv.runner import KVRunner, runner_for
 from .logprobs import LogprobColumns
 from .policies import Policies, PolicySource, policies_for, resolve
@@ -69,14 +69,7 @@ class BlockDecoder:
         self.key = decision_key(config) if self.own_strategy else join_key(config)
         policies = resolve(policies, model, config)
         self.policy, self.strategy = policies.cache, policies.strategy
-        holds = self.policy.holds_cache
-        self.pages = RowPages(
-            kv or runner_for(model),
-            config.block_length,
-            shares=holds and shares_prefixes(model, config),
-            counted=holds,
-        )
-        self.policy.pages = self.pages
+        self.pages = RowPages.of(kv or runner_for(model), model, config, self.policy.holds_cache)
         self.strategies = {decision_key(config): self.strategy}
         self.device = model.device
         self.mask_id = model.mask_token_id
@@ -188,7 +181,7 @@ class BlockDecoder:
         self.pages.queue_prefill(chunks)
         view = self._view()
         with self.forward_clock, record_function("fastdllm.forward"):
-            logits = self.policy.block_logits(view, [r.step for r in self.rows])
+            logits = self.pages.runner.logits(self.pages, view, self.policy, [r.step for r in self.rows])
         work = self._count_forwards()
         return self._apply(view, logits, work)
 
@@ -220,7 +213,8 @@ class BlockDecoder:
         """A forward of prefill chunks while no row decodes: a step of no rows."""
         self.pages.queue_prefill(chunks)
         with self.forward_clock, record_function("fastdllm.prefill"):
-            self.policy.prefill_only()
+            empty = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # the chunks alone
+            self.pages.runner.forward(self.pages, SequenceView(empty, (), (), (), self.config.block_length, 0), [])
         self._count_forwards()
         none = torch.zeros((0, self.config.block_length), dtype=torch.long, device=self.device)
         return Step([], [], none, none.bool())
@@ -228,7 +222,7 @@ class BlockDecoder:
     def _count_forwards(self) -> list:
         """The step's forwards counted, and the prefill chunks they computed charged to their rows;
         returns the forwards' work per row."""
-        work = self.policy.take_work()
+        work = self.pages.take_work()
         self.nfe += len(work)
         self.computed_positions += self.pages.charge_prefill(self.prefilling)
         return work

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import GenerationConfig, selection_rule_name
-from .cache import CachePolicy, cache_policy, configure
+from .cache import CachePolicy, cache_policy
 from .decode import DECODERS, Decoder, UnmaskingStrategy, check_canvas
 
 
@@ -35,14 +35,14 @@ PolicySource = Policies | Callable[..., Policies] | None
 def policies_for(
     model, config: GenerationConfig, cache: CachePolicy | None = None, strategy: Decoder | None = None
 ) -> Policies:
-    """The policies `config` names (either one replaced by the object given, which takes the
-    config's engine settings all the same: `cache.configure`). The decoder is the one registered
+    """The policies `config` names (either one replaced by the object given; the config's engine
+    settings, compiled, batch-invariant or graphed forwards, are the loop's own). The decoder is the one registered
     for the config's selection rule (`decode.DECODERS`; the masked decoder otherwise), built with
     the model's family rules; the cache policy learns from it whether a block-start step reveals the
     block's first position (its windows then open at the block)."""
     check_canvas(model, config)
     check_block_length(model, config)
-    cache = configure(cache, config) if cache is not None else cache_policy(model, config)
+    cache = cache if cache is not None else cache_policy(model, config)
     if strategy is None:
         strategy = DECODERS.get(selection_rule_name(config), UnmaskingStrategy).from_config(config, model, cache)
     cache.block_start_reveals_first = strategy.reveals_first_at_block_start

@@ -95,6 +95,11 @@ class Job:
         gen = 0 if answer else cfg.gen_length
         return sum(-(-(layout_columns(len(p), cfg) - gen) // block) for p in self.prompts)
 
+    @property
+    def request(self) -> tuple:
+        """What the runner asks of a job to admit it (`KVRunner.pages_held`)."""
+        return self.config, self.pages(), self.prompt_blocks
+
     @functools.cached_property
     def prompt_blocks(self) -> list[list[int]]:
         """Per row, the chain keys of its prompt's full blocks (`PrefixStore.keys`: a key stands for
@@ -124,7 +129,7 @@ class Scheduler:
     the scheduler's runner (`kv`, `engine.kv.KVRunner`) allocates once, with the prefix store of
     `prefix_cache_bytes` over it: a job's rows hold at most their own columns in whole pages
     (`Job.pages`), and a prompt block that an earlier row holds is counted once where the rows
-    share it by reference (`pages_held`). A job is admitted while the running jobs' pages and its
+    share it by reference (`KVRunner.pages_held`). A job is admitted while the running jobs' pages and its
     own fit; the others wait in the queue (`never_fits`: one that could never fit, which a server
     refuses).
 
@@ -203,43 +208,9 @@ class Scheduler:
         """The bytes of the pages the job's rows hold at most (without `answer`: their prompts')."""
         return job.pages(answer) * job.config.block_length * self.token_kv_bytes
 
-    def shares_prompt_pages(self, config: GenerationConfig) -> bool:
-        """Whether rows decoded under `config` hold the prompt blocks that another row holds by
-        reference, and never write into them: a block-causal model's exact prefix cache (a row
-        waits for a block another row is computing rather than compute it too:
-        `BlockDecoder._admissible`), under a policy whose forwards never recompute a prompt block
-        (a cached one, refreshing the vicinity only), with a store that may keep as many pages as
-        the pool holds (so it drops none that rows still share)."""
-        store_bytes = self.kv.prefix_cache_bytes
-        return (
-            bool(self.model.args.block_size)
-            and config.prefix_cache != "off"
-            and config.cache in ("prefix", "dual", "sub-block")
-            and config.refresh == "vicinity"
-            and config.refresh_every is None
-            and (self.kv_cache_bytes is None or store_bytes >= self.kv_cache_bytes)
-        )
-
-    def pages_held(self, jobs: list[Job]) -> int:
-        """The pages the jobs' rows hold at most, together: each row's own (`Job.pages`), less the
-        full prompt blocks an earlier row of these jobs holds where they are shared
-        (`shares_prompt_pages`); a row that shares any takes at most one copy of one (with shifted
-        logits its first forward writes the column before its answer, copy-on-write)."""
-        held, seen = 0, set()
-        copies = int(bool(self.model.args.shifted_logits))
-        for job in jobs:
-            held += job.pages()
-            if not self.shares_prompt_pages(job.config):
-                continue
-            for keys in job.prompt_blocks:
-                shared = sum(k in seen for k in keys)
-                held -= shared - (copies if shared else 0)
-                seen.update(keys)
-        return held
-
     def held_bytes(self, jobs: list[Job]) -> int:
-        """`pages_held` in bytes (the jobs of a batch decode in blocks of one length)."""
-        return self.pages_held(jobs) * jobs[0].config.block_length * self.token_kv_bytes if jobs else 0
+        """The bytes of the pages the jobs' rows hold at most together (`KVRunner.pages_held`)."""
+        return self.kv.held_bytes([job.request for job in jobs])
 
     def never_fits(self, job: Job) -> bool:
         """Whether the job's rows alone exceed `kv_cache_bytes`."""
@@ -320,7 +291,7 @@ class Scheduler:
         for job in list(self.pending):
             if rows >= self.max_batch_size or self.paused:
                 break
-            room = self.kv_cache_bytes is None or self.held_bytes(batch + taken + [job]) <= self.kv_cache_bytes
+            room = self.kv.can_admit([j.request for j in batch + taken + [job]])
             if fits(job.config) and rows + job.rows <= self.max_batch_size and room:
                 self.pending.remove(job)
                 taken.append(job)

@@ -1,9 +1,8 @@
 """Cache policies: which part of each row each decoding step recomputes.
 
-Every policy answers one question for the generation loop: "give me the logits of every row's
-current block at this step". They differ only in the window they recompute of each row, and all
-rows' windows go into one packed forward (`Transformer.packed_logits`): no padding, each row
-attending over its own keys:
+Every policy answers one question for the generation loop: "which window of each row does this
+step compute?" The runner computes them (`kv.runner.KVRunner.logits`), all rows' windows in one
+packed forward (`Transformer.packed_logits`): no padding, each row attending over its own keys:
 
 - `NoCache`: the whole sequence at every step (LLaDA's baseline).
 - `PrefixCache`: at a block's first step a full forward fills the cache (and decodes); later steps
@@ -35,7 +34,7 @@ recomputes is the policy's refresh rule (a `RefreshRule`, named in `REFRESH_RULE
   alone.
 """
 
-from .base import CachePolicy, SequenceView, cache_policy, configure, register_cache_policy
+from .base import CachePolicy, SequenceView, cache_policy, register_cache_policy
 from .delayed import DelayedCache
 from .none import NoCache
 from .prefix import DualCache, PrefixCache
@@ -52,7 +51,6 @@ __all__ = [
     "SequenceView",
     "SubBlockCache",
     "cache_policy",
-    "configure",
     "register_cache_policy",
     "register_refresh_rule",
 ]

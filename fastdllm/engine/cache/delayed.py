@@ -32,8 +32,8 @@ class DelayedCache(CachePolicy):
     name = "delayed"
     refreshes_at_block_start = False
 
-    def __init__(self, model, delay: int = 2, refresh_interval: int | None = None, compiled: bool = False):
-        super().__init__(model, compiled)
+    def __init__(self, model, delay: int = 2, refresh_interval: int | None = None):
+        super().__init__(model)
         self.delay, self.refresh_interval = delay, refresh_interval
         self.row_states: list[_DelayedRow] = []
         family = getattr(model, "family", None)
@@ -41,7 +41,7 @@ class DelayedCache(CachePolicy):
 
     @classmethod
     def from_config(cls, model, config) -> DelayedCache:
-        return cls(model, config.cache_delay, config.refresh_interval, compiled=config.compile)
+        return cls(model, config.cache_delay, config.refresh_interval)
 
     def relayout(self, sources):
         old = self.row_states

@@ -14,6 +14,9 @@ class RefreshRule:
     of those rows (their cache did not suffice)."""
 
     name = ""
+    # Whether a block-start forward may recompute a prompt block (a full one), so that a row never
+    # holds another's prompt pages by reference under it (`KVRunner.shares_prompt_pages`).
+    recomputes_prompt = True
 
     def __init__(self, every: int | None = None, tol: float = 0.1):
         self.every, self.tol = every, tol
@@ -54,6 +57,7 @@ class VicinityRefresh(RefreshRule):
     blocks."""
 
     name = "vicinity"
+    recomputes_prompt = False  # but at a row's first block, and every `every` blocks
 
     def needs_full(self, block):
         return block == 0 or bool(self.every and block % self.every == 0)
@@ -69,6 +73,7 @@ class AdaptiveRefresh(VicinityRefresh):
     gets a full forward at once."""
 
     name = "adaptive"
+    recomputes_prompt = True  # a row whose check fails gets a full forward
 
     def _keys(self, cache, seq, rows):
         blk = seq.block_length

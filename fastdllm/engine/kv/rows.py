@@ -1,7 +1,8 @@
 """A decode's rows over its runner's pool: page tables, prompts shared through the prefix store,
 prompts prefilled in chunks, copy-on-write before a write. One `RowPages` per decoding loop
 (`BlockDecoder.pages`), the same for every cache policy: a policy says which windows to compute
-(`engine.cache`), and `run` gives their forward its pages.
+(`engine.cache`), the runner computes them (`KVRunner.logits`), and `run` gives their forward its
+pages. It also holds the decode's forward settings and the work its forwards did.
 """
 
 from __future__ import annotations
@@ -32,8 +33,25 @@ class RowPages:
     the pages count as a cache in `peak_bytes` (not so for a policy whose every forward computes
     all the keys it reads: working memory of one forward)."""
 
-    def __init__(self, runner: KVRunner, page_size: int, shares: bool = False, counted: bool = True):
+    def __init__(
+        self,
+        runner: KVRunner,
+        page_size: int,
+        shares: bool = False,
+        counted: bool = True,
+        compiled: bool = False,
+        batch_invariant: bool = False,
+        graphs: bool = False,
+    ):
         self.runner, self.page_size, self.shares, self.counted = runner, page_size, shares, counted
+        # the forwards: through the model's torch.compile'd layers; each row's logits exactly as
+        # computed alone, whatever the batch (`models.invariance`); DualCache's steps captured as
+        # CUDA graphs (`KVRunner.logits`)
+        self.compiled, self.batch_invariant, self.graphs = compiled, batch_invariant, graphs
+        # per forward, (row, query positions, key positions) for each row it computed, which the
+        # loop charges to those rows (`take_work`)
+        self.work: list[list[tuple[int, int, int]]] = []
+        self.latest: torch.Tensor | None = None  # (B, width, V) rows' latest logits (`block_logits`)
         self.pool: PagedKVCache | None = None
         self.peak_bytes = 0  # the most K/V bytes the rows held at once
         self.unstored: dict[int, tuple[int, list[int]]] = {}  # row -> (first block to store, prompt)
@@ -41,6 +59,21 @@ class RowPages:
         self.prefill_work: list[tuple[int, int, int]] = []  # (key, query positions, keys) per chunk computed
         self.adopted: dict[int, int] = {}  # at the last relayout: new row -> the prefilled prompt's key
         self.joined: dict[int, int] = {}  # at the last relayout: new row -> its columns (taken in `reuse`)
+
+    @classmethod
+    def of(cls, runner: KVRunner, model, config, holds_cache: bool) -> RowPages:
+        """The pages of a decode of `model` under `config` whose cache policy holds a cache across
+        forwards (`holds_cache`: they count as one, and prompts are shared where the config asks) or
+        not (one forward's working memory)."""
+        return cls(
+            runner,
+            config.block_length,
+            shares=holds_cache and shares_prefixes(model, config),
+            counted=holds_cache,
+            compiled=config.compile,
+            batch_invariant=config.deterministic,
+            graphs=config.cuda_graphs,
+        )
 
     @property
     def store(self) -> PrefixStore | None:
@@ -81,13 +114,42 @@ class RowPages:
         if not sources and (self.pool is None or not self.pool.pending):
             if self.pool is not None:
                 self.runner.release(self.pool)
-            self.pool = None
+            self.pool = self.latest = None
             return
+        if self.latest is not None:  # each kept row keeps its latest logits
+            kept = [(i, j) for i, j in enumerate(sources) if j is not None]
+            latest = self.latest.new_zeros((len(sources), *self.latest.shape[1:]))
+            if kept:
+                dst, src = (torch.tensor(t, device=latest.device) for t in zip(*kept))
+                latest[dst] = self.latest[src]
+            self.latest = latest
         pool = self._the_pool()
         pool.set_rows(sources, None, adopt)
         self.adopted = dict(adopt or {})
         self.joined = {i: c for i, (s, c) in enumerate(zip(sources, columns or [None] * len(sources))) if s is None}
         self._account(pool)
+
+    def take_work(self) -> list[list[tuple[int, int, int]]]:
+        work, self.work = self.work, []
+        return work
+
+    def block_logits(self, seq, windows: list[Window], parts: list[torch.Tensor], partial: bool) -> torch.Tensor:
+        """Every row's logits (B, seq.width, V) from the forward's `parts` (one per window, from its
+        start column on; a later window of a row replaces an earlier one's). With `partial` (a
+        policy whose windows may cover part of a row's block) each window's logits are written at
+        its own columns over the row's latest logits, which the columns it did not compute keep."""
+        width = seq.width
+        if not partial:
+            by_row = {w[0]: p for w, p in zip(windows, parts)}
+            return torch.stack([by_row[i][:width] for i in range(len(seq.starts))])
+        bsz = len(seq.starts)
+        if self.latest is None or self.latest.shape[0] != bsz:
+            self.latest = parts[0].new_zeros((bsz, width, parts[0].shape[-1]))
+        for (i, _, _, _, start), out in zip(windows, parts):
+            at = start - seq.starts[i]
+            n = min(out.shape[0], width - at)
+            self.latest[i, at : at + n] = out[:n].to(self.latest.dtype)
+        return self.latest.clone()
 
     def reuse(self, bsz: int, prompts: dict[int, list[int]]) -> dict[int, int]:
         """Rows that just joined (row -> its prompt): the stored K/V of each prompt's longest stored

@@ -6,6 +6,11 @@ model's default runner (`runner_for`), so that plain `generate` calls share prom
 prefix store as a server's requests do. Nothing rides on the model: its layers only read and write
 the slots a step hands them.
 
+The runner also runs every decode's forwards (`logits`): the windows a cache policy chose, packed
+into one forward over the rows' pages, the same for every policy; DualCache-shaped steps through
+CUDA graphs; and the full re-forward a refresh rule's check asks for. `record` keeps every
+forward's windows (`history`), the schedule a benchmark can replay on another model.
+
 Budgets are the runner's own: `budget_bytes` (the server's `--kv-cache-memory`) is one pool of that
 many bytes, allocated once and handed to each decode in turn with every page free (the server
 decodes one batch at a time); without one, a decode's pool grows as its rows need and is kept for
@@ -19,7 +24,8 @@ import weakref
 
 import torch
 
-from .pages import PagedKVCache, kv_bytes
+from ..registry import CACHE_POLICIES, REFRESH_RULES
+from .pages import FixedSlots, PagedKVCache, kv_bytes
 from .prefix import DEFAULT_BUDGET_BYTES, Lookups, PrefixStore
 
 
@@ -38,6 +44,86 @@ class KVRunner:
         self._stores: weakref.WeakSet[PrefixStore] = weakref.WeakSet()
         self.spare: PagedKVCache | None = None  # the last decode's growable pool, for the next one
         self.budget_pool: PagedKVCache | None = None  # the one pool of `budget_bytes`
+        self.history: list[list] | None = None  # every forward's windows, once `record` is called
+
+    def record(self) -> KVRunner:
+        """Keep every forward's windows in `history` from now on."""
+        self.history = []
+        return self
+
+    # -- the forwards of a decode (`RowPages` its rows' pages and settings)
+    def logits(self, pages, seq, policy, steps: list[int]) -> torch.Tensor:
+        """Logits (B, seq.width, V) of every row's current block (and the blocks after it, up to
+        the width) at this step: the policy's windows in one packed forward; a row refreshed in
+        part whose refresh rule finds its cache stale (`RefreshRule.check`) forwarded again whole,
+        its logits replaced; with CUDA graphs, fixed-shape steps replayed."""
+        windows = policy.windows(seq, steps)
+        if pages.graphs and policy.fixed_step_windows and all(steps) and not pages.chunks:
+            shift = {start - lo for _, lo, _, _, start in windows}
+            if len(shift) == 1 and min(seq.starts) - next(iter(shift)) > 0:
+                return self._graphed(pages, seq, next(iter(shift)))
+        partial = policy.partial_refreshes(seq, steps)
+        cache = pages.cache_for(seq)
+        before = policy.refresh.probe(cache, seq, partial) if partial else None
+        parts = self.forward(pages, seq, windows)
+        stale = policy.refresh.check(cache, seq, partial, before) if partial else []
+        if stale:  # a full forward of those rows, replacing their logits and cache
+            full = [policy.full_window(seq, i) for i in stale]
+            windows, parts = windows + full, parts + self.forward(pages, seq, full)
+        return pages.block_logits(seq, windows, parts, policy.partial_logits)
+
+    def forward(self, pages, seq, windows: list) -> list[torch.Tensor]:
+        """One packed forward of `windows` over the rows' pages (`RowPages.run`: this step's
+        prefill chunks ride in it); per window, the logits from its start column on."""
+        pages.work.append([(row, hi - lo, keys) for row, lo, hi, keys, _ in windows])
+        if self.history is not None:
+            self.history.append(list(windows))
+
+        def packed(x, windows, cache):
+            return self.model.packed_logits(
+                x,
+                windows,
+                cache,
+                compiled=pages.compiled,
+                block_size=seq.block_length or None,
+                batch_invariant=pages.batch_invariant,
+                embeds=seq.embeds,
+                adapters=seq.adapters,
+            )
+
+        return pages.run(seq, windows, packed)
+
+    def _graphed(self, pages, seq, shift: int) -> torch.Tensor:
+        """A cached step of the shape of every step of a layout: each row's window (its block, and
+        `shift` columns before it) attends over its whole cache row, the keys past what the step
+        sees masked rather than cut off, and the windows' columns are a tensor
+        (`Transformer.window_logits_static`). The same arithmetic as the eager step over more
+        (masked) keys."""
+        bsz, capacity, dev = seq.x.shape[0], seq.x.shape[1], seq.x.device
+        cache = pages.cache_for(seq)
+        width = seq.width + shift
+        for i, s in enumerate(seq.starts):
+            cache.own(i, s - shift, s + seq.width)
+        first = torch.tensor([s - shift for s in seq.starts], device=dev)
+        columns = first[:, None] + torch.arange(width, device=dev)
+        key_ok = torch.arange(capacity, device=dev)[None, :] < torch.tensor(seq.seen, device=dev)[:, None]
+        key_positions = torch.arange(capacity, device=dev).expand(bsz, capacity)
+        pages.work.append([(i, width, seq.seen[i]) for i in range(bsz)])
+        if self.history is not None:
+            self.history.append([(i, s - shift, s + seq.width, seq.seen[i], s) for i, s in enumerate(seq.starts)])
+        logits = self.model.graphed_window_logits()(
+            seq.x.gather(1, columns),
+            columns,
+            columns,
+            key_ok,
+            key_positions,
+            FixedSlots(cache, cache.slot_table(capacity)),
+            seq.block_length or None,
+            seq.width,
+        )
+        if self.model.args.shifted_logits and not shift:  # the window opens at the block: its first
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)  # column's logit is its own output
+        return logits
 
     def page_bytes(self, page_size: int) -> int:
         return kv_bytes(self.model.kv_shape, page_size, self.model.dtype)
@@ -71,6 +157,50 @@ class KVRunner:
         pool.reset()
         if pool.growable:
             self.spare = pool
+
+    # -- admission: what requests' rows hold at most, asked before they join a decode
+    def shares_prompt_pages(self, config) -> bool:
+        """Whether rows decoded under `config` hold the prompt blocks that another row holds by
+        reference, and never write into them: a block-causal model's exact prefix cache (a row
+        waits for a block another row is computing rather than compute it too: `RowPages.waits`),
+        under a cache policy that keeps the prompt and a refresh that never recomputes it, with a
+        store that may keep as many pages as the pool holds (so it drops none that rows still
+        share)."""
+        return (
+            bool(self.model.args.block_size)
+            and config.prefix_cache != "off"
+            and CACHE_POLICIES[config.cache].keeps_prompt
+            and not REFRESH_RULES[config.refresh].recomputes_prompt
+            and config.refresh_every is None
+            and (self.budget_bytes is None or self.prefix_cache_bytes >= self.budget_bytes)
+        )
+
+    def pages_held(self, requests) -> int:
+        """The pages the rows of `requests` ((config, pages, prompt blocks) each: the pages of a
+        block its rows hold at most, and per row the chain keys of its prompt's full blocks) hold
+        at most together: each row's own, less the full prompt blocks an earlier row holds where
+        they are shared (`shares_prompt_pages`); a row that shares any takes at most one copy of
+        one (with shifted logits its first forward writes the column before its answer,
+        copy-on-write)."""
+        held, seen = 0, set()
+        copies = int(bool(self.model.args.shifted_logits))
+        for config, pages, prompt_blocks in requests:
+            held += pages
+            if not self.shares_prompt_pages(config):
+                continue
+            for keys in prompt_blocks:
+                shared = sum(k in seen for k in keys)
+                held -= shared - (copies if shared else 0)
+                seen.update(keys)
+        return held
+
+    def held_bytes(self, requests) -> int:
+        """`pages_held` in bytes (the requests of a decode share one block length)."""
+        return self.pages_held(requests) * requests[0][0].block_length * self.page_bytes(1) if requests else 0
+
+    def can_admit(self, requests) -> bool:
+        """Whether the rows of `requests` fit the pool's budget together (always, without one)."""
+        return self.budget_bytes is None or self.held_bytes(requests) <= self.budget_bytes
 
     def store(self, pool: PagedKVCache) -> PrefixStore:
         """The prefix store over `pool` (one per pool: its pages are the store's blocks)."""
