@@ -66,7 +66,7 @@ class BlockDecoder:
         # A strategy the caller brought serves every row, and so rows must agree on every
         # decision field; otherwise each row decides with the strategy its own config names.
         self.own_strategy = policies is not None and not (isinstance(policies, Policies) and policies.strategy is None)
-        self.key = decision_key(config) if self.own_strategy else join_key(config)
+        self.batch_key = decision_key(config) if self.own_strategy else join_key(config)
         policies = resolve(policies, model, config)
         self.policy, self.strategy = policies.cache, policies.strategy
         self.pages = RowPages.of(kv or runner_for(model), model, config, self.policy.holds_cache)
@@ -101,7 +101,7 @@ class BlockDecoder:
     # -- rows in
     def accepts(self, config: GenerationConfig) -> bool:
         """Whether rows of `config` can join this batch."""
-        return (decision_key(config) if self.own_strategy else join_key(config)) == self.key
+        return (decision_key(config) if self.own_strategy else join_key(config)) == self.batch_key
 
     def _strategy_for(self, config: GenerationConfig):
         key = decision_key(config)
@@ -233,7 +233,7 @@ class BlockDecoder:
         rows, blk = self.rows, self.config.block_length
         columns = torch.tensor(view.starts, device=self.device)[:, None] + torch.arange(self.width, device=self.device)
         window, steps_of = self.x.gather(1, columns), self.step_of.gather(1, columns)
-        block, region = window[:, :blk], steps_of[:, :blk]
+        current = window[:, :blk]  # the current block's tokens
         later = window[:, blk:] if self.width > blk else None
         clock = BlockClock(
             [r.step for r in rows],
@@ -245,12 +245,12 @@ class BlockDecoder:
         decision = self._decide(
             logits,
             DecodeView(
-                block,
+                current,
                 clock,
                 self.mask_id,
                 later=later,
                 # what an editing rule may rewrite: revealed, not a prompt or fixed token
-                editable=(region >= 0) & (block != self.mask_id) if self.strategy.edits else None,
+                editable=(steps_of[:, :blk] >= 0) & (current != self.mask_id) if self.strategy.edits else None,
                 steps_of=steps_of,
                 constraints={i: r.constraint for i, r in enumerate(rows) if r.constraint is not None},
                 carry=[r.carry for r in rows],
@@ -261,26 +261,17 @@ class BlockDecoder:
         )
         if self.logprobs is not None:
             self.logprobs.record(logits, columns, decision, rows)
-        if decision.edited is not None:
-            block = torch.where(decision.edited, decision.tokens, block)
-        block = torch.where(decision.chosen, decision.tokens, block)
-        region = torch.where(decision.chosen, self.row_nfe[:, None], region)
-        if later is not None:
-            later = torch.where(decision.ahead, decision.ahead_tokens, later)
-            later_region = torch.where(decision.ahead, self.row_nfe[:, None], steps_of[:, blk:])
-            block, region = torch.cat([block, later], 1), torch.cat([region, later_region], 1)
+        window, steps_of = decision.applied(window, steps_of, self.row_nfe, self.model.args.eos_token_id)
         self.row_nfe += 1
-        if decision.fill is not None:  # the decoder's early stop: EOS, revealed by no step
-            block = torch.where(decision.fill, self.model.args.eos_token_id, block)
-        self.x.scatter_(1, columns, block)
-        self.step_of.scatter_(1, columns, region)
+        self.x.scatter_(1, columns, window)
+        self.step_of.scatter_(1, columns, steps_of)
         for r in rows:
             r.step += 1
-        done = decision.blocks_over(block[:, :blk], self.mask_id)
+        done = decision.blocks_over(window[:, :blk], self.mask_id)
         if decision.signal is not None or decision.carry is not None:
             self._carry_on(view.starts, decision, done)
-        record = Step(list(rows), [r.block for r in rows], block[:, :blk], decision.chosen, decision.edited)
-        self._after_step(block, region, done, decision.revealed_counts(), work, columns)
+        record = Step(list(rows), [r.block for r in rows], window[:, :blk], decision.chosen, decision.edited)
+        self._after_step(window, steps_of, done, decision.revealed_counts(), work, columns)
         return record
 
     def _chunk(self, r: Row) -> int:

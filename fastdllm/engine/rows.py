@@ -3,6 +3,7 @@ one step returns (`Step`), and the keys that decide which rows may decode togeth
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ import torch
 from ..config import GenerationConfig, is_int
 
 
+@functools.lru_cache(maxsize=256)  # once per config: asked at every join
 def join_key(config: GenerationConfig) -> tuple:
     """What must be equal for rows to decode in one batch: what the forwards depend on (block
     length, cache policy, window, ...). The fields declared per row (`GenerationConfig.row_fields`:
@@ -29,6 +31,7 @@ def layout_columns(prompt_length: int, config: GenerationConfig) -> int:
     return prompt_length + config.gen_length + past + suffix + config.block_length * (1 + config.parallel_blocks)
 
 
+@functools.lru_cache(maxsize=256)
 def decision_key(config: GenerationConfig) -> GenerationConfig:
     """The config but what the loop reads per row (its length and step schedule): rows equal in
     it decide with one strategy object."""

@@ -277,7 +277,8 @@ class Scheduler:
                 if self.closing or not self.pending:
                     return None if self.closing else []
             first = self.pending.popleft()
-            same = self._compatible(lambda c: join_key(c) == join_key(first.config), [first], skip=True)
+            key = join_key(first.config)
+            same = self._compatible(lambda c: join_key(c) == key, [first], skip=True)
             return [first] + same
 
     def _compatible(self, fits, batch: list[Job], skip: bool = False) -> list[Job]:

@@ -45,11 +45,6 @@ class Signal:
         """Per row, whether it feeds any column back (one host read); None: every row does."""
         return None
 
-    def blocks_over(self, block: torch.Tensor, mask_id: int) -> torch.Tensor:
-        """(B,) whether each row's block is over after this step, for its block (B, T) as written:
-        where the decoder decides it, its say; else once the block has no mask left."""
-        return self.block_done if self.block_done is not None else ~(block == mask_id).any(-1)
-
     @classmethod
     def merged(cls, parts: list, rows: int) -> Signal:
         """One signal for the batch from the groups' ((row indices, signal), ...)."""
@@ -123,6 +118,24 @@ class Decision:
         """(B,) how many positions each row revealed (edits not counted)."""
         n = self.chosen.sum(-1)
         return n if self.ahead is None else n + self.ahead.sum(-1)
+
+    def applied(self, window: torch.Tensor, steps_of: torch.Tensor, step: torch.Tensor, eos_id: int):
+        """The rows' window (B, W: the current block, and with multi-block decoding the blocks after
+        it) and the step that revealed each position of it (`steps_of`, -1: none), after this
+        decision: edits and reveals written (a position revealed now at the row's `step`, (B,)),
+        the later blocks' reveals, and the early stop's EOS (revealed by no step)."""
+        blk = self.tokens.shape[1]
+        tokens, steps = window[:, :blk], steps_of[:, :blk]
+        if self.edited is not None:
+            tokens = torch.where(self.edited, self.tokens, tokens)
+        tokens = torch.where(self.chosen, self.tokens, tokens)
+        steps = torch.where(self.chosen, step[:, None], steps)
+        if self.ahead is not None:
+            tokens = torch.cat([tokens, torch.where(self.ahead, self.ahead_tokens, window[:, blk:])], 1)
+            steps = torch.cat([steps, torch.where(self.ahead, step[:, None], steps_of[:, blk:])], 1)
+        if self.fill is not None:
+            tokens = torch.where(self.fill, eos_id, tokens)
+        return tokens, steps
 
     def blocks_over(self, block: torch.Tensor, mask_id: int) -> torch.Tensor:
         """(B,) whether each row's block is over after this step, for its block (B, T) as written:

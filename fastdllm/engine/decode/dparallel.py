@@ -38,14 +38,14 @@ class EntropyThreshold(SelectionRule):
         return _and_the_most_confident(chosen, conf, masked)
 
 
-def fill_after_eos(window, revealed, view, rows) -> torch.Tensor:
+def fill_after_eos(window, revealed, view, asking) -> torch.Tensor:
     """d3LLM's early stop (`handle_early_stop`), as the positions it fills with EOS (B, W): once a
     row has revealed its EOS, every position of its window after the first one becomes EOS, revealed
     or masked; the masks before it are still decoded, and the row stops with the block that holds
     it (as `stop_at_eos`). Blocks past the window are never decoded: the row has stopped before they
     would be. Arguments as `llada2.stop_at_first_stop`'s."""
     hit = (window == view.eos_id) & revealed
-    return ((hit.long().cumsum(-1) - hit.long()) > 0) & rows[:, None]  # strictly after the first
+    return ((hit.long().cumsum(-1) - hit.long()) > 0) & asking[:, None]  # strictly after the first
 
 
 class EntropyLookahead(Lookahead):

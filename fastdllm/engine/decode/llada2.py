@@ -107,11 +107,11 @@ class Editing:
         return ~alive, [(post[i], alive[i]) for i in range(block.shape[0])]
 
 
-def stop_at_first_stop(window, revealed, view, rows) -> torch.Tensor:
+def stop_at_first_stop(window, revealed, view, asking) -> torch.Tensor:
     """LLaDA2.0's `eos_early_stop`, as the positions it fills with EOS (B, W): a row whose block holds
     a revealed stop token with no masked position before it is done now; the block's masks after it
     become EOS (as everything after a stop is), so it takes no more steps. `window` is the window
-    after the step's decision, `revealed` where a step revealed its token, `rows` (B,) the rows
+    after the step's decision, `revealed` where a step revealed its token, `asking` (B,) the rows
     whose config asks for it.
 
     The published 2.0 generate looks for the first `eos_id` in the whole sequence, prompt included
@@ -128,7 +128,7 @@ def stop_at_first_stop(window, revealed, view, rows) -> torch.Tensor:
     masked = block == view.mask_id
     stop = torch.isin(block, view.stop_ids) & revealed[:, :blk]
     first = stop.int().argmax(-1, keepdim=True)
-    stopped = stop.any(-1) & (masked.cumsum(-1).gather(-1, first).squeeze(-1) == 0) & rows
+    stopped = stop.any(-1) & (masked.cumsum(-1).gather(-1, first).squeeze(-1) == 0) & asking
     fill = torch.zeros_like(revealed)
     fill[:, :blk] = stopped[:, None] & masked
     return fill

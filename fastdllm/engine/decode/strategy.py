@@ -167,14 +167,10 @@ class UnmaskingStrategy(Decoder):
         it (`eos_early_stop`); None where none does."""
         if self.early_stop is None or view.configs is None or not any(c.eos_early_stop for c in view.configs):
             return None
-        window = torch.where(decision.chosen, decision.tokens, view.block)
-        revealed = decision.chosen
-        if decision.ahead is not None:
-            window = torch.cat([window, torch.where(decision.ahead, decision.ahead_tokens, view.later)], 1)
-            revealed = torch.cat([revealed, decision.ahead], 1)
-        revealed = revealed | (view.steps_of >= 0)
-        rows = torch.tensor([c.eos_early_stop for c in view.configs], device=window.device)
-        return self.early_stop(window, revealed, view, rows)
+        before = view.block if view.later is None else torch.cat([view.block, view.later], 1)
+        window, steps = decision.applied(before, view.steps_of, torch.zeros_like(before[:, 0]), view.eos_id)
+        asking = torch.tensor([c.eos_early_stop for c in view.configs], device=window.device)
+        return self.early_stop(window, steps >= 0, view, asking)
 
     @property
     def rule(self) -> SelectionRule:
