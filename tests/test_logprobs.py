@@ -138,6 +138,58 @@ def test_the_server_reports_them_through_the_official_client(server, embedded):
     assert tokens == lp.tokens
 
 
+def test_filtered_alternatives_are_finite_json_whole_and_streamed(server):
+    """Alternatives that top_p, top_k or a JSON schema filtered out have no probability: they are
+    reported at the documented floor (vLLM's -9999.0), never -inf, which JSON cannot carry (a 500
+    whole, `-Infinity` streamed, which JavaScript's parser rejects)."""
+    import json
+
+    import httpx
+
+    from fastdllm.config import LOGPROB_FLOOR
+
+    from .test_server import MODEL
+
+    messages = [{"role": "user", "content": QUESTION}]
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    cases = [
+        ("chat", dict(messages=messages, logprobs=True, top_logprobs=3, temperature=0.7, top_p=0.5, seed=1)),
+        ("chat", dict(messages=messages, logprobs=True, top_logprobs=3, temperature=0.7, top_k=2, seed=1)),
+        ("completions", dict(prompt=QUESTION, logprobs=3, temperature=0.7, top_p=0.5, seed=1)),
+        (
+            "chat",
+            dict(
+                messages=messages,
+                logprobs=True,
+                top_logprobs=2,
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            ),
+        ),
+    ]
+    floors = 0
+    for endpoint, body in cases:
+        url = f"{server.url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+        for stream in (False, True):
+            r = httpx.post(url, json={"model": MODEL, "max_tokens": 32, "stream": stream, **body}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert "Infinity" not in r.text and "NaN" not in r.text
+            docs = (
+                [r.json()]
+                if not stream
+                else [json.loads(x[6:]) for x in r.text.split("\n") if x[6:] not in ("", "[DONE]")]
+            )
+            for doc in docs:
+                for choice in doc["choices"]:
+                    lp = choice["logprobs"] or {}
+                    tops = [t["logprob"] for c in lp.get("content") or [] for t in c["top_logprobs"]]
+                    tops += [v for t in lp.get("top_logprobs") or [] if t for v in t.values()]
+                    assert all(LOGPROB_FLOOR <= v <= 0 for v in tops)
+                    floors += sum(v == LOGPROB_FLOOR for v in tops)
+    assert floors  # the filters really left alternatives without probability
+    again = server.client.chat.completions.create(model=MODEL, max_tokens=32, **cases[0][1])
+    assert all(t.logprob >= LOGPROB_FLOOR for c in again.choices[0].logprobs.content for t in c.top_logprobs)
+
+
 def test_generate_json_reports_them(capsys):
     from fastdllm.cli import main as cli
 

@@ -13,6 +13,7 @@ configs and preset files) and `fitting` (a config for a model and a call; transf
 from .generation import GenerationConfig
 from .names import (
     CACHE_POLICIES,
+    LOGPROB_FLOOR,
     MAX_LOGPROBS,
     PROPOSALS,
     REFRESH_RULES,
@@ -26,6 +27,7 @@ from .presets import PRESET_FORMAT, PRESETS, read_preset
 
 __all__ = [
     "CACHE_POLICIES",
+    "LOGPROB_FLOOR",
     "MAX_LOGPROBS",
     "PRESETS",
     "PRESET_FORMAT",

@@ -83,6 +83,9 @@ def is_int(value) -> bool:
 LOGPROBS_MODES = ("processed", "raw")
 # The most top tokens a generated token's log-probability reports (OpenAI's top_logprobs bound).
 MAX_LOGPROBS = 20
+# The log-probability reported for a token that cannot be drawn (filtered out by top_p, top_k or a
+# grammar: -inf), as vLLM reports it: JSON has no infinity.
+LOGPROB_FLOOR = -9999.0
 
 
 class ConfigError(ValueError):

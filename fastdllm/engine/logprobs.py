@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import torch
 
+from ..config import LOGPROB_FLOOR
 from .decode import Decision, token_logprobs
 
 
 class LogprobColumns:
     """Per row of the loop's layout and per column: the log-probability of the token a forward wrote
     there (`values`, NaN: none did), and the most likely tokens there as (B, L, k) ids and
-    log-probabilities (`top_ids`, `top_values`)."""
+    log-probabilities (`top_ids`, `top_values`). A token that cannot be drawn there (filtered out by
+    top_p, top_k or a grammar) has the floor `config.LOGPROB_FLOOR`, as vLLM reports it."""
 
     def __init__(self, values: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor):
         self.values, self.top_ids, self.top_values = values, top_ids, top_values
@@ -54,6 +56,7 @@ class LogprobColumns:
             for p, allowed in r.constraint.masks.items():
                 kept = torch.where(allowed, lp[i, p], float("-inf"))
                 lp[i, p] = kept - kept.logsumexp(-1)
+        lp = lp.clamp_min(LOGPROB_FLOOR)  # what cannot be drawn (-inf) at the reported floor
         cols = columns[:, :width]
         chosen = lp.gather(-1, tokens[..., None]).squeeze(-1)
         self.values.scatter_(1, cols, torch.where(written, chosen, self.values.gather(1, cols)))
