@@ -438,3 +438,26 @@ def test_dream_generation_config_is_written_read_and_gives_the_defaults(
         assert cli.main(["generate", "--model", str(dream_dir), "--json", "--raw", *argv, "hi"]) == 0
         record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert record["config"]["alg"] == alg and record["config"]["eps"] == 0.01
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dream_dir", "tiny_llada_dir"])
+def test_every_stop_id_a_checkpoint_lists_ends_the_answer(fixture, request, tmp_path):
+    """`eos_token_id` as a list in config.json and in generation_config.json (Qwen-based checkpoints
+    and DiffusionGemma ship lists): every id of both is a stop token, and decoding stops at one."""
+    folder = tmp_path / "lists"
+    shutil.copytree(request.getfixturevalue(fixture), folder)
+    model, tok = fastdllm.load(str(folder), dtype="float32")
+    eos = model.args.eos_token_id
+    config = fastdllm.GenerationConfig(gen_length=32, block_length=8, threshold=0.5)
+    prompt = tok.encode("Question: what is 2 + 3?")
+    free = fastdllm.generate(model, [prompt], config=config.replace(stop_at_eos=False)).sequences[0].tolist()
+    first, second = [t for t in dict.fromkeys(free) if t != eos and t not in model.stop_token_ids][:2]
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [eos, second]}))
+    gen = folder / "generation_config.json"
+    own = json.loads(gen.read_text()) if gen.is_file() else {}
+    gen.write_text(json.dumps({**own, "eos_token_id": [first, eos]}))
+    model, tok = fastdllm.load(str(folder), dtype="float32")
+    assert {eos, first, second} <= set(model.stop_token_ids)
+    out = fastdllm.generate(model, [prompt], config=config)
+    assert out.num_tokens[0] == min(free.index(first), free.index(second))

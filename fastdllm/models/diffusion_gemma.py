@@ -514,7 +514,7 @@ FAMILY = GemmaFamily(
         "vocab_size": ConfigField(("vocab_size",)),
         "max_seq_len": ConfigField(("max_position_embeddings",), default=131_072),
         "norm_eps": ConfigField(("rms_norm_eps",), float, 1e-6),
-        "eos_token_id": ConfigField(("eos_token_id",), lambda v: v[0] if isinstance(v, list) else int(v), 1),
+        "eos_token_id": ConfigField(("eos_token_id",), default=1),
         "n_experts": ConfigField(("num_experts",)),
         "n_active_experts": ConfigField(("top_k_experts",)),
         "moe_hidden_dim": ConfigField(("moe_intermediate_size",)),

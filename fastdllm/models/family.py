@@ -140,6 +140,8 @@ class Family:
         values: dict[str, Any] = {}
         for name, f in self.fields.items():
             raw = next((cfg[k] for k in f.read if cfg.get(k)), None)
+            if name == "eos_token_id" and isinstance(raw, list):  # the first; all stop (`stop_ids_of`)
+                raw = raw[0]
             if raw is None:
                 raw = f.default(values) if callable(f.default) else f.default
             values[name] = f.cast(raw)
@@ -154,6 +156,9 @@ class Family:
         cfg.update(base or {})
         for name, f in self.fields.items():
             for key in f.targets:
+                listed = cfg.get(key)
+                if isinstance(listed, list) and listed and listed[0] == getattr(args, name):
+                    continue  # a list of stop ids led by this one stays as the checkpoint has it
                 cfg[key] = getattr(args, name)
         if self.derived is not None:
             cfg.update(self.derived(args))

@@ -495,13 +495,16 @@ def load(
         if split:
             raise ValueError("lora_modules: not with tensor parallelism (each rank holds part of each weight)")
         attach_adapters(model, lora_modules)
-    model.stop_token_ids = sorted(set(tokenizer.stop_token_ids()) | {model.args.eos_token_id})
     gen_path = folder / "generation_config.json"
     if gen_path.is_file() and not is_gguf(path_or_repo_id):
         try:
             model.generation_config = json.loads(gen_path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{gen_path}: not valid JSON ({e})") from None
+    declared = [getattr(model, "config", None) or {}, getattr(model, "generation_config", None) or {}]
+    model.stop_token_ids = sorted(
+        set(tokenizer.stop_token_ids()) | {model.args.eos_token_id} | stop_ids_of(declared, model.args.vocab_size)
+    )
     model.name_or_path = str(path_or_repo_id) if path_or_repo_id is not None else "fastdllm/llada-arith"
     model.decoding = recognized_decoding(model.name_or_path, model.config) or model.decoding
     return model, tokenizer
@@ -687,3 +690,15 @@ def quantize_checkpoint(
     return save_pretrained(
         model, dst, tokenizer, quantized=weights, quant_format=quant_format, max_shard_bytes=max_shard_bytes
     )
+
+
+def stop_ids_of(configs: list[dict], vocab_size: int) -> set[int]:
+    """Every id a checkpoint's configs (config.json, generation_config.json) name as `eos_token_id`,
+    one or a list (as transformers reads them: generation stops at any), within the vocabulary."""
+    ids = set()
+    for cfg in configs:
+        value = cfg.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size:
+                ids.add(token)
+    return ids

@@ -26,7 +26,7 @@ QWEN2_PATTERN = (
 )
 
 # Names of the end-of-turn tokens of the chat templates we know: generation may stop at them.
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>")  # LLaMA-3, ChatML, Gemma
 
 
 class Tokenizer:
