@@ -185,7 +185,12 @@ def test_the_server_serves_each_adapter_by_name(tiny_dream_dir, tmp_path):
         for name in (MODEL, "one", "two"):
             r = server.post("/v1/completions", {"model": name, "prompt": "Question: 1 + 2?", "max_tokens": 8})
             assert r.status_code == 200, r.text
+            assert r.json()["model"] == name  # the adapter's name echoed, as vLLM does
             answers[name] = r.json()["choices"][0]["text"]
+        chat = {"model": "one", "messages": [{"role": "user", "content": "1 + 2?"}], "max_tokens": 8}
+        assert server.post("/v1/chat/completions", chat).json()["model"] == "one"
+        streamed = server.post("/v1/chat/completions", {**chat, "stream": True}).text
+        assert '"model":"one"' in streamed.replace(" ", "")
         for name in ("one", "two"):
             alone = fastdllm.generate(ours, [tok.encode("Question: 1 + 2?")], config=config.replace(adapter=name))
             assert answers[name] == tok.decode(alone.sequences[0])
@@ -195,6 +200,7 @@ def test_the_server_serves_each_adapter_by_name(tiny_dream_dir, tmp_path):
             r = server.post("/v1/completions", body)
             assert r.status_code == 200, r.text
             scored[name] = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+            assert r.json()["model"] == name
         assert scored[MODEL] != scored["one"]
         r = server.post("/v1/completions", {"model": "three", "prompt": "hi", "max_tokens": 4})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"

@@ -691,11 +691,18 @@ def test_strict_refuses_what_is_otherwise_ignored(loaded):
         server.stop()
 
 
-def test_served_name_keeps_the_organisation():
-    from fastdllm.server import default_model_name
+def test_served_name_keeps_the_organisation_and_a_folder_is_its_name(tmp_path):
+    """A hub id is served as given (its organisation kept); a local folder or file by its name, with
+    the path as typed accepted too (docs/serving.md); `--served-model-name` as vLLM's."""
+    from fastdllm.server import default_model_names
 
-    assert default_model_name("Dream-org/Dream-v0-Instruct-7B") == "Dream-org/Dream-v0-Instruct-7B"
-    assert default_model_name(None) == "llada-arith"
+    assert default_model_names("Dream-org/Dream-v0-Instruct-7B") == ["Dream-org/Dream-v0-Instruct-7B"]
+    assert default_model_names(None) == ["llada-arith"]
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert default_model_names(f"{folder}/") == ["my-model", f"{folder}/"]
+    (tmp_path / "tiny-q8_0.gguf").write_bytes(b"")
+    assert default_model_names(str(tmp_path / "tiny-q8_0.gguf"))[0] == "tiny-q8_0"
 
 
 def test_ready_says_when_the_server_can_answer(loaded):

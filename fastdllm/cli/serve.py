@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from ..config import PRESETS, ConfigError, GenerationConfig
-from ..server import ServerSettings, create_app, default_model_name
+from ..server import ServerSettings, create_app, default_model_names
 
 log = logging.getLogger("fastdllm.server")
 
@@ -165,7 +165,7 @@ def settings_from_args(args, config: GenerationConfig, family: str | None = None
             presets[Path(path).stem] = GenerationConfig.from_preset(path, family=family)
         except ConfigError as e:
             raise UserError(f"--presets: {e.detail}") from None
-    names = args.served_model_name or [default_model_name(args.model)]
+    names = args.served_model_name or default_model_names(args.model)
     return ServerSettings(
         names[0],
         config,

@@ -47,7 +47,7 @@ from .app import create_app
 from .incremental import ChoiceText
 from .scheduler import Job, QueueFull, Scheduler
 from .schema import DLLM_FIELDS, MAX_N, MAX_STOP, APIError, ChatCompletionRequest, CompletionRequest
-from .state import Server, ServerSettings, default_model_name
+from .state import Server, ServerSettings, default_model_names
 
 __all__ = [
     "APIError",
@@ -63,5 +63,5 @@ __all__ = [
     "Server",
     "ServerSettings",
     "create_app",
-    "default_model_name",
+    "default_model_names",
 ]

@@ -155,7 +155,7 @@ class Answer:
             for _ in plan.rows
         ]
         self.job: Job = server.submit(plan)
-        self.meta = new_meta(endpoint.id_prefix, server.settings.model_name)
+        self.meta = new_meta(endpoint.id_prefix, server.served_name(req.model))
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         parser = server.settings.tool_call_parser or tool_calls.parser_for_template(tokenizer.chat_template)
         self.parse = tool_calls.PARSERS[parser]
@@ -416,5 +416,5 @@ async def score(server: Server, req: CompletionRequest) -> JSONResponse:
         choices.append({"index": i, "text": "".join(pieces), "finish_reason": "length", "logprobs": logprobs})
     prompt_tokens = sum(len(p) for p in prompts)
     server.metrics.on_done(prompt_tokens, extra * len(prompts), time.perf_counter() - arrival)
-    meta = new_meta("cmpl", server.settings.model_name)
+    meta = new_meta("cmpl", server.served_name(req.model))
     return JSONResponse(envelope(meta, "text_completion", choices, _usage(prompt_tokens, extra * len(prompts))))

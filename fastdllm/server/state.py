@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..config import PRESETS, ConfigError, GenerationConfig
@@ -53,12 +54,19 @@ class ServerSettings:
         return (*base, *[a for a in self.adapters if a not in base])
 
 
-def default_model_name(path: str | None) -> str:
-    """The id served for `--model PATH`: the embedded model's name, else PATH as given (a hub id
-    keeps its organisation: `Dream-org/Dream-v0-Instruct-7B`), as vLLM serves it."""
+def default_model_names(path: str | None) -> list[str]:
+    """The ids served for `--model PATH` (the first is the one reported): the embedded model's name;
+    a local folder's or file's name (a GGUF file's without `.gguf`), and the path as typed; else
+    PATH as given (a hub id keeps its organisation: `Dream-org/Dream-v0-Instruct-7B`, as vLLM
+    serves it)."""
     if path is None:
-        return "llada-arith"
-    return str(path).rstrip("/") or str(path)
+        return ["llada-arith"]
+    local = Path(path).expanduser()
+    if local.exists():
+        name = local.resolve().name
+        name = name[: -len(".gguf")] if name.endswith(".gguf") else name
+        return list(dict.fromkeys([name, str(path)]))
+    return [str(path).rstrip("/") or str(path)]
 
 
 class Server:
@@ -128,6 +136,10 @@ class Server:
         return None
 
     # -- request -> rows and config
+    def served_name(self, requested: str) -> str:
+        """The model id a response names: an adapter's own (as vLLM echoes it), else the model's."""
+        return requested if requested in self.settings.adapters else self.settings.model_name
+
     def check_model(self, name: str) -> None:
         if name not in self.settings.names:
             raise APIError(
