@@ -132,7 +132,9 @@ def test_show_draws_live_in_a_terminal():
     "argv,needle",
     [
         (["generate", "--threshold", "abc", "x"], "--threshold"),
-        (["generate", "--gen-length", "30", "x"], "--block-length"),
+        (["generate", "--gen-length", "30", "--block-length", "32", "x"], "--block-length"),
+        (["generate", "--threads", "0", "x"], "--threads"),
+        (["generate", "--model", "no/such-q8_0.gguf", "x"], "no GGUF file no/such-q8_0.gguf"),
         (["generate", "--cache", "bogus", "x"], "--cache"),
         (["generate", "--model", "/no/such/folder", "x"], "/no/such/folder"),
         (["generate", "--bogus-flag", "x"], "--bogus-flag"),
@@ -155,6 +157,37 @@ def test_user_mistakes_are_one_line(capsys, argv, needle):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"fastdllm {argv[0]}: error:"), err
     assert needle in err
+
+
+def test_text_that_is_not_utf8_is_refused_by_name(capsys, monkeypatch, loaded):
+    """Bytes that are not UTF-8 (Python's lone surrogates) in an argument, on stdin or in a chat line
+    are a one-line error naming the byte, never a traceback; the chat goes on after it."""
+    assert cli.main(["generate", "caf\udce9 au lait"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the byte 0xe9 at character 3" in err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), errors="surrogateescape"))
+    assert cli.main(["generate", "-"]) == 2
+    assert "the byte 0xe9" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), errors="strict"))
+    assert cli.main(["generate", "-"]) == 2
+    assert "the byte 0xe9" in capsys.readouterr().err
+    _, tok = loaded
+    with pytest.raises(ValueError, match="not valid UTF-8 text"):
+        tok.encode_chat([{"role": "user", "content": "caf\udce9"}])
+    lines = b"caf\xe9\n" + QUESTION.encode() + b"\n/exit\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines), errors="surrogateescape"))
+    assert cli.main(["chat", *SMALL, "--no-stats"]) == 0
+    out, err = capsys.readouterr()
+    assert "the byte 0xe9" in err and "####" in out
+
+
+def test_a_gen_length_off_the_block_decodes_as_max_new_tokens(capsys):
+    """`--gen-length 8` (or 100) against the default blocks decodes whole blocks and keeps that many
+    tokens, as the server's max_tokens does, and says so; with --block-length given it stays an error."""
+    for n in (8, 100):
+        assert cli.main(["generate", "--gen-length", str(n), "--json", QUESTION]) == 0, n
+        out, err = capsys.readouterr()
+        assert json.loads(out)["tokens"] <= n and f"--max-new-tokens {n}" in err
 
 
 def test_prompt_beyond_context_is_a_user_error(capsys):

@@ -259,8 +259,21 @@ def with_model_defaults(args: argparse.Namespace, config: GenerationConfig, mode
         except ConfigError as e:
             raise UserError(f"{flag(e.param)}: {e.detail} (with --preset {recognized})") from None
     deferred = getattr(args, "_block_length_error", None)
-    if deferred is not None:
+    if deferred is not None and (not hasattr(args, "max_new_tokens") or args.max_new_tokens is not None):
         raise UserError(f"{flag(deferred.param)}: {deferred.detail}")
+    if deferred is not None:  # --gen-length off the blocks: whole blocks, cut back, as the server's max_tokens
+        n = args.max_new_tokens = config.gen_length
+        print(
+            f"note: --gen-length {n} is not a whole number of blocks: decoding whole blocks and keeping {n} tokens "
+            f"(as --max-new-tokens {n}; --block-length sets the blocks)",
+            file=sys.stderr,
+        )
+        given = {k: v for k, v in given.items() if k not in ("gen_length", "block_length")}
+        layout = {"gen_length": GenerationConfig.gen_length, "block_length": GenerationConfig.block_length}
+        try:
+            return GenerationConfig.for_model(model, config.replace(**layout), **given).with_max_new_tokens(n)
+        except ConfigError as e:
+            raise UserError(f"--gen-length: {e.detail}") from None
     try:
         return GenerationConfig.for_model(model, config, **given)
     except ConfigError as e:
@@ -286,9 +299,9 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
     from ..models import tp
     from ..models.loading import load
 
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:
         if args.threads < 1:
-            raise UserError("--threads: must be a positive integer")
+            raise UserError(f"--threads: must be a positive integer (got {args.threads})")
         torch.set_num_threads(args.threads)
     parts = getattr(args, "tp", 1)
     if parts != 1 and not tensor_parallel:

@@ -78,6 +78,9 @@ def converse(session, args) -> int:
                     break
         except EOFError:
             break
+        except UnicodeDecodeError as e:  # a strict stdin; the chat goes on
+            print(f"fastdllm chat: error: not valid UTF-8 text (the byte 0x{e.object[e.start]:02x})", file=sys.stderr)
+            continue
         line = line.strip()
         if not line:
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..text.tokenizer import check_text
 from .args import UserError, add_text_args, load_model_or_exit, parser, text_config, with_model_defaults
 
 GENERATE_EXAMPLES = """examples:
@@ -19,12 +20,20 @@ GENERATE_EXAMPLES = """examples:
 
 
 def read_prompt(arg: str) -> str:
-    text = sys.stdin.read() if arg == "-" else arg
+    try:
+        text = sys.stdin.read() if arg == "-" else arg
+    except UnicodeDecodeError as e:  # a strict stdin
+        raise UserError(
+            f"the prompt: not valid UTF-8 text (the byte 0x{e.object[e.start]:02x} at byte {e.start})"
+        ) from None
     if arg == "-":
         text = text.rstrip("\n")
     if not text.strip():
         raise UserError("the prompt is empty")
-    return text
+    try:
+        return check_text(text)
+    except ValueError as e:
+        raise UserError(f"the prompt: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

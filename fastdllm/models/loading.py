@@ -81,6 +81,8 @@ def resolve_model_path(
         return path
     if text in EMBEDDED_MODELS and (ASSETS_DIR / text).is_dir():
         return ASSETS_DIR / text
+    if text.lower().endswith(".gguf") and not path.exists():  # a file's name, never a repo id
+        raise FileNotFoundError(f"no GGUF file {text} (a llama.cpp .gguf file, a folder, or a hub repo id owner/name)")
     looks_like_repo = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.exists()
     if not looks_like_repo:
         raise FileNotFoundError(

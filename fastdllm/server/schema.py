@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ..config import MAX_LOGPROBS, GenerationConfig, is_int
+from ..text.tokenizer import check_text
 
 # Request fields that set a GenerationConfig field of the same name (declared there).
 DLLM_FIELDS = tuple(o["name"] for o in GenerationConfig.options() if o["server"])
@@ -104,10 +105,7 @@ def _check_unicode(value) -> None:
     """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which is no character: no tokenizer
     takes it, so it is refused as an invalid value of its field."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"not valid Unicode text (a lone surrogate at character {e.start})") from None
+        check_text(value)
     elif isinstance(value, (list, tuple)):
         for v in value:
             _check_unicode(v)

@@ -29,6 +29,20 @@ QWEN2_PATTERN = (
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>")  # LLaMA-3, ChatML, Gemma
 
 
+def check_text(text: str) -> str:
+    """`text` if it is text a tokenizer takes, else a ValueError saying where it is not: a lone
+    surrogate, which is what Python makes of bytes that are not UTF-8 (a command-line argument or
+    stdin in another encoding: the byte it stood for is named) or of a lone UTF-16 surrogate in
+    JSON ("\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise ValueError(f"not valid UTF-8 text ({what} at character {e.start}); give the text in UTF-8") from None
+    return text
+
+
 class Tokenizer:
     def __init__(self, fast: FastTokenizer, tokenizer_config: dict | None = None):
         self.fast = fast
@@ -72,7 +86,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As transformers' `encode`: the tokenizer's own special tokens (its post-processor's BOS,
         where it has one) added unless `add_special_tokens=False`."""
-        return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.fast.encode(check_text(text), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if hasattr(ids, "tolist"):
@@ -209,7 +223,7 @@ class Tokenizer:
         if getattr(self, "_plain", None) is None:
             self._plain = FastTokenizer.from_str(self.fast.to_str())
             self._plain.encode_special_tokens = True
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._plain.encode(check_text(text), add_special_tokens=False).ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> list[int]:
         """The conversation rendered with the chat template and encoded. The template's own text is
