@@ -93,6 +93,41 @@ def test_bad_flag_value_is_one_line_exit_2():
 
 
 @pytest.mark.slow
+def test_leaving_chat_with_ctrl_d_ends_the_prompt_line():
+    """Ctrl-D at chat's ">>> " prompt ends that line, so the shell's prompt does not start on it."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastdllm", "chat", *SMALL],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**ENV, "TERM": "xterm-256color"},
+        cwd=REPO,
+        close_fds=True,
+    )
+    os.close(slave)
+    out, deadline, sent = b"", time.time() + 120, False
+    while time.time() < deadline and proc.poll() is None:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                out += os.read(master, 65536)
+            except OSError:
+                break
+        if not sent and out.endswith(b">>> "):
+            os.write(master, b"\x04")  # Ctrl-D
+            sent = True
+    try:
+        while select.select([master], [], [], 0.5)[0]:
+            out += os.read(master, 65536)
+    except OSError:
+        pass
+    os.close(master)
+    assert sent and proc.wait(10) == 0, out[-2000:]
+    assert out.rstrip(b"\r\n").endswith(b">>> ") and out.endswith(b"\n"), out[-200:]
+
+
+@pytest.mark.slow
 def test_show_draws_live_in_a_terminal():
     master, slave = pty.openpty()
     proc = subprocess.Popen(

@@ -80,3 +80,32 @@ def test_every_command_example_answers_right(monkeypatch, capsys, line):
     assert cli.main(words[1:] + ["--no-stats"]) == 0
     out = capsys.readouterr().out
     assert re.findall(r"#### *(-?\d+)", out) == [gold(q) for q in QUESTION.findall(line)], out
+
+
+def test_the_servers_examples_run_as_printed_and_answer_right():
+    """`fastdllm serve --help`'s curl and Python lines, pasted into a shell against a live server (its
+    port for 8000), answer the questions they ask."""
+    import shutil
+    import subprocess
+
+    from fastdllm.cli.serve import SERVE_EXAMPLES
+
+    from .test_server import LiveServer
+
+    model, tok = fastdllm.load()
+    server = LiveServer(model, tok)
+    try:
+        text = SERVE_EXAMPLES.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+        pasted = [c.strip() for c in re.split(r"\n\s*\n|\n(?=  \S)", text.split("examples:")[1]) if c.strip()]
+        runs = [c for c in pasted if c.startswith(("curl", "python -c"))]
+        assert len(runs) == 2
+        for command in runs:
+            if command.startswith("curl") and shutil.which("curl") is None:
+                continue
+            command = command.replace("python -c", f"{sys.executable} -c", 1)
+            done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            asked = QUESTION.findall(command)
+            assert asked and re.findall(r"#### *(-?\d+)", done.stdout) == [gold(q) for q in asked], done.stdout
+    finally:
+        server.stop()

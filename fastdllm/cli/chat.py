@@ -76,7 +76,9 @@ def converse(session, args) -> int:
                 line = sys.stdin.readline()
                 if not line:
                     break
-        except EOFError:
+        except EOFError:  # Ctrl-D: end the ">>> " line, so the shell's prompt starts a line of its own
+            if interactive:
+                print()
             break
         except UnicodeDecodeError as e:  # a strict stdin; the chat goes on
             print(f"fastdllm chat: error: not valid UTF-8 text (the byte 0x{e.object[e.start]:02x})", file=sys.stderr)

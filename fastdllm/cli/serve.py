@@ -21,9 +21,9 @@ SERVE_EXAMPLES = """examples:
        -d '{"model": "llada-arith", "messages": [{"role": "user", "content": "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"}],
             "max_tokens": 64, "threshold": 0.8}'
 
-  python -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x");
-             print(c.chat.completions.create(model="llada-arith", max_tokens=64,
-                   messages=[{"role": "user", "content": "hi"}]).choices[0].message.content)'
+  python -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x"); print(c.chat.completions.create(model="llada-arith", max_tokens=64, messages=[{"role": "user", "content": "Mia has 10 stamps. Liam has 2 fewer stamps than Mia. Then Liam keeps only one of 4 equal parts of them. How many stamps does Liam have now?"}]).choices[0].message.content)'
+
+  The embedded models answer grade-school word problems like these, and nothing else.
 """  # noqa: E501 (commands as a user types them)
 
 

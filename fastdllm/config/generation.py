@@ -64,7 +64,8 @@ class GenerationConfig:
     block_length: int = _opt(
         32,
         "int",
-        "block size: blocks are decoded left to right",
+        "block size: blocks are decoded left to right (default: 32, or the block length a checkpoint's "
+        "generation_config.json names where the answer holds whole blocks of it: 64 for the default model)",
         search=(8, 16, 32, 64),
         checks=((_positive_int, "must be a positive integer"),),
     )
