@@ -190,6 +190,36 @@ def test_filtered_alternatives_are_finite_json_whole_and_streamed(server):
     assert all(t.logprob >= LOGPROB_FLOOR for c in again.choices[0].logprobs.content for t in c.top_logprobs)
 
 
+def test_a_stop_string_inside_a_token_keeps_tokens_and_text_together(server, embedded):
+    """A stop string that starts inside a token cuts the text there: the logprob tokens cover exactly
+    the text (the last one is the part of its token that the text keeps), whole and streamed, in
+    both endpoints."""
+    from .test_server import MODEL
+
+    model, tok = embedded
+    messages = [{"role": "user", "content": QUESTION}]
+    free = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, logprobs=True)
+    pieces = [c.token for c in free.choices[0].logprobs.content]
+    k = next(i for i, p in enumerate(pieces) if i > 2 and len(p.strip()) >= 3)
+    stop = pieces[k].strip()[1:]  # starts inside token k
+    kept = free.choices[0].message.content.split(stop)[0]
+    assert not kept.endswith(tuple(pieces[:k]))  # the cut really falls inside a token
+    whole = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, logprobs=True, stop=[stop]
+    )
+    assert whole.choices[0].message.content == kept
+    assert "".join(c.token for c in whole.choices[0].logprobs.content) == kept
+    streamed = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, logprobs=True, stop=[stop], stream=True
+    )
+    chunks = list(streamed)
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == kept
+    assert "".join(t.token for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.content) == kept
+    prompt = tok.encode_chat(messages)
+    comp = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=64, logprobs=1, stop=[stop])
+    assert comp.choices[0].text == kept and "".join(comp.choices[0].logprobs.tokens) == kept
+
+
 def test_generate_json_reports_them(capsys):
     from fastdllm.cli import main as cli
 

@@ -32,6 +32,7 @@ class ChoiceText:
         self.final = False
         self.text = ""
         self.num_tokens = 0
+        self.partial = False  # the final text ends inside its next token (a stop string began there)
         self.finish_reason: str | None = None
 
     def _held_tail(self, text: str) -> int:
@@ -66,6 +67,7 @@ class ChoiceText:
         if final:
             c = complete(self.tokenizer, ids, self.stop_token_ids, self.stop, self.fixed_end)
             self.final, self.text, self.num_tokens, self.finish_reason = True, c.text, c.num_tokens, c.finish_reason
+            self.partial = c.partial
             safe = c.text
         else:
             safe = text[:held_from].rstrip("\ufffd")
@@ -78,9 +80,9 @@ class ChoiceText:
 
     def tokens_sent(self) -> int:
         """How many leading tokens the text sent so far holds whole (all of the answer's once
-        final): those whose log-probabilities may be sent with it."""
+        final, and the one it ends inside): those whose log-probabilities may be sent with it."""
         if self.final:
-            return self.num_tokens
+            return self.num_tokens + self.partial
         n = self._counted
         while n < len(self.ids) and len(self.tokenizer.decode(self.ids[: n + 1])) <= len(self.sent):
             n += 1

@@ -273,6 +273,8 @@ class Answer:
         if end == start and not always:
             return None
         tokens = [self.token_text(t) for t in ch.ids[start:end]]
+        if ch.final and ch.partial and end > start:  # the text ends inside its last token: that part
+            tokens[-1] = ch.text[self.text_sent[i] + sum(map(len, tokens[:-1])) :]
         out = self.endpoint.logprobs(tokens, ch.logprobs[start:end], self.token_text, self.text_sent[i])
         self.logprobs_sent[i], self.text_sent[i] = end, self.text_sent[i] + sum(map(len, tokens))
         return out

@@ -15,6 +15,8 @@ class Completion:
     text: str
     num_tokens: int  # generated tokens that the text accounts for
     finish_reason: str  # "stop" (stop token or stop string) or "length"
+    # whether the text also holds the start of the next token (a stop string that begins inside it)
+    partial: bool = False
 
 
 def first_stop_index(ids: Sequence[int], stop_token_ids: Sequence[int], start: int = 0) -> int | None:
@@ -47,4 +49,4 @@ def complete(
     n = 0
     while n < len(ids) and len(tokenizer.decode(ids[: n + 1])) <= cut:
         n += 1
-    return Completion(text[:cut], n, "stop")
+    return Completion(text[:cut], n, "stop", partial=len(tokenizer.decode(ids[:n])) < cut)
