@@ -404,6 +404,41 @@ def test_hub_ids_pass_revision_local_files_only_and_token(monkeypatch, tiny_llad
     assert seen["revision"] == "abc123" and model.args.n_layers > 0
 
 
+def test_an_offline_machine_fails_fast_with_the_cache_only(monkeypatch, tiny_llada_dir):
+    """Where the hub cannot be reached, a hub id is looked up in the local cache alone (no download
+    and its minutes of retries), and the error says the hub is unreachable; `plan` too."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from fastdllm.models import loading, plan
+
+    calls = []
+
+    def fake_snapshot_download(**kw):
+        calls.append(kw["local_files_only"])
+        if not kw["local_files_only"] or kw["repo_id"] != "org/cached":
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache")
+        return str(tiny_llada_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert loading.hub_unreachable() == "HF_HUB_OFFLINE is set"
+    assert loading.resolve_model_path("org/cached") == tiny_llada_dir
+    with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache, and HF_HUB_OFFLINE is set"):
+        loading.resolve_model_path("org/elsewhere")
+    assert calls == [True, True]  # never a download
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+    assert "cannot be reached" in loading.hub_unreachable()
+    asked = []
+    monkeypatch.setattr(
+        huggingface_hub, "hf_hub_download", lambda *a, **kw: asked.append(kw["local_files_only"]) or 1 / 0
+    )
+    with pytest.raises(FileNotFoundError, match="hub.invalid. cannot be reached"):
+        plan.config_of("org/elsewhere")
+    assert asked == [True]
+
+
 def test_local_files_only_never_reaches_the_network(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no-such-org/no-such-model"):

@@ -89,9 +89,21 @@ def resolve_model_path(
             f"model folder not found: {text} (the embedded models: {', '.join(EMBEDDED_MODELS)}; "
             "or a folder, or a Hugging Face repo id owner/name)"
         )
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
 
+    offline = None if local_files_only else hub_unreachable()
+    if offline is not None:  # the cache only, rather than minutes of retries
+        try:
+            return Path(
+                snapshot_download(
+                    repo_id=text, allow_patterns=HUB_PATTERNS, revision=revision, local_files_only=True, token=token
+                )
+            )
+        except Exception:
+            raise FileNotFoundError(
+                f"model {text!r}: not a local folder, not in the Hugging Face cache, and {offline}"
+            ) from None
+    try:
         return Path(
             snapshot_download(
                 repo_id=text,
@@ -106,6 +118,25 @@ def resolve_model_path(
             f"model {text!r}: not a local folder, and downloading it from the Hugging Face hub failed "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached now (its host does not resolve or answer within
+    `timeout` seconds), or None where it can: asked once before a download, so that an offline
+    machine fails in seconds instead of retrying for minutes. `HF_HUB_OFFLINE=1` says it outright."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError as e:
+        return f"the hub ({url.hostname}) cannot be reached ({e.strerror or type(e).__name__}): offline?"
+    return None
 
 
 def read_config(folder: Path) -> dict:

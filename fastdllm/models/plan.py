@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .loading import EMBEDDED_MODELS, build_model, read_config, resolve_model_path
+from .loading import EMBEDDED_MODELS, build_model, hub_unreachable, read_config, resolve_model_path
 from .tp import apply, check_split, cuts_of
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -127,12 +127,16 @@ def config_of(path_or_repo_id: str | None, revision: str | None = None, local_fi
             raise ValueError(f"{text}: not valid JSON ({e})") from None
     if text is None or text in EMBEDDED_MODELS or Path(text).expanduser().is_dir():
         return read_config(resolve_model_path(text))
+    offline = None if local_files_only else hub_unreachable()
     try:
         from huggingface_hub import hf_hub_download
 
-        path = hf_hub_download(text, "config.json", revision=revision, local_files_only=local_files_only)
+        path = hf_hub_download(
+            text, "config.json", revision=revision, local_files_only=bool(offline) or local_files_only
+        )
     except Exception as e:  # network, auth, or unknown repo: say which id failed and why
         raise FileNotFoundError(
-            f"model {text!r}: not a folder, and its config.json could not be had from the hub ({type(e).__name__})"
+            f"model {text!r}: not a folder, and its config.json could not be had from the hub "
+            f"({offline or type(e).__name__})"
         ) from None
     return json.loads(Path(path).read_text())
