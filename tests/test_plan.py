@@ -86,3 +86,25 @@ def test_llada2_flash_fits_eight_80_gb_devices_split_either_way():
     tp8, ep8 = plan(config, tp=8), plan(config, tp=8, ep=8)
     assert tp8.weight_bytes == ep8.weight_bytes < 30 * 2**30  # ~26 GiB of bfloat16 per rank
     assert plan(config).weight_bytes > 80 * 2**30  # and not on one device
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_plan_reports_the_bytes_load_holds_for_every_source(kind, tiny_llada, tokenizer, tmp_path, capsys):
+    """One dtype rule: `--dtype auto` (plan's default, as every command's) is the dtype the checkpoint
+    stores, a folder's config.json or a GGUF file's matrices, where this machine computes it natively;
+    plan's weight bytes are those the loaded model holds."""
+    import torch
+
+    import fastdllm
+    from fastdllm.cli.main import main as cli
+    from fastdllm.models.gguf import write_gguf
+    from fastdllm.models.loading import save_pretrained
+
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[kind]
+    folder = save_pretrained(tiny_llada, tmp_path / "folder", tokenizer, dtype=dtype)
+    gguf = write_gguf(tiny_llada, tokenizer, tmp_path / f"tiny-{kind}.gguf", kind)
+    for source in (folder, gguf):
+        model, _ = fastdllm.load(str(source))
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert cli(["plan", "--model", str(source), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["weight_bytes_per_rank"] == held, source

@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-files-only", action="store_true", help="for a hub id: the hub cache only")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks among them (default 1)")
-    p.add_argument("--dtype", default="bfloat16", help="weights and KV cache: bfloat16, float16 or float32")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="weights and KV cache: bfloat16, float16 or float32 (default: auto, what loading it here holds)",
+    )
     p.add_argument("--quantize", default=None, choices=["int8", "int4"], help="weight-only quantized linear layers")
     p.add_argument("--group-size", type=int, default=128, help="int4 group size (default 128)")
     p.add_argument("--quantize-head", action="store_true", help="quantize the output head too")
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         config = config_of(args.model, args.revision, args.local_files_only)
+        if args.dtype == "auto":
+            args.dtype = loaded_dtype(config)[0]
         r = plan(
             config,
             args.tp,
@@ -93,15 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if fits is not False else 1
 
 
-def loads_here(config: dict) -> str:
-    """What `dtype="auto"` (every command's default) loads the checkpoint in on this machine, and why."""
+def loaded_dtype(config: dict) -> tuple[str, str | None]:
+    """What `dtype="auto"` (every command's default) loads the checkpoint in on this machine (the
+    dtype it stores, where the device computes it natively: `loading.auto_dtype`), and why where it
+    is not the stored one."""
     import torch
 
     from ..models.loading import auto_dtype, checkpoint_dtype
 
-    checkpoint = checkpoint_dtype(config)
-    chosen, why = auto_dtype(checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
-    name = str(chosen).removeprefix("torch.")
+    chosen, why = auto_dtype(checkpoint_dtype(config), "cuda" if torch.cuda.is_available() else "cpu")
+    return str(chosen).removeprefix("torch."), why
+
+
+def loads_here(config: dict) -> str:
+    name, why = loaded_dtype(config)
     return f"on this machine --dtype auto loads it in {name}: " + (why or "the checkpoint's, computed natively")
 
 

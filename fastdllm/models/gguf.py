@@ -187,6 +187,7 @@ def config_of_gguf(path: Path) -> dict:
     f = GGUFFile(path)
     config = read_config(f)[2]
     config["gguf_tensor_types"] = sorted({t.tensor_type.name for t in f.reader.tensors})
+    config["torch_dtype"] = str(file_dtype(f)).removeprefix("torch.")  # what `load`'s "auto" reads
     return config
 
 
