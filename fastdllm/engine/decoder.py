@@ -29,7 +29,7 @@ from .decode import BlockClock, Decision, DecodeView
 from .kv.rows import RowPages
 from .kv.runner import KVRunner, runner_for
 from .logprobs import LogprobColumns
-from .policies import Policies, PolicySource, policies_for, resolve
+from .policies import PolicySource, brings_decoder, policies_for, resolve
 from .rows import (
     ForwardClock,
     Row,
@@ -65,7 +65,7 @@ class BlockDecoder:
         self.model, self.config = model, config
         # A strategy the caller brought serves every row, and so rows must agree on every
         # decision field; otherwise each row decides with the strategy its own config names.
-        self.own_strategy = policies is not None and not (isinstance(policies, Policies) and policies.strategy is None)
+        self.own_strategy = brings_decoder(policies)
         self.batch_key = decision_key(config) if self.own_strategy else join_key(config)
         policies = resolve(policies, model, config)
         self.policy, self.strategy = policies.cache, policies.strategy

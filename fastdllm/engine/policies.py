@@ -64,6 +64,12 @@ def check_block_length(model, config: GenerationConfig) -> None:
         )
 
 
+def brings_decoder(source: PolicySource) -> bool:
+    """Whether a caller's policies bring a decoder object (or a factory of one) that then decides
+    for every row; otherwise each row decides with the decoder its own config names."""
+    return source is not None and not (isinstance(source, Policies) and source.strategy is None)
+
+
 def resolve(source: PolicySource, model, config: GenerationConfig) -> Policies:
     """A whole bundle from what a caller passed: a bundle (its None fields the config's own), a
     factory called with (model, config), or None for the config's own policies."""
