@@ -60,23 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(str(e)) from None
     fits = None if args.memory is None else r.total_bytes <= args.memory * GIB
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "parameters": r.parameters,
-                    "active_parameters": r.active_parameters,
-                    "tp": r.tp,
-                    "ep": r.ep,
-                    "weight_bytes_per_rank": r.weight_bytes,
-                    "sharded_bytes": r.sharded_bytes,
-                    "replicated_bytes": r.replicated_bytes,
-                    "kv_cache_bytes_per_rank": r.kv_cache_bytes,
-                    "total_bytes_per_rank": r.total_bytes,
-                    "memory_gib": args.memory,
-                    "fits": fits,
-                }
-            )
-        )
+        print(json.dumps(as_json(r, args.memory, fits)))
         return 0 if fits is not False else 1
     if config.get("gguf_tensor_types"):
         print(
@@ -97,6 +81,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fits {args.memory:g} GiB: {'yes' if fits else 'no'}")
     print(loads_here(config))
     return 0 if fits is not False else 1
+
+
+def as_json(r, memory: float | None, fits: bool | None) -> dict:
+    return {
+        "parameters": r.parameters,
+        "active_parameters": r.active_parameters,
+        "tp": r.tp,
+        "ep": r.ep,
+        "weight_bytes_per_rank": r.weight_bytes,
+        "sharded_bytes": r.sharded_bytes,
+        "replicated_bytes": r.replicated_bytes,
+        "kv_cache_bytes_per_rank": r.kv_cache_bytes,
+        "total_bytes_per_rank": r.total_bytes,
+        "memory_gib": memory,
+        "fits": fits,
+    }
 
 
 def loaded_dtype(config: dict) -> tuple[str, str | None]:
