@@ -1,6 +1,13 @@
 """The presets: the configs of the published decoders (each function builds one for the config class
 it is given; `GenerationConfig.fast_dllm()` and its siblings call them), the names `--preset`
-takes, and preset files (`fastdllm tune --out`)."""
+takes, and preset files (`fastdllm tune --out`).
+
+They live here, beside the fields, rather than in their decoders' files (`engine/decode/`): a config,
+its presets and its rules are read and checked without torch, so that the command line refuses a
+mistyped flag before it imports torch, and the sandbox reads configs with no torch at all. Where each
+is implemented (`engine/decode/`): baseline `llada.py`; fast_dllm `fast_dllm.py`; dparallel and d3llm
+`dparallel.py` (d3llm's lookahead and early stop too); dmax `dmax.py` and `llada2.py` (its editing);
+rnd1 `rnd1.py`; wedlm `wedlm.py`; the coders `dream.py`; diffusion_gemma `renoising.py`."""
 
 from __future__ import annotations
 

@@ -27,9 +27,7 @@ class EntropyThreshold(SelectionRule):
         self.threshold, self.strict = threshold, strict
 
     @classmethod
-    def from_config(cls, config):
-        if config.threshold is None:
-            raise ValueError("threshold: the entropy rule needs a threshold (an entropy, in nats)")
+    def from_config(cls, config):  # the config has checked that it has a threshold (`config.rules`)
         return cls(config.threshold, strict=config.alg is not None)
 
     def select(self, conf, masked, clock, generators, draws):
