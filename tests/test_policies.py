@@ -11,7 +11,7 @@ import torch
 
 import fastdllm
 from fastdllm import GenerationConfig
-from fastdllm.config import REFRESH_RULES, ConfigError, selection_rule_name
+from fastdllm.config import REFRESH_RULES, ConfigError, register_preset, selection_rule_name
 from fastdllm.engine.cache.refresh import VicinityRefresh, register_refresh_rule
 from fastdllm.engine.decode import (
     Decision,
@@ -231,6 +231,7 @@ class LeftmostDecoder(Decoder):
 
 
 register_selection_rule(LeftmostArgmax)
+register_preset("test-leftmost", dict(unmasking=LeftmostArgmax.name, cache="none", threshold=None))
 
 
 def test_a_decoder_is_one_class_that_the_loop_never_names(model):
@@ -254,3 +255,12 @@ def test_a_decoder_is_one_class_that_the_loop_never_names(model):
     assert torch.equal(rows[0].answer, out.sequences[0])
     assert torch.equal(rows[1].answer, fastdllm.generate(m, [ids[1]], config=plain).sequences[0])
     assert rows[1].nfe < rows[0].nfe  # the other decoder really decided its own row
+    # its preset, declared beside it, by name in Python and on the command line
+    preset = GenerationConfig.preset("test-leftmost", gen_length=32, block_length=16)
+    assert preset.unmasking == LeftmostArgmax.name and preset.cache == "none"
+    assert torch.equal(
+        fastdllm.generate(m, ids[:1], config=preset.replace(stop_at_eos=False)).sequences, out.sequences[:1]
+    )
+    from fastdllm.cli.main import main as cli
+
+    assert cli(["generate", "--preset", "test-leftmost", "--gen-length", "32", "--no-stats", "Question: 1 + 2?"]) == 0

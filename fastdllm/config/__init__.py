@@ -23,7 +23,7 @@ from .names import (
     is_int,
     selection_rule_name,
 )
-from .presets import PRESET_FORMAT, PRESETS, read_preset
+from .presets import PRESET_FORMAT, PRESETS, read_preset, register_preset
 
 __all__ = [
     "CACHE_POLICIES",
@@ -39,5 +39,6 @@ __all__ = [
     "Names",
     "is_int",
     "read_preset",
+    "register_preset",
     "selection_rule_name",
 ]

@@ -506,7 +506,7 @@ class GenerationConfig:
         "rnd1", "diffusion_gemma", "diffucoder", "dream-coder", "wedlm")."""
         if name not in presets.PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(presets.PRESETS)} (got {name!r})")
-        return getattr(cls, presets.PRESETS[name])(**overrides)
+        return presets.PRESETS[name](cls, **overrides)
 
     @classmethod
     def from_preset(cls, path, family: str | None = None, **overrides) -> GenerationConfig:

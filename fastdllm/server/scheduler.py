@@ -292,7 +292,7 @@ class Scheduler:
         for job in list(self.pending):
             if rows >= self.max_batch_size or self.paused:
                 break
-            room = self.kv.can_admit([j.request for j in batch + taken + [job]])
+            room = self.kv.can_admit(j.request for j in batch + taken + [job])
             if fits(job.config) and rows + job.rows <= self.max_batch_size and room:
                 self.pending.remove(job)
                 taken.append(job)

@@ -199,8 +199,9 @@ class KVRunner:
         return self.pages_held(requests) * requests[0][0].block_length * self.page_bytes(1) if requests else 0
 
     def can_admit(self, requests) -> bool:
-        """Whether the rows of `requests` fit the pool's budget together (always, without one)."""
-        return self.budget_bytes is None or self.held_bytes(requests) <= self.budget_bytes
+        """Whether the rows of `requests` (an iterable, read only where there is a budget) fit the
+        pool's budget together (always, without one)."""
+        return self.budget_bytes is None or self.held_bytes(list(requests)) <= self.budget_bytes
 
     def store(self, pool: PagedKVCache) -> PrefixStore:
         """The prefix store over `pool` (one per pool: its pages are the store's blocks)."""
