@@ -150,16 +150,16 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, key_mask, layer_cache, window_start: int) -> torch.Tensor:
         return self.wo(self.attend(*self.project(x, cos, sin), key_mask, layer_cache, window_start))
 
-    def attend_segments(self, q, k, v, segments, layer_cache) -> torch.Tensor:
-        """Attention of packed rows (`Segment`s of the one sequence (1, heads, N, head_dim)): each
-        row's window K/V written into its own pages of the cache (`PagedKVCache`), its queries
-        attending over its own keys (views into the cache where they
-        are one run: no padding, no copy). (1, N, heads * head_dim)."""
+    def attend_segments(self, q, k, v, segments, layer_cache, slots) -> torch.Tensor:
+        """Attention of packed rows (`Segment`s of the one sequence (1, heads, N, head_dim)): every
+        row's window K/V written into its own pages of the cache (`PagedKVCache`) in one copy, at
+        `slots` (`PagedKVCache.write_slots`), then each row's queries attending over its own keys
+        (views into the cache where they are one run: no padding, no copy). (1, N, heads * head_dim)."""
         gqa = self.n_kv_heads != self.n_heads
         out = q.new_empty(q.shape)
+        layer_cache.write(slots, k, v)
         for s in segments:
-            ks, vs = k[:, :, s.offset : s.offset + s.width], v[:, :, s.offset : s.offset + s.width]
-            keys, values = layer_cache.update_row(s.row, s.lo, ks, vs, s.keys)
+            keys, values = layer_cache.keys(s.row, s.keys)
             out[:, :, s.offset : s.offset + s.width] = F.scaled_dot_product_attention(
                 q[:, :, s.offset : s.offset + s.width], keys, values, attn_mask=s.mask, enable_gqa=gqa
             )
@@ -199,10 +199,10 @@ class TransformerBlock(nn.Module):
         q, k, v = before(x, cos, sin)
         return after(x, self.attention.attend(q, k, v, key_mask, layer_cache, window_start, spans))
 
-    def forward_segments(self, x, cos, sin, segments, layer_cache, dense=None):
+    def forward_segments(self, x, cos, sin, segments, layer_cache, slots, dense=None):
         before, after = dense or (self.before_attention, self.after_attention)
         q, k, v = before(x, cos, sin)
-        return after(x, self.attention.attend_segments(q, k, v, segments, layer_cache))
+        return after(x, self.attention.attend_segments(q, k, v, segments, layer_cache, slots))
 
     # The dense math on either side of attention (what `torch.compile` fuses); the attention itself,
     # which writes the cache in place, stays eager.
@@ -427,8 +427,9 @@ class Transformer(nn.Module):
                     h[0, s.offset + cols[inside] - s.lo] = vectors[inside].to(h.dtype)
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
             dense = self.compiled_layers() if compiled else [None] * len(self.layers)
+            slots = cache.write_slots([(s.row, s.lo, s.hi) for s in segments])  # the same in every layer
             for i, layer in enumerate(self.layers):
-                h = layer.forward_segments(h, cos, sin, segments, cache.layer(i), dense[i])
+                h = layer.forward_segments(h, cos, sin, segments, cache.layer(i), slots, dense[i])
             h = self.norm(h)[0]
             picks = []
             for s, (_, lo, hi, _, start) in zip(segments, windows):

@@ -290,6 +290,13 @@ class PagedKVCache:
             return parts[0] if parts else slice(0, 0)
         return torch.cat([torch.arange(s.start, s.stop, device=self.k.device) for s in parts])
 
+    def write_slots(self, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The pool slots of the columns [lo, hi) of each (row, lo, hi), one after another: where a
+        forward that packs those rows' windows writes their K/V, one copy per layer for them all
+        (`PagedLayerKV.write`)."""
+        parts = [torch.arange(s.start, s.stop) for row, lo, hi in spans for s in self.slices(row, lo, hi)]
+        return torch.cat(parts).to(self.k.device) if parts else torch.zeros(0, dtype=torch.long, device=self.k.device)
+
     def read(self, row: int, lo: int, hi: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s K/V of columns [lo, hi): (layers, kv_heads, hi - lo, head_dim), or one
         layer's (kv_heads, hi - lo, head_dim)."""
@@ -317,6 +324,21 @@ class PagedLayerKV:
     def __init__(self, cache: PagedKVCache, i: int, slots: torch.Tensor | None = None):
         self.cache, self.k, self.v, self.slots = cache, cache.k[i], cache.v[i], slots
 
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every packed row's K/V (1, heads, N, head_dim) into the pool at `slots` (N,: `write_slots`),
+        in one copy each: a row writes only pages it owns (copy-on-write), so writing every row
+        before any attends reads what writing each row before it attends reads."""
+        self.k.index_copy_(1, slots, k[0])
+        self.v.index_copy_(1, slots, v[0])
+
+    def keys(self, row: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s K/V of columns [0, keys) (1, heads, keys, head_dim): views of the pool where
+        its pages are one run, else its runs joined (a shared prefix's run, then its own)."""
+        runs = self.cache.slices(row, 0, keys)
+        if len(runs) == 1:
+            return self.k[:, runs[0]][None], self.v[:, runs[0]][None]
+        return torch.cat([self.k[:, r] for r in runs], 1)[None], torch.cat([self.v[:, r] for r in runs], 1)[None]
+
     def update_row(self, row: int, start: int, k, v, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one row's K/V (1, heads, T, head_dim) of columns [start, start + T) into its pages;
         return its K/V of columns [0, keys) (1, heads, keys, head_dim): views of the pool where its
@@ -324,10 +346,7 @@ class PagedLayerKV:
         where = self.cache.span(row, start, start + k.shape[2])
         self.k[:, where] = k[0]
         self.v[:, where] = v[0]
-        runs = self.cache.slices(row, 0, keys)
-        if len(runs) == 1:
-            return self.k[:, runs[0]][None], self.v[:, runs[0]][None]
-        return torch.cat([self.k[:, r] for r in runs], 1)[None], torch.cat([self.v[:, r] for r in runs], 1)[None]
+        return self.keys(row, keys)
 
     def update(self, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-shape step's write and read (`LayerKV.update` with a (B, T) `start`): each
