@@ -146,6 +146,21 @@ def test_with_nothing_certified_the_reference_is_chosen():
     assert result.chosen is result.reference and result.chosen.status == "chosen"
 
 
+def test_the_default_stays_unless_a_faster_setting_is_certified():
+    """A tuner never hands back something slower than the default it measured: with nothing faster
+    certified (here only the slow reference-like 0.99 is), the default is kept and the report says so."""
+    n = 400
+    wrong = {None: set(), 0.5: set(range(0, n, 4)), 0.9: set(range(0, n, 40)), 0.99: set()}
+    cost = {None: 100, 0.5: 2, 0.9: 8, 0.99: 50}
+    fake = FakeEvaluator(wrong, cost)
+    pool = [Candidate("default", GenerationConfig(threshold=0.9))]
+    pool += [Candidate(f"t{t}", GenerationConfig(threshold=t)) for t in (0.5, 0.99)]
+    result = Race(fake, GenerationConfig.baseline(), pool, list(range(n)), budget=0.02, confidence=0.9).run()
+    assert result.kept_default and result.chosen.label == "default" and result.chosen.status == "chosen"
+    by = {c.label: c for c in pool}
+    assert by["t0.99"].interval.within(0.02) and not by["default"].interval.within(0.02)
+
+
 def test_a_spent_time_budget_stops_the_race_and_says_so():
     fake = FakeEvaluator({None: set(), 0.9: set()}, {None: 100, 0.9: 8})
     pool = [Candidate("t0.9", GenerationConfig(threshold=0.9))]

@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the budget is counted from: the family's one token per step (reference) or the "
         "defaults with the flags given (default: no worse than what you run now)",
     )
-    p.add_argument("--time-budget", type=seconds, default=None, help="stop racing after this long (e.g. 10m)")
+    p.add_argument(
+        "--time-budget",
+        type=seconds,
+        default=seconds("10m"),
+        help="stop racing after this long (default 10m; e.g. 90s, 1h): the settings decoded by then compete",
+    )
     p.add_argument("--candidates", type=int, default=16, help="random combinations beside the one-field moves")
     p.add_argument(
         "--search",

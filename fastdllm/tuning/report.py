@@ -40,6 +40,7 @@ def preset(model, task, budget, confidence, metric, seed, result: TuneResult, he
         "seed": seed,
         "config": result.chosen.config.to_dict(),
         "chosen": result.chosen.label,
+        "kept_default": result.kept_default,
         "calibration": {
             "problems": len(idx),
             "reference": result.reference.summary(idx),
@@ -95,6 +96,8 @@ def table(report: dict) -> str:
         lines.append("the time budget ran out before the last rung: the choice reads fewer problems")
     if report["chosen"] == "reference":
         lines.append("no setting was certified within the budget: the preset is the reference decoding")
+    if report.get("kept_default"):
+        lines.append("no setting faster than the default was certified within the budget: the preset keeps the default")
     lines.append(f"chosen: {report['chosen']}  ({report['tuning_seconds']} s)")
     return "\n".join(lines)
 

@@ -185,6 +185,7 @@ class TuneResult:
     rungs: list[int]
     stopped_early: bool  # the time budget ran out before the last rung
     seconds: float
+    kept_default: bool = False  # nothing faster than the default was certified: the default stays
 
 
 class Race:
@@ -239,11 +240,15 @@ class Race:
             self.decode(self.reference, idx)
             ref = [self.reference.records[i]["correct"] for i in idx]
             done = []
-            for c in racing:
+            for j, c in enumerate(racing):
                 if self.out_of_time():
                     self.stopped_early = True
                     break
                 self.decode(c, idx)
+                self.log(
+                    f"  rung {k + 1}/{len(self.rungs)}: {j + 1}/{len(racing)} settings decoded on {size} problems "
+                    f"({time.perf_counter() - self.t0:.0f} s)"
+                )
                 c.interval = drop_interval(ref, [c.records[i]["correct"] for i in idx], self.confidence)
                 if c.interval.over(self.budget):
                     c.status = f"over budget at {size} problems"
@@ -258,6 +263,11 @@ class Race:
                 break
         certified = [c for c in racing if c.interval is not None and c.interval.within(self.budget)]
         chosen = min(certified, key=lambda c: self.cost(c, last)) if certified else self.reference
+        # never slower than the default the race measured: with nothing faster certified, it stays
+        default = next((c for c in self.pool if c.label == "default" and all(i in c.records for i in last)), None)
+        kept_default = default is not None and self.cost(chosen, last) > self.cost(default, last)
+        if kept_default:
+            chosen = default
         chosen.status = "chosen"
         return TuneResult(
             chosen,
@@ -267,6 +277,7 @@ class Race:
             self.rungs,
             self.stopped_early,
             time.perf_counter() - self.t0,
+            kept_default,
         )
 
     def thin(self, racing: list[Candidate], idx: list[int], final: bool) -> list[Candidate]:
