@@ -216,6 +216,21 @@ def test_text_that_is_not_utf8_is_refused_by_name(capsys, monkeypatch, loaded):
     assert "the byte 0xe9" in err and "####" in out
 
 
+def test_a_small_model_decodes_on_one_thread_unless_told(capsys):
+    """The embedded models' steps are too small to share between threads (two collapse to a third of
+    one's speed beside another job): without --threads the CLI uses one for them; --threads wins."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cli.main(["generate", *SMALL, "--no-stats", QUESTION]) == 0
+        assert torch.get_num_threads() == 1
+        assert cli.main(["generate", *SMALL, "--threads", "2", "--no-stats", QUESTION]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+
+
 def test_a_gen_length_off_the_block_decodes_as_max_new_tokens(capsys):
     """`--gen-length 8` (or 100) against the default blocks decodes whole blocks and keeps that many
     tokens, as the server's max_tokens does, and says so; with --block-length given it stays an error."""

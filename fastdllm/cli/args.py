@@ -12,6 +12,9 @@ from pathlib import Path
 from ..config import PRESETS, ConfigError, GenerationConfig, read_preset
 
 # Presets that are the decoders of finetunes trained for them (`models.loading.recognized_decoding`).
+# Below it a model decodes on one CPU thread unless --threads says otherwise: its steps are too small
+# to share between threads, which collapse as soon as another job runs (docs/results.md).
+SMALL_MODEL_PARAMETERS = 100_000_000
 FINETUNE_PRESETS = ("dparallel", "d3llm", "dmax", "rnd1", "diffusion_gemma", "diffucoder", "dream-coder")
 
 
@@ -106,7 +109,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: torch's; use 1 on a machine shared with other jobs)",
+        help="CPU threads for torch (default: 1 for a model under 100M parameters, such as the embedded "
+        "ones, whose steps are too small to share: with one other job on the machine two threads ran 3.5x "
+        "slower than one; torch's own count for larger models)",
     )
 
 
@@ -331,6 +336,9 @@ def load_model_or_exit(args: argparse.Namespace, tensor_parallel: bool = False):
         )
     except (FileNotFoundError, ValueError) as e:
         raise UserError(str(e)) from None
+    if getattr(args, "threads", None) is None and model.device.type == "cpu":
+        if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMETERS:
+            torch.set_num_threads(1)
     if rank:
         sys.stdout = open(os.devnull, "w")  # rank 0 speaks for every rank
     elif model.dtype_note:
