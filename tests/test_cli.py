@@ -92,12 +92,12 @@ def test_bad_flag_value_is_one_line_exit_2():
     assert r.stdout == ""
 
 
-@pytest.mark.slow
-def test_leaving_chat_with_ctrl_d_ends_the_prompt_line():
-    """Ctrl-D at chat's ">>> " prompt ends that line, so the shell's prompt does not start on it."""
+def in_a_terminal(argv: list[str], answer=None, timeout: float = 180) -> tuple[int, bytes]:
+    """`python -m fastdllm ARGV` on a pseudo-terminal: its exit status and everything it drew;
+    `answer(out)` may return bytes to type once the output so far calls for them."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fastdllm", "chat", *SMALL],
+        [sys.executable, "-m", "fastdllm", *argv],
         stdin=slave,
         stdout=slave,
         stderr=slave,
@@ -106,41 +106,7 @@ def test_leaving_chat_with_ctrl_d_ends_the_prompt_line():
         close_fds=True,
     )
     os.close(slave)
-    out, deadline, sent = b"", time.time() + 120, False
-    while time.time() < deadline and proc.poll() is None:
-        ready, _, _ = select.select([master], [], [], 0.2)
-        if ready:
-            try:
-                out += os.read(master, 65536)
-            except OSError:
-                break
-        if not sent and out.endswith(b">>> "):
-            os.write(master, b"\x04")  # Ctrl-D
-            sent = True
-    try:
-        while select.select([master], [], [], 0.5)[0]:
-            out += os.read(master, 65536)
-    except OSError:
-        pass
-    os.close(master)
-    assert sent and proc.wait(10) == 0, out[-2000:]
-    assert out.rstrip(b"\r\n").endswith(b">>> ") and out.endswith(b"\n"), out[-200:]
-
-
-@pytest.mark.slow
-def test_show_draws_live_in_a_terminal():
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fastdllm", "generate", *SMALL, "--show", QUESTION],
-        stdin=slave,
-        stdout=slave,
-        stderr=slave,
-        env={**ENV, "TERM": "xterm-256color"},
-        cwd=REPO,
-        close_fds=True,
-    )
-    os.close(slave)
-    out, deadline = b"", time.time() + 180
+    out, deadline = b"", time.time() + timeout
     while time.time() < deadline:
         ready, _, _ = select.select([master], [], [], 0.2)
         if ready:
@@ -151,10 +117,35 @@ def test_show_draws_live_in_a_terminal():
             if not data:
                 break
             out += data
+            typed = answer(out) if answer else None
+            if typed:
+                os.write(master, typed)
         elif proc.poll() is not None:
             break
     os.close(master)
-    assert proc.wait(10) == 0, out[-2000:]
+    return proc.wait(10), out
+
+
+@pytest.mark.slow
+def test_leaving_chat_with_ctrl_d_ends_the_prompt_line():
+    """Ctrl-D at chat's ">>> " prompt ends that line, so the shell's prompt does not start on it."""
+    typed = []
+
+    def ctrl_d(out):
+        if not typed and out.endswith(b">>> "):
+            typed.append(True)
+            return b"\x04"
+        return None
+
+    rc, out = in_a_terminal(["chat", *SMALL], ctrl_d, timeout=120)
+    assert typed and rc == 0, out[-2000:]
+    assert out.rstrip(b"\r\n").endswith(b">>> ") and out.endswith(b"\n"), out[-200:]
+
+
+@pytest.mark.slow
+def test_show_draws_live_in_a_terminal():
+    rc, out = in_a_terminal(["generate", *SMALL, "--show", QUESTION])
+    assert rc == 0, out[-2000:]
     text = out.decode("utf-8", "replace")
     assert MASK_GLYPH in text  # masked positions drawn
     assert "\x1b[" in text  # styled (highlight, underline) and redrawn in place

@@ -32,6 +32,16 @@ from .names import (
 )
 
 
+def _preset_method(name: str, doc: str):
+    """A class method building preset `name` (`presets.PRESETS`) with overrides."""
+
+    def build(cls, **overrides) -> GenerationConfig:
+        return cls.preset(name, **overrides)
+
+    build.__doc__ = doc
+    return classmethod(build)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """Decoding settings, named as in the LLaDA / Fast-dLLM / Dream reference code. Immutable:
@@ -449,56 +459,29 @@ class GenerationConfig:
             object.__setattr__(self, "suffix", tuple(self.suffix))
         self.validate()
 
-    # -- the published decoders' presets (`config.presets`)
-    @classmethod
-    def baseline(cls, **overrides) -> GenerationConfig:
-        """LLaDA's semi-autoregressive baseline: no cache, one token per step."""
-        return presets.baseline(cls, **overrides)
-
-    @classmethod
-    def fast_dllm(cls, **overrides) -> GenerationConfig:
-        """Fast-dLLM exactly as published: DualCache, threshold 0.9, a full refresh at every block."""
-        return presets.fast_dllm(cls, **overrides)
-
-    @classmethod
-    def dparallel(cls, **overrides) -> GenerationConfig:
-        """dParallel's decoding: no cache, every masked position of entropy at most 0.5 nats."""
-        return presets.dparallel(cls, **overrides)
-
-    @classmethod
-    def d3llm(cls, **overrides) -> GenerationConfig:
-        """d3LLM's decoding: dParallel's rule over up to 8 blocks at once, its early stop."""
-        return presets.d3llm(cls, **overrides)
-
-    @classmethod
-    def dmax(cls, **overrides) -> GenerationConfig:
-        """DMax's decoding: left to right, every revealed position revised, soft embeddings."""
-        return presets.dmax(cls, **overrides)
-
-    @classmethod
-    def rnd1(cls, **overrides) -> GenerationConfig:
-        """RND1's decoding: the answer as one block, a step per position, lowest entropy first."""
-        return presets.rnd1(cls, **overrides)
-
-    @classmethod
-    def wedlm(cls, **overrides) -> GenerationConfig:
-        """WeDLM's decoding: a sliding window of 16 over a causal model with an exact prefix cache."""
-        return presets.wedlm(cls, **overrides)
-
-    @classmethod
-    def diffucoder(cls, **overrides) -> GenerationConfig:
-        """DiffuCoder's (Dream's own generate at temperature 0.3, gen length 256)."""
-        return presets.diffucoder(cls, **overrides)
-
-    @classmethod
-    def dream_coder(cls, **overrides) -> GenerationConfig:
-        """Dream-Coder's (Dream's own generate at temperature 0.1, gen length 768)."""
-        return presets.dream_coder(cls, **overrides)
-
-    @classmethod
-    def diffusion_gemma(cls, **overrides) -> GenerationConfig:
-        """DiffusionGemma's decoding: canvases of 256 renoised under an entropy bound."""
-        return presets.diffusion_gemma(cls, **overrides)
+    # -- the published decoders' presets (`config.presets`), each a class method of its name
+    baseline = _preset_method("baseline", "LLaDA's semi-autoregressive baseline: no cache, one token per step.")
+    fast_dllm = _preset_method(
+        "fast-dllm", "Fast-dLLM exactly as published: DualCache, threshold 0.9, a full refresh at every block."
+    )
+    dparallel = _preset_method(
+        "dparallel", "dParallel's decoding: no cache, every masked position of entropy at most 0.5 nats."
+    )
+    d3llm = _preset_method("d3llm", "d3LLM's decoding: dParallel's rule over up to 8 blocks at once, its early stop.")
+    dmax = _preset_method("dmax", "DMax's decoding: left to right, every revealed position revised, soft embeddings.")
+    rnd1 = _preset_method(
+        "rnd1", "RND1's decoding: the answer as one block, a step per position, lowest entropy first."
+    )
+    wedlm = _preset_method(
+        "wedlm", "WeDLM's decoding: a sliding window of 16 over a causal model with an exact prefix cache."
+    )
+    diffucoder = _preset_method("diffucoder", "DiffuCoder's (Dream's own generate at temperature 0.3, gen length 256).")
+    dream_coder = _preset_method(
+        "dream-coder", "Dream-Coder's (Dream's own generate at temperature 0.1, gen length 768)."
+    )
+    diffusion_gemma = _preset_method(
+        "diffusion_gemma", "DiffusionGemma's decoding: canvases of 256 renoised under an entropy bound."
+    )
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
