@@ -10,7 +10,7 @@ from .args import UserError, add_text_args, load_model_or_exit, parser, text_con
 
 GENERATE_EXAMPLES = """examples:
   fastdllm generate "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"
-  fastdllm generate --show "A hat costs 3 dollars. Ben buys 4 hats and gets 4 dollars off. How much does Ben pay?"
+  fastdllm generate --show --threshold none --gen-length 64 --steps 32 "A hat costs 3 dollars. Ben buys 4 hats and gets 4 dollars off. How much does Ben pay?"  # 32 steps to watch
   fastdllm generate --threshold none --cache none --steps 64 --gen-length 64 "..."   # LLaDA baseline
   fastdllm generate --json --seed 0 --temperature 0.7 "..."
   echo "A pen costs 2 dollars. Ann buys 5 pens and gets 8 dollars off. How much does Ann pay?" | fastdllm generate -
