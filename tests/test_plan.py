@@ -108,3 +108,19 @@ def test_plan_reports_the_bytes_load_holds_for_every_source(kind, tiny_llada, to
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         assert cli(["plan", "--model", str(source), "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["weight_bytes_per_rank"] == held, source
+
+
+def test_plan_counts_an_fp8_checkpoint_as_load_holds_it(capsys):
+    """An FP8 checkpoint's linear layers stay FP8 when loaded (a byte a weight and a scale per row):
+    plan counts them so, its bytes those the loaded model holds."""
+    import fastdllm
+    from fastdllm.cli.main import main as cli
+
+    folder = Path(__file__).parent / "fixtures" / "fp8" / "llada"
+    model, _ = fastdllm.load(str(folder))
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(
+        b.numel() * b.element_size() for n, b in model.named_buffers() if not n.endswith(("rope_cos", "rope_sin"))
+    )
+    assert cli(["plan", "--model", str(folder), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_bytes_per_rank"] == held

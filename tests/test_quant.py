@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.evaluation.tasks.scoring import extract_gsm8k_answer
 from fastdllm.models import Transformer
@@ -445,10 +446,10 @@ def test_unknown_or_unsupported_quantization_is_one_clear_line(tmp_path, tiny_ll
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "float-quantized",
-                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}},
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}},
             },
-            "type 'float'",
+            "type 'float' with num_bits 4",
         ),
     ]
     for qc, words in cases:
@@ -585,3 +586,44 @@ def test_compressed_tensors_library_reads_ours_and_we_read_its(tmp_path):
     for prefix, dense in theirs_dense.items():
         qw = decode(fmt, theirs.__getitem__, prefix, theirs.__contains__)
         assert torch.allclose(qw.dequantize(torch.float32), dense, atol=1e-2, rtol=1e-2), prefix
+
+
+FP8 = Path(__file__).parent / "fixtures" / "fp8" / "llada"
+
+
+def test_an_fp8_checkpoint_made_by_compressed_tensors_decodes_as_its_decompression():
+    """A tiny LLaDA checkpoint quantized under llm-compressor's FP8_DYNAMIC scheme by
+    compressed-tensors' own compressor (`tests/reference/compressed_tensors_fp8.py`): its layers stay
+    FP8 in memory, each dequantizes to exactly the library's decompressed weight, and the logits are
+    those of the model holding the library's weights."""
+    from fastdllm.quant.float8 import Float8Linear, Float8Weight
+
+    model, tok = fastdllm.load(str(FP8), dtype="float32")
+    library = load_file(FP8 / "library_dequantized.safetensors")
+    names = model.family.weight_names(model.args)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert model.quantization["kernels"] == ["fp8-dequantize"] and len(layers) == len(library) == 14
+    ids = torch.tensor([tok.encode("Question: what is 3 + 4?") + [model.mask_token_id] * 8])
+    ours = model(ids)
+    for name, layer in layers.items():
+        assert layer.weight.dtype == torch.float8_e4m3fn  # one byte a weight in memory
+        theirs = library[names[f"{name}.weight"].removesuffix(".weight")]
+        assert torch.equal(Float8Weight(layer.weight, layer.weight_scale).dequantize(torch.float32), theirs.float())
+        parent, _, attr = name.rpartition(".")
+        dense = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
+        dense.weight.data = theirs.float()
+        setattr(model.get_submodule(parent), attr, dense)
+    model._compiled_layers = None
+    assert torch.equal(ours, model(ids))
+    out = fastdllm.generate(model, ids[:, :-8].tolist(), config=GenerationConfig(gen_length=16, block_length=8))
+    assert out.sequences.shape == (1, 16)
+
+
+def test_fp8_schemes_the_loader_cannot_run_are_refused_by_name(tmp_path):
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    block = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
+    with pytest.raises(ValueError, match="weight strategy 'block' for FP8"):
+        read_quant_format(tmp_path, {"quantization_config": {**qc, "config_groups": {"g": {"weights": block}}}})
+    fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    with pytest.raises(ValueError, match="weights of type 'float' with num_bits 4"):
+        read_quant_format(tmp_path, {"quantization_config": {**qc, "config_groups": {"g": {"weights": fp4}}}})

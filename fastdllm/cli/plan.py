@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_of(args.model, args.revision, args.local_files_only)
         if args.dtype == "auto":
             args.dtype = loaded_dtype(config)[0]
+        if args.quantize is None and stored_fp8(config):  # its linear layers stay FP8 when loaded
+            args.quantize = "fp8"
         r = plan(
             config,
             args.tp,
@@ -81,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fits {args.memory:g} GiB: {'yes' if fits else 'no'}")
     print(loads_here(config))
     return 0 if fits is not False else 1
+
+
+def stored_fp8(config: dict) -> bool:
+    """Whether the checkpoint's linear layers are compressed-tensors FP8 (`quant.float8`)."""
+    qc = config.get("quantization_config") or {}
+    return qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "float-quantized"
 
 
 def as_json(r, memory: float | None, fits: bool | None) -> dict:

@@ -410,8 +410,7 @@ def _read_weights(model, folder: Path, fmt, dtype, device, parts: dict) -> tuple
             if isinstance(w, torch.Tensor):
                 state[ours] = w.to(device=device, dtype=dtype)
             else:
-                w.scale = w.scale.to(dtype)
-                layers[ours[: -len(".weight")]] = w.to(device)
+                layers[ours[: -len(".weight")]] = w.with_scale_dtype(dtype).to(device)
         else:
             missing.append(theirs)
     if missing:

@@ -57,6 +57,8 @@ class RankPlan:
 def _linear_bytes(numel: int, rows: int, quantize: str | None, group_size: int, dtype_bytes: int) -> float:
     if quantize == "int8":
         return numel + rows * 2
+    if quantize == "fp8":  # an FP8 checkpoint's layers: a byte a weight, a 2-byte scale per row at most
+        return numel + rows * 2
     if quantize == "int4":
         return numel / 2 + numel / group_size * 4
     return numel * dtype_bytes
@@ -78,8 +80,8 @@ def plan(
     """The plan of one rank (see the module docstring) for the model `config` describes."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype: must be one of {', '.join(DTYPE_BYTES)} (got {dtype!r})")
-    if quantize not in (None, "int8", "int4"):
-        raise ValueError(f"quantize: must be int8 or int4 (got {quantize!r})")
+    if quantize not in (None, "int8", "int4", "fp8"):
+        raise ValueError(f"quantize: must be int8, int4 or fp8 (got {quantize!r})")
     model = build_model(config, device="meta")
     args = model.args
     check_split(args, tp, ep)

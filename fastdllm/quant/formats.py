@@ -9,6 +9,9 @@ of weight schemes. Per quantized linear layer `P`:
   act-order schemes add `P.weight_g_idx`.
 - `int-quantized` / `naive-quantized`: `P.weight` int8 (out, in) with `P.weight_scale` (and
   `P.weight_zero_point` int8 when asymmetric).
+- `float-quantized` (FP8: llm-compressor's FP8 and FP8_DYNAMIC schemes): `P.weight` float8_e4m3fn
+  (out, in) with `P.weight_scale` (out, 1) per channel or (1,) per tensor (`float8.Float8Weight`);
+  the schemes' activation quantization is not applied (`float8`'s docstring).
 
 **GPTQ** (AutoGPTQ / GPTQModel; `quant_method: "gptq"` in config.json or a `quantize_config.json`):
 `P.qweight` int32 (in * bits / 32, out) packed along the input dimension, unsigned codes;
@@ -29,12 +32,13 @@ from pathlib import Path
 
 import torch
 
+from .float8 import Float8Weight
 from .weights import QuantizedWeight, pack_int32, unpack_int32
 
 COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"
 FORMATS = (COMPRESSED_TENSORS, GPTQ)
-CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 
 
 class QuantFormat:
@@ -60,7 +64,7 @@ class QuantFormat:
 def _fail(where: str, what: str):
     raise ValueError(
         f"{where}: {what}; fastdllm reads weight-only compressed-tensors "
-        f"({', '.join(CT_FORMATS)}, int weights) and GPTQ (4 or 8 bits) checkpoints"
+        f"({', '.join(CT_FORMATS)}: int weights, or FP8 per channel or tensor) and GPTQ (4 or 8 bits) checkpoints"
     )
 
 
@@ -106,12 +110,15 @@ def read_quant_format(folder: Path, config: dict) -> QuantFormat | None:
         for scheme in schemes:
             fmt = scheme.get("format") or fmt
             w = scheme.get("weights") or {}
-            if scheme.get("input_activations") or scheme.get("output_activations"):
-                _fail(where, "activation quantization (only weight-only schemes run here)")
-            if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
+            fp8 = w.get("type") == "float" and w.get("num_bits") == 8
+            # FP8 schemes quantize activations too, which runs weight-only here (`float8`)
+            if not fp8 and (scheme.get("input_activations") or scheme.get("output_activations")):
+                _fail(where, "activation quantization of int weights (only weight-only schemes run here)")
+            if not fp8 and (w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8)):
                 _fail(where, f"weights of type {w.get('type')!r} with num_bits {w.get('num_bits')!r}")
-            if w.get("strategy", "channel") not in ("channel", "group", "tensor"):
-                _fail(where, f"weight strategy {w.get('strategy')!r}")
+            strategies = ("channel", "tensor") if fp8 else ("channel", "group", "tensor")
+            if w.get("strategy", "channel") not in strategies:
+                _fail(where, f"weight strategy {w.get('strategy')!r}{' for FP8' if fp8 else ''}")
             bits.add(w["num_bits"])
         if fmt not in CT_FORMATS:
             _fail(where, f"compressed-tensors format {fmt!r}")
@@ -141,8 +148,16 @@ def _group_size(in_f: int, groups: int, where: str) -> int:
     return in_f // groups
 
 
-def _decode_ct(fmt, get, prefix, has) -> QuantizedWeight:
+def _decode_ct(fmt, get, prefix, has) -> QuantizedWeight | Float8Weight:
     scale = get(f"{prefix}.weight_scale")
+    if fmt.ct_format == "float-quantized":
+        values = get(f"{prefix}.weight")
+        if values.dtype != torch.float8_e4m3fn or values.dim() != 2:
+            raise ValueError(f"{prefix}.weight: {values.dtype} {tuple(values.shape)} in an FP8 checkpoint")
+        scale = scale.reshape(-1, 1)
+        if scale.shape[0] not in (1, values.shape[0]):
+            raise ValueError(f"{prefix}.weight_scale: {scale.shape[0]} scales for {values.shape[0]} output channels")
+        return Float8Weight(values, scale)
     if has(f"{prefix}.weight_packed"):
         packed = get(f"{prefix}.weight_packed")
         out_f, in_f = (int(v) for v in get(f"{prefix}.weight_shape").tolist())

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .float8 import Float8Linear, Float8Weight
 from .weights import GROUP_SIZES, QuantizedWeight, check_bits, pack_nibbles, quantize_weight, unpack_nibbles
 
 
@@ -275,7 +276,8 @@ def install(
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         bias = biases.get(name) if biases is not None else old.bias
-        new = QuantizedLinear(qw.to(device or old.weight.device), bias, dtype=dtype or old.weight.dtype)
+        layer = Float8Linear if isinstance(qw, Float8Weight) else QuantizedLinear
+        new = layer(qw.to(device or old.weight.device), bias, dtype=dtype or old.weight.dtype)
         new._forward_hooks.update(old._forward_hooks)  # e.g. tensor parallelism's all-reduce
         setattr(parent, attr, new)
     if weights:
@@ -292,7 +294,7 @@ def quantize_model(model, bits: int, group_size: int | None = None, include_head
 def describe(model) -> dict | None:
     """bits, group sizes ("channel": one scale per output channel), symmetric, kernels and layer count of
     a quantized model (None if it is not)."""
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in model.modules() if isinstance(m, (QuantizedLinear, Float8Linear))]
     if not layers:
         return None
     return {
@@ -312,6 +314,10 @@ def weight_bytes(model) -> dict:
     total += sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name in persistent)
     linear = 0
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, QuantizedLinear)) and not name.endswith(".router") and name != "output":
+        if (
+            isinstance(module, (nn.Linear, QuantizedLinear, Float8Linear))
+            and not name.endswith(".router")
+            and name != "output"
+        ):
             linear += sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
     return {"weight_bytes": total, "linear_weight_bytes": linear}

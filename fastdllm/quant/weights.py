@@ -78,6 +78,11 @@ class QuantizedWeight:
 
         return QuantizedWeight(values, groups(self.scale), groups(self.zero), self.bits, g)
 
+    def with_scale_dtype(self, dtype) -> QuantizedWeight:
+        """The same weight, its scale in `dtype` (the model's, which the kernels compute in)."""
+        self.scale = self.scale.to(dtype)
+        return self
+
     def to(self, device) -> QuantizedWeight:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QuantizedWeight(
