@@ -110,13 +110,14 @@ def test_plan_reports_the_bytes_load_holds_for_every_source(kind, tiny_llada, to
         assert json.loads(capsys.readouterr().out)["weight_bytes_per_rank"] == held, source
 
 
-def test_plan_counts_an_fp8_checkpoint_as_load_holds_it(capsys):
-    """An FP8 checkpoint's linear layers stay FP8 when loaded (a byte a weight and a scale per row):
-    plan counts them so, its bytes those the loaded model holds."""
+@pytest.mark.parametrize("name", ["llada-fp8", "llada-nvfp4"])
+def test_plan_counts_a_float_quantized_checkpoint_as_load_holds_it(name, capsys):
+    """FP8 and NVFP4 checkpoints' linear layers stay quantized when loaded: plan counts them so,
+    its bytes those the loaded model holds."""
     import fastdllm
     from fastdllm.cli.main import main as cli
 
-    folder = Path(__file__).parent / "fixtures" / "fp8" / "llada"
+    folder = Path(__file__).parent / "fixtures" / "compressed_tensors" / name
     model, _ = fastdllm.load(str(folder))
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     held += sum(

@@ -446,8 +446,8 @@ def test_unknown_or_unsupported_quantization_is_one_clear_line(tmp_path, tiny_ll
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "nvfp4-pack-quantized",
-                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}},
+                "format": "mxfp4-pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "group_size": 32}}},
             },
             "type 'float' with num_bits 4",
         ),
@@ -588,28 +588,31 @@ def test_compressed_tensors_library_reads_ours_and_we_read_its(tmp_path):
         assert torch.allclose(qw.dequantize(torch.float32), dense, atol=1e-2, rtol=1e-2), prefix
 
 
-FP8 = Path(__file__).parent / "fixtures" / "fp8" / "llada"
+CT_FIXTURES = Path(__file__).parent / "fixtures" / "compressed_tensors"
 
 
-def test_an_fp8_checkpoint_made_by_compressed_tensors_decodes_as_its_decompression():
-    """A tiny LLaDA checkpoint quantized under llm-compressor's FP8_DYNAMIC scheme by
-    compressed-tensors' own compressor (`tests/reference/compressed_tensors_fp8.py`): its layers stay
-    FP8 in memory, each dequantizes to exactly the library's decompressed weight, and the logits are
-    those of the model holding the library's weights."""
-    from fastdllm.quant.float8 import Float8Linear, Float8Weight
+@pytest.mark.parametrize("name,stored", [("llada-fp8", torch.float8_e4m3fn), ("llada-nvfp4", torch.uint8)])
+def test_a_float_quantized_checkpoint_decodes_as_the_librarys_decompression(name, stored):
+    """Tiny LLaDA checkpoints quantized by compressed-tensors' own compressors under llm-compressor's
+    FP8_DYNAMIC and NVFP4A16 schemes (`tests/reference/compressed_tensors_fp8.py`): their layers
+    stay FP8 / packed FP4 in memory, each dequantizes to exactly the library's decompressed weight,
+    and the logits are those of the model holding the library's weights."""
+    from fastdllm.quant.floating import FloatingLinear
 
-    model, tok = fastdllm.load(str(FP8), dtype="float32")
-    library = load_file(FP8 / "library_dequantized.safetensors")
+    folder = CT_FIXTURES / name
+    model, tok = fastdllm.load(str(folder), dtype="float32")
+    library = load_file(folder / "library_dequantized.safetensors")
     names = model.family.weight_names(model.args)
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
-    assert model.quantization["kernels"] == ["fp8-dequantize"] and len(layers) == len(library) == 14
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, FloatingLinear)}
+    assert len(layers) == len(library) == 14
     ids = torch.tensor([tok.encode("Question: what is 3 + 4?") + [model.mask_token_id] * 8])
     ours = model(ids)
-    for name, layer in layers.items():
-        assert layer.weight.dtype == torch.float8_e4m3fn  # one byte a weight in memory
-        theirs = library[names[f"{name}.weight"].removesuffix(".weight")]
-        assert torch.equal(Float8Weight(layer.weight, layer.weight_scale).dequantize(torch.float32), theirs.float())
-        parent, _, attr = name.rpartition(".")
+    for layer_name, layer in layers.items():
+        held = [getattr(layer, part) for part in layer.parts]
+        assert held[0].dtype == stored  # a byte a weight (FP8) or two (FP4) in memory
+        theirs = library[names[f"{layer_name}.weight"].removesuffix(".weight")]
+        assert torch.equal(layer.weight_type(*held).dequantize(torch.float32), theirs.float())
+        parent, _, attr = layer_name.rpartition(".")
         dense = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
         dense.weight.data = theirs.float()
         setattr(model.get_submodule(parent), attr, dense)
@@ -624,6 +627,6 @@ def test_fp8_schemes_the_loader_cannot_run_are_refused_by_name(tmp_path):
     block = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
     with pytest.raises(ValueError, match="weight strategy 'block' for FP8"):
         read_quant_format(tmp_path, {"quantization_config": {**qc, "config_groups": {"g": {"weights": block}}}})
-    fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    mxfp4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}
     with pytest.raises(ValueError, match="weights of type 'float' with num_bits 4"):
-        read_quant_format(tmp_path, {"quantization_config": {**qc, "config_groups": {"g": {"weights": fp4}}}})
+        read_quant_format(tmp_path, {"quantization_config": {**qc, "config_groups": {"g": {"weights": mxfp4}}}})

@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_of(args.model, args.revision, args.local_files_only)
         if args.dtype == "auto":
             args.dtype = loaded_dtype(config)[0]
-        if args.quantize is None and stored_fp8(config):  # its linear layers stay FP8 when loaded
-            args.quantize = "fp8"
+        if args.quantize is None:  # an FP8 or NVFP4 checkpoint's linear layers stay so when loaded
+            args.quantize = stored_floating(config)
         r = plan(
             config,
             args.tp,
@@ -85,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if fits is not False else 1
 
 
-def stored_fp8(config: dict) -> bool:
-    """Whether the checkpoint's linear layers are compressed-tensors FP8 (`quant.float8`)."""
+def stored_floating(config: dict) -> str | None:
+    """ "fp8" or "nvfp4" where the checkpoint's linear layers are compressed-tensors FP8 or NVFP4
+    (`quant.floating`), else None."""
     qc = config.get("quantization_config") or {}
-    return qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "float-quantized"
+    if qc.get("quant_method") != "compressed-tensors":
+        return None
+    return {"float-quantized": "fp8", "nvfp4-pack-quantized": "nvfp4"}.get(qc.get("format"))
 
 
 def as_json(r, memory: float | None, fits: bool | None) -> dict:

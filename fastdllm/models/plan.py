@@ -59,6 +59,8 @@ def _linear_bytes(numel: int, rows: int, quantize: str | None, group_size: int, 
         return numel + rows * 2
     if quantize == "fp8":  # an FP8 checkpoint's layers: a byte a weight, a 2-byte scale per row at most
         return numel + rows * 2
+    if quantize == "nvfp4":  # half a byte a weight, a 1-byte scale per 16, a float32 global scale
+        return numel / 2 + numel / 16 + 4
     if quantize == "int4":
         return numel / 2 + numel / group_size * 4
     return numel * dtype_bytes
@@ -80,8 +82,8 @@ def plan(
     """The plan of one rank (see the module docstring) for the model `config` describes."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype: must be one of {', '.join(DTYPE_BYTES)} (got {dtype!r})")
-    if quantize not in (None, "int8", "int4", "fp8"):
-        raise ValueError(f"quantize: must be int8, int4 or fp8 (got {quantize!r})")
+    if quantize not in (None, "int8", "int4", "fp8", "nvfp4"):
+        raise ValueError(f"quantize: must be int8, int4, fp8 or nvfp4 (got {quantize!r})")
     model = build_model(config, device="meta")
     args = model.args
     check_split(args, tp, ep)

@@ -10,8 +10,11 @@ of weight schemes. Per quantized linear layer `P`:
 - `int-quantized` / `naive-quantized`: `P.weight` int8 (out, in) with `P.weight_scale` (and
   `P.weight_zero_point` int8 when asymmetric).
 - `float-quantized` (FP8: llm-compressor's FP8 and FP8_DYNAMIC schemes): `P.weight` float8_e4m3fn
-  (out, in) with `P.weight_scale` (out, 1) per channel or (1,) per tensor (`float8.Float8Weight`);
-  the schemes' activation quantization is not applied (`float8`'s docstring).
+  (out, in) with `P.weight_scale` (out, 1) per channel or (1,) per tensor (`floating.Float8Weight`);
+- `nvfp4-pack-quantized` (NVFP4): `P.weight_packed` uint8 (out, in / 2), two FP4 E2M1 codes a byte
+  (the low nibble first), `P.weight_scale` float8_e4m3fn (out, in / 16), `P.weight_global_scale`
+  float32 (1,) (`floating.NVFP4Weight`); for both, the schemes' activation quantization is not
+  applied (`floating`'s docstring).
 
 **GPTQ** (AutoGPTQ / GPTQModel; `quant_method: "gptq"` in config.json or a `quantize_config.json`):
 `P.qweight` int32 (in * bits / 32, out) packed along the input dimension, unsigned codes;
@@ -32,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from .float8 import Float8Weight
+from .floating import Float8Weight, NVFP4Weight
 from .weights import QuantizedWeight, pack_int32, unpack_int32
 
 COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"
 FORMATS = (COMPRESSED_TENSORS, GPTQ)
-CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "nvfp4-pack-quantized")
 
 
 class QuantFormat:
@@ -64,7 +67,8 @@ class QuantFormat:
 def _fail(where: str, what: str):
     raise ValueError(
         f"{where}: {what}; fastdllm reads weight-only compressed-tensors "
-        f"({', '.join(CT_FORMATS)}: int weights, or FP8 per channel or tensor) and GPTQ (4 or 8 bits) checkpoints"
+        f"({', '.join(CT_FORMATS)}: int weights, FP8 per channel or tensor, NVFP4 in groups of 16) and GPTQ "
+        "(4 or 8 bits) checkpoints"
     )
 
 
@@ -111,12 +115,13 @@ def read_quant_format(folder: Path, config: dict) -> QuantFormat | None:
             fmt = scheme.get("format") or fmt
             w = scheme.get("weights") or {}
             fp8 = w.get("type") == "float" and w.get("num_bits") == 8
-            # FP8 schemes quantize activations too, which runs weight-only here (`float8`)
-            if not fp8 and (scheme.get("input_activations") or scheme.get("output_activations")):
+            fp4 = w.get("type") == "float" and w.get("num_bits") == 4 and w.get("group_size") == 16
+            # float schemes quantize activations too, which runs weight-only here (`floating`)
+            if not (fp8 or fp4) and (scheme.get("input_activations") or scheme.get("output_activations")):
                 _fail(where, "activation quantization of int weights (only weight-only schemes run here)")
-            if not fp8 and (w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8)):
+            if not (fp8 or fp4) and (w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8)):
                 _fail(where, f"weights of type {w.get('type')!r} with num_bits {w.get('num_bits')!r}")
-            strategies = ("channel", "tensor") if fp8 else ("channel", "group", "tensor")
+            strategies = ("channel", "tensor") if fp8 else ("tensor_group",) if fp4 else ("channel", "group", "tensor")
             if w.get("strategy", "channel") not in strategies:
                 _fail(where, f"weight strategy {w.get('strategy')!r}{' for FP8' if fp8 else ''}")
             bits.add(w["num_bits"])
@@ -148,7 +153,7 @@ def _group_size(in_f: int, groups: int, where: str) -> int:
     return in_f // groups
 
 
-def _decode_ct(fmt, get, prefix, has) -> QuantizedWeight | Float8Weight:
+def _decode_ct(fmt, get, prefix, has) -> QuantizedWeight | Float8Weight | NVFP4Weight:
     scale = get(f"{prefix}.weight_scale")
     if fmt.ct_format == "float-quantized":
         values = get(f"{prefix}.weight")
@@ -158,6 +163,13 @@ def _decode_ct(fmt, get, prefix, has) -> QuantizedWeight | Float8Weight:
         if scale.shape[0] not in (1, values.shape[0]):
             raise ValueError(f"{prefix}.weight_scale: {scale.shape[0]} scales for {values.shape[0]} output channels")
         return Float8Weight(values, scale)
+    if fmt.ct_format == "nvfp4-pack-quantized":
+        packed, global_scale = get(f"{prefix}.weight_packed"), get(f"{prefix}.weight_global_scale")
+        if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{prefix}: {packed.dtype} codes with {scale.dtype} scales in an NVFP4 checkpoint")
+        if scale.shape != (packed.shape[0], packed.shape[1] * 2 // 16):
+            raise ValueError(f"{prefix}.weight_scale: {tuple(scale.shape)} for codes {tuple(packed.shape)}")
+        return NVFP4Weight(packed, scale, global_scale.reshape(1).float())
     if has(f"{prefix}.weight_packed"):
         packed = get(f"{prefix}.weight_packed")
         out_f, in_f = (int(v) for v in get(f"{prefix}.weight_shape").tolist())

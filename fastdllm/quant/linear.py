@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .float8 import Float8Linear, Float8Weight
+from .floating import QUANTIZED_WEIGHTS, FloatingLinear
 from .weights import GROUP_SIZES, QuantizedWeight, check_bits, pack_nibbles, quantize_weight, unpack_nibbles
 
 
@@ -276,7 +276,7 @@ def install(
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         bias = biases.get(name) if biases is not None else old.bias
-        layer = Float8Linear if isinstance(qw, Float8Weight) else QuantizedLinear
+        layer = FloatingLinear if isinstance(qw, QUANTIZED_WEIGHTS) else QuantizedLinear
         new = layer(qw.to(device or old.weight.device), bias, dtype=dtype or old.weight.dtype)
         new._forward_hooks.update(old._forward_hooks)  # e.g. tensor parallelism's all-reduce
         setattr(parent, attr, new)
@@ -294,7 +294,7 @@ def quantize_model(model, bits: int, group_size: int | None = None, include_head
 def describe(model) -> dict | None:
     """bits, group sizes ("channel": one scale per output channel), symmetric, kernels and layer count of
     a quantized model (None if it is not)."""
-    layers = [m for m in model.modules() if isinstance(m, (QuantizedLinear, Float8Linear))]
+    layers = [m for m in model.modules() if isinstance(m, (QuantizedLinear, FloatingLinear))]
     if not layers:
         return None
     return {
@@ -315,7 +315,7 @@ def weight_bytes(model) -> dict:
     linear = 0
     for name, module in model.named_modules():
         if (
-            isinstance(module, (nn.Linear, QuantizedLinear, Float8Linear))
+            isinstance(module, (nn.Linear, QuantizedLinear, FloatingLinear))
             and not name.endswith(".router")
             and name != "output"
         ):
