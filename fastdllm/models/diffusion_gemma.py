@@ -486,6 +486,16 @@ class GemmaFamily(Family):
     """A family whose layers differ from one another (sliding layers have a value projection, full
     layers none) and whose experts are stacked in the checkpoint as they are here."""
 
+    def experts_one_by_one(self, theirs: str, args: ModelArgs) -> list[tuple[str, ...]] | None:
+        """llm-compressor's form of the experts (transformers' fused `experts.gate_up_proj` and
+        `experts.down_proj` unfused into each expert's linear layers, which it quantizes):
+        `experts.{e}.gate_proj` and `.up_proj` joined, and `experts.{e}.down_proj`."""
+        layer, _, kind = theirs.rpartition(".experts.")
+        parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(kind)
+        if parts is None:
+            return None
+        return [tuple(f"{layer}.experts.{e}.{p}.weight" for p in parts) for e in range(args.n_experts)]
+
     def weight_names(self, args: ModelArgs) -> dict[str, str]:
         names = dict(self.weights.top)
         for i, kind in enumerate(args.extra["layer_types"]):

@@ -165,6 +165,12 @@ class Family:
         return cfg
 
     # -- weight names
+    def experts_one_by_one(self, theirs: str, args: ModelArgs) -> list[tuple[str, ...]] | None:
+        """Where the checkpoint stores a stacked experts tensor `theirs` one expert at a time instead
+        (as llm-compressor writes a quantized mixture of experts): per expert, the names of its
+        tensors, joined along their first dimension; None for a family without such a form."""
+        return None
+
     def weight_names(self, args: ModelArgs) -> dict[str, str | tuple[str, ...]]:
         """Our parameter name -> the checkpoint's (a tuple for a stacked expert weight: the
         checkpoint's tensor of each expert, in order)."""

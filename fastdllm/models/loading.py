@@ -405,6 +405,19 @@ def _read_weights(model, folder: Path, fmt, dtype, device, parts: dict) -> tuple
                 w = read(name, tuple(expected[ours][1:]), per_expert)
                 stack[e].copy_(w if isinstance(w, torch.Tensor) else w.dequantize(dtype))
             state[ours] = stack
+        elif theirs not in present and (one_by_one := model.family.experts_one_by_one(theirs, model.args)):
+            if parts.get(ours) is not None:
+                raise ValueError(f"tp: {folder} stores its experts one by one, which is not split yet (tp=1)")
+            lost = [t for names_of in one_by_one for t in names_of if t not in present and not quantized(t)]
+            if lost:
+                missing += lost
+                continue
+            stack = torch.empty(expected[ours], dtype=dtype, device=device)
+            for e, names_of in enumerate(one_by_one):
+                rows, cols = expected[ours][1] // len(names_of), expected[ours][2]
+                pieces = [read(name, (rows, cols)) for name in names_of]
+                stack[e].copy_(torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in pieces]))
+            state[ours] = stack
         elif theirs in present or quantized(theirs):
             w = read(theirs, tuple(expected[ours]), parts.get(ours))
             if isinstance(w, torch.Tensor):

@@ -54,6 +54,9 @@ class RankPlan:
         return self.weight_bytes + self.kv_cache_bytes
 
 
+STORED_FLOATING = ("fp8", "nvfp4")  # formats only a checkpoint brings (`quant.floating`)
+
+
 def _linear_bytes(numel: int, rows: int, quantize: str | None, group_size: int, dtype_bytes: int) -> float:
     if quantize == "int8":
         return numel + rows * 2
@@ -102,7 +105,9 @@ def plan(
             shape = list(p.shape)
             shape[dim] = sum(b - a for a, b in segments)
             rows = shape[0] if p.dim() <= 2 else shape[0] * shape[1]  # output rows (each expert's)
-            sharded += _linear_bytes(math.prod(shape), rows, None if p.dim() == 1 else quantize, group_size, size)
+            # a stored FP8 / NVFP4 checkpoint's routed experts are dequantized into their stacks at load
+            held = None if p.dim() == 1 or (routed and quantize in STORED_FLOATING) else quantize
+            sharded += _linear_bytes(math.prod(shape), rows, held, group_size, size)
         elif name in ("tok_embeddings.weight", "output.weight") and vocab_parallel:
             head_q = quantize if name == "output.weight" and quantize_head else None
             sharded += _linear_bytes(numel // tp, p.shape[0] // tp, head_q, group_size, size)
