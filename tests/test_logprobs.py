@@ -186,8 +186,12 @@ def test_filtered_alternatives_are_finite_json_whole_and_streamed(server):
                     assert all(LOGPROB_FLOOR <= v <= 0 for v in tops)
                     floors += sum(v == LOGPROB_FLOOR for v in tops)
     assert floors  # the filters really left alternatives without probability
-    again = server.client.chat.completions.create(model=MODEL, max_tokens=32, **cases[0][1])
-    assert all(t.logprob >= LOGPROB_FLOOR for c in again.choices[0].logprobs.content for t in c.top_logprobs)
+    for endpoint, body in cases:  # and the official client takes every one, whole and streamed
+        api = server.client.chat.completions if endpoint == "chat" else server.client.completions
+        extra = {k: body.pop(k) for k in ("top_k",) if k in body}
+        whole = api.create(model=MODEL, max_tokens=32, extra_body=extra, **body)
+        chunks = list(api.create(model=MODEL, max_tokens=32, stream=True, extra_body=extra, **body))
+        assert whole.choices[0].logprobs is not None and chunks
 
 
 def test_a_stop_string_inside_a_token_keeps_tokens_and_text_together(server, embedded):
