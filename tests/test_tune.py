@@ -316,3 +316,20 @@ def test_lm_eval_and_bench_take_a_preset_file(tmp_path, tiny_llada_dir, capsys):
     argv = ["bench", "--limit", "1", "--gen-length", "32", "--rows", "full", "--stop-at-eos", "off"]
     assert cli([*argv, "--no-sweeps", "--no-batch-check", "--preset", str(p), "--out", str(tmp_path / "b")]) == 0
     assert "tuned preset (tuned)" in capsys.readouterr().out
+
+
+def test_the_held_out_check_stops_at_the_time_budget_after_one_chunk():
+    """The held-out check decodes its settings side by side a chunk of problems at a time and stops
+    once the time budget is spent (having read at least one chunk), saying so."""
+    from fastdllm.tuning.search import TuneResult
+    from fastdllm.tuning.tune import check_held_out
+
+    fake = FakeEvaluator({None: set(), 0.9: set()}, {None: 100, 0.9: 8})
+    chosen = Candidate("t0.9", GenerationConfig(threshold=0.9))
+    reference = Candidate("reference", GenerationConfig.baseline())
+    result = TuneResult(chosen, reference, [chosen], [], [1], False, 0.0)
+    said = []
+    spent = check_held_out(result, fake, list(range(200)), [chosen], 0.9, 0.01, deadline=0.0, log=said.append, chunk=64)
+    assert spent["problems"] == 64 and any("held-out check read 64 of 200" in s for s in said)
+    whole = check_held_out(result, fake, list(range(200)), [chosen], 0.9, 0.01, log=said.append, chunk=64)
+    assert whole["problems"] == 200 and whole["rows"]["chosen"]["accuracy"] == 1.0

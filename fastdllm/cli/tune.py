@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-budget",
         type=seconds,
         default=seconds("10m"),
-        help="stop racing after this long (default 10m; e.g. 90s, 1h): the settings decoded by then compete",
+        help="stop racing after this long, and the held-out check after as long again (default 10m; e.g. "
+        "90s, 1h): the settings decoded by then compete, the problems checked by then count",
     )
     p.add_argument("--candidates", type=int, default=16, help="random combinations beside the one-field moves")
     p.add_argument(

@@ -106,23 +106,47 @@ def tune(
         reference_label=against,
     )
     result = race.run()
-    held_out = check_held_out(result, run, held, pool, confidence, budget / 100) if held else None
+    deadline = None if time_budget is None else time.perf_counter() + time_budget
+    held_out = check_held_out(result, run, held, pool, confidence, budget / 100, deadline, log) if held else None
     report = preset(model, task, budget, confidence, metric, seed, result, held_out)
     report["against"] = against
     return report
 
 
-def check_held_out(result: TuneResult, run, held: list[int], pool: list[Candidate], confidence, budget) -> dict:
+def check_held_out(
+    result: TuneResult,
+    run,
+    held: list[int],
+    pool: list[Candidate],
+    confidence,
+    budget,
+    deadline: float | None = None,
+    log: Callable[[str], None] = print,
+    chunk: int = 64,
+) -> dict:
     """The chosen setting, the reference, the default and Fast-dLLM's, decoded side by side on
-    problems the search never saw; the chosen one's drop there, with its bounds."""
+    problems the search never saw, `chunk` problems at a time until `deadline` (at least one chunk);
+    the chosen one's drop there, with its bounds."""
     named = {"reference": result.reference.config, "chosen": result.chosen.config}
     for c in pool:
         if c.label in ("default", "fast-dllm"):
             named[c.label] = c.config
+    decoded = {name: ([], 0.0, 0.0) for name in named}  # records, generation seconds, wall seconds
+    checked: list[int] = []
+    for k in range(0, len(held), chunk):
+        if checked and deadline is not None and time.perf_counter() > deadline:
+            log(f"tune: the time budget ran out: the held-out check read {len(checked)} of {len(held)} problems")
+            break
+        part = held[k : k + chunk]
+        for name, config in named.items():
+            t0 = time.perf_counter()
+            records, seconds = run(config, part)
+            before = decoded[name]
+            decoded[name] = (before[0] + records, before[1] + seconds, before[2] + time.perf_counter() - t0)
+        checked += part
+        log(f"  held-out check: {len(checked)}/{len(held)} problems")
     rows, correct = {}, {}
-    for name, config in named.items():
-        t0 = time.perf_counter()
-        records, seconds = run(config, held)
+    for name, (records, seconds, wall) in decoded.items():
         tokens = sum(r["num_tokens"] for r in records)
         positions = sum(r["forward_positions"] for r in records)
         correct[name] = [r["correct"] for r in sorted(records, key=lambda r: r["index"])]
@@ -131,11 +155,11 @@ def check_held_out(result: TuneResult, run, held: list[int], pool: list[Candidat
             "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
             "positions_per_token": positions / max(1, tokens),
             "nfe_per_sample": sum(r["nfe"] for r in records) / len(records),
-            "wall_s": time.perf_counter() - t0,
+            "wall_s": wall,
         }
     iv = drop_interval(correct["reference"], correct["chosen"], confidence)
     return {
-        "problems": len(held),
+        "problems": len(checked),
         "rows": rows,
         "drop": iv.drop,
         "drop_lower": iv.lower,
