@@ -237,6 +237,7 @@ class Race:
         racing, last = list(self.pool), []
         for k, size in enumerate(self.rungs):
             idx = self.calibration[:size]
+            self.log(f"  rung {k + 1}/{len(self.rungs)}: the {self.reference.label} on {size} problems")
             self.decode(self.reference, idx)
             ref = [self.reference.records[i]["correct"] for i in idx]
             done = []
