@@ -333,3 +333,18 @@ def test_the_held_out_check_stops_at_the_time_budget_after_one_chunk():
     assert spent["problems"] == 64 and any("held-out check read 64 of 200" in s for s in said)
     whole = check_held_out(result, fake, list(range(200)), [chosen], 0.9, 0.01, log=said.append, chunk=64)
     assert whole["problems"] == 200 and whole["rows"]["chosen"]["accuracy"] == 1.0
+
+
+def test_a_default_that_left_the_race_early_still_bounds_the_choice():
+    """The default, over budget at the first rung, is never decoded again; the one setting certified
+    at the end is slower than it: the default stays, compared on the problems both decoded (the
+    embedded model's default, run out of time at rung 2, was handed back as the reference)."""
+    n = 400
+    wrong = {None: set(), 0.9: set(range(0, n, 10)), 0.5: set(range(0, n, 8)), 0.99: set()}
+    cost = {None: 100, 0.9: 8, 0.5: 2, 0.99: 50}
+    pool = [Candidate("default", GenerationConfig(threshold=0.9))]
+    pool += [Candidate(f"t{t}", GenerationConfig(threshold=t)) for t in (0.5, 0.99)]
+    result = Race(FakeEvaluator(wrong, cost), GenerationConfig.baseline(), pool, list(range(n)), budget=0.02).run()
+    by = {c.label: c for c in pool}
+    assert len(by["default"].records) < n and by["t0.99"].interval.within(0.02)
+    assert result.kept_default and result.chosen.label == "default"

@@ -264,9 +264,11 @@ class Race:
                 break
         certified = [c for c in racing if c.interval is not None and c.interval.within(self.budget)]
         chosen = min(certified, key=lambda c: self.cost(c, last)) if certified else self.reference
-        # never slower than the default the race measured: with nothing faster certified, it stays
-        default = next((c for c in self.pool if c.label == "default" and all(i in c.records for i in last)), None)
-        kept_default = default is not None and self.cost(chosen, last) > self.cost(default, last)
+        # never slower than the default the race measured (on the problems both decoded, where it
+        # left the race early): with nothing faster certified, it stays
+        default = next((c for c in self.pool if c.label == "default"), None)
+        both = [] if default is None else [i for i in self.calibration if i in default.records and i in chosen.records]
+        kept_default = bool(both) and self.cost(chosen, both) > self.cost(default, both)
         if kept_default:
             chosen = default
         chosen.status = "chosen"
