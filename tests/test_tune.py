@@ -348,3 +348,4 @@ def test_a_default_that_left_the_race_early_still_bounds_the_choice():
     by = {c.label: c for c in pool}
     assert len(by["default"].records) < n and by["t0.99"].interval.within(0.02)
     assert result.kept_default and result.chosen.label == "default"
+    assert result.indices and all(i in by["default"].records for i in result.indices)  # its evidence

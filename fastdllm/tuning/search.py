@@ -269,8 +269,8 @@ class Race:
         default = next((c for c in self.pool if c.label == "default"), None)
         both = [] if default is None else [i for i in self.calibration if i in default.records and i in chosen.records]
         kept_default = bool(both) and self.cost(chosen, both) > self.cost(default, both)
-        if kept_default:
-            chosen = default
+        if kept_default:  # its evidence: the problems it decoded
+            chosen, last = default, [i for i in last if i in default.records] or both
         chosen.status = "chosen"
         return TuneResult(
             chosen,
