@@ -546,10 +546,7 @@ def load(
             model.generation_config = json.loads(gen_path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{gen_path}: not valid JSON ({e})") from None
-    declared = [getattr(model, "config", None) or {}, getattr(model, "generation_config", None) or {}]
-    model.stop_token_ids = sorted(
-        set(tokenizer.stop_token_ids()) | {model.args.eos_token_id} | stop_ids_of(declared, model.args.vocab_size)
-    )
+    model.stop_token_ids = stop_ids_of(model, tokenizer)
     model.name_or_path = str(path_or_repo_id) if path_or_repo_id is not None else "fastdllm/llada-arith"
     model.decoding = recognized_decoding(model.name_or_path, model.config) or model.decoding
     return model, tokenizer
@@ -737,13 +734,14 @@ def quantize_checkpoint(
     )
 
 
-def stop_ids_of(configs: list[dict], vocab_size: int) -> set[int]:
-    """Every id a checkpoint's configs (config.json, generation_config.json) name as `eos_token_id`,
-    one or a list (as transformers reads them: generation stops at any), within the vocabulary."""
-    ids = set()
-    for cfg in configs:
+def stop_ids_of(model, tokenizer) -> list[int]:
+    """The model's stop tokens: the tokenizer's (EOS, end of turn), the model's EOS, and every id its
+    checkpoint's configs (config.json, generation_config.json) name as `eos_token_id`, one or a list
+    (as transformers reads them: generation stops at any), within the vocabulary."""
+    ids = set(tokenizer.stop_token_ids()) | {model.args.eos_token_id}
+    for cfg in (getattr(model, "config", None) or {}, getattr(model, "generation_config", None) or {}):
         value = cfg.get("eos_token_id")
         for token in value if isinstance(value, list) else [value]:
-            if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size:
+            if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < model.args.vocab_size:
                 ids.add(token)
-    return ids
+    return sorted(ids)
