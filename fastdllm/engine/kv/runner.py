@@ -63,7 +63,7 @@ class KVRunner:
             if len(shift) == 1 and min(seq.starts) - next(iter(shift)) > 0:
                 return self._graphed(pages, seq, next(iter(shift)))
         partial = policy.partial_refreshes(seq, steps)
-        cache = pages.cache_for(seq)
+        cache = pages.cache_for(seq) if partial else None  # the check reads it; the forward takes its own
         before = policy.refresh.probe(cache, seq, partial) if partial else None
         parts = self.forward(pages, seq, windows)
         stale = policy.refresh.check(cache, seq, partial, before) if partial else []
