@@ -98,8 +98,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
-    def project(self, x, cos, sin):
-        """q, k, v (B, heads, T, head_dim) of a window, RoPE applied."""
+    def project(self, x, cos, sin, q_scale=None):
+        """q, k, v (B, heads, T, head_dim) of a window, RoPE applied; then q times `q_scale` (B, 1,
+        T, 1) where the model scales its queries by position (`Transformer.q_scale`)."""
         bsz, seqlen, _ = x.shape
         if hasattr(self, "wqkv"):  # heads in the order q..., k..., v...
             q, k, v = (
@@ -114,7 +115,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = apply_rope(q, cos, sin)
+        return q if q_scale is None else q * q_scale.to(q.dtype), apply_rope(k, cos, sin), v
 
     def attend(self, q, k, v, key_mask, layer_cache, window_start: int, spans=None) -> torch.Tensor:
         """Attention over the window's K/V, or over the whole cached sequence with this window's
@@ -192,22 +194,22 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, key_mask, layer_cache, window_start, dense=None, spans=None):
+    def forward(self, x, cos, sin, key_mask, layer_cache, window_start, dense=None, spans=None, q_scale=None):
         """`dense`: (before, after), compiled versions of `before_attention` / `after_attention`;
         `spans`: each row's key columns (`Attention.attend`)."""
         before, after = dense or (self.before_attention, self.after_attention)
-        q, k, v = before(x, cos, sin)
+        q, k, v = before(x, cos, sin, q_scale)
         return after(x, self.attention.attend(q, k, v, key_mask, layer_cache, window_start, spans))
 
-    def forward_segments(self, x, cos, sin, segments, layer_cache, slots, dense=None):
+    def forward_segments(self, x, cos, sin, segments, layer_cache, slots, dense=None, q_scale=None):
         before, after = dense or (self.before_attention, self.after_attention)
-        q, k, v = before(x, cos, sin)
+        q, k, v = before(x, cos, sin, q_scale)
         return after(x, self.attention.attend_segments(q, k, v, segments, layer_cache, slots))
 
     # The dense math on either side of attention (what `torch.compile` fuses); the attention itself,
     # which writes the cache in place, stays eager.
-    def before_attention(self, x, cos, sin):
-        return self.attention.project(self.attention_norm(x), cos, sin)
+    def before_attention(self, x, cos, sin, q_scale=None):
+        return self.attention.project(self.attention_norm(x), cos, sin, q_scale)
 
     def after_attention(self, x, attended):
         x = x + self.attention.wo(attended)
@@ -319,6 +321,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Per position (B, 1, T, 1), what the queries are multiplied by after RoPE (Llama 4's and
+        Ministral 3's long-context scale); None: by nothing."""
+        return None
+
     @property
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
@@ -367,8 +374,10 @@ class Transformer(nn.Module):
         if batch_invariant:  # each row attends alone (`invariance`); under BatchInvariant, see logits_for
             keys = tokens.shape[1] if cache is None else cache.length
             spans = key_spans(key_mask, tokens.shape[0], keys)
+        qs = self.query_scale(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, key_mask, None if cache is None else cache.layer(i), window_start, dense[i], spans)
+            layer_cache = None if cache is None else cache.layer(i)
+            x = layer(x, cos, sin, key_mask, layer_cache, window_start, dense[i], spans, qs)
         return self.norm(x)
 
     def packed_logits(
@@ -406,13 +415,7 @@ class Transformer(nn.Module):
             if not (0 <= lo <= start - shift + first and start < hi <= x.shape[1] and keys <= x.shape[1]):
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not cover logits for [{start}, {hi})")
             cols = torch.arange(lo, hi, device=x.device)
-            mask = None
-            if self.args.masks_last:
-                order = self.attention_order(x[row, : max(keys, hi)], torch.arange(max(keys, hi), device=x.device))
-                mask = order[None, :keys] <= order[lo:hi, None]
-            elif self.args.block_size and lo // bs < (keys - 1) // bs:  # else every query sees every key
-                mask = (torch.arange(keys, device=x.device) // bs)[None, :] <= (cols // bs)[:, None]
-            segments.append(Segment(row, lo, hi, keys, offset, mask))
+            segments.append(Segment(row, lo, hi, keys, offset, self.window_mask(x, row, lo, hi, keys, start, bs)))
             tokens.append(x[row, lo:hi])
             positions.append(cols)
             offset += hi - lo
@@ -428,21 +431,42 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
             dense = self.compiled_layers() if compiled else [None] * len(self.layers)
             slots = cache.write_slots([(s.row, s.lo, s.hi) for s in segments])  # the same in every layer
+            qs = self.query_scale(positions)
             for i, layer in enumerate(self.layers):
-                h = layer.forward_segments(h, cos, sin, segments, cache.layer(i), slots, dense[i])
+                h = layer.forward_segments(h, cos, sin, segments, cache.layer(i), slots, dense[i], qs)
             h = self.norm(h)[0]
-            picks = []
-            for s, (_, lo, hi, _, start) in zip(segments, windows):
-                a = s.offset + start - shift - lo
-                if start == lo and shift:
-                    picks.append(torch.cat([h[s.offset : s.offset + 1], h[s.offset : s.offset + hi - shift - lo]]))
-                else:
-                    picks.append(h[a : a + hi - start])
+            picks = [
+                h[s.offset : s.offset + s.width][self.logit_columns(s.lo, s.hi, start)]
+                for s, (*_, start) in zip(segments, windows)
+            ]
             # the head sees the picked columns only: their adapters, in that order
             picked = [(adapters.get(row, -1), hi - start) for row, _, hi, _, start in windows] if adapters else None
             with self.adapted(picked):
                 out = self.head(torch.cat(picks))
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
+
+    def window_mask(self, x, row: int, lo: int, hi: int, keys: int, start: int, block_size: int):
+        """(hi - lo, keys) bool: which of row `row`'s keys [0, keys) each query column [lo, hi) of a
+        window attends (the logits read from `start`); None where every query sees every key. A
+        block-causal model's queries see their block and the blocks before it (blocks of
+        `block_size`), WeDLM's masks come after every token."""
+        if self.args.masks_last:
+            order = self.attention_order(x[row, : max(keys, hi)], torch.arange(max(keys, hi), device=x.device))
+            return order[None, :keys] <= order[lo:hi, None]
+        if self.args.block_size and lo // block_size < (keys - 1) // block_size:  # else all see all
+            cols = torch.arange(lo, hi, device=x.device)
+            return (torch.arange(keys, device=x.device) // block_size)[None, :] <= (cols // block_size)[:, None]
+        return None
+
+    def logit_columns(self, lo: int, hi: int, start: int) -> torch.Tensor | slice:
+        """Which of a window's columns (0 = its column `lo`) give the logits of positions
+        [start, hi): the positions' own, or with shifted logits the column before each; a shifted
+        window that opens at `start` has no column before it, and its first logit is that column's
+        own output."""
+        shift = 1 if self.args.shifted_logits else 0
+        if start == lo and shift:
+            return torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(hi - shift - lo)])
+        return slice(start - shift - lo, hi - shift - lo)
 
     def attention_order(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Where each token comes in causal attention's order: its position, or with `masks_last`
