@@ -112,7 +112,9 @@ def random_model(arch: str, tokenizer, seed: int = 0, **overrides):
         torch.manual_seed(seed)
         from fastdllm.models import Transformer
 
-        model = Transformer(args, family=fam, config=model.config, stop_token_ids=tokenizer.stop_token_ids())
+        model = (fam.model_class or Transformer)(
+            args, family=fam, config=model.config, stop_token_ids=tokenizer.stop_token_ids()
+        )
         for p in model.parameters():
             if p.dim() >= 2:
                 torch.nn.init.normal_(p, std=0.02)

@@ -482,11 +482,19 @@ class GenerationConfig:
     diffusion_gemma = _preset_method(
         "diffusion_gemma", "DiffusionGemma's decoding: canvases of 256 renoised under an entropy bound."
     )
+    nemotron_labs_diffusion = _preset_method(
+        "nemotron_labs_diffusion",
+        "Nemotron-Labs-Diffusion's diffusion mode: blocks of 32 opened causally, threshold 0.9 against the cache.",
+    )
+    nemotron_labs_diffusion_ar = _preset_method(
+        "nemotron_labs_diffusion_ar", "Nemotron-Labs-Diffusion's autoregressive mode: one token per causal forward."
+    )
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
         """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "d3llm", "dmax",
-        "rnd1", "diffusion_gemma", "diffucoder", "dream-coder", "wedlm")."""
+        "rnd1", "diffusion_gemma", "diffucoder", "dream-coder", "wedlm", "nemotron_labs_diffusion",
+        "nemotron_labs_diffusion_ar")."""
         if name not in presets.PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(presets.PRESETS)} (got {name!r})")
         return presets.PRESETS[name](cls, **overrides)

@@ -48,7 +48,7 @@ SELECTION_RULES = Names(
     ),
 )
 # A model family's own proposal (`DecodingRules.proposal`).
-PROPOSALS = Names("proposal", ("sdar", "fast_dllm_v2", "llada2", "rnd1"))
+PROPOSALS = Names("proposal", ("sdar", "fast_dllm_v2", "llada2", "rnd1", "nemotron_labs_diffusion"))
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 

@@ -7,7 +7,8 @@ its presets and its rules are read and checked without torch, so that the comman
 mistyped flag before it imports torch, and the sandbox reads configs with no torch at all. Where each
 is implemented (`engine/decode/`): baseline `llada.py`; fast_dllm `fast_dllm.py`; dparallel and d3llm
 `dparallel.py` (d3llm's lookahead and early stop too); dmax `dmax.py` and `llada2.py` (its editing);
-rnd1 `rnd1.py`; wedlm `wedlm.py`; the coders `dream.py`; diffusion_gemma `renoising.py`."""
+rnd1 `rnd1.py`; wedlm `wedlm.py`; the coders `dream.py`; diffusion_gemma `renoising.py`;
+nemotron_labs_diffusion and its autoregressive mode `nemotron_labs_diffusion.py`."""
 
 from __future__ import annotations
 
@@ -156,6 +157,23 @@ def diffusion_gemma(cls, **overrides):
     return _published(cls, overrides, **{"block_length": 256, **fields})
 
 
+def nemotron_labs_diffusion(cls, **overrides):
+    """Nemotron-Labs-Diffusion's diffusion mode (its remote code's `generate`, with the settings its
+    model card runs): blocks of 32, each opened by the causal pass that commits the block before it
+    (its prediction is the block's first token), then every masked position at least 0.9 likely
+    (always the most likely) against that cache, until the block holds no mask or a stop token with
+    no mask before it; greedy. Gen length 256."""
+    fields = dict(threshold=0.9, cache="dual", suffix_window=0, refresh="vicinity", eos_early_stop=True)
+    return _published(cls, overrides, **fields)
+
+
+def nemotron_labs_diffusion_ar(cls, **overrides):
+    """Nemotron-Labs-Diffusion's autoregressive mode (its remote code's `ar_generate`): one token per
+    causal forward, greedy. Blocks of one position; gen length 256."""
+    fields = dict(block_length=1, threshold=None, cache="dual", suffix_window=0, refresh="vicinity")
+    return _published(cls, overrides, **fields)
+
+
 PRESET_FORMAT = "fastdllm-preset/1"
 
 
@@ -189,6 +207,8 @@ PRESETS = {
     "diffucoder": diffucoder,
     "dream-coder": dream_coder,
     "wedlm": wedlm,
+    "nemotron_labs_diffusion": nemotron_labs_diffusion,
+    "nemotron_labs_diffusion_ar": nemotron_labs_diffusion_ar,
 }
 
 

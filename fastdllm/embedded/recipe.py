@@ -195,7 +195,7 @@ def new_model(
     # The special-token ids the family's config.json names, from our tokenizer (not the reference's).
     ids = {"bos_token_id": tokenizer.token_to_id(SPECIAL_TOKENS["bos"]), "pad_token_id": tokenizer.pad_token_id}
     torch.manual_seed(seed)
-    model = Transformer(
+    model = (family.model_class or Transformer)(
         args,
         family=family,
         config={k: v for k, v in ids.items() if k in family.reference_config},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import diffusion_gemma, dream, fast_dllm_v2, llada, llada2, llada_moe, rnd1, sdar, wedlm
+from . import diffusion_gemma, dream, fast_dllm_v2, llada, llada2, llada_moe, nemotron_labs_diffusion, rnd1, sdar, wedlm
 from .family import Family
 from .transformer import ModelArgs, Transformer
 
@@ -18,6 +18,7 @@ FAMILIES: dict[str, Family] = {
         rnd1.FAMILY,
         diffusion_gemma.FAMILY,
         wedlm.FAMILY,
+        nemotron_labs_diffusion.FAMILY,
     )
 }
 # Other model_type spellings of a family.
@@ -50,6 +51,7 @@ __all__ = [
     "fast_dllm_v2",
     "llada2",
     "llada_moe",
+    "nemotron_labs_diffusion",
     "rnd1",
     "sdar",
     "wedlm",

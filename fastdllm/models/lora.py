@@ -195,7 +195,9 @@ class LoRAAdapters:
 def attach_adapters(model, adapters: dict[str, str | os.PathLike]) -> LoRAAdapters:
     """Load named adapters beside `model`'s weights (`model.lora`); rows choose one by name
     (`GenerationConfig.adapter`)."""
-    if model.family.model_class is not None:
+    from .transformer import TransformerBlock
+
+    if not isinstance(model.layers[0], TransformerBlock):
         raise ValueError(f"lora_modules: not yet for {model.family.name} (its layers are not the shared transformer's)")
     lora = getattr(model, "lora", None) or LoRAAdapters(model)
     for name, path in adapters.items():

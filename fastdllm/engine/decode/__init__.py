@@ -6,7 +6,8 @@ The files: the shared parts (`decision`: what a strategy returns; `sampling`: pe
 (threshold, factor), `llada` (its proposal and linear schedule), `dream` (its `alg` scores and
 timestep schedule), `dparallel` (the entropy threshold, d3LLM's lookahead), `sdar`,
 `fast_dllm_v2` (sub-blocks), `dmax`, `llada2` (LLaDA2.1's editing), `rnd1`, `renoising`
-(DiffusionGemma's canvas without a mask token) and `wedlm` (its sliding window).
+(DiffusionGemma's canvas without a mask token), `wedlm` (its sliding window) and
+`nemotron_labs_diffusion` (its proposal).
 
 An `UnmaskingStrategy` is one policy, built once from a config (`UnmaskingStrategy.from_config`)
 and passed to the loop. Two separate choices make it, each an object:
@@ -66,6 +67,7 @@ from .fast_dllm_v2 import FastDLLMv2Proposal, SubBlocks
 from .llada import LinearSchedule, LLaDAProposal
 from .llada2 import Editing, LLaDA2Proposal
 from .lookahead import Lookahead
+from .nemotron_labs_diffusion import NemotronLabsDiffusionProposal
 from .proposals import Proposal
 from .renoising import RenoisingStrategy, check_canvas
 from .rnd1 import RND1Proposal, RND1Schedule
@@ -97,6 +99,7 @@ __all__ = [
     "LeftToRight",
     "LinearSchedule",
     "Lookahead",
+    "NemotronLabsDiffusionProposal",
     "Proposal",
     "Quota",
     "RND1Proposal",

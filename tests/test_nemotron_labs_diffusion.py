@@ -1,0 +1,205 @@
+"""Nemotron-Labs-Diffusion: its checkpoints as its remote code reads them, and its autoregressive and
+diffusion modes token for token as that code decodes (`tests/reference/nemotron_labs_diffusion.py`
+runs it: set FASTDLLM_NEMOTRON_REFERENCE to a folder holding `modeling_nemotron_labs_diffusion.py` and
+`configuration_nemotron_labs_diffusion.py` as its checkpoints ship them, and FASTDLLM_NEMOTRON_PYTHON
+to an interpreter with transformers >= 5.0 and torch; without them the recorded runs replay)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastdllm
+from fastdllm import GenerationConfig
+from fastdllm.models import nemotron_labs_diffusion as nld
+from fastdllm.models.loading import save_pretrained
+from tests.test_reference import _LIVE_RESULTS, PARTS, _reference_runs, compared, live_or_recorded, weights_digest
+
+NLD_CHECKOUT = os.environ.get("FASTDLLM_NEMOTRON_REFERENCE")
+NLD_PYTHON = os.environ.get("FASTDLLM_NEMOTRON_PYTHON")
+NLD_RUNNER = Path(__file__).parent / "reference" / "nemotron_labs_diffusion.py"
+NLD_LIVE = bool(NLD_CHECKOUT and NLD_PYTHON and Path(NLD_CHECKOUT, "modeling_nemotron_labs_diffusion.py").exists())
+NLD_REASON = "set FASTDLLM_NEMOTRON_REFERENCE (its remote code's folder) and FASTDLLM_NEMOTRON_PYTHON"
+
+# YaRN with an attention factor above 1 (mscale without mscale_all_dim) and an original context of
+# 16 positions, so that Llama 4's query scale is above 1 from position 16 on
+ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
+
+def nemotron_model(tokenizer):
+    """A tiny Nemotron-Labs-Diffusion of seeded random weights (grouped-query attention, a head width
+    of its own, YaRN), its head sharpened (several positions over a threshold at once) and EOS made
+    likelier (answers that stop)."""
+    from tests.conftest import random_model
+
+    model = random_model(
+        "nemotron_labs_diffusion", tokenizer, seed=12, n_heads=4, n_kv_heads=2, head_size=16, extra={"rope": ROPE}
+    )
+    with torch.no_grad():
+        model.output.weight.mul_(6.0)
+        model.output.weight[model.args.eos_token_id].mul_(1.5)
+    return model
+
+
+_DIFF = dict(mode="diffusion", gen_length=24, block_length=8, threshold=0.9, temperature=0.0, seed=0)
+NLD_CONFIGS = [
+    dict(mode="ar", gen_length=20, temperature=0.0, stop_at_eos=True),
+    dict(mode="ar", gen_length=20, temperature=0.0, stop_at_eos=False),
+    dict(mode="ar", gen_length=20, temperature=0.7, seed=4, stop_at_eos=False),
+    dict(_DIFF, stop_at_eos=True),
+    dict(_DIFF, stop_at_eos=False),
+    dict(_DIFF, threshold=0.5, stop_at_eos=False),
+    dict(_DIFF, threshold=None, block_length=4, stop_at_eos=False),
+    dict(_DIFF, block_length=1, gen_length=12, stop_at_eos=True),
+    dict(_DIFF, threshold=0.5, temperature=0.8, seed=5, stop_at_eos=False),
+    dict(_DIFF, threshold=0.9, temperature=0.8, seed=6, stop_at_eos=True),
+]
+# (the sampled runs' seeds draw no [MASK]: the reference writes a drawn [MASK] back, which leaves the
+# position masked, where we take the best other token: `engine.decode.strategy`)
+TEXTS = ["Question: 3 + 4 = ? Answer:", "Question: what is 2 + 2?", "Tom has 5 apples and buys 3 more. He has"]
+
+
+def ours_config(c: dict) -> GenerationConfig:
+    """Our config for one of the reference's runs."""
+    stop = c["stop_at_eos"]
+    common = dict(gen_length=c["gen_length"], temperature=c["temperature"], seed=c.get("seed", 0), stop_at_eos=stop)
+    if c["mode"] == "ar":
+        return GenerationConfig.nemotron_labs_diffusion_ar(**common)
+    return GenerationConfig.nemotron_labs_diffusion(
+        block_length=c["block_length"], threshold=c["threshold"], eos_early_stop=stop, **common
+    )
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return nemotron_model(tokenizer)
+
+
+@live_or_recorded(NLD_LIVE, "nemotron_labs_diffusion", reason=NLD_REASON)
+@pytest.mark.parametrize("part", PARTS)
+def test_decodes_as_its_remote_code(model, tokenizer, tmp_path, part):
+    """Its causal and bidirectional passes give the remote code's logits, and its autoregressive
+    mode (`ar_generate`) and diffusion mode (`generate`, greedy and sampled under the same seed,
+    thresholds, one position per step, blocks of one) the same tokens with the same forwards
+    counted (its uncounted prefill is our first forward; its last block's closing causal pass,
+    which only seeds a block that never comes, we do not run); greedy rows in a batch decode as
+    alone."""
+    folder = save_pretrained(model, tmp_path / "nld", tokenizer, dtype=torch.float32)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    mask = model.mask_token_id
+    # a block being decoded after a prompt of which it holds the first token: past position 16
+    sequences = [[p + p[:3] + [mask] * 5, len(p) + 1] for p in prompts]
+    spec = {"logits": sequences, "prompts": prompts, "configs": NLD_CONFIGS}
+    code = NLD_CHECKOUT if NLD_LIVE else None
+    theirs = list(_reference_runs(NLD_PYTHON, NLD_RUNNER, code, folder, spec, "nemotron_labs_diffusion"))
+    live = _LIVE_RESULTS.get(("nemotron_labs_diffusion", weights_digest(folder)))
+    for (seq, k), logits in zip(sequences, live["logits"] if live else ()):
+        x = torch.tensor([seq])
+        assert torch.allclose(model(x)[0], torch.tensor(logits["causal"]), atol=1e-4, rtol=1e-4)
+        from fastdllm.engine.kv.pages import PagedKVCache
+
+        cache = PagedKVCache.for_rows(model, 1, len(seq))
+        canvas = model.packed_logits(x, [(0, 0, len(seq), len(seq), k)], cache, block_size=len(seq) - k)[0]
+        assert torch.allclose(canvas[1:], torch.tensor(logits["canvas"])[1:], atol=1e-4, rtol=1e-4)
+    eos = model.args.eos_token_id
+    stopped = parallel = sampled = 0
+    for c, prompt, ref in compared(NLD_CONFIGS, prompts, iter(theirs), part):
+        ours = fastdllm.generate(model, [prompt], config=ours_config(c))
+        tokens = ours.sequences[0].tolist()
+        n = len(ref["tokens"])
+        assert tokens[:n] == ref["tokens"], (c, prompt)
+        assert tokens[n:] == [eos] * (c["gen_length"] - n)  # after a stop: EOS
+        # a block whose first token (the causal pass's) is the stop: the reference still runs one
+        # bidirectional pass over it before its stop rule looks; we stop at once
+        first_in_block = c["mode"] == "diffusion" and n < c["gen_length"] and (n - 1) % c["block_length"] == 0
+        assert ours.nfe == ref["nfe"] - (first_in_block and c["block_length"] > 1), (c, ours.nfe, ref["nfe"])
+        stopped += n < c["gen_length"]
+        parallel += max(ours.tokens_per_step[0]) > 1
+        sampled += c["temperature"] > 0
+    assert sampled
+    if part == "all":
+        assert stopped and parallel  # answers that stopped at EOS, steps that revealed several
+        for k, c in enumerate(NLD_CONFIGS):
+            refs = theirs[k * len(prompts) : (k + 1) * len(prompts)]
+            if c["temperature"] == 0:
+                batch = fastdllm.generate(model, prompts, config=ours_config(c))
+                for row, ref in zip(batch.sequences.tolist(), refs):
+                    assert row[: len(ref["tokens"])] == ref["tokens"], c
+
+
+def test_its_published_config_reads_and_writes_as_its_config_class(tmp_path, tokenizer):
+    """The 3B's config.json: its Ministral 3 sizes, mask id 100, YaRN, Llama 4's query scale; a
+    saved checkpoint keeps its RoPE parameters; what it cannot run is refused, naming the field."""
+    args = nld.FAMILY.args_from_config(nld.REFERENCE_CONFIG)
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim) == (3072, 26, 32, 8, 128)
+    assert (args.mask_token_id, args.eos_token_id, args.shifted_logits, args.tie_embeddings) == (100, 2, True, False)
+    assert args.extra["rope"]["rope_type"] == "yarn" and args.rope_theta == 1e6
+    saved = nld.FAMILY.config_from_args(args)
+    assert saved["rope_parameters"] == nld.REFERENCE_CONFIG["rope_parameters"]
+    for field, value in (
+        ("dlm_paradigm", "block_diff"),
+        ("tie_word_embeddings", True),
+        ("attention_bias", True),
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e6}),
+    ):
+        with pytest.raises(ValueError, match=field):
+            nld.FAMILY.args_from_config({**nld.REFERENCE_CONFIG, field: value})
+
+
+def test_yarn_matches_transformers(model):
+    """YaRN's frequencies and attention factor, and Llama 4's query scale, as transformers computes
+    them (where it is installed)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.PretrainedConfig(
+        hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=2048, rope_parameters=dict(ROPE)
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours, our_factor = nld.yarn_inv_freq(ROPE, 16, 2048)
+    assert torch.equal(ours, inv_freq) and our_factor == factor > 1
+    scale = model.query_scale(torch.tensor([[0, 15, 16, 40]]))[0, 0, :, 0]
+    assert scale[:2].tolist() == [1.0, 1.0] and scale[2] > 1 and scale[3] > scale[2]
+
+
+def test_modes_from_the_command_line_and_the_server_names(model, tokenizer, tmp_path, capsys):
+    """A saved checkpoint decodes in its diffusion mode unless told otherwise; `--preset` picks the
+    autoregressive mode; both answer the same greedy tokens for a prompt whose answer the causal
+    pass alone decides (blocks of one position reveal as the autoregressive mode does)."""
+    from fastdllm.cli.main import main
+
+    folder = save_pretrained(model, tmp_path / "nld", tokenizer, dtype=torch.float32)
+    loaded, _ = fastdllm.load(folder)
+    assert loaded.decoding == "nemotron_labs_diffusion"
+    config = GenerationConfig.for_model(loaded)
+    assert (config.block_length, config.threshold, config.cache, config.eos_early_stop) == (32, 0.9, "dual", True)
+    prompt = tokenizer.encode(TEXTS[0])
+    ar = fastdllm.generate(loaded, [prompt], config=GenerationConfig.nemotron_labs_diffusion_ar(gen_length=8))
+    blocks_of_one = GenerationConfig.nemotron_labs_diffusion(gen_length=8, block_length=1)
+    assert fastdllm.generate(loaded, [prompt], config=blocks_of_one).sequences.tolist() == ar.sequences.tolist()
+    assert ar.nfe == 8 or ar.sequences[0].tolist().count(model.args.eos_token_id)
+    args = ["generate", "--model", str(folder), "--preset", "nemotron_labs_diffusion_ar", "--max-new-tokens", "8"]
+    assert main([*args, "--raw", "--json", TEXTS[0]]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["block_length"] == 1 and result["config"]["gen_length"] == 8
+    assert result["text"] == tokenizer.decode(ar.sequences[0].tolist(), skip_special_tokens=True)
+
+
+def test_bad_input_is_refused_by_name(model):
+    with pytest.raises(ValueError, match="preset"):
+        GenerationConfig.preset("nemotron_labs_difusion")
+    with pytest.raises(ValueError, match="logits for"):
+        model.logits_for(torch.tensor([[1, 2, 3]]), 0, 2)
