@@ -203,3 +203,45 @@ def test_bad_input_is_refused_by_name(model):
         GenerationConfig.preset("nemotron_labs_difusion")
     with pytest.raises(ValueError, match="logits for"):
         model.logits_for(torch.tensor([[1, 2, 3]]), 0, 2)
+
+
+def test_served_in_both_modes_each_request_as_alone(model, tokenizer):
+    """The server decodes it in its diffusion mode by default and in blocks of one position (its
+    autoregressive mode's tokens) on request; requests that arrive together answer as alone."""
+    import threading
+
+    from tests.test_server import LiveServer, wait_for
+
+    srv = LiveServer(model, tokenizer, defaults=GenerationConfig.for_model(model).replace(gen_length=32))
+    try:
+        jobs = [
+            dict(prompt=TEXTS[i % 3], max_tokens=16, seed=i, temperature=0.0 if i % 2 else 0.7, extra_body=extra)
+            for i, extra in enumerate([{}, {}, {}, {"block_length": 1}, {"block_length": 1}, {"threshold": 0.5}])
+        ]
+        results: list = [None] * len(jobs)
+
+        def call(i):
+            results[i] = srv.client.completions.create(model="llada-arith", **jobs[i])  # LiveServer's served name
+
+        srv.scheduler.pause()
+        try:
+            threads = [threading.Thread(target=call, args=(i,)) for i in range(len(jobs))]
+            for t in threads:
+                t.start()
+            wait_for(lambda: srv.health()["queued"] == len(jobs))
+        finally:
+            srv.scheduler.resume()
+        for t in threads:
+            t.join(120)
+        for i, kw in enumerate(jobs):
+            single = srv.client.completions.create(model="llada-arith", **kw)
+            assert results[i].choices[0].text == single.choices[0].text, i
+        ar = fastdllm.generate(
+            model, [tokenizer.encode(TEXTS[0])], config=GenerationConfig.nemotron_labs_diffusion_ar(gen_length=16)
+        )
+        assert results[3].usage.completion_tokens <= 16
+        assert results[3].choices[0].text == tokenizer.decode(
+            [t for t in ar.sequences[0].tolist() if t != model.args.eos_token_id], skip_special_tokens=True
+        )
+    finally:
+        srv.stop()
