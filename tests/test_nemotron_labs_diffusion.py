@@ -66,6 +66,9 @@ NLD_CONFIGS = [
     dict(_DIFF, block_length=1, gen_length=12, stop_at_eos=True),
     dict(_DIFF, threshold=0.5, temperature=0.8, seed=5, stop_at_eos=False),
     dict(_DIFF, threshold=0.9, temperature=0.8, seed=6, stop_at_eos=True),
+    dict(mode="linear_spec", gen_length=20, block_length=8, temperature=0.0, stop_at_eos=True),
+    dict(mode="linear_spec", gen_length=20, block_length=4, threshold=0.5, temperature=0.0, stop_at_eos=False),
+    dict(mode="linear_spec", gen_length=20, block_length=8, temperature=0.7, seed=5, stop_at_eos=False),
 ]
 # (the sampled runs' seeds draw no [MASK]: the reference writes a drawn [MASK] back, which leaves the
 # position masked, where we take the best other token: `engine.decode.strategy`)
@@ -78,6 +81,10 @@ def ours_config(c: dict) -> GenerationConfig:
     common = dict(gen_length=c["gen_length"], temperature=c["temperature"], seed=c.get("seed", 0), stop_at_eos=stop)
     if c["mode"] == "ar":
         return GenerationConfig.nemotron_labs_diffusion_ar(**common)
+    if c["mode"] == "linear_spec":
+        return GenerationConfig.nemotron_labs_diffusion_linear_spec(
+            window_size=c["block_length"], threshold=c.get("threshold"), **common
+        )
     return GenerationConfig.nemotron_labs_diffusion(
         block_length=c["block_length"], threshold=c["threshold"], eos_early_stop=stop, **common
     )
@@ -119,7 +126,10 @@ def test_decodes_as_its_remote_code(model, tokenizer, tmp_path, part):
     for c, prompt, ref in compared(NLD_CONFIGS, prompts, iter(theirs), part):
         ours = fastdllm.generate(model, [prompt], config=ours_config(c))
         tokens = ours.sequences[0].tolist()
+        ref["tokens"] = ref["tokens"][: c["gen_length"]]  # LinearSpec keeps what its last cycle accepted
         n = len(ref["tokens"])
+        if c["mode"] == "linear_spec":
+            assert ours.acceptances[0] == ref["accepts"], (c, prompt)
         assert tokens[:n] == ref["tokens"], (c, prompt)
         assert tokens[n:] == [eos] * (c["gen_length"] - n)  # after a stop: EOS
         # a block whose first token (the causal pass's) is the stop: the reference still runs one

@@ -210,7 +210,7 @@ class GenerationConfig:
         16,
         "int",
         "unmasking=wedlm: a step reveals only among this many positions from the first masked one "
-        "(WeDLM's sliding window)",
+        "(WeDLM's sliding window); unmasking=linear_spec: the draft's length (LinearSpec's block)",
         checks=((_positive_int, "must be a positive integer"),),
     )
     pos_penalty_factor: float = _opt(
@@ -489,12 +489,16 @@ class GenerationConfig:
     nemotron_labs_diffusion_ar = _preset_method(
         "nemotron_labs_diffusion_ar", "Nemotron-Labs-Diffusion's autoregressive mode: one token per causal forward."
     )
+    nemotron_labs_diffusion_linear_spec = _preset_method(
+        "nemotron_labs_diffusion_linear_spec",
+        "Nemotron-Labs-Diffusion's LinearSpec: a bidirectional draft of 31 positions verified by a causal pass.",
+    )
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GenerationConfig:
         """A named preset: one of PRESETS ("default", "fast-dllm", "baseline", "dparallel", "d3llm", "dmax",
         "rnd1", "diffusion_gemma", "diffucoder", "dream-coder", "wedlm", "nemotron_labs_diffusion",
-        "nemotron_labs_diffusion_ar")."""
+        "nemotron_labs_diffusion_ar", "nemotron_labs_diffusion_linear_spec")."""
         if name not in presets.PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(presets.PRESETS)} (got {name!r})")
         return presets.PRESETS[name](cls, **overrides)
@@ -595,8 +599,9 @@ class GenerationConfig:
     @property
     def columns_past_answer(self) -> int:
         """Masked positions after the answer that decoding may reveal (and the answer attend to):
-        WeDLM's window runs `window_size - 1` past the answer's last position."""
-        return self.window_size - 1 if self.unmasking == "wedlm" else 0
+        WeDLM's window runs `window_size - 1` past the answer's last position, a LinearSpec draft
+        `window_size` past (its verification reads one column more)."""
+        return {"wedlm": self.window_size - 1, "linear_spec": self.window_size}.get(self.unmasking, 0)
 
     @property
     def total_steps(self) -> int:

@@ -45,6 +45,7 @@ SELECTION_RULES = Names(
         "rnd1",
         "entropy_bound",
         "wedlm",
+        "linear_spec",
     ),
 )
 # A model family's own proposal (`DecodingRules.proposal`).

@@ -8,7 +8,8 @@ mistyped flag before it imports torch, and the sandbox reads configs with no tor
 is implemented (`engine/decode/`): baseline `llada.py`; fast_dllm `fast_dllm.py`; dparallel and d3llm
 `dparallel.py` (d3llm's lookahead and early stop too); dmax `dmax.py` and `llada2.py` (its editing);
 rnd1 `rnd1.py`; wedlm `wedlm.py`; the coders `dream.py`; diffusion_gemma `renoising.py`;
-nemotron_labs_diffusion and its autoregressive mode `nemotron_labs_diffusion.py`."""
+nemotron_labs_diffusion and its autoregressive mode `nemotron_labs_diffusion.py`, its LinearSpec
+`linear_spec.py`."""
 
 from __future__ import annotations
 
@@ -174,6 +175,17 @@ def nemotron_labs_diffusion_ar(cls, **overrides):
     return _published(cls, overrides, **fields)
 
 
+def nemotron_labs_diffusion_linear_spec(cls, **overrides):
+    """Nemotron-Labs-Diffusion's LinearSpec self-speculation (its remote code's
+    `linear_spec_generate` with its defaults): a bidirectional pass drafts the 31 positions after
+    the last token (a block of 32 with it), a causal pass of the same weights verifies them, and the
+    longest run of drafts the causal pass agrees with is kept with the causal pass's next token
+    after it; the rest are masked again. Greedy; gen length 256."""
+    fields = dict(unmasking="linear_spec", window_size=32, block_length=1, threshold=None, cache="dual")
+    fields.update(suffix_window=0, refresh="vicinity", temperature=0.0)
+    return _published(cls, overrides, **fields)
+
+
 PRESET_FORMAT = "fastdllm-preset/1"
 
 
@@ -209,6 +221,7 @@ PRESETS = {
     "wedlm": wedlm,
     "nemotron_labs_diffusion": nemotron_labs_diffusion,
     "nemotron_labs_diffusion_ar": nemotron_labs_diffusion_ar,
+    "nemotron_labs_diffusion_linear_spec": nemotron_labs_diffusion_linear_spec,
 }
 
 

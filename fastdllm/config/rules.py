@@ -55,18 +55,18 @@ def check_selection(config) -> None:
         "threshold",
         "unmasking=entropy needs a threshold (an entropy, in nats)",
     )
-    if config.unmasking == "wedlm":  # its window moves one position at a time: blocks of one
+    if config.unmasking in ("wedlm", "linear_spec"):  # its window moves by positions: blocks of one
         need(
             config.block_length == 1,
             config,
             "block_length",
-            "must be 1 with unmasking=wedlm (its window slides by positions)",
+            f"must be 1 with unmasking={config.unmasking} (its window slides by positions)",
         )
         need(
             config.parallel_blocks == 1,
             config,
             "parallel_blocks",
-            "must be 1 with unmasking=wedlm (its window is window_size)",
+            f"must be 1 with unmasking={config.unmasking} (its window is window_size)",
         )
     need(config.stop_at_eos or not config.eos_early_stop, config, "eos_early_stop", "needs stop_at_eos")
     need(

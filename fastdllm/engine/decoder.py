@@ -261,7 +261,7 @@ class BlockDecoder:
         )
         if self.logprobs is not None:
             self.logprobs.record(logits, columns, decision, rows)
-        window, steps_of = decision.applied(window, steps_of, self.row_nfe, self.model.args.eos_token_id)
+        window, steps_of = decision.applied(window, steps_of, self.row_nfe, self.model.args.eos_token_id, self.mask_id)
         self.row_nfe += 1
         self.x.scatter_(1, columns, window)
         self.step_of.scatter_(1, columns, steps_of)
@@ -271,7 +271,9 @@ class BlockDecoder:
         if decision.signal is not None or decision.carry is not None:
             self._carry_on(view.starts, decision, done)
         record = Step(list(rows), [r.block for r in rows], window[:, :blk], decision.chosen, decision.edited)
-        self._after_step(window, steps_of, done, decision.revealed_counts(), work, columns)
+        self._after_step(
+            window, steps_of, done, decision.revealed_counts(), work, columns, decision.final_later, decision.accepted
+        )
         return record
 
     def _chunk(self, r: Row) -> int:
@@ -323,9 +325,20 @@ class BlockDecoder:
             vectors, keep = self.model.soft_input(signal.payload(i)), signal.keep(i)
             r.soft = (cols, vectors) if keep is None else (cols[keep], vectors[keep])
 
-    def _after_step(self, window, steps_of, done: torch.Tensor, revealed_counts: torch.Tensor, work, columns) -> None:
+    def _after_step(
+        self,
+        window,
+        steps_of,
+        done: torch.Tensor,
+        revealed_counts: torch.Tensor,
+        work,
+        columns,
+        final_later=None,
+        accepted=None,
+    ) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
-        move to their next block (past any that the blocks before revealed whole). One read from
+        move to their next block (past any that the blocks before revealed whole, or as many as
+        the decoder made final: `final_later`). One read from
         the device: the rows' windows (their current block and those after it, at `columns`), and
         per row whether its block is over, what it revealed and whether the block holds a stop
         token; and where a row whose block ends reports log-probabilities, its window's."""
@@ -338,10 +351,16 @@ class BlockDecoder:
         if n_later and self.strategy.later_blocks_final:
             later_masked = (window[:, blk:] == self.mask_id).view(len(rows), n_later, blk)
             whole = (~later_masked.any(-1)).long().cumprod(-1).sum(-1)
-        parts = [done.long()[:, None], revealed_counts[:, None], hit.long()[:, None], whole[:, None], window]
-        host = torch.cat(parts, 1).tolist()
+        if final_later is not None:  # the decoder's count, where it gives one
+            whole = torch.where(final_later >= 0, final_later.to(whole.dtype), whole)
+        if accepted is None:
+            accepted = torch.full_like(revealed_counts, -1)
+        parts = [done.long()[:, None], revealed_counts[:, None], hit.long()[:, None], whole[:, None], accepted[:, None]]
+        host = torch.cat([*parts, window], 1).tolist()
         for i, r in enumerate(rows):
             r.tokens_per_step.append(host[i][1])
+            if host[i][4] >= 0:
+                r.acceptances.append(host[i][4])
         for forward in work:
             self.row_forwards += len(forward)
             for i, queries, keys in forward:
@@ -357,7 +376,7 @@ class BlockDecoder:
             if not h[0]:
                 kept.append((r, i))
                 continue
-            tokens = h[4:]
+            tokens = h[5:]
             r.finished, r.unrefreshed = bool(h[2]) and r.block >= r.stop_block, 0
             window_logprobs = None
             if self.logprobs is not None and r.config.logprobs is not None:
@@ -429,6 +448,7 @@ class BlockDecoder:
             tuple(r.reused for r in rows),
             {i: r.soft for i, r in enumerate(rows) if r.soft is not None} or None,
             {i: self.model.lora.index(r.config.adapter) for i, r in enumerate(rows) if r.config.adapter} or None,
+            {i: c for i, r in enumerate(rows) if (c := r.strategy.canvas(r.carry, r.step)) is not None} or None,
         )
 
     def _relayout(self, moves: list[tuple[Row, int | None]], prefilled: dict | None = None) -> None:

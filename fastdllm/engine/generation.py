@@ -47,6 +47,9 @@ class RunStats:
     # the rows needed), and query positions (against sum(forward_positions)).
     row_forwards: int = 0
     computed_positions: int = 0
+    # Per row, what each of its speculative verifications accepted (LinearSpec's acceptance
+    # lengths); empty lists for other decoders.
+    acceptances: list[list[int]] | None = None
     # With `config.logprobs`: per row, per answer position, the log-probability of its token in the
     # forward that wrote it (None: a fixed token or padding after a stop), and the `logprobs` most
     # likely tokens there as (id, log-probability) pairs, most likely first (None where no forward
@@ -208,6 +211,7 @@ def iter_generate(
         prompt_positions=[r.prompt_positions for r in rows],
         kv_cache_bytes=decoder.pages.peak_bytes,
         row_forwards=decoder.row_forwards,
+        acceptances=[r.acceptances for r in rows],
         computed_positions=decoder.computed_positions,
         **answer_logprobs(rows, blk),
     )

@@ -126,6 +126,7 @@ class Row:
     unmask_step: torch.Tensor | None = None  # (gen_length,) the row's step revealing each position
     nfe: int = 0  # forwards it took part in
     tokens_per_step: list[int] = field(default_factory=list)  # positions revealed (edits not counted)
+    acceptances: list[int] = field(default_factory=list)  # per speculative verification, what it accepted
     forward_positions: int = 0  # query positions of those forwards
     attended_positions: int = 0  # query x key positions
     # A block-causal model's blocks lie at fixed positions (p // block_size), so a prompt that ends

@@ -365,6 +365,7 @@ class DiffusionGemma(Transformer):
         batch_invariant: bool = False,
         embeds: dict | None = None,
         adapters: dict | None = None,
+        canvas: dict | None = None,
     ) -> list[torch.Tensor]:
         """Rows' windows in one forward, packed end to end: each window (row, lo, hi, keys, start)
         computes the columns [lo, hi) of its row of `x` ([start, hi) its canvas; the columns before
@@ -377,6 +378,8 @@ class DiffusionGemma(Transformer):
         del compiled, block_size, batch_invariant
         if adapters:
             raise ValueError("adapter: not yet for DiffusionGemma")
+        if canvas:
+            raise ValueError("canvas: DiffusionGemma's windows attend one way")
         if any(start >= hi for _, _, hi, _, start in windows):
             raise ValueError("windows: each must hold a canvas (start < hi)")
         h, out, offset = self._hidden(x, windows, cache, embeds), [], 0

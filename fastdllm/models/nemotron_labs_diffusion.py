@@ -118,6 +118,8 @@ class NemotronLabsDiffusion(Transformer):
     autoregressive likelihood, logits shifted); `packed_logits`, the loop's forward, computes a
     window's committed columns causally and its block bidirectionally."""
 
+    two_passes = True
+
     def setup_rope(self, device=None) -> None:
         if device is None:
             device = self.tok_embeddings.weight.device
@@ -144,19 +146,24 @@ class NemotronLabsDiffusion(Transformer):
     def query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None if self.q_scales is None else self.q_scales[positions][:, None, :, None]
 
-    def window_mask(self, x, row, lo, hi, keys, start, block_size):
-        """Columns before `start` causal; from it the block (`block_size` positions) sees every key
-        before its end."""
+    def window_mask(self, x, row, lo, hi, keys, start, block_size, span=None):
+        """Columns before `start` causal; from it a span of `span` positions (default: the block,
+        `block_size`) sees every key before its end; `span` 0: the whole window causal (a
+        speculative draft's verification)."""
+        span = block_size or hi - start if span is None else span
         cols = torch.arange(lo, hi, device=x.device)[:, None]
         k = torch.arange(keys, device=x.device)[None, :]
-        mask = torch.where(cols < start, k <= cols, k < start + (block_size or hi - start))
+        causal = k <= cols
+        mask = causal if span == 0 else torch.where(cols < start, causal, k < start + span)
         return None if bool(mask.all()) else mask
 
-    def logit_columns(self, lo, hi, start):
-        """The block's first position from the causal column before it (where the window holds
-        it), the others from their own columns."""
+    def logit_columns(self, lo, hi, start, span=None):
+        """The first position's logit from the causal column before it (where the window holds it);
+        the others from their own columns in the bidirectional span, or from the column before
+        each in a window causal throughout (`span` 0)."""
         first = start - 1 - lo if lo < start else 0
-        return torch.cat([torch.tensor([first]), torch.arange(start + 1 - lo, hi - lo)])
+        shift = 1 if span == 0 else 0
+        return torch.cat([torch.tensor([first]), torch.arange(start + 1 - shift - lo, hi - shift - lo)])
 
     def forward(self, input_ids, attention_mask=None, batch_invariant=False, adapters=None):
         """The causal pass: logits (B, L, V), shifted (position i's predicts token i + 1)."""

@@ -300,6 +300,10 @@ class Transformer(nn.Module):
         self._graphed_window = None  # `graphed_window_logits`, compiled on first use
         self.lora = None  # named LoRA adapters beside the weights (`models.lora.LoRAAdapters`)
 
+    # Whether a decoder may choose how a window attends (`packed_logits`'s `canvas`): a model whose
+    # weights run both causally and bidirectionally (Nemotron-Labs-Diffusion).
+    two_passes = False
+
     def make_layers(self, args: ModelArgs) -> nn.ModuleList:
         """The layers (a family whose layers are not Llama-shaped builds its own: `Family.model_class`)."""
         return nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
@@ -391,6 +395,7 @@ class Transformer(nn.Module):
         batch_invariant: bool = False,
         embeds: dict | None = None,
         adapters: dict | None = None,
+        canvas: dict | None = None,
     ) -> list[torch.Tensor]:
         """Rows' windows in one forward, packed end to end (no padding): `windows` are per row
         (row, lo, hi, keys, start): compute the columns [lo, hi) of row `row` of the layout `x`
@@ -403,7 +408,9 @@ class Transformer(nn.Module):
         blocks of `block_size` (default its own). `embeds` {row: (columns, vectors)}: input vectors
         that replace those columns' token embeddings (DMax's soft embeddings), where a window of that
         row computes them. `adapters` {row: index}: the LoRA adapter each row's tokens decode with
-        (`self.lora`; other rows: the base). Returns one (hi - start, V) tensor per window."""
+        (`self.lora`; other rows: the base). `canvas` {row: length}: how those rows' windows attend
+        this forward (`window_mask`'s `span`). Returns one (hi - start, V) tensor per window."""
+        canvas = canvas or {}
         shift = 1 if self.args.shifted_logits else 0
         bs = block_size or self.args.block_size
         tokens, positions, segments, offset = [], [], [], 0
@@ -415,7 +422,8 @@ class Transformer(nn.Module):
             if not (0 <= lo <= start - shift + first and start < hi <= x.shape[1] and keys <= x.shape[1]):
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not cover logits for [{start}, {hi})")
             cols = torch.arange(lo, hi, device=x.device)
-            segments.append(Segment(row, lo, hi, keys, offset, self.window_mask(x, row, lo, hi, keys, start, bs)))
+            mask = self.window_mask(x, row, lo, hi, keys, start, bs, canvas.get(row))
+            segments.append(Segment(row, lo, hi, keys, offset, mask))
             tokens.append(x[row, lo:hi])
             positions.append(cols)
             offset += hi - lo
@@ -436,7 +444,7 @@ class Transformer(nn.Module):
                 h = layer.forward_segments(h, cos, sin, segments, cache.layer(i), slots, dense[i], qs)
             h = self.norm(h)[0]
             picks = [
-                h[s.offset : s.offset + s.width][self.logit_columns(s.lo, s.hi, start)]
+                h[s.offset : s.offset + s.width][self.logit_columns(s.lo, s.hi, start, canvas.get(s.row))]
                 for s, (*_, start) in zip(segments, windows)
             ]
             # the head sees the picked columns only: their adapters, in that order
@@ -445,11 +453,14 @@ class Transformer(nn.Module):
                 out = self.head(torch.cat(picks))
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
 
-    def window_mask(self, x, row: int, lo: int, hi: int, keys: int, start: int, block_size: int):
+    def window_mask(self, x, row: int, lo: int, hi: int, keys: int, start: int, block_size: int, span=None):
         """(hi - lo, keys) bool: which of row `row`'s keys [0, keys) each query column [lo, hi) of a
         window attends (the logits read from `start`); None where every query sees every key. A
         block-causal model's queries see their block and the blocks before it (blocks of
-        `block_size`), WeDLM's masks come after every token."""
+        `block_size`), WeDLM's masks come after every token. `span`: a decoder's choice of how the
+        window attends (`Decoder.canvas`), for a model that has more than one way."""
+        if span is not None:
+            raise ValueError("canvas: this model attends one way (a decoder that chooses needs another model)")
         if self.args.masks_last:
             order = self.attention_order(x[row, : max(keys, hi)], torch.arange(max(keys, hi), device=x.device))
             return order[None, :keys] <= order[lo:hi, None]
@@ -458,7 +469,7 @@ class Transformer(nn.Module):
             return (torch.arange(keys, device=x.device) // block_size)[None, :] <= (cols // block_size)[:, None]
         return None
 
-    def logit_columns(self, lo: int, hi: int, start: int) -> torch.Tensor | slice:
+    def logit_columns(self, lo: int, hi: int, start: int, span=None) -> torch.Tensor | slice:
         """Which of a window's columns (0 = its column `lo`) give the logits of positions
         [start, hi): the positions' own, or with shifted logits the column before each; a shifted
         window that opens at `start` has no column before it, and its first logit is that column's

@@ -36,6 +36,9 @@ class SequenceView:
     embeds: dict | None = None
     # per row that decodes with a LoRA adapter, its index (`Transformer.lora`); other rows: the base
     adapters: dict | None = None
+    # per row whose decoder chooses how its window attends, the length of the window's bidirectional
+    # span from its block on (0: causal throughout; `Decoder.canvas`); other rows: the model's rule
+    canvas: dict | None = None
 
     def refresh(self, i: int) -> int:
         return self.refreshes[i] if self.refreshes else 1

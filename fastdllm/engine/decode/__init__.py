@@ -7,7 +7,7 @@ The files: the shared parts (`decision`: what a strategy returns; `sampling`: pe
 timestep schedule), `dparallel` (the entropy threshold, d3LLM's lookahead), `sdar`,
 `fast_dllm_v2` (sub-blocks), `dmax`, `llada2` (LLaDA2.1's editing), `rnd1`, `renoising`
 (DiffusionGemma's canvas without a mask token), `wedlm` (its sliding window) and
-`nemotron_labs_diffusion` (its proposal).
+`nemotron_labs_diffusion` (its proposal) and `linear_spec` (its self-speculation).
 
 An `UnmaskingStrategy` is one policy, built once from a config (`UnmaskingStrategy.from_config`)
 and passed to the loop. Two separate choices make it, each an object:
@@ -64,6 +64,7 @@ from .dparallel import EntropyLookahead, EntropyThreshold
 from .dream import DreamProposal, DreamSchedule
 from .fast_dllm import Factor, FirstPositionAtBlockStart, Threshold
 from .fast_dllm_v2 import FastDLLMv2Proposal, SubBlocks
+from .linear_spec import LinearSpec
 from .llada import LinearSchedule, LLaDAProposal
 from .llada2 import Editing, LLaDA2Proposal
 from .lookahead import Lookahead
@@ -98,6 +99,7 @@ __all__ = [
     "LLaDAProposal",
     "LeftToRight",
     "LinearSchedule",
+    "LinearSpec",
     "Lookahead",
     "NemotronLabsDiffusionProposal",
     "Proposal",

@@ -91,6 +91,13 @@ class Decoder:
         window (the current block and, with `depth` > 1, the blocks after it)."""
         raise NotImplementedError
 
+    def canvas(self, carry, step: int) -> int | None:
+        """How a row's next forward attends, where the decoder chooses it (a model that computes a
+        window's columns before its block causally and a span from the block on bidirectionally:
+        Nemotron-Labs-Diffusion): that span's length, 0 for a window causal throughout; None: the
+        model's own rule. `carry` is the row's carried state, `step` its steps in the block."""
+        return None
+
     def open_block(self, tokens: torch.Tensor, generator) -> torch.Tensor:
         """A row's block as it opens (its masks, or where the decoder has no mask token, the canvas
         it starts from, drawn from the row's generator)."""

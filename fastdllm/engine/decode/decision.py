@@ -113,17 +113,30 @@ class Decision:
     # (B, W) positions of the window that become EOS with no step revealing them: a decoder's
     # early stop (everything after a stop is EOS)
     fill: torch.Tensor | None = None
+    # (B, W) revealed positions of the window that return to [MASK] (a speculative draft's
+    # rejected tail)
+    remasked: torch.Tensor | None = None
+    # (B,) how many of the blocks after the current one are final after this step, where the
+    # decoder decides it (multi-block decoding); None, or -1 for a row: every block after it
+    # revealed whole
+    final_later: torch.Tensor | None = None
+    # (B,) the positions each row's speculative verification accepted at this step (its acceptance
+    # length: the drafts it kept and its own next token); None, or -1 for a row: no verification
+    accepted: torch.Tensor | None = None
 
     def revealed_counts(self) -> torch.Tensor:
-        """(B,) how many positions each row revealed (edits not counted)."""
+        """(B,) how many positions each row revealed, less those it masked again (edits not
+        counted)."""
         n = self.chosen.sum(-1)
-        return n if self.ahead is None else n + self.ahead.sum(-1)
+        n = n if self.ahead is None else n + self.ahead.sum(-1)
+        return n if self.remasked is None else n - self.remasked.sum(-1)
 
-    def applied(self, window: torch.Tensor, steps_of: torch.Tensor, step: torch.Tensor, eos_id: int):
+    def applied(self, window: torch.Tensor, steps_of: torch.Tensor, step: torch.Tensor, eos_id: int, mask_id=None):
         """The rows' window (B, W: the current block, and with multi-block decoding the blocks after
         it) and the step that revealed each position of it (`steps_of`, -1: none), after this
         decision: edits and reveals written (a position revealed now at the row's `step`, (B,)),
-        the later blocks' reveals, and the early stop's EOS (revealed by no step)."""
+        the later blocks' reveals, the positions masked again (`mask_id`), and the early stop's EOS
+        (revealed by no step)."""
         blk = self.tokens.shape[1]
         tokens, steps = window[:, :blk], steps_of[:, :blk]
         if self.edited is not None:
@@ -133,6 +146,9 @@ class Decision:
         if self.ahead is not None:
             tokens = torch.cat([tokens, torch.where(self.ahead, self.ahead_tokens, window[:, blk:])], 1)
             steps = torch.cat([steps, torch.where(self.ahead, step[:, None], steps_of[:, blk:])], 1)
+        if self.remasked is not None:
+            tokens = torch.where(self.remasked, mask_id, tokens)
+            steps = torch.where(self.remasked, -1, steps)
         if self.fill is not None:
             tokens = torch.where(self.fill, eos_id, tokens)
         return tokens, steps
@@ -154,11 +170,14 @@ class Decision:
             elif f.name == "signal":
                 out[f.name] = type(given[0]).merged([(idx, d.signal) for idx, d in parts], rows)
             else:
-                # a mask one group leaves out (no edits, no early stop) is False for its rows
+                # a mask one group leaves out (no edits, no early stop) is False for its rows, a
+                # count of final blocks -1 (the loop's own rule)
                 merged = given[0].new_zeros((rows, *given[0].shape[1:]))
+                if f.name in ("final_later", "accepted"):
+                    merged.fill_(-1)
                 for idx, d in parts:
                     value = getattr(d, f.name)
-                    if value is None and given[0].dtype != torch.bool:
+                    if value is None and given[0].dtype != torch.bool and f.name not in ("final_later", "accepted"):
                         raise ValueError(f"{f.name}: decided by some rows' decoders and not by others'")
                     if value is not None:
                         merged[idx] = value

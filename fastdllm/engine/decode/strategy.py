@@ -168,7 +168,9 @@ class UnmaskingStrategy(Decoder):
         if self.early_stop is None or view.configs is None or not any(c.eos_early_stop for c in view.configs):
             return None
         before = view.block if view.later is None else torch.cat([view.block, view.later], 1)
-        window, steps = decision.applied(before, view.steps_of, torch.zeros_like(before[:, 0]), view.eos_id)
+        window, steps = decision.applied(
+            before, view.steps_of, torch.zeros_like(before[:, 0]), view.eos_id, view.mask_id
+        )
         asking = torch.tensor([c.eos_early_stop for c in view.configs], device=window.device)
         return self.early_stop(window, steps >= 0, view, asking)
 

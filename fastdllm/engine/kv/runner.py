@@ -58,7 +58,7 @@ class KVRunner:
         part whose refresh rule finds its cache stale (`RefreshRule.check`) forwarded again whole,
         its logits replaced; with CUDA graphs, fixed-shape steps replayed."""
         windows = policy.windows(seq, steps)
-        if pages.graphs and policy.fixed_step_windows and all(steps) and not pages.chunks:
+        if pages.graphs and policy.fixed_step_windows and all(steps) and not pages.chunks and seq.canvas is None:
             shift = {start - lo for _, lo, _, _, start in windows}
             if len(shift) == 1 and min(seq.starts) - next(iter(shift)) > 0:
                 return self._graphed(pages, seq, next(iter(shift)))
@@ -89,6 +89,7 @@ class KVRunner:
                 batch_invariant=pages.batch_invariant,
                 embeds=seq.embeds,
                 adapters=seq.adapters,
+                canvas=seq.canvas,
             )
 
         return pages.run(seq, windows, packed)
