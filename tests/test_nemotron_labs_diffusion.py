@@ -255,3 +255,50 @@ def test_served_in_both_modes_each_request_as_alone(model, tokenizer):
         )
     finally:
         srv.stop()
+
+
+def test_linear_spec_served_with_its_acceptance_reported(model, tokenizer):
+    """LinearSpec rows batched on their own clocks answer as alone; each response's usage reports
+    its verifications and their mean acceptance length, and /metrics counts them as vLLM does."""
+    import threading
+
+    import httpx
+
+    from tests.test_server import LiveServer, wait_for
+
+    config = GenerationConfig.nemotron_labs_diffusion_linear_spec(gen_length=16, window_size=4)
+    srv = LiveServer(model, tokenizer, defaults=config)
+    try:
+        jobs = [dict(prompt=t, max_tokens=16, temperature=0.0) for t in TEXTS]
+        results: list = [None] * len(jobs)
+
+        def call(i):
+            results[i] = srv.post("/v1/completions", {"model": "llada-arith", **jobs[i]}).json()
+
+        srv.scheduler.pause()
+        try:
+            threads = [threading.Thread(target=call, args=(i,)) for i in range(len(jobs))]
+            for t in threads:
+                t.start()
+            wait_for(lambda: srv.health()["queued"] == len(jobs))
+        finally:
+            srv.scheduler.resume()
+        for t in threads:
+            t.join(120)
+        verified = 0
+        for text, body in zip(TEXTS, results):
+            alone = fastdllm.generate(model, [tokenizer.encode(text)], config=config)
+            speculation = body["usage"]["speculation"]
+            assert speculation["verifications"] == len(alone.acceptances[0]) > 0
+            assert speculation["accepted_tokens"] == sum(alone.acceptances[0])
+            assert speculation["mean_acceptance_length"] >= 1
+            verified += speculation["verifications"]
+        for job, body in zip(jobs, results):
+            single = srv.post("/v1/completions", {"model": "llada-arith", **job}).json()
+            assert body["choices"][0]["text"] == single["choices"][0]["text"]
+            verified += single["usage"]["speculation"]["verifications"]
+        metrics = httpx.get(srv.url + "/metrics").text
+        drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
+        assert drafts and float(drafts[0].split()[-1]) == verified
+    finally:
+        srv.stop()

@@ -66,6 +66,11 @@ class ServerMetrics:
         )
         self.vllm_prompt = Counter("vllm:prompt_tokens", "Prompt tokens of answered requests", label, registry=r)
         self.vllm_generation = Counter("vllm:generation_tokens", "Generated tokens (up to a stop)", label, registry=r)
+        # speculative decoding (LinearSpec), as vLLM counts it: drafts verified, draft tokens
+        # proposed, draft tokens accepted (the mean acceptance length is 1 + accepted / drafts)
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Drafts verified", label, registry=r)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", label, registry=r)
+        self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", label, registry=r)
         vllm_running = Gauge("vllm:num_requests_running", "Requests being decoded", label, registry=r)
         vllm_running.labels(model_name).set_function(lambda: scheduler.snapshot()["running"])
         vllm_waiting = Gauge(
@@ -83,8 +88,16 @@ class ServerMetrics:
         else:
             self.block_time.labels(self.model_name).observe(now - previous)
 
-    def on_done(self, prompt_tokens: int, generated_tokens: int, seconds: float) -> None:
-        """A generation request answered in full, `seconds` after it arrived."""
+    def on_done(
+        self, prompt_tokens: int, generated_tokens: int, seconds: float, acceptances=(), draft_length: int = 0
+    ) -> None:
+        """A generation request answered in full, `seconds` after it arrived; `acceptances`: what
+        each of its speculative verifications accepted (its drafts of `draft_length` tokens kept,
+        and its own next token)."""
+        if acceptances:
+            self.drafts.labels(self.model_name).inc(len(acceptances))
+            self.draft_tokens.labels(self.model_name).inc(len(acceptances) * draft_length)
+            self.accepted.labels(self.model_name).inc(sum(a - 1 for a in acceptances))
         self.prompt_tokens.inc(prompt_tokens)
         self.generated_tokens.inc(generated_tokens)
         self.vllm_prompt.labels(self.model_name).inc(prompt_tokens)

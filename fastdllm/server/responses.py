@@ -115,12 +115,23 @@ class CompletionEndpoint:
         }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def _usage(prompt_tokens: int, completion_tokens: int, acceptances: list[list[int]] | None = None) -> dict:
+    """OpenAI's usage; with a speculative decoder's verifications (per choice, what each accepted),
+    `speculation`: their count, the tokens they accepted (each its kept drafts and its own next
+    token) and the mean acceptance length."""
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    lengths = [a for choice in acceptances or () for a in choice]
+    if lengths:
+        usage["speculation"] = {
+            "verifications": len(lengths),
+            "accepted_tokens": sum(lengths),
+            "mean_acceptance_length": round(sum(lengths) / len(lengths), 4),
+        }
+    return usage
 
 
 def _sse(obj) -> str:
@@ -165,16 +176,19 @@ class Answer:
         self.logprobs_sent = [0] * len(self.choices)  # per choice: tokens whose logprobs were sent
         self.text_sent = [0] * len(self.choices)  # per choice: characters of those tokens
         self.headers = {"X-Fastdllm-Ignored": ", ".join(ignored)} if ignored else {}
+        self.acceptances: list[list[int]] | None = None  # per choice, its verifications' (LinearSpec)
 
     # -- the choices
     def usage(self) -> dict:
-        return _usage(self.plan.prompt_tokens, sum(ch.num_tokens for ch in self.choices))
+        return _usage(self.plan.prompt_tokens, sum(ch.num_tokens for ch in self.choices), self.acceptances)
 
     def on_block(self, item: BlockFinal) -> list[tuple[int, str, bool]]:
         """Feed a block to every choice: [(index, new text, became final)]."""
         now = time.perf_counter()
         self.server.metrics.on_block(self.arrival, self.last_block_at, now)
         self.last_block_at = now
+        if item.acceptances is not None:
+            self.acceptances = item.acceptances
         out = []
         for i, ch in enumerate(self.choices):
             if not ch.final:
@@ -201,7 +215,11 @@ class Answer:
 
     def done(self) -> None:
         self.server.metrics.on_done(
-            self.plan.prompt_tokens, sum(ch.num_tokens for ch in self.choices), time.perf_counter() - self.arrival
+            self.plan.prompt_tokens,
+            sum(ch.num_tokens for ch in self.choices),
+            time.perf_counter() - self.arrival,
+            [a for choice in self.acceptances or () for a in choice],
+            self.plan.config.window_size - 1,
         )
 
     async def events(self, watch_disconnect: bool):

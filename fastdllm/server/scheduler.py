@@ -42,6 +42,8 @@ class BlockFinal:
     last: list[bool]
     # per row asking for them, per token: (log-probability, top tokens) or None (`Row.block_logprobs`)
     logprobs: list[list | None] | None = None
+    # per row, what each of its speculative verifications accepted so far (LinearSpec); None: none
+    acceptances: list[list[int]] | None = None
 
 
 @dataclass
@@ -484,7 +486,8 @@ class Scheduler:
                     latest = max(latest, new[-1][0])
             if job.wanted and any(tokens):
                 last = [r.done for r in rows]
-                job.post(BlockFinal(latest, tokens, [r.finished for r in rows], last, logprobs))
+                accepted = [list(r.acceptances) for r in rows] if any(r.acceptances for r in rows) else None
+                job.post(BlockFinal(latest, tokens, [r.finished for r in rows], last, logprobs, accepted))
             if all(r.done for r in rows):
                 job.post(JobEnded())
                 with self.cond:
