@@ -90,6 +90,15 @@ def ours_config(c: dict) -> GenerationConfig:
     )
 
 
+def our_nfe(c: dict, ref: dict) -> int:
+    """Our forwards for a run of the reference's: the same, but where the diffusion mode's answer
+    stops at a block's first token (the causal pass's): the reference still runs one bidirectional
+    pass over that block before its stop rule looks; we stop at once."""
+    n = len(ref["tokens"])
+    first_in_block = c["mode"] == "diffusion" and n < c["gen_length"] and (n - 1) % c["block_length"] == 0
+    return ref["nfe"] - (first_in_block and c["block_length"] > 1)
+
+
 @pytest.fixture(scope="module")
 def model(tokenizer):
     return nemotron_model(tokenizer)
@@ -132,10 +141,7 @@ def test_decodes_as_its_remote_code(model, tokenizer, tmp_path, part):
             assert ours.acceptances[0] == ref["accepts"], (c, prompt)
         assert tokens[:n] == ref["tokens"], (c, prompt)
         assert tokens[n:] == [eos] * (c["gen_length"] - n)  # after a stop: EOS
-        # a block whose first token (the causal pass's) is the stop: the reference still runs one
-        # bidirectional pass over it before its stop rule looks; we stop at once
-        first_in_block = c["mode"] == "diffusion" and n < c["gen_length"] and (n - 1) % c["block_length"] == 0
-        assert ours.nfe == ref["nfe"] - (first_in_block and c["block_length"] > 1), (c, ours.nfe, ref["nfe"])
+        assert ours.nfe == our_nfe(c, ref), (c, ours.nfe, ref["nfe"])
         stopped += n < c["gen_length"]
         parallel += max(ours.tokens_per_step[0]) > 1
         sampled += c["temperature"] > 0
@@ -148,6 +154,50 @@ def test_decodes_as_its_remote_code(model, tokenizer, tmp_path, part):
                 batch = fastdllm.generate(model, prompts, config=ours_config(c))
                 for row, ref in zip(batch.sequences.tolist(), refs):
                     assert row[: len(ref["tokens"])] == ref["tokens"], c
+
+
+# A micro twin (2 layers of 32) trained on the embedded arithmetic data with both passes' objective
+# (`embedded.train.two_pass_loss`; `fastdllm train-tiny --arch nemotron_labs_diffusion --preset micro
+# --steps 1500 --token-budget 4096`), so that its drafts and its causal pass agree in part.
+MICRO = Path(__file__).parent / "fixtures" / "nemotron_labs_diffusion_micro"
+QUESTIONS = ["What is 12 + 7?", "Tom has 5 apples and buys 3 more. How many apples does he have?"]
+TRAINED_CONFIGS = [
+    dict(mode="linear_spec", gen_length=32, block_length=8, temperature=0.0, stop_at_eos=True),
+    dict(mode="linear_spec", gen_length=32, block_length=4, temperature=0.0, stop_at_eos=False),
+    dict(mode="linear_spec", gen_length=32, block_length=16, temperature=0.0, stop_at_eos=True),
+    dict(mode="linear_spec", gen_length=32, block_length=8, threshold=0.6, temperature=0.0, stop_at_eos=True),
+    dict(mode="linear_spec", gen_length=32, block_length=8, temperature=0.5, seed=1, stop_at_eos=True),
+    dict(mode="ar", gen_length=32, temperature=0.0, stop_at_eos=True),
+    dict(_DIFF, gen_length=32, stop_at_eos=True),
+]
+
+
+@live_or_recorded(NLD_LIVE, "nemotron_labs_diffusion_trained", reason=NLD_REASON)
+def test_a_trained_twin_speculates_as_its_remote_code(tmp_path):
+    """On a twin whose drafts its causal pass partly accepts: LinearSpec's tokens, forwards and
+    every verification's acceptance length (1 to its block) as its remote code's, at several
+    block lengths, a draft threshold and sampled; and its other two modes beside it."""
+    import shutil
+
+    folder = tmp_path / "micro"
+    shutil.copytree(MICRO, folder)
+    model, tokenizer = fastdllm.load(folder, dtype="float32")
+    model.stop_token_ids = [model.args.eos_token_id]  # the reference stops at EOS alone, not at end of turn
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"] for c in chats]
+    spec = {"prompts": prompts, "configs": TRAINED_CONFIGS}
+    code = NLD_CHECKOUT if NLD_LIVE else None
+    theirs = _reference_runs(NLD_PYTHON, NLD_RUNNER, code, folder, spec, "nemotron_labs_diffusion_trained")
+    lengths = set()
+    for c, prompt, ref in compared(TRAINED_CONFIGS, prompts, theirs, "all"):
+        ours = fastdllm.generate(model, [prompt], config=ours_config(c))
+        n = min(len(ref["tokens"]), c["gen_length"])
+        assert ours.sequences[0].tolist()[:n] == ref["tokens"][:n], (c, prompt)
+        assert ours.nfe == our_nfe(c, ref), (c, ours.nfe, ref["nfe"])
+        if c["mode"] == "linear_spec":
+            assert ours.acceptances[0] == ref["accepts"], (c, prompt)
+            lengths |= set(ref["accepts"])
+    assert len(lengths) > 4 and max(lengths) > 4  # acceptances of many lengths, long ones among them
 
 
 def test_its_published_config_reads_and_writes_as_its_config_class(tmp_path, tokenizer):

@@ -200,9 +200,47 @@ def renoising_loss(
     return torch.stack(losses).mean()
 
 
+# The draft blocks a two-pass model learns to fill: LinearSpec's and the diffusion mode's lengths.
+DRAFT_LENGTHS = (4, 8, 16, 32)
+
+
+def two_pass_loss(model: Transformer, ids: torch.Tensor, starts: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """An objective for a model that decodes both causally and bidirectionally with the same weights
+    (Nemotron-Labs-Diffusion): the answer's next-token cross-entropy from a causal pass, plus a
+    block's: per row a block of a length drawn from `DRAFT_LENGTHS` opening at a random answer
+    position, its first token clean and each of the others masked with probability t ~ U(0, 1)
+    (stratified across the batch), the block bidirectional against the causal prefix as its
+    decoding modes see it, its masked tokens' cross-entropy weighted 1/t over the block length.
+    Its published recipe trains a block-diffusion objective beside the autoregressive one in
+    code we could not read: this is our reading of what its decoders need."""
+    bsz, total = ids.shape
+    pos = torch.arange(total, device=ids.device).expand(bsz, total)
+    causal = (pos[0][None, :] <= pos[0][:, None])[None, None]
+    logits = model.head(model.hidden(ids, pos, causal))
+    region = (pos >= starts[:, None])[:, 1:]
+    ar = F.cross_entropy(logits[:, :-1][region].float(), ids[:, 1:][region])
+    t = (torch.randperm(bsz, generator=gen) + torch.rand(bsz, generator=gen)) / bsz
+    p_mask = ((1 - MASK_EPS) * t + MASK_EPS).to(ids.device)
+    length = DRAFT_LENGTHS[int(torch.randint(len(DRAFT_LENGTHS), (1,), generator=gen))]
+    lo = starts + (torch.rand(bsz, generator=gen) * (total - starts - 1).clamp_min(1)).long().to(ids.device)
+    hi = (lo + length).clamp_max(total)
+    block = (pos >= lo[:, None]) & (pos < hi[:, None])
+    masked = block & (pos > lo[:, None]) & (torch.rand(bsz, total, generator=gen).to(ids.device) < p_mask[:, None])
+    noisy = torch.where(masked, torch.full_like(ids, model.mask_token_id), ids)
+    q, k = pos[:, :, None], pos[:, None, :]
+    allowed = torch.where(block[:, :, None], k < hi[:, None, None], k <= q)
+    draft = model.head(model.hidden(noisy, pos, allowed[:, None]))
+    token_loss = F.cross_entropy(draft[masked].float(), ids[masked], reduction="none")
+    weights = (1.0 / p_mask[:, None] / length).expand(bsz, total)[masked]
+    return ar + (token_loss * weights).sum() / bsz
+
+
 def batch_loss(model, tokenizer, ids, starts, gen, editing_noise: float = 0.0) -> torch.Tensor:
     """The family's objective on a batch: denoising uniform noise for a family with no mask token
-    (`renoising_loss`), else LLaDA's SFT objective (`sft_loss`)."""
+    (`renoising_loss`), both passes' for a model that decodes both ways (`two_pass_loss`), else
+    LLaDA's SFT objective (`sft_loss`)."""
+    if model.two_passes:
+        return two_pass_loss(model, ids, starts, gen)
     if model.family.rules.noise_canvas:
         return renoising_loss(model, ids, starts, gen, tokenizer.token_to_id(SPECIAL_TOKENS["eot"]))
     return sft_loss(model, ids, starts, gen, editing_noise)

@@ -247,7 +247,10 @@ FAMILY = Family(
     },
     check=_check,
     adjust=_adjust,
-    derived=lambda a: {"rope_parameters": a.extra.get("rope") or {"rope_theta": a.rope_theta, "rope_type": "default"}},
+    derived=lambda a: {
+        "head_dim": a.head_dim,
+        "rope_parameters": a.extra.get("rope") or {"rope_theta": a.rope_theta, "rope_type": "default"},
+    },
     weights=WeightNames(
         top={
             "tok_embeddings.weight": "encoder.embed_tokens.weight",
