@@ -17,7 +17,9 @@ In the loop this is multi-block decoding with blocks of one position: the block 
 `window_size` after it (the last read only by the verification's final prediction). A row's first
 step is its prompt's causal pass, which predicts its first token. The answer may not end on a
 cycle: the reference keeps every token its last cycle accepted (up to `window_size - 1` past
-`max_new_tokens`); we keep `gen_length` tokens, the same ones.
+`max_new_tokens`); we keep `gen_length` tokens, the same ones. A verification's acceptance length
+(`Decision.accepted`, reported per request) counts the tokens the answer keeps: up to a stop token
+and the answer's end (the reference's last verification may accept drafts past both).
 
 Greedy by default; at a temperature every draft and every verification draws each of its
 `window_size` positions from softmax(logits / temperature), as the reference draws them. Where a
@@ -129,7 +131,7 @@ class LinearSpec(Decoder):
                     a += 1
                 tokens[i, a], chosen[i, a] = ar[a - 1], True
                 remasked[i, a + 1 :] = ~masked[i, a + 1 :]
-                done[i], accepted[i] = True, a
+                done[i], accepted[i] = True, _kept(ar[:a].tolist(), last - column, stops if config.stop_at_eos else ())
                 # the correction is final too where the answer ends with it (at or past its last
                 # column) or where it is a stop token: the reference stops there
                 ends = column + a >= last or (config.stop_at_eos and int(ar[a - 1]) in stops)
@@ -153,6 +155,17 @@ class LinearSpec(Decoder):
             final_later=final,
             accepted=accepted,
         )
+
+
+def _kept(accepted: list[int], room: int, stops) -> int:
+    """What of a verification's accepted tokens the answer keeps (its acceptance length as
+    reported): up to its first stop token, and no further than the answer's last column (`room`
+    positions after the verified token)."""
+    kept = min(len(accepted), room)
+    for j, t in enumerate(accepted[:kept]):
+        if t in stops:
+            return j + 1
+    return kept
 
 
 def _not_mask(tokens: torch.Tensor, logits: torch.Tensor, mask_id: int) -> torch.Tensor:
