@@ -62,6 +62,7 @@ BAD = {
     "stability_threshold": -1,
     "window_size": 0,
     "adapter": "",
+    "draft_adapter": "",
     "logprobs_mode": "logits",
     "pos_penalty_factor": -0.1,
     "confidence_threshold": 0,

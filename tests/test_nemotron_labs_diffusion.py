@@ -83,7 +83,7 @@ def ours_config(c: dict) -> GenerationConfig:
         return GenerationConfig.nemotron_labs_diffusion_ar(**common)
     if c["mode"] == "linear_spec":
         return GenerationConfig.nemotron_labs_diffusion_linear_spec(
-            window_size=c["block_length"], threshold=c.get("threshold"), **common
+            window_size=c["block_length"], threshold=c.get("threshold"), draft_adapter=c.get("draft_adapter"), **common
         )
     return GenerationConfig.nemotron_labs_diffusion(
         block_length=c["block_length"], threshold=c["threshold"], eos_early_stop=stop, **common
@@ -209,6 +209,56 @@ def test_a_trained_twin_speculates_as_its_remote_code(tmp_path):
             assert ours.acceptances[0] == kept_acceptances(c, ref), (c, prompt)
             lengths |= set(kept_acceptances(c, ref))
     assert len(lengths) > 4 and max(lengths) > 4  # acceptances of many lengths, long ones among them
+
+
+LORA_CONFIGS = [
+    dict(mode="linear_spec", gen_length=32, block_length=8, temperature=0.0, stop_at_eos=True),
+    dict(mode="linear_spec", gen_length=32, block_length=4, temperature=0.0, stop_at_eos=False),
+    dict(mode="linear_spec", gen_length=32, block_length=8, temperature=0.5, seed=1, stop_at_eos=True),
+]
+
+
+@live_or_recorded(NLD_LIVE, "nemotron_labs_diffusion_lora", reason=NLD_REASON + " with peft installed")
+def test_its_linear_spec_lora_drafts_and_never_verifies(tmp_path):
+    """A checkpoint's `linear_spec_lora/` (a PEFT adapter on o_proj, made by PEFT over its remote
+    code) loads by that name and, as `draft_adapter`, decodes LinearSpec's drafts only, as its
+    remote code turns it on and off: the same tokens, forwards and acceptances. Greedy, the answer
+    is the one without the adapter (verification decides it), reached with other acceptances."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "micro"
+    shutil.copytree(MICRO, folder)
+    model, tokenizer = fastdllm.load(folder, dtype="float32")
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"] for c in chats]
+    adapter = {"seed": 2, "r": 4, "alpha": 16, "targets": ["o_proj"]}
+    spec = {"prompts": prompts, "configs": LORA_CONFIGS, "adapter": adapter}
+    code = NLD_CHECKOUT if NLD_LIVE else None
+    theirs = _reference_runs(NLD_PYTHON, NLD_RUNNER, code, folder, spec, "nemotron_labs_diffusion_lora")
+    made = next(theirs)["adapter"]
+    (folder / "linear_spec_lora").mkdir()
+    save_file(
+        {k: torch.tensor(v) for k, v in made["tensors"].items()},
+        folder / "linear_spec_lora" / "adapter_model.safetensors",
+    )
+    (folder / "linear_spec_lora" / "adapter_config.json").write_text(json.dumps(made["config"]))
+    drafted, _ = fastdllm.load(folder, dtype="float32")
+    assert drafted.lora.names == ["linear_spec_lora"]
+    for m in (model, drafted):
+        m.stop_token_ids = [m.args.eos_token_id]  # the reference stops at EOS alone
+    changed = 0
+    for c, prompt, ref in compared(LORA_CONFIGS, prompts, theirs, "all"):
+        ours = fastdllm.generate(drafted, [prompt], config=ours_config(dict(c, draft_adapter="linear_spec_lora")))
+        n = min(len(ref["tokens"]), c["gen_length"])
+        assert ours.sequences[0].tolist()[:n] == ref["tokens"][:n], (c, prompt)
+        assert ours.nfe == ref["nfe"] and ours.acceptances[0] == kept_acceptances(c, ref), (c, prompt)
+        if c["temperature"] == 0:
+            plain = fastdllm.generate(model, [prompt], config=ours_config(c))
+            assert plain.sequences.tolist() == ours.sequences.tolist()
+            changed += plain.acceptances != ours.acceptances
+    assert changed  # the adapter drafts differently
 
 
 def test_its_published_config_reads_and_writes_as_its_config_class(tmp_path, tokenizer):

@@ -417,6 +417,16 @@ class GenerationConfig:
         row=True,
         checks=((lambda v: isinstance(v, str) and v != "", "must be a name or None"),),
     )
+    draft_adapter: str | None = _opt(
+        None,
+        "optional str",
+        "unmasking=linear_spec: the LoRA adapter its drafts decode with (a name loaded with "
+        "--lora-modules; a Nemotron-Labs-Diffusion checkpoint's linear_spec_lora loads by that name); "
+        "its verifications and the prompt's pass decode without it",
+        server=False,
+        row=True,
+        checks=((lambda v: isinstance(v, str) and v != "", "must be a name or None"),),
+    )
     compile: bool = _opt(
         False,
         "bool",

@@ -391,7 +391,9 @@ class BlockDecoder:
                 k += 1
                 if r.finished or r.answered or k > h[3]:
                     break
-                r.unrefreshed += 1  # revealed whole while it was a later block: no forward of its own
+                # revealed whole while it was a later block: no forward of its own, unless the
+                # decoder's step that ended the block computed it (`Decoder.commits_blocks`)
+                r.unrefreshed += not r.strategy.commits_blocks
                 r.finished = (
                     r.config.stop_at_eos
                     and r.block >= r.stop_block
@@ -425,6 +427,10 @@ class BlockDecoder:
             r.answer[r.block * blk - r.lead :] = self.model.args.eos_token_id
         self.left.append(r)
 
+    @staticmethod
+    def _adapter(r: Row) -> str | None:
+        return r.strategy.adapter(r.config, r.carry, r.step, r.block)
+
     # -- layout
     def _view(self) -> SequenceView:
         """What the forwards see of each row: with a suffix window, its columns only up to the cut
@@ -444,10 +450,10 @@ class BlockDecoder:
             tuple(r.block for r in rows),
             blk,
             self.width,
-            tuple(1 + r.unrefreshed for r in rows),
+            tuple(int(not r.strategy.commits_blocks) + r.unrefreshed for r in rows),
             tuple(r.reused for r in rows),
             {i: r.soft for i, r in enumerate(rows) if r.soft is not None} or None,
-            {i: self.model.lora.index(r.config.adapter) for i, r in enumerate(rows) if r.config.adapter} or None,
+            {i: self.model.lora.index(a) for i, r in enumerate(rows) if (a := self._adapter(r))} or None,
             {i: c for i, r in enumerate(rows) if (c := r.strategy.canvas(r.carry, r.step)) is not None} or None,
         )
 

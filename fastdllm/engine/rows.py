@@ -70,14 +70,18 @@ def infill(model, config: GenerationConfig, constraints, closing_tokens) -> tupl
 
 
 def check_adapter(model, config: GenerationConfig) -> None:
-    """The LoRA adapter a config names is one the model has loaded, and not under a captured step."""
-    if config.adapter is None:
-        return
-    if config.cuda_graphs:
-        raise ValueError("adapter: not with cuda_graphs (a captured step holds the base weights' graph)")
-    if getattr(model, "lora", None) is None:
-        raise ValueError(f"adapter: {config.adapter!r}: this model has no adapters loaded (--lora-modules)")
-    model.lora.index(config.adapter)
+    """The LoRA adapters a config names (`adapter`, `draft_adapter`) are ones the model has loaded,
+    and not under a captured step."""
+    for option in ("adapter", "draft_adapter"):
+        name = getattr(config, option)
+        if name is None:
+            continue
+        if config.cuda_graphs:
+            raise ValueError(f"{option}: not with cuda_graphs (a captured step holds the base weights' graph)")
+        if getattr(model, "lora", None) is None:
+            raise ValueError(f"{option}: {name!r}: this model has no adapters loaded (--lora-modules)")
+        if name not in model.lora.names:
+            raise ValueError(f"{option}: {name!r} is not loaded (loaded: {', '.join(model.lora.names)})")
 
 
 def constrain(rows: list[Row], constraints, config: GenerationConfig) -> None:

@@ -104,6 +104,9 @@ class Family:
     source: Callable[[dict], dict] | None = None
     # The model class its checkpoints build (None: `Transformer`).
     model_class: type | None = None
+    # Folders of PEFT LoRA adapters its checkpoints ship beside the weights, loaded by their folder's
+    # name (Nemotron-Labs-Diffusion's `linear_spec_lora`, for its drafts).
+    bundled_adapters: tuple[str, ...] = ()
 
     def decoding_defaults(self, args: ModelArgs) -> dict:
         """Decoding fields a model of this family needs unless told otherwise. A block-causal model

@@ -494,7 +494,9 @@ def load(
     lora_modules: {name: folder} of PEFT LoRA adapters kept beside the weights (after any
     `quantize`, over the quantized layers), each row choosing one by name
     (`GenerationConfig.adapter`): rows with different adapters decode in one batch
-    (`models.lora.LoRAAdapters`).
+    (`models.lora.LoRAAdapters`). The adapters a family's checkpoints ship in folders of their
+    own (`Family.bundled_adapters`: Nemotron-Labs-Diffusion's `linear_spec_lora`) load so too,
+    by the folder's name.
     """
     device = check_device(device)
     split = tp is not None and tp[1] > 1
@@ -534,12 +536,17 @@ def load(
             merge_adapter(model, adapter)
     if quantize:
         _quantize_loaded(model, path_or_repo_id, QUANTIZE[quantize], group_size, quantize_head, device)
-    if lora_modules:
+    bundled = {
+        name: folder / name
+        for name in getattr(model.family, "bundled_adapters", ())
+        if (folder / name / "adapter_config.json").is_file() and name not in (lora_modules or {}) and not split
+    }
+    if lora_modules or bundled:
         from .lora import attach_adapters
 
-        if split:
+        if split and lora_modules:
             raise ValueError("lora_modules: not with tensor parallelism (each rank holds part of each weight)")
-        attach_adapters(model, lora_modules)
+        attach_adapters(model, {**bundled, **(lora_modules or {})})
     gen_path = folder / "generation_config.json"
     if gen_path.is_file() and not is_gguf(path_or_repo_id):
         try:

@@ -268,6 +268,7 @@ FAMILY = Family(
         },
     ),
     model_class=NemotronLabsDiffusion,
+    bundled_adapters=("linear_spec_lora",),
     rules=DecodingRules(
         published="nemotron_labs_diffusion",
         proposal="nemotron_labs_diffusion",

@@ -13,7 +13,12 @@ decoded). "configs": {"mode": "ar" | "diffusion" | "linear_spec", "gen_length", 
 `generate` (causal context) and `linear_spec_generate`, each run seeded with
 torch.manual_seed(seed) (they draw from the global stream); without stop_at_eos the EOS id given
 is -1 (their `eos_token_id=None` falls back to the config's). "tokens": the answer after the prompt;
-"nfe": the forwards each counts; "accepts": LinearSpec's accepted tokens per verification."""
+"nfe": the forwards each counts; "accepts": LinearSpec's accepted tokens per verification.
+
+With "adapter": {"seed", "r", "alpha", "targets"}, a PEFT LoRA adapter over the model (B drawn
+from the seed, so that it does something) wraps it for every run, as its `linear_spec_lora` does
+(`linear_spec_generate` turns it on for drafts only); the first of "runs" is then {"adapter":
+{"tensors": {name: [...]}, "config": {...}}}, as PEFT saved it."""
 
 import importlib
 import json
@@ -47,6 +52,23 @@ missing = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpec
 assert not missing, missing
 model.eval()
 spec = json.load(open(job))
+made = []
+if "adapter" in spec:
+    import peft
+    from safetensors.torch import load_file
+
+    a = spec["adapter"]
+    torch.manual_seed(a["seed"])
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=a["r"], lora_alpha=a["alpha"], target_modules=a["targets"]))
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape) * 0.5)
+    saved = Path(tempfile.mkdtemp())
+    wrapped.save_pretrained(str(saved))
+    tensors = {k: v.tolist() for k, v in load_file(str(saved / "adapter_model.safetensors")).items()}
+    made.append({"adapter": {"tensors": tensors, "config": json.loads((saved / "adapter_config.json").read_text())}})
+    model = wrapped.base_model.model.eval()
 
 
 def causal(flag: bool) -> None:
@@ -115,4 +137,4 @@ for c in spec["configs"]:
                 eos_token_id=eos,
             )
         runs.append({"tokens": out[0, len(prompt) :].tolist(), "nfe": int(nfe), "accepts": list(accepts)})
-print(json.dumps({"logits": logits, "runs": runs}))
+print(json.dumps({"logits": logits, "runs": made + runs}))

@@ -80,6 +80,9 @@ class Decoder:
     reveals_first_at_block_start = False
     # tokens its reference places after the answer and any suffix, which every forward sees
     closing_tokens: tuple[int, ...] = ()
+    # whether the step that ends a row's block computed the final K/V of that block and of the
+    # later blocks it made final (a causal verification), so that no forward computes them again
+    commits_blocks = False
 
     @classmethod
     def from_config(cls, config, model=None, cache=None) -> Decoder:
@@ -97,6 +100,11 @@ class Decoder:
         Nemotron-Labs-Diffusion): that span's length, 0 for a window causal throughout; None: the
         model's own rule. `carry` is the row's carried state, `step` its steps in the block."""
         return None
+
+    def adapter(self, config, carry, step: int, block: int) -> str | None:
+        """The LoRA adapter a row's next forward decodes with (None: the base): its config's,
+        unless the decoder's passes differ (LinearSpec's drafts). `block` is the row's block."""
+        return config.adapter
 
     def open_block(self, tokens: torch.Tensor, generator) -> torch.Tensor:
         """A row's block as it opens (its masks, or where the decoder has no mask token, the canvas

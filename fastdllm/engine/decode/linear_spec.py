@@ -65,6 +65,7 @@ class DraftRule(SelectionRule):
 class LinearSpec(Decoder):
     reveals_first_at_block_start = True
     later_blocks_final = False  # it says which are (`Decision.final_later`)
+    commits_blocks = True  # a verification writes the K/V of what it accepts
 
     def __init__(self, config):
         self.config = config
@@ -85,6 +86,12 @@ class LinearSpec(Decoder):
 
     def canvas(self, carry, step: int) -> int:
         return 0 if carry == VERIFY else self.length
+
+    def adapter(self, config, carry, step: int, block: int) -> str | None:
+        """Drafts decode with `draft_adapter`; the prompt's pass (the first block's first step) and
+        verifications with the row's own adapter, as the reference turns its LoRA off for them."""
+        drafting = carry != VERIFY and (block, step) != (0, 0)
+        return (config.draft_adapter or config.adapter) if drafting else config.adapter
 
     def _draw(self, logits: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (T,) and their probabilities for logits (T, V): the argmax and its softmax
