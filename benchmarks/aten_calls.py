@@ -28,7 +28,8 @@ VIEWS = {
 
 def count(model, tok, batch: int) -> dict:
     ids = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:batch]]
-    config = fastdllm.GenerationConfig.for_model(model, checkpoint_defaults=False)
+    # seeded: a model that draws (DiffusionGemma's canvases) takes the same steps in every checkout
+    config = fastdllm.GenerationConfig.for_model(model, checkpoint_defaults=False).replace(seed=0)
     with torch.inference_mode():
         fastdllm.generate(model, ids, config=config)  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as prof:

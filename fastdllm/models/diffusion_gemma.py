@@ -85,11 +85,12 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaNorm(self.head_dim, args.norm_eps)
         self.v_norm = GemmaNorm(self.head_dim, args.norm_eps, scale=False)
 
-    def forward(self, x: torch.Tensor, cos, sin, segments: list, layer_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos, sin, segments: list, layer_cache=None, slots=None) -> torch.Tensor:
         """x (1, N, dim) of packed rows; `segments` per row (row, lo, offset, width, keys, mask
-        (width, keys)): its queries' K/V written into its cache row at [lo, lo + width), its
-        queries attending over its keys [0, keys) there (`layer_cache`: one layer of the pool, each
-        position's K/V flattened to its width; None: the window's own K/V, which start at 0)."""
+        (width, keys)): its queries' K/V written into its cache row at [lo, lo + width), every
+        row's in one copy at `slots` (`PagedKVCache.write_slots`), then its queries attending over
+        its keys [0, keys) there (`layer_cache`: one layer of the pool, each position's K/V
+        flattened to its width; None: the window's own K/V, which start at 0)."""
         n = x.shape[1]
         q = _rotate(self.q_norm(self.wq(x).view(1, n, self.n_heads, self.head_dim)), cos, sin).transpose(1, 2)
         raw_k = self.wk(x).view(1, n, self.n_kv_heads, self.head_dim)
@@ -98,16 +99,13 @@ class GemmaAttention(nn.Module):
         v = self.v_norm(raw_v)
         out = torch.empty_like(q)
         gqa = self.n_kv_heads != self.n_heads
-        for row, lo, offset, width, keys, mask in segments:
+        if layer_cache is not None:
+            layer_cache.write(slots, self._flat(k, layer_cache), self._flat(v, layer_cache))
+        for row, _, offset, width, keys, mask in segments:
             rows = slice(offset, offset + width)
             ks, vs = k[:, rows], v[:, rows]
             if layer_cache is not None:
-                ks, vs = (
-                    self._unflat(t)
-                    for t in layer_cache.update_row(
-                        row, lo, self._flat(ks, layer_cache), self._flat(vs, layer_cache), keys
-                    )
-                )
+                ks, vs = (self._unflat(t) for t in layer_cache.keys(row, keys))
             out[:, :, rows] = F.scaled_dot_product_attention(
                 q[:, :, rows], ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask, scale=1.0, enable_gqa=gqa
             )
@@ -196,8 +194,9 @@ class GemmaLayer(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
-    def forward(self, x, cos, sin, segments, canvas: torch.Tensor, layer_cache=None) -> torch.Tensor:
-        h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, segments, layer_cache))
+    def forward(self, x, cos, sin, segments, canvas: torch.Tensor, layer_cache=None, slots=None) -> torch.Tensor:
+        attended = self.attention(self.attention_norm(x), cos, sin, segments, layer_cache, slots)
+        h = self.post_attention_norm(attended)
         x = x + h
         normed = self.ffn_norm(x)
         dense = self.w2(_gelu(self.w1(normed)) * self.w3(normed))
@@ -416,9 +415,11 @@ class DiffusionGemma(Transformer):
             SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions], sliding),
             FULL: (self.full_cos[positions], self.full_sin[positions], full),
         }
+        # every row's columns, one after another: where each layer writes their K/V in one copy
+        slots = None if cache is None else cache.write_slots([(row, lo, hi) for row, lo, hi, _, _ in windows])
         for i, (layer, kind) in enumerate(zip(self.layers, self.args.extra["layer_types"])):
             cos, sin, segments = tables[kind]
-            h = layer(h, cos, sin, segments, canvas, None if cache is None else cache.layer(i))
+            h = layer(h, cos, sin, segments, canvas, None if cache is None else cache.layer(i), slots)
         return self.norm(h)[0]
 
     def forward(

@@ -38,7 +38,7 @@ class PagedKVCache:
     A pool that is `growable` doubles when it runs out of pages (its tensors reallocated); a
     pool under a budget is allocated once and never grows (`KVRunner.pool`): the server admits
     rows only while their pages fit (`server.scheduler`). The cache owns its writes
-    (`PagedLayerKV.update_row`)."""
+    (`PagedLayerKV.write`: every packed row's K/V of a layer in one copy)."""
 
     def __init__(
         self,
@@ -338,15 +338,6 @@ class PagedLayerKV:
         if len(runs) == 1:
             return self.k[:, runs[0]][None], self.v[:, runs[0]][None]
         return torch.cat([self.k[:, r] for r in runs], 1)[None], torch.cat([self.v[:, r] for r in runs], 1)[None]
-
-    def update_row(self, row: int, start: int, k, v, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one row's K/V (1, heads, T, head_dim) of columns [start, start + T) into its pages;
-        return its K/V of columns [0, keys) (1, heads, keys, head_dim): views of the pool where its
-        pages are one run, else its runs joined (a shared prefix's run, then its own)."""
-        where = self.cache.span(row, start, start + k.shape[2])
-        self.k[:, where] = k[0]
-        self.v[:, where] = v[0]
-        return self.keys(row, keys)
 
     def update(self, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-shape step's write and read (`LayerKV.update` with a (B, T) `start`): each
