@@ -30,6 +30,7 @@ FAMILIES = [
     "tiny_llada_moe",
     "tiny_rnd1",
     "tiny_wedlm",
+    "tiny_nemotron",
 ]
 QUESTION = "Tom has 5 apples. He buys 3 more apples. How many apples does Tom have now?"
 

@@ -32,6 +32,7 @@ FIXTURES = {
     "tiny_llada_moe": ("lladamoe", dict(seed=6, router_bias=True)),
     "tiny_rnd1": ("rnd1", dict(seed=7, n_kv_heads=1)),
     "tiny_wedlm": ("wedlm", dict(seed=8, n_heads=4, n_kv_heads=2, qkv_bias=True)),
+    "tiny_nemotron": ("nemotron_labs_diffusion", dict(seed=10, n_heads=4, n_kv_heads=2, head_size=16)),
     # made by transformers' own class (layers of its own: sliding and full, K = V, experts beside
     # a dense MLP); decoded with its published renoising
     "tiny_diffusion_gemma": ("diffusion_gemma", dict(seed=9)),
