@@ -127,23 +127,23 @@ class LMMethods:
         return prefix, whole[len(prefix) :]
 
     def loglikelihood(self, requests):
-        from .engine.likelihood import elbo_loglikelihood, is_greedy
+        from .engine.likelihood import is_greedy, loglikelihood
 
         out = []
         for req in requests:
             prefix, target = self._split(*req.args[:2])
             if not prefix:
                 prefix = [self.model.args.eos_token_id]
-            ll = elbo_loglikelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, self.mc_seed)
+            ll = loglikelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, self.mc_seed)
             out.append((ll, is_greedy(self.model, prefix, target)))
         return out
 
     def loglikelihood_rolling(self, requests):
-        from .engine.likelihood import elbo_loglikelihood
+        from .engine.likelihood import loglikelihood
 
         eos = self.model.args.eos_token_id
         return [
-            elbo_loglikelihood(
+            loglikelihood(
                 self.model,
                 [eos],
                 self.tokenizer.encode(req.args[0], add_special_tokens=False),

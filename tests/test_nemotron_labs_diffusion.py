@@ -413,3 +413,20 @@ def test_linear_spec_served_with_its_acceptance_reported(model, tokenizer):
         assert drafts and float(drafts[0].split()[-1]) == verified
     finally:
         srv.stop()
+
+
+def test_likelihood_is_its_causal_passes_exact_sum(model, tokenizer):
+    """lm-eval's log-likelihood of a model that also runs causally is the exact sum of its causal
+    log-probabilities (no Monte-Carlo masking), and its greedy continuation is the one the
+    autoregressive mode decodes."""
+    from fastdllm.engine.likelihood import is_greedy, loglikelihood
+
+    prefix = tokenizer.encode(TEXTS[0])
+    ar = fastdllm.generate(model, [prefix], config=GenerationConfig.nemotron_labs_diffusion_ar(gen_length=6))
+    target = ar.sequences[0].tolist()
+    logprobs = model(torch.tensor([prefix + target]))[0].log_softmax(-1)
+    exact = sum(float(logprobs[len(prefix) - 1 + j, t]) for j, t in enumerate(target))
+    assert loglikelihood(model, prefix, target) == pytest.approx(exact, abs=1e-4)
+    assert is_greedy(model, prefix, target)
+    other = [(t + 1) % model.args.vocab_size for t in target]
+    assert not is_greedy(model, prefix, other) and loglikelihood(model, prefix, other) < exact

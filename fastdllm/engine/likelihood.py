@@ -1,4 +1,5 @@
-"""Log-likelihood of a continuation under a masked diffusion model: the Monte-Carlo ELBO.
+"""Log-likelihood of a continuation: the Monte-Carlo ELBO under a masked diffusion model, or the
+exact sum of a causal pass's log-probabilities where the model has one (`loglikelihood`).
 
 A masked diffusion LM has no left-to-right factorisation; what it offers is a lower bound on
 log p(target | prefix) (the ELBO of its training objective), estimated as LLaDA's and Dream's
@@ -52,8 +53,28 @@ def elbo_loglikelihood(
 
 
 @torch.inference_mode()
+def loglikelihood(model, prefix: list[int], target: list[int], mc_num: int = 128, batch_size: int = 16, seed: int = 0):
+    """log p(target | prefix): exact where the model also runs causally (`two_passes`:
+    Nemotron-Labs-Diffusion's autoregressive pass, the sum of its log-probabilities of each target
+    token given the tokens before it), else the ELBO (`elbo_loglikelihood`)."""
+    if not getattr(model, "two_passes", False):
+        return elbo_loglikelihood(model, prefix, target, mc_num, batch_size, seed)
+    if not target or not prefix:
+        raise ValueError("target: the continuation is empty" if not target else "prefix: needs at least one token")
+    x = torch.tensor([prefix + target], dtype=torch.long, device=model.device)
+    logits = model.logits_for(x, len(prefix), len(prefix) + len(target)).float()[0]
+    tgt = torch.tensor(target, dtype=torch.long, device=model.device)
+    return float(logits.log_softmax(-1).gather(-1, tgt[:, None]).sum())
+
+
+@torch.inference_mode()
 def is_greedy(model, prefix: list[int], target: list[int]) -> bool:
-    """Whether the target is the model's argmax at every position with the whole target masked."""
+    """Whether the target is the model's argmax at every position with the whole target masked (a
+    model that also runs causally: given the target tokens before each, as its causal pass decodes)."""
+    if getattr(model, "two_passes", False):
+        x = torch.tensor([prefix + target], dtype=torch.long, device=model.device)
+        logits = model.logits_for(x, len(prefix), len(prefix) + len(target))
+        return logits[0].argmax(-1).tolist() == list(target)
     x = torch.tensor([prefix + [model.mask_token_id] * len(target)], dtype=torch.long, device=model.device)
     logits = model.logits_for(x, len(prefix), len(prefix) + len(target))
     return logits[0].argmax(-1).tolist() == list(target)
