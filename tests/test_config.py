@@ -63,6 +63,7 @@ BAD = {
     "window_size": 0,
     "adapter": "",
     "draft_adapter": "",
+    "max_thinking_tokens": -1,
     "logprobs_mode": "logits",
     "pos_penalty_factor": -0.1,
     "confidence_threshold": 0,

@@ -79,6 +79,7 @@ def ours_config(c: dict) -> GenerationConfig:
     """Our config for one of the reference's runs."""
     stop = c["stop_at_eos"]
     common = dict(gen_length=c["gen_length"], temperature=c["temperature"], seed=c.get("seed", 0), stop_at_eos=stop)
+    common["max_thinking_tokens"] = c.get("max_thinking_tokens")
     if c["mode"] == "ar":
         return GenerationConfig.nemotron_labs_diffusion_ar(**common)
     if c["mode"] == "linear_spec":
@@ -180,6 +181,10 @@ TRAINED_CONFIGS = [
     dict(mode="linear_spec", gen_length=32, block_length=8, temperature=0.5, seed=1, stop_at_eos=True),
     dict(mode="ar", gen_length=32, temperature=0.0, stop_at_eos=True),
     dict(_DIFF, gen_length=32, stop_at_eos=True),
+    # a thinking budget (the end-of-thinking token: one the twin never writes itself); LinearSpec's
+    # is `test_linear_spec_keeps_a_thinking_budget`
+    dict(mode="ar", gen_length=32, temperature=0.0, stop_at_eos=True, max_thinking_tokens=5, end_think_token_id=500),
+    dict(_DIFF, gen_length=32, stop_at_eos=True, max_thinking_tokens=11, end_think_token_id=500),
 ]
 
 
@@ -194,13 +199,15 @@ def test_a_trained_twin_speculates_as_its_remote_code(tmp_path):
     shutil.copytree(MICRO, folder)
     model, tokenizer = fastdllm.load(folder, dtype="float32")
     model.stop_token_ids = [model.args.eos_token_id]  # the reference stops at EOS alone, not at end of turn
+    model.end_think_token_id = 500  # the thinking budgets' token (its tokenizer has no </think>)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"] for c in chats]
     spec = {"prompts": prompts, "configs": TRAINED_CONFIGS}
     code = NLD_CHECKOUT if NLD_LIVE else None
     theirs = _reference_runs(NLD_PYTHON, NLD_RUNNER, code, folder, spec, "nemotron_labs_diffusion_trained")
-    lengths = set()
+    lengths, budgets = set(), 0
     for c, prompt, ref in compared(TRAINED_CONFIGS, prompts, theirs, "all"):
+        budgets += 500 in ref["tokens"][: c["gen_length"]] and "max_thinking_tokens" in c
         ours = fastdllm.generate(model, [prompt], config=ours_config(c))
         n = min(len(ref["tokens"]), c["gen_length"])
         assert ours.sequences[0].tolist()[:n] == ref["tokens"][:n], (c, prompt)
@@ -209,6 +216,7 @@ def test_a_trained_twin_speculates_as_its_remote_code(tmp_path):
             assert ours.acceptances[0] == kept_acceptances(c, ref), (c, prompt)
             lengths |= set(kept_acceptances(c, ref))
     assert len(lengths) > 4 and max(lengths) > 4  # acceptances of many lengths, long ones among them
+    assert budgets == 4  # every thinking budget placed its token
 
 
 LORA_CONFIGS = [
@@ -430,3 +438,22 @@ def test_likelihood_is_its_causal_passes_exact_sum(model, tokenizer):
     assert is_greedy(model, prefix, target)
     other = [(t + 1) % model.args.vocab_size for t in target]
     assert not is_greedy(model, prefix, other) and loglikelihood(model, prefix, other) < exact
+
+
+def test_linear_spec_keeps_a_thinking_budget(tmp_path):
+    """LinearSpec's thinking budget: the first cycle that ends at or past the budget with no
+    end-of-thinking token makes its next token one, which the answer holds (its remote code gives
+    the next draft the token but keeps the causal pass's in the answer, and so forces it again at
+    every later cycle: not reproduced); the answer before it is the unbudgeted one."""
+    model, tokenizer = fastdllm.load(MICRO, dtype="float32")
+    model.end_think_token_id = 500
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True)
+    config = GenerationConfig.nemotron_labs_diffusion_linear_spec(gen_length=32, window_size=8)
+    free = fastdllm.generate(model, [prompt["input_ids"]], config=config).sequences[0].tolist()
+    kept = fastdllm.generate(model, [prompt["input_ids"]], config=config.replace(max_thinking_tokens=7))
+    tokens = kept.sequences[0].tolist()
+    assert tokens.count(500) == 1 and tokens.index(500) >= 7
+    assert tokens[: tokens.index(500)] == free[: tokens.index(500)]
+    model.end_think_token_id = None
+    with pytest.raises(ValueError, match="max_thinking_tokens"):
+        fastdllm.generate(model, [prompt["input_ids"]], config=config.replace(max_thinking_tokens=7))

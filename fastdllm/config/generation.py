@@ -221,6 +221,15 @@ class GenerationConfig:
         checks=((_finite_at_least(0), "must be a finite number >= 0"),),
     )
     stop_at_eos: bool = _opt(True, "bool", "stop a row once a completed block holds a stop token", row=True)
+    max_thinking_tokens: int | None = _opt(
+        None,
+        "optional int",
+        "a thinking budget (Nemotron-Labs-Diffusion's): once the answer holds this many tokens with no "
+        "end-of-thinking token (</think>) among them, the next block to open places one at the first "
+        "position from there",
+        row=True,
+        checks=((lambda v: v is None or (is_int(v) and v >= 0), "must be an integer >= 0 or None"),),
+    )
     eos_early_stop: bool = _opt(
         False,
         "bool",

@@ -36,6 +36,7 @@ from .rows import (
     Step,
     carried,
     check_adapter,
+    check_thinking_budget,
     constrain,
     decision_key,
     infill,
@@ -125,6 +126,7 @@ class BlockDecoder:
         if not self.accepts(config):
             raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
         check_adapter(self.model, config)
+        check_thinking_budget(self.model, config)
         ids, mask = prepare_inputs(self.model, input_ids, attention_mask, config)
         strategy = self._strategy_for(config)
         gens = (
@@ -415,8 +417,24 @@ class BlockDecoder:
         blk = self.config.block_length
         start = r.column(blk)
         self.x[i, start : start + blk] = r.strategy.open_block(self.x[i, start : start + blk], r.generator)
+        self._think_budget(i, r, start)
         masked = self.x[i, start : start + blk] == self.mask_id
         self.opened[i] = masked.sum()
+
+    def _think_budget(self, i: int, r: Row, start: int) -> None:
+        """A thinking budget (`max_thinking_tokens`), as Nemotron-Labs-Diffusion's loops keep it: a
+        block that opens at or past the budget, when the answer before it holds no end-of-thinking
+        token, gets one at its first position from the budget's (a block of one position: its
+        token, whatever decoded it, as its autoregressive mode and LinearSpec replace the next
+        token; a longer block: placed before it decodes, as its diffusion mode does)."""
+        budget, blk = r.config.max_thinking_tokens, self.config.block_length
+        first = len(r.prompt) + r.lead  # the answer's first column
+        if budget is None or start + blk <= first + budget or start >= first + r.asked:
+            return
+        end_think = self.model.end_think_token_id
+        if bool((self.x[i, first:start] == end_think).any()):
+            return
+        self.x[i, max(start, first + budget)] = end_think
 
     def _leave(self, i: int, r: Row) -> None:
         blk, n = self.config.block_length, r.asked

@@ -69,6 +69,12 @@ def infill(model, config: GenerationConfig, constraints, closing_tokens) -> tupl
     return fixed, suffix
 
 
+def check_thinking_budget(model, config: GenerationConfig) -> None:
+    """A thinking budget needs the model's end-of-thinking token."""
+    if config.max_thinking_tokens is not None and getattr(model, "end_think_token_id", None) is None:
+        raise ValueError("max_thinking_tokens: this model's tokenizer has no end-of-thinking token (</think>)")
+
+
 def check_adapter(model, config: GenerationConfig) -> None:
     """The LoRA adapters a config names (`adapter`, `draft_adapter`) are ones the model has loaded,
     and not under a captured step."""

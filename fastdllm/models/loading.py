@@ -554,6 +554,7 @@ def load(
         except json.JSONDecodeError as e:
             raise ValueError(f"{gen_path}: not valid JSON ({e})") from None
     model.stop_token_ids = stop_ids_of(model, tokenizer)
+    model.end_think_token_id = tokenizer.token_to_id("</think>")
     model.name_or_path = str(path_or_repo_id) if path_or_repo_id is not None else "fastdllm/llada-arith"
     model.decoding = recognized_decoding(model.name_or_path, model.config) or model.decoding
     return model, tokenizer

@@ -293,6 +293,9 @@ class Transformer(nn.Module):
         self.make_extra(args)
         self.setup_rope()
         self.stop_token_ids: list[int] = list(stop_token_ids) if stop_token_ids else [args.eos_token_id]
+        # The token that ends a thinking span (its tokenizer's </think>), where it has one: what a
+        # thinking budget places (`GenerationConfig.max_thinking_tokens`).
+        self.end_think_token_id: int | None = None
         # The preset it decodes with unless told otherwise: its family's own decoder, or the one a
         # checkpoint's name says it was trained for (`loading.recognized_decoding`).
         self.decoding: str | None = None if family is None else family.rules.published

@@ -9,7 +9,8 @@ stands in for it), a checkpoint folder, a JSON file of {"logits": [[ids, k], ...
 "logits": per sequence, the causal pass's logits of every position, and the logits of its columns
 from k on computed bidirectionally against the causal cache of its first k (a block being
 decoded). "configs": {"mode": "ar" | "diffusion" | "linear_spec", "gen_length", "seed",
-"temperature", "stop_at_eos", and per mode "block_length", "threshold"}: `ar_generate`,
+"temperature", "stop_at_eos", and per mode "block_length", "threshold"; a thinking budget:
+"max_thinking_tokens", "end_think_token_id"}: `ar_generate`,
 `generate` (causal context) and `linear_spec_generate`, each run seeded with
 torch.manual_seed(seed) (they draw from the global stream); without stop_at_eos the EOS id given
 is -1 (their `eos_token_id=None` falls back to the config's). "tokens": the answer after the prompt;
@@ -114,9 +115,10 @@ for c in spec["configs"]:
         torch.manual_seed(c.get("seed", 0))
         accepts.clear()
         block_length = c.get("block_length", 1)
+        budget = {k: c[k] for k in ("max_thinking_tokens", "end_think_token_id") if k in c}
         if c["mode"] == "ar":
             out, nfe = model.ar_generate(
-                x, max_new_tokens=c["gen_length"], temperature=c["temperature"], eos_token_id=eos
+                x, max_new_tokens=c["gen_length"], temperature=c["temperature"], eos_token_id=eos, **budget
             )
         elif c["mode"] == "diffusion":
             out, nfe = model.generate(
@@ -126,6 +128,7 @@ for c in spec["configs"]:
                 threshold=c.get("threshold"),
                 temperature=c["temperature"],
                 eos_token_id=eos,
+                **budget,
             )
         else:
             out, nfe = model.linear_spec_generate(
@@ -135,6 +138,7 @@ for c in spec["configs"]:
                 temperature=c["temperature"],
                 threshold=c.get("threshold") or 0.0,
                 eos_token_id=eos,
+                **budget,
             )
         runs.append({"tokens": out[0, len(prompt) :].tolist(), "nfe": int(nfe), "accepts": list(accepts)})
 print(json.dumps({"logits": logits, "runs": made + runs}))
