@@ -189,7 +189,8 @@ TRAINED_CONFIGS = [
 
 
 @live_or_recorded(NLD_LIVE, "nemotron_labs_diffusion_trained", reason=NLD_REASON)
-def test_a_trained_twin_speculates_as_its_remote_code(tmp_path):
+@pytest.mark.parametrize("part", PARTS)
+def test_a_trained_twin_speculates_as_its_remote_code(tmp_path, part):
     """On a twin whose drafts its causal pass partly accepts: LinearSpec's tokens, forwards and
     every verification's acceptance length (1 to its block) as its remote code's, at several
     block lengths, a draft threshold and sampled; and its other two modes beside it."""
@@ -206,7 +207,7 @@ def test_a_trained_twin_speculates_as_its_remote_code(tmp_path):
     code = NLD_CHECKOUT if NLD_LIVE else None
     theirs = _reference_runs(NLD_PYTHON, NLD_RUNNER, code, folder, spec, "nemotron_labs_diffusion_trained")
     lengths, budgets = set(), 0
-    for c, prompt, ref in compared(TRAINED_CONFIGS, prompts, theirs, "all"):
+    for c, prompt, ref in compared(TRAINED_CONFIGS, prompts, theirs, part):
         budgets += 500 in ref["tokens"][: c["gen_length"]] and "max_thinking_tokens" in c
         ours = fastdllm.generate(model, [prompt], config=ours_config(c))
         n = min(len(ref["tokens"]), c["gen_length"])
@@ -215,8 +216,9 @@ def test_a_trained_twin_speculates_as_its_remote_code(tmp_path):
         if c["mode"] == "linear_spec":
             assert ours.acceptances[0] == kept_acceptances(c, ref), (c, prompt)
             lengths |= set(kept_acceptances(c, ref))
-    assert len(lengths) > 4 and max(lengths) > 4  # acceptances of many lengths, long ones among them
-    assert budgets == 4  # every thinking budget placed its token
+    if part == "all":
+        assert len(lengths) > 4 and max(lengths) > 4  # acceptances of many lengths, long ones among them
+        assert budgets == 4  # every thinking budget placed its token
 
 
 LORA_CONFIGS = [
@@ -227,7 +229,8 @@ LORA_CONFIGS = [
 
 
 @live_or_recorded(NLD_LIVE, "nemotron_labs_diffusion_lora", reason=NLD_REASON + " with peft installed")
-def test_its_linear_spec_lora_drafts_and_never_verifies(tmp_path):
+@pytest.mark.parametrize("part", PARTS)
+def test_its_linear_spec_lora_drafts_and_never_verifies(tmp_path, part):
     """A checkpoint's `linear_spec_lora/` (a PEFT adapter on o_proj, made by PEFT over its remote
     code) loads by that name and, as `draft_adapter`, decodes LinearSpec's drafts only, as its
     remote code turns it on and off: the same tokens, forwards and acceptances. Greedy, the answer
@@ -257,7 +260,7 @@ def test_its_linear_spec_lora_drafts_and_never_verifies(tmp_path):
     for m in (model, drafted):
         m.stop_token_ids = [m.args.eos_token_id]  # the reference stops at EOS alone
     changed = 0
-    for c, prompt, ref in compared(LORA_CONFIGS, prompts, theirs, "all"):
+    for c, prompt, ref in compared(LORA_CONFIGS, prompts, theirs, part):
         ours = fastdllm.generate(drafted, [prompt], config=ours_config(dict(c, draft_adapter="linear_spec_lora")))
         n = min(len(ref["tokens"]), c["gen_length"])
         assert ours.sequences[0].tolist()[:n] == ref["tokens"][:n], (c, prompt)
