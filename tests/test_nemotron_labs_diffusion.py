@@ -337,12 +337,28 @@ def test_bad_input_is_refused_by_name(model):
         model.logits_for(torch.tensor([[1, 2, 3]]), 0, 2)
 
 
+def arrive_together(srv, call, n: int) -> None:
+    """`call(i)` for i < n from n threads, all queued before the server decodes any (one batch)."""
+    import threading
+
+    from tests.test_server import wait_for
+
+    srv.scheduler.pause()
+    try:
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: srv.health()["queued"] == n)
+    finally:
+        srv.scheduler.resume()
+    for t in threads:
+        t.join(120)
+
+
 def test_served_in_both_modes_each_request_as_alone(model, tokenizer):
     """The server decodes it in its diffusion mode by default and in blocks of one position (its
     autoregressive mode's tokens) on request; requests that arrive together answer as alone."""
-    import threading
-
-    from tests.test_server import LiveServer, wait_for
+    from tests.test_server import LiveServer
 
     srv = LiveServer(model, tokenizer, defaults=GenerationConfig.for_model(model).replace(gen_length=32))
     try:
@@ -355,16 +371,7 @@ def test_served_in_both_modes_each_request_as_alone(model, tokenizer):
         def call(i):
             results[i] = srv.client.completions.create(model="llada-arith", **jobs[i])  # LiveServer's served name
 
-        srv.scheduler.pause()
-        try:
-            threads = [threading.Thread(target=call, args=(i,)) for i in range(len(jobs))]
-            for t in threads:
-                t.start()
-            wait_for(lambda: srv.health()["queued"] == len(jobs))
-        finally:
-            srv.scheduler.resume()
-        for t in threads:
-            t.join(120)
+        arrive_together(srv, call, len(jobs))
         for i, kw in enumerate(jobs):
             single = srv.client.completions.create(model="llada-arith", **kw)
             assert results[i].choices[0].text == single.choices[0].text, i
@@ -382,11 +389,9 @@ def test_served_in_both_modes_each_request_as_alone(model, tokenizer):
 def test_linear_spec_served_with_its_acceptance_reported(model, tokenizer):
     """LinearSpec rows batched on their own clocks answer as alone; each response's usage reports
     its verifications and their mean acceptance length, and /metrics counts them as vLLM does."""
-    import threading
-
     import httpx
 
-    from tests.test_server import LiveServer, wait_for
+    from tests.test_server import LiveServer
 
     config = GenerationConfig.nemotron_labs_diffusion_linear_spec(gen_length=16, window_size=4)
     srv = LiveServer(model, tokenizer, defaults=config)
@@ -397,16 +402,7 @@ def test_linear_spec_served_with_its_acceptance_reported(model, tokenizer):
         def call(i):
             results[i] = srv.post("/v1/completions", {"model": "llada-arith", **jobs[i]}).json()
 
-        srv.scheduler.pause()
-        try:
-            threads = [threading.Thread(target=call, args=(i,)) for i in range(len(jobs))]
-            for t in threads:
-                t.start()
-            wait_for(lambda: srv.health()["queued"] == len(jobs))
-        finally:
-            srv.scheduler.resume()
-        for t in threads:
-            t.join(120)
+        arrive_together(srv, call, len(jobs))
         verified = 0
         for text, body in zip(TEXTS, results):
             alone = fastdllm.generate(model, [tokenizer.encode(text)], config=config)
