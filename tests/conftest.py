@@ -170,6 +170,11 @@ def tiny_rnd1(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_nemotron(tokenizer):
+    return random_model("nemotron_labs_diffusion", tokenizer, seed=10, n_heads=4, n_kv_heads=2, head_size=16)
+
+
+@pytest.fixture(scope="session")
 def tiny_llada_dir(tmp_path_factory, tiny_llada, tokenizer):
     return save_pretrained(
         tiny_llada, tmp_path_factory.mktemp("llada"), tokenizer, dtype=torch.float32, max_shard_bytes=20_000

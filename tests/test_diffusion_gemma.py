@@ -148,6 +148,25 @@ def test_rows_packed_together_give_each_rows_logits(checkpoint, tokenizer):
     assert torch.allclose(both[1], alone[0], atol=1e-5)
 
 
+def test_batch_invariant_rows_give_their_logits_alone_to_the_bit(checkpoint, tokenizer):
+    """With `deterministic` (packed_logits' batch_invariant: its linear layers and experts in fixed
+    tiles) a bfloat16 row's logits packed beside others are its logits alone, bit for bit. (On
+    this CPU these rows are also invariant without it: the flag's path is what this checks.)"""
+    import copy
+
+    model = copy.deepcopy(checkpoint[1]).to(torch.bfloat16)
+    texts = ["Question: 1 + 2?", "Question: what is 40 + 2? Answer:", "Tom has 5 apples and buys 3 more. He has"]
+    rows = [tokenizer.encode(t) + list(range(10 + k, 10 + k + CANVAS)) for k, t in enumerate(texts)]
+    width = max(map(len, rows))
+    x = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    windows = [(i, 0, len(r), len(r), len(r) - CANVAS) for i, r in enumerate(rows)]
+    with torch.no_grad():
+        packed = model.packed_logits(x, windows, None, batch_invariant=True)
+        for i in range(len(rows)):
+            (alone,) = model.packed_logits(x[i : i + 1], [(0, *windows[i][1:])], None, batch_invariant=True)
+            assert torch.equal(packed[i], alone), i
+
+
 # settings of transformers' generate: its defaults (adaptive stopping on), stopping off, a colder
 # schedule from 0 with a looser bound, and an early stop that fires
 GENERATE = [

@@ -16,7 +16,7 @@ from fastdllm.engine.rows import prepare_inputs
 
 from .test_continuous import config_for
 
-FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe"]
+FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe", "tiny_nemotron"]
 
 
 # Decoding in bfloat16 is slow on a CPU: two families decode in the default suite, all in the slow set.

@@ -27,6 +27,7 @@ layer's width.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .family import ConfigField, DecodingRules, Family, WeightNames
+from .invariance import BatchInvariant
 from .moe import _grouped_mm_ok, expert_linear
 from .transformer import Transformer, rope_tables_of
 
@@ -374,17 +376,20 @@ class DiffusionGemma(Transformer):
         Exact with any window that recomputes every column whose K/V are not an encoder's: a canvas
         is recomputed as the encoder commits it by the next block's first forward (`cache="dual"`
         with the vicinity or full refresh, `"prefix"`, `"none"`). No LoRA adapters (`adapters`)."""
-        del compiled, block_size, batch_invariant
+        del compiled, block_size
         if adapters:
             raise ValueError("adapter: not yet for DiffusionGemma")
         if canvas:
             raise ValueError("canvas: DiffusionGemma's windows attend one way")
         if any(start >= hi for _, _, hi, _, start in windows):
             raise ValueError("windows: each must hold a canvas (start < hi)")
-        h, out, offset = self._hidden(x, windows, cache, embeds), [], 0
-        for _, lo, hi, _, start in windows:
-            out.append(self.head(h[offset + start - lo : offset + hi - lo]))
-            offset += hi - lo
+        # each row attends over its own keys; under BatchInvariant its linear layers and experts
+        # see the same shapes whatever the batch (`models.invariance`)
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext():
+            h, out, offset = self._hidden(x, windows, cache, embeds), [], 0
+            for _, lo, hi, _, start in windows:
+                out.append(self.head(h[offset + start - lo : offset + hi - lo]))
+                offset += hi - lo
         return out
 
     def _hidden(self, x: torch.Tensor, windows, cache, embeds) -> torch.Tensor:
