@@ -456,3 +456,24 @@ def test_linear_spec_keeps_a_thinking_budget(tmp_path):
     model.end_think_token_id = None
     with pytest.raises(ValueError, match="max_thinking_tokens"):
         fastdllm.generate(model, [prompt["input_ids"]], config=config.replace(max_thinking_tokens=7))
+
+
+@pytest.mark.parametrize("preset", ["nemotron_labs_diffusion", "nemotron_labs_diffusion_linear_spec"])
+def test_its_causal_prompts_are_shared_and_prefilled_in_chunks_exactly(preset):
+    """Its prompt is its causal pass's, so a prefix's K/V depend on nothing after it: 4-shot prompts
+    share their exemplars' K/V exactly (on by default) and long prompts are computed in chunks,
+    each decoding the tokens it decodes without either, with fewer positions computed."""
+    from fastdllm.engine.kv import runner_for
+    from fastdllm.evaluation.tasks import arith
+
+    model, tok = fastdllm.load(MICRO, dtype="float32")
+    runner_for(model).reset_prefix_cache()
+    pool = arith.fewshot_pool()[:4]
+    ids = [arith.prompt_ids(tok, p.question, pool) for p in arith.test_split()[:4]]
+    config = GenerationConfig.preset(preset, gen_length=32)
+    assert config.prefix_cache == "exact"
+    off = fastdllm.generate(model, ids, config=config.replace(prefix_cache="off"))
+    on = fastdllm.generate(model, ids, config=config)
+    chunked = fastdllm.generate(model, ids, config=config.replace(prefix_cache="off", prefill_chunk=64))
+    assert torch.equal(off.sequences, on.sequences) and torch.equal(off.sequences, chunked.sequences)
+    assert sum(on.forward_positions) < sum(off.forward_positions)

@@ -279,7 +279,7 @@ class BlockDecoder:
         return record
 
     def _chunk(self, r: Row) -> int:
-        return r.prefill_chunk(bool(self.model.args.block_size), self.policy.keeps_prompt)
+        return r.prefill_chunk(self.model.causal_prompt, self.policy.keeps_prompt)
 
     def _prefill_chunks(self) -> list[tuple[int, torch.Tensor, int, int]]:
         """This step's chunk of every prompt being prefilled: (its row's key, tokens, from, to)."""

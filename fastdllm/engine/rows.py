@@ -181,14 +181,14 @@ class Row:
         )
         return cls(prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:])
 
-    def prefill_chunk(self, block_causal: bool, cache_keeps_prompt: bool) -> int:
+    def prefill_chunk(self, causal_prompt: bool, cache_keeps_prompt: bool) -> int:
         """The positions of its prompt the row computes per step before it joins (0: none; it joins
         at once and its first forward computes its whole prompt). Only where a prompt block's K/V
         depend on nothing after it (a block-causal model) and its cache keeps them (not `NoCache`),
         not with an adapter (its prompt's K/V are its adapter's), and only for a prompt longer than
         its config's `prefill_chunk` (whole blocks)."""
         chunk, blk = self.config.prefill_chunk, self.config.block_length
-        if chunk is None or not block_causal or not cache_keeps_prompt or self.config.adapter is not None:
+        if chunk is None or not causal_prompt or not cache_keeps_prompt or self.config.adapter is not None:
             return 0
         chunk = chunk // blk * blk
         return chunk if len(self.prompt) > chunk else 0

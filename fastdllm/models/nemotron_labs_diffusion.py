@@ -119,6 +119,7 @@ class NemotronLabsDiffusion(Transformer):
     window's committed columns causally and its block bidirectionally."""
 
     two_passes = True
+    causal_prompt = True  # its prompt is always its causal pass's
 
     def setup_rope(self, device=None) -> None:
         if device is None:

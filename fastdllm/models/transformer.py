@@ -303,6 +303,12 @@ class Transformer(nn.Module):
         self._graphed_window = None  # `graphed_window_logits`, compiled on first use
         self.lora = None  # named LoRA adapters beside the weights (`models.lora.LoRAAdapters`)
 
+    @property
+    def causal_prompt(self) -> bool:
+        """Whether a prompt's K/V depend on nothing after them (a block-causal model's prompt blocks,
+        a causal pass's prompt), so that a prefix's K/V are exact to share and to compute in chunks."""
+        return bool(self.args.block_size)
+
     # Whether a decoder may choose how a window attends (`packed_logits`'s `canvas`): a model whose
     # weights run both causally and bidirectionally (Nemotron-Labs-Diffusion).
     two_passes = False

@@ -21,9 +21,9 @@ Window = tuple[int, int, int, int, int]
 
 def shares_prefixes(model, config) -> bool:
     """Whether rows decoded under `config` share prompt K/V across rows and requests: where
-    `config.prefix_cache` asks for it, exactly (a block-causal prompt block's K/V depend on it
-    alone) or approximately (any model)."""
-    exact = bool(model.args.block_size)
+    `config.prefix_cache` asks for it, exactly (a prompt block's K/V depend on it and what comes
+    before alone: `Transformer.causal_prompt`) or approximately (any model)."""
+    exact = model.causal_prompt
     return config.prefix_cache == "approximate" or (config.prefix_cache == "exact" and exact)
 
 

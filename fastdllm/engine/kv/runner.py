@@ -168,7 +168,7 @@ class KVRunner:
         store that may keep as many pages as the pool holds (so it drops none that rows still
         share)."""
         return (
-            bool(self.model.args.block_size)
+            self.model.causal_prompt
             and config.prefix_cache != "off"
             and CACHE_POLICIES[config.cache].keeps_prompt
             and not REFRESH_RULES[config.refresh].recomputes_prompt
