@@ -304,6 +304,8 @@ def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer, settings):
         (dict(fixed=((0, (5,)),)), "fixed"),
         (dict(suffix=(5, 6)), "suffix"),
         (dict(unmasking="threshold", threshold=0.9), "unmasking"),
+        (dict(compile=True), "compile"),
+        (dict(cuda_graphs=True), "cuda_graphs"),
     ],
 )
 def test_what_the_canvas_cannot_do_is_refused_by_name(checkpoint, tokenizer, change, field):

@@ -477,3 +477,12 @@ def test_its_causal_prompts_are_shared_and_prefilled_in_chunks_exactly(preset):
     chunked = fastdllm.generate(model, ids, config=config.replace(prefix_cache="off", prefill_chunk=64))
     assert torch.equal(off.sequences, on.sequences) and torch.equal(off.sequences, chunked.sequences)
     assert sum(on.forward_positions) < sum(off.forward_positions)
+
+
+def test_engine_settings_it_cannot_take_are_refused_by_name(model, tokenizer):
+    """A captured CUDA-graph step attends one way, not its two: refused by name, as DiffusionGemma's
+    compile and graphs are."""
+    prompt = [tokenizer.encode(TEXTS[0])]
+    config = GenerationConfig.nemotron_labs_diffusion(gen_length=8, block_length=8)
+    with pytest.raises(ValueError, match="^cuda_graphs: not yet for Nemotron-Labs-Diffusion"):
+        fastdllm.generate(model, prompt, config=config.replace(cuda_graphs=True))

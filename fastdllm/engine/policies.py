@@ -42,6 +42,7 @@ def policies_for(
     block's first position (its windows then open at the block)."""
     check_canvas(model, config)
     check_block_length(model, config)
+    check_engine_settings(model, config)
     cache = cache if cache is not None else cache_policy(model, config)
     if strategy is None:
         strategy = DECODERS.get(selection_rule_name(config), UnmaskingStrategy).from_config(config, model, cache)
@@ -62,6 +63,16 @@ def check_block_length(model, config: GenerationConfig) -> None:
             f"block_length: must be {model.args.block_size} for this model, whose attention is "
             f"block-causal in blocks of {model.args.block_size} (got {config.block_length})"
         )
+
+
+def check_engine_settings(model, config: GenerationConfig) -> None:
+    """`compile` and `cuda_graphs` where the model has them (`Transformer.compiles`,
+    `captures_steps`), else a ValueError naming the field."""
+    name = getattr(getattr(model, "family", None), "name", "this model")
+    if config.compile and not getattr(model, "compiles", True):
+        raise ValueError(f"compile: not yet for {name} (its layers are its own)")
+    if config.cuda_graphs and not getattr(model, "captures_steps", True):
+        raise ValueError(f"cuda_graphs: not yet for {name} (its captured step would attend another way)")
 
 
 def brings_decoder(source: PolicySource) -> bool:

@@ -225,6 +225,9 @@ class DiffusionGemma(Transformer):
     """The model (see the module's docstring). `packed_logits` is the loop's forward; `forward` the
     encoder's causal pass over whole sequences (what a likelihood reads)."""
 
+    compiles = False  # its layers are not the shared transformer's: not yet
+    captures_steps = False
+
     def make_layers(self, args: ModelArgs) -> nn.ModuleList:
         return nn.ModuleList(GemmaLayer(args, i) for i in range(args.n_layers))
 

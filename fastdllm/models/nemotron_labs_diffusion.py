@@ -120,6 +120,7 @@ class NemotronLabsDiffusion(Transformer):
 
     two_passes = True
     causal_prompt = True  # its prompt is always its causal pass's
+    captures_steps = False  # the fixed-shape step knows one attention rule: not yet its two
 
     def setup_rope(self, device=None) -> None:
         if device is None:

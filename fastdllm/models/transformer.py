@@ -309,6 +309,11 @@ class Transformer(nn.Module):
         a causal pass's prompt), so that a prefix's K/V are exact to share and to compute in chunks."""
         return bool(self.args.block_size)
 
+    # Whether its layers' dense math compiles (`compiled_layers`, `GenerationConfig.compile`) and
+    # its cached step is captured as a CUDA graph (`window_logits_static`, `cuda_graphs`).
+    compiles = True
+    captures_steps = True
+
     # Whether a decoder may choose how a window attends (`packed_logits`'s `canvas`): a model whose
     # weights run both causally and bidirectionally (Nemotron-Labs-Diffusion).
     two_passes = False
