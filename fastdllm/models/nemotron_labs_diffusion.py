@@ -22,11 +22,13 @@ autoregressive mode is blocks of one position.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from .family import ConfigField, DecodingRules, Family, WeightNames
+from .invariance import BatchInvariant
 from .transformer import Transformer, block_causal_mask, positions_from_mask, rope_tables_of
 
 MODEL_TYPE = "nemotron_labs_diffusion"
@@ -175,7 +177,8 @@ class NemotronLabsDiffusion(Transformer):
         positions = positions_from_mask(attention_mask, bsz, length, input_ids.device)
         key_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         key_mask = block_causal_mask(positions, positions, 1, key_mask)
-        return self.head(self.hidden(input_ids, positions, key_mask, batch_invariant=batch_invariant))
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext():
+            return self.head(self.hidden(input_ids, positions, key_mask, batch_invariant=batch_invariant))
 
     def logits_for(self, x, start, end, *, positions=None, key_mask=None, block_size=None, batch_invariant=False):
         """Logits (B, end - start, V) of positions [start, end) from the causal pass over `x`."""
@@ -185,8 +188,9 @@ class NemotronLabsDiffusion(Transformer):
         if positions is None:
             positions = positions_from_mask(None, bsz, length, x.device)
         key_mask = block_causal_mask(positions, positions, 1, key_mask)
-        h = self.hidden(x, positions, key_mask, batch_invariant=batch_invariant)
-        return self.head(h[:, start - 1 : end - 1])
+        with BatchInvariant() if batch_invariant else contextlib.nullcontext():
+            h = self.hidden(x, positions, key_mask, batch_invariant=batch_invariant)
+            return self.head(h[:, start - 1 : end - 1])
 
 
 # ---- the checkpoint -------------------------------------------------------------------------------
