@@ -270,6 +270,9 @@ def test_its_linear_spec_lora_drafts_and_never_verifies(tmp_path, part):
             assert plain.sequences.tolist() == ours.sequences.tolist()
             changed += plain.acceptances != ours.acceptances
     assert changed  # the adapter drafts differently
+    with pytest.raises(ValueError, match="^draft_adapter: needs a cache"):  # it would recompute with the adapter
+        config = ours_config(dict(LORA_CONFIGS[0], draft_adapter="linear_spec_lora"))
+        fastdllm.generate(drafted, prompts[:1], config=config.replace(refresh="full"))
 
 
 def test_its_published_config_reads_and_writes_as_its_config_class(tmp_path, tokenizer):

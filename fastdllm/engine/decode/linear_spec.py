@@ -82,6 +82,13 @@ class LinearSpec(Decoder):
                 f"unmasking: linear_spec drafts bidirectionally and verifies causally with the same "
                 f"weights, which {name} cannot (Nemotron-Labs-Diffusion can)"
             )
+        # a draft forward that recomputed committed columns would compute them with its adapter
+        recomputes = config.cache == "none" or config.refresh != "vicinity" or config.refresh_every is not None
+        if config.draft_adapter is not None and recomputes:
+            raise ValueError(
+                "draft_adapter: needs a cache that never recomputes what a verification committed "
+                "(cache prefix or dual, refresh vicinity, no refresh_every)"
+            )
         return cls(config)
 
     def canvas(self, carry, step: int) -> int:
