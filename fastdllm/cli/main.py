@@ -42,6 +42,14 @@ EXAMPLES = """examples:
 
 
 def main(argv: list[str] | None = None) -> int:
+    status = _run(argv)
+    tp = sys.modules.get("fastdllm.models.tp")
+    if tp is not None and tp.started():  # a tensor-parallel rank: tear down together, then exit
+        tp.exit_after_teardown(status)
+    return status
+
+
+def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="fastdllm",

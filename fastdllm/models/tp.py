@@ -42,6 +42,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import sys
 from dataclasses import replace
 from datetime import timedelta
 
@@ -89,7 +90,26 @@ def init(tp: int, device: str | None = None) -> tuple[int, int]:
         cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
         dist.init_process_group(backend="nccl" if cuda else "gloo")
         atexit.register(_leave)  # a process group left open aborts the process at exit
+        _STARTED.append(True)
     return dist.get_rank(), dist.get_world_size()
+
+
+_STARTED: list[bool] = []  # whether this process joined the ranks (`init`)
+
+
+def started() -> bool:
+    return bool(_STARTED)
+
+
+def exit_after_teardown(status: int) -> None:
+    """A rank's end: every rank reaches the teardown and the process group is destroyed, then the
+    process exits with `status` at once. Interpreter finalisation after a clean teardown now and
+    then destroys a joinable C++ thread (not ours) and aborts the rank ("terminate called without
+    an active exception"), as `fastdllm eval`'s ranks found first (`cli.eval._finish_distributed`)."""
+    _leave()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _leave() -> None:
