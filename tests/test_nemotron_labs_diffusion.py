@@ -358,6 +358,7 @@ def arrive_together(srv, call, n: int) -> None:
         t.join(120)
 
 
+@pytest.mark.slow
 def test_served_in_both_modes_each_request_as_alone(model, tokenizer):
     """The server decodes it in its diffusion mode by default and in blocks of one position (its
     autoregressive mode's tokens) on request; requests that arrive together answer as alone."""
@@ -461,7 +462,9 @@ def test_linear_spec_keeps_a_thinking_budget(tmp_path):
         fastdllm.generate(model, [prompt["input_ids"]], config=config.replace(max_thinking_tokens=7))
 
 
-@pytest.mark.parametrize("preset", ["nemotron_labs_diffusion", "nemotron_labs_diffusion_linear_spec"])
+@pytest.mark.parametrize(
+    "preset", [pytest.param("nemotron_labs_diffusion", marks=pytest.mark.slow), "nemotron_labs_diffusion_linear_spec"]
+)
 def test_its_causal_prompts_are_shared_and_prefilled_in_chunks_exactly(preset):
     """Its prompt is its causal pass's, so a prefix's K/V depend on nothing after it: 4-shot prompts
     share their exemplars' K/V exactly (on by default) and long prompts are computed in chunks,
