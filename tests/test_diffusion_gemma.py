@@ -21,8 +21,11 @@ if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
 CANVAS = 8
 
 
-def make_reference(tokenizer, folder, seed: int = 0, window: int = 6):
-    """A tiny DiffusionGemma made by transformers' class, saved with our tokenizer beside it."""
+def make_reference(tokenizer, folder, seed: int = 0, window: int = 6, images: bool = False, bidirectional=None):
+    """A tiny DiffusionGemma made by transformers' class, saved with our tokenizer beside it. With
+    `images`: its image tokens are the last three ids of its vocabulary (past the tokenizer's), its
+    vision tower's weights moved off their init too, and images attend as `bidirectional` says
+    (the text config's `use_bidirectional_attention`: None or "vision")."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
@@ -47,6 +50,7 @@ def make_reference(tokenizer, folder, seed: int = 0, window: int = 6):
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.token_to_id("<|begin_of_text|>") or 0,
         final_logit_softcapping=30.0,
+        use_bidirectional_attention=bidirectional,
     )
     vision = dict(
         model_type="gemma4_vision",
@@ -57,13 +61,16 @@ def make_reference(tokenizer, folder, seed: int = 0, window: int = 6):
         num_key_value_heads=2,
         head_dim=4,
     )
-    config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=CANVAS)
+    ids = dict(image_token_id=vocab - 3, boi_token_id=vocab - 2, eoi_token_id=vocab - 1) if images else {}
+    config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=CANVAS, **ids)
     model = DiffusionGemmaForBlockDiffusion(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "vision" in name:
+            if "vision" in name and not images:
                 continue
-            if p.dim() == 1:
+            if name.endswith("position_embedding_table"):
+                p.copy_(torch.randn_like(p))
+            elif p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.3)
             else:
                 p.mul_(6.0)  # sharper distributions: a stricter check
@@ -427,7 +434,8 @@ def test_plan_counts_its_active_experts_and_the_pool_it_holds(checkpoint):
     assert p.kv_cache_bytes == 2 * layers * heads * width * 100 * 4  # the pool's flattened positions
     expert = model.layers[0].experts_gate_up.numel() + model.layers[0].experts_down.numel()
     n, active = model.args.n_experts, model.args.n_active_experts
-    assert p.parameters - p.active_parameters == layers * expert // n * (n - active)  # idle experts
+    tower = sum(t.numel() for t in model.vision.parameters())  # run per image, not per token
+    assert p.parameters - p.active_parameters == layers * expert // n * (n - active) + tower  # idle experts
     # a rank of two holds what the loader reads for it, and the pool its split layers need
     rank = load_model(folder, dtype="float32", tp=(0, 2))
     p2 = plan(read_config(folder), max_len=100, dtype="float32", tp=2)

@@ -41,6 +41,7 @@ from .rows import (
     decision_key,
     infill,
     join_key,
+    place_images,
     prepare_inputs,
     row_generators,
 )
@@ -118,16 +119,27 @@ class BlockDecoder:
         config: GenerationConfig | None = None,
         tags=None,
         constraints=None,
+        images=None,
+        placed=None,
     ) -> list[Row]:
         """Rows that join at the next step (validated now: a bad prompt is refused here, alone).
         `config` may differ from the batch's in gen_length and steps only (see `join_key`).
-        `constraints`: per row, None or the grammar its answer follows (`constraints.py`)."""
+        `constraints`: per row, None or the grammar its answer follows (`constraints.py`).
+        `images`: per row, the images its prompt's placeholders stand for (`rows.place_images`);
+        `placed`: per row, what `place_images` gave for prompts placed already."""
         config = config or self.config
         if not self.accepts(config):
             raise ValueError("config: these rows cannot join this batch (their decoding fields differ)")
         check_adapter(self.model, config)
         check_thinking_budget(self.model, config)
+        if images is not None:
+            if placed is not None:
+                raise ValueError("images: give the images or what place_images gave, not both")
+            input_ids, placed = place_images(self.model, input_ids, attention_mask, images)
+            attention_mask = None
         ids, mask = prepare_inputs(self.model, input_ids, attention_mask, config)
+        if placed is not None and len(placed) != ids.shape[0]:
+            raise ValueError(f"placed: one entry per prompt ({ids.shape[0]}), got {len(placed)}")
         strategy = self._strategy_for(config)
         gens = (
             row_generators(config, ids.shape[0], row_seeds, self.device)
@@ -138,8 +150,11 @@ class BlockDecoder:
         tags = [None] * ids.shape[0] if tags is None else list(tags)
         causal = bool(self.model.args.block_size)
         rows = [Row.of_prompt(ids[i][mask[i]], config, gens[i], tags[i], causal) for i in range(ids.shape[0])]
-        for r in rows:
+        for i, r in enumerate(rows):
             r.fixed, r.suffix, r.strategy = fixed, suffix, strategy
+            if placed is not None and placed[i] is not None:
+                cols, vectors = placed[i]
+                r.images = (cols.to(self.device), vectors.to(self.device, self.model.dtype))
         constrain(rows, constraints, config)
         self.joining.extend(rows)
         return rows
@@ -193,12 +208,12 @@ class BlockDecoder:
         new = []
         if self.joining:
             waits = self.pages.waits(
-                [r.prompt.tolist() for r in self.joining], [r.prompt.tolist() for r in self.prefilling]
+                [r.prefix_tokens for r in self.joining], [r.prefix_tokens for r in self.prefilling]
             )
             new = [r for r, w in zip(self.joining, waits) if not w]
             self.joining = [r for r, w in zip(self.joining, waits) if w]
             for r in [r for r in new if self._chunk(r)]:
-                r.prefilled = self.pages.start_prefill(id(r), r.prompt.tolist())
+                r.prefilled = self.pages.start_prefill(id(r), r.prefix_tokens)
                 self.prefilling.append(r)
                 new.remove(r)
         ready = [r for r in self.prefilling if r.prefilled >= len(r.prompt)]
@@ -470,7 +485,7 @@ class BlockDecoder:
             self.width,
             tuple(int(not r.strategy.commits_blocks) + r.unrefreshed for r in rows),
             tuple(r.reused for r in rows),
-            {i: r.soft for i, r in enumerate(rows) if r.soft is not None} or None,
+            {i: e for i, r in enumerate(rows) if (e := _input_vectors(r)) is not None} or None,
             {i: self.model.lora.index(a) for i, r in enumerate(rows) if (a := self._adapter(r))} or None,
             {i: c for i, r in enumerate(rows) if (c := r.strategy.canvas(r.carry, r.step)) is not None} or None,
         )
@@ -521,8 +536,16 @@ class BlockDecoder:
         self.stopping = torch.tensor([r.config.stop_at_eos for r, _ in moves], device=dev)  # per row
         joined = {i: r for i, (r, src) in enumerate(moves) if src is None}
         # a row with an adapter neither shares nor stores its prompt's K/V (the store holds the base's)
-        shared = {i: r.prompt.tolist() for i, r in joined.items() if r.config.adapter is None}
+        shared = {i: r.prefix_tokens for i, r in joined.items() if r.config.adapter is None}
         reused = self.pages.reuse(bsz, shared)
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
             self._begin(i, r)
+
+
+def _input_vectors(r: Row) -> tuple | None:
+    """What replaces some of a row's columns' input this step: its images' soft tokens and its
+    strategy's signal, (columns, vectors) together."""
+    if r.images is None or r.soft is None:
+        return r.images if r.soft is None else r.soft
+    return torch.cat([r.images[0], r.soft[0]]), torch.cat([r.images[1], r.soft[1].to(r.images[1].dtype)])

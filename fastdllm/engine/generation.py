@@ -145,6 +145,7 @@ def iter_generate(
     policies: PolicySource = None,
     constraints: Sequence | None = None,
     kv: KVRunner | None = None,
+    images: Sequence | None = None,
 ) -> Iterator[StepEvent]:
     """The decoding loop (`decoder.BlockDecoder`) over one batch, as a generator of events.
     `generate` runs it to the end.
@@ -154,7 +155,7 @@ def iter_generate(
     pages and prefix store the rows use (default: the model's, shared by calls that bring none)."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     decoder = BlockDecoder(model, config, policies=policies, kv=kv)
-    rows = decoder.add(input_ids, attention_mask, row_seeds, constraints=constraints)
+    rows = decoder.add(input_ids, attention_mask, row_seeds, constraints=constraints, images=images)
     blk = config.block_length
     slot = {id(r): i for i, r in enumerate(rows)}
     # The answers as the caller sees them: (B, gen_length), the mask id where still masked.
@@ -259,6 +260,7 @@ def generate(
     num_return_sequences: int = 1,
     constraints: Sequence | None = None,
     kv: KVRunner | None = None,
+    images: Sequence | None = None,
     **options,
 ) -> GenerationOutput:
     """Generate `config.gen_length` tokens after each prompt.
@@ -271,7 +273,9 @@ def generate(
     `GenerationConfig.with_options`). `constraints`: per row, None or a `constraints.GrammarConstraint`
     its answer must follow (JSON, a schema, a regex). `num_return_sequences`: each prompt decoded that many times,
     its copies next to each other, each with its own random stream (as transformers orders them).
-    `kv`: the `kv.KVRunner` that holds the K/V (see `iter_generate`).
+    `kv`: the `kv.KVRunner` that holds the K/V (see `iter_generate`). `images`: per prompt, the
+    images its placeholders stand for (a model with a vision tower, `Transformer.place_images`: a
+    `PIL.Image`, a path, bytes or a data URL each), e.g. `[[photo], []]`.
     Returns the generated ids and the statistics of the run.
     """
     cut = options.get("max_new_tokens")
@@ -292,12 +296,15 @@ def generate(
             attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(k, 0)
         else:
             input_ids = [list(ids) for ids in input_ids for _ in range(k)]
+        if images is not None:
+            images = [imgs for imgs in images for _ in range(k)]
         if row_seeds is not None:
             row_seeds = [s * k + j for s in row_seeds for j in range(k)]
     t0 = time.perf_counter()
     last = None
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, policies, constraints, kv):
+        events = iter_generate(model, input_ids, config, attention_mask, row_seeds, policies, constraints, kv, images)
+        for event in events:
             if on_step is not None and event.kind != "done":
                 on_step(event)
             last = event

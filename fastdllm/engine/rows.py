@@ -4,6 +4,7 @@ one step returns (`Step`), and the keys that decide which rows may decode togeth
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -157,6 +158,9 @@ class Row:
     # what its strategy's signal makes its next forward's input at some columns (DMax's soft
     # embeddings, DiffusionGemma's self-conditioning): (columns, vectors)
     soft: tuple | None = None
+    # its prompt's images: (columns, soft tokens) that replace those columns' token embeddings in
+    # every forward that computes them (`place_images`)
+    images: tuple | None = None
     # with `config.logprobs`, per block that became final: per answer position of it, (its token's
     # log-probability in the forward that wrote it, the most likely tokens there as (id,
     # log-probability) pairs), None where no forward chose the token (fixed, or padding after a stop)
@@ -185,13 +189,21 @@ class Row:
         """The positions of its prompt the row computes per step before it joins (0: none; it joins
         at once and its first forward computes its whole prompt). Only where a prompt block's K/V
         depend on nothing after it (a block-causal model) and its cache keeps them (not `NoCache`),
-        not with an adapter (its prompt's K/V are its adapter's), and only for a prompt longer than
-        its config's `prefill_chunk` (whole blocks)."""
+        not with an adapter (its prompt's K/V are its adapter's) nor images (an image's tokens may
+        see each other both ways), and only for a prompt longer than its config's `prefill_chunk`
+        (whole blocks)."""
         chunk, blk = self.config.prefill_chunk, self.config.block_length
         if chunk is None or not causal_prompt or not cache_keeps_prompt or self.config.adapter is not None:
             return 0
+        if self.images is not None:
+            return 0
         chunk = chunk // blk * blk
         return chunk if len(self.prompt) > chunk else 0
+
+    @property
+    def prefix_tokens(self) -> list[int]:
+        """Its prompt as the prefix store keys it (`prefix_tokens`)."""
+        return prefix_tokens(self.prompt.tolist(), self.images)
 
     @property
     def stop_block(self) -> int:
@@ -251,6 +263,37 @@ class Step:
     tokens: torch.Tensor
     chosen: torch.Tensor
     edited: torch.Tensor | None = None
+
+
+def prefix_tokens(ids: list[int], images: tuple | None) -> list[int]:
+    """A prompt as the prefix store keys it: its tokens, each image's columns replaced by keys of
+    the image's soft tokens (negative: no token's), so that prompts share K/V only where their
+    images are the same."""
+    if images is None:
+        return ids
+    out = list(ids)
+    columns, vectors = images
+    for c, v in zip(columns.tolist(), vectors):
+        digest = hashlib.blake2b(v.detach().float().cpu().numpy().tobytes(), digest_size=7).digest()
+        out[c] = -1 - int.from_bytes(digest, "little")
+    return out
+
+
+def place_images(model, input_ids, attention_mask, images) -> tuple[list[list[int]], list]:
+    """Each prompt's images placed (`Transformer.place_images`): per row its ids and (columns, soft
+    tokens), or None for a row without images. `images`: per row a list of images (`PIL.Image`,
+    path, bytes or data URL)."""
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        rows = [r[m].tolist() for r, m in zip(ids, mask)]
+    else:
+        rows = list(input_ids)
+        rows = [list(r) for r in rows] if rows and isinstance(rows[0], (list, tuple)) else [rows]
+    if len(images) != len(rows):
+        raise ValueError(f"images: one list of images per prompt ({len(rows)}), got {len(images)}")
+    placed = [model.place_images(r, list(imgs or ())) for r, imgs in zip(rows, images)]
+    return [p for p, _ in placed], [e for _, e in placed]
 
 
 def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):

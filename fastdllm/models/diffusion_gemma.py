@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..text.images import open_image
 from .args import ModelArgs
 from .family import ConfigField, DecodingRules, Family, WeightNames
+from .gemma_vision import GemmaVision, VisionArgs, patchify, vision_weight_names
 from .invariance import BatchInvariant
 from .moe import _grouped_mm_ok, expert_linear
 from .transformer import Transformer, rope_tables_of
@@ -232,6 +234,8 @@ class DiffusionGemma(Transformer):
         return nn.ModuleList(GemmaLayer(args, i) for i in range(args.n_layers))
 
     def make_extra(self, args: ModelArgs) -> None:
+        vision = args.extra.get("vision")
+        self.vision = None if vision is None else GemmaVision(VisionArgs.of(vision, args.dim))
         self.norm = GemmaNorm(args.dim, args.norm_eps)
         self.sc_norm = GemmaNorm(args.dim, args.norm_eps)
         self.sc_w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)
@@ -348,15 +352,79 @@ class DiffusionGemma(Transformer):
         cap = self.args.extra["softcap"]
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _masks(self, lo: int, hi: int, keys: int, canvas_start: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(
+        self, lo: int, hi: int, keys: int, canvas_start: int, device, groups: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(full, sliding) attention masks (hi - lo, keys) of one row's queries [lo, hi) over its
         keys [0, keys): causal before the canvas, the canvas seeing everything; a sliding layer's
-        window ends at the query, or for the canvas at the canvas's start."""
+        window ends at the query, or for the canvas at the canvas's start. `groups` (keys,): each
+        column's image (-1: text); an image's columns see each other in both kinds of layer."""
         q = torch.arange(lo, hi, device=device)[:, None]
         k = torch.arange(keys, device=device)[None, :]
         full = (k <= q) | (q >= canvas_start)
         window = self.args.extra["sliding_window"]
-        return full, full & (k >= torch.clamp(q, max=canvas_start) - window + 1)
+        sliding = full & (k >= torch.clamp(q, max=canvas_start) - window + 1)
+        if groups is not None:
+            same = (groups[lo:hi, None] == groups[None, :keys]) & (groups[lo:hi, None] >= 0)
+            full, sliding = full | same, sliding | same
+        return full, sliding
+
+    # ---- images -------------------------------------------------------------------------------
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
+
+    def image_features(self, image) -> torch.Tensor:
+        """One image (`text.images.open_image` reads it) as soft tokens (n, dim) in the model's dtype."""
+        if self.vision is None:
+            raise ValueError(f"images: {self.name_or_path or 'this model'} holds no vision tower")
+        patches, positions = patchify(open_image(image), self.vision.a)
+        with torch.inference_mode():
+            return self.vision(patches, positions).to(self.dtype)
+
+    def place_images(self, ids: list[int], images: list) -> tuple[list[int], tuple | None]:
+        """A prompt's image placeholders filled, as Gemma 4's processor fills them: each image token
+        (what its chat template writes per image) becomes the begin-of-image token, one image
+        token per soft token and the end-of-image token; a run already that long between those
+        two tokens (the processor's output) is kept. Returns the ids and (columns,
+        soft tokens) of the images, in order, for `packed_logits`' `embeds`."""
+        e = self.args.extra
+        img, boi, eoi = e["image_token_id"], e["boi_token_id"], e["eoi_token_id"]
+        runs, i = [], 0  # (from, to, placed by a processor already)
+        while i < len(ids):
+            if ids[i] != img:
+                i += 1
+                continue
+            if i > 0 and ids[i - 1] == boi:
+                j = i
+                while j < len(ids) and ids[j] == img:
+                    j += 1
+                if j == len(ids) or ids[j] != eoi:
+                    raise ValueError("images: image tokens after a begin-of-image token must end with end-of-image")
+                runs.append((i, j, True))
+                i = j
+            else:  # a placeholder: one per image
+                runs.append((i, i + 1, False))
+                i += 1
+        if len(runs) != len(images):
+            raise ValueError(
+                f"images: {len(images)} image(s) given, but the prompt holds {len(runs)} image placeholder(s)"
+            )
+        if not images:
+            return list(ids), None
+        out, columns, vectors, last = [], [], [], 0
+        for (i, j, placed), image in zip(runs, images):
+            features = self.image_features(image)
+            n = features.shape[0]
+            if placed and j - i != n:
+                raise ValueError(f"images: an image of {n} soft tokens, but its run in the prompt holds {j - i}")
+            out += ids[last:i] + ([] if placed else [boi])
+            columns.append(torch.arange(len(out), len(out) + n))
+            vectors.append(features)
+            out += [img] * n + ([] if placed else [eoi])
+            last = j
+        out += ids[last:]
+        return out, (torch.cat(columns), torch.cat(vectors))
 
     def packed_logits(
         self,
@@ -398,26 +466,32 @@ class DiffusionGemma(Transformer):
     def _hidden(self, x: torch.Tensor, windows, cache, embeds) -> torch.Tensor:
         """Final-norm hidden states (N, dim) of the windows packed end to end (`packed_logits`); a
         window whose canvas starts at its end is the encoder's causal pass alone."""
-        tokens, canvas, positions, full, sliding, signal = [], [], [], [], [], []
+        tokens, canvas, positions, full, sliding, signal, given = [], [], [], [], [], [], []
         offset, dev = 0, x.device
         for row, lo, hi, keys, start in windows:
             if not lo <= start <= hi <= keys:
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not hold a canvas from {start}")
-            f, s = self._masks(lo, hi, keys, start, dev)
+            where, vectors = embeds[row] if embeds and row in embeds else (torch.zeros(0, dtype=torch.long), None)
+            where = where.to(dev)
+            before = where < start  # an image's soft tokens in the prompt; in the canvas, the signal
+            f, s = self._masks(lo, hi, keys, start, dev, self._image_groups(where[before], keys))
             full.append((row, lo, offset, hi - lo, keys, f[None, None]))
             sliding.append((row, lo, offset, hi - lo, keys, s[None, None]))
             tokens.append(x[row, lo:hi])
             cols = torch.arange(lo, hi, device=dev)
             positions.append(cols)
             canvas.append(cols >= start)
-            given = torch.zeros(hi - start, self.args.dim, dtype=self.dtype, device=dev)
-            if embeds and row in embeds:
-                where, vectors = embeds[row]
-                given[where - start] = vectors.to(self.dtype)
-            signal.append(given)
+            sc = torch.zeros(hi - start, self.args.dim, dtype=self.dtype, device=dev)
+            if vectors is not None:
+                sc[where[~before] - start] = vectors[~before].to(dev, self.dtype)
+                inside = before & (where >= lo)
+                given.append((offset + where[inside] - lo, vectors[inside]))
+            signal.append(sc)
             offset += hi - lo
         tokens, positions, canvas = torch.cat(tokens), torch.cat(positions), torch.cat(canvas)
         h = self.embed(tokens)[None]
+        for at, vectors in given:  # soft tokens replace the scaled embeddings of their columns
+            h[0, at] = vectors.to(dev, h.dtype)
         h[0, canvas] = self.self_conditioned(h[0, canvas], torch.cat(signal))
         tables = {
             SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions], sliding),
@@ -429,6 +503,20 @@ class DiffusionGemma(Transformer):
             cos, sin, segments = tables[kind]
             h = layer(h, cos, sin, segments, canvas, None if cache is None else cache.layer(i), slots)
         return self.norm(h)[0]
+
+    def _image_groups(self, columns: torch.Tensor, keys: int) -> torch.Tensor | None:
+        """Each of a row's columns [0, keys): the index of the image it belongs to (a run of
+        consecutive soft-token `columns`), -1 for text; None where images attend causally (a config
+        without `use_bidirectional_attention="vision"`) or the row has none."""
+        if not self.args.extra.get("vision_bidirectional") or not len(columns):
+            return None
+        columns = columns.sort().values
+        starts = torch.ones_like(columns, dtype=torch.bool)
+        starts[1:] = columns[1:] != columns[:-1] + 1
+        groups = torch.full((keys,), -1, dtype=torch.long, device=columns.device)
+        inside = columns < keys
+        groups[columns[inside]] = (starts.long().cumsum(0) - 1)[inside]
+        return groups
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, batch_invariant: bool = False
@@ -448,6 +536,9 @@ def _text(cfg: dict) -> dict:
     """The fields our args read: the text config's, with the canvas length beside them."""
     text = dict(cfg.get("text_config") or {})
     text["canvas_length"] = cfg.get("canvas_length", 256)
+    text["vision_config"] = cfg.get("vision_config")
+    for name, default in (("image_token_id", 258_880), ("boi_token_id", 255_999), ("eoi_token_id", 258_882)):
+        text[name] = cfg.get(name, default)
     return text
 
 
@@ -488,6 +579,13 @@ def _adjust(cfg: dict, values: dict) -> None:
         else None,
         "softcap": cfg.get("final_logit_softcapping", 30.0),
         "canvas_length": int(cfg["canvas_length"]),
+        # Gemma 4's vision tower (`gemma_vision`), and where its soft tokens go in a prompt; an
+        # image's tokens see each other both ways where the text config says "vision"
+        "vision": cfg.get("vision_config"),
+        "vision_bidirectional": cfg.get("use_bidirectional_attention") == "vision",
+        "image_token_id": int(cfg["image_token_id"]),
+        "boi_token_id": int(cfg["boi_token_id"]),
+        "eoi_token_id": int(cfg["eoi_token_id"]),
     }
     # no mask token: the loop's placeholder for positions of blocks not yet opened (never in a
     # forward: a canvas is drawn when its block opens) is the pad token
@@ -515,7 +613,16 @@ class GemmaFamily(Family):
                 if kind == FULL and ours.endswith("attention.wv.weight"):
                     continue
                 names[ours.format(i=i)] = theirs.format(i=i)
+        if args.extra.get("vision"):
+            names.update(vision_weight_names(VisionArgs.of(args.extra["vision"], args.dim), "vision"))
         return names
+
+    def fit_to_checkpoint(self, model, present: set[str]) -> None:
+        """A checkpoint saved without its vision tower (a text-only conversion) loads as text
+        alone: images are then refused by name."""
+        if model.vision is not None and "model.encoder.embed_vision.embedding_projection.weight" not in present:
+            model.vision = None
+            model.args = replace(model.args, extra={**model.args.extra, "vision": None})
 
 
 LAYER = "model.decoder.layers.{i}"

@@ -174,6 +174,10 @@ class Family:
         tensors, joined along their first dimension; None for a family without such a form."""
         return None
 
+    def fit_to_checkpoint(self, model, present: set[str]) -> None:
+        """The model built from config.json fitted to the tensors its checkpoint holds (`present`),
+        before they are read: a family with optional parts drops those the files lack."""
+
     def weight_names(self, args: ModelArgs) -> dict[str, str | tuple[str, ...]]:
         """Our parameter name -> the checkpoint's (a tuple for a stacked expert weight: the
         checkpoint's tensor of each expert, in order)."""

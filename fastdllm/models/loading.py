@@ -352,6 +352,8 @@ def load_model(
             f"{folder}: weights do not match the model: missing {lost[:5]}, unexpected {result.unexpected_keys[:5]}"
         )
     model.setup_rope(torch.device(device))
+    if getattr(model, "vision", None) is not None:  # its image processor's settings, where saved
+        model.vision.a = model.vision.a.with_processor(folder)
     return model.eval().requires_grad_(False)
 
 
@@ -361,10 +363,11 @@ def _read_weights(model, folder: Path, fmt, dtype, device, parts: dict) -> tuple
     from ..quant.formats import decode, is_quantized
 
     where = str(folder / "config.json")
-    names = model.family.weight_names(model.args)  # ours -> theirs (a tuple: one tensor per expert)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
     tensors = CheckpointTensors(weight_files(folder))
     present = tensors.names()
+    model.family.fit_to_checkpoint(model, present)
+    names = model.family.weight_names(model.args)  # ours -> theirs (a tuple: one tensor per expert)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
 
     def quantized(theirs: str) -> bool:
         return fmt is not None and theirs.endswith(".weight") and is_quantized(fmt, present, theirs[: -len(".weight")])
@@ -627,6 +630,8 @@ def save_pretrained(
         (folder / "generation_config.json").write_text(json.dumps(writer(model.args, own), indent=2) + "\n")
     elif own:  # what the checkpoint came with (its own block length, say) goes where it came from
         (folder / "generation_config.json").write_text(json.dumps(own, indent=2) + "\n")
+    if getattr(model, "vision", None) is not None:  # its image processor's settings
+        (folder / "processor_config.json").write_text(json.dumps(model.vision.a.processor_config(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(folder)
     return folder

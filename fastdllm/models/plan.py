@@ -38,7 +38,9 @@ class RankPlan:
     """What one rank holds (bytes), and the whole model's parameter count."""
 
     parameters: int  # the whole model's
-    active_parameters: int  # per token: every dense weight, the shared expert and the chosen routed ones
+    active_parameters: (
+        int  # per token: every dense weight, the shared expert and the chosen routed ones (no vision tower)
+    )
     sharded_bytes: int  # this rank's part of the split layers
     replicated_bytes: int  # what every rank holds whole
     kv_cache_bytes: int
@@ -98,6 +100,9 @@ def plan(
     for name, p in model.named_parameters():
         numel = p.numel()
         total += numel
+        if name.startswith("vision."):  # a vision tower: whole on every rank, run per image, not per token
+            replicated += numel * size
+            continue
         routed = p.dim() == 3  # routed experts (E, out, in): the only stacked parameters
         active += numel // args.n_experts * args.n_active_experts if routed else numel
         if name in parts:

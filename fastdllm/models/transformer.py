@@ -318,6 +318,16 @@ class Transformer(nn.Module):
     # weights run both causally and bidirectionally (Nemotron-Labs-Diffusion).
     two_passes = False
 
+    # Whether a prompt may hold images (`place_images`): a model with a vision tower.
+    takes_images = False
+
+    def place_images(self, ids: list[int], images: list) -> tuple[list[int], tuple | None]:
+        """A prompt's image placeholders filled with the images' soft tokens: (ids, (columns,
+        vectors) for `packed_logits`' `embeds`)."""
+        if images:
+            raise ValueError(f"images: {self.name_or_path or 'this model'} takes no images (a text model)")
+        return list(ids), None
+
     def make_layers(self, args: ModelArgs) -> nn.ModuleList:
         """The layers (a family whose layers are not Llama-shaped builds its own: `Family.model_class`)."""
         return nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))

@@ -213,12 +213,13 @@ class QuantizedLinear(nn.Module):
 def quantizable_linears(model, include_head: bool = False) -> dict[str, nn.Linear]:
     """Our module name -> the linear layers weight-only quantization covers: attention and MLP
     projections (dense layers and shared experts); the output head only when asked. Routers stay
-    in full precision (their scores choose the experts)."""
+    in full precision (their scores choose the experts), and so does a vision tower (run once per
+    image, as llm-compressor's recipes leave it)."""
     found = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        if name.endswith(".router") or (name == "output" and not include_head):
+        if name.endswith(".router") or name.startswith("vision.") or (name == "output" and not include_head):
             continue
         found[name] = module
     return found

@@ -1,0 +1,216 @@
+"""DiffusionGemma with images against transformers: its image processor (`Gemma4ImageProcessorPil`),
+its vision tower (`get_image_features`), the encoder's logits over a prompt holding images (causal,
+and with `use_bidirectional_attention="vision"`), and `generate`'s tokens and forwards, on tiny
+checkpoints its class made with a vision config (`test_diffusion_gemma.make_reference`)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import fastdllm
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
+    pytest.skip("transformers without DiffusionGemma (the test extra asks for 5.25)", allow_module_level=True)
+PIL = pytest.importorskip("PIL.Image")
+
+from .test_diffusion_gemma import CANVAS, make_reference  # noqa: E402
+
+BUDGET = 70  # soft tokens per image at most: the smallest budget its processor takes
+
+
+def picture(height: int, width: int, seed: int = 0, mode: str = "RGB"):
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return PIL.fromarray(pixels[..., 0] if mode == "L" else pixels, mode)
+
+
+def processed(images):
+    from transformers import Gemma4ImageProcessorPil
+
+    return Gemma4ImageProcessorPil(max_soft_tokens=BUDGET)(images=images, return_tensors="pt")
+
+
+@pytest.fixture(scope="module", params=[None, "vision"], ids=["causal-images", "bidirectional-images"])
+def pair(request, tmp_path_factory, tokenizer):
+    """(transformers' model, ours, folder) in float32, images attending as the param says."""
+    folder = tmp_path_factory.mktemp("gemma_images")
+    reference = make_reference(tokenizer, folder, seed=1, images=True, bidirectional=request.param)
+    (folder / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": BUDGET}}))
+    model, _ = fastdllm.load(str(folder), dtype="float32")
+    return reference, model, folder
+
+
+@pytest.mark.parametrize(
+    "size,mode",
+    [((40, 60), "RGB"), ((300, 90), "RGB"), ((20, 700), "RGB"), ((64, 64), "RGBA"), ((50, 33), "L")],
+    ids=["wide", "tall", "strip", "transparent", "grey"],
+)
+def test_images_are_processed_as_its_image_processor_does(pair, size, mode):
+    from fastdllm.models.gemma_vision import patchify, soft_token_count
+    from fastdllm.text.images import open_image
+
+    _, model, _ = pair
+    image = picture(*size, mode=mode)
+    theirs = processed([image])
+    patches, positions = patchify(open_image(image), model.vision.a)
+    n = patches.shape[0]
+    assert torch.equal(patches, theirs["pixel_values"][0, :n])
+    assert torch.equal(positions, theirs["image_position_ids"][0, :n])
+    assert (theirs["image_position_ids"][0, n:] == -1).all()  # the rest is its padding
+    assert soft_token_count(open_image(image), model.vision.a) == int(theirs["num_soft_tokens_per_image"][0])
+
+
+def test_the_vision_tower_gives_its_soft_tokens(pair):
+    reference, model, _ = pair
+    for seed, size in enumerate([(40, 60), (300, 90)]):
+        image = picture(*size, seed=seed)
+        theirs = processed([image])
+        with torch.no_grad():
+            want = reference.model.encoder.get_image_features(
+                theirs["pixel_values"], theirs["image_position_ids"]
+            ).pooler_output
+        got = model.image_features(image)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def reference_inputs(reference, tokenizer, text: str, images: list) -> tuple[list[int], dict]:
+    """A prompt with one placeholder per image before `text`, and transformers' inputs for it:
+    the ids its processor places, its pixel values, patch positions and token types."""
+    c = reference.config
+    theirs = processed(images)
+    placed = []
+    for n in theirs["num_soft_tokens_per_image"].tolist():
+        placed += [c.boi_token_id] + [c.image_token_id] * n + [c.eoi_token_id]
+    head, tail = tokenizer.encode("Look:"), tokenizer.encode(text)
+    ours = head + [c.image_token_id] * len(images) + tail
+    x = torch.tensor([head + placed + tail])
+    kwargs = dict(
+        pixel_values=theirs["pixel_values"],
+        image_position_ids=theirs["image_position_ids"],
+        mm_token_type_ids=(x == c.image_token_id).long(),
+    )
+    return ours, dict(input_ids=x, **kwargs)
+
+
+def test_a_prompt_with_images_gives_the_encoders_logits(pair, tokenizer):
+    reference, model, _ = pair
+    images = [picture(40, 60), picture(60, 40, seed=3)]
+    ids, theirs = reference_inputs(reference, tokenizer, "what is in the pictures?", images)
+    placed, embeds = model.place_images(ids, images)
+    assert placed == theirs["input_ids"][0].tolist()
+    with torch.no_grad():
+        hidden = reference.model.encoder(**theirs).last_hidden_state
+        want = reference.lm_head(hidden).float()
+        cap = reference.config.text_config.final_logit_softcapping
+        want = torch.tanh(want / cap) * cap
+        x, n = torch.tensor([placed]), len(placed)
+        got = model.head(model._hidden(x, [(0, 0, n, n, n)], None, {0: embeds}))
+    assert torch.allclose(got, want[0], atol=1e-4, rtol=1e-4), (got - want[0]).abs().max()
+
+
+@pytest.fixture(scope="module")
+def float64_pair(pair):
+    reference, _, folder = pair
+    reference = type(reference).from_pretrained(folder, dtype=torch.float64, experts_implementation="eager").eval()
+    model, _ = fastdllm.load(str(folder), dtype="float32")
+    model = model.to(torch.float64)
+    model.setup_rope()
+    return reference, model
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix", "none"])
+def test_generate_with_images_gives_transformers_tokens_and_forwards(float64_pair, tokenizer, cache):
+    """Two canvases after a prompt with two images: the same tokens and decoder forwards as
+    `DiffusionGemmaForBlockDiffusion.generate` given its processor's inputs, under the same seed."""
+    reference, model = float64_pair
+    eos = tokenizer.eos_token_id
+    stops, model.stop_token_ids = model.stop_token_ids, [eos]
+    try:
+        for seed, text in enumerate(["Question: what is it?", "Describe both."]):
+            images = [picture(40, 60, seed=seed), picture(90, 30, seed=seed + 5)]
+            ids, theirs = reference_inputs(reference, tokenizer, text, images)
+            config = fastdllm.GenerationConfig.for_model(
+                model, gen_length=2 * CANVAS, seed=seed, max_denoising_steps=16, cache=cache
+            )
+            ours = fastdllm.generate(model, [ids], config=config, images=[images])
+            torch.manual_seed(seed)
+            out = reference.generate(
+                **theirs, max_new_tokens=2 * CANVAS, eos_token_id=eos, pad_token_id=eos, max_denoising_steps=16
+            )
+            answer = out.sequences[0, theirs["input_ids"].shape[1] :].tolist()
+            assert ours.sequences[0].tolist()[: len(answer)] == answer, (text, cache)
+            if eos not in answer:
+                assert ours.nfe == round(len(answer) / float(out.tokens_per_forward[0])), (text, cache)
+    finally:
+        model.stop_token_ids = stops
+
+
+def test_rows_with_and_without_images_decode_as_alone(pair, tokenizer):
+    """Rows of different images, the same image twice (sharing its prompt's K/V) and a text row,
+    batched: each row's tokens are its tokens alone; an image changes the answer."""
+    reference, model, _ = pair
+    img = reference.config.image_token_id
+    a, b = picture(40, 60, seed=1), picture(60, 40, seed=2)
+    prompt = tokenizer.encode("Look:") + [img] + tokenizer.encode(" what is it?")
+    text = tokenizer.encode("Question: what is 12 + 30? Answer:")
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=2 * CANVAS, seed=0, max_denoising_steps=12)
+    rows, images = [prompt, prompt, prompt, text], [[a], [b], [a], []]
+    together = fastdllm.generate(model, rows, config=config, images=images, row_seeds=[0, 0, 0, 0])
+    for i, (ids, imgs) in enumerate(zip(rows, images)):
+        alone = fastdllm.generate(model, [ids], config=config, images=[imgs], row_seeds=[0])
+        assert torch.equal(together.sequences[i], alone.sequences[0]), i
+    assert not torch.equal(together.sequences[0], together.sequences[1])
+    assert torch.equal(together.sequences[0], together.sequences[2])
+
+
+def test_images_that_do_not_fit_are_refused_by_name(pair, tokenizer, tiny_llada):
+    reference, model, _ = pair
+    c = reference.config
+    prompt = tokenizer.encode("Look:") + [c.image_token_id]
+    with pytest.raises(ValueError, match="images: 2 image"):
+        fastdllm.generate(model, [prompt], images=[[picture(40, 60), picture(40, 60)]], gen_length=CANVAS)
+    with pytest.raises(ValueError, match="images: an image of"):
+        model.place_images([c.boi_token_id, c.image_token_id, c.image_token_id, c.eoi_token_id], [picture(40, 60)])
+    with pytest.raises(ValueError, match="images: not an image"):
+        model.place_images(prompt, [b"not a picture"])
+    with pytest.raises(ValueError, match="images: .* takes no images"):
+        fastdllm.generate(tiny_llada, [[5, 6, 7]], images=[[picture(40, 60)]], gen_length=32)
+
+
+def test_a_data_url_image_answers_as_the_picture_does(pair, tokenizer):
+    from fastdllm.text.images import open_image
+
+    _, model, _ = pair
+    image = picture(40, 60, seed=4)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    assert torch.equal(model.image_features(url), model.image_features(image))
+    assert np.array_equal(np.asarray(open_image(url)), np.asarray(image))
+    with pytest.raises(ValueError, match="images: URLs are not fetched"):
+        open_image("http://example.com/a.png")
+    for bad in ("data:image/png;base64,***", "data:text/plain;base64,aGk="):
+        with pytest.raises(ValueError, match="image_url: "):
+            open_image(bad)
+
+
+def test_a_checkpoint_without_its_tower_loads_as_text(tmp_path, tokenizer):
+    """A text-only conversion (vision weights left out, config unchanged) loads; images are refused."""
+    from safetensors.torch import load_file, save_file
+
+    make_reference(tokenizer, tmp_path, images=True)
+    (path,) = tmp_path.glob("*.safetensors")
+    save_file({k: v for k, v in load_file(path).items() if "vision" not in k}, path, metadata={"format": "pt"})
+    model, _ = fastdllm.load(str(tmp_path), dtype="float32")
+    assert not model.takes_images
+    with pytest.raises(ValueError, match="images: "):
+        model.place_images([model.args.extra["image_token_id"]], [picture(40, 60)])
