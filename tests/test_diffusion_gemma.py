@@ -23,9 +23,10 @@ CANVAS = 8
 
 def make_reference(tokenizer, folder, seed: int = 0, window: int = 6, images: bool = False, bidirectional=None):
     """A tiny DiffusionGemma made by transformers' class, saved with our tokenizer beside it. With
-    `images`: its image tokens are the last three ids of its vocabulary (past the tokenizer's), its
-    vision tower's weights moved off their init too, and images attend as `bidirectional` says
-    (the text config's `use_bidirectional_attention`: None or "vision")."""
+    `images`: its image tokens are the tokenizer's "<|image|>", "<|image>" and "<image|>" (Gemma 4's
+    image, begin- and end-of-image tokens), its vision tower's weights moved off their init too,
+    and images attend as `bidirectional` says (the text config's `use_bidirectional_attention`:
+    None or "vision")."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
@@ -61,7 +62,10 @@ def make_reference(tokenizer, folder, seed: int = 0, window: int = 6, images: bo
         num_key_value_heads=2,
         head_dim=4,
     )
-    ids = dict(image_token_id=vocab - 3, boi_token_id=vocab - 2, eoi_token_id=vocab - 1) if images else {}
+    ids = {}
+    if images:
+        tokens = {"image_token_id": "<|image|>", "boi_token_id": "<|image>", "eoi_token_id": "<image|>"}
+        ids = {name: tokenizer.token_to_id(token) for name, token in tokens.items()}
     config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=CANVAS, **ids)
     model = DiffusionGemmaForBlockDiffusion(config).eval()
     with torch.no_grad():

@@ -23,6 +23,28 @@ PIL = pytest.importorskip("PIL.Image")
 from .test_diffusion_gemma import CANVAS, make_reference  # noqa: E402
 
 BUDGET = 70  # soft tokens per image at most: the smallest budget its processor takes
+# Gemma 4's chat template's way with an image part: its image token in place, inline
+TEMPLATE = (
+    "{%- for m in messages -%}<|turn>{{ m.role }}\n"
+    "{%- if m.content is string -%}{{ m.content }}{%- else -%}{%- for p in m.content -%}"
+    "{%- if p.type == 'image' -%}<|image|>{%- else -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "<turn|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|turn>model\n{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def image_tokenizer():
+    """The test tokenizer with Gemma 4's image tokens and a chat template that writes them."""
+    from tokenizers import AddedToken
+
+    from fastdllm.embedded.recipe import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.fast.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|image|>", "<|image>", "<image|>")]
+    )
+    tok.config["chat_template"] = tok.chat_template = TEMPLATE
+    return tok
 
 
 def picture(height: int, width: int, seed: int = 0, mode: str = "RGB"):
@@ -39,10 +61,10 @@ def processed(images):
 
 
 @pytest.fixture(scope="module", params=[None, "vision"], ids=["causal-images", "bidirectional-images"])
-def pair(request, tmp_path_factory, tokenizer):
+def pair(request, tmp_path_factory, image_tokenizer):
     """(transformers' model, ours, folder) in float32, images attending as the param says."""
     folder = tmp_path_factory.mktemp("gemma_images")
-    reference = make_reference(tokenizer, folder, seed=1, images=True, bidirectional=request.param)
+    reference = make_reference(image_tokenizer, folder, seed=1, images=True, bidirectional=request.param)
     (folder / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": BUDGET}}))
     model, _ = fastdllm.load(str(folder), dtype="float32")
     return reference, model, folder
@@ -203,14 +225,74 @@ def test_a_data_url_image_answers_as_the_picture_does(pair, tokenizer):
             open_image(bad)
 
 
-def test_a_checkpoint_without_its_tower_loads_as_text(tmp_path, tokenizer):
+def test_a_checkpoint_without_its_tower_loads_as_text(tmp_path, image_tokenizer):
     """A text-only conversion (vision weights left out, config unchanged) loads; images are refused."""
     from safetensors.torch import load_file, save_file
 
-    make_reference(tokenizer, tmp_path, images=True)
+    make_reference(image_tokenizer, tmp_path, images=True)
     (path,) = tmp_path.glob("*.safetensors")
     save_file({k: v for k, v in load_file(path).items() if "vision" not in k}, path, metadata={"format": "pt"})
     model, _ = fastdllm.load(str(tmp_path), dtype="float32")
     assert not model.takes_images
     with pytest.raises(ValueError, match="images: "):
         model.place_images([model.args.extra["image_token_id"]], [picture(40, 60)])
+
+
+def test_the_server_answers_a_chat_with_an_image_as_generate_does(pair, tiny_llada, tokenizer):
+    """An `image_url` part (a data URL) in a user message: the answer is `generate`'s with the
+    picture; an image in a text model, a URL to fetch, a broken image, an image in an assistant
+    message are each a 400 naming `messages`, and the server answers the next request."""
+    from tests.test_server import MODEL, LiveServer
+
+    _, model, folder = pair
+    tok = fastdllm.load(str(folder), dtype="float32")[1]
+    image = picture(40, 60, seed=6)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=2 * CANVAS, max_denoising_steps=8)
+    content = [
+        {"type": "text", "text": "Look: "},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": " what?"},
+    ]
+    ids = tok.encode_chat(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " what?"}],
+            }
+        ]
+    )
+    want = fastdllm.generate(model, [ids], config=config.replace(seed=0), images=[[image]])
+    server = LiveServer(model, tok, defaults=config)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2 * CANVAS, "seed": 0}
+        r = server.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(
+            want.sequences[0][: want.num_tokens[0]].tolist()
+        )
+        soft = model.image_features(image).shape[0]  # the placeholder became boi, its soft tokens, eoi
+        assert r.json()["usage"]["prompt_tokens"] == len(ids) - 1 + 2 + soft
+        bad = [
+            [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
+            [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+        ]
+        for part in bad:
+            r = server.post("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": part}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assistant = {"role": "assistant", "content": content}
+        r = server.post("/v1/chat/completions", {**body, "messages": [assistant, {"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "messages" in r.json()["error"]["param"], r.text
+        r = server.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+    server = LiveServer(tiny_llada, tokenizer)
+    try:
+        r = server.post("/v1/chat/completions", {**body, "max_tokens": 4})
+        assert r.status_code == 400 and "takes text only" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages"
+    finally:
+        server.stop()

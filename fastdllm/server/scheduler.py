@@ -17,7 +17,7 @@ from ..engine.kv import KVRunner
 from ..engine.kv.prefix import DEFAULT_BUDGET_BYTES, PrefixStore
 from ..engine.policies import PolicySource
 from ..engine.ranks import LocalCommands, constraint_specs
-from ..engine.rows import join_key, layout_columns
+from ..engine.rows import join_key, layout_columns, prefix_tokens
 from ..models.tp import RankLost
 from .schema import APIError
 
@@ -85,6 +85,7 @@ class Job:
     constraints: list | None = None
     canvas: bool = False  # post each step's state of its rows (`CanvasStep`)
     canvases: list[list[int]] | None = None  # per row, its answer region as the canvas shows it
+    placed: list | None = None  # per row, its images' (columns, soft tokens) (`Transformer.place_images`)
 
     @property
     def rows(self) -> int:
@@ -106,7 +107,10 @@ class Job:
     def prompt_blocks(self) -> list[list[int]]:
         """Per row, the chain keys of its prompt's full blocks (`PrefixStore.keys`: a key stands for
         the whole prefix up to its block's end)."""
-        return [PrefixStore.chain_keys(p, self.config.block_length) for p in self.prompts]
+        placed = self.placed or [None] * len(self.prompts)
+        return [
+            PrefixStore.chain_keys(prefix_tokens(p, e), self.config.block_length) for p, e in zip(self.prompts, placed)
+        ]
 
     @property
     def wanted(self) -> bool:
@@ -362,6 +366,7 @@ class Scheduler:
                         config=job.config,
                         tags=[job] * job.rows,
                         constraints=job.constraints,
+                        placed=job.placed,
                     )
                 except RankLost:
                     raise

@@ -5,7 +5,7 @@ The dLLM fields of a request are generated from `GenerationConfig`'s declaration
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
@@ -68,7 +68,7 @@ def _loc_to_param(loc, kind: str) -> str | None:
 
 
 def _field_names() -> set[str]:
-    models = (ContentPart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest)
+    models = (ContentPart, ImageURL, ImagePart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest)
     return {name for m in models for name in m.model_fields}
 
 
@@ -130,9 +130,19 @@ class ContentPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # a data:image/...;base64 URL (the server fetches nothing)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[Annotated[ContentPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
@@ -148,21 +158,37 @@ class ChatMessage(_Strict):
             raise ValueError("tool_call_id: required in a tool message (the id of the call it answers)")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content: required (only an assistant message with tool_calls may omit it)")
+        if self.images() and self.role != "user":
+            raise ValueError(f"content: image_url parts are for user messages (this one is a {self.role} message)")
         return self
+
+    def images(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, ContentPart))
 
     def for_template(self) -> dict:
-        """The message as a chat template takes it (`tool_calls.template_messages` finishes it)."""
+        """The message as a chat template takes it (`tool_calls.template_messages` finishes it): a
+        content with images as transformers' templates read one, a list of {"type": "image"} and
+        {"type": "text", "text": ...} parts; else its text."""
         role = "system" if self.role == "developer" else self.role
+        content = None if self.content is None else self.text()
+        if self.images():
+            content = [
+                {"type": "text", "text": p.text} if isinstance(p, ContentPart) else {"type": "image"}
+                for p in self.content
+            ]
         return {
             "role": role,
-            "content": None if self.content is None else self.text(),
+            "content": content,
             "name": self.name,
             "tool_calls": self.tool_calls,
             "tool_call_id": self.tool_call_id,

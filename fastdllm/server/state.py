@@ -222,6 +222,33 @@ class Server:
                 400, f"messages: the chat template rejected them ({e})", param="messages", code="invalid_value"
             ) from None
 
+    def place_images(self, req, prompts: list[list[int]]) -> tuple[list[list[int]], list | None]:
+        """A chat's `image_url` parts (data URLs) read and placed in its prompt by the model
+        (`Transformer.place_images`, its vision tower run here, off the event loop): the prompts
+        and per prompt its images' (columns, soft tokens); None without images."""
+        urls = [u for m in getattr(req, "messages", None) or () for u in m.images()]
+        if not urls:
+            return prompts, None
+        if not self.model.takes_images:
+            raise APIError(
+                400,
+                f"messages: image_url parts need a model that reads images; {req.model} takes text only",
+                param="messages",
+                code="unsupported_value",
+            )
+        if type(self.commands) is not LocalCommands:  # the ranks would need the soft tokens too
+            raise APIError(
+                400,
+                "messages: image_url parts are not served with --tp yet",
+                param="messages",
+                code="unsupported_value",
+            )
+        try:
+            ids, placed = self.model.place_images(prompts[0], urls)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        return [ids], [placed]
+
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
         if isinstance(p, str):
@@ -258,6 +285,7 @@ class Server:
             log.info("request fields accepted and ignored: %s", ", ".join(ignored))
         self.check_prompt_chars(endpoint, req)
         prompts = endpoint.prompts(self, req)
+        prompts, placed = self.place_images(req, prompts)
         config, keep = self.config_for(req, endpoint.max_tokens(req))
         config = config.replace(logprobs=req.reported_logprobs())
         try:
@@ -288,6 +316,7 @@ class Server:
             )
         seed = self.base_seed(req)
         rows = [p for p in prompts for _ in range(req.n)]
+        placed = None if placed is None else [e for e in placed for _ in range(req.n)]
         seeds = [seed + i for _ in prompts for i in range(req.n)]
         tool_mode = self.tool_mode(endpoint, req)
         constraints = self.constraints(req, tool_mode, len(rows), keep)
@@ -301,7 +330,7 @@ class Server:
             )
         prompt_tokens = sum(len(p) for p in prompts)
         canvas = bool(req.stream and req.stream_options and req.stream_options.include_canvas)
-        return RequestPlan(rows, seeds, config, keep, constraints, tool_mode, prompt_tokens, ignored, canvas)
+        return RequestPlan(rows, seeds, config, keep, constraints, tool_mode, prompt_tokens, ignored, canvas, placed)
 
     def check_prompt_chars(self, endpoint, req) -> None:
         """A prompt of more characters than the context could hold tokens (~32 characters per token
@@ -353,6 +382,7 @@ class Server:
             asyncio.get_running_loop(),
             constraints=plan.constraints,
             canvas=plan.canvas,
+            placed=plan.placed,
         )
         sched = self.scheduler
         if sched.never_fits(job):
@@ -404,3 +434,4 @@ class RequestPlan:
     prompt_tokens: int
     ignored: list[str]
     canvas: bool = False  # stream each step's canvas (`stream_options.include_canvas`)
+    placed: list | None = None  # per row, its images' (columns, soft tokens) (`place_images`)

@@ -229,24 +229,39 @@ class Tokenizer:
         """The conversation rendered with the chat template and encoded. The template's own text is
         encoded with its special tokens; each message's content as plain text (`encode_plain`), so
         that what a user writes cannot forge a turn (`<|eot_id|><|start_header_id|>system...`) or
-        put a mask token into the prompt. A template that changes contents other than by
-        trimming them falls back to encoding the rendered text as a whole."""
+        put a mask token into the prompt (a content may be a list of parts: its text parts are
+        encoded so, its image parts are what the template writes for them). A template that
+        changes contents other than by trimming them falls back to encoding the rendered text as
+        a whole."""
         text = self.render_chat(messages, add_generation_prompt, tools=tools)
-        marks = [f"\x00content{i}-{secrets.token_hex(8)}\x00" for i in range(len(messages))]
-        marked = self.render_chat(
-            [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)],
-            add_generation_prompt,
-            tools=tools,
-        )
-        parts, contents, rest = [], [], marked
-        for m, mark in zip(messages, marks):
-            if not isinstance(m.get("content"), str) or rest.count(mark) != 1:
-                if mark in marked:  # a content rendered more than once: no clean split
-                    return self.encode(text, add_special_tokens=False)
+        salt = secrets.token_hex(8)
+        contents, marked_messages = [], []  # each content's text (a string, or a list's text parts) marked
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, str):
+                contents.append(content)
+                m = {**m, "content": _mark(len(contents) - 1, salt)}
+            elif isinstance(content, list):
+                parts = []
+                for part in content:
+                    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                        contents.append(part["text"])
+                        part = {**part, "text": _mark(len(contents) - 1, salt)}
+                    parts.append(part)
+                m = {**m, "content": parts}
+            marked_messages.append(m)
+        marks = [_mark(i, salt) for i in range(len(contents))]
+        marked = self.render_chat(marked_messages, add_generation_prompt, tools=tools)
+        parts, kept, rest = [], [], marked
+        for mark, content in zip(marks, contents):
+            if mark not in marked:  # the template leaves it out
                 continue
+            if rest.count(mark) != 1 or marked.count(mark) != 1:  # out of order, or rendered more than once
+                return self.encode(text, add_special_tokens=False)
             head, rest = rest.split(mark)
             parts.append(head)
-            contents.append(m["content"])
+            kept.append(content)
+        contents = kept
         for form in (lambda c: c, str.strip):
             if "".join(p + form(c) for p, c in zip(parts, contents)) + rest == text:
                 ids = []
@@ -265,6 +280,11 @@ class Tokenizer:
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _mark(i: int, salt: str) -> str:
+    """A stand-in for the i-th content text in a rendering (`Tokenizer.encode_chat`)."""
+    return f"\x00content{i}-{salt}\x00"
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
