@@ -296,3 +296,28 @@ def test_the_server_answers_a_chat_with_an_image_as_generate_does(pair, tiny_lla
         assert r.json()["error"]["param"] == "messages"
     finally:
         server.stop()
+
+
+def test_the_cli_and_generate_text_answer_with_an_image_file(pair, capsys, tmp_path):
+    """`fastdllm generate --image FILE` and `generate_text(messages=...)` with an image part give
+    `generate`'s tokens for the prompt the chat template writes; a text-only flag use is refused."""
+    from fastdllm.cli.main import main as cli
+
+    _, model, folder = pair
+    tok = fastdllm.load(str(folder), dtype="float32")[1]
+    image, path = picture(50, 40, seed=8), tmp_path / "photo.png"
+    image.save(path)
+    content = [{"type": "image"}, {"type": "text", "text": "what is it?"}]
+    ids = tok.encode_chat([{"role": "user", "content": content}])
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=CANVAS, max_denoising_steps=5, seed=0)
+    want = fastdllm.generate(model, [ids], config=config, images=[[image]])
+    n = int(want.num_tokens[0])
+    argv = ["generate", "--model", str(folder), "--max-new-tokens", str(CANVAS), "--max-denoising-steps", "5"]
+    assert cli([*argv, "--seed", "0", "--json", "--image", str(path), "what is it?"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["text"] == tok.decode(want.sequences[0][:n].tolist())
+    messages = [{"role": "user", "content": [{"type": "image", "path": str(path)}, content[1]]}]
+    out = fastdllm.generate_text(model, tok, messages=messages, config=config)
+    assert out.text == result["text"]
+    assert cli([*argv, "--raw", "--image", str(path), "what is it?"]) == 2
+    assert "--image" in capsys.readouterr().err

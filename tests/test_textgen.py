@@ -127,6 +127,8 @@ def test_plain_prompts_carry_the_tokenizers_own_bos(loaded, monkeypatch):
     assert plain[0] == bos and plain[1:] == tok.encode(task.plain_text(doc, []), add_special_tokens=False)
     assert task.encode(tok, doc, [], chat=True).count(bos) == 1
     seen = []
-    monkeypatch.setattr(textgen, "generate", lambda m, ids, config: seen.append(ids) or generate(m, ids, config=config))
+    monkeypatch.setattr(
+        textgen, "generate", lambda m, ids, config, **kw: seen.append(ids) or generate(m, ids, config=config, **kw)
+    )
     generate_text(model, tok, QUESTION, max_new_tokens=8)
     assert seen[0][0][0] == bos and seen[0][0][1:] == tok.encode(QUESTION, add_special_tokens=False)

@@ -16,6 +16,7 @@ GENERATE_EXAMPLES = """examples:
   echo "A pen costs 2 dollars. Ann buys 5 pens and gets 8 dollars off. How much does Ann pay?" | fastdllm generate -
   fastdllm generate --fix $'23:\\n#### 7' "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"  # the last line fixed
   fastdllm generate --gen-length 64 --suffix $'\\n#### 7' "A cup costs 4 dollars. Zoe buys 3 cups and gets 5 dollars off. How much does Zoe pay?"  # the working before a suffix
+  fastdllm generate --model google/diffusiongemma-26B-A4B-it --image photo.jpg "What is in this picture?"
 """  # noqa: E501 (commands as a user types them)
 
 
@@ -48,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     add_text_args(p)
     p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     p.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image file the prompt asks about, placed before the prompt's text (repeatable; a model "
+        "that reads images: DiffusionGemma)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (text, tokens, nfe, tokens_per_step, tokens_per_second, config)",
@@ -61,9 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     config = with_model_defaults(args, config, model)
 
     templated = not args.raw and bool(tokenizer.chat_template)
+    if args.image and not templated:
+        raise UserError("--image: needs the model's chat template (it writes the image placeholders; not with --raw)")
+    if args.image and not model.takes_images:
+        raise UserError(f"--image: {args.model or 'the default model'} takes text only")
     if templated:
+        user = prompt
+        if args.image:
+            user = [{"type": "image"} for _ in args.image] + [{"type": "text", "text": prompt}]
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}
+            {"role": "user", "content": user}
         ]
         ids = tokenizer.encode_chat(messages)
     else:
@@ -80,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             show=args.show and not args.json,
             keep=args.max_new_tokens,
             show_delay=args.show_delay,
+            images=args.image,
         )
     except ValueError as e:  # a prompt or config this model cannot take
         raise UserError(str(e)) from None

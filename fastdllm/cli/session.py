@@ -52,10 +52,12 @@ def run_prompt(
     console=None,
     keep: int | None = None,
     commands=None,
+    images: list | None = None,
 ) -> Answer:
     """Generate for one prompt (token ids), with the live view if asked; a prompt or config the
     model cannot take raises ValueError. `keep`: cut the answer to that many tokens. `commands`
-    (`engine.ranks.Commands`): the other ranks of a tensor-parallel model decode it too."""
+    (`engine.ranks.Commands`): the other ranks of a tensor-parallel model decode it too.
+    `images`: what the prompt's image placeholders stand for (`generate`'s `images`)."""
     limit = model.args.max_seq_len
     config = encode_infill(config, tokenizer, model.mask_token_id, keep)
     suffix = len(config.suffix or ())
@@ -74,11 +76,16 @@ def run_prompt(
         )
         on_step = view.on_step if view.enabled else None
     run = LocalCommands() if commands is None else commands
+    extra = {}
+    if images:
+        if getattr(model, "tp", (0, 1))[1] > 1:
+            raise ValueError("images: not yet with --tp (the other ranks would need the images too)")
+        extra["images"] = [images]
     if view is not None and view.enabled:
         with view:
-            out = run.run(("generate", [ids], config), generate, model, [ids], config, on_step=on_step)
+            out = run.run(("generate", [ids], config), generate, model, [ids], config, on_step=on_step, **extra)
     else:
-        out = run.run(("generate", [ids], config), generate, model, [ids], config)
+        out = run.run(("generate", [ids], config), generate, model, [ids], config, **extra)
     completion = complete(tokenizer, out.sequences[0][:keep], model.stop_token_ids, stop, config.fixed_end)
     return Answer(completion, out, len(ids), view.paused if view is not None else 0.0)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..config import GenerationConfig
 from ..text.completion import complete
+from ..text.images import split_images
 from ..text.infill import encode_infill
 from .generation import generate
 
@@ -48,7 +49,8 @@ def generate_text(
     **options,
 ) -> TextOutput | list[TextOutput]:
     """Generate text for a prompt (or a list of prompts), or for `messages` (a conversation or a
-    list of them). Returns one TextOutput, or a list when given a list."""
+    list of them; a model that reads images takes image parts in them: `text.images.split_images`).
+    Returns one TextOutput, or a list when given a list."""
     if (prompt is None) == (messages is None):
         raise ValueError("prompt: give either a prompt (text) or messages (a conversation), not both or neither")
     if messages is not None:
@@ -58,8 +60,11 @@ def generate_text(
             raise ValueError("messages: a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("messages: this tokenizer has no chat template; pass a plain prompt")
-        ids = [tokenizer.encode_chat(list(c)) for c in conversations]
+        split = [split_images(list(c)) for c in conversations]
+        ids = [tokenizer.encode_chat(c) for c, _ in split]
+        images = [imgs for _, imgs in split] if any(imgs for _, imgs in split) else None
     else:
+        images = None
         single = isinstance(prompt, str)
         texts = [prompt] if single else list(prompt)
         if not texts or not all(isinstance(t, str) for t in texts):
@@ -72,7 +77,7 @@ def generate_text(
     config = apply(config) if config is not None else GenerationConfig.for_call(model, apply)
     keep = max_new_tokens if max_new_tokens is not None else config.gen_length
     config = encode_infill(config, tokenizer, model.mask_token_id, keep)
-    out = generate(model, ids, config=config)
+    out = generate(model, ids, config=config, images=images)
     results = []
     for i, row in enumerate(out.sequences.tolist()):
         c = complete(tokenizer, row[:keep], model.stop_token_ids, stop, config.fixed_end)

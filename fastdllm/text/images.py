@@ -55,3 +55,31 @@ def open_image(source):
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def split_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """A conversation's images taken out of its messages' content parts, in order, each part left
+    as a chat template reads one (`{"type": "image"}`): transformers' parts (`{"type": "image",
+    "image" | "url" | "path": ...}`) and OpenAI's (`{"type": "image_url", "image_url": {"url":
+    ...}}`)."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image":
+                    source = next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
+                    if source is None:
+                        raise ValueError("messages: an image part needs its image (image, url or path)")
+                    images.append(source)
+                    part = {"type": "image"}
+                elif kind == "image_url":
+                    url = part.get("image_url")
+                    images.append(url.get("url") if isinstance(url, dict) else url)
+                    part = {"type": "image"}
+                parts.append(part)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out, images
