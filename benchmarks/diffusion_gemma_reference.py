@@ -3,7 +3,7 @@ the same checkpoint, same seeds.
 
     python benchmarks/diffusion_gemma_reference.py [--dim 128 --layers 4 --experts 8]
         [--prompts 4] [--canvases 2] [--canvas 32] [--steps 48] [--threads 2] [--float64] [--shots N]
-        [--profile] [--out FILE]
+        [--images N [--image-budget 70] [--vision-dim 64] [--vision-layers 2]] [--profile] [--out FILE]
 
 A random checkpoint made and saved by transformers' class (float32; sliding and full layers, a
 mixture of experts), loaded by `fastdllm.load`. Both decode the same prompts under the same torch
@@ -12,7 +12,10 @@ transformers one prompt at a time and as one batch (its batch draws every row fr
 its batch is timed, not compared one by one), ours one at a time and as one batch. Reports tokens/s,
 decoder forwards per answer, and how many answers are token-identical: in float32 the two round a logit differently
 (~1e-6) and self-conditioning carries each step's logits into the next, so long runs can part;
-with --float64 both compute the same logits and every answer should agree.
+with --float64 both compute the same logits and every answer should agree. With --images, each
+prompt asks about N random pictures of different sizes (its vision tower made to that width): ours
+is given the pictures (`generate(images=...)`), transformers its image processor's inputs for them;
+the times include each side's vision tower and image processing.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import time
 from pathlib import Path
 
 import torch
+from tokenizers import AddedToken
 
 import fastdllm
 from fastdllm import GenerationConfig
 from fastdllm.embedded.recipe import build_tokenizer
+
+IMAGE_TOKENS = ("<|image|>", "<|image>", "<image|>")  # Gemma 4's image, begin- and end-of-image tokens
 
 
 def make_checkpoint(folder: Path, tok, a) -> None:
@@ -52,14 +58,19 @@ def make_checkpoint(folder: Path, tok, a) -> None:
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    vision = dict(model_type="gemma4_vision", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=4)  # fmt: skip
+    v = a.vision_dim
+    vision = dict(model_type="gemma4_vision", hidden_size=v, intermediate_size=4 * v,
+                  num_hidden_layers=a.vision_layers, num_attention_heads=max(1, v // 32),
+                  num_key_value_heads=max(1, v // 32), head_dim=min(v, 32))  # fmt: skip
+    ids = dict(zip(("image_token_id", "boi_token_id", "eoi_token_id"), map(tok.token_to_id, IMAGE_TOKENS)))
     model = DiffusionGemmaForBlockDiffusion(
-        DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=a.canvas)
+        DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=a.canvas, **ids)
     )
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "vision" not in name and p.dim() > 1:
+            if name.endswith("position_embedding_table"):
+                p.copy_(torch.randn_like(p))  # its init is all ones: every patch in one place
+            elif p.dim() > 1:
                 p.mul_(6.0)  # sharper distributions, as a trained model's
     model.save_pretrained(folder)
     tok.save(folder)
@@ -90,6 +101,44 @@ def arithmetic_share(run) -> dict:
     return {"seconds": seconds, "arithmetic_seconds": arithmetic, "share": arithmetic / seconds}
 
 
+def picture(seed: int):
+    """A random RGB picture of a size of its own."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    height, width = int(rng.integers(40, 400)), int(rng.integers(40, 400))
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def processed(pictures: list, budget: int) -> dict:
+    from transformers import Gemma4ImageProcessorPil
+
+    out = Gemma4ImageProcessorPil(max_soft_tokens=budget)(images=pictures, return_tensors="pt")
+    keep = ("pixel_values", "image_position_ids", "num_soft_tokens_per_image")
+    return {k: out[k] for k in keep}
+
+
+def reference_inputs(model, ids: list[int], pictures: list, budget: int) -> tuple[list[int], dict, list[int]]:
+    """transformers' inputs for a prompt with one placeholder per picture: its ids with each
+    placeholder placed as its processor places it, its processor's outputs for `generate`, and the
+    pictures' soft-token counts."""
+    if not pictures:
+        return list(ids), {}, []
+    e = model.args.extra
+    out = processed(pictures, budget)
+    counts = out.pop("num_soft_tokens_per_image").tolist()
+    placed, k = [], 0
+    for t in ids:
+        if t == e["image_token_id"]:
+            placed += [e["boi_token_id"]] + [t] * counts[k] + [e["eoi_token_id"]]
+            k += 1
+        else:
+            placed.append(t)
+    out["mm_token_type_ids"] = (torch.tensor([placed]) == e["image_token_id"]).long()
+    return placed, out, counts
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dim", type=int, default=128)
@@ -102,6 +151,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--float64", action="store_true")
     p.add_argument("--shots", type=int, default=0, help="worked examples before each question (a longer prompt)")
+    p.add_argument("--images", type=int, default=0, help="pictures per prompt")
+    p.add_argument("--image-budget", type=int, default=70, help="soft tokens per picture at most (its processor's)")
+    p.add_argument("--vision-dim", type=int, default=64)
+    p.add_argument("--vision-layers", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="also the share of each batch's time in arithmetic both do")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -109,10 +162,14 @@ def main() -> None:
     from transformers import DiffusionGemmaForBlockDiffusion
 
     tok = build_tokenizer()
+    tok.fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_TOKENS])
     dtype = torch.float64 if a.float64 else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp, "dg")
         make_checkpoint(folder, tok, a)
+        (folder / "processor_config.json").write_text(
+            json.dumps({"image_processor": {"max_soft_tokens": a.image_budget}})
+        )
         # its grouped-matmul experts take no float64: the eager ones (the same arithmetic) there
         experts = {"experts_implementation": "eager"} if a.float64 else {}
         reference = DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=dtype, **experts).eval()
@@ -123,38 +180,75 @@ def main() -> None:
     model.stop_token_ids = [eos]
     shots = "".join(f"Question: what is {j} + {2 * j}? Answer: {3 * j}\n" for j in range(a.shots))
     prompts = [tok.encode(f"{shots}Question: what is {i} + {i + 3}? Answer:") for i in range(a.prompts)]
+    pictures = [[picture(i * a.images + j) for j in range(a.images)] for i in range(a.prompts)]
+    placeholder = [tok.token_to_id(IMAGE_TOKENS[0])] * a.images
+    prompts = [placeholder + ids for ids in prompts]  # ours: one placeholder per picture
+    inputs = [reference_inputs(model, ids, imgs, a.image_budget) for ids, imgs in zip(prompts, pictures)]
+    placed = [ids for ids, _, _ in inputs]
+    images = {"images": pictures} if a.images else {}
     gen = a.canvases * a.canvas
     config = GenerationConfig.for_model(model, gen_length=gen, max_denoising_steps=a.steps, stop_at_eos=False)
+
+    def theirs(i: int) -> tuple[torch.Tensor, dict]:
+        """transformers' request i: its placed ids and its processor's outputs (computed here: its
+        processor's work is part of its request, as placing is part of ours)."""
+        placed, kwargs, _ = reference_inputs(model, prompts[i], pictures[i], a.image_budget)
+        return torch.tensor([placed]), kwargs
+
     torch.manual_seed(0)
-    reference.generate(torch.tensor([prompts[0]]), max_new_tokens=gen, max_denoising_steps=a.steps)  # warm-up
-    theirs, started = [], time.perf_counter()
-    for i, ids in enumerate(prompts):
+    x, kwargs = theirs(0)
+    reference.generate(x, **kwargs, max_new_tokens=gen, max_denoising_steps=a.steps)  # warm-up
+    answers, started = [], time.perf_counter()
+    for i in range(len(prompts)):
         torch.manual_seed(i)
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=gen, max_denoising_steps=a.steps)
-        theirs.append((out.sequences[0, len(ids) :].tolist(), round(gen / float(out.tokens_per_forward[0]))))
+        x, kwargs = theirs(i)
+        out = reference.generate(x, **kwargs, max_new_tokens=gen, max_denoising_steps=a.steps)
+        answers.append((out.sequences[0, x.shape[1] :].tolist(), round(gen / float(out.tokens_per_forward[0]))))
     reference_seconds = time.perf_counter() - started
     # its own batch (left-padded, with an attention mask): the same forwards, its rows drawn from
     # one stream, so timed but not compared token for token
-    width = max(len(ids) for ids in prompts)
-    padded = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids in prompts])
-    attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    width = max(len(ids) for ids in placed)
+    padded = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids in placed])
+    attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in placed])
+    batch_inputs = {}
     torch.manual_seed(0)
     started = time.perf_counter()
-    reference.generate(padded, attention_mask=attention, max_new_tokens=gen, max_denoising_steps=a.steps)
+    if a.images:
+        batch_inputs = processed([p for imgs in pictures for p in imgs], a.image_budget)
+        del batch_inputs["num_soft_tokens_per_image"]
+        batch_inputs["mm_token_type_ids"] = (padded == tok.token_to_id(IMAGE_TOKENS[0])).long()
+    reference.generate(
+        padded, attention_mask=attention, max_new_tokens=gen, max_denoising_steps=a.steps, **batch_inputs
+    )
     reference_batch_seconds = time.perf_counter() - started
-    fastdllm.generate(model, [prompts[0]], config=config.replace(seed=0))  # warm-up
+    first = {"images": pictures[:1]} if a.images else {}
+    fastdllm.generate(model, [prompts[0]], config=config.replace(seed=0), **first)  # warm-up
     started = time.perf_counter()
-    alone = [fastdllm.generate(model, [ids], config=config.replace(seed=i)) for i, ids in enumerate(prompts)]
+    alone = [
+        fastdllm.generate(
+            model, [ids], config=config.replace(seed=i), **({"images": [pictures[i]]} if a.images else {})
+        )
+        for i, ids in enumerate(prompts)
+    ]
     alone_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    batch = fastdllm.generate(model, prompts, config=config, row_seeds=list(range(len(prompts))))
+    batch = fastdllm.generate(model, prompts, config=config, row_seeds=list(range(len(prompts))), **images)
     batch_seconds = time.perf_counter() - started
     tokens = gen * len(prompts)
     result = {
-        "checkpoint": dict(dim=a.dim, layers=a.layers, experts=a.experts, canvas=a.canvas, dtype=str(dtype)),
+        "checkpoint": dict(
+            dim=a.dim,
+            layers=a.layers,
+            experts=a.experts,
+            canvas=a.canvas,
+            dtype=str(dtype),
+            vision=dict(dim=a.vision_dim, layers=a.vision_layers) if a.images else None,
+        ),  # fmt: skip
         "settings": dict(
             prompts=a.prompts,
-            prompt_tokens=[len(p) for p in prompts],
+            prompt_tokens=[len(ids) for ids in placed],
+            images_per_prompt=a.images,
+            soft_tokens_per_image=[n for _, _, counts in inputs for n in counts],
             canvases=a.canvases,
             max_denoising_steps=a.steps,
             threads=a.threads,
@@ -164,10 +258,10 @@ def main() -> None:
         "reference_batched": {"seconds": reference_batch_seconds, "tokens_per_s": tokens / reference_batch_seconds},
         "ours_one_at_a_time": {"seconds": alone_seconds, "tokens_per_s": tokens / alone_seconds},
         "ours_batched": {"seconds": batch_seconds, "tokens_per_s": tokens / batch_seconds},
-        "forwards_per_answer": {"reference": [f for _, f in theirs], "ours": [o.nfe for o in alone]},
+        "forwards_per_answer": {"reference": [f for _, f in answers], "ours": [o.nfe for o in alone]},
         "identical_answers": {
-            "one_at_a_time": sum(o.sequences[0].tolist() == t for o, (t, _) in zip(alone, theirs)),
-            "batched": sum(batch.sequences[i].tolist() == t for i, (t, _) in enumerate(theirs)),
+            "one_at_a_time": sum(o.sequences[0].tolist() == t for o, (t, _) in zip(alone, answers)),
+            "batched": sum(batch.sequences[i].tolist() == t for i, (t, _) in enumerate(answers)),
             "of": len(prompts),
         },
     }
@@ -175,11 +269,11 @@ def main() -> None:
         result["arithmetic_share"] = {
             "reference_batched": arithmetic_share(
                 lambda: reference.generate(
-                    padded, attention_mask=attention, max_new_tokens=gen, max_denoising_steps=a.steps
+                    padded, attention_mask=attention, max_new_tokens=gen, max_denoising_steps=a.steps, **batch_inputs
                 )
             ),
             "ours_batched": arithmetic_share(
-                lambda: fastdllm.generate(model, prompts, config=config, row_seeds=list(range(len(prompts))))
+                lambda: fastdllm.generate(model, prompts, config=config, row_seeds=list(range(len(prompts))), **images)
             ),
         }
     print(json.dumps(result, indent=1))
