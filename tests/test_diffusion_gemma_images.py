@@ -20,6 +20,8 @@ if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
     pytest.skip("transformers without DiffusionGemma (the test extra asks for 5.25)", allow_module_level=True)
 PIL = pytest.importorskip("PIL.Image")
 
+from fastdllm.models.gemma_vision import ClippedLinear  # noqa: E402
+
 from .test_diffusion_gemma import CANVAS, make_reference  # noqa: E402
 
 BUDGET = 70  # soft tokens per image at most: the smallest budget its processor takes
@@ -321,3 +323,25 @@ def test_the_cli_and_generate_text_answer_with_an_image_file(pair, capsys, tmp_p
     assert out.text == result["text"]
     assert cli([*argv, "--raw", "--image", str(path), "what is it?"]) == 2
     assert "--image" in capsys.readouterr().err
+
+
+def test_a_saved_checkpoint_keeps_its_tower_and_processor(pair, tmp_path):
+    """`fastdllm quantize` leaves the tower unquantized and keeps the image processor's settings;
+    a plain save loads in transformers and gives the same soft tokens."""
+    from fastdllm.models.loading import quantize_checkpoint, save_pretrained
+
+    _, model, folder = pair
+    image = picture(70, 50, seed=9)
+    quantize_checkpoint(str(folder), tmp_path / "int8", 8)
+    again, _ = fastdllm.load(str(tmp_path / "int8"), dtype="float32")
+    assert again.quantization is not None and again.vision.a.max_soft_tokens == BUDGET
+    assert all(
+        type(m) in (torch.nn.Linear, ClippedLinear) for m in again.vision.modules() if "Linear" in type(m).__name__
+    )
+    assert torch.equal(again.image_features(image), model.image_features(image))
+    save_pretrained(model, tmp_path / "plain")
+    theirs = type(pair[0]).from_pretrained(tmp_path / "plain").eval()
+    inputs = processed([image])
+    with torch.no_grad():
+        want = theirs.model.encoder.get_image_features(inputs["pixel_values"], inputs["image_position_ids"])
+    assert torch.allclose(model.image_features(image), want.pooler_output, atol=1e-5)

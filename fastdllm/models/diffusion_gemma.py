@@ -28,6 +28,7 @@ layer's width.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import replace
 
 import torch
@@ -73,6 +74,42 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class AttentionPlan:
+    """How a forward's packed rows attend, shared by its layers: row r's queries are the packed
+    positions `queries[r]` (its window's, padded to the widest window), its keys the positions
+    `keys[r]` (pool slots, or packed positions without a pool: its keys [0, keys), padded to the
+    most keys), `full` and `sliding` its masks (rows, 1, queries, keys) for the two kinds of layer,
+    and `valid` (rows, queries) picks the real queries back out in packing order. One attention
+    call per layer for every row; the padding is masked (a padded query sees one key, and is
+    dropped), so a row's result is its result alone up to float rounding. `one_call=False` (batch
+    invariance: a row's bits must not depend on its batch, and a padded reduction's do) keeps a
+    call per row at its own shapes (`rows`: offset, width, key slots, masks)."""
+
+    def __init__(self, windows: list, masks: list, key_slots: list, device, one_call: bool = True):
+        widths = [hi - lo for _, lo, hi, _, _ in windows]
+        self.one_call = one_call
+        if not one_call:
+            offsets = [0, *itertools.accumulate(widths)][:-1]
+            self.rows = [
+                (o, w, k, f[None, None], s[None, None]) for o, w, k, (f, s) in zip(offsets, widths, key_slots, masks)
+            ]
+            return
+        width, most = max(widths), max(len(s) for s in key_slots)
+        offsets = torch.tensor([0, *widths], device=device).cumsum(0)[:-1]
+        self.queries = (offsets[:, None] + torch.arange(width, device=device)).clamp(max=sum(widths) - 1)
+        self.valid = torch.arange(width, device=device)[None, :] < torch.tensor(widths, device=device)[:, None]
+        self.keys = torch.stack([F.pad(s, (0, most - len(s))) for s in key_slots])
+        full, sliding = [], []
+        for (f, s), w in zip(masks, widths):
+            pad = (0, most - f.shape[1], 0, width - w)
+            full.append(F.pad(f, pad))
+            sliding.append(F.pad(s, pad))
+        self.full, self.sliding = torch.stack(full)[:, None], torch.stack(sliding)[:, None]
+        if width > min(widths):  # padded queries see one key: no row of -inf
+            self.full[:, 0, :, 0] |= ~self.valid
+            self.sliding[:, 0, :, 0] |= ~self.valid
+
+
 class GemmaAttention(nn.Module):
     def __init__(self, args: ModelArgs, sliding: bool):
         super().__init__()
@@ -89,40 +126,56 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaNorm(self.head_dim, args.norm_eps)
         self.v_norm = GemmaNorm(self.head_dim, args.norm_eps, scale=False)
 
-    def forward(self, x: torch.Tensor, cos, sin, segments: list, layer_cache=None, slots=None) -> torch.Tensor:
-        """x (1, N, dim) of packed rows; `segments` per row (row, lo, offset, width, keys, mask
-        (width, keys)): its queries' K/V written into its cache row at [lo, lo + width), every
-        row's in one copy at `slots` (`PagedKVCache.write_slots`), then its queries attending over
-        its keys [0, keys) there (`layer_cache`: one layer of the pool, each position's K/V
-        flattened to its width; None: the window's own K/V, which start at 0)."""
+    def forward(self, x: torch.Tensor, cos, sin, plan: AttentionPlan, layer_cache=None, slots=None) -> torch.Tensor:
+        """x (1, N, dim) of packed rows: their K/V written into the pool at `slots` in one copy
+        (`PagedKVCache.write_slots`; `layer_cache`: one layer of the pool, each position's K/V
+        flattened to its width; None: the windows' own K/V, which start at column 0), then every
+        row's queries attending over its keys in one call (`AttentionPlan`)."""
         n = x.shape[1]
-        q = _rotate(self.q_norm(self.wq(x).view(1, n, self.n_heads, self.head_dim)), cos, sin).transpose(1, 2)
+        q = _rotate(self.q_norm(self.wq(x).view(1, n, self.n_heads, self.head_dim)), cos, sin)
         raw_k = self.wk(x).view(1, n, self.n_kv_heads, self.head_dim)
         raw_v = raw_k if self.wv is None else self.wv(x).view(1, n, self.n_kv_heads, self.head_dim)
         k = _rotate(self.k_norm(raw_k), cos, sin)
         v = self.v_norm(raw_v)
-        out = torch.empty_like(q)
         gqa = self.n_kv_heads != self.n_heads
-        if layer_cache is not None:
+        if layer_cache is None:  # the windows' own K/V, packed
+            sources = (k[0], v[0])
+        else:  # the pool's, each position flattened to the widest layer's width
             layer_cache.write(slots, self._flat(k, layer_cache), self._flat(v, layer_cache))
-        for row, _, offset, width, keys, mask in segments:
-            rows = slice(offset, offset + width)
-            ks, vs = k[:, rows], v[:, rows]
-            if layer_cache is not None:
-                ks, vs = (self._unflat(t) for t in layer_cache.keys(row, keys))
-            out[:, :, rows] = F.scaled_dot_product_attention(
-                q[:, :, rows], ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask, scale=1.0, enable_gqa=gqa
-            )
-        return self.wo(out.transpose(1, 2).reshape(1, n, -1))
+            width = self.n_kv_heads * self.head_dim
+            sources = (layer_cache.k[0][..., :width], layer_cache.v[0][..., :width])
+
+        def gather(source: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+            picked = source[where]
+            return picked if layer_cache is None else picked.unflatten(-1, (self.n_kv_heads, self.head_dim))
+
+        if not plan.one_call:
+            out = torch.empty_like(q[0])
+            for offset, w, where, full, sliding in plan.rows:
+                out[offset : offset + w] = F.scaled_dot_product_attention(
+                    q[0, offset : offset + w].transpose(0, 1)[None],
+                    gather(sources[0], where).transpose(0, 1)[None],
+                    gather(sources[1], where).transpose(0, 1)[None],
+                    attn_mask=sliding if self.sliding else full,
+                    scale=1.0,
+                    enable_gqa=gqa,
+                )[0].transpose(0, 1)
+            return self.wo(out.reshape(1, n, -1))
+        keys, values = gather(sources[0], plan.keys), gather(sources[1], plan.keys)
+        out = F.scaled_dot_product_attention(
+            q[0][plan.queries].transpose(1, 2),  # (rows, heads, queries, d)
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=plan.sliding if self.sliding else plan.full,
+            scale=1.0,
+            enable_gqa=gqa,
+        )
+        return self.wo(out.transpose(1, 2)[plan.valid].reshape(1, n, -1))
 
     def _flat(self, t: torch.Tensor, layer_cache) -> torch.Tensor:
         """(1, T, heads, d) as the pool keeps a position: (1, 1, T, width), zero-padded."""
         flat = t.reshape(1, 1, t.shape[1], -1)
         return F.pad(flat, (0, layer_cache.k.shape[-1] - flat.shape[-1]))
-
-    def _unflat(self, t: torch.Tensor) -> torch.Tensor:
-        """The pool's (1, 1, S, width) back to (1, S, heads, d)."""
-        return t[0, 0, :, : self.n_kv_heads * self.head_dim].reshape(1, t.shape[2], self.n_kv_heads, self.head_dim)
 
 
 class GemmaLayer(nn.Module):
@@ -198,8 +251,8 @@ class GemmaLayer(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
-    def forward(self, x, cos, sin, segments, canvas: torch.Tensor, layer_cache=None, slots=None) -> torch.Tensor:
-        attended = self.attention(self.attention_norm(x), cos, sin, segments, layer_cache, slots)
+    def forward(self, x, cos, sin, plan, canvas: torch.Tensor, layer_cache=None, slots=None) -> torch.Tensor:
+        attended = self.attention(self.attention_norm(x), cos, sin, plan, layer_cache, slots)
         h = self.post_attention_norm(attended)
         x = x + h
         normed = self.ffn_norm(x)
@@ -457,16 +510,16 @@ class DiffusionGemma(Transformer):
         # each row attends over its own keys; under BatchInvariant its linear layers and experts
         # see the same shapes whatever the batch (`models.invariance`)
         with BatchInvariant() if batch_invariant else contextlib.nullcontext():
-            h, out, offset = self._hidden(x, windows, cache, embeds), [], 0
+            h, out, offset = self._hidden(x, windows, cache, embeds, batch_invariant), [], 0
             for _, lo, hi, _, start in windows:
                 out.append(self.head(h[offset + start - lo : offset + hi - lo]))
                 offset += hi - lo
         return out
 
-    def _hidden(self, x: torch.Tensor, windows, cache, embeds) -> torch.Tensor:
+    def _hidden(self, x: torch.Tensor, windows, cache, embeds, batch_invariant: bool = False) -> torch.Tensor:
         """Final-norm hidden states (N, dim) of the windows packed end to end (`packed_logits`); a
         window whose canvas starts at its end is the encoder's causal pass alone."""
-        tokens, canvas, positions, full, sliding, signal, given = [], [], [], [], [], [], []
+        tokens, canvas, positions, masks, signal, given = [], [], [], [], [], []
         offset, dev = 0, x.device
         for row, lo, hi, keys, start in windows:
             if not lo <= start <= hi <= keys:
@@ -474,9 +527,7 @@ class DiffusionGemma(Transformer):
             where, vectors = embeds[row] if embeds and row in embeds else (torch.zeros(0, dtype=torch.long), None)
             where = where.to(dev)
             before = where < start  # an image's soft tokens in the prompt; in the canvas, the signal
-            f, s = self._masks(lo, hi, keys, start, dev, self._image_groups(where[before], keys))
-            full.append((row, lo, offset, hi - lo, keys, f[None, None]))
-            sliding.append((row, lo, offset, hi - lo, keys, s[None, None]))
+            masks.append(self._masks(lo, hi, keys, start, dev, self._image_groups(where[before], keys)))
             tokens.append(x[row, lo:hi])
             cols = torch.arange(lo, hi, device=dev)
             positions.append(cols)
@@ -493,16 +544,33 @@ class DiffusionGemma(Transformer):
         for at, vectors in given:  # soft tokens replace the scaled embeddings of their columns
             h[0, at] = vectors.to(dev, h.dtype)
         h[0, canvas] = self.self_conditioned(h[0, canvas], torch.cat(signal))
-        tables = {
-            SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions], sliding),
-            FULL: (self.full_cos[positions], self.full_sin[positions], full),
-        }
         # every row's columns, one after another: where each layer writes their K/V in one copy
         slots = None if cache is None else cache.write_slots([(row, lo, hi) for row, lo, hi, _, _ in windows])
+        plan = AttentionPlan(windows, masks, self._key_slots(windows, cache, dev), dev, one_call=not batch_invariant)
+        tables = {
+            SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions]),
+            FULL: (self.full_cos[positions], self.full_sin[positions]),
+        }
         for i, (layer, kind) in enumerate(zip(self.layers, self.args.extra["layer_types"])):
-            cos, sin, segments = tables[kind]
-            h = layer(h, cos, sin, segments, canvas, None if cache is None else cache.layer(i), slots)
+            cos, sin = tables[kind]
+            h = layer(h, cos, sin, plan, canvas, None if cache is None else cache.layer(i), slots)
         return self.norm(h)[0]
+
+    @staticmethod
+    def _key_slots(windows, cache, device) -> list[torch.Tensor]:
+        """Per window, where its keys [0, keys) are: its row's pool slots, or without a pool its
+        window's own packed positions (a window from column 0 whose keys are its columns)."""
+        out, offset = [], 0
+        for row, lo, hi, keys, _ in windows:
+            if cache is None:
+                if lo != 0 or keys != hi:
+                    raise ValueError(f"window {(lo, hi)} with keys {keys}: without a cache a window attends to itself")
+                out.append(torch.arange(offset, offset + keys, device=device))
+            else:
+                where = cache.span(row, 0, keys)
+                out.append(torch.arange(where.start, where.stop, device=device) if isinstance(where, slice) else where)
+            offset += hi - lo
+        return out
 
     def _image_groups(self, columns: torch.Tensor, keys: int) -> torch.Tensor | None:
         """Each of a row's columns [0, keys): the index of the image it belongs to (a run of
@@ -525,7 +593,7 @@ class DiffusionGemma(Transformer):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("attention_mask: DiffusionGemma's forward takes unpadded sequences")
         bsz, n = input_ids.shape
-        h = self._hidden(input_ids, [(i, 0, n, n, n) for i in range(bsz)], None, None)
+        h = self._hidden(input_ids, [(i, 0, n, n, n) for i in range(bsz)], None, None, batch_invariant)
         return self.head(h).view(bsz, n, -1)
 
 
