@@ -75,39 +75,49 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class AttentionPlan:
-    """How a forward's packed rows attend, shared by its layers: row r's queries are the packed
-    positions `queries[r]` (its window's, padded to the widest window), its keys the positions
-    `keys[r]` (pool slots, or packed positions without a pool: its keys [0, keys), padded to the
-    most keys), `full` and `sliding` its masks (rows, 1, queries, keys) for the two kinds of layer,
-    and `valid` (rows, queries) picks the real queries back out in packing order. One attention
-    call per layer for every row; the padding is masked (a padded query sees one key, and is
-    dropped), so a row's result is its result alone up to float rounding. `one_call=False` (batch
+    """How a forward's packed rows attend, built once and shared by its layers. Row r's queries are
+    the packed positions `queries[r]` (its window's columns [lo, hi), padded to the widest window)
+    and its keys the positions `keys[r]` (pool slots, or packed positions without a pool: its
+    columns [0, keys), padded to the most keys); `full` and `sliding` (rows, 1, queries, keys) are
+    its masks in the two kinds of layer: causal before its canvas (from `start`), the canvas seeing
+    everything, a sliding layer's window ending at the query or for the canvas at its start, and an
+    image's columns (`groups`, rows x keys: the image of each column, -1 for text) seeing each
+    other; `valid` (rows, queries) picks the real queries back out in packing order. One attention
+    call per layer for every row: a padded key is masked and a padded query sees one key and is
+    dropped, so a row's result is its result alone up to float rounding. `one_call=False` (batch
     invariance: a row's bits must not depend on its batch, and a padded reduction's do) keeps a
     call per row at its own shapes (`rows`: offset, width, key slots, masks)."""
 
-    def __init__(self, windows: list, masks: list, key_slots: list, device, one_call: bool = True):
-        widths = [hi - lo for _, lo, hi, _, _ in windows]
+    def __init__(self, windows: list, key_slots: list, groups: torch.Tensor | None, window: int, device, one_call=True):
+        lo, hi, keys, start = (torch.tensor(c, device=device) for c in list(zip(*windows))[1:])
+        widths = [b - a for _, a, b, _, _ in windows]
+        width, most = max(widths), max(len(k) for k in key_slots)
+        q = lo[:, None, None] + torch.arange(width, device=device)[None, :, None]  # (rows, queries, 1)
+        k = torch.arange(most, device=device)[None, None, :]
+        s = start[:, None, None]
+        self.valid = torch.arange(width, device=device)[None, :] < (hi - lo)[:, None]
+        seen = k < keys[:, None, None]
+        full = ((k <= q) | (q >= s)) & seen
+        sliding = full & (k >= torch.minimum(q, s) - window + 1)
+        if groups is not None:
+            g_q = groups.gather(1, q[..., 0].clamp(max=groups.shape[1] - 1))
+            same = (g_q[:, :, None] == groups[:, None, :most]) & (g_q[:, :, None] >= 0) & seen
+            full, sliding = full | same, sliding | same
         self.one_call = one_call
         if not one_call:
             offsets = [0, *itertools.accumulate(widths)][:-1]
             self.rows = [
-                (o, w, k, f[None, None], s[None, None]) for o, w, k, (f, s) in zip(offsets, widths, key_slots, masks)
+                (o, w, slots, full[r, :w, : len(slots)][None, None], sliding[r, :w, : len(slots)][None, None])
+                for r, (o, w, slots) in enumerate(zip(offsets, widths, key_slots))
             ]
             return
-        width, most = max(widths), max(len(s) for s in key_slots)
         offsets = torch.tensor([0, *widths], device=device).cumsum(0)[:-1]
         self.queries = (offsets[:, None] + torch.arange(width, device=device)).clamp(max=sum(widths) - 1)
-        self.valid = torch.arange(width, device=device)[None, :] < torch.tensor(widths, device=device)[:, None]
-        self.keys = torch.stack([F.pad(s, (0, most - len(s))) for s in key_slots])
-        full, sliding = [], []
-        for (f, s), w in zip(masks, widths):
-            pad = (0, most - f.shape[1], 0, width - w)
-            full.append(F.pad(f, pad))
-            sliding.append(F.pad(s, pad))
-        self.full, self.sliding = torch.stack(full)[:, None], torch.stack(sliding)[:, None]
+        self.keys = torch.stack([F.pad(slots, (0, most - len(slots))) for slots in key_slots])
         if width > min(widths):  # padded queries see one key: no row of -inf
-            self.full[:, 0, :, 0] |= ~self.valid
-            self.sliding[:, 0, :, 0] |= ~self.valid
+            full[:, :, 0] |= ~self.valid
+            sliding[:, :, 0] |= ~self.valid
+        self.full, self.sliding = full[:, None], sliding[:, None]
 
 
 class GemmaAttention(nn.Module):
@@ -405,23 +415,6 @@ class DiffusionGemma(Transformer):
         cap = self.args.extra["softcap"]
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _masks(
-        self, lo: int, hi: int, keys: int, canvas_start: int, device, groups: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(full, sliding) attention masks (hi - lo, keys) of one row's queries [lo, hi) over its
-        keys [0, keys): causal before the canvas, the canvas seeing everything; a sliding layer's
-        window ends at the query, or for the canvas at the canvas's start. `groups` (keys,): each
-        column's image (-1: text); an image's columns see each other in both kinds of layer."""
-        q = torch.arange(lo, hi, device=device)[:, None]
-        k = torch.arange(keys, device=device)[None, :]
-        full = (k <= q) | (q >= canvas_start)
-        window = self.args.extra["sliding_window"]
-        sliding = full & (k >= torch.clamp(q, max=canvas_start) - window + 1)
-        if groups is not None:
-            same = (groups[lo:hi, None] == groups[None, :keys]) & (groups[lo:hi, None] >= 0)
-            full, sliding = full | same, sliding | same
-        return full, sliding
-
     # ---- images -------------------------------------------------------------------------------
     @property
     def takes_images(self) -> bool:
@@ -519,7 +512,7 @@ class DiffusionGemma(Transformer):
     def _hidden(self, x: torch.Tensor, windows, cache, embeds, batch_invariant: bool = False) -> torch.Tensor:
         """Final-norm hidden states (N, dim) of the windows packed end to end (`packed_logits`); a
         window whose canvas starts at its end is the encoder's causal pass alone."""
-        tokens, canvas, positions, masks, signal, given = [], [], [], [], [], []
+        tokens, canvas, positions, images, signal, given = [], [], [], [], [], []
         offset, dev = 0, x.device
         for row, lo, hi, keys, start in windows:
             if not lo <= start <= hi <= keys:
@@ -527,7 +520,7 @@ class DiffusionGemma(Transformer):
             where, vectors = embeds[row] if embeds and row in embeds else (torch.zeros(0, dtype=torch.long), None)
             where = where.to(dev)
             before = where < start  # an image's soft tokens in the prompt; in the canvas, the signal
-            masks.append(self._masks(lo, hi, keys, start, dev, self._image_groups(where[before], keys)))
+            images.append(where[before])
             tokens.append(x[row, lo:hi])
             cols = torch.arange(lo, hi, device=dev)
             positions.append(cols)
@@ -546,7 +539,14 @@ class DiffusionGemma(Transformer):
         h[0, canvas] = self.self_conditioned(h[0, canvas], torch.cat(signal))
         # every row's columns, one after another: where each layer writes their K/V in one copy
         slots = None if cache is None else cache.write_slots([(row, lo, hi) for row, lo, hi, _, _ in windows])
-        plan = AttentionPlan(windows, masks, self._key_slots(windows, cache, dev), dev, one_call=not batch_invariant)
+        plan = AttentionPlan(
+            windows,
+            self._key_slots(windows, cache, dev),
+            self._image_groups(images, max(w[3] for w in windows)),
+            self.args.extra["sliding_window"],
+            dev,
+            one_call=not batch_invariant,
+        )
         tables = {
             SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions]),
             FULL: (self.full_cos[positions], self.full_sin[positions]),
@@ -572,18 +572,20 @@ class DiffusionGemma(Transformer):
             offset += hi - lo
         return out
 
-    def _image_groups(self, columns: torch.Tensor, keys: int) -> torch.Tensor | None:
-        """Each of a row's columns [0, keys): the index of the image it belongs to (a run of
-        consecutive soft-token `columns`), -1 for text; None where images attend causally (a config
-        without `use_bidirectional_attention="vision"`) or the row has none."""
-        if not self.args.extra.get("vision_bidirectional") or not len(columns):
+    def _image_groups(self, columns: list[torch.Tensor], keys: int) -> torch.Tensor | None:
+        """Per window's row, each of its columns [0, keys): the index of the image it belongs to (a
+        run of consecutive soft-token `columns`), -1 for text; None where images attend causally (a
+        config without `use_bidirectional_attention="vision"`) or no row has one."""
+        if not self.args.extra.get("vision_bidirectional") or not any(len(c) for c in columns):
             return None
-        columns = columns.sort().values
-        starts = torch.ones_like(columns, dtype=torch.bool)
-        starts[1:] = columns[1:] != columns[:-1] + 1
-        groups = torch.full((keys,), -1, dtype=torch.long, device=columns.device)
-        inside = columns < keys
-        groups[columns[inside]] = (starts.long().cumsum(0) - 1)[inside]
+        groups = torch.full((len(columns), keys), -1, dtype=torch.long, device=columns[0].device)
+        for r, cols in enumerate(columns):
+            if len(cols):
+                cols = cols.sort().values
+                starts = torch.ones_like(cols, dtype=torch.bool)
+                starts[1:] = cols[1:] != cols[:-1] + 1
+                inside = cols < keys
+                groups[r, cols[inside]] = (starts.long().cumsum(0) - 1)[inside]
         return groups
 
     def forward(
