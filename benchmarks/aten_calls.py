@@ -5,6 +5,11 @@ counted, per forward; and attention calls (`scaled_dot_product_attention`) and K
 pool (`index_copy_`, `copy_` into it) per layer per forward.
 
     python benchmarks/aten_calls.py [--models llada-arith sdar-arith gemma-arith] [--batches 1 16]
+        [--attention-calls one|per_row|auto]
+
+`--attention-calls` sets how the packed forward's rows attend (`models.packed`): "one" call per
+layer for every row (the default here: what a GPU runs from 8 rows), a call "per_row", or "auto"
+(this device's rule: on a CPU a call per row for the shared transformer).
 """
 
 from __future__ import annotations
@@ -53,12 +58,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["llada-arith", "sdar-arith", "gemma-arith"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--attention-calls", default="one", choices=["one", "per_row", "auto"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     for name in args.models:
         model, tok = fastdllm.load(name, dtype="float32")
+        model.attention_calls = args.attention_calls
         for batch in args.batches:
-            print(json.dumps({"model": name, "code": fastdllm.__file__, **count(model, tok, batch)}), flush=True)
+            record = {"model": name, "code": fastdllm.__file__, "attention_calls": args.attention_calls}
+            print(json.dumps({**record, **count(model, tok, batch)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from .family import ConfigField, DecodingRules, Family, WeightNames
 from .gemma_vision import GemmaVision, VisionArgs, patchify, vision_weight_names
 from .invariance import BatchInvariant
 from .moe import _grouped_mm_ok, expert_linear
+from .packed import PackedRows, one_call, pool_slots
 from .transformer import Transformer, rope_tables_of
 
 MODEL_TYPE = "diffusion_gemma"
@@ -75,27 +76,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class AttentionPlan:
-    """How a forward's packed rows attend, built once and shared by its layers. Row r's queries are
-    the packed positions `queries[r]` (its window's columns [lo, hi), padded to the widest window)
-    and its keys the positions `keys[r]` (pool slots, or packed positions without a pool: its
-    columns [0, keys), padded to the most keys); `full` and `sliding` (rows, 1, queries, keys) are
-    its masks in the two kinds of layer: causal before its canvas (from `start`), the canvas seeing
-    everything, a sliding layer's window ending at the query or for the canvas at its start, and an
-    image's columns (`groups`, rows x keys: the image of each column, -1 for text) seeing each
-    other; `valid` (rows, queries) picks the real queries back out in packing order. One attention
-    call per layer for every row: a padded key is masked and a padded query sees one key and is
-    dropped, so a row's result is its result alone up to float rounding. `one_call=False` (batch
-    invariance: a row's bits must not depend on its batch, and a padded reduction's do) keeps a
-    call per row at its own shapes (`rows`: offset, width, key slots, masks)."""
+    """How a forward's packed rows attend, built once and shared by its layers: row r's queries
+    are its window's columns [lo, hi) and its keys its columns [0, keys) at `key_slots[r]`;
+    `full` and `sliding` are its masks in the two kinds of layer: causal before its canvas (from
+    `start`), the canvas seeing everything, a sliding layer's window ending at the query or for
+    the canvas at its start, and an image's columns (`groups`, rows x keys: the image of each
+    column, -1 for text) seeing each other. With `one_call` every row attends in one call per
+    layer (`packed.PackedRows`); else a call per row at its own shapes (`rows`: offset, width,
+    key slots, masks)."""
 
-    def __init__(self, windows: list, key_slots: list, groups: torch.Tensor | None, window: int, device, one_call=True):
+    def __init__(self, windows: list, key_slots: list, groups, window: int, device, one_call: bool):
         lo, hi, keys, start = (torch.tensor(c, device=device) for c in list(zip(*windows))[1:])
         widths = [b - a for _, a, b, _, _ in windows]
         width, most = max(widths), max(len(k) for k in key_slots)
         q = lo[:, None, None] + torch.arange(width, device=device)[None, :, None]  # (rows, queries, 1)
         k = torch.arange(most, device=device)[None, None, :]
         s = start[:, None, None]
-        self.valid = torch.arange(width, device=device)[None, :] < (hi - lo)[:, None]
         seen = k < keys[:, None, None]
         full = ((k <= q) | (q >= s)) & seen
         sliding = full & (k >= torch.minimum(q, s) - window + 1)
@@ -103,21 +99,15 @@ class AttentionPlan:
             g_q = groups.gather(1, q[..., 0].clamp(max=groups.shape[1] - 1))
             same = (g_q[:, :, None] == groups[:, None, :most]) & (g_q[:, :, None] >= 0) & seen
             full, sliding = full | same, sliding | same
-        self.one_call = one_call
-        if not one_call:
-            offsets = [0, *itertools.accumulate(widths)][:-1]
-            self.rows = [
-                (o, w, slots, full[r, :w, : len(slots)][None, None], sliding[r, :w, : len(slots)][None, None])
-                for r, (o, w, slots) in enumerate(zip(offsets, widths, key_slots))
-            ]
+        self.packed = PackedRows(widths, key_slots, device) if one_call else None
+        if one_call:
+            self.full, self.sliding = self.packed.mask(full), self.packed.mask(sliding)
             return
-        offsets = torch.tensor([0, *widths], device=device).cumsum(0)[:-1]
-        self.queries = (offsets[:, None] + torch.arange(width, device=device)).clamp(max=sum(widths) - 1)
-        self.keys = torch.stack([F.pad(slots, (0, most - len(slots))) for slots in key_slots])
-        if width > min(widths):  # padded queries see one key: no row of -inf
-            full[:, :, 0] |= ~self.valid
-            sliding[:, :, 0] |= ~self.valid
-        self.full, self.sliding = full[:, None], sliding[:, None]
+        offsets = [0, *itertools.accumulate(widths)][:-1]
+        self.rows = [
+            (o, w, slots, full[r, :w, : len(slots)][None, None], sliding[r, :w, : len(slots)][None, None])
+            for r, (o, w, slots) in enumerate(zip(offsets, widths, key_slots))
+        ]
 
 
 class GemmaAttention(nn.Module):
@@ -159,28 +149,21 @@ class GemmaAttention(nn.Module):
             picked = source[where]
             return picked if layer_cache is None else picked.unflatten(-1, (self.n_kv_heads, self.head_dim))
 
-        if not plan.one_call:
-            out = torch.empty_like(q[0])
-            for offset, w, where, full, sliding in plan.rows:
-                out[offset : offset + w] = F.scaled_dot_product_attention(
-                    q[0, offset : offset + w].transpose(0, 1)[None],
-                    gather(sources[0], where).transpose(0, 1)[None],
-                    gather(sources[1], where).transpose(0, 1)[None],
-                    attn_mask=sliding if self.sliding else full,
-                    scale=1.0,
-                    enable_gqa=gqa,
-                )[0].transpose(0, 1)
-            return self.wo(out.reshape(1, n, -1))
-        keys, values = gather(sources[0], plan.keys), gather(sources[1], plan.keys)
-        out = F.scaled_dot_product_attention(
-            q[0][plan.queries].transpose(1, 2),  # (rows, heads, queries, d)
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=plan.sliding if self.sliding else plan.full,
-            scale=1.0,
-            enable_gqa=gqa,
-        )
-        return self.wo(out.transpose(1, 2)[plan.valid].reshape(1, n, -1))
+        if plan.packed is not None:
+            keys, values = gather(sources[0], plan.packed.keys), gather(sources[1], plan.packed.keys)
+            mask = plan.sliding if self.sliding else plan.full
+            return self.wo(plan.packed.attend(q[0], keys, values, mask, scale=1.0, gqa=gqa).reshape(1, n, -1))
+        out = torch.empty_like(q[0])
+        for offset, w, where, full, sliding in plan.rows:
+            out[offset : offset + w] = F.scaled_dot_product_attention(
+                q[0, offset : offset + w].transpose(0, 1)[None],
+                gather(sources[0], where).transpose(0, 1)[None],
+                gather(sources[1], where).transpose(0, 1)[None],
+                attn_mask=sliding if self.sliding else full,
+                scale=1.0,
+                enable_gqa=gqa,
+            )[0].transpose(0, 1)
+        return self.wo(out.reshape(1, n, -1))
 
     def _flat(self, t: torch.Tensor, layer_cache) -> torch.Tensor:
         """(1, T, heads, d) as the pool keeps a position: (1, 1, T, width), zero-padded."""
@@ -545,7 +528,8 @@ class DiffusionGemma(Transformer):
             self._image_groups(images, max(w[3] for w in windows)),
             self.args.extra["sliding_window"],
             dev,
-            one_call=not batch_invariant,
+            # one call on every device: on this project's CPU as fast as a call per row (measured)
+            one_call(self.attention_calls, dev, len(windows), batch_invariant, cpu_too=True),
         )
         tables = {
             SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions]),
@@ -567,8 +551,7 @@ class DiffusionGemma(Transformer):
                     raise ValueError(f"window {(lo, hi)} with keys {keys}: without a cache a window attends to itself")
                 out.append(torch.arange(offset, offset + keys, device=device))
             else:
-                where = cache.span(row, 0, keys)
-                out.append(torch.arange(where.start, where.stop, device=device) if isinstance(where, slice) else where)
+                out.append(pool_slots(cache, row, keys, device))
             offset += hi - lo
         return out
 

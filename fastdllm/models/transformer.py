@@ -29,6 +29,7 @@ from .args import ModelArgs
 from .invariance import BatchInvariant
 from .mlp import FeedForward
 from .moe import MoEFeedForward
+from .packed import PackedRows, one_call, pool_slots
 
 
 class RMSNorm(nn.Module):
@@ -152,14 +153,19 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, key_mask, layer_cache, window_start: int) -> torch.Tensor:
         return self.wo(self.attend(*self.project(x, cos, sin), key_mask, layer_cache, window_start))
 
-    def attend_segments(self, q, k, v, segments, layer_cache, slots) -> torch.Tensor:
+    def attend_segments(self, q, k, v, segments, layer_cache, slots, packed=None) -> torch.Tensor:
         """Attention of packed rows (`Segment`s of the one sequence (1, heads, N, head_dim)): every
         row's window K/V written into its own pages of the cache (`PagedKVCache`) in one copy, at
-        `slots` (`PagedKVCache.write_slots`), then each row's queries attending over its own keys
-        (views into the cache where they are one run: no padding, no copy). (1, N, heads * head_dim)."""
+        `slots` (`PagedKVCache.write_slots`), then every row's queries attending over its own keys:
+        in one call (`packed`: (`packed.PackedRows`, its mask)), or a call per row over views of the
+        cache where its keys are one run (no padding, no copy). (1, N, heads * head_dim)."""
         gqa = self.n_kv_heads != self.n_heads
-        out = q.new_empty(q.shape)
         layer_cache.write(slots, k, v)
+        if packed is not None:
+            rows, mask = packed
+            keys, values = (t.transpose(0, 1)[rows.keys] for t in (layer_cache.k, layer_cache.v))
+            return rows.attend(q[0].transpose(0, 1), keys, values, mask, gqa=gqa).reshape(1, q.shape[2], -1)
+        out = q.new_empty(q.shape)
         for s in segments:
             keys, values = layer_cache.keys(s.row, s.keys)
             out[:, :, s.offset : s.offset + s.width] = F.scaled_dot_product_attention(
@@ -201,10 +207,10 @@ class TransformerBlock(nn.Module):
         q, k, v = before(x, cos, sin, q_scale)
         return after(x, self.attention.attend(q, k, v, key_mask, layer_cache, window_start, spans))
 
-    def forward_segments(self, x, cos, sin, segments, layer_cache, slots, dense=None, q_scale=None):
+    def forward_segments(self, x, cos, sin, segments, layer_cache, slots, dense=None, q_scale=None, packed=None):
         before, after = dense or (self.before_attention, self.after_attention)
         q, k, v = before(x, cos, sin, q_scale)
-        return after(x, self.attention.attend_segments(q, k, v, segments, layer_cache, slots))
+        return after(x, self.attention.attend_segments(q, k, v, segments, layer_cache, slots, packed))
 
     # The dense math on either side of attention (what `torch.compile` fuses); the attention itself,
     # which writes the cache in place, stays eager.
@@ -320,6 +326,9 @@ class Transformer(nn.Module):
 
     # Whether a prompt may hold images (`place_images`): a model with a vision tower.
     takes_images = False
+    # How a packed forward's rows attend: "auto" (the device's rule, `packed.one_call`), "one"
+    # call per layer for every row, or a call "per_row".
+    attention_calls = "auto"
 
     def place_images(self, ids: list[int], images: list) -> tuple[list[int], tuple | None]:
         """A prompt's image placeholders filled with the images' soft tokens: (ids, (columns,
@@ -463,9 +472,10 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
             dense = self.compiled_layers() if compiled else [None] * len(self.layers)
             slots = cache.write_slots([(s.row, s.lo, s.hi) for s in segments])  # the same in every layer
+            packed = self.packed_rows(segments, cache, batch_invariant)
             qs = self.query_scale(positions)
             for i, layer in enumerate(self.layers):
-                h = layer.forward_segments(h, cos, sin, segments, cache.layer(i), slots, dense[i], qs)
+                h = layer.forward_segments(h, cos, sin, segments, cache.layer(i), slots, dense[i], qs, packed)
             h = self.norm(h)[0]
             picks = [
                 h[s.offset : s.offset + s.width][self.logit_columns(s.lo, s.hi, start, canvas.get(s.row))]
@@ -476,6 +486,19 @@ class Transformer(nn.Module):
             with self.adapted(picked):
                 out = self.head(torch.cat(picks))
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
+
+    def packed_rows(self, segments: list, cache, batch_invariant: bool) -> tuple | None:
+        """The rows' one attention call per layer, where it is made (`packed.one_call`; on a CPU a
+        call per row over views of the pool was measured faster for these shapes): their index
+        tables and mask, built once for every layer (`Attention.attend_segments`); else None."""
+        dev = self.tok_embeddings.weight.device
+        if not one_call(self.attention_calls, dev, len(segments), batch_invariant, cpu_too=False):
+            return None
+        rows = PackedRows([s.width for s in segments], [pool_slots(cache, s.row, s.keys, dev) for s in segments], dev)
+        allowed = torch.zeros(rows.seen.shape, dtype=torch.bool, device=dev)
+        for r, s in enumerate(segments):
+            allowed[r, : s.width, : s.keys] = True if s.mask is None else s.mask
+        return rows, rows.mask(allowed)
 
     def window_mask(self, x, row: int, lo: int, hi: int, keys: int, start: int, block_size: int, span=None):
         """(hi - lo, keys) bool: which of row `row`'s keys [0, keys) each query column [lo, hi) of a
