@@ -176,7 +176,7 @@ def _collect(job, timeout=120):
     return run()
 
 
-@pytest.mark.parametrize("continuous", [True, False])
+@pytest.mark.parametrize("continuous", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_short_request_joins_a_long_one(fp32, continuous):
     """A long job decodes slowly; a short one arrives after its first block. With continuous batching
     the short one joins and ends first, and both answers are as alone; without, it waits."""

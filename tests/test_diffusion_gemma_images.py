@@ -34,8 +34,7 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def image_tokenizer():
+def with_image_tokens():
     """The test tokenizer with Gemma 4's image tokens and a chat template that writes them."""
     from tokenizers import AddedToken
 
@@ -47,6 +46,11 @@ def image_tokenizer():
     )
     tok.config["chat_template"] = tok.chat_template = TEMPLATE
     return tok
+
+
+@pytest.fixture(scope="module")
+def image_tokenizer():
+    return with_image_tokens()
 
 
 def picture(height: int, width: int, seed: int = 0, mode: str = "RGB"):
@@ -62,14 +66,32 @@ def processed(images):
     return Gemma4ImageProcessorPil(max_soft_tokens=BUDGET)(images=images, return_tensors="pt")
 
 
-@pytest.fixture(scope="module", params=[None, "vision"], ids=["causal-images", "bidirectional-images"])
-def pair(request, tmp_path_factory, image_tokenizer):
-    """(transformers' model, ours, folder) in float32, images attending as the param says."""
-    folder = tmp_path_factory.mktemp("gemma_images")
-    reference = make_reference(image_tokenizer, folder, seed=1, images=True, bidirectional=request.param)
+def image_checkpoint(folder, tokenizer, bidirectional="vision"):
+    """A tiny DiffusionGemma with a vision tower that transformers' class made, saved in `folder`
+    with the image processor's settings; returns transformers' model."""
+    reference = make_reference(tokenizer, folder, seed=1, images=True, bidirectional=bidirectional)
     (folder / "processor_config.json").write_text(json.dumps({"image_processor": {"max_soft_tokens": BUDGET}}))
+    return reference
+
+
+def made(tmp_path_factory, tokenizer, bidirectional):
+    """(transformers' model, ours, folder) in float32, images attending as `bidirectional` says."""
+    folder = tmp_path_factory.mktemp("gemma_images")
+    reference = image_checkpoint(folder, tokenizer, bidirectional)
     model, _ = fastdllm.load(str(folder), dtype="float32")
     return reference, model, folder
+
+
+@pytest.fixture(scope="module", params=[None, "vision"], ids=["causal-images", "bidirectional-images"])
+def pair(request, tmp_path_factory, image_tokenizer):
+    """Both ways an image's tokens may attend: for what the mask decides."""
+    return made(tmp_path_factory, image_tokenizer, request.param)
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, image_tokenizer):
+    """Images attending both ways: for what does not depend on the mask."""
+    return made(tmp_path_factory, image_tokenizer, "vision")
 
 
 @pytest.mark.parametrize(
@@ -77,11 +99,11 @@ def pair(request, tmp_path_factory, image_tokenizer):
     [((40, 60), "RGB"), ((300, 90), "RGB"), ((20, 700), "RGB"), ((64, 64), "RGBA"), ((50, 33), "L")],
     ids=["wide", "tall", "strip", "transparent", "grey"],
 )
-def test_images_are_processed_as_its_image_processor_does(pair, size, mode):
+def test_images_are_processed_as_its_image_processor_does(one, size, mode):
     from fastdllm.models.gemma_vision import patchify, soft_token_count
     from fastdllm.text.images import open_image
 
-    _, model, _ = pair
+    _, model, _ = one
     image = picture(*size, mode=mode)
     theirs = processed([image])
     patches, positions = patchify(open_image(image), model.vision.a)
@@ -92,8 +114,8 @@ def test_images_are_processed_as_its_image_processor_does(pair, size, mode):
     assert soft_token_count(open_image(image), model.vision.a) == int(theirs["num_soft_tokens_per_image"][0])
 
 
-def test_the_vision_tower_gives_its_soft_tokens(pair):
-    reference, model, _ = pair
+def test_the_vision_tower_gives_its_soft_tokens(one):
+    reference, model, _ = one
     for seed, size in enumerate([(40, 60), (300, 90)]):
         image = picture(*size, seed=seed)
         theirs = processed([image])
@@ -151,10 +173,13 @@ def float64_pair(pair):
     return reference, model
 
 
-@pytest.mark.parametrize("cache", ["dual", "prefix", "none"])
+@pytest.mark.parametrize(
+    "cache", ["dual", pytest.param("prefix", marks=pytest.mark.slow), pytest.param("none", marks=pytest.mark.slow)]
+)
 def test_generate_with_images_gives_transformers_tokens_and_forwards(float64_pair, tokenizer, cache):
     """Two canvases after a prompt with two images: the same tokens and decoder forwards as
-    `DiffusionGemmaForBlockDiffusion.generate` given its processor's inputs, under the same seed."""
+    `DiffusionGemmaForBlockDiffusion.generate` given its processor's inputs, under the same seed
+    (the default cache in the default suite, the exact others in the slow set)."""
     reference, model = float64_pair
     eos = tokenizer.eos_token_id
     stops, model.stop_token_ids = model.stop_token_ids, [eos]
@@ -196,8 +221,8 @@ def test_rows_with_and_without_images_decode_as_alone(pair, tokenizer):
     assert torch.equal(together.sequences[0], together.sequences[2])
 
 
-def test_images_that_do_not_fit_are_refused_by_name(pair, tokenizer, tiny_llada):
-    reference, model, _ = pair
+def test_images_that_do_not_fit_are_refused_by_name(one, tokenizer, tiny_llada):
+    reference, model, _ = one
     c = reference.config
     prompt = tokenizer.encode("Look:") + [c.image_token_id]
     with pytest.raises(ValueError, match="images: 2 image"):
@@ -210,10 +235,10 @@ def test_images_that_do_not_fit_are_refused_by_name(pair, tokenizer, tiny_llada)
         fastdllm.generate(tiny_llada, [[5, 6, 7]], images=[[picture(40, 60)]], gen_length=32)
 
 
-def test_a_data_url_image_answers_as_the_picture_does(pair, tokenizer):
+def test_a_data_url_image_answers_as_the_picture_does(one, tokenizer):
     from fastdllm.text.images import open_image
 
-    _, model, _ = pair
+    _, model, _ = one
     image = picture(40, 60, seed=4)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
@@ -240,13 +265,13 @@ def test_a_checkpoint_without_its_tower_loads_as_text(tmp_path, image_tokenizer)
         model.place_images([model.args.extra["image_token_id"]], [picture(40, 60)])
 
 
-def test_the_server_answers_a_chat_with_an_image_as_generate_does(pair, tiny_llada, tokenizer):
+def test_the_server_answers_a_chat_with_an_image_as_generate_does(one, tiny_llada, tokenizer):
     """An `image_url` part (a data URL) in a user message: the answer is `generate`'s with the
     picture; an image in a text model, a URL to fetch, a broken image, an image in an assistant
     message are each a 400 naming `messages`, and the server answers the next request."""
     from tests.test_server import MODEL, LiveServer
 
-    _, model, folder = pair
+    _, model, folder = one
     tok = fastdllm.load(str(folder), dtype="float32")[1]
     image = picture(40, 60, seed=6)
     buffer = io.BytesIO()
@@ -300,12 +325,12 @@ def test_the_server_answers_a_chat_with_an_image_as_generate_does(pair, tiny_lla
         server.stop()
 
 
-def test_the_cli_and_generate_text_answer_with_an_image_file(pair, capsys, tmp_path):
+def test_the_cli_and_generate_text_answer_with_an_image_file(one, capsys, tmp_path):
     """`fastdllm generate --image FILE` and `generate_text(messages=...)` with an image part give
     `generate`'s tokens for the prompt the chat template writes; a text-only flag use is refused."""
     from fastdllm.cli.main import main as cli
 
-    _, model, folder = pair
+    _, model, folder = one
     tok = fastdllm.load(str(folder), dtype="float32")[1]
     image, path = picture(50, 40, seed=8), tmp_path / "photo.png"
     image.save(path)
@@ -325,12 +350,12 @@ def test_the_cli_and_generate_text_answer_with_an_image_file(pair, capsys, tmp_p
     assert "--image" in capsys.readouterr().err
 
 
-def test_a_saved_checkpoint_keeps_its_tower_and_processor(pair, tmp_path):
+def test_a_saved_checkpoint_keeps_its_tower_and_processor(one, tmp_path):
     """`fastdllm quantize` leaves the tower unquantized and keeps the image processor's settings;
     a plain save loads in transformers and gives the same soft tokens."""
     from fastdllm.models.loading import quantize_checkpoint, save_pretrained
 
-    _, model, folder = pair
+    _, model, folder = one
     image = picture(70, 50, seed=9)
     quantize_checkpoint(str(folder), tmp_path / "int8", 8)
     again, _ = fastdllm.load(str(tmp_path / "int8"), dtype="float32")
@@ -340,8 +365,45 @@ def test_a_saved_checkpoint_keeps_its_tower_and_processor(pair, tmp_path):
     )
     assert torch.equal(again.image_features(image), model.image_features(image))
     save_pretrained(model, tmp_path / "plain")
-    theirs = type(pair[0]).from_pretrained(tmp_path / "plain").eval()
+    theirs = type(one[0]).from_pretrained(tmp_path / "plain").eval()
     inputs = processed([image])
     with torch.no_grad():
         want = theirs.model.encoder.get_image_features(inputs["pixel_values"], inputs["image_position_ids"])
     assert torch.allclose(model.image_features(image), want.pooler_output, atol=1e-5)
+
+
+def test_a_following_rank_decodes_the_pictures_rank_0_sent(one, tokenizer, monkeypatch):
+    """Under tensor parallelism the other ranks repeat rank 0's commands (`engine.ranks.follow`):
+    a request's placed pictures travel in its `add` command and a CLI prompt's pictures in its
+    `generate` command, and the follower decodes the answer rank 0 decodes."""
+    from fastdllm.engine import ranks
+
+    reference, model, _ = one
+    image = picture(40, 60, seed=10)
+    ids = tokenizer.encode("Look:") + [reference.config.image_token_id] + tokenizer.encode(" what?")
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=CANVAS, max_denoising_steps=4)
+    want = fastdllm.generate(model, [ids], config=config, images=[[image]], row_seeds=[0]).sequences[0]
+    placed_ids, placed = model.place_images(ids, [image])
+    decoders, generated = [], []
+
+    class Recorded(ranks.BlockDecoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            decoders.append(self)
+
+    def commands():
+        yield ("new", config)
+        yield ("add", [placed_ids], [0], config, None, ranks.placed_spec([placed]))
+        while decoders[0].active:
+            yield ("step",)
+        yield ("generate", [ids], config.replace(seed=0), [[image]])
+        yield ("stop",)
+
+    stream = commands()
+    monkeypatch.setattr(ranks, "_receive", lambda: next(stream))
+    monkeypatch.setattr(ranks, "BlockDecoder", Recorded)
+    monkeypatch.setattr(ranks, "generate", lambda *a, **k: generated.append(fastdllm.generate(*a, **k)))
+    ranks.follow(model, tokenizer)
+    (row,) = decoders[0].left
+    assert torch.equal(row.answer, want)
+    assert torch.equal(generated[0].sequences[0], want)

@@ -145,6 +145,22 @@ def test_generate_with_tp_prints_one_processes_answer():
 
 
 @pytest.mark.slow
+def test_generate_with_tp_reads_an_image_as_one_process(tmp_path):
+    """A DiffusionGemma with a vision tower split over two ranks: `generate --image` prints the
+    answer one process prints (each rank reads the picture; the tower is whole on each)."""
+    from .test_diffusion_gemma_images import image_checkpoint, picture, with_image_tokens
+
+    image_checkpoint(tmp_path / "model", with_image_tokens())
+    picture(40, 60, seed=11).save(tmp_path / "photo.png")
+    flags = ["generate", "--model", str(tmp_path / "model"), "--dtype", "float32", "--json", "--seed", "0"]
+    flags += ["--max-new-tokens", "16", "--max-denoising-steps", "6", "--image", str(tmp_path / "photo.png"), "what?"]
+    one = subprocess.run([sys.executable, "-m", "fastdllm", *flags], capture_output=True, text=True, cwd=REPO)
+    two = torchrun("-m", "fastdllm", *flags[:1], "--tp", "2", *flags[1:])
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-3000:])
+    assert json.loads(two.stdout)["text"] == json.loads(one.stdout)["text"] and json.loads(one.stdout)["tokens"] > 0
+
+
+@pytest.mark.slow
 def test_chat_with_tp_answers_as_one_process():
     turns = f"{QUESTION}\n/reset\nAnn has 2 pens. She buys 4 more pens. How many pens does Ann have now?\n"
     flags = ["--dtype", "float32", "--no-stats"]

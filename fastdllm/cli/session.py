@@ -76,16 +76,13 @@ def run_prompt(
         )
         on_step = view.on_step if view.enabled else None
     run = LocalCommands() if commands is None else commands
-    extra = {}
-    if images:
-        if getattr(model, "tp", (0, 1))[1] > 1:
-            raise ValueError("images: not yet with --tp (the other ranks would need the images too)")
-        extra["images"] = [images]
+    images = [images] if images else None
+    command = ("generate", [ids], config, images)
     if view is not None and view.enabled:
         with view:
-            out = run.run(("generate", [ids], config), generate, model, [ids], config, on_step=on_step, **extra)
+            out = run.run(command, generate, model, [ids], config, on_step=on_step, images=images)
     else:
-        out = run.run(("generate", [ids], config), generate, model, [ids], config, **extra)
+        out = run.run(command, generate, model, [ids], config, images=images)
     completion = complete(tokenizer, out.sequences[0][:keep], model.stop_token_ids, stop, config.fixed_end)
     return Answer(completion, out, len(ids), view.paused if view is not None else 0.0)
 

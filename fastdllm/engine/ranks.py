@@ -10,7 +10,8 @@ broadcast), under one lock, so that commands and their collectives reach every r
 order. The other ranks (`follow`) repeat each command on their own decoder: the same inputs and
 the same all-reduced bits give the same decisions, so nothing else needs sending. A
 grammar-constrained row's grammar is sent as its source (`GrammarConstraint.spec`) and built
-again there.
+again there; a prompt's pictures as rank 0 placed them (`placed_spec`: their columns and soft
+tokens), or for `generate` as given (each rank's tower reads them alike).
 
 A rank that is gone makes the next collective fail (`tp.RankLost`): rank 0 answers every request
 in flight or queued with a 503 and stops; a following rank stops with one line. torchrun then ends
@@ -80,6 +81,14 @@ def constraint_specs(constraints) -> list | None:
     return None if constraints is None else [None if c is None else c.spec() for c in constraints]
 
 
+def placed_spec(placed) -> list | None:
+    """Rows' placed pictures ((columns, soft tokens) or None each: `Transformer.place_images`) as
+    a command carries them: on the CPU."""
+    if placed is None:
+        return None
+    return [None if p is None else (p[0].cpu(), p[1].cpu()) for p in placed]
+
+
 def _send(command: tuple) -> None:
     collective(dist.broadcast_object_list, [command], src=0)
 
@@ -109,11 +118,11 @@ def follow(model, tokenizer, policies=None, kv=None) -> None:
                 (config,) = args
                 decoder = BlockDecoder(model, config, policies=policies, kv=kv)
             elif op == "add":
-                prompts, seeds, config, specs = args
+                prompts, seeds, config, specs, placed = args
                 constraints = None
                 if specs is not None:
                     constraints = [s and GrammarConstraint.from_spec(s, tokenizer, stops) for s in specs]
-                decoder.add(prompts, row_seeds=seeds, config=config, constraints=constraints)
+                decoder.add(prompts, row_seeds=seeds, config=config, constraints=constraints, placed=placed)
             elif op == "step":
                 decoder.step()
             elif op == "drop":
@@ -121,8 +130,8 @@ def follow(model, tokenizer, policies=None, kv=None) -> None:
                 batch = decoder.batch
                 decoder.drop([batch[i] for i in indices])
             elif op == "generate":
-                prompts, config = args
-                generate(model, prompts, config=config)
+                prompts, config, images = args
+                generate(model, prompts, config=config, images=images)
             elif op == "score":
                 prompts, top, extra = args
                 for p in prompts:

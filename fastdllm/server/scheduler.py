@@ -16,7 +16,7 @@ from ..engine.decoder import BlockDecoder
 from ..engine.kv import KVRunner
 from ..engine.kv.prefix import DEFAULT_BUDGET_BYTES, PrefixStore
 from ..engine.policies import PolicySource
-from ..engine.ranks import LocalCommands, constraint_specs
+from ..engine.ranks import LocalCommands, constraint_specs, placed_spec
 from ..engine.rows import join_key, layout_columns, prefix_tokens
 from ..models.tp import RankLost
 from .schema import APIError
@@ -356,7 +356,8 @@ class Scheduler:
         def admit(new: list[Job]) -> None:
             nonlocal together
             for job in new:
-                command = ("add", job.prompts, job.seeds, job.config, constraint_specs(job.constraints))
+                specs = constraint_specs(job.constraints)
+                command = ("add", job.prompts, job.seeds, job.config, specs, placed_spec(job.placed))
                 try:
                     running[job] = run(
                         command,

@@ -413,7 +413,7 @@ class Server:
             if self.tokenizer.chat_template:
                 await asyncio.to_thread(self.tokenizer.encode_chat, [{"role": "user", "content": "warm-up"}])
             await asyncio.to_thread(
-                self.commands.run, ("generate", prompts, config), generate, self.model, prompts, config=config
+                self.commands.run, ("generate", prompts, config, None), generate, self.model, prompts, config=config
             )
         except Exception as e:  # the model cannot decode: say so on /ready, keep serving /health
             log.exception("warm-up failed")
