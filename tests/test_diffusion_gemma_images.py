@@ -407,3 +407,28 @@ def test_a_following_rank_decodes_the_pictures_rank_0_sent(one, tokenizer, monke
     (row,) = decoders[0].left
     assert torch.equal(row.answer, want)
     assert torch.equal(generated[0].sequences[0], want)
+
+
+def test_chat_takes_a_picture_for_the_next_message(one, tmp_path, monkeypatch, capsys):
+    """`fastdllm chat`'s `/image PATH` attaches a picture to the next message: the answer is
+    `generate`'s for that conversation; a later turn (the picture in its history) is answered; a
+    missing file is an error line and the chat goes on."""
+    import io as _io
+
+    from fastdllm.cli.main import main as cli
+
+    _, model, folder = one
+    tok = fastdllm.load(str(folder), dtype="float32")[1]
+    image, path = picture(30, 70, seed=12), tmp_path / "p.png"
+    image.save(path)
+    turns = f"/image {tmp_path / 'missing.png'}\n/image {path}\nwhat is it?\nand now?\n"
+    monkeypatch.setattr("sys.stdin", _io.StringIO(turns))
+    flags = ["--max-new-tokens", str(CANVAS), "--max-denoising-steps", "5", "--seed", "0", "--no-stats"]
+    assert cli(["chat", "--model", str(folder), *flags]) == 0
+    out = capsys.readouterr()
+    assert "missing.png: no such file" in out.err and "goes with your next message" in out.err
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=CANVAS, max_denoising_steps=5, seed=0)
+    first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    want = fastdllm.generate(model, [tok.encode_chat(first)], config=config, images=[[image]])
+    assert out.out.startswith(tok.decode(want.sequences[0][: want.num_tokens[0]].tolist()) + "\n")
+    assert out.err.count("error") == 1  # the missing file alone: the second turn, picture in its history, answered

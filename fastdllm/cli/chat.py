@@ -21,6 +21,7 @@ CHAT_EXAMPLES = """examples:
   torchrun --nproc-per-node 2 -m fastdllm chat --tp 2
 
 commands inside the chat:
+  /image PATH  a picture for the next message (a model that reads images: DiffusionGemma)
   /reset   forget the conversation so far
   /exit    quit (also /quit, or end of input: Ctrl-D)
   /help    show these commands
@@ -93,8 +94,18 @@ def converse(session, args) -> int:
             if cmd == "/reset":
                 session.reset()
                 print("(conversation reset)", file=sys.stderr)
+            elif cmd == "/image":
+                path = line[len(cmd) :].strip()
+                try:
+                    session.attach(path)
+                    print(f"(picture {path} goes with your next message)", file=sys.stderr)
+                except ValueError as e:
+                    print(f"fastdllm chat: error: {e}", file=sys.stderr)
             elif cmd == "/help":
-                print("/reset  forget the conversation    /exit  quit", file=sys.stderr)
+                print(
+                    "/image PATH  a picture for the next message    /reset  forget the conversation    /exit  quit",
+                    file=sys.stderr,
+                )
             else:
                 print(f"unknown command {cmd}; try /help", file=sys.stderr)
             continue

@@ -10,6 +10,7 @@ from ..config import GenerationConfig
 from ..engine.generation import GenerationOutput, generate
 from ..engine.ranks import LocalCommands
 from ..text.completion import Completion, complete
+from ..text.images import open_image, split_images
 from ..text.infill import encode_infill
 
 
@@ -109,37 +110,54 @@ class ChatSession:
         self.system, self.stop, self.keep, self.commands = system, stop, keep, commands
         self.messages: list[dict] = []
         self.dropped_turns = 0
+        self.pictures: list[str] = []  # attached to the next message (`attach`)
         self.reset()
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.pictures = []
 
-    def _prompt_ids(self) -> list[int]:
+    def attach(self, path: str) -> None:
+        """A picture for the next message (a model that reads images)."""
+        if not self.model.takes_images:
+            raise ValueError("/image: this model takes text only")
+        open_image(path)  # refused now, not with the next message
+        self.pictures.append(path)
+
+    def _prompt(self) -> tuple[list[int], list]:
+        """The conversation's ids and the pictures its placeholders stand for."""
         limit = self.model.args.max_seq_len - self.config.gen_length
-        ids = self.tokenizer.encode_chat(self.messages)
         first = 1 if self.system else 0
-        while len(ids) > limit and len(self.messages) - first > 1:
+        while True:
+            messages, pictures = split_images(self.messages)
+            ids = self.tokenizer.encode_chat(messages)
+            if len(ids) <= limit or len(self.messages) - first <= 1:
+                return ids, pictures
             del self.messages[first : first + 2]  # the oldest user + assistant pair
             self.dropped_turns += 1
-            ids = self.tokenizer.encode_chat(self.messages)
-        return ids
 
     def send(self, text: str, show: bool = False, show_delay: float = 0.1) -> Answer:
-        self.messages.append({"role": "user", "content": text})
+        content = text
+        if self.pictures:
+            content = [*({"type": "image", "path": p} for p in self.pictures), {"type": "text", "text": text}]
+        self.messages.append({"role": "user", "content": content})
         try:
+            ids, pictures = self._prompt()
             answer = run_prompt(
                 self.model,
                 self.tokenizer,
-                self._prompt_ids(),
+                ids,
                 self.config,
                 stop=self.stop,
                 keep=self.keep,
                 show=show,
                 show_delay=show_delay,
                 commands=self.commands,
+                images=pictures,
             )
         except BaseException:
             self.messages.pop()
             raise
+        self.pictures = []
         self.messages.append({"role": "assistant", "content": answer.completion.text})
         return answer
