@@ -328,9 +328,13 @@ class BlockDecoder:
     def _carry_on(self, starts, decision: Decision, done: torch.Tensor) -> None:
         """What a strategy hands each row's next step in its block: its state (`Decision.carry`) and
         the signal that conditions the next forward, as the model takes it (`soft_input`: input
-        vectors for the block's columns, or those of them the signal keeps)."""
+        vectors for the block's columns, or those of them the signal keeps), for the batch in one
+        call (under `deterministic` a row's alone: its vectors then cannot depend on its batch)."""
         blk, signal = self.config.block_length, decision.signal
         kept = None if signal is None else signal.rows_kept()  # one read for the batch
+        together = None
+        if signal is not None and not self.config.deterministic:
+            together = self.model.soft_input(signal.payloads())
         for i, (r, over) in enumerate(zip(self.rows, done.tolist())):
             r.carry = None if over or decision.carry is None else decision.carry[i]
             if signal is None or over:
@@ -339,7 +343,8 @@ class BlockDecoder:
                 r.soft = None
                 continue
             cols = torch.arange(starts[i], starts[i] + blk, device=self.device)
-            vectors, keep = self.model.soft_input(signal.payload(i)), signal.keep(i)
+            vectors = self.model.soft_input(signal.payload(i)) if together is None else together[i]
+            keep = signal.keep(i)
             r.soft = (cols, vectors) if keep is None else (cols[keep], vectors[keep])
 
     def _after_step(

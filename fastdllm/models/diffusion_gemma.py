@@ -486,11 +486,12 @@ class DiffusionGemma(Transformer):
         # each row attends over its own keys; under BatchInvariant its linear layers and experts
         # see the same shapes whatever the batch (`models.invariance`)
         with BatchInvariant() if batch_invariant else contextlib.nullcontext():
-            h, out, offset = self._hidden(x, windows, cache, embeds, batch_invariant), [], 0
+            h, picks, offset = self._hidden(x, windows, cache, embeds, batch_invariant), [], 0
             for _, lo, hi, _, start in windows:
-                out.append(self.head(h[offset + start - lo : offset + hi - lo]))
+                picks.append(h[offset + start - lo : offset + hi - lo])
                 offset += hi - lo
-        return out
+            out = self.head(torch.cat(picks))  # every canvas's logits in one call
+        return list(out.split([hi - start for _, _, hi, _, start in windows]))
 
     def _hidden(self, x: torch.Tensor, windows, cache, embeds, batch_invariant: bool = False) -> torch.Tensor:
         """Final-norm hidden states (N, dim) of the windows packed end to end (`packed_logits`); a

@@ -38,6 +38,10 @@ class Signal:
     def payload(self, i: int):
         raise NotImplementedError
 
+    def payloads(self):
+        """Every row's payload at once (the model reads a batch of them as one)."""
+        raise NotImplementedError
+
     def keep(self, i: int) -> torch.Tensor | None:
         return None
 
@@ -70,6 +74,9 @@ class SoftTokens(Signal):
     def payload(self, i: int) -> SoftTokens:
         return SoftTokens(self.top_token[i], self.top_prob[i], self.kept[i])
 
+    def payloads(self) -> SoftTokens:
+        return self
+
     def keep(self, i: int) -> torch.Tensor:
         return self.kept[i]
 
@@ -86,6 +93,9 @@ class SelfConditioning(Signal):
 
     def payload(self, i: int) -> torch.Tensor:
         return self.logits[i]
+
+    def payloads(self) -> torch.Tensor:
+        return self.logits
 
 
 @dataclass
