@@ -199,16 +199,21 @@ def theirs_of(settings: dict) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def float64_pair(checkpoint):
-    """Both models in float64, where their arithmetic is the same to the last bit (the logits,
-    rounded to float32 by both heads, are equal), so that nothing but the decoding can differ."""
-    reference, _, folder = checkpoint
+def in_float64(reference, folder):
+    """Both models of a checkpoint in float64, where their arithmetic is the same to the last bit
+    (the logits, rounded to float32 by both heads, are equal), so that nothing but the decoding can
+    differ."""
     reference = type(reference).from_pretrained(folder, dtype=torch.float64, experts_implementation="eager").eval()
     model, _ = fastdllm.load(str(folder), dtype="float32")
     model = model.to(torch.float64)
     model.setup_rope()
     return reference, model
+
+
+@pytest.fixture(scope="module")
+def float64_pair(checkpoint):
+    reference, _, folder = checkpoint
+    return in_float64(reference, folder)
 
 
 def test_float64_makes_the_logits_equal_to_the_last_bit(float64_pair, tokenizer):

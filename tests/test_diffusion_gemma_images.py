@@ -22,7 +22,7 @@ PIL = pytest.importorskip("PIL.Image")
 
 from fastdllm.models.gemma_vision import ClippedLinear  # noqa: E402
 
-from .test_diffusion_gemma import CANVAS, make_reference  # noqa: E402
+from .test_diffusion_gemma import CANVAS, in_float64, make_reference  # noqa: E402
 
 BUDGET = 70  # soft tokens per image at most: the smallest budget its processor takes
 # Gemma 4's chat template's way with an image part: its image token in place, inline
@@ -166,11 +166,7 @@ def test_a_prompt_with_images_gives_the_encoders_logits(pair, tokenizer):
 @pytest.fixture(scope="module")
 def float64_pair(pair):
     reference, _, folder = pair
-    reference = type(reference).from_pretrained(folder, dtype=torch.float64, experts_implementation="eager").eval()
-    model, _ = fastdllm.load(str(folder), dtype="float32")
-    model = model.to(torch.float64)
-    model.setup_rope()
-    return reference, model
+    return in_float64(reference, folder)
 
 
 @pytest.mark.parametrize(
