@@ -14,7 +14,9 @@ windows are replayed on it for `--batch` rows at once: tokens/s of the generated
 positions computed per token (the work, independent of the machine). Optional rows: int8 / int4
 weights (`--quant`), the cached steps through the fixed-shape step that `cuda_graphs` captures
 (`--graphs`: CUDA graphs on a GPU, compiled once per batch size), and torch.compile of the
-layers with dynamic shapes (`--compile`). Then the ways of attending ragged rows
+layers with dynamic shapes (`--compile`). Eager forwards run twice, their rows attending in a call
+per row and in one call per layer (`models.packed`: what `attention_calls` "auto" picks from 8 rows
+on a GPU). Then the ways of attending ragged rows
 (`attention_kernels.py`: SDPA per row, padded, over jagged nested tensors, flex_attention) at
 LLaDA-8B's attention shapes for 1-64 rows.
 The table and the attention results are printed (and written as JSON with `--out`).
@@ -172,6 +174,13 @@ def main(argv=None) -> int:
         action="store_false",
         help="skip the ragged-attention candidates (`attention_kernels.py`) at LLaDA-8B's attention shapes",
     )
+    p.add_argument(
+        "--attention-calls",
+        nargs="+",
+        default=["per_row", "one"],
+        choices=["per_row", "one", "auto"],
+        help="how the eager forwards' rows attend (`models.packed`)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -184,7 +193,7 @@ def main(argv=None) -> int:
         for name in CONFIGS:
             schedules[twin, name] = record(twin, name, gen_length, problems)
     rows = []
-    print(f"{'family':<13} {'config':<10} {'batch':>5} {'weights':<8} {'mode':<8} {'tok/s':>9} {'pos/tok':>8}")
+    print(f"{'family':<13} {'config':<10} {'batch':>5} {'weights':<8} {'mode':<14} {'tok/s':>9} {'pos/tok':>8}")
     for family in args.families:
         model = wide(family, layers, device, args.tiny)
         variants = [("bf16", model)]
@@ -195,7 +204,8 @@ def main(argv=None) -> int:
             qm = wide(family, layers, device, args.tiny)
             install(qm, quantize_weights(qm, QUANTIZE[q]), device=device)
             variants.append((q, qm))
-        modes = ["eager"] + (["graphs"] if args.graphs else []) + (["compile"] if args.compile else [])
+        modes = [f"eager:{c}" for c in args.attention_calls]
+        modes += (["graphs"] if args.graphs else []) + (["compile"] if args.compile else [])
         capacity = max(length(h) for name in CONFIGS for h in schedules[FAMILIES[family], name][0])
         for weights, m in variants:
             for mode in modes:
@@ -203,7 +213,9 @@ def main(argv=None) -> int:
                     runs, tokens = schedules[FAMILIES[family], name]
                     positions = sum(hi - lo for r in runs for forward in r for _, lo, hi, _, _ in forward)
                     for batch in batches:
-                        seconds = timed(m, runs, batch, device, mode, capacity)
+                        kind, _, calls = mode.partition(":")  # eager:per_row, eager:one, graphs, compile
+                        m.attention_calls = calls or "auto"
+                        seconds = timed(m, runs, batch, device, kind, capacity)
                         row = {
                             "family": family,
                             "config": name,
@@ -217,7 +229,7 @@ def main(argv=None) -> int:
                         }
                         rows.append(row)
                         print(
-                            f"{family:<13} {name:<10} {batch:>5} {weights:<8} {mode:<8} "
+                            f"{family:<13} {name:<10} {batch:>5} {weights:<8} {mode:<14} "
                             f"{row['tokens_per_second']:>9.1f} {row['positions_per_token']:>8.2f}",
                             flush=True,
                         )

@@ -15,7 +15,17 @@ from .conftest import REPO
 def test_the_gpu_check_runs_tiny_and_prints_its_table(tmp_path):
     out = tmp_path / "gpu.json"
     run = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--tiny", "--quant", "int8", "--out", str(out)],
+        [
+            sys.executable,
+            "benchmarks/gpu_check.py",
+            "--tiny",
+            "--quant",
+            "int8",
+            "--attention-calls",
+            "one",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=900,
@@ -40,7 +50,7 @@ def test_the_gpu_check_runs_tiny_and_prints_its_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_gpu_check_adds_rows_of_the_captured_step(tmp_path):
+def test_the_gpu_check_adds_rows_of_the_captured_step_and_of_each_way_to_attend(tmp_path):
     out = tmp_path / "graphs.json"
     argv = ["benchmarks/gpu_check.py", "--tiny", "--families", "llada", "sdar", "--batch", "1", "--graphs"]
     run = subprocess.run(
@@ -48,5 +58,6 @@ def test_the_gpu_check_adds_rows_of_the_captured_step(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["family"], r["mode"]) for r in rows} == {(f, m) for f in ("llada", "sdar") for m in ("eager", "graphs")}
+    modes = ("eager:per_row", "eager:one", "graphs")  # the eager forwards' rows attending both ways
+    assert {(r["family"], r["mode"]) for r in rows} == {(f, m) for f in ("llada", "sdar") for m in modes}
     assert all(r["tokens_per_second"] > 0 for r in rows)
