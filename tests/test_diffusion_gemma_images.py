@@ -200,8 +200,9 @@ def test_generate_with_images_gives_transformers_tokens_and_forwards(float64_pai
 
 
 def test_rows_with_and_without_images_decode_as_alone(pair, tokenizer):
-    """Rows of different images, the same image twice (sharing its prompt's K/V) and a text row,
-    batched: each row's tokens are its tokens alone; an image changes the answer."""
+    """Rows of different images, the same image twice and a text row, batched: each row's tokens
+    are its tokens alone; an image changes the answer; the prefix store shares a prompt's K/V only
+    with the same picture."""
     reference, model, _ = pair
     img = reference.config.image_token_id
     a, b = picture(40, 60, seed=1), picture(60, 40, seed=2)
@@ -215,6 +216,14 @@ def test_rows_with_and_without_images_decode_as_alone(pair, tokenizer):
         assert torch.equal(together.sequences[i], alone.sequences[0]), i
     assert not torch.equal(together.sequences[0], together.sequences[1])
     assert torch.equal(together.sequences[0], together.sequences[2])
+    # through the prefix store: a prompt's picture keys its blocks, so the same picture's prompt
+    # reuses the first row's K/V and another picture's computes its own
+    shared = fastdllm.generate(
+        model, rows[:3], config=config.replace(prefix_cache="approximate"), images=images[:3], row_seeds=[0, 0, 0]
+    )
+    placed = len(model.place_images(prompt, [a])[0])
+    assert shared.stats.prompt_positions[:2] == [placed, placed] and shared.stats.prompt_positions[2] < placed
+    assert torch.equal(shared.sequences[2], shared.sequences[0])
 
 
 def test_images_that_do_not_fit_are_refused_by_name(one, tokenizer, tiny_llada):

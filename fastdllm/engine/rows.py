@@ -273,9 +273,8 @@ def prefix_tokens(ids: list[int], images: tuple | None) -> list[int]:
         return ids
     out = list(ids)
     columns, vectors = images
-    for c, v in zip(columns.tolist(), vectors):
-        digest = hashlib.blake2b(v.detach().float().cpu().numpy().tobytes(), digest_size=7).digest()
-        out[c] = -1 - int.from_bytes(digest, "little")
+    for c, v in zip(columns.tolist(), vectors.detach().float().cpu().numpy()):  # one copy to the host
+        out[c] = -1 - int.from_bytes(hashlib.blake2b(v.tobytes(), digest_size=7).digest(), "little")
     return out
 
 
