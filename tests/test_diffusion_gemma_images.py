@@ -216,10 +216,13 @@ def test_rows_with_and_without_images_decode_as_alone(pair, tokenizer):
         assert torch.equal(together.sequences[i], alone.sequences[0]), i
     assert not torch.equal(together.sequences[0], together.sequences[1])
     assert torch.equal(together.sequences[0], together.sequences[2])
-    # through the prefix store: a prompt's picture keys its blocks, so the same picture's prompt
+    # through a fresh prefix store: a prompt's picture keys its blocks, so the same picture's prompt
     # reuses the first row's K/V and another picture's computes its own
+    from fastdllm.engine.kv import KVRunner
+
+    sharing = config.replace(prefix_cache="approximate")  # how its prompts are shared
     shared = fastdllm.generate(
-        model, rows[:3], config=config.replace(prefix_cache="approximate"), images=images[:3], row_seeds=[0, 0, 0]
+        model, rows[:3], config=sharing, images=images[:3], row_seeds=[0, 0, 0], kv=KVRunner(model)
     )
     placed = len(model.place_images(prompt, [a])[0])
     assert shared.stats.prompt_positions[:2] == [placed, placed] and shared.stats.prompt_positions[2] < placed
