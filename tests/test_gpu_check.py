@@ -52,7 +52,7 @@ def test_the_gpu_check_runs_tiny_and_prints_its_table(tmp_path):
 @pytest.mark.slow
 def test_the_gpu_check_adds_rows_of_the_captured_step_and_of_each_way_to_attend(tmp_path):
     out = tmp_path / "graphs.json"
-    argv = ["benchmarks/gpu_check.py", "--tiny", "--families", "llada", "sdar", "--batch", "1", "--graphs"]
+    argv = ["benchmarks/gpu_check.py", "--tiny", "--families", "llada", "sdar", "--batch", "1", "2", "--graphs"]
     run = subprocess.run(
         [sys.executable, *argv, "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=REPO
     )
@@ -60,4 +60,5 @@ def test_the_gpu_check_adds_rows_of_the_captured_step_and_of_each_way_to_attend(
     rows = json.loads(out.read_text())["rows"]
     modes = ("eager:per_row", "eager:one", "graphs")  # the eager forwards' rows attending both ways
     assert {(r["family"], r["mode"]) for r in rows} == {(f, m) for f in ("llada", "sdar") for m in modes}
+    assert {r["batch"] for r in rows if r["mode"] == "eager:one"} == {2}  # one row attends alike either way
     assert all(r["tokens_per_second"] > 0 for r in rows)
