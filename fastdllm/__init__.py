@@ -7,6 +7,8 @@ Fast-dLLM v2, LLaDA2.0 / 2.1), after Fast-dLLM.
     out = fastdllm.generate(model, [ids], config=fastdllm.GenerationConfig(gen_length=128))
     print(tokenizer.decode(out.sequences[0]))
     print(fastdllm.generate_text(model, tokenizer, messages=[{"role": "user", "content": "..."}]).text)
+    # a model that reads images (DiffusionGemma): one placeholder per picture, the pictures beside
+    # out = fastdllm.generate(model, [ids], images=[["photo.jpg"]])
 """
 
 from importlib import import_module
