@@ -273,10 +273,10 @@ def test_a_checkpoint_without_its_tower_loads_as_text(tmp_path, image_tokenizer)
         model.place_images([model.args.extra["image_token_id"]], [picture(40, 60)])
 
 
-def test_the_server_answers_a_chat_with_an_image_as_generate_does(one, tiny_llada, tokenizer):
+def test_the_server_answers_a_chat_with_an_image_as_generate_does(one):
     """An `image_url` part (a data URL) in a user message: the answer is `generate`'s with the
-    picture; an image in a text model, a URL to fetch, a broken image, an image in an assistant
-    message are each a 400 naming `messages`, and the server answers the next request."""
+    picture; a URL to fetch, a broken image, an image in an assistant message are each a 400
+    naming `messages`, and the server answers the next request."""
     from tests.test_server import MODEL, LiveServer
 
     _, model, folder = one
@@ -322,13 +322,6 @@ def test_the_server_answers_a_chat_with_an_image_as_generate_does(one, tiny_llad
         assert r.status_code == 400 and "messages" in r.json()["error"]["param"], r.text
         r = server.post("/v1/chat/completions", body)
         assert r.status_code == 200, r.text
-    finally:
-        server.stop()
-    server = LiveServer(tiny_llada, tokenizer)
-    try:
-        r = server.post("/v1/chat/completions", {**body, "max_tokens": 4})
-        assert r.status_code == 400 and "takes text only" in r.json()["error"]["message"], r.text
-        assert r.json()["error"]["param"] == "messages"
     finally:
         server.stop()
 
@@ -440,3 +433,20 @@ def test_chat_takes_a_picture_for_the_next_message(one, tmp_path, monkeypatch, c
     want = fastdllm.generate(model, [tok.encode_chat(first)], config=config, images=[[image]])
     assert out.out.startswith(tok.decode(want.sequences[0][: want.num_tokens[0]].tolist()) + "\n")
     assert out.err.count("error") == 1  # the missing file alone: the second turn, picture in its history, answered
+
+
+@pytest.mark.slow
+def test_a_text_models_server_refuses_an_image_by_name(tiny_llada, tokenizer):
+    from tests.test_server import MODEL, LiveServer
+
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}], "max_tokens": 4}
+    server = LiveServer(tiny_llada, tokenizer)
+    try:
+        r = server.post("/v1/chat/completions", body)
+        assert r.status_code == 400 and "takes text only" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages"
+        r = server.post("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()

@@ -338,7 +338,14 @@ STDLIB_VALUES = {
 }
 
 
-@pytest.mark.parametrize("name", list(STDLIB_VALUES))
+# a value of each kind in the default suite (a tuple subclass, a tz-aware datetime, a dict subclass,
+# a lazy sequence); every value in the slow set
+EVERY_RUN = {"named_tuple", "datetime", "counter", "range"}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in EVERY_RUN else pytest.param(n, marks=pytest.mark.slow) for n in STDLIB_VALUES]
+)
 def test_standard_library_values_cross_as_themselves(name):
     solution, tests = STDLIB_VALUES[name]
     r = judge(CodeCheck(solution, tests, remote=("f",)))
@@ -372,9 +379,11 @@ def test_a_reply_naming_a_global_is_malformed():
 @pytest.mark.parametrize(
     "solution",
     [
-        "def f(x): return 1\nraise SystemExit(3)",  # exits before answering
+        pytest.param("def f(x): return 1\nraise SystemExit(3)", marks=pytest.mark.slow),  # exits before answering
         "import os\ndef f(x):\n    os._exit(5)",  # exits in the call
-        "def f(x):\n    import sys\n    sys.stdout.flush()\n    raise KeyboardInterrupt",  # a call that raises
+        pytest.param(  # a call that raises
+            "def f(x):\n    import sys\n    sys.stdout.flush()\n    raise KeyboardInterrupt", marks=pytest.mark.slow
+        ),
         "def f(x) return 1",  # does not compile
     ],
 )
