@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -239,6 +240,13 @@ def test_images_that_do_not_fit_are_refused_by_name(one, tokenizer, tiny_llada):
         model.place_images([c.boi_token_id, c.image_token_id, c.image_token_id, c.eoi_token_id], [picture(40, 60)])
     with pytest.raises(ValueError, match="images: not an image"):
         model.place_images(prompt, [b"not a picture"])
+    context = model.args.max_seq_len
+    try:  # a context the pictures do not fit: refused before the tower runs
+        model.args = replace(model.args, max_seq_len=len(prompt) + 10)
+        with pytest.raises(ValueError, match=r"images: the prompt with its 1 picture\(s\) \(60 soft tokens\)"):
+            model.place_images(prompt, [picture(40, 60)])
+    finally:
+        model.args = replace(model.args, max_seq_len=context)
     with pytest.raises(ValueError, match="images: .* takes no images"):
         fastdllm.generate(tiny_llada, [[5, 6, 7]], images=[[picture(40, 60)]], gen_length=32)
 

@@ -38,7 +38,7 @@ from torch import nn
 from ..text.images import open_image
 from .args import ModelArgs
 from .family import ConfigField, DecodingRules, Family, WeightNames
-from .gemma_vision import GemmaVision, VisionArgs, patchify, vision_weight_names
+from .gemma_vision import GemmaVision, VisionArgs, patchify, soft_token_count, vision_weight_names
 from .invariance import BatchInvariant
 from .moe import _grouped_mm_ok, expert_linear
 from .packed import PackedRows, one_call, pool_slots
@@ -441,12 +441,25 @@ class DiffusionGemma(Transformer):
             )
         if not images:
             return list(ids), None
+        if self.vision is None:
+            raise ValueError(f"images: {self.name_or_path or 'this model'} holds no vision tower")
+        # every picture read and its soft tokens counted before the tower runs: a prompt they would
+        # push past the context is refused for nothing
+        images = [open_image(image) for image in images]
+        counts = [soft_token_count(image, self.vision.a) for image in images]
+        for (i, j, placed), n in zip(runs, counts):
+            if placed and j - i != n:
+                raise ValueError(f"images: an image of {n} soft tokens, but its run in the prompt holds {j - i}")
+        length = len(ids) + sum(n + 1 for (_, _, placed), n in zip(runs, counts) if not placed)
+        if length > self.args.max_seq_len:
+            raise ValueError(
+                f"images: the prompt with its {len(images)} picture(s) ({sum(counts)} soft tokens) holds {length} "
+                f"tokens, more than the model's context ({self.args.max_seq_len})"
+            )
         out, columns, vectors, last = [], [], [], 0
         for (i, j, placed), image in zip(runs, images):
             features = self.image_features(image)
             n = features.shape[0]
-            if placed and j - i != n:
-                raise ValueError(f"images: an image of {n} soft tokens, but its run in the prompt holds {j - i}")
             out += ids[last:i] + ([] if placed else [boi])
             columns.append(torch.arange(len(out), len(out) + n))
             vectors.append(features)
