@@ -352,6 +352,7 @@ def test_the_cli_and_generate_text_answer_with_an_image_file(one, capsys, tmp_pa
     assert cli([*argv, "--seed", "0", "--json", "--image", str(path), "what is it?"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["text"] == tok.decode(want.sequences[0][:n].tolist())
+    assert result["prompt_tokens"] == len(ids) - 1 + 2 + model.image_features(image).shape[0]  # as placed
     messages = [{"role": "user", "content": [{"type": "image", "path": str(path)}, content[1]]}]
     out = fastdllm.generate_text(model, tok, messages=messages, config=config)
     assert out.text == result["text"]

@@ -411,15 +411,13 @@ class DiffusionGemma(Transformer):
         with torch.inference_mode():
             return self.vision(patches, positions).to(self.dtype)
 
-    def place_images(self, ids: list[int], images: list) -> tuple[list[int], tuple | None]:
-        """A prompt's image placeholders filled, as Gemma 4's processor fills them: each image token
-        (what its chat template writes per image) becomes the begin-of-image token, one image
-        token per soft token and the end-of-image token; a run already that long between those
-        two tokens (the processor's output) is kept. Returns the ids and (columns,
-        soft tokens) of the images, in order, for `packed_logits`' `embeds`."""
+    def _image_runs(self, ids: list[int], images: list) -> tuple[list, list, list[int], int]:
+        """Where a prompt's pictures go: per picture its run of the prompt (from, to, placed by a
+        processor already), the picture read, its soft-token count (from its size), and the
+        placed prompt's length; every check made before a tower runs."""
         e = self.args.extra
         img, boi, eoi = e["image_token_id"], e["boi_token_id"], e["eoi_token_id"]
-        runs, i = [], 0  # (from, to, placed by a processor already)
+        runs, i = [], 0
         while i < len(ids):
             if ids[i] != img:
                 i += 1
@@ -439,14 +437,10 @@ class DiffusionGemma(Transformer):
             raise ValueError(
                 f"images: {len(images)} image(s) given, but the prompt holds {len(runs)} image placeholder(s)"
             )
-        if not images:
-            return list(ids), None
-        if self.vision is None:
+        if images and self.vision is None:
             raise ValueError(f"images: {self.name_or_path or 'this model'} holds no vision tower")
-        # every picture read and its soft tokens counted before the tower runs: a prompt they would
-        # push past the context is refused for nothing
-        images = [open_image(image) for image in images]
-        counts = [soft_token_count(image, self.vision.a) for image in images]
+        opened = [open_image(image) for image in images]
+        counts = [soft_token_count(image, self.vision.a) for image in opened]
         for (i, j, placed), n in zip(runs, counts):
             if placed and j - i != n:
                 raise ValueError(f"images: an image of {n} soft tokens, but its run in the prompt holds {j - i}")
@@ -456,8 +450,26 @@ class DiffusionGemma(Transformer):
                 f"images: the prompt with its {len(images)} picture(s) ({sum(counts)} soft tokens) holds {length} "
                 f"tokens, more than the model's context ({self.args.max_seq_len})"
             )
+        return runs, opened, counts, length
+
+    def placed_length(self, ids: list[int], images: list) -> int:
+        return self._image_runs(ids, images)[3]
+
+    def place_images(self, ids: list[int], images: list) -> tuple[list[int], tuple | None]:
+        """A prompt's image placeholders filled, as Gemma 4's processor fills them: each image token
+        (what its chat template writes per image) becomes the begin-of-image token, one image
+        token per soft token and the end-of-image token; a run already that long between those
+        two tokens (the processor's output) is kept. Returns the ids and (columns, soft tokens) of
+        the images, in order, for `packed_logits`' `embeds`. Every picture is read and counted
+        first (`_image_runs`): a prompt its pictures would push past the context is refused
+        before the tower runs."""
+        runs, opened, _, _ = self._image_runs(ids, images)
+        if not images:
+            return list(ids), None
+        e = self.args.extra
+        img, boi, eoi = e["image_token_id"], e["boi_token_id"], e["eoi_token_id"]
         out, columns, vectors, last = [], [], [], 0
-        for (i, j, placed), image in zip(runs, images):
+        for (i, j, placed), image in zip(runs, opened):
             features = self.image_features(image)
             n = features.shape[0]
             out += ids[last:i] + ([] if placed else [boi])
