@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,6 @@ class VisionArgs:
     # the image processor's settings (its processor_config.json, else the defaults)
     max_soft_tokens: int = 280
     rescale: float = 1 / 255
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, vision: dict, text_dim: int) -> VisionArgs:
