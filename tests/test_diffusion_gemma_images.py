@@ -284,8 +284,9 @@ def test_a_checkpoint_without_its_tower_loads_as_text(tmp_path, image_tokenizer)
 def test_the_server_answers_a_chat_with_an_image_as_generate_does(one):
     """An `image_url` part (a data URL) in a user message: the answer is `generate`'s with the
     picture; a URL to fetch, a broken image, an image in an assistant message are each a 400
-    naming `messages`, and the server answers the next request."""
-    from tests.test_server import MODEL, LiveServer
+    naming `messages`, and the server answers the next request; requests with pictures, without and
+    broken at once each answer as alone."""
+    from tests.test_server import MODEL, LiveServer, wait_for
 
     _, model, folder = one
     tok = fastdllm.load(str(folder), dtype="float32")[1]
@@ -328,8 +329,34 @@ def test_the_server_answers_a_chat_with_an_image_as_generate_does(one):
         assistant = {"role": "assistant", "content": content}
         r = server.post("/v1/chat/completions", {**body, "messages": [assistant, {"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "messages" in r.json()["error"]["param"], r.text
-        r = server.post("/v1/chat/completions", body)
-        assert r.status_code == 200, r.text
+        # a picture's request, another picture's, a text request and a broken one at once: each
+        # answers as alone (they share batches), and the broken one fails alone
+        import concurrent.futures
+
+        other = picture(60, 40, seed=7)
+        buffer = io.BytesIO()
+        other.save(buffer, format="PNG")
+        other_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        text = {**body, "messages": [{"role": "user", "content": "what is 2 + 2?"}]}
+        swapped = [{**content[1], "image_url": {"url": other_url}} if p is content[1] else p for p in content]
+        broken = {**body, "messages": [{"role": "user", "content": bad[1]}]}
+        requests = [body, {**body, "messages": [{"role": "user", "content": swapped}]}, text, broken]
+        alone = [server.post("/v1/chat/completions", b).json() for b in requests[:3]]
+        server.scheduler.pause()  # they queue, and start as one batch
+        try:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                sent = [pool.submit(server.post, "/v1/chat/completions", b) for b in requests]
+                wait_for(lambda: server.health()["queued"] == 3)  # the broken one was refused at once
+                batched = server.health()["batched_requests"]
+                server.scheduler.resume()
+                together = [f.result() for f in sent]
+        finally:
+            server.scheduler.resume()
+        assert [r.status_code for r in together] == [200, 200, 200, 400]
+        assert server.health()["batched_requests"] == batched + 3
+        for a, t in zip(alone, together):
+            assert t.json()["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+        assert alone[0]["choices"][0]["message"]["content"] != alone[1]["choices"][0]["message"]["content"]
     finally:
         server.stop()
 
