@@ -11,26 +11,17 @@ import torch
 import fastdllm
 from fastdllm.models.packed import PackedRows, one_call
 
-FAMILIES = [
-    "tiny_llada",
-    "tiny_dream",
-    "tiny_sdar",
-    "tiny_v2",
-    "tiny_llada2",
-    "tiny_llada_moe",
-    "tiny_rnd1",
-    "tiny_nemotron",
-]
+from .test_tp import FAMILIES  # every family's tiny model, as tensor parallelism checks them
 
 
 @pytest.fixture(scope="module")
-def tiny_wedlm(tokenizer):
+def tiny_wedlm(tokenizer):  # the one of them conftest does not make
     from tests.test_reference import wedlm_model
 
     return wedlm_model(tokenizer, "qwen2.5")
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "tiny_wedlm"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_one_call_gives_each_rows_logits(name, request, tokenizer):
     model = request.getfixturevalue(name)
     config = fastdllm.GenerationConfig.for_model(
