@@ -319,6 +319,8 @@ def test_the_server_answers_a_chat_with_an_image_as_generate_does(one):
         )
         soft = model.image_features(image).shape[0]  # the placeholder became boi, its soft tokens, eoi
         assert r.json()["usage"]["prompt_tokens"] == len(ids) - 1 + 2 + soft
+        counted = server.post("/tokenize", {"model": MODEL, "messages": body["messages"]}).json()
+        assert counted["tokens"] == model.place_images(ids, [image])[0] and counted["count"] == len(ids) + 1 + soft
         bad = [
             [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
             [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],

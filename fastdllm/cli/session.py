@@ -85,7 +85,7 @@ def run_prompt(
     else:
         out = run.run(command, generate, model, [ids], config, images=images)
     completion = complete(tokenizer, out.sequences[0][:keep], model.stop_token_ids, stop, config.fixed_end)
-    prompt_tokens = model.placed_length(ids, images[0]) if images else len(ids)  # its pictures' soft tokens too
+    prompt_tokens = len(model.placed_ids(ids, images[0])) if images else len(ids)  # its pictures' soft tokens too
     return Answer(completion, out, prompt_tokens, view.paused if view is not None else 0.0)
 
 

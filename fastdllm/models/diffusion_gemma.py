@@ -452,8 +452,14 @@ class DiffusionGemma(Transformer):
             )
         return runs, opened, counts, length
 
-    def placed_length(self, ids: list[int], images: list) -> int:
-        return self._image_runs(ids, images)[3]
+    def placed_ids(self, ids: list[int], images: list) -> list[int]:
+        runs, _, counts, _ = self._image_runs(ids, images)
+        e = self.args.extra
+        out, last = [], 0
+        for (i, j, placed), n in zip(runs, counts):
+            out += ids[last:i] if placed else ids[last:i] + [e["boi_token_id"]] + [ids[i]] * n + [e["eoi_token_id"]]
+            last = i if placed else j
+        return out + ids[last:]
 
     def place_images(self, ids: list[int], images: list) -> tuple[list[int], tuple | None]:
         """A prompt's image placeholders filled, as Gemma 4's processor fills them: each image token

@@ -337,10 +337,10 @@ class Transformer(nn.Module):
             raise ValueError(f"images: {self.name_or_path or 'this model'} takes no images (a text model)")
         return list(ids), None
 
-    def placed_length(self, ids: list[int], images: list) -> int:
-        """The prompt's length once `place_images` places its images (counted without running a
-        vision tower)."""
-        return len(self.place_images(ids, images)[0])
+    def placed_ids(self, ids: list[int], images: list) -> list[int]:
+        """The prompt's ids once `place_images` places its images (counted without running a vision
+        tower)."""
+        return self.place_images(ids, images)[0]
 
     def make_layers(self, args: ModelArgs) -> nn.ModuleList:
         """The layers (a family whose layers are not Llama-shaped builds its own: `Family.model_class`)."""

@@ -148,7 +148,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give prompt or messages", param="prompt", code="invalid_value")
         if req.messages is not None:
-            tokens = server.chat_prompt(ChatCompletionRequest(model=req.model, messages=req.messages))
+            chat = ChatCompletionRequest(model=req.model, messages=req.messages)
+            tokens = server.place_images(chat, [server.chat_prompt(chat)], tower=False)[0][0]  # pictures placed
         else:
             tokens = tokenizer.encode(req.prompt)
         return {"count": len(tokens), "max_model_len": model.args.max_seq_len, "tokens": tokens}

@@ -222,10 +222,11 @@ class Server:
                 400, f"messages: the chat template rejected them ({e})", param="messages", code="invalid_value"
             ) from None
 
-    def place_images(self, req, prompts: list[list[int]]) -> tuple[list[list[int]], list | None]:
+    def place_images(self, req, prompts: list[list[int]], tower: bool = True) -> tuple[list[list[int]], list | None]:
         """A chat's `image_url` parts (data URLs) read and placed in its prompt by the model
         (`Transformer.place_images`, its vision tower run here, off the event loop): the prompts
-        and per prompt its images' (columns, soft tokens); None without images."""
+        and per prompt its images' (columns, soft tokens); None without images. Without `tower`,
+        the placed prompts alone (`Transformer.placed_ids`: counted from the pictures' sizes)."""
         urls = [u for m in getattr(req, "messages", None) or () for u in m.images()]
         if not urls:
             return prompts, None
@@ -244,6 +245,8 @@ class Server:
                 code="unsupported_value",
             )
         try:
+            if not tower:
+                return [self.model.placed_ids(prompts[0], urls)], None
             ids, placed = self.model.place_images(prompts[0], urls)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
