@@ -215,6 +215,11 @@ def test_rows_with_and_without_images_decode_as_alone(pair, tokenizer):
     for i, (ids, imgs) in enumerate(zip(rows, images)):
         alone = fastdllm.generate(model, [ids], config=config, images=[imgs], row_seeds=[0])
         assert torch.equal(together.sequences[i], alone.sequences[0]), i
+    streamed = {}  # streaming the blocks of a row with a picture gives its tokens too
+    for b, blocks, _ in fastdllm.stream_blocks(model, rows[:1], config, row_seeds=[0], images=images[:1]):
+        streamed[b] = blocks[0]
+    flat = sum((streamed[b] for b in sorted(streamed)), [])
+    assert flat and together.sequences[0].tolist()[: len(flat)] == flat  # (blocks after a stop stream empty)
     assert not torch.equal(together.sequences[0], together.sequences[1])
     assert torch.equal(together.sequences[0], together.sequences[2])
     # through a fresh prefix store: a prompt's picture keys its blocks, so the same picture's prompt

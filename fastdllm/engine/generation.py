@@ -152,7 +152,8 @@ def iter_generate(
 
     `policies` (a `policies.Policies` bundle, or a callable (model, config) -> Policies) replaces
     the policies that the config names: a new policy plugs in here. `kv`: the `kv.KVRunner` whose
-    pages and prefix store the rows use (default: the model's, shared by calls that bring none)."""
+    pages and prefix store the rows use (default: the model's, shared by calls that bring none).
+    `images`: per prompt, the images its placeholders stand for (`generate`'s)."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     decoder = BlockDecoder(model, config, policies=policies, kv=kv)
     rows = decoder.add(input_ids, attention_mask, row_seeds, constraints=constraints, images=images)
@@ -350,15 +351,19 @@ def stream_blocks(
     row_seeds=None,
     policies: PolicySource = None,
     kv: KVRunner | None = None,
+    images: Sequence | None = None,
 ) -> Iterator[tuple[int, list[list[int]], list[bool]]]:
     """Yield (block index, per-row token ids of that block, per-row finished) as soon as each
     block is final: inside a block tokens settle out of order, so a block is the unit a server
-    can stream. Rows that already finished get an empty list. `policies`, `kv`: as for `iter_generate`
-    (whose events also count the forwards so far)."""
+    can stream. Rows that already finished get an empty list. `policies`, `kv`, `images`: as for
+    `iter_generate` (whose events also count the forwards so far)."""
     config = config or GenerationConfig.for_model(model, checkpoint_defaults=False)
     blk = config.block_length
     with torch.inference_mode():
-        for event in iter_generate(model, input_ids, config, attention_mask, row_seeds, policies=policies, kv=kv):
+        events = iter_generate(
+            model, input_ids, config, attention_mask, row_seeds, policies=policies, kv=kv, images=images
+        )
+        for event in events:
             if event.kind != "block":
                 continue
             b = event.block
