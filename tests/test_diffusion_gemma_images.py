@@ -200,11 +200,11 @@ def test_generate_with_images_gives_transformers_tokens_and_forwards(float64_pai
         model.stop_token_ids = stops
 
 
-def test_rows_with_and_without_images_decode_as_alone(pair, tokenizer):
+def test_rows_with_and_without_images_decode_as_alone(one, tokenizer):
     """Rows of different images, the same image twice and a text row, batched: each row's tokens
     are its tokens alone; an image changes the answer; the prefix store shares a prompt's K/V only
     with the same picture."""
-    reference, model, _ = pair
+    reference, model, _ = one
     img = reference.config.image_token_id
     a, b = picture(40, 60, seed=1), picture(60, 40, seed=2)
     prompt = tokenizer.encode("Look:") + [img] + tokenizer.encode(" what is it?")

@@ -155,11 +155,11 @@ def gold(task_name: str, doc) -> str:
 leftover_processes = sandbox_processes
 
 
-# Every attack on the first sampled problem of each task; on all of them in the slow set.
+# Every attack on the first sampled problem of MBPP; on every problem of each task in the slow set.
 @pytest.mark.parametrize(
     "task_name, problems",
     [
-        ("humaneval", 1),
+        pytest.param("humaneval", 1, marks=pytest.mark.slow),  # its every problem runs there too
         ("mbpp", 1),
         pytest.param("humaneval", None, marks=pytest.mark.slow),
         pytest.param("mbpp", None, marks=pytest.mark.slow),
