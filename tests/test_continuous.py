@@ -18,7 +18,8 @@ from fastdllm.evaluation.tasks.arith import prompt_ids
 from fastdllm.server.scheduler import BlockFinal, JobEnded, JobFailed
 
 
-@pytest.fixture(scope="module", params=["llada-arith", "dream-arith"])
+# LLaDA's rows in the default suite; Dream's (shifted logits) too in the slow set
+@pytest.fixture(scope="module", params=["llada-arith", pytest.param("dream-arith", marks=pytest.mark.slow)])
 def fp32(request):
     model, tok = fastdllm.load(request.param, device="cpu", dtype=torch.float32)
     return model, tok
