@@ -237,13 +237,6 @@ class Server:
                 param="messages",
                 code="unsupported_value",
             )
-        if type(self.commands) is not LocalCommands:  # the ranks would need the soft tokens too
-            raise APIError(
-                400,
-                "messages: image_url parts are not served with --tp yet",
-                param="messages",
-                code="unsupported_value",
-            )
         try:
             if not tower:
                 return [self.model.placed_ids(prompts[0], urls)], None
