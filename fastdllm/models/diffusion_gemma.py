@@ -38,10 +38,10 @@ from torch import nn
 from ..text.images import open_image
 from .args import ModelArgs
 from .family import ConfigField, DecodingRules, Family, WeightNames
-from .gemma_vision import GemmaVision, VisionArgs, patchify, soft_token_count, vision_weight_names
+from .gemma_vision import GemmaVision, VisionArgs, gemma_norm, patchify, soft_token_count, vision_weight_names
 from .invariance import BatchInvariant
 from .moe import _grouped_mm_ok, expert_linear
-from .packed import PackedRows, one_call, pool_slots
+from .packed import PackedRows, one_call
 from .transformer import Transformer, rope_tables_of
 
 MODEL_TYPE = "diffusion_gemma"
@@ -61,11 +61,7 @@ class GemmaNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            out = out * self.weight.float()
-        return out.type_as(x)
+        return gemma_norm(x, self.weight, self.eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -452,14 +448,21 @@ class DiffusionGemma(Transformer):
             )
         return runs, opened, counts, length
 
+    def _placed(self, ids: list[int], runs: list, counts: list[int]) -> tuple[list[int], list[int]]:
+        """The prompt with each placeholder run made begin-of-image, `counts[k]` image tokens and
+        end-of-image (a run placed already kept), and where each picture's first soft token is."""
+        e = self.args.extra
+        out, firsts, last = [], [], 0
+        for (i, j, placed), n in zip(runs, counts):
+            out += ids[last:i] + ([] if placed else [e["boi_token_id"]])
+            firsts.append(len(out))
+            out += [e["image_token_id"]] * n + ([] if placed else [e["eoi_token_id"]])
+            last = j
+        return out + ids[last:], firsts
+
     def placed_ids(self, ids: list[int], images: list) -> list[int]:
         runs, _, counts, _ = self._image_runs(ids, images)
-        e = self.args.extra
-        out, last = [], 0
-        for (i, j, placed), n in zip(runs, counts):
-            out += ids[last:i] if placed else ids[last:i] + [e["boi_token_id"]] + [ids[i]] * n + [e["eoi_token_id"]]
-            last = i if placed else j
-        return out + ids[last:]
+        return self._placed(ids, runs, counts)[0]
 
     def place_images(self, ids: list[int], images: list) -> tuple[list[int], tuple | None]:
         """A prompt's image placeholders filled, as Gemma 4's processor fills them: each image token
@@ -469,21 +472,12 @@ class DiffusionGemma(Transformer):
         the images, in order, for `packed_logits`' `embeds`. Every picture is read and counted
         first (`_image_runs`): a prompt its pictures would push past the context is refused
         before the tower runs."""
-        runs, opened, _, _ = self._image_runs(ids, images)
+        runs, opened, counts, _ = self._image_runs(ids, images)
         if not images:
             return list(ids), None
-        e = self.args.extra
-        img, boi, eoi = e["image_token_id"], e["boi_token_id"], e["eoi_token_id"]
-        out, columns, vectors, last = [], [], [], 0
-        for (i, j, placed), image in zip(runs, opened):
-            features = self.image_features(image)
-            n = features.shape[0]
-            out += ids[last:i] + ([] if placed else [boi])
-            columns.append(torch.arange(len(out), len(out) + n))
-            vectors.append(features)
-            out += [img] * n + ([] if placed else [eoi])
-            last = j
-        out += ids[last:]
+        out, firsts = self._placed(ids, runs, counts)
+        vectors = [self.image_features(image) for image in opened]  # as many soft tokens as counted
+        columns = [torch.arange(first, first + len(v)) for first, v in zip(firsts, vectors)]
         return out, (torch.cat(columns), torch.cat(vectors))
 
     def packed_logits(
@@ -583,7 +577,7 @@ class DiffusionGemma(Transformer):
                     raise ValueError(f"window {(lo, hi)} with keys {keys}: without a cache a window attends to itself")
                 out.append(torch.arange(offset, offset + keys, device=device))
             else:
-                out.append(pool_slots(cache, row, keys, device))
+                out.append(cache.slots(row, 0, keys))
             offset += hi - lo
         return out
 

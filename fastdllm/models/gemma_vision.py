@@ -93,7 +93,7 @@ class VisionArgs:
                     data = json.loads(path.read_text())
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}: not valid JSON ({e})") from None
-                settings = data.get(key) or {} if key else data
+                settings = (data.get(key) or {}) if key else data
                 if settings:
                     break
         for name, mine in (("patch_size", self.patch_size), ("pooling_kernel_size", self.pooling)):
@@ -185,7 +185,7 @@ def soft_token_count(image, args: VisionArgs) -> int:
 # ---- the tower ---------------------------------------------------------------------------------
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def gemma_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Gemma 4's RMSNorm: in float32, x * (mean x^2 + eps)^-0.5, times the weight where it has one."""
     xf = x.float()
     out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
@@ -238,10 +238,10 @@ class VisionLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a, n = self.a, x.shape[0]
-        h = _norm(x, self.attention_norm, a.norm_eps)
-        q = _rotate_2d(_norm(self.wq(h).view(n, a.n_heads, a.head_dim), self.q_norm, a.norm_eps), cos, sin)
-        k = _rotate_2d(_norm(self.wk(h).view(n, a.n_kv_heads, a.head_dim), self.k_norm, a.norm_eps), cos, sin)
-        v = _norm(self.wv(h).view(n, a.n_kv_heads, a.head_dim), None, a.norm_eps)
+        h = gemma_norm(x, self.attention_norm, a.norm_eps)
+        q = _rotate_2d(gemma_norm(self.wq(h).view(n, a.n_heads, a.head_dim), self.q_norm, a.norm_eps), cos, sin)
+        k = _rotate_2d(gemma_norm(self.wk(h).view(n, a.n_kv_heads, a.head_dim), self.k_norm, a.norm_eps), cos, sin)
+        v = gemma_norm(self.wv(h).view(n, a.n_kv_heads, a.head_dim), None, a.norm_eps)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],
@@ -249,10 +249,10 @@ class VisionLayer(nn.Module):
             scale=1.0,
             enable_gqa=a.n_kv_heads != a.n_heads,
         )
-        x = x + _norm(self.wo(out[0].transpose(0, 1).reshape(n, -1)), self.post_attention_norm, a.norm_eps)
-        h = _norm(x, self.ffn_norm, a.norm_eps)
+        x = x + gemma_norm(self.wo(out[0].transpose(0, 1).reshape(n, -1)), self.post_attention_norm, a.norm_eps)
+        h = gemma_norm(x, self.ffn_norm, a.norm_eps)
         mlp = self.w2(F.gelu(self.w1(h), approximate="tanh") * self.w3(h))
-        return x + _norm(mlp, self.post_ffn_norm, a.norm_eps)
+        return x + gemma_norm(mlp, self.post_ffn_norm, a.norm_eps)
 
 
 def vision_weight_names(a: VisionArgs, prefix: str) -> dict[str, str]:
@@ -335,4 +335,4 @@ class GemmaVision(nn.Module):
         if a.standardize:
             x = (x - self.std_bias.float()) * self.std_scale.float()
         x = x.to(dtype)
-        return self.projection(_norm(x, None, a.norm_eps))
+        return self.projection(gemma_norm(x, None, a.norm_eps))

@@ -45,7 +45,7 @@ class PackedRows:
         self.valid = torch.arange(width, device=device)[None, :] < torch.tensor(widths, device=device)[:, None]
         self.keys = torch.stack([F.pad(k, (0, most - len(k))) for k in key_slots])
         lengths = torch.tensor([len(k) for k in key_slots], device=device)
-        # (rows, queries, keys): a row's real keys; a padded query sees key 0 alone
+        # (rows, queries, keys): a row's real keys
         self.seen = (torch.arange(most, device=device)[None, None, :] < lengths[:, None, None]).expand(
             len(widths), width, most
         )
@@ -72,9 +72,3 @@ class PackedRows:
             enable_gqa=gqa,
         )
         return out.transpose(1, 2)[self.valid]
-
-
-def pool_slots(cache, row: int, keys: int, device) -> torch.Tensor:
-    """The pool slots of row `row`'s keys [0, keys) (`PagedKVCache.span`) as an index."""
-    where = cache.span(row, 0, keys)
-    return torch.arange(where.start, where.stop, device=device) if isinstance(where, slice) else where

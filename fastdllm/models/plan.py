@@ -38,9 +38,8 @@ class RankPlan:
     """What one rank holds (bytes), and the whole model's parameter count."""
 
     parameters: int  # the whole model's
-    active_parameters: (
-        int  # per token: every dense weight, the shared expert and the chosen routed ones (no vision tower)
-    )
+    # per token: every dense weight, the shared expert and the chosen routed ones (no vision tower)
+    active_parameters: int
     sharded_bytes: int  # this rank's part of the split layers
     replicated_bytes: int  # what every rank holds whole
     kv_cache_bytes: int

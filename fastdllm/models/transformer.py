@@ -29,7 +29,7 @@ from .args import ModelArgs
 from .invariance import BatchInvariant
 from .mlp import FeedForward
 from .moe import MoEFeedForward
-from .packed import PackedRows, one_call, pool_slots
+from .packed import PackedRows, one_call
 
 
 class RMSNorm(nn.Module):
@@ -499,7 +499,7 @@ class Transformer(nn.Module):
         dev = self.tok_embeddings.weight.device
         if not one_call(self.attention_calls, dev, len(segments), batch_invariant, cpu_too=False):
             return None
-        rows = PackedRows([s.width for s in segments], [pool_slots(cache, s.row, s.keys, dev) for s in segments], dev)
+        rows = PackedRows([s.width for s in segments], [cache.slots(s.row, 0, s.keys) for s in segments], dev)
         allowed = torch.zeros(rows.seen.shape, dtype=torch.bool, device=dev)
         for r, s in enumerate(segments):
             allowed[r, : s.width, : s.keys] = True if s.mask is None else s.mask

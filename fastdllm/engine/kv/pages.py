@@ -290,6 +290,11 @@ class PagedKVCache:
             return parts[0] if parts else slice(0, 0)
         return torch.cat([torch.arange(s.start, s.stop, device=self.k.device) for s in parts])
 
+    def slots(self, row: int, lo: int, hi: int) -> torch.Tensor:
+        """The pool slots of row `row`'s columns [lo, hi) as an index (`span` as a tensor)."""
+        where = self.span(row, lo, hi)
+        return torch.arange(where.start, where.stop, device=self.k.device) if isinstance(where, slice) else where
+
     def write_slots(self, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """The pool slots of the columns [lo, hi) of each (row, lo, hi), one after another: where a
         forward that packs those rows' windows writes their K/V, one copy per layer for them all
@@ -310,9 +315,7 @@ class PagedKVCache:
         rows = []
         for i, table in enumerate(self.tables):
             held = min(columns, len(table) * self.page_size)
-            where = self.span(i, 0, held)
-            idx = torch.arange(where.start, where.stop, device=self.k.device) if isinstance(where, slice) else where
-            rows.append(torch.nn.functional.pad(idx, (0, columns - held)))
+            rows.append(torch.nn.functional.pad(self.slots(i, 0, held), (0, columns - held)))
         return torch.stack(rows)
 
 
