@@ -37,6 +37,23 @@ def read_prompt(arg: str) -> str:
         raise UserError(f"the prompt: {e}") from None
 
 
+def prompt_ids(args, model, tokenizer, prompt: str) -> tuple[list[int], bool]:
+    """The prompt's ids, through the chat template unless --raw (with one image part per --image
+    before its text), and whether the template wrote them."""
+    templated = not args.raw and bool(tokenizer.chat_template)
+    if args.image and not templated:
+        raise UserError("--image: needs the model's chat template (it writes the image placeholders; not with --raw)")
+    if args.image and not model.takes_images:
+        raise UserError(f"--image: {args.model or 'the default model'} takes text only")
+    if not templated:
+        return tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt, add_special_tokens=False), False
+    user = prompt
+    if args.image:
+        user = [{"type": "image"} for _ in args.image] + [{"type": "text", "text": prompt}]
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return tokenizer.encode_chat([*system, {"role": "user", "content": user}]), True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(
         "fastdllm generate",
@@ -68,21 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model_or_exit(args, tensor_parallel=True)
     config = with_model_defaults(args, config, model)
 
-    templated = not args.raw and bool(tokenizer.chat_template)
-    if args.image and not templated:
-        raise UserError("--image: needs the model's chat template (it writes the image placeholders; not with --raw)")
-    if args.image and not model.takes_images:
-        raise UserError(f"--image: {args.model or 'the default model'} takes text only")
-    if templated:
-        user = prompt
-        if args.image:
-            user = [{"type": "image"} for _ in args.image] + [{"type": "text", "text": prompt}]
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": user}
-        ]
-        ids = tokenizer.encode_chat(messages)
-    else:
-        ids = tokenizer.encode((args.system + "\n\n" if args.system else "") + prompt, add_special_tokens=False)
+    ids, templated = prompt_ids(args, model, tokenizer, prompt)
     if not ids:
         raise UserError("the prompt is empty after tokenisation")
     try:

@@ -490,7 +490,7 @@ class BlockDecoder:
             self.width,
             tuple(int(not r.strategy.commits_blocks) + r.unrefreshed for r in rows),
             tuple(r.reused for r in rows),
-            {i: e for i, r in enumerate(rows) if (e := _input_vectors(r)) is not None} or None,
+            {i: e for i, r in enumerate(rows) if (e := r.input_vectors) is not None} or None,
             {i: self.model.lora.index(a) for i, r in enumerate(rows) if (a := self._adapter(r))} or None,
             {i: c for i, r in enumerate(rows) if (c := r.strategy.canvas(r.carry, r.step)) is not None} or None,
         )
@@ -546,11 +546,3 @@ class BlockDecoder:
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
             self._begin(i, r)
-
-
-def _input_vectors(r: Row) -> tuple | None:
-    """What replaces some of a row's columns' input this step: its images' soft tokens and its
-    strategy's signal, (columns, vectors) together."""
-    if r.images is None or r.soft is None:
-        return r.images if r.soft is None else r.soft
-    return torch.cat([r.images[0], r.soft[0]]), torch.cat([r.images[1], r.soft[1].to(r.images[1].dtype)])

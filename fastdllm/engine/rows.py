@@ -201,6 +201,15 @@ class Row:
         return chunk if len(self.prompt) > chunk else 0
 
     @property
+    def input_vectors(self) -> tuple | None:
+        """What replaces some of its columns' input this step: its images' soft tokens and its
+        strategy's signal, (columns, vectors) together."""
+        if self.images is None or self.soft is None:
+            return self.images if self.soft is None else self.soft
+        cols, vectors = self.images
+        return torch.cat([cols, self.soft[0]]), torch.cat([vectors, self.soft[1].to(vectors.dtype)])
+
+    @property
     def prefix_tokens(self) -> list[int]:
         """Its prompt as the prefix store keys it (`prefix_tokens`)."""
         return prefix_tokens(self.prompt.tolist(), self.images)
