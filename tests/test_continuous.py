@@ -104,7 +104,7 @@ def test_rows_that_join_decode_as_alone(fp32, name):
 def test_join_key_and_accepts():
     base = GenerationConfig(threshold=0.9)
     assert join_key(base) == join_key(base.replace(gen_length=64))  # only the length differs
-    assert join_key(base) != join_key(base.replace(block_length=16))
+    assert join_key(base) == join_key(base.replace(block_length=16))  # each row its own blocks
     assert join_key(base) != join_key(base.replace(cache="prefix"))  # the forwards differ
     assert join_key(base) == join_key(base.replace(threshold=0.8, temperature=0.7, stop_at_eos=False))
     sched = GenerationConfig(gen_length=64, block_length=32, steps=64, threshold=None)  # 32 steps per block
@@ -112,11 +112,18 @@ def test_join_key_and_accepts():
     assert join_key(sched) == join_key(sched.replace(gen_length=128, steps=64))  # each row keeps its own schedule
 
 
-def test_rows_that_cannot_join_are_refused(tiny_llada, tokenizer):
+def test_rows_that_cannot_join_are_refused(tiny_llada, tiny_llada2, tokenizer):
     decoder = BlockDecoder(tiny_llada, GenerationConfig(gen_length=64, block_length=32, threshold=0.9))
     decoder.add([tokenizer.encode("Hi")])
+    assert decoder.accepts(GenerationConfig(gen_length=64, block_length=16, threshold=0.9))
     with pytest.raises(ValueError, match="config"):
-        decoder.add([tokenizer.encode("Hi")], config=GenerationConfig(gen_length=64, block_length=16, threshold=0.9))
+        decoder.add([tokenizer.encode("Hi")], config=GenerationConfig(gen_length=64, cache="prefix", threshold=0.9))
+    # A block-causal model's prompt K/V depend on the block: its rows agree on the block length.
+    block_causal = BlockDecoder(tiny_llada2, GenerationConfig(gen_length=64, block_length=32, threshold=0.9))
+    assert not block_causal.accepts(GenerationConfig(gen_length=64, block_length=16, threshold=0.9))
+    # So does the sub-block cache, which finds every row's sub-blocks at once.
+    sub = GenerationConfig(gen_length=64, block_length=32, cache="sub-block", sub_block_length=8)
+    assert not BlockDecoder(tiny_llada, sub).accepts(sub.replace(block_length=16))
     # Uneven steps per block (3 steps over 2 blocks): every row follows its own schedule, so rows
     # join whenever they come.
     uneven = GenerationConfig(gen_length=64, block_length=32, steps=3, threshold=None)
@@ -148,6 +155,26 @@ def test_rows_with_their_own_settings_share_forwards(fp32):
         assert r.nfe == alone.nfe_per_row[0] and r.tokens_per_step == alone.tokens_per_step[0]
     assert len({tuple(r.tokens_per_step) for r in rows}) > 1  # the settings really differ
     assert decoder.nfe < sum(r.nfe for r in rows) and decoder.row_forwards == sum(r.nfe for r in rows)
+
+
+def test_rows_of_other_block_lengths_share_forwards(fp32):
+    """Rows decoding in blocks of 8, 16 and 32 (one reading the block after its own: WeDLM-free
+    multi-block decoding via d2f's lookahead is not needed; the widths differ by block length)
+    decode in one batch, each as alone, through the prefix and dual caches."""
+    model, tok = fp32
+    ps = questions(tok, 3)
+    for cache in ("dual", "prefix"):
+        base = GenerationConfig(gen_length=64, block_length=16, threshold=0.9, cache=cache, stop_at_eos=False)
+        configs = [base, base.replace(block_length=32, threshold=0.8), base.replace(block_length=8, steps=32)]
+        decoder = BlockDecoder(model, base)
+        rows = [decoder.add([p], config=c)[0] for p, c in zip(ps, configs)]
+        while decoder.active:
+            decoder.step()
+        for r, p, c in zip(rows, ps, configs):
+            alone = generate(model, [p], config=c)
+            assert torch.equal(r.answer, alone.sequences[0]), (cache, c.block_length)
+            assert r.nfe == alone.nfe_per_row[0] and r.tokens_per_step == alone.tokens_per_step[0]
+        assert decoder.nfe < sum(r.nfe for r in rows)
 
 
 def test_dropped_rows_leave_and_the_others_continue(fp32):

@@ -426,6 +426,73 @@ def test_linear_spec_served_with_its_acceptance_reported(model, tokenizer):
         srv.stop()
 
 
+def micro_twin(tmp_path):
+    """The trained twin (its drafts partly accepted), stopping at EOS as its remote code does."""
+    import shutil
+
+    folder = tmp_path / "micro"
+    shutil.copytree(MICRO, folder)
+    model, tokenizer = fastdllm.load(folder, dtype="float32")
+    model.stop_token_ids = [model.args.eos_token_id]
+    questions = [*QUESTIONS, "What is 9 - 4?", "Sam had 8 pens and gave away 2. How many are left?"]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    return model, tokenizer, [tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"] for c in chats]
+
+
+def test_its_three_modes_decode_in_one_batch_each_as_alone(tmp_path):
+    """Rows in its diffusion mode (blocks of 8), autoregressive mode and LinearSpec (drafts of 8,
+    and of 4 sampled) share every forward of one batch, each row on its own block length and
+    clock, and decode as alone: the same tokens, forwards and acceptances."""
+    from fastdllm.engine.decoder import BlockDecoder
+
+    model, _, prompts = micro_twin(tmp_path)
+    configs = [
+        GenerationConfig.nemotron_labs_diffusion(gen_length=32, block_length=8),
+        GenerationConfig.nemotron_labs_diffusion_ar(gen_length=24),
+        GenerationConfig.nemotron_labs_diffusion_linear_spec(gen_length=32, window_size=8),
+        GenerationConfig.nemotron_labs_diffusion_linear_spec(gen_length=32, window_size=4, temperature=0.7, seed=3),
+    ]
+    decoder = BlockDecoder(model, configs[1])
+    rows = [decoder.add([p], config=c)[0] for p, c in zip(prompts, configs)]
+    while decoder.active:
+        decoder.step()
+    for r, p, c in zip(rows, prompts, configs):
+        alone = fastdllm.generate(model, [p], config=c)
+        assert torch.equal(r.answer, alone.sequences[0]), c
+        assert r.nfe == alone.nfe_per_row[0] and r.acceptances == alone.acceptances[0], c
+    assert all(rows[k].acceptances for k in (2, 3)) and max(rows[2].acceptances) > 1
+    # the forwards were shared (rows whose chat prompts share a prefix join a step after the first)
+    assert decoder.nfe <= max(r.nfe for r in rows) + 1 and decoder.row_forwards == sum(r.nfe for r in rows)
+
+
+def test_its_three_modes_served_in_one_batch(tmp_path):
+    """Requests naming its three modes' presets, queued together, decode in one batch and answer
+    as each does alone; LinearSpec's reports its verifications."""
+    from tests.test_server import LiveServer
+
+    model, tokenizer, prompts = micro_twin(tmp_path)
+    srv = LiveServer(model, tokenizer, defaults=GenerationConfig.nemotron_labs_diffusion(gen_length=32))
+    presets = ["nemotron_labs_diffusion", "nemotron_labs_diffusion_ar", "nemotron_labs_diffusion_linear_spec"]
+    try:
+        jobs = [dict(prompt=prompts[i], max_tokens=24, temperature=0.0, preset=p) for i, p in enumerate(presets)]
+        results: list = [None] * len(jobs)
+
+        def call(i):
+            results[i] = srv.post("/v1/completions", {"model": "llada-arith", **jobs[i]}).json()
+
+        arrive_together(srv, call, len(jobs))
+        stats = srv.scheduler.stats
+        assert stats["batches"] == 1 and stats["max_batch_requests"] == 3
+        for job, body in zip(jobs, results):
+            single = srv.post("/v1/completions", {"model": "llada-arith", **job}).json()
+            assert body["choices"][0]["text"] == single["choices"][0]["text"], job["preset"]
+            assert body["usage"]["completion_tokens"] == single["usage"]["completion_tokens"]
+        assert results[2]["usage"]["speculation"]["verifications"] > 0
+        assert "speculation" not in results[0]["usage"] and "speculation" not in results[1]["usage"]
+    finally:
+        srv.stop()
+
+
 def test_likelihood_is_its_causal_passes_exact_sum(model, tokenizer):
     """lm-eval's log-likelihood of a model that also runs causally is the exact sum of its causal
     log-probabilities (no Monte-Carlo masking), and its greedy continuation is the one the

@@ -77,6 +77,7 @@ class GenerationConfig:
         "block size: blocks are decoded left to right (default: 32, or the block length a checkpoint's "
         "generation_config.json names where the answer holds whole blocks of it: 64 for the default model)",
         search=(8, 16, 32, 64),
+        row=True,
         checks=((_positive_int, "must be a positive integer"),),
     )
     steps: int | None = _opt(None, "optional int", "schedule steps over all blocks (default: gen_length)", row=True)
@@ -211,6 +212,7 @@ class GenerationConfig:
         "int",
         "unmasking=wedlm: a step reveals only among this many positions from the first masked one "
         "(WeDLM's sliding window); unmasking=linear_spec: the draft's length (LinearSpec's block)",
+        row=True,
         checks=((_positive_int, "must be a positive integer"),),
     )
     pos_penalty_factor: float = _opt(

@@ -20,6 +20,8 @@ block, with the same tokens (`tests/test_reference.py` runs the reference's own 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.profiler import record_function
 
@@ -40,11 +42,27 @@ from .rows import (
     constrain,
     decision_key,
     infill,
-    join_key,
     place_images,
     prepare_inputs,
     row_generators,
+    shares_forwards,
 )
+
+
+@dataclass
+class Part:
+    """Rows of a step that share a block length and width (`members`, their places in the layout;
+    `at` the same as a tensor, None where they are every row), decided and written together: their
+    windows' layout columns, tokens and revealing steps after the decision, the decision, and
+    whether each row's block is over."""
+
+    members: list[int]
+    at: torch.Tensor | None
+    columns: torch.Tensor
+    window: torch.Tensor
+    steps_of: torch.Tensor
+    decision: Decision
+    done: torch.Tensor
 
 
 class BlockDecoder:
@@ -68,7 +86,7 @@ class BlockDecoder:
         # A strategy the caller brought serves every row, and so rows must agree on every
         # decision field; otherwise each row decides with the strategy its own config names.
         self.own_strategy = brings_decoder(policies)
-        self.batch_key = decision_key(config) if self.own_strategy else join_key(config)
+        self.batch_key = decision_key(config) if self.own_strategy else None
         policies = resolve(policies, model, config)
         self.policy, self.strategy = policies.cache, policies.strategy
         self.pages = RowPages.of(kv or runner_for(model), model, config, self.policy.holds_cache)
@@ -87,8 +105,8 @@ class BlockDecoder:
         # what the forwards computed: rows summed over them, and query positions
         self.row_forwards = self.computed_positions = 0
         self.forward_clock = ForwardClock(self.device)
-        # the columns a step decodes from each row's current block on: the block, and with
-        # multi-block decoding the blocks after it
+        # the most columns a step decodes from a row's current block on (`Row.width`): the layout
+        # holds that many past its longest row
         self.width = config.block_length * self.strategy.depth
         # per row of the layout (its prompt, then its region, from column 0): tokens, and the
         # row's step that revealed each position (-1: masked or a prompt token)
@@ -102,8 +120,11 @@ class BlockDecoder:
 
     # -- rows in
     def accepts(self, config: GenerationConfig) -> bool:
-        """Whether rows of `config` can join this batch."""
-        return (decision_key(config) if self.own_strategy else join_key(config)) == self.batch_key
+        """Whether rows of `config` can join this batch (`rows.shares_forwards`; with a decoder the
+        caller brought, only rows that decide as the batch's)."""
+        if self.own_strategy:
+            return decision_key(config) == self.batch_key
+        return shares_forwards(self.model, self.config, config)
 
     def _strategy_for(self, config: GenerationConfig):
         key = decision_key(config)
@@ -123,7 +144,7 @@ class BlockDecoder:
         placed=None,
     ) -> list[Row]:
         """Rows that join at the next step (validated now: a bad prompt is refused here, alone).
-        `config` may differ from the batch's in gen_length and steps only (see `join_key`).
+        `config` may differ from the batch's in the fields declared per row (`accepts`).
         `constraints`: per row, None or the grammar its answer follows (`constraints.py`).
         `images`: per row, the images its prompt's placeholders stand for (`rows.place_images`);
         `placed`: per row, what `place_images` gave for prompts placed already."""
@@ -231,7 +252,7 @@ class BlockDecoder:
         self.pages.queue_prefill(chunks)
         with self.forward_clock, record_function("fastdllm.prefill"):
             empty = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # the chunks alone
-            self.pages.runner.forward(self.pages, SequenceView(empty, (), (), (), self.config.block_length, 0), [])
+            self.pages.runner.forward(self.pages, SequenceView(empty, (), (), (), (), ()), [])
         self._count_forwards()
         none = torch.zeros((0, self.config.block_length), dtype=torch.long, device=self.device)
         return Step([], [], none, none.bool())
@@ -246,21 +267,48 @@ class BlockDecoder:
 
     def _apply(self, view: SequenceView, logits: torch.Tensor, work) -> Step:
         """Each row's decision on its window (its current block, and the blocks after it),
-        written without a host read; then the rows whose block is over move on."""
-        rows, blk = self.rows, self.config.block_length
-        columns = torch.tensor(view.starts, device=self.device)[:, None] + torch.arange(self.width, device=self.device)
-        window, steps_of = self.x.gather(1, columns), self.step_of.gather(1, columns)
+        written without a host read, rows of one block length and width together (`Part`); then
+        the rows whose block is over move on."""
+        parts = [self._decided(view, logits, members) for members in self._shapes()]
+        self.row_nfe += 1
+        for r in self.rows:
+            r.step += 1
+        for part in parts:
+            if part.decision.signal is not None or part.decision.carry is not None:
+                self._carry_on(view.starts, part)
+        record = self._record(parts)
+        self._after_step(parts, work)
+        return record
+
+    def _shapes(self) -> list[list[int]]:
+        """The rows by block length and width (one group where every row has the same)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, r in enumerate(self.rows):
+            groups.setdefault((r.block_length, r.width), []).append(i)
+        return list(groups.values())
+
+    def _decided(self, view: SequenceView, logits: torch.Tensor, members: list[int]) -> Part:
+        """The decision of rows `members` (of one block length and width), written into the layout."""
+        rows, dev = [self.rows[i] for i in members], self.device
+        blk, width = rows[0].block_length, rows[0].width
+        at = None if len(members) == len(self.rows) else torch.tensor(members, device=dev)
+        pick = (lambda t: t) if at is None else (lambda t: t[at])  # noqa: E731
+        starts = [view.starts[i] for i in members]
+        columns = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)
+        window, steps_of = pick(self.x).gather(1, columns), pick(self.step_of).gather(1, columns)
+        logits = pick(logits)[:, :width]
         current = window[:, :blk]  # the current block's tokens
-        later = window[:, blk:] if self.width > blk else None
+        later = window[:, blk:] if width > blk else None
         clock = BlockClock(
             [r.step for r in rows],
             [r.config.steps_per_block()[r.block] for r in rows],
-            self.opened,
-            list(view.starts),
+            pick(self.opened),
+            starts,
             [r.extent for r in rows],
         )
         decision = self._decide(
             logits,
+            members,
             DecodeView(
                 current,
                 clock,
@@ -269,7 +317,7 @@ class BlockDecoder:
                 # what an editing rule may rewrite: revealed, not a prompt or fixed token
                 editable=(steps_of[:, :blk] >= 0) & (current != self.mask_id) if self.strategy.edits else None,
                 steps_of=steps_of,
-                constraints={i: r.constraint for i, r in enumerate(rows) if r.constraint is not None},
+                constraints={j: r.constraint for j, r in enumerate(rows) if r.constraint is not None},
                 carry=[r.carry for r in rows],
                 configs=[r.config for r in rows],
                 eos_id=self.model.args.eos_token_id,
@@ -277,21 +325,38 @@ class BlockDecoder:
             ),
         )
         if self.logprobs is not None:
-            self.logprobs.record(logits, columns, decision, rows)
-        window, steps_of = decision.applied(window, steps_of, self.row_nfe, self.model.args.eos_token_id, self.mask_id)
-        self.row_nfe += 1
-        self.x.scatter_(1, columns, window)
-        self.step_of.scatter_(1, columns, steps_of)
-        for r in rows:
-            r.step += 1
-        done = decision.blocks_over(window[:, :blk], self.mask_id)
-        if decision.signal is not None or decision.carry is not None:
-            self._carry_on(view.starts, decision, done)
-        record = Step(list(rows), [r.block for r in rows], window[:, :blk], decision.chosen, decision.edited)
-        self._after_step(
-            window, steps_of, done, decision.revealed_counts(), work, columns, decision.final_later, decision.accepted
+            self.logprobs.record(logits, columns, decision, rows, at)
+        window, steps_of = decision.applied(
+            window, steps_of, pick(self.row_nfe), self.model.args.eos_token_id, self.mask_id
         )
-        return record
+        if at is None:
+            self.x.scatter_(1, columns, window)
+            self.step_of.scatter_(1, columns, steps_of)
+        else:
+            self.x[at[:, None], columns] = window
+            self.step_of[at[:, None], columns] = steps_of
+        done = decision.blocks_over(window[:, :blk], self.mask_id)
+        return Part(members, at, columns, window, steps_of, decision, done)
+
+    def _record(self, parts: list[Part]) -> Step:
+        """The step as `Step` reports it: every row's block (and what the step revealed and
+        rewrote there) in its place, a shorter block's padded."""
+        if len(parts) == 1:
+            p = parts[0]
+            blk = self.rows[0].block_length
+            return Step(
+                list(self.rows), [r.block for r in self.rows], p.window[:, :blk], p.decision.chosen, p.decision.edited
+            )
+        longest, bsz = max(r.block_length for r in self.rows), len(self.rows)
+        tokens = torch.full((bsz, longest), self.mask_id, dtype=torch.long, device=self.device)
+        chosen = torch.zeros((bsz, longest), dtype=torch.bool, device=self.device)
+        edited = chosen.clone() if any(p.decision.edited is not None for p in parts) else None
+        for p in parts:
+            blk = p.decision.chosen.shape[1]
+            tokens[p.at, :blk], chosen[p.at, :blk] = p.window[:, :blk], p.decision.chosen
+            if p.decision.edited is not None:
+                edited[p.at, :blk] = p.decision.edited
+        return Step(list(self.rows), [r.block for r in self.rows], tokens, chosen, edited)
 
     def _chunk(self, r: Row) -> int:
         return r.prefill_chunk(self.model.causal_prompt, self.policy.keeps_prompt)
@@ -305,84 +370,70 @@ class BlockDecoder:
                 out.append((id(r), r.prompt, r.prefilled, hi))
         return out
 
-    def _decide(self, logits: torch.Tensor, view: DecodeView) -> Decision:
-        """Each row's decision, by the decoder it decides with: rows that share one in one call."""
-        rows = self.rows
+    def _decide(self, logits: torch.Tensor, members: list[int], view: DecodeView) -> Decision:
+        """The decision of rows `members` (`view` theirs, in that order), by the decoder each
+        decides with: rows that share one in one call."""
+        rows = [self.rows[i] for i in members]
         groups: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            groups.setdefault(id(r.strategy), []).append(i)
+        for j, r in enumerate(rows):
+            groups.setdefault(id(r.strategy), []).append(j)
 
-        def decide(members: list[int], part: DecodeView, logits: torch.Tensor) -> Decision:
-            strategy = rows[members[0]].strategy
-            part.generators = [rows[i].generator for i in members] if strategy.draws_randomness else None
+        def decide(group: list[int], part: DecodeView, logits: torch.Tensor) -> Decision:
+            strategy = rows[group[0]].strategy
+            part.generators = [rows[j].generator for j in group] if strategy.draws_randomness else None
             return strategy.decide(logits, part)
 
         if len(groups) == 1:
             return decide(list(range(len(rows))), view, logits)
         parts = []
-        for members in groups.values():
-            idx = torch.tensor(members, device=self.device)
-            parts.append((idx, decide(members, view.take(members), logits[idx])))
+        for group in groups.values():
+            idx = torch.tensor(group, device=self.device)
+            parts.append((idx, decide(group, view.take(group), logits[idx])))
         return Decision.merged(parts, len(rows))
 
-    def _carry_on(self, starts, decision: Decision, done: torch.Tensor) -> None:
+    def _carry_on(self, starts, part: Part) -> None:
         """What a strategy hands each row's next step in its block: its state (`Decision.carry`) and
         the signal that conditions the next forward, as the model takes it (`soft_input`: input
-        vectors for the block's columns, or those of them the signal keeps), for the batch in one
-        call (under `deterministic` a row's alone: its vectors then cannot depend on its batch)."""
-        blk, signal = self.config.block_length, decision.signal
-        kept = None if signal is None else signal.rows_kept()  # one read for the batch
+        vectors for the block's columns, or those of them the signal keeps), for the part's rows in
+        one call (under `deterministic` a row's alone: its vectors then cannot depend on its batch)."""
+        decision, signal = part.decision, part.decision.signal
+        kept = None if signal is None else signal.rows_kept()  # one read for the rows
         together = None
         if signal is not None and not self.config.deterministic:
             together = self.model.soft_input(signal.payloads())
-        for i, (r, over) in enumerate(zip(self.rows, done.tolist())):
-            r.carry = None if over or decision.carry is None else decision.carry[i]
+        for j, (i, over) in enumerate(zip(part.members, part.done.tolist())):
+            r = self.rows[i]
+            r.carry = None if over or decision.carry is None else decision.carry[j]
             if signal is None or over:
                 continue
-            if kept is not None and not kept[i]:
+            if kept is not None and not kept[j]:
                 r.soft = None
                 continue
-            cols = torch.arange(starts[i], starts[i] + blk, device=self.device)
-            vectors = self.model.soft_input(signal.payload(i)) if together is None else together[i]
-            keep = signal.keep(i)
+            cols = torch.arange(starts[i], starts[i] + r.block_length, device=self.device)
+            vectors = self.model.soft_input(signal.payload(j)) if together is None else together[j]
+            keep = signal.keep(j)
             r.soft = (cols, vectors) if keep is None else (cols[keep], vectors[keep])
 
-    def _after_step(
-        self,
-        window,
-        steps_of,
-        done: torch.Tensor,
-        revealed_counts: torch.Tensor,
-        work,
-        columns,
-        final_later=None,
-        accepted=None,
-    ) -> None:
+    def _after_step(self, parts: list[Part], work) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or
         move to their next block (past any that the blocks before revealed whole, or as many as
-        the decoder made final: `final_later`). One read from
-        the device: the rows' windows (their current block and those after it, at `columns`), and
-        per row whether its block is over, what it revealed and whether the block holds a stop
-        token; and where a row whose block ends reports log-probabilities, its window's."""
-        blk, rows = self.config.block_length, self.rows
-        hit = torch.isin(window[:, :blk], self.stop_ids) & (steps_of[:, :blk] >= 0)
-        hit = hit.any(-1) & self.stopping
-        # blocks after the current one that are whole already (multi-block decoding)
-        n_later = self.width // blk - 1
-        whole = torch.zeros_like(revealed_counts)
-        if n_later and self.strategy.later_blocks_final:
-            later_masked = (window[:, blk:] == self.mask_id).view(len(rows), n_later, blk)
-            whole = (~later_masked.any(-1)).long().cumprod(-1).sum(-1)
-        if final_later is not None:  # the decoder's count, where it gives one
-            whole = torch.where(final_later >= 0, final_later.to(whole.dtype), whole)
-        if accepted is None:
-            accepted = torch.full_like(revealed_counts, -1)
-        parts = [done.long()[:, None], revealed_counts[:, None], hit.long()[:, None], whole[:, None], accepted[:, None]]
-        host = torch.cat([*parts, window], 1).tolist()
-        for i, r in enumerate(rows):
-            r.tokens_per_step.append(host[i][1])
-            if host[i][4] >= 0:
-                r.acceptances.append(host[i][4])
+        the decoder made final: `final_later`). One read from the device: the rows' windows
+        (their current block and those after it), and per row whether its block is over, what it
+        revealed and whether the block holds a stop token; and where a row whose block ends reports
+        log-probabilities, its window's."""
+        rows, width = self.rows, max(p.window.shape[1] for p in parts)
+        host: list = [None] * len(rows)
+        flat = torch.cat([self._host_part(p, width) for p in parts]).tolist()
+        columns: dict[int, torch.Tensor] = {}
+        k = 0
+        for p in parts:
+            for j, i in enumerate(p.members):
+                host[i], columns[i] = flat[k], p.columns[j]
+                k += 1
+        for r, h in zip(rows, host):
+            r.tokens_per_step.append(h[1])
+            if h[4] >= 0:
+                r.acceptances.append(h[4])
         for forward in work:
             self.row_forwards += len(forward)
             for i, queries, keys in forward:
@@ -398,14 +449,14 @@ class BlockDecoder:
             if not h[0]:
                 kept.append((r, i))
                 continue
-            tokens = h[5:]
+            blk, tokens = r.block_length, h[5:]
             r.finished, r.unrefreshed = bool(h[2]) and r.block >= r.stop_block, 0
             window_logprobs = None
             if self.logprobs is not None and r.config.logprobs is not None:
                 window_logprobs = self.logprobs.window(i, columns[i], r.config.logprobs)
             k = 0
             while True:
-                _, _, b_lo, b_hi = r.answer_span(r.block, blk)
+                _, _, b_lo, b_hi = r.answer_span(r.block)
                 self.last_blocks.append((r, r.block, tokens[k * blk + b_lo : k * blk + b_hi]))
                 if window_logprobs is not None:
                     r.block_logprobs[r.block] = window_logprobs[k * blk + b_lo : k * blk + b_hi]
@@ -430,12 +481,33 @@ class BlockDecoder:
         if len(kept) < len(rows):
             self._relayout(kept)
 
+    def _host_part(self, p: Part, width: int) -> torch.Tensor:
+        """Part p's rows as `_after_step` reads them: per row whether its block is over, what it
+        revealed, whether its block holds a stop token, how many later blocks are final, what a
+        verification accepted, then its window (padded to `width`)."""
+        blk, window, decision = p.decision.chosen.shape[1], p.window, p.decision
+        revealed = decision.revealed_counts()
+        hit = torch.isin(window[:, :blk], self.stop_ids) & (p.steps_of[:, :blk] >= 0)
+        hit = hit.any(-1) & (self.stopping if p.at is None else self.stopping[p.at])
+        # blocks after the current one that are whole already (multi-block decoding)
+        n_later = window.shape[1] // blk - 1
+        whole = torch.zeros_like(revealed)
+        if n_later and self.rows[p.members[0]].strategy.later_blocks_final:
+            later_masked = (window[:, blk:] == self.mask_id).view(len(p.members), n_later, blk)
+            whole = (~later_masked.any(-1)).long().cumprod(-1).sum(-1)
+        if decision.final_later is not None:  # the decoder's count, where it gives one
+            whole = torch.where(decision.final_later >= 0, decision.final_later.to(whole.dtype), whole)
+        accepted = decision.accepted if decision.accepted is not None else torch.full_like(revealed, -1)
+        counts = [p.done.long(), revealed, hit.long(), whole, accepted]
+        if window.shape[1] < width:
+            window = torch.nn.functional.pad(window, (0, width - window.shape[1]), value=self.mask_id)
+        return torch.cat([*(c[:, None] for c in counts), window], 1)
+
     def _begin(self, i: int, r: Row) -> None:
         """Row i starts a block: its masks now (a family with no mask token: its canvas, drawn now
         from the row's generator)."""
         r.soft = r.carry = None
-        blk = self.config.block_length
-        start = r.column(blk)
+        blk, start = r.block_length, r.block_start
         self.x[i, start : start + blk] = r.strategy.open_block(self.x[i, start : start + blk], r.generator)
         self._think_budget(i, r, start)
         masked = self.x[i, start : start + blk] == self.mask_id
@@ -447,7 +519,7 @@ class BlockDecoder:
         token, gets one at its first position from the budget's (a block of one position: its
         token, whatever decoded it, as its autoregressive mode and LinearSpec replace the next
         token; a longer block: placed before it decodes, as its diffusion mode does)."""
-        budget, blk = r.config.max_thinking_tokens, self.config.block_length
+        budget, blk = r.config.max_thinking_tokens, r.block_length
         first = len(r.prompt) + r.lead  # the answer's first column
         if budget is None or start + blk <= first + budget or start >= first + r.asked:
             return
@@ -457,7 +529,7 @@ class BlockDecoder:
         self.x[i, max(start, first + budget)] = end_think
 
     def _leave(self, i: int, r: Row) -> None:
-        blk, n = self.config.block_length, r.asked
+        blk, n = r.block_length, r.asked
         first = len(r.prompt) + r.lead  # the row's answer starts here
         r.answer = self.x[i, first : first + n].clone()
         r.unmask_step = self.step_of[i, first : first + n].clone()
@@ -473,12 +545,12 @@ class BlockDecoder:
     def _view(self) -> SequenceView:
         """What the forwards see of each row: with a suffix window, its columns only up to the cut
         (the masked tail after it is not part of any forward until the window reaches it)."""
-        cfg, rows, blk = self.config, self.rows, self.config.block_length
-        starts = tuple(r.column(blk) for r in rows)
+        cfg, rows = self.config, self.rows
+        starts = tuple(r.block_start for r in rows)
         ends = [r.extent for r in rows]
         if cfg.suffix_window is not None:  # a row with a suffix sees it whole
             ends = [
-                e if r.suffix is not None else min(e, s + self.width + cfg.suffix_window)
+                e if r.suffix is not None else min(e, s + r.width + cfg.suffix_window)
                 for r, e, s in zip(rows, ends, starts)
             ]
         return SequenceView(
@@ -486,8 +558,8 @@ class BlockDecoder:
             starts,
             tuple(ends),
             tuple(r.block for r in rows),
-            blk,
-            self.width,
+            tuple(r.block_length for r in rows),
+            tuple(r.width for r in rows),
             tuple(int(not r.strategy.commits_blocks) + r.unrefreshed for r in rows),
             tuple(r.reused for r in rows),
             {i: e for i, r in enumerate(rows) if (e := r.input_vectors) is not None} or None,
@@ -510,6 +582,7 @@ class BlockDecoder:
             self.policy.relayout([])
             return
         # room after the longest row for the columns a step reads past a row's region
+        self.width = max(r.width for r, _ in moves)
         length = max(r.extent for r, _ in moves) + self.width
         bsz = len(moves)
         x = torch.full((bsz, length), self.model.args.eos_token_id, dtype=torch.long, device=dev)

@@ -166,7 +166,7 @@ def iter_generate(
             canvas[i, pos] = t
 
     def show(r, block: int, tokens) -> None:
-        a_lo, a_hi, b_lo, b_hi = r.answer_span(block, blk)
+        a_lo, a_hi, b_lo, b_hi = r.answer_span(block)
         if a_hi > a_lo:
             canvas[slot[id(r)], a_lo:a_hi] = tokens[b_lo:b_hi]
 
@@ -194,7 +194,7 @@ def iter_generate(
         )
         by_block: dict[int, list] = {}
         for r, b, tokens in decoder.last_blocks:
-            a_lo, a_hi, _, _ = r.answer_span(b, blk)
+            a_lo, a_hi, _, _ = r.answer_span(b)
             if not r.done and a_hi > a_lo:  # also a block revealed whole while it was a later one
                 canvas[slot[id(r)], a_lo:a_hi] = torch.tensor(tokens, device=canvas.device)
             by_block.setdefault(b, []).append(slot[id(r)])
@@ -215,13 +215,13 @@ def iter_generate(
         row_forwards=decoder.row_forwards,
         acceptances=[r.acceptances for r in rows],
         computed_positions=decoder.computed_positions,
-        **answer_logprobs(rows, blk),
+        **answer_logprobs(rows),
     )
     finished = [r.finished for r in rows]
     yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=finished, nfe=decoder.nfe, stats=stats)
 
 
-def answer_logprobs(rows, block_length: int) -> dict:
+def answer_logprobs(rows) -> dict:
     """`RunStats.logprobs` and `top_logprobs`: each row's final blocks' (`Row.block_logprobs`) at
     their answer positions (empty where no row reports them)."""
     if all(r.config.logprobs is None for r in rows):
@@ -234,7 +234,7 @@ def answer_logprobs(rows, block_length: int) -> dict:
             continue
         entries = [None] * r.asked
         for b, block in r.block_logprobs.items():
-            a_lo, a_hi, _, _ = r.answer_span(b, block_length)
+            a_lo, a_hi, _, _ = r.answer_span(b)
             entries[a_lo:a_hi] = block
         logprobs.append([None if e is None else e[0] for e in entries])
         tops.append([None if e is None else e[1] for e in entries])

@@ -38,10 +38,11 @@ class LogprobColumns:
             top_values[dst, :width, :old_k] = old.top_values[src, :width, :old_k]
         return cls(values, top_ids, top_values)
 
-    def record(self, logits: torch.Tensor, columns: torch.Tensor, decision: Decision, rows) -> None:
+    def record(self, logits: torch.Tensor, columns: torch.Tensor, decision: Decision, rows, at=None) -> None:
         """Where this step wrote a token (revealed, edited, or ahead in a later block), its
         log-probability and the most likely tokens in this forward (`decode.token_logprobs`);
-        `columns` (B, W) the layout columns of the rows' windows."""
+        `columns` (B, W) the layout columns of the rows' windows; `at` (B,) the rows' places in
+        the layout (None: every row, in order)."""
         tokens, written = decision.tokens, decision.chosen
         if decision.edited is not None:
             written = written | decision.edited
@@ -58,14 +59,16 @@ class LogprobColumns:
                 lp[i, p] = kept - kept.logsumexp(-1)
         lp = lp.clamp_min(LOGPROB_FLOOR)  # what cannot be drawn (-inf) at the reported floor
         cols = columns[:, :width]
+        at = torch.arange(len(rows), device=cols.device) if at is None else at
+        where = (at[:, None], cols)
         chosen = lp.gather(-1, tokens[..., None]).squeeze(-1)
-        self.values.scatter_(1, cols, torch.where(written, chosen, self.values.gather(1, cols)))
+        self.values[where] = torch.where(written, chosen, self.values[where])
         k = self.top_values.shape[-1]
         if k:
             values, ids = lp.topk(k, -1)
-            cols, keep = cols[..., None].expand(-1, -1, k), written[..., None]
-            self.top_values.scatter_(1, cols, torch.where(keep, values, self.top_values.gather(1, cols)))
-            self.top_ids.scatter_(1, cols, torch.where(keep, ids, self.top_ids.gather(1, cols)))
+            keep = written[..., None]
+            self.top_values[where] = torch.where(keep, values, self.top_values[where])
+            self.top_ids[where] = torch.where(keep, ids, self.top_ids[where])
 
     def window(self, i: int, columns: torch.Tensor, k: int) -> list:
         """Row i's window (its `columns`) as (log-probability, top `k` tokens) per column, None per

@@ -11,16 +11,29 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GenerationConfig, is_int
+from .registry import CACHE_POLICIES
 
 
 @functools.lru_cache(maxsize=256)  # once per config: asked at every join
 def join_key(config: GenerationConfig) -> tuple:
-    """What must be equal for rows to decode in one batch: what the forwards depend on (block
-    length, cache policy, window, ...). The fields declared per row (`GenerationConfig.row_fields`:
-    the answer's length, steps, threshold, temperature, stop rules, ...) may differ: each row
-    decides with its own."""
+    """What must be equal for rows to decode in one batch: what the forwards depend on (cache
+    policy, refresh rule, suffix window, ...). The fields declared per row
+    (`GenerationConfig.row_fields`: the answer's length, block length, steps, threshold,
+    temperature, stop rules, ...) may differ: each row decides with its own."""
     rows = set(GenerationConfig.row_fields())
     return tuple((f, getattr(config, f)) for f in GenerationConfig.field_names() if f not in rows)
+
+
+def shares_forwards(model, batch: GenerationConfig, config: GenerationConfig) -> bool:
+    """Whether rows of `config` may decode in one batch with rows of `batch`: equal in `join_key`,
+    and in block length too unless the model and the cache policy take each row's own (a model
+    whose attention does not depend on the decoding block, or whose decoder says how each window
+    attends: `Transformer.mixes_block_lengths`; `CachePolicy.mixes_block_lengths`)."""
+    if join_key(config) != join_key(batch):
+        return False
+    return config.block_length == batch.block_length or (
+        model.mixes_block_lengths and CACHE_POLICIES[batch.cache].mixes_block_lengths
+    )
 
 
 def layout_columns(prompt_length: int, config: GenerationConfig) -> int:
@@ -122,7 +135,7 @@ class Row:
     """One prompt being decoded, with what it cost (as decoded alone)."""
 
     prompt: torch.Tensor  # (P,) token ids before its decoding region
-    config: GenerationConfig  # its region's length (gen_length) and steps; the decoding fields are the batch's
+    config: GenerationConfig  # its own: the batch's but in the fields declared per row (`join_key`)
     generator: torch.Generator | None
     tag: object = None  # the caller's handle (the server's job)
     block: int = 0  # the block it decodes now (or next, once it left)
@@ -233,9 +246,20 @@ class Row:
     def num_blocks(self) -> int:
         return self.config.num_blocks
 
-    def column(self, block_length: int) -> int:
+    @property
+    def block_length(self) -> int:
+        return self.config.block_length
+
+    @property
+    def block_start(self) -> int:
         """Where its current block starts in the layout (its prompt fills the columns before its region)."""
-        return len(self.prompt) + self.block * block_length
+        return len(self.prompt) + self.block * self.config.block_length
+
+    @property
+    def width(self) -> int:
+        """The columns a step decodes from its current block on: the block, and with multi-block
+        decoding the blocks after it (its decoder's `depth`)."""
+        return self.config.block_length * self.strategy.depth
 
     @property
     def prompt_positions(self) -> int:
@@ -243,10 +267,11 @@ class Row:
         autoregressive model's share of the prompt, with the same prefix cache)."""
         return len(self.prompt) + self.lead - self.reused
 
-    def answer_span(self, block: int, block_length: int) -> tuple[int, int, int, int]:
+    def answer_span(self, block: int) -> tuple[int, int, int, int]:
         """Where block `block` of the region lies in the answer: (answer from, to, block from, to),
         clipped to the answer's `asked` positions."""
-        lo, hi = block * block_length - self.lead, (block + 1) * block_length - self.lead
+        blk = self.config.block_length
+        lo, hi = block * blk - self.lead, (block + 1) * blk - self.lead
         a_lo, a_hi = max(0, lo), min(self.asked, hi)
         return a_lo, max(a_lo, a_hi), a_lo - lo, max(a_lo, a_hi) - lo
 
@@ -264,8 +289,9 @@ class Row:
 @dataclass
 class Step:
     """What one step did: the rows that took part (all of the batch), each one's block at the
-    step, the block's tokens after it (B, block_length), and what it revealed (`chosen`) and
-    rewrote (`edited`, None without editing) there."""
+    step, the block's tokens after it (B, T: a row's in its first `block_length` columns, T the
+    longest block's), and what it revealed (`chosen`) and rewrote (`edited`, None without editing)
+    there."""
 
     rows: list[Row]
     blocks: list[int]

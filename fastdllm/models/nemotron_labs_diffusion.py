@@ -122,6 +122,7 @@ class NemotronLabsDiffusion(Transformer):
 
     two_passes = True
     causal_prompt = True  # its prompt is always its causal pass's
+    mixes_block_lengths = True  # a row's block sets its own window's span alone
     captures_steps = False  # the fixed-shape step knows one attention rule: not yet its two
 
     def setup_rope(self, device=None) -> None:

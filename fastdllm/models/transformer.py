@@ -315,6 +315,14 @@ class Transformer(nn.Module):
         a causal pass's prompt), so that a prefix's K/V are exact to share and to compute in chunks."""
         return bool(self.args.block_size)
 
+    @property
+    def mixes_block_lengths(self) -> bool:
+        """Whether rows decoding in blocks of different lengths may share its forwards: where the
+        decoding block shapes no attention mask (bidirectional attention), or shapes only each
+        row's own window (Nemotron-Labs-Diffusion). A block-causal model's prompt K/V depend on
+        the block, and rows that share them must agree on it."""
+        return not self.args.block_size
+
     # Whether its layers' dense math compiles (`compiled_layers`, `GenerationConfig.compile`) and
     # its cached step is captured as a CUDA graph (`window_logits_static`, `cuda_graphs`).
     compiles = True
@@ -429,7 +437,7 @@ class Transformer(nn.Module):
         cache,
         *,
         compiled: bool = False,
-        block_size: int | None = None,
+        block_size: int | dict[int, int] | None = None,
         batch_invariant: bool = False,
         embeds: dict | None = None,
         adapters: dict | None = None,
@@ -443,14 +451,16 @@ class Transformer(nn.Module):
         window must cover, or open at `start`: then that column's logit is its own output). A
         column's RoPE position is its index: every row starts at column 0.
         A block-causal model's queries see the keys of their block and the blocks before it, in
-        blocks of `block_size` (default its own). `embeds` {row: (columns, vectors)}: input vectors
-        that replace those columns' token embeddings (DMax's soft embeddings), where a window of that
-        row computes them. `adapters` {row: index}: the LoRA adapter each row's tokens decode with
-        (`self.lora`; other rows: the base). `canvas` {row: length}: how those rows' windows attend
-        this forward (`window_mask`'s `span`). Returns one (hi - start, V) tensor per window."""
+        blocks of `block_size` (default its own; {row: size} where rows' differ). `embeds` {row:
+        (columns, vectors)}: input vectors that replace those columns' token embeddings (DMax's
+        soft embeddings), where a window of that row computes them. `adapters` {row: index}: the
+        LoRA adapter each row's tokens decode with (`self.lora`; other rows: the base). `canvas`
+        {row: length}: how those rows' windows attend this forward (`window_mask`'s `span`).
+        Returns one (hi - start, V) tensor per window."""
         canvas = canvas or {}
         shift = 1 if self.args.shifted_logits else 0
-        bs = block_size or self.args.block_size
+        sizes = block_size if isinstance(block_size, dict) else {}
+        bs = None if sizes else block_size or self.args.block_size
         tokens, positions, segments, offset = [], [], [], 0
         for row, lo, hi, keys, start in windows:
             # A shifted window that opens at its first logit's column has no column before it:
@@ -460,7 +470,7 @@ class Transformer(nn.Module):
             if not (0 <= lo <= start - shift + first and start < hi <= x.shape[1] and keys <= x.shape[1]):
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not cover logits for [{start}, {hi})")
             cols = torch.arange(lo, hi, device=x.device)
-            mask = self.window_mask(x, row, lo, hi, keys, start, bs, canvas.get(row))
+            mask = self.window_mask(x, row, lo, hi, keys, start, sizes.get(row, bs), canvas.get(row))
             segments.append(Segment(row, lo, hi, keys, offset, mask))
             tokens.append(x[row, lo:hi])
             positions.append(cols)

@@ -23,7 +23,8 @@ non-streamed text. `stream_options.include_usage` adds a last chunk with usage a
 
 Concurrency: every request becomes a job in one bounded queue served by ONE inference thread.
 The thread takes the oldest job plus any other queued jobs whose forwards can be shared
-(`engine.rows.join_key`: thresholds, steps, temperatures and lengths may differ; up to
+(`engine.rows.shares_forwards`: thresholds, steps, temperatures, lengths and decoders may differ,
+block lengths where the model's attention allows, as Nemotron-Labs-Diffusion's three modes; up to
 --max-batch-size rows) and decodes them step by step, every row on its own clock, with per-row
 seeds: a job that arrives later joins at the next step, and a row leaves as soon as it is done.
 Each row decodes with its own settings and random stream, as alone (the dense math's row count can

@@ -17,7 +17,7 @@ from ..engine.kv import KVRunner
 from ..engine.kv.prefix import DEFAULT_BUDGET_BYTES, PrefixStore
 from ..engine.policies import PolicySource
 from ..engine.ranks import LocalCommands, constraint_specs, placed_spec
-from ..engine.rows import join_key, layout_columns, prefix_tokens
+from ..engine.rows import layout_columns, prefix_tokens, shares_forwards
 from ..models.tp import RankLost
 from .schema import APIError
 
@@ -86,31 +86,33 @@ class Job:
     canvas: bool = False  # post each step's state of its rows (`CanvasStep`)
     canvases: list[list[int]] | None = None  # per row, its answer region as the canvas shows it
     placed: list | None = None  # per row, its images' (columns, soft tokens) (`Transformer.place_images`)
+    chain_keys: dict = field(default_factory=dict, repr=False)  # page size -> `prompt_blocks`
 
     @property
     def rows(self) -> int:
         return len(self.prompts)
 
-    def pages(self, answer: bool = True) -> int:
-        """The pages of a block its rows hold at most in the K/V pool: each row's columns
-        (`rows.layout_columns`) in whole blocks; without `answer`, its prompts' alone."""
-        cfg, block = self.config, self.config.block_length
+    def pages(self, answer: bool = True, page_size: int | None = None) -> int:
+        """The pages its rows hold at most in a K/V pool of pages of `page_size` (default: its block
+        length, as a batch it starts pages): each row's columns (`rows.layout_columns`) in whole
+        pages; without `answer`, its prompts' alone."""
+        cfg, size = self.config, page_size or self.config.block_length
         gen = 0 if answer else cfg.gen_length
-        return sum(-(-(layout_columns(len(p), cfg) - gen) // block) for p in self.prompts)
+        return sum(-(-(layout_columns(len(p), cfg) - gen) // size) for p in self.prompts)
 
-    @property
-    def request(self) -> tuple:
-        """What the runner asks of a job to admit it (`KVRunner.pages_held`)."""
-        return self.config, self.pages(), self.prompt_blocks
+    def request(self, page_size: int) -> tuple:
+        """What the runner asks of a job to admit it into a pool of pages of `page_size`
+        (`KVRunner.pages_held`)."""
+        return self.config, self.pages(page_size=page_size), self.prompt_blocks(page_size)
 
-    @functools.cached_property
-    def prompt_blocks(self) -> list[list[int]]:
-        """Per row, the chain keys of its prompt's full blocks (`PrefixStore.keys`: a key stands for
-        the whole prefix up to its block's end)."""
-        placed = self.placed or [None] * len(self.prompts)
-        return [
-            PrefixStore.chain_keys(prefix_tokens(p, e), self.config.block_length) for p, e in zip(self.prompts, placed)
-        ]
+    def prompt_blocks(self, page_size: int) -> list[list[int]]:
+        """Per row, the chain keys of its prompt's full pages (`PrefixStore.keys`: a key stands for
+        the whole prefix up to its page's end)."""
+        if page_size not in self.chain_keys:
+            placed = self.placed or [None] * len(self.prompts)
+            keys = [PrefixStore.chain_keys(prefix_tokens(p, e), page_size) for p, e in zip(self.prompts, placed)]
+            self.chain_keys[page_size] = keys
+        return self.chain_keys[page_size]
 
     @property
     def wanted(self) -> bool:
@@ -126,8 +128,9 @@ class Job:
 class Scheduler:
     """One bounded FIFO queue of jobs, served by one inference thread that batches them.
 
-    Jobs whose configs differ at most in the answer's length and steps (`rows.join_key`) decode
-    together. With `continuous` (the default), a job that arrives while a batch runs joins it at the
+    Jobs whose configs differ at most in the fields declared per row (`rows.shares_forwards`:
+    lengths, steps, thresholds, decoders, and block lengths where the model allows) decode together.
+    With `continuous` (the default), a job that arrives while a batch runs joins it at the
     next step, up to `max_batch_size` rows, so a short request is not stuck behind a long one;
     without, it waits for the batch to finish. A row leaves as soon as it is done.
 
@@ -214,9 +217,10 @@ class Scheduler:
         """The bytes of the pages the job's rows hold at most (without `answer`: their prompts')."""
         return job.pages(answer) * job.config.block_length * self.token_kv_bytes
 
-    def held_bytes(self, jobs: list[Job]) -> int:
-        """The bytes of the pages the jobs' rows hold at most together (`KVRunner.pages_held`)."""
-        return self.kv.held_bytes([job.request for job in jobs])
+    def held_bytes(self, jobs: list[Job], page_size: int) -> int:
+        """The bytes of the pages the jobs' rows hold at most together in a pool of pages of
+        `page_size` (`KVRunner.pages_held`)."""
+        return self.kv.held_bytes([job.request(page_size) for job in jobs], page_size)
 
     def never_fits(self, job: Job) -> bool:
         """Whether the job's rows alone exceed `kv_cache_bytes`."""
@@ -283,22 +287,22 @@ class Scheduler:
                 if self.closing or not self.pending:
                     return None if self.closing else []
             first = self.pending.popleft()
-            key = join_key(first.config)
-            same = self._compatible(lambda c: join_key(c) == key, [first], skip=True)
+            fits = functools.partial(shares_forwards, self.model, first.config)
+            same = self._compatible(fits, [first], first.config.block_length, skip=True)
             return [first] + same
 
-    def _compatible(self, fits, batch: list[Job], skip: bool = False) -> list[Job]:
-        """Queued jobs that can decode with `batch` (its jobs), in queue order, up to
-        max_batch_size rows and within `kv_cache_bytes`. With `skip` (a batch starting) the whole
-        queue is looked through; otherwise (joining a running batch) it stops at the first job that
-        cannot join: that job waits for the batch to drain, and no later one overtakes it. Call
-        with the lock held."""
+    def _compatible(self, fits, batch: list[Job], page_size: int, skip: bool = False) -> list[Job]:
+        """Queued jobs that can decode with `batch` (its jobs, whose pool has pages of
+        `page_size`), in queue order, up to max_batch_size rows and within `kv_cache_bytes`. With
+        `skip` (a batch starting) the whole queue is looked through; otherwise (joining a running
+        batch) it stops at the first job that cannot join: that job waits for the batch to drain,
+        and no later one overtakes it. Call with the lock held."""
         taken = []
         rows = sum(j.rows for j in batch)
         for job in list(self.pending):
             if rows >= self.max_batch_size or self.paused:
                 break
-            room = self.kv.can_admit(j.request for j in batch + taken + [job])
+            room = self.kv.can_admit((j.request(page_size) for j in batch + taken + [job]), page_size)
             if fits(job.config) and rows + job.rows <= self.max_batch_size and room:
                 self.pending.remove(job)
                 taken.append(job)
@@ -391,7 +395,7 @@ class Scheduler:
                 with self.cond:
                     s = self.stats
                     self.running_jobs = len(running)
-                    self.kv_in_use = self.held_bytes(list(running))
+                    self.kv_in_use = self.held_bytes(list(running), decoder.pages.page_size)
                     s["max_batch_rows"] = max(s["max_batch_rows"], rows)
                     s["max_batch_requests"] = max(s["max_batch_requests"], len(running))
                 nfe = decoder.nfe
@@ -422,7 +426,11 @@ class Scheduler:
                         self.stats["stopped_early"] += 1
                 if self.continuous and not alone:
                     with self.cond:
-                        joining = [] if self.closing else self._compatible(decoder.accepts, list(running))
+                        joining = (
+                            []
+                            if self.closing
+                            else self._compatible(decoder.accepts, list(running), decoder.pages.page_size)
+                        )
                     admit(joining)
         except RankLost as e:  # the ranks cannot go on: the requests in flight get a 503
             self._fail(list(running), e, log_it=False)
@@ -435,7 +443,7 @@ class Scheduler:
         jobs = [j for j in running if j.canvas and j.wanted]
         if not jobs or step is None:
             return
-        blk, mask = decoder.config.block_length, decoder.mask_id
+        mask = decoder.mask_id
         where = {id(r): j for j, r in enumerate(step.rows)}
         tokens, chosen = step.tokens.tolist(), step.chosen.tolist()
         edited = None if step.edited is None else step.edited.tolist()
@@ -455,10 +463,10 @@ class Scheduler:
                 if j is None:
                     continue
                 canvas, block = job.canvases[k], step.blocks[j]
-                a_lo, a_hi, b_lo, b_hi = r.answer_span(block, blk)
+                a_lo, a_hi, b_lo, b_hi = r.answer_span(block)
                 canvas[a_lo:a_hi] = tokens[j][b_lo:b_hi]
                 for b, ids in final.get(id(r), []):
-                    lo, hi, _, _ = r.answer_span(b, blk)
+                    lo, hi, _, _ = r.answer_span(b)
                     canvas[lo:hi] = ids
                 if r.done:
                     canvas[:] = r.answer.tolist()

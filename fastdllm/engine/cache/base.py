@@ -18,15 +18,16 @@ class SequenceView:
     per row its current block's first column (`starts`), how far its forwards see (`seen`: its
     keys are the columns [0, seen), a suffix window's cut), its block's index and how many blocks
     before it became final since its last block-start forward (`refreshes`: more than one when
-    multi-block decoding revealed a block whole before it was current). Every row's logits cover
-    `width` columns from its start: its block, and with multi-block decoding those after it."""
+    multi-block decoding revealed a block whole before it was current). Each row decodes in blocks
+    of its own length (`block_lengths`), and its logits cover its `widths` columns from its start:
+    its block, and with multi-block decoding those after it."""
 
     x: torch.Tensor
     starts: tuple[int, ...]
     seen: tuple[int, ...]
     blocks: tuple[int, ...]
-    block_length: int
-    width: int
+    block_lengths: tuple[int, ...]
+    widths: tuple[int, ...]
     refreshes: tuple[int, ...] = ()
     # per row: its prompt's leading columns whose K/V the prefix store gave it when it joined
     # (its first full forward starts after them)
@@ -40,13 +41,28 @@ class SequenceView:
     # span from its block on (0: causal throughout; `Decoder.canvas`); other rows: the model's rule
     canvas: dict | None = None
 
+    @property
+    def width(self) -> int:
+        """The widest row's logits: every row's are laid out (B, width, V) from its start (a
+        narrower row's past its own width: nothing reads them)."""
+        return max(self.widths, default=0)
+
+    @property
+    def block_size(self) -> int | dict[int, int] | None:
+        """The rows' block length for the forward's masks: one for all, or per row where they
+        differ (`Transformer.packed_logits`'s `block_size`)."""
+        lengths = set(self.block_lengths)
+        if len(lengths) > 1:
+            return dict(enumerate(self.block_lengths))
+        return next(iter(lengths), 0) or None
+
     def refresh(self, i: int) -> int:
         return self.refreshes[i] if self.refreshes else 1
 
     def end(self, i: int) -> int:
         """The last column (exclusive) a forward of row i must compute: what it sees, and at least
         its logits' columns (past its region: padding, whose logits nothing reads)."""
-        return max(self.seen[i], self.starts[i] + self.width)
+        return max(self.seen[i], self.starts[i] + self.widths[i])
 
 
 class CachePolicy:
@@ -72,6 +88,9 @@ class CachePolicy:
     # column before it) against its whole cached row: windows of one shape at every step of a
     # layout, which CUDA graphs replay (`GenerationConfig.cuda_graphs`).
     fixed_step_windows = False
+    # Whether rows decoding in blocks of different lengths may share its steps (each row's windows
+    # from its own block length).
+    mixes_block_lengths = True
     # How its block-start windows refresh a row's cache (`refresh.RefreshRule`), whose check the
     # runner applies to the rows refreshed in part (`partial_refreshes`); None: no such rule.
     refresh = None

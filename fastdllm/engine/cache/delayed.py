@@ -56,7 +56,7 @@ class DelayedCache(CachePolicy):
     def _window(self, seq: SequenceView, i: int, masked: list[bool]) -> Window:
         row, shift = self.row_states[i], int(self.model.args.shifted_logits)
         row.forwards += 1
-        length, end = seq.block_length, seq.seen[i]
+        length, end = seq.block_lengths[i], seq.seen[i]
         prompt = seq.starts[i] - seq.blocks[i] * length
         bounds = [(0, prompt)] + [(lo, min(lo + length, end)) for lo in range(prompt, end, length)]
         commit, waiting = None, False

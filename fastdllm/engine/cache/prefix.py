@@ -59,7 +59,7 @@ class PrefixCache(CachePolicy):
         the block-start step revealed that token (`shift`)."""
         start = seq.starts[i]
         lo = max(0, start - self.shift)
-        hi = start + seq.width if self.reuse_suffix else seq.end(i)
+        hi = start + seq.widths[i] if self.reuse_suffix else seq.end(i)
         return (i, lo, hi, seq.seen[i], start)
 
 

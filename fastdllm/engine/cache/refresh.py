@@ -63,7 +63,7 @@ class VicinityRefresh(RefreshRule):
         return block == 0 or bool(self.every and block % self.every == 0)
 
     def first_column(self, seq, i):
-        return max(0, seq.starts[i] - seq.refresh(i) * seq.block_length)
+        return max(0, seq.starts[i] - seq.refresh(i) * seq.block_lengths[i])
 
 
 @REFRESH_RULES.register
@@ -76,8 +76,8 @@ class AdaptiveRefresh(VicinityRefresh):
     recomputes_prompt = True  # a row whose check fails gets a full forward
 
     def _keys(self, cache, seq, rows):
-        blk = seq.block_length
-        return [cache.read(i, seq.starts[i], seq.starts[i] + blk, layer=-1)[0].float() for i in rows]
+        lengths = seq.block_lengths
+        return [cache.read(i, seq.starts[i], seq.starts[i] + lengths[i], layer=-1)[0].float() for i in rows]
 
     def probe(self, cache, seq, rows):
         return [k.clone() for k in self._keys(cache, seq, rows)]

@@ -35,6 +35,7 @@ class SubBlockCache(DualCache):
 
     name = "sub-block"
     partial_logits = True
+    mixes_block_lengths = False  # a step's sub-blocks are found for every row at once
 
     def __init__(self, model, sub_block_length: int, **kwargs):
         super().__init__(model, **kwargs)
@@ -61,7 +62,7 @@ class SubBlockCache(DualCache):
         """The block-start rows' windows as DualCache's; the others' whole block or current
         sub-block (whose logits start at its own column: the rest of the row's block keeps those
         of its last forward)."""
-        bsz, blk = len(steps), seq.block_length
+        bsz, blk = len(steps), seq.block_lengths[0]  # one length: `mixes_block_lengths`
         if len(self._uncached) != bsz:  # rows laid out without `relayout` (a first batch)
             self._uncached = [False] * bsz
         size, shift, mask_id = self.sub_block_length, int(self.model.args.shifted_logits), self.model.mask_token_id

@@ -141,7 +141,10 @@ class RowPages:
         width = seq.width
         if not partial:
             by_row = {w[0]: p for w, p in zip(windows, parts)}
-            return torch.stack([by_row[i][:width] for i in range(len(seq.starts))])
+            rows = [by_row[i][:width] for i in range(len(seq.starts))]
+            if any(r.shape[0] < width for r in rows):  # a narrower row's (rows of other block lengths)
+                rows = [torch.nn.functional.pad(r, (0, 0, 0, width - r.shape[0])) for r in rows]
+            return torch.stack(rows)
         bsz = len(seq.starts)
         if self.latest is None or self.latest.shape[0] != bsz:
             self.latest = parts[0].new_zeros((bsz, width, parts[0].shape[-1]))

@@ -58,7 +58,15 @@ class KVRunner:
         part whose refresh rule finds its cache stale (`RefreshRule.check`) forwarded again whole,
         its logits replaced; with CUDA graphs, fixed-shape steps replayed."""
         windows = policy.windows(seq, steps)
-        if pages.graphs and policy.fixed_step_windows and all(steps) and not pages.chunks and seq.canvas is None:
+        uniform = len(set(seq.widths)) == 1 and not isinstance(seq.block_size, dict)
+        if (
+            pages.graphs
+            and policy.fixed_step_windows
+            and all(steps)
+            and uniform
+            and not pages.chunks
+            and seq.canvas is None
+        ):
             shift = {start - lo for _, lo, _, _, start in windows}
             if len(shift) == 1 and min(seq.starts) - next(iter(shift)) > 0:
                 return self._graphed(pages, seq, next(iter(shift)))
@@ -85,7 +93,7 @@ class KVRunner:
                 windows,
                 cache,
                 compiled=pages.compiled,
-                block_size=seq.block_length or None,
+                block_size=seq.block_size or pages.page_size,  # a forward of prefill chunks alone: the decode's
                 batch_invariant=pages.batch_invariant,
                 embeds=seq.embeds,
                 adapters=seq.adapters,
@@ -119,7 +127,7 @@ class KVRunner:
             key_ok,
             key_positions,
             FixedSlots(cache, cache.slot_table(capacity)),
-            seq.block_length or None,
+            seq.block_size,
             seq.width,
         )
         if self.model.args.shifted_logits and not shift:  # the window opens at the block: its first
@@ -195,14 +203,14 @@ class KVRunner:
                 seen.update(keys)
         return held
 
-    def held_bytes(self, requests) -> int:
-        """`pages_held` in bytes (the requests of a decode share one block length)."""
-        return self.pages_held(requests) * requests[0][0].block_length * self.page_bytes(1) if requests else 0
+    def held_bytes(self, requests, page_size: int) -> int:
+        """`pages_held` in bytes, for requests counted in pages of `page_size`."""
+        return self.pages_held(requests) * page_size * self.page_bytes(1)
 
-    def can_admit(self, requests) -> bool:
-        """Whether the rows of `requests` (an iterable, read only where there is a budget) fit the
-        pool's budget together (always, without one)."""
-        return self.budget_bytes is None or self.held_bytes(list(requests)) <= self.budget_bytes
+    def can_admit(self, requests, page_size: int) -> bool:
+        """Whether the rows of `requests` (an iterable, read only where there is a budget; counted
+        in pages of `page_size`) fit the pool's budget together (always, without one)."""
+        return self.budget_bytes is None or self.held_bytes(requests, page_size) <= self.budget_bytes
 
     def store(self, pool: PagedKVCache) -> PrefixStore:
         """The prefix store over `pool` (one per pool: its pages are the store's blocks)."""
