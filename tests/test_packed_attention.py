@@ -75,7 +75,8 @@ def test_batch_invariance_keeps_a_call_per_row():
 
 
 def test_padded_queries_see_a_key_and_are_dropped():
-    rows = PackedRows([3, 1], [torch.arange(5), torch.arange(2)], torch.device("cpu"))
+    table = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 0, 0, 0]])
+    rows = PackedRows([3, 1], table, [5, 2], torch.device("cpu"))
     mask = rows.mask(None)
     assert mask.shape == (2, 1, 3, 5)
     assert mask[1, 0, 0].tolist() == [True, True, False, False, False]

@@ -44,6 +44,7 @@ from .rows import (
     infill,
     place_images,
     prepare_inputs,
+    prompts_of,
     row_generators,
     shares_forwards,
 )
@@ -170,7 +171,10 @@ class BlockDecoder:
         fixed, suffix = infill(self.model, config, constraints, strategy.closing_tokens)
         tags = [None] * ids.shape[0] if tags is None else list(tags)
         causal = bool(self.model.args.block_size)
-        rows = [Row.of_prompt(ids[i][mask[i]], config, gens[i], tags[i], causal) for i in range(ids.shape[0])]
+        rows = [
+            Row.of_prompt(prompt, config, gens[i], tags[i], causal, host)
+            for i, (prompt, host) in enumerate(prompts_of(ids, mask))
+        ]
         for i, r in enumerate(rows):
             r.fixed, r.suffix, r.strategy = fixed, suffix, strategy
             if placed is not None and placed[i] is not None:
@@ -444,7 +448,7 @@ class BlockDecoder:
                 self.computed_positions += queries
         if not any(h[0] for h in host):
             return
-        kept = []
+        kept, began = [], []
         for i, (r, h) in enumerate(zip(rows, host)):
             if not h[0]:
                 kept.append((r, i))
@@ -477,7 +481,9 @@ class BlockDecoder:
             else:
                 r.step = 0
                 kept.append((r, i))
+                began.append(i)
                 self._begin(i, r)
+        self._opened(began)
         if len(kept) < len(rows):
             self._relayout(kept)
 
@@ -505,13 +511,25 @@ class BlockDecoder:
 
     def _begin(self, i: int, r: Row) -> None:
         """Row i starts a block: its masks now (a family with no mask token: its canvas, drawn now
-        from the row's generator)."""
+        from the row's generator). `_opened` then counts them."""
         r.soft = r.carry = None
         blk, start = r.block_length, r.block_start
-        self.x[i, start : start + blk] = r.strategy.open_block(self.x[i, start : start + blk], r.generator)
+        block = self.x[i, start : start + blk]
+        opened = r.strategy.open_block(block, r.generator)
+        if opened is not block:
+            self.x[i, start : start + blk] = opened
         self._think_budget(i, r, start)
-        masked = self.x[i, start : start + blk] == self.mask_id
-        self.opened[i] = masked.sum()
+
+    def _opened(self, rows: list[int]) -> None:
+        """The masks each of `rows` (places in the layout) holds in the block it just began, for
+        them all at once."""
+        if not rows:
+            return
+        dev, starts = self.device, [self.rows[i].block_start for i in rows]
+        lengths = [self.rows[i].block_length for i in rows]
+        at, span = torch.tensor([rows, starts, lengths], device=dev), torch.arange(max(lengths), device=dev)
+        block = self.x[at[0][:, None], at[1][:, None] + span]
+        self.opened[at[0]] = ((block == self.mask_id) & (span < at[2][:, None])).sum(-1)
 
     def _think_budget(self, i: int, r: Row, start: int) -> None:
         """A thinking budget (`max_thinking_tokens`), as Nemotron-Labs-Diffusion's loops keep it: a
@@ -619,3 +637,4 @@ class BlockDecoder:
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
             self._begin(i, r)
+        self._opened(list(joined))

@@ -165,10 +165,18 @@ def iter_generate(
         for pos, t in r.fixed:
             canvas[i, pos] = t
 
-    def show(r, block: int, tokens) -> None:
-        a_lo, a_hi, b_lo, b_hi = r.answer_span(block)
-        if a_hi > a_lo:
-            canvas[slot[id(r)], a_lo:a_hi] = tokens[b_lo:b_hi]
+    def show(step) -> None:
+        """Every row's current block on the canvas, in one write."""
+        rows, canvas_cols, block_cols = [], [], []
+        for i, (r, b) in enumerate(zip(step.rows, step.blocks)):
+            a_lo, a_hi, b_lo, _ = r.answer_span(b)
+            rows += [i] * (a_hi - a_lo)
+            canvas_cols += range(a_lo, a_hi)
+            block_cols += range(b_lo, b_lo + a_hi - a_lo)
+        if rows:
+            at = torch.tensor([rows, canvas_cols, block_cols], device=canvas.device)
+            slots = torch.tensor([slot[id(r)] for r in step.rows], device=canvas.device)
+            canvas[slots[at[0]], at[1]] = step.tokens[at[0], at[2]]
 
     while True:
         step = decoder.step()
@@ -177,8 +185,7 @@ def iter_generate(
         if not step.rows:  # a forward of prompts being prefilled, no row decoding yet
             continue
         live = [slot[id(r)] for r in step.rows]
-        for i, (r, b) in enumerate(zip(step.rows, step.blocks)):
-            show(r, b, step.tokens[i])
+        show(step)
         for r in decoder.left:
             canvas[slot[id(r)]] = r.answer
         yield StepEvent(
@@ -193,11 +200,17 @@ def iter_generate(
             leads=[r.lead for r in step.rows],
         )
         by_block: dict[int, list] = {}
+        final = [[], [], []]  # canvas rows, columns and tokens of the blocks that became final
         for r, b, tokens in decoder.last_blocks:
             a_lo, a_hi, _, _ = r.answer_span(b)
             if not r.done and a_hi > a_lo:  # also a block revealed whole while it was a later one
-                canvas[slot[id(r)], a_lo:a_hi] = torch.tensor(tokens, device=canvas.device)
+                final[0] += [slot[id(r)]] * (a_hi - a_lo)
+                final[1] += range(a_lo, a_hi)
+                final[2] += tokens
             by_block.setdefault(b, []).append(slot[id(r)])
+        if final[0]:
+            at = torch.tensor(final, device=canvas.device)
+            canvas[at[0], at[1]] = at[2]
         for b in sorted(by_block):
             yield StepEvent("block", canvas, b, by_block[b], finished=[r.finished for r in rows], nfe=decoder.nfe)
 

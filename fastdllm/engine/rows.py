@@ -179,24 +179,34 @@ class Row:
     # log-probability) pairs), None where no forward chose the token (fixed, or padding after a stop)
     block_logprobs: dict = field(default_factory=dict)
     carry: object = None  # its strategy's state for its next step in this block (`Decision.carry`)
+    # its prompt as host ids (read from the device once, when it was added), and as the prefix
+    # store keys it (`prefix_tokens`, made on first use)
+    prompt_ids: list[int] | None = field(default=None, repr=False)
+    store_keys: list[int] | None = field(default=None, repr=False)
 
     @classmethod
-    def of_prompt(cls, prompt, config: GenerationConfig, generator, tag, block_causal: bool) -> Row:
-        """A row for `prompt`: with a block-causal model, a prompt that ends inside a block leads
-        into one more block of region (`lead_tokens`); a config that reads past the answer
-        (`columns_past_answer`) gets that region too."""
+    def of_prompt(
+        cls, prompt, config: GenerationConfig, generator, tag, block_causal: bool, ids: list[int] | None = None
+    ) -> Row:
+        """A row for `prompt` (`ids`: the same as host ids, where the caller has them): with a
+        block-causal model, a prompt that ends inside a block leads into one more block of region
+        (`lead_tokens`); a config that reads past the answer (`columns_past_answer`) gets that
+        region too."""
         blk = config.block_length
         lead = len(prompt) % blk if block_causal else 0
         if config.columns_past_answer:  # a region past the answer, which decoding reveals and reads
             region = config.replace(gen_length=config.gen_length + config.columns_past_answer, steps=None)
-            return cls(prompt, region, generator, tag, asked=config.gen_length)
+            return cls(prompt, region, generator, tag, asked=config.gen_length, prompt_ids=ids)
         if not lead:
-            return cls(prompt, config, generator, tag, asked=config.gen_length)
+            return cls(prompt, config, generator, tag, asked=config.gen_length, prompt_ids=ids)
         region = config.replace(
             gen_length=config.gen_length + blk,
             steps=None if config.steps is None else config.steps + config.steps // config.num_blocks,
         )
-        return cls(prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:])
+        kept = None if ids is None else ids[:-lead]
+        return cls(
+            prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:], prompt_ids=kept
+        )
 
     def prefill_chunk(self, causal_prompt: bool, cache_keeps_prompt: bool) -> int:
         """The positions of its prompt the row computes per step before it joins (0: none; it joins
@@ -225,7 +235,10 @@ class Row:
     @property
     def prefix_tokens(self) -> list[int]:
         """Its prompt as the prefix store keys it (`prefix_tokens`)."""
-        return prefix_tokens(self.prompt.tolist(), self.images)
+        if self.store_keys is None:
+            ids = self.prompt.tolist() if self.prompt_ids is None else self.prompt_ids
+            self.store_keys = prefix_tokens(ids, self.images)
+        return self.store_keys
 
     @property
     def stop_block(self) -> int:
@@ -328,6 +341,19 @@ def place_images(model, input_ids, attention_mask, images) -> tuple[list[list[in
         raise ValueError(f"images: one list of images per prompt ({len(rows)}), got {len(images)}")
     placed = [model.place_images(r, list(imgs or ())) for r, imgs in zip(rows, images)]
     return [p for p, _ in placed], [e for _, e in placed]
+
+
+def prompts_of(ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, list[int]]]:
+    """Each row's prompt from a padded batch (`prepare_inputs`): its tokens where `mask` is set, as
+    a tensor (a view of `ids` where they are one run, as padding on one side leaves them) and as
+    host ids, read from the device once for the batch."""
+    host, flags = ids.tolist(), mask.tolist()
+    out = []
+    for i, (row, kept) in enumerate(zip(host, flags)):
+        cols = [j for j, m in enumerate(kept) if m]
+        run = cols[-1] - cols[0] + 1 == len(cols)
+        out.append((ids[i, cols[0] : cols[-1] + 1] if run else ids[i][mask[i]], [row[j] for j in cols]))
+    return out
 
 
 def prepare_inputs(model, input_ids, attention_mask, config: GenerationConfig):

@@ -73,7 +73,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class AttentionPlan:
     """How a forward's packed rows attend, built once and shared by its layers: row r's queries
-    are its window's columns [lo, hi) and its keys its columns [0, keys) at `key_slots[r]`;
+    are its window's columns [lo, hi) and its keys its columns [0, keys) (`key_slots`: their
+    places, a padded table, and their counts);
     `full` and `sliding` are its masks in the two kinds of layer: causal before its canvas (from
     `start`), the canvas seeing everything, a sliding layer's window ending at the query or for
     the canvas at its start, and an image's columns (`groups`, rows x keys: the image of each
@@ -81,10 +82,11 @@ class AttentionPlan:
     layer (`packed.PackedRows`); else a call per row at its own shapes (`rows`: offset, width,
     key slots, masks)."""
 
-    def __init__(self, windows: list, key_slots: list, groups, window: int, device, one_call: bool):
-        lo, hi, keys, start = (torch.tensor(c, device=device) for c in list(zip(*windows))[1:])
+    def __init__(self, windows: list, key_slots: tuple, groups, window: int, device, one_call: bool):
+        lo, hi, keys, start = torch.tensor(list(zip(*windows))[1:], device=device)
         widths = [b - a for _, a, b, _, _ in windows]
-        width, most = max(widths), max(len(k) for k in key_slots)
+        table, counts = key_slots
+        width, most = max(widths), table.shape[1]
         q = lo[:, None, None] + torch.arange(width, device=device)[None, :, None]  # (rows, queries, 1)
         k = torch.arange(most, device=device)[None, None, :]
         s = start[:, None, None]
@@ -95,14 +97,14 @@ class AttentionPlan:
             g_q = groups.gather(1, q[..., 0].clamp(max=groups.shape[1] - 1))
             same = (g_q[:, :, None] == groups[:, None, :most]) & (g_q[:, :, None] >= 0) & seen
             full, sliding = full | same, sliding | same
-        self.packed = PackedRows(widths, key_slots, device) if one_call else None
+        self.packed = PackedRows(widths, table, counts, device) if one_call else None
         if one_call:
             self.full, self.sliding = self.packed.mask(full), self.packed.mask(sliding)
             return
         offsets = [0, *itertools.accumulate(widths)][:-1]
         self.rows = [
-            (o, w, slots, full[r, :w, : len(slots)][None, None], sliding[r, :w, : len(slots)][None, None])
-            for r, (o, w, slots) in enumerate(zip(offsets, widths, key_slots))
+            (o, w, table[r, :n], full[r, :w, :n][None, None], sliding[r, :w, :n][None, None])
+            for r, (o, w, n) in enumerate(zip(offsets, widths, counts))
         ]
 
 
@@ -567,19 +569,19 @@ class DiffusionGemma(Transformer):
         return self.norm(h)[0]
 
     @staticmethod
-    def _key_slots(windows, cache, device) -> list[torch.Tensor]:
-        """Per window, where its keys [0, keys) are: its row's pool slots, or without a pool its
-        window's own packed positions (a window from column 0 whose keys are its columns)."""
-        out, offset = [], 0
-        for row, lo, hi, keys, _ in windows:
-            if cache is None:
-                if lo != 0 or keys != hi:
-                    raise ValueError(f"window {(lo, hi)} with keys {keys}: without a cache a window attends to itself")
-                out.append(torch.arange(offset, offset + keys, device=device))
-            else:
-                out.append(cache.slots(row, 0, keys))
+    def _key_slots(windows, cache, device) -> tuple[torch.Tensor, list[int]]:
+        """Where each window's keys [0, keys) are, as a padded table (windows, most keys) and the
+        counts: its row's pool slots, or without a pool its window's own packed positions (a window
+        from column 0 whose keys are its columns)."""
+        if cache is not None:
+            return cache.key_slots([(row, keys) for row, _, _, keys, _ in windows])
+        table, offset, most = [], 0, max(keys for *_, keys, _ in windows)
+        for _, lo, hi, keys, _ in windows:
+            if lo != 0 or keys != hi:
+                raise ValueError(f"window {(lo, hi)} with keys {keys}: without a cache a window attends to itself")
+            table.append(list(range(offset, offset + keys)) + [0] * (most - keys))
             offset += hi - lo
-        return out
+        return torch.tensor(table, device=device), [keys for *_, keys, _ in windows]
 
     def _image_groups(self, columns: list[torch.Tensor], keys: int) -> torch.Tensor | None:
         """Per window's row, each of its columns [0, keys): the index of the image it belongs to (a

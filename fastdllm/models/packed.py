@@ -35,18 +35,19 @@ def one_call(setting: str, device: torch.device, rows: int, batch_invariant: boo
 
 
 class PackedRows:
-    """The index tables of one call for rows of `widths` queries packed end to end, each attending
-    over its keys `key_slots[r]` (positions in whatever its keys are gathered from)."""
+    """The index tables of one call for rows of `widths` queries packed end to end, row r attending
+    over its keys `key_slots[r, :keys[r]]` (positions in whatever its keys are gathered from; the
+    table padded past them)."""
 
-    def __init__(self, widths: list[int], key_slots: list[torch.Tensor], device):
-        width, most = max(widths), max(len(k) for k in key_slots)
-        offsets = torch.tensor([0, *widths], device=device).cumsum(0)[:-1]
+    def __init__(self, widths: list[int], key_slots: torch.Tensor, keys: list[int], device):
+        width, most = max(widths), key_slots.shape[1]
+        sizes = torch.tensor([widths, keys], device=device)
+        offsets = sizes[0].cumsum(0) - sizes[0]
         self.queries = (offsets[:, None] + torch.arange(width, device=device)).clamp(max=sum(widths) - 1)
-        self.valid = torch.arange(width, device=device)[None, :] < torch.tensor(widths, device=device)[:, None]
-        self.keys = torch.stack([F.pad(k, (0, most - len(k))) for k in key_slots])
-        lengths = torch.tensor([len(k) for k in key_slots], device=device)
+        self.valid = torch.arange(width, device=device)[None, :] < sizes[0][:, None]
+        self.keys = key_slots
         # (rows, queries, keys): a row's real keys
-        self.seen = (torch.arange(most, device=device)[None, None, :] < lengths[:, None, None]).expand(
+        self.seen = (torch.arange(most, device=device)[None, None, :] < sizes[1][:, None, None]).expand(
             len(widths), width, most
         )
         self.padded_queries = width > min(widths)

@@ -509,7 +509,7 @@ class Transformer(nn.Module):
         dev = self.tok_embeddings.weight.device
         if not one_call(self.attention_calls, dev, len(segments), batch_invariant, cpu_too=False):
             return None
-        rows = PackedRows([s.width for s in segments], [cache.slots(s.row, 0, s.keys) for s in segments], dev)
+        rows = PackedRows([s.width for s in segments], *cache.key_slots([(s.row, s.keys) for s in segments]), dev)
         allowed = torch.zeros(rows.seen.shape, dtype=torch.bool, device=dev)
         for r, s in enumerate(segments):
             allowed[r, : s.width, : s.keys] = True if s.mask is None else s.mask

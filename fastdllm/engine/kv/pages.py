@@ -298,9 +298,19 @@ class PagedKVCache:
     def write_slots(self, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """The pool slots of the columns [lo, hi) of each (row, lo, hi), one after another: where a
         forward that packs those rows' windows writes their K/V, one copy per layer for them all
-        (`PagedLayerKV.write`)."""
-        parts = [torch.arange(s.start, s.stop) for row, lo, hi in spans for s in self.slices(row, lo, hi)]
-        return torch.cat(parts).to(self.k.device) if parts else torch.zeros(0, dtype=torch.long, device=self.k.device)
+        (`PagedLayerKV.write`). Made on the host and sent in one copy."""
+        slots = [i for row, lo, hi in spans for s in self.slices(row, lo, hi) for i in range(s.start, s.stop)]
+        return torch.tensor(slots, dtype=torch.long, device=self.k.device)
+
+    def key_slots(self, rows: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
+        """(len(rows), most) the pool slots of the columns [0, keys) of each (row, keys), padded with
+        slot 0 (keys a caller masks), and each one's count: made on the host and sent in one copy."""
+        most = max((keys for _, keys in rows), default=0)
+        table = []
+        for row, keys in rows:
+            slots = [i for s in self.slices(row, 0, keys) for i in range(s.start, s.stop)]
+            table.append(slots + [0] * (most - keys))
+        return torch.tensor(table, dtype=torch.long, device=self.k.device).view(len(rows), most), [k for _, k in rows]
 
     def read(self, row: int, lo: int, hi: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s K/V of columns [lo, hi): (layers, kv_heads, hi - lo, head_dim), or one
@@ -312,11 +322,9 @@ class PagedKVCache:
     def slot_table(self, columns: int) -> torch.Tensor:
         """(rows, columns) the pool slot of every row's columns [0, columns) (slot 0 past a row's
         pages: keys a fixed-shape step masks), for a step of fixed shapes."""
-        rows = []
-        for i, table in enumerate(self.tables):
-            held = min(columns, len(table) * self.page_size)
-            rows.append(torch.nn.functional.pad(self.slots(i, 0, held), (0, columns - held)))
-        return torch.stack(rows)
+        held = [min(columns, len(table) * self.page_size) for table in self.tables]
+        table, _ = self.key_slots(list(enumerate(held)))
+        return torch.nn.functional.pad(table, (0, columns - table.shape[1]))
 
 
 class PagedLayerKV:
