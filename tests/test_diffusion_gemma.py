@@ -320,7 +320,6 @@ def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer, settings):
         (dict(fixed=((0, (5,)),)), "fixed"),
         (dict(suffix=(5, 6)), "suffix"),
         (dict(unmasking="threshold", threshold=0.9), "unmasking"),
-        (dict(compile=True), "compile"),
         (dict(cuda_graphs=True), "cuda_graphs"),
     ],
 )
@@ -329,6 +328,37 @@ def test_what_the_canvas_cannot_do_is_refused_by_name(checkpoint, tokenizer, cha
     config = fastdllm.GenerationConfig.for_model(model, gen_length=CANVAS).replace(**change)
     with pytest.raises(ValueError, match=f"^{field}:"):
         fastdllm.generate(model, [tokenizer.encode("hi")], config=config)
+
+
+def test_compiled_layers_give_the_eager_logits(checkpoint, tokenizer):
+    """compile=True runs each layer's dense math through torch.compile (dynamic shapes): the eager
+    logits within float32 rounding, for packed rows of two widths (this random checkpoint's
+    canvases are near-uniform draws, so its tokens are compared on a trained model: the slow set)."""
+    _, model, _ = checkpoint
+    ids = [tokenizer.encode("Question: 3 + 4 = ?"), tokenizer.encode("Tom has 5 apples and buys 3 more.")]
+    width = max(map(len, ids)) + CANVAS
+    x = torch.tensor([p + [5] * (width - len(p)) for p in ids])
+    windows = [(i, 0, len(p) + CANVAS, len(p) + CANVAS, len(p)) for i, p in enumerate(ids)]
+    with torch.inference_mode():
+        eager = model.packed_logits(x, windows, None)
+        compiled = model.packed_logits(x, windows, None, compiled=True)
+    for a, b in zip(eager, compiled):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_layers_decode_gemma_arith_as_eager(tokenizer):
+    """The same answers compiled as eager; a canvas's last step may come one forward apart (its
+    stop rule compares a mean entropy with 0.005, which float rounding can cross)."""
+    model, tok = fastdllm.load("gemma-arith")
+    from fastdllm.evaluation.tasks import arith
+
+    ids = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:4]]
+    config = fastdllm.GenerationConfig.for_model(model).replace(seed=0)
+    eager = fastdllm.generate(model, ids, config=config)
+    compiled = fastdllm.generate(model, ids, config=config.replace(compile=True))
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert all(abs(a - b) <= 1 for a, b in zip(compiled.nfe_per_row, eager.nfe_per_row))
 
 
 def test_a_masked_family_refuses_the_renoising_rule(tiny_llada, tokenizer):

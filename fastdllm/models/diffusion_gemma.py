@@ -124,17 +124,21 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaNorm(self.head_dim, args.norm_eps)
         self.v_norm = GemmaNorm(self.head_dim, args.norm_eps, scale=False)
 
-    def forward(self, x: torch.Tensor, cos, sin, plan: AttentionPlan, layer_cache=None, slots=None) -> torch.Tensor:
-        """x (1, N, dim) of packed rows: their K/V written into the pool at `slots` in one copy
-        (`PagedKVCache.write_slots`; `layer_cache`: one layer of the pool, each position's K/V
-        flattened to its width; None: the windows' own K/V, which start at column 0), then every
-        row's queries attending over its keys in one call (`AttentionPlan`)."""
+    def project(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values (1, N, heads, d) of x (1, N, dim): normed, and rotated but V."""
         n = x.shape[1]
         q = _rotate(self.q_norm(self.wq(x).view(1, n, self.n_heads, self.head_dim)), cos, sin)
         raw_k = self.wk(x).view(1, n, self.n_kv_heads, self.head_dim)
         raw_v = raw_k if self.wv is None else self.wv(x).view(1, n, self.n_kv_heads, self.head_dim)
-        k = _rotate(self.k_norm(raw_k), cos, sin)
-        v = self.v_norm(raw_v)
+        return q, _rotate(self.k_norm(raw_k), cos, sin), self.v_norm(raw_v)
+
+    def forward(self, q, k, v, plan: AttentionPlan, layer_cache=None, slots=None) -> torch.Tensor:
+        """The packed rows' attention output (1, N, dim) from their projections (`project`): their
+        K/V written into the pool at `slots` in one copy (`PagedKVCache.write_slots`;
+        `layer_cache`: one layer of the pool, each position's K/V flattened to its width; None: the
+        windows' own K/V, which start at column 0), then every row's queries attending over its
+        keys in one call (`AttentionPlan`)."""
+        n = q.shape[1]
         gqa = self.n_kv_heads != self.n_heads
         if layer_cache is None:  # the windows' own K/V, packed
             sources = (k[0], v[0])
@@ -242,19 +246,33 @@ class GemmaLayer(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
-    def forward(self, x, cos, sin, plan, canvas: torch.Tensor, layer_cache=None, slots=None) -> torch.Tensor:
-        attended = self.attention(self.attention_norm(x), cos, sin, plan, layer_cache, slots)
-        h = self.post_attention_norm(attended)
-        x = x + h
+    def before_attention(self, x, cos, sin):
+        return self.attention.project(self.attention_norm(x), cos, sin)
+
+    def after_attention(self, x, attended):
+        """The residual after attention, the dense MLP's output, and the experts' input and router
+        input (the experts themselves run apart: their grouped matmul is not compiled)."""
+        x = x + self.post_attention_norm(attended)
         normed = self.ffn_norm(x)
         dense = self.w2(_gelu(self.w1(normed)) * self.w3(normed))
         flat = x.reshape(-1, x.shape[-1])
-        routed = self.experts(self.experts_norm(flat), flat).view_as(x)
-        if self.reduce_ffn is not None:  # each rank holds a slice of both MLPs' hidden units
-            dense, routed = self.reduce_ffn(torch.stack((dense, routed))).unbind(0)
+        return x, dense, self.experts_norm(flat), flat
+
+    def after_experts(self, x, dense, routed, canvas):
         x = x + self.post_ffn_norm(self.post_ffn_norm_1(dense) + self.post_ffn_norm_2(routed))
         scalar = torch.where(canvas[None, :, None], self.decoder_scalar, self.encoder_scalar).to(x.dtype)
         return x * scalar
+
+    def forward(self, x, cos, sin, plan, canvas: torch.Tensor, layer_cache=None, slots=None, dense=None):
+        """`dense`: the layer's dense math (`before_attention`, `after_attention`,
+        `after_experts`) through torch.compile (`DiffusionGemma.compiled_layers`); None: eager."""
+        before, after, finish = dense or (self.before_attention, self.after_attention, self.after_experts)
+        attended = self.attention(*before(x, cos, sin), plan, layer_cache, slots)
+        x, mlp, normed, flat = after(x, attended)
+        routed = self.experts(normed, flat).view_as(x)
+        if self.reduce_ffn is not None:  # each rank holds a slice of both MLPs' hidden units
+            mlp, routed = self.reduce_ffn(torch.stack((mlp, routed))).unbind(0)
+        return finish(x, mlp, routed, canvas)
 
 
 def _inv_freq(head_dim: int, theta: float, rotary: float | None, device=None) -> torch.Tensor:
@@ -271,7 +289,6 @@ class DiffusionGemma(Transformer):
     """The model (see the module's docstring). `packed_logits` is the loop's forward; `forward` the
     encoder's causal pass over whole sequences (what a likelihood reads)."""
 
-    compiles = False  # its layers are not the shared transformer's: not yet
     captures_steps = False
 
     def make_layers(self, args: ModelArgs) -> nn.ModuleList:
@@ -503,7 +520,7 @@ class DiffusionGemma(Transformer):
         Exact with any window that recomputes every column whose K/V are not an encoder's: a canvas
         is recomputed as the encoder commits it by the next block's first forward (`cache="dual"`
         with the vicinity or full refresh, `"prefix"`, `"none"`). No LoRA adapters (`adapters`)."""
-        del compiled, block_size
+        del block_size
         if adapters:
             raise ValueError("adapter: not yet for DiffusionGemma")
         if canvas:
@@ -513,16 +530,17 @@ class DiffusionGemma(Transformer):
         # each row attends over its own keys; under BatchInvariant its linear layers and experts
         # see the same shapes whatever the batch (`models.invariance`)
         with BatchInvariant() if batch_invariant else contextlib.nullcontext():
-            h, picks, offset = self._hidden(x, windows, cache, embeds, batch_invariant), [], 0
+            h, picks, offset = self._hidden(x, windows, cache, embeds, batch_invariant, compiled), [], 0
             for _, lo, hi, _, start in windows:
                 picks.append(h[offset + start - lo : offset + hi - lo])
                 offset += hi - lo
             out = self.head(torch.cat(picks))  # every canvas's logits in one call
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
 
-    def _hidden(self, x: torch.Tensor, windows, cache, embeds, batch_invariant: bool = False) -> torch.Tensor:
+    def _hidden(self, x: torch.Tensor, windows, cache, embeds, batch_invariant=False, compiled=False) -> torch.Tensor:
         """Final-norm hidden states (N, dim) of the windows packed end to end (`packed_logits`); a
-        window whose canvas starts at its end is the encoder's causal pass alone."""
+        window whose canvas starts at its end is the encoder's causal pass alone. `compiled`: each
+        layer's dense math through torch.compile (`compiled_layers`)."""
         tokens, canvas, positions, images, signal, given = [], [], [], [], [], []
         offset, dev = 0, x.device
         for row, lo, hi, keys, start in windows:
@@ -563,10 +581,24 @@ class DiffusionGemma(Transformer):
             SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions]),
             FULL: (self.full_cos[positions], self.full_sin[positions]),
         }
+        dense = self.compiled_layers() if compiled else [None] * len(self.layers)
         for i, (layer, kind) in enumerate(zip(self.layers, self.args.extra["layer_types"])):
             cos, sin = tables[kind]
-            h = layer(h, cos, sin, plan, canvas, None if cache is None else cache.layer(i), slots)
+            h = layer(h, cos, sin, plan, canvas, None if cache is None else cache.layer(i), slots, dense[i])
         return self.norm(h)[0]
+
+    def compiled_layers(self) -> list:
+        """Per layer, its dense math before attention, between attention and the experts, and after
+        them, through torch.compile (the experts' grouped matmul and the attention run eagerly)."""
+        if self._compiled_layers is None:
+            self._compiled_layers = [
+                tuple(
+                    torch.compile(f, dynamic=True)
+                    for f in (layer.before_attention, layer.after_attention, layer.after_experts)
+                )
+                for layer in self.layers
+            ]
+        return self._compiled_layers
 
     @staticmethod
     def _key_slots(windows, cache, device) -> tuple[torch.Tensor, list[int]]:
