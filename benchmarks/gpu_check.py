@@ -129,7 +129,8 @@ def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "e
             columns = (lo + torch.arange(hi - lo, device=device)).expand(batch, hi - lo)
             key_ok = (torch.arange(capacity, device=device) < keys).expand(batch, capacity)
             step = model.graphed_window_logits()
-            step(x.gather(1, columns), columns, columns, key_ok, positions, slots, None, hi - start)
+            picks = model.logit_columns(0, hi - lo, start - lo)
+            step(x.gather(1, columns), columns, columns, key_ok, positions, slots, None, picks)
             continue
         model.packed_logits(x, [(b, lo, hi, keys, start) for b in range(batch)], cache, compiled=mode == "compile")
 

@@ -12,6 +12,7 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig, generate
 from fastdllm.engine.decoder import BlockDecoder
+from fastdllm.engine.generation import answer_logprobs
 from fastdllm.engine.rows import join_key
 from fastdllm.evaluation.tasks import arith
 from fastdllm.evaluation.tasks.arith import prompt_ids
@@ -158,22 +159,29 @@ def test_rows_with_their_own_settings_share_forwards(fp32):
 
 
 def test_rows_of_other_block_lengths_share_forwards(fp32):
-    """Rows decoding in blocks of 8, 16 and 32 (one reading the block after its own: WeDLM-free
-    multi-block decoding via d2f's lookahead is not needed; the widths differ by block length)
-    decode in one batch, each as alone, through the prefix and dual caches."""
+    """Rows decoding in blocks of 8, 16 and 32 decode in one batch, each as alone (tokens, steps,
+    forwards, log-probabilities), through the prefix and dual caches."""
     model, tok = fp32
     ps = questions(tok, 3)
     for cache in ("dual", "prefix"):
         base = GenerationConfig(gen_length=64, block_length=16, threshold=0.9, cache=cache, stop_at_eos=False)
-        configs = [base, base.replace(block_length=32, threshold=0.8), base.replace(block_length=8, steps=32)]
+        configs = [
+            base.replace(logprobs=2),
+            base.replace(block_length=32, threshold=0.8),
+            base.replace(block_length=8, steps=32, logprobs=1),
+        ]
         decoder = BlockDecoder(model, base)
         rows = [decoder.add([p], config=c)[0] for p, c in zip(ps, configs)]
         while decoder.active:
             decoder.step()
-        for r, p, c in zip(rows, ps, configs):
+        reported = answer_logprobs(rows)
+        for k, (r, p, c) in enumerate(zip(rows, ps, configs)):
             alone = generate(model, [p], config=c)
             assert torch.equal(r.answer, alone.sequences[0]), (cache, c.block_length)
             assert r.nfe == alone.nfe_per_row[0] and r.tokens_per_step == alone.tokens_per_step[0]
+            if c.logprobs is not None:
+                assert reported["logprobs"][k] == alone.logprobs[0]
+                assert reported["top_logprobs"][k] == alone.top_logprobs[0]
         assert decoder.nfe < sum(r.nfe for r in rows)
 
 

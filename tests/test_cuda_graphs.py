@@ -15,7 +15,7 @@ from fastdllm.models.transformer import Transformer
 
 from .conftest import random_prompts
 
-FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe"]
+FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe", "tiny_nemotron"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -330,6 +330,7 @@ def test_what_the_canvas_cannot_do_is_refused_by_name(checkpoint, tokenizer, cha
         fastdllm.generate(model, [tokenizer.encode("hi")], config=config)
 
 
+@pytest.mark.slow
 def test_compiled_layers_give_the_eager_logits(checkpoint, tokenizer):
     """compile=True runs each layer's dense math through torch.compile (dynamic shapes): the eager
     logits within float32 rounding, for packed rows of two widths (this random checkpoint's

@@ -552,10 +552,32 @@ def test_its_causal_prompts_are_shared_and_prefilled_in_chunks_exactly(preset):
     assert sum(on.forward_positions) < sum(off.forward_positions)
 
 
-def test_engine_settings_it_cannot_take_are_refused_by_name(model, tokenizer):
-    """A captured CUDA-graph step attends one way, not its two: refused by name, as DiffusionGemma's
-    compile and graphs are."""
-    prompt = [tokenizer.encode(TEXTS[0])]
-    config = GenerationConfig.nemotron_labs_diffusion(gen_length=8, block_length=8)
-    with pytest.raises(ValueError, match="^cuda_graphs: not yet for Nemotron-Labs-Diffusion"):
-        fastdllm.generate(model, prompt, config=config.replace(cuda_graphs=True))
+def test_its_modes_decode_the_same_with_the_fixed_shape_step(model, tokenizer, monkeypatch):
+    """`cuda_graphs`: its diffusion mode's cached steps run as the fixed-shape step (eagerly here:
+    on a GPU, one captured graph), the block seeing what its window sees and nothing after it;
+    LinearSpec's passes, which choose how they attend, stay eager; the same tokens as without."""
+    from fastdllm.models.transformer import Transformer
+
+    steps = []
+
+    def eager(self):
+        def run(*args):
+            steps.append(args[2][0, 0].item())
+            return self.window_logits_static(*args)
+
+        return run
+
+    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    configs = [
+        GenerationConfig.nemotron_labs_diffusion(gen_length=24, block_length=8, threshold=0.5),
+        GenerationConfig.nemotron_labs_diffusion(gen_length=24, block_length=8, threshold=0.5, suffix_window=None),
+        GenerationConfig.nemotron_labs_diffusion_ar(gen_length=8),
+        GenerationConfig.nemotron_labs_diffusion_linear_spec(gen_length=16, window_size=4),
+    ]
+    for config in configs:
+        eager_out = fastdllm.generate(model, prompts, config=config)
+        graphed = fastdllm.generate(model, prompts, config=config.replace(cuda_graphs=True))
+        assert torch.equal(graphed.sequences, eager_out.sequences), config
+        assert graphed.nfe_per_row == eager_out.nfe_per_row, config
+    assert len(set(steps)) > 1

@@ -123,7 +123,6 @@ class NemotronLabsDiffusion(Transformer):
     two_passes = True
     causal_prompt = True  # its prompt is always its causal pass's
     mixes_block_lengths = True  # a row's block sets its own window's span alone
-    captures_steps = False  # the fixed-shape step knows one attention rule: not yet its two
 
     def setup_rope(self, device=None) -> None:
         if device is None:
@@ -161,6 +160,16 @@ class NemotronLabsDiffusion(Transformer):
         causal = k <= cols
         mask = causal if span == 0 else torch.where(cols < start, causal, k < start + span)
         return None if bool(mask.all()) else mask
+
+    def window_logits_static(self, tokens, positions, start, key_ok, key_positions, cache, block_size, keep):
+        """The fixed-shape step (`Transformer.window_logits_static`) with this model's rule for a
+        block's window (`window_mask`'s default span): every key before the block's end,
+        `block_size` from its first column, and none after it, whatever else the step sees. Its
+        steps' windows open at the block (its decoders reveal a block's first position at the
+        block's first step); a decoder that chooses how a window attends (`canvas`) is not graphed."""
+        block_end = start[:, :1] + block_size
+        key_ok = key_ok & (key_positions < block_end)
+        return super().window_logits_static(tokens, positions, start, key_ok, key_positions, cache, block_size, keep)
 
     def logit_columns(self, lo, hi, start, span=None):
         """The first position's logit from the causal column before it (where the window holds it);

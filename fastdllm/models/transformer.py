@@ -560,7 +560,7 @@ class Transformer(nn.Module):
         key_positions: torch.Tensor,
         cache,
         block_size: int | None,
-        keep: int,
+        keep: slice | torch.Tensor,
     ) -> torch.Tensor:
         """A cached window's logits with every shape fixed for a layout, so that the step can be
         captured once as a CUDA graph and replayed at every block (`graphed_window_logits`): the
@@ -568,14 +568,14 @@ class Transformer(nn.Module):
         row's own), attending over the
         whole cache buffer (B, ..., S) where `key_ok` (B, S) allows it (the keys after what the
         step sees are masked, not cut off); `key_positions` (B, S). Returns the logits of the
-        window's first `keep` hidden states (B, keep, V): with shifted logits the window starts one
-        column before the block."""
+        window's hidden states `keep` picks (`logit_columns`: with shifted logits the window starts
+        one column before the block)."""
         key_mask = key_ok[:, None, None, :]
         if self.args.masks_last:
             raise ValueError("cuda_graphs: not with a model whose masks attend last (WeDLM)")
         if self.args.block_size:
             key_mask = block_causal_mask(positions, key_positions, block_size or self.args.block_size, key_mask)
-        return self.head(self.hidden(tokens, positions, key_mask, cache, start)[:, :keep])
+        return self.head(self.hidden(tokens, positions, key_mask, cache, start)[:, keep])
 
     def graphed_window_logits(self):
         """`window_logits_static` through torch.compile(mode="reduce-overhead"): on a GPU its steps
@@ -583,7 +583,7 @@ class Transformer(nn.Module):
         if self._graphed_window is None:
             compiled = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=False)
 
-            def step(tokens, positions, start, key_ok, key_positions, cache, block_size=None, keep=None):
+            def step(tokens, positions, start, key_ok, key_positions, cache, block_size, keep):
                 # The graph writes the cache in place: its buffers must be static inputs (as a
                 # module's buffers are), or inductor declines to capture a graph that mutates them.
                 for buffer in (cache.k, cache.v):

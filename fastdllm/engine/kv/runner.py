@@ -120,7 +120,8 @@ class KVRunner:
         pages.work.append([(i, width, seq.seen[i]) for i in range(bsz)])
         if self.history is not None:
             self.history.append([(i, s - shift, s + seq.width, seq.seen[i], s) for i, s in enumerate(seq.starts)])
-        logits = self.model.graphed_window_logits()(
+        picks = self.model.logit_columns(0, width, shift)  # as the eager window's (`packed_logits`)
+        return self.model.graphed_window_logits()(
             seq.x.gather(1, columns),
             columns,
             columns,
@@ -128,11 +129,8 @@ class KVRunner:
             key_positions,
             FixedSlots(cache, cache.slot_table(capacity)),
             seq.block_size,
-            seq.width,
+            picks if isinstance(picks, slice) else picks.to(dev),
         )
-        if self.model.args.shifted_logits and not shift:  # the window opens at the block: its first
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], 1)  # column's logit is its own output
-        return logits
 
     def page_bytes(self, page_size: int) -> int:
         return kv_bytes(self.model.kv_shape, page_size, self.model.dtype)
