@@ -6,10 +6,11 @@ leave), runs one packed forward of every row's window through the cache policy (
 and applies each row's `Decision` from its decoder (`engine/decode/`): the loop writes what a
 decision says and knows no decoder. A row's block ends at the step its decision ends it; the row
 then starts its next block at the next step (or leaves: a stop token, its last block), whatever
-the other rows do. Rows sit in one (B, L) layout from column 0 (a column's RoPE position is its
-index), rebuilt only when rows join or leave; each row's K/V are its own pages of the pool
-(`kv.rows.RowPages`). Rows whose configs differ only in fields declared per row (`join_key`) share
-forwards, each deciding with its own decoder and random stream; a row decodes in a batch as alone
+the other rows do. Rows sit in one (B, L) layout from column 0 (`layout.Layout`; a column's RoPE
+position is its index), rebuilt only when rows join or leave; each row's K/V are its own pages of
+the pool (`kv.rows.RowPages`). Rows whose configs differ only in fields declared per row
+(`rows.shares_forwards`: block lengths too, where the model allows) share forwards, each deciding
+with its own decoder, blocks and random stream; a row decodes in a batch as alone
 (bit-identically with `deterministic=True`: `models.invariance`).
 
 *Deliberate difference*: Fast-dLLM's cached loops (prefix and DualCache) always run at least one
@@ -20,8 +21,6 @@ block, with the same tokens (`tests/test_reference.py` runs the reference's own 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.profiler import record_function
 
@@ -30,13 +29,12 @@ from .cache import SequenceView
 from .decode import BlockClock, Decision, DecodeView
 from .kv.rows import RowPages
 from .kv.runner import KVRunner, runner_for
-from .logprobs import LogprobColumns
+from .layout import Layout, Part, step_record
 from .policies import PolicySource, brings_decoder, policies_for, resolve
 from .rows import (
     ForwardClock,
     Row,
     Step,
-    carried,
     check_adapter,
     check_thinking_budget,
     constrain,
@@ -48,22 +46,6 @@ from .rows import (
     row_generators,
     shares_forwards,
 )
-
-
-@dataclass
-class Part:
-    """Rows of a step that share a block length and width (`members`, their places in the layout;
-    `at` the same as a tensor, None where they are every row), decided and written together: their
-    windows' layout columns, tokens and revealing steps after the decision, the decision, and
-    whether each row's block is over."""
-
-    members: list[int]
-    at: torch.Tensor | None
-    columns: torch.Tensor
-    window: torch.Tensor
-    steps_of: torch.Tensor
-    decision: Decision
-    done: torch.Tensor
 
 
 class BlockDecoder:
@@ -106,18 +88,7 @@ class BlockDecoder:
         # what the forwards computed: rows summed over them, and query positions
         self.row_forwards = self.computed_positions = 0
         self.forward_clock = ForwardClock(self.device)
-        # the most columns a step decodes from a row's current block on (`Row.width`): the layout
-        # holds that many past its longest row
-        self.width = config.block_length * self.strategy.depth
-        # per row of the layout (its prompt, then its region, from column 0): tokens, and the
-        # row's step that revealed each position (-1: masked or a prompt token)
-        self.x = self.step_of = None
-        # with rows that report log-probabilities (`config.logprobs`), theirs per layout column
-        self.logprobs: LogprobColumns | None = None
-        self.stopping = None  # per row: whether its config stops at a stop token (stop_at_eos)
-        # per row: its steps so far (the index `step_of` records) and its current block's masks
-        # when it began
-        self.row_nfe = self.opened = None
+        self.layout = Layout(model, config.block_length * self.strategy.depth)  # the rows' tensors
 
     # -- rows in
     def accepts(self, config: GenerationConfig) -> bool:
@@ -274,13 +245,13 @@ class BlockDecoder:
         written without a host read, rows of one block length and width together (`Part`); then
         the rows whose block is over move on."""
         parts = [self._decided(view, logits, members) for members in self._shapes()]
-        self.row_nfe += 1
+        self.layout.row_nfe += 1
         for r in self.rows:
             r.step += 1
         for part in parts:
             if part.decision.signal is not None or part.decision.carry is not None:
                 self._carry_on(view.starts, part)
-        record = self._record(parts)
+        record = step_record(self.rows, parts, self.mask_id)
         self._after_step(parts, work)
         return record
 
@@ -293,20 +264,20 @@ class BlockDecoder:
 
     def _decided(self, view: SequenceView, logits: torch.Tensor, members: list[int]) -> Part:
         """The decision of rows `members` (of one block length and width), written into the layout."""
-        rows, dev = [self.rows[i] for i in members], self.device
+        rows, dev, layout = [self.rows[i] for i in members], self.device, self.layout
         blk, width = rows[0].block_length, rows[0].width
         at = None if len(members) == len(self.rows) else torch.tensor(members, device=dev)
         pick = (lambda t: t) if at is None else (lambda t: t[at])  # noqa: E731
         starts = [view.starts[i] for i in members]
         columns = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)
-        window, steps_of = pick(self.x).gather(1, columns), pick(self.step_of).gather(1, columns)
+        window, steps_of = layout.window(at, columns)
         logits = pick(logits)[:, :width]
         current = window[:, :blk]  # the current block's tokens
         later = window[:, blk:] if width > blk else None
         clock = BlockClock(
             [r.step for r in rows],
             [r.config.steps_per_block()[r.block] for r in rows],
-            pick(self.opened),
+            pick(layout.opened),
             starts,
             [r.extent for r in rows],
         )
@@ -328,39 +299,13 @@ class BlockDecoder:
                 stop_ids=self.stop_ids,
             ),
         )
-        if self.logprobs is not None:
-            self.logprobs.record(logits, columns, decision, rows, at)
-        window, steps_of = decision.applied(
-            window, steps_of, pick(self.row_nfe), self.model.args.eos_token_id, self.mask_id
-        )
-        if at is None:
-            self.x.scatter_(1, columns, window)
-            self.step_of.scatter_(1, columns, steps_of)
-        else:
-            self.x[at[:, None], columns] = window
-            self.step_of[at[:, None], columns] = steps_of
+        if layout.logprobs is not None:
+            layout.logprobs.record(logits, columns, decision, rows, at)
+        eos = self.model.args.eos_token_id
+        window, steps_of = decision.applied(window, steps_of, pick(layout.row_nfe), eos, self.mask_id)
+        layout.write(at, columns, window, steps_of)
         done = decision.blocks_over(window[:, :blk], self.mask_id)
         return Part(members, at, columns, window, steps_of, decision, done)
-
-    def _record(self, parts: list[Part]) -> Step:
-        """The step as `Step` reports it: every row's block (and what the step revealed and
-        rewrote there) in its place, a shorter block's padded."""
-        if len(parts) == 1:
-            p = parts[0]
-            blk = self.rows[0].block_length
-            return Step(
-                list(self.rows), [r.block for r in self.rows], p.window[:, :blk], p.decision.chosen, p.decision.edited
-            )
-        longest, bsz = max(r.block_length for r in self.rows), len(self.rows)
-        tokens = torch.full((bsz, longest), self.mask_id, dtype=torch.long, device=self.device)
-        chosen = torch.zeros((bsz, longest), dtype=torch.bool, device=self.device)
-        edited = chosen.clone() if any(p.decision.edited is not None for p in parts) else None
-        for p in parts:
-            blk = p.decision.chosen.shape[1]
-            tokens[p.at, :blk], chosen[p.at, :blk] = p.window[:, :blk], p.decision.chosen
-            if p.decision.edited is not None:
-                edited[p.at, :blk] = p.decision.edited
-        return Step(list(self.rows), [r.block for r in self.rows], tokens, chosen, edited)
 
     def _chunk(self, r: Row) -> int:
         return r.prefill_chunk(self.model.causal_prompt, self.policy.keeps_prompt)
@@ -427,7 +372,11 @@ class BlockDecoder:
         log-probabilities, its window's."""
         rows, width = self.rows, max(p.window.shape[1] for p in parts)
         host: list = [None] * len(rows)
-        flat = torch.cat([self._host_part(p, width) for p in parts]).tolist()
+        reads = [
+            self.layout.host_read(p, width, self.stop_ids, self.rows[p.members[0]].strategy.later_blocks_final)
+            for p in parts
+        ]
+        flat = torch.cat(reads).tolist()
         columns: dict[int, torch.Tensor] = {}
         k = 0
         for p in parts:
@@ -456,8 +405,8 @@ class BlockDecoder:
             blk, tokens = r.block_length, h[5:]
             r.finished, r.unrefreshed = bool(h[2]) and r.block >= r.stop_block, 0
             window_logprobs = None
-            if self.logprobs is not None and r.config.logprobs is not None:
-                window_logprobs = self.logprobs.window(i, columns[i], r.config.logprobs)
+            if self.layout.logprobs is not None and r.config.logprobs is not None:
+                window_logprobs = self.layout.logprobs.window(i, columns[i], r.config.logprobs)
             k = 0
             while True:
                 _, _, b_lo, b_hi = r.answer_span(r.block)
@@ -477,83 +426,16 @@ class BlockDecoder:
                     and any(t in self.stop_set for t in tokens[k * blk : (k + 1) * blk])
                 )
             if r.finished or r.answered:
-                self._leave(i, r)
+                self.layout.answer(i, r)
+                self.left.append(r)
             else:
                 r.step = 0
                 kept.append((r, i))
-                began.append(i)
-                self._begin(i, r)
-        self._opened(began)
+                began.append((i, r))
+                self.layout.begin(i, r)
+        self.layout.count_opened(began)
         if len(kept) < len(rows):
             self._relayout(kept)
-
-    def _host_part(self, p: Part, width: int) -> torch.Tensor:
-        """Part p's rows as `_after_step` reads them: per row whether its block is over, what it
-        revealed, whether its block holds a stop token, how many later blocks are final, what a
-        verification accepted, then its window (padded to `width`)."""
-        blk, window, decision = p.decision.chosen.shape[1], p.window, p.decision
-        revealed = decision.revealed_counts()
-        hit = torch.isin(window[:, :blk], self.stop_ids) & (p.steps_of[:, :blk] >= 0)
-        hit = hit.any(-1) & (self.stopping if p.at is None else self.stopping[p.at])
-        # blocks after the current one that are whole already (multi-block decoding)
-        n_later = window.shape[1] // blk - 1
-        whole = torch.zeros_like(revealed)
-        if n_later and self.rows[p.members[0]].strategy.later_blocks_final:
-            later_masked = (window[:, blk:] == self.mask_id).view(len(p.members), n_later, blk)
-            whole = (~later_masked.any(-1)).long().cumprod(-1).sum(-1)
-        if decision.final_later is not None:  # the decoder's count, where it gives one
-            whole = torch.where(decision.final_later >= 0, decision.final_later.to(whole.dtype), whole)
-        accepted = decision.accepted if decision.accepted is not None else torch.full_like(revealed, -1)
-        counts = [p.done.long(), revealed, hit.long(), whole, accepted]
-        if window.shape[1] < width:
-            window = torch.nn.functional.pad(window, (0, width - window.shape[1]), value=self.mask_id)
-        return torch.cat([*(c[:, None] for c in counts), window], 1)
-
-    def _begin(self, i: int, r: Row) -> None:
-        """Row i starts a block: its masks now (a family with no mask token: its canvas, drawn now
-        from the row's generator). `_opened` then counts them."""
-        r.soft = r.carry = None
-        blk, start = r.block_length, r.block_start
-        block = self.x[i, start : start + blk]
-        opened = r.strategy.open_block(block, r.generator)
-        if opened is not block:
-            self.x[i, start : start + blk] = opened
-        self._think_budget(i, r, start)
-
-    def _opened(self, rows: list[int]) -> None:
-        """The masks each of `rows` (places in the layout) holds in the block it just began, for
-        them all at once."""
-        if not rows:
-            return
-        dev, starts = self.device, [self.rows[i].block_start for i in rows]
-        lengths = [self.rows[i].block_length for i in rows]
-        at, span = torch.tensor([rows, starts, lengths], device=dev), torch.arange(max(lengths), device=dev)
-        block = self.x[at[0][:, None], at[1][:, None] + span]
-        self.opened[at[0]] = ((block == self.mask_id) & (span < at[2][:, None])).sum(-1)
-
-    def _think_budget(self, i: int, r: Row, start: int) -> None:
-        """A thinking budget (`max_thinking_tokens`), as Nemotron-Labs-Diffusion's loops keep it: a
-        block that opens at or past the budget, when the answer before it holds no end-of-thinking
-        token, gets one at its first position from the budget's (a block of one position: its
-        token, whatever decoded it, as its autoregressive mode and LinearSpec replace the next
-        token; a longer block: placed before it decodes, as its diffusion mode does)."""
-        budget, blk = r.config.max_thinking_tokens, r.block_length
-        first = len(r.prompt) + r.lead  # the answer's first column
-        if budget is None or start + blk <= first + budget or start >= first + r.asked:
-            return
-        end_think = self.model.end_think_token_id
-        if bool((self.x[i, first:start] == end_think).any()):
-            return
-        self.x[i, max(start, first + budget)] = end_think
-
-    def _leave(self, i: int, r: Row) -> None:
-        blk, n = r.block_length, r.asked
-        first = len(r.prompt) + r.lead  # the row's answer starts here
-        r.answer = self.x[i, first : first + n].clone()
-        r.unmask_step = self.step_of[i, first : first + n].clone()
-        if r.finished:
-            r.answer[r.block * blk - r.lead :] = self.model.args.eos_token_id
-        self.left.append(r)
 
     @staticmethod
     def _adapter(r: Row) -> str | None:
@@ -572,7 +454,7 @@ class BlockDecoder:
                 for r, e, s in zip(rows, ends, starts)
             ]
         return SequenceView(
-            self.x,
+            self.layout.x,
             starts,
             tuple(ends),
             tuple(r.block for r in rows),
@@ -591,50 +473,18 @@ class BlockDecoder:
         columns (its prompt from column 0, then its region) and its pages of the K/V pool
         (`RowPages.relayout`); rows that move on to their next block stay where they are.
         `prefilled`: new row -> the key of the pages its prompt was prefilled into."""
-        dev = self.device
         self.rows = [r for r, _ in moves]
-        if not moves:
-            self.x = self.step_of = self.row_nfe = self.opened = None
-            self.logprobs = None
-            self.pages.relayout([])
-            self.policy.relayout([])
-            return
-        # room after the longest row for the columns a step reads past a row's region
-        self.width = max(r.width for r, _ in moves)
-        length = max(r.extent for r, _ in moves) + self.width
-        bsz = len(moves)
-        x = torch.full((bsz, length), self.model.args.eos_token_id, dtype=torch.long, device=dev)
-        step_of = torch.full((bsz, length), -1, dtype=torch.long, device=dev)
-        kept = [(i, src) for i, (_, src) in enumerate(moves) if src is not None]
-        if kept:
-            dst, src = (torch.tensor(t, device=dev) for t in zip(*kept))
-            width = min(length, self.x.shape[1])
-            x[dst, :width] = self.x[src, :width]
-            step_of[dst, :width] = self.step_of[src, :width]
-        self.logprobs = LogprobColumns.laid_out(self.logprobs, self.rows, length, kept, dev)
-        for i, (r, src) in enumerate(moves):
-            if src is None:
-                p = len(r.prompt)
-                x[i, :p] = r.prompt
-                x[i, p : p + r.config.gen_length] = self.mask_id
-                if r.lead:
-                    x[i, p : p + r.lead] = r.lead_tokens
-                for pos, t in r.fixed:
-                    x[i, p + r.lead + pos] = t
-                if r.suffix is not None:
-                    x[i, p + r.config.gen_length : r.extent] = r.suffix
+        self.layout.rebuild(moves)
         sources = [src for _, src in moves]
-        self.row_nfe = carried(self.row_nfe, sources, dev)
-        self.opened = carried(self.opened, sources, dev)
         self.pages.relayout(sources, [None if src is not None else r.extent for r, src in moves], prefilled)
         self.policy.relayout(sources)
-        self.x, self.step_of = x, step_of
-        self.stopping = torch.tensor([r.config.stop_at_eos for r, _ in moves], device=dev)  # per row
+        if not moves:
+            return
         joined = {i: r for i, (r, src) in enumerate(moves) if src is None}
         # a row with an adapter neither shares nor stores its prompt's K/V (the store holds the base's)
         shared = {i: r.prefix_tokens for i, r in joined.items() if r.config.adapter is None}
-        reused = self.pages.reuse(bsz, shared)
+        reused = self.pages.reuse(len(moves), shared)
         for i, r in joined.items():
             r.reused = reused.get(i, 0)
-            self._begin(i, r)
-        self._opened(list(joined))
+            self.layout.begin(i, r)
+        self.layout.count_opened(list(joined.items()))
