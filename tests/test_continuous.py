@@ -80,7 +80,11 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "no-cache-schedule" else n for n in CONFIGS]
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("no-cache-schedule", "vicinity", "prefix") else n
+        for n in CONFIGS
+    ],
 )
 def test_rows_that_join_decode_as_alone(fp32, name):
     """A long row runs; a short one joins at step 1 and one with a longer prompt (the running rows

@@ -15,7 +15,10 @@ from fastdllm.models.transformer import Transformer
 
 from .conftest import random_prompts
 
-FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_v2", "tiny_llada2", "tiny_llada_moe", "tiny_nemotron"]
+# every family in the slow set; the default suite takes one of each attention and logit rule
+FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_nemotron"] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in ("tiny_v2", "tiny_llada2", "tiny_llada_moe")
+]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -287,7 +287,10 @@ def test_every_cache_it_takes_gives_transformers_tokens(float64_pair, tokenizer,
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(max_denoising_steps=12), dict(max_denoising_steps=24, t_min=0.01, t_max=0.05, confidence_threshold=7.0)],
+    [
+        pytest.param(dict(max_denoising_steps=12), marks=pytest.mark.slow),
+        dict(max_denoising_steps=24, t_min=0.01, t_max=0.05, confidence_threshold=7.0),
+    ],
     ids=["every-step", "stops-apart"],
 )
 def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer, settings):

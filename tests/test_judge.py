@@ -380,7 +380,7 @@ def test_a_reply_naming_a_global_is_malformed():
     "solution",
     [
         pytest.param("def f(x): return 1\nraise SystemExit(3)", marks=pytest.mark.slow),  # exits before answering
-        "import os\ndef f(x):\n    os._exit(5)",  # exits in the call
+        pytest.param("import os\ndef f(x):\n    os._exit(5)", marks=pytest.mark.slow),  # exits in the call
         pytest.param(  # a call that raises
             "def f(x):\n    import sys\n    sys.stdout.flush()\n    raise KeyboardInterrupt", marks=pytest.mark.slow
         ),

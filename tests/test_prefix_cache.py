@@ -116,7 +116,7 @@ def fewshot(tok, n: int, shots: int) -> list[list[int]]:
     return [arith.prompt_ids(tok, p.question, pool) for p in arith.test_split()[:n]]
 
 
-@pytest.mark.parametrize("name", ["sdar-arith", "llada2-arith"])
+@pytest.mark.parametrize("name", ["sdar-arith", pytest.param("llada2-arith", marks=pytest.mark.slow)])
 def test_block_causal_prefixes_are_computed_once_and_decode_the_same(name):
     """4-shot prompts sharing their exemplars: on by default, token-identical to decoding without
     it, the shared blocks computed by one row of the batch, and a second batch finds them all."""
