@@ -7,7 +7,8 @@
 Random weights decide nothing (their confidences are near-uniform, so a threshold would reveal one
 token per step), so the schedules come from the embedded models: each configuration (baseline,
 Fast-dLLM, default) decodes a few held-out arith problems on the family's embedded twin (llada-arith
-for LLaDA, Dream and LLaDA-MoE, sdar-arith for SDAR and Fast-dLLM v2, llada2-arith for LLaDA2),
+for LLaDA, Dream and LLaDA-MoE, sdar-arith for SDAR and Fast-dLLM v2, llada2-arith for LLaDA2, the
+micro twin of `tests/fixtures` for Nemotron-Labs-Diffusion),
 recording every forward's window. Each family's model is then built at the width of its published
 config (random bf16 weights, `--layers` of its layers: time per layer is what scales), and the
 windows are replayed on it for `--batch` rows at once: tokens/s of the generated tokens, and
@@ -39,6 +40,7 @@ FAMILIES = {  # family module -> the embedded twin whose schedules it replays
     "sdar": "sdar-arith",
     "fast_dllm_v2": "sdar-arith",
     "llada2": "llada2-arith",
+    "nemotron_labs_diffusion": "tests/fixtures/nemotron_labs_diffusion_micro",
 }
 
 
@@ -125,7 +127,9 @@ def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "e
     positions = torch.arange(capacity, device=device).expand(batch, capacity)
     for forward in history:
         _, lo, hi, keys, start = forward[0]
-        if graphs and lo == start - shift > 0:
+        # a cached step: its window opens at its block, or one column before it for a shifted
+        # family's first logit (a block-start forward opens further back, a full one at 0)
+        if graphs and lo > 0 and 0 <= start - lo <= shift:
             columns = (lo + torch.arange(hi - lo, device=device)).expand(batch, hi - lo)
             key_ok = (torch.arange(capacity, device=device) < keys).expand(batch, capacity)
             step = model.graphed_window_logits()
@@ -194,7 +198,7 @@ def main(argv=None) -> int:
         for name in CONFIGS:
             schedules[twin, name] = record(twin, name, gen_length, problems)
     rows = []
-    print(f"{'family':<13} {'config':<10} {'batch':>5} {'weights':<8} {'mode':<14} {'tok/s':>9} {'pos/tok':>8}")
+    print(f"{'family':<24} {'config':<10} {'batch':>5} {'weights':<8} {'mode':<14} {'tok/s':>9} {'pos/tok':>8}")
     for family in args.families:
         model = wide(family, layers, device, args.tiny)
         variants = [("bf16", model)]
@@ -232,7 +236,7 @@ def main(argv=None) -> int:
                         }
                         rows.append(row)
                         print(
-                            f"{family:<13} {name:<10} {batch:>5} {weights:<8} {mode:<14} "
+                            f"{family:<24} {name:<10} {batch:>5} {weights:<8} {mode:<14} "
                             f"{row['tokens_per_second']:>9.1f} {row['positions_per_token']:>8.2f}",
                             flush=True,
                         )

@@ -164,10 +164,11 @@ class NemotronLabsDiffusion(Transformer):
     def window_logits_static(self, tokens, positions, start, key_ok, key_positions, cache, block_size, keep):
         """The fixed-shape step (`Transformer.window_logits_static`) with this model's rule for a
         block's window (`window_mask`'s default span): every key before the block's end,
-        `block_size` from its first column, and none after it, whatever else the step sees. Its
+        `block_size` from its first column (None: the window's end), and none after it, whatever
+        else the step sees. Its
         steps' windows open at the block (its decoders reveal a block's first position at the
         block's first step); a decoder that chooses how a window attends (`canvas`) is not graphed."""
-        block_end = start[:, :1] + block_size
+        block_end = start[:, :1] + block_size if block_size else positions[:, -1:] + 1
         key_ok = key_ok & (key_positions < block_end)
         return super().window_logits_static(tokens, positions, start, key_ok, key_positions, cache, block_size, keep)
 
