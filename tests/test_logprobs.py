@@ -65,7 +65,7 @@ def test_logprobs_follow_the_sampling_and_leave_the_tokens_alone(embedded):
         GenerationConfig(logprobs=21)
 
 
-@pytest.mark.parametrize("preset", ["d3llm", "dmax", "baseline"])
+@pytest.mark.parametrize("preset", ["d3llm", "dmax", pytest.param("baseline", marks=pytest.mark.slow)])
 def test_every_decoder_reports_them(embedded, preset):
     """Multi-block decoding (tokens written ahead in later blocks) and token editing (a token
     rewritten) report the forward that wrote each final token."""
