@@ -24,13 +24,14 @@ FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_nemotron"] + [
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatch):
     """The fixed-shape step run eagerly (no compile): the same tokens, batched with padding, and a
-    suffix window that hides part of the cache."""
+    suffix window that hides part of the cache; with nothing seen past the block, the vicinity
+    refresh's block starts and the prefix cache's steps take it too."""
     model = request.getfixturevalue(name)
     calls = []
 
     def eager(self):
         def run(*args):
-            calls.append(args[2][0, 0].item())  # the first row's window column, a tensor
+            calls.append((args[2][0, 0].item(), args[0].shape[1]))  # the first row's window column, its width
             return self.window_logits_static(*args)
 
         return run
@@ -39,12 +40,17 @@ def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatc
     block = model.args.block_size or 8
     base = GenerationConfig(gen_length=6 * block, block_length=block, threshold=0.6, stop_at_eos=False)
     base = GenerationConfig.for_model(model, base, checkpoint_defaults=False, cache="dual", sub_block_length=None)
-    for window in (None, block):
-        config = base.replace(suffix_window=window)
-        eager_out = fastdllm.generate(model, random_prompts(model, (6, 11)), config=config)
-        graphed = fastdllm.generate(model, random_prompts(model, (6, 11)), config=config.replace(cuda_graphs=True))
-        assert torch.equal(eager_out.sequences, graphed.sequences)
-    assert len(set(calls)) > 1  # steps at several blocks went through it
+    vicinity = base.replace(suffix_window=0, refresh="vicinity")
+    configs = [base.replace(suffix_window=None), base.replace(suffix_window=block), vicinity]
+    configs += [base.replace(cache="prefix", suffix_window=0)]
+    # (rows that start their blocks at one step share a fixed-shape block start: one row alone does)
+    for config, lengths in [(c, (6, 11)) for c in configs] + [(vicinity, (6,))]:
+        eager_out = fastdllm.generate(model, random_prompts(model, lengths), config=config)
+        graphed = fastdllm.generate(model, random_prompts(model, lengths), config=config.replace(cuda_graphs=True))
+        assert torch.equal(eager_out.sequences, graphed.sequences), config
+        assert eager_out.nfe_per_row == graphed.nfe_per_row, config
+    assert len({column for column, _ in calls}) > 1  # steps at several blocks went through it
+    assert max(width for _, width in calls) >= 2 * block  # a block start: the finished block and the new one
 
 
 def test_cuda_graphs_is_checked():

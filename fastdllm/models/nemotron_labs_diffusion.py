@@ -161,16 +161,18 @@ class NemotronLabsDiffusion(Transformer):
         mask = causal if span == 0 else torch.where(cols < start, causal, k < start + span)
         return None if bool(mask.all()) else mask
 
-    def window_logits_static(self, tokens, positions, start, key_ok, key_positions, cache, block_size, keep):
-        """The fixed-shape step (`Transformer.window_logits_static`) with this model's rule for a
-        block's window (`window_mask`'s default span): every key before the block's end,
-        `block_size` from its first column (None: the window's end), and none after it, whatever
-        else the step sees. Its
-        steps' windows open at the block (its decoders reveal a block's first position at the
-        block's first step); a decoder that chooses how a window attends (`canvas`) is not graphed."""
-        block_end = start[:, :1] + block_size if block_size else positions[:, -1:] + 1
-        key_ok = key_ok & (key_positions < block_end)
-        return super().window_logits_static(tokens, positions, start, key_ok, key_positions, cache, block_size, keep)
+    def static_key_mask(self, positions, key_ok, key_positions, block_size):
+        """A fixed-shape window's mask (`Transformer.static_key_mask`) by this model's rule for a
+        window (`window_mask` with its default span): the window ends with its block
+        (`block_size` columns; None: the whole window); a column before the block sees the keys up
+        to itself (causal: a finished block being committed), a column of the block every key
+        before the block's end, whatever else the step sees. A decoder that chooses how a window
+        attends (`canvas`) is not graphed."""
+        block_end = positions[:, -1:] + 1
+        block_start = block_end - block_size if block_size else positions[:, :1]
+        keys, queries = key_positions[:, None, :], positions[:, :, None]
+        causal = (keys <= queries) | (queries >= block_start[:, :, None])
+        return (key_ok[:, None, :] & (keys < block_end[:, :, None]) & causal)[:, None]
 
     def logit_columns(self, lo, hi, start, span=None):
         """The first position's logit from the causal column before it (where the window holds it);

@@ -570,12 +570,18 @@ class Transformer(nn.Module):
         step sees are masked, not cut off); `key_positions` (B, S). Returns the logits of the
         window's hidden states `keep` picks (`logit_columns`: with shifted logits the window starts
         one column before the block)."""
-        key_mask = key_ok[:, None, None, :]
         if self.args.masks_last:
             raise ValueError("cuda_graphs: not with a model whose masks attend last (WeDLM)")
+        key_mask = self.static_key_mask(positions, key_ok, key_positions, block_size)
+        return self.head(self.hidden(tokens, positions, key_mask, cache, start)[:, keep])
+
+    def static_key_mask(self, positions, key_ok, key_positions, block_size) -> torch.Tensor:
+        """(B, 1, T or 1, S) the keys each query of a fixed-shape window attends: those `key_ok`
+        allows, within a block-causal model's blocks (`block_size`, default its own)."""
+        key_mask = key_ok[:, None, None, :]
         if self.args.block_size:
             key_mask = block_causal_mask(positions, key_positions, block_size or self.args.block_size, key_mask)
-        return self.head(self.hidden(tokens, positions, key_mask, cache, start)[:, keep])
+        return key_mask
 
     def graphed_window_logits(self):
         """`window_logits_static` through torch.compile(mode="reduce-overhead"): on a GPU its steps

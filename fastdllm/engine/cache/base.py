@@ -84,10 +84,6 @@ class CachePolicy:
     # Whether a step's windows may cover only part of a row's block (or no window for a row whose
     # block needs no logits): the rest of the row's logits are those of its last forward.
     partial_logits = False
-    # Whether its steps after a block's first compute each row's block (and with shifted logits the
-    # column before it) against its whole cached row: windows of one shape at every step of a
-    # layout, which CUDA graphs replay (`GenerationConfig.cuda_graphs`).
-    fixed_step_windows = False
     # Whether rows decoding in blocks of different lengths may share its steps (each row's windows
     # from its own block length).
     mixes_block_lengths = True

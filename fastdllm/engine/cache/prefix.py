@@ -67,4 +67,3 @@ class PrefixCache(CachePolicy):
 class DualCache(PrefixCache):
     name = "dual"
     reuse_suffix = True
-    fixed_step_windows = True

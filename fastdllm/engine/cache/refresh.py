@@ -17,6 +17,9 @@ class RefreshRule:
     # Whether a block-start forward may recompute a prompt block (a full one), so that a row never
     # holds another's prompt pages by reference under it (`KVRunner.shares_prompt_pages`).
     recomputes_prompt = True
+    # Whether `check` may ask for full forwards after a partial refresh (such a step is not one of
+    # fixed shapes: `kv.runner.fixed_shift`)
+    checks = False
 
     def __init__(self, every: int | None = None, tol: float = 0.1):
         self.every, self.tol = every, tol
@@ -74,6 +77,7 @@ class AdaptiveRefresh(VicinityRefresh):
 
     name = "adaptive"
     recomputes_prompt = True  # a row whose check fails gets a full forward
+    checks = True
 
     def _keys(self, cache, seq, rows):
         lengths = seq.block_lengths

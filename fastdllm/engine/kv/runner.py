@@ -58,19 +58,12 @@ class KVRunner:
         part whose refresh rule finds its cache stale (`RefreshRule.check`) forwarded again whole,
         its logits replaced; with CUDA graphs, fixed-shape steps replayed."""
         windows = policy.windows(seq, steps)
-        uniform = len(set(seq.widths)) == 1 and not isinstance(seq.block_size, dict)
-        if (
-            pages.graphs
-            and policy.fixed_step_windows
-            and all(steps)
-            and uniform
-            and not pages.chunks
-            and seq.canvas is None
-        ):
-            shift = {start - lo for _, lo, _, _, start in windows}
-            if len(shift) == 1 and min(seq.starts) - next(iter(shift)) > 0:
-                return self._graphed(pages, seq, next(iter(shift)))
         partial = policy.partial_refreshes(seq, steps)
+        joined = any(k == 0 and b == 0 for k, b in zip(steps, seq.blocks))  # a first forward stores its prompt
+        if pages.graphs and not (pages.chunks or joined or seq.canvas) and not (partial and policy.refresh.checks):
+            shift = fixed_shift(seq, windows)
+            if shift is not None:
+                return self._graphed(pages, seq, shift)
         cache = pages.cache_for(seq) if partial else None  # the check reads it; the forward takes its own
         before = policy.refresh.probe(cache, seq, partial) if partial else None
         parts = self.forward(pages, seq, windows)
@@ -103,9 +96,9 @@ class KVRunner:
         return pages.run(seq, windows, packed)
 
     def _graphed(self, pages, seq, shift: int) -> torch.Tensor:
-        """A cached step of the shape of every step of a layout: each row's window (its block, and
-        `shift` columns before it) attends over its whole cache row, the keys past what the step
-        sees masked rather than cut off, and the windows' columns are a tensor
+        """A step of fixed shapes (`fixed_shift`): each row's window (its block, and `shift`
+        columns before it) attends over its whole cache row, the keys past what the step sees
+        masked rather than cut off, and the windows' columns are a tensor
         (`Transformer.window_logits_static`). The same arithmetic as the eager step over more
         (masked) keys."""
         bsz, capacity, dev = seq.x.shape[0], seq.x.shape[1], seq.x.device
@@ -229,6 +222,24 @@ class KVRunner:
         """Forget every stored prompt (vLLM's `reset_prefix_cache`)."""
         for store in self.stores():
             store.clear()
+
+
+def fixed_shift(seq, windows: list) -> int | None:
+    """Where this step's windows have the fixed-shape step's form, whatever policy chose them: one
+    per row, in order, from `shift` columns before the row's block (the same for every row, at
+    most one block and one column, and after column 0) to the end of its logits' columns, over
+    every key the row sees, the rows of one block length and width; that `shift`, else None.
+    DualCache's steps after a block's first have it, and so do the vicinity refresh's block starts
+    where nothing past the block is seen (an autoregressive decode's every step)."""
+    if len(windows) != len(seq.starts) or len(set(seq.widths)) != 1 or isinstance(seq.block_size, dict):
+        return None
+    shifts = set()
+    for i, (row, lo, hi, keys, start) in enumerate(windows):
+        if (row, start, hi, keys) != (i, seq.starts[i], start + seq.widths[i], seq.seen[i]) or lo <= 0:
+            return None
+        shifts.add(start - lo)
+    shift = shifts.pop() if len(shifts) == 1 else None
+    return shift if shift is not None and shift <= seq.block_lengths[0] + 1 else None
 
 
 _DEFAULT: weakref.WeakKeyDictionary[torch.nn.Module, KVRunner] = weakref.WeakKeyDictionary()
