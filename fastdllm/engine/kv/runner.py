@@ -63,7 +63,10 @@ class KVRunner:
         if pages.graphs and not (pages.chunks or joined or seq.canvas) and not (partial and policy.refresh.checks):
             shift = fixed_shift(seq, windows)
             if shift is not None:
-                return self._graphed(pages, seq, shift)
+                logits = self._graphed(pages, seq, shift)
+                if policy.partial_logits:  # the columns a later step's window leaves out keep these
+                    pages.latest = logits.clone()
+                return logits
         cache = pages.cache_for(seq) if partial else None  # the check reads it; the forward takes its own
         before = policy.refresh.probe(cache, seq, partial) if partial else None
         parts = self.forward(pages, seq, windows)
