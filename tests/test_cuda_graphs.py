@@ -10,6 +10,7 @@ import torch
 import fastdllm
 from fastdllm import GenerationConfig
 from fastdllm.config import ConfigError
+from fastdllm.engine.kv.runner import KVRunner
 from fastdllm.evaluation.tasks import arith
 from fastdllm.models.transformer import Transformer
 
@@ -51,6 +52,38 @@ def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatc
         assert eager_out.nfe_per_row == graphed.nfe_per_row, config
     assert len({column for column, _ in calls}) > 1  # steps at several blocks went through it
     assert max(width for _, width in calls) >= 2 * block  # a block start: the finished block and the new one
+
+
+def test_a_graphed_whole_block_step_keeps_the_sub_block_caches_logits(monkeypatch):
+    """Under the sub-block cache a step whose windows are whole blocks is graphed; the columns a
+    later sub-block step leaves out read its logits, as after an eager one: the same tokens."""
+    model, tok = fastdllm.load("sdar-arith", dtype=torch.float32)
+    calls = []
+
+    def eager(self):
+        def run(*args):
+            calls.append(args[0].shape)
+            return self.window_logits_static(*args)
+
+        return run
+
+    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    logits_of, kept = KVRunner.logits, []
+
+    def logits(self, pages, seq, policy, steps):
+        before = len(calls)
+        out = logits_of(self, pages, seq, policy, steps)
+        if len(calls) > before:  # a graphed step: the row's latest logits are its
+            kept.append(torch.equal(pages.latest, out))
+        return out
+
+    monkeypatch.setattr(KVRunner, "logits", logits)
+    ids = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:4]]
+    config = GenerationConfig.for_model(model, gen_length=64, cache="sub-block", sub_block_length=2)
+    eager_out = fastdllm.generate(model, ids, config=config)
+    graphed = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+    assert kept and all(kept)
+    assert torch.equal(graphed.sequences, eager_out.sequences) and graphed.nfe_per_row == eager_out.nfe_per_row
 
 
 def test_cuda_graphs_is_checked():
