@@ -541,31 +541,22 @@ class DiffusionGemma(Transformer):
         """Final-norm hidden states (N, dim) of the windows packed end to end (`packed_logits`); a
         window whose canvas starts at its end is the encoder's causal pass alone. `compiled`: each
         layer's dense math through torch.compile (`compiled_layers`)."""
-        tokens, canvas, positions, images, signal, given = [], [], [], [], [], []
-        offset, dev = 0, x.device
-        for row, lo, hi, keys, start in windows:
+        dev = x.device
+        for _, lo, hi, keys, start in windows:
             if not lo <= start <= hi <= keys:
                 raise ValueError(f"window {(lo, hi)} with keys {keys} does not hold a canvas from {start}")
-            where, vectors = embeds[row] if embeds and row in embeds else (torch.zeros(0, dtype=torch.long), None)
-            where = where.to(dev)
-            before = where < start  # an image's soft tokens in the prompt; in the canvas, the signal
-            images.append(where[before])
-            tokens.append(x[row, lo:hi])
-            cols = torch.arange(lo, hi, device=dev)
-            positions.append(cols)
-            canvas.append(cols >= start)
-            sc = torch.zeros(hi - start, self.args.dim, dtype=self.dtype, device=dev)
-            if vectors is not None:
-                sc[where[~before] - start] = vectors[~before].to(dev, self.dtype)
-                inside = before & (where >= lo)
-                given.append((offset + where[inside] - lo, vectors[inside]))
-            signal.append(sc)
-            offset += hi - lo
-        tokens, positions, canvas = torch.cat(tokens), torch.cat(positions), torch.cat(canvas)
-        h = self.embed(tokens)[None]
-        for at, vectors in given:  # soft tokens replace the scaled embeddings of their columns
-            h[0, at] = vectors.to(dev, h.dtype)
-        h[0, canvas] = self.self_conditioned(h[0, canvas], torch.cat(signal))
+        # every window's (row, column, in its canvas) built on the host and sent in one copy
+        rows = [row for row, lo, hi, _, _ in windows for _ in range(lo, hi)]
+        columns = [c for _, lo, hi, _, _ in windows for c in range(lo, hi)]
+        in_canvas = [int(c >= start) for _, lo, hi, _, start in windows for c in range(lo, hi)]
+        placed = torch.tensor([rows, columns, in_canvas], device=dev)
+        positions, canvas = placed[1], placed[2].bool()
+        h = self.embed(x[placed[0], positions])[None]
+        signal = torch.zeros(
+            sum(hi - start for *_, hi, _, start in windows), self.args.dim, dtype=self.dtype, device=dev
+        )
+        signal, images = self._given_vectors(h, signal, windows, embeds)
+        h[0, canvas] = self.self_conditioned(h[0, canvas], signal)
         # every row's columns, one after another: where each layer writes their K/V in one copy
         slots = None if cache is None else cache.write_slots([(row, lo, hi) for row, lo, hi, _, _ in windows])
         plan = AttentionPlan(
@@ -586,6 +577,35 @@ class DiffusionGemma(Transformer):
             cos, sin = tables[kind]
             h = layer(h, cos, sin, plan, canvas, None if cache is None else cache.layer(i), slots, dense[i])
         return self.norm(h)[0]
+
+    def _given_vectors(self, h: torch.Tensor, signal: torch.Tensor, windows, embeds) -> tuple[torch.Tensor, list]:
+        """The rows' input vectors (`embeds`: {row: (columns, vectors)}) put in place, every row's at
+        once: an image's soft tokens in the prompt replace the scaled embeddings of their columns in
+        `h` (1, N, dim) where a window computes them; in the canvas they are its self-conditioning
+        `signal` (canvas columns, dim). Returns the signal and, where pictures attend both ways,
+        each window's image columns (`_image_groups`)."""
+        dev, given = h.device, [(j, embeds[row]) for j, (row, *_) in enumerate(windows) if embeds and row in embeds]
+        if not given:
+            return signal, [torch.zeros(0, dtype=torch.long, device=dev)] * len(windows)
+        offsets = [0, *itertools.accumulate(hi - lo for _, lo, hi, _, _ in windows)]
+        canvas_offsets = [0, *itertools.accumulate(hi - start for _, _, hi, _, start in windows)]
+        # per given vector: its window's lo, start, offset in `h` and in `signal`
+        per = [
+            (windows[j][1], windows[j][4], offsets[j], canvas_offsets[j]) for j, (w, _) in given for _ in range(len(w))
+        ]
+        lo, start, offset, canvas_offset = torch.tensor(per, device=dev).view(-1, 4).unbind(1)
+        where = torch.cat([w.to(dev) for _, (w, _) in given])
+        vectors = torch.cat([v.to(dev, self.dtype) for _, (_, v) in given])
+        before = where < start  # an image's soft tokens in the prompt; in the canvas, the signal
+        signal[(canvas_offset + where - start)[~before]] = vectors[~before]
+        inside = before & (where >= lo)
+        h[0, (offset + where - lo)[inside]] = vectors[inside].to(h.dtype)
+        images = [torch.zeros(0, dtype=torch.long, device=dev)] * len(windows)
+        if self.args.extra.get("vision_bidirectional"):  # each window's image columns
+            for j, (w, _) in given:
+                w = w.to(dev)
+                images[j] = w[w < windows[j][4]]
+        return signal, images
 
     def compiled_layers(self) -> list:
         """Per layer, its dense math before attention, between attention and the experts, and after
