@@ -110,6 +110,7 @@ def test_a_block_diffusion_bench_runs_its_own_rows_in_its_own_blocks(tmp_path, n
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_plots_keep_every_label_readable(tmp_path):
     """Fifteen rows, most at one accuracy and close speeds (what gen 256 gives): after drawing,
     no two pieces of text overlap, every one is inside the canvas, the axes keep a fair share of

@@ -186,6 +186,7 @@ def test_no_attack_is_ever_passed(task_name, problems, tmp_path):
     assert leftover_processes() == []
 
 
+@pytest.mark.slow
 def test_verdict_reasons_say_what_happened():
     task = get_task("humaneval")
     doc = sample_docs("humaneval")[0]

@@ -334,6 +334,7 @@ def test_transplant_llada_weights_into_the_dream_twin(tokenizer):
         train.transplant_weights(embedded.new_model("dream", "micro", tokenizer), llada)
 
 
+@pytest.mark.slow
 def test_talk_tokenizer_makes_everyday_words_single_tokens():
     """A fresh run's BPE trained on the talk corpus: the words of everyday questions and docstrings
     that the arith BPE spells out in pieces become whole tokens; every text still round-trips."""
@@ -508,6 +509,7 @@ def test_each_shipped_models_recipe_is_a_record_the_model_card_shows_and_train_t
             folders.add(args["out"].removeprefix("runs/"))
 
 
+@pytest.mark.slow
 def test_a_diffusion_gemma_twin_is_a_checkpoint_transformers_reads(tokenizer, tmp_path):
     """The DiffusionGemma twin's config.json is transformers' layout: its own
     `DiffusionGemmaForBlockDiffusion` builds from it and, given our weights, computes the decoder's
