@@ -37,6 +37,23 @@ def test_a_step_reads_the_device_once(name, cache, blocks, request, tokenizer):
     assert steps >= blocks and syncs.count <= steps + 3 * blocks + setup, syncs.by_site.most_common()
 
 
+def test_diffusion_gemmas_steps_read_the_device_twice():
+    """DiffusionGemma's forward and decisions read nothing (its packed inputs, input vectors and
+    attention outputs placed by index, its stop rule decided on the device): a step reads the
+    rows' windows and, for its self-conditioning, whether each row's canvas is over."""
+    import fastdllm
+    from fastdllm.evaluation.tasks import arith
+
+    model, tok = fastdllm.load("gemma-arith")
+    prompts = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:2]]
+    kinds = []
+    with HostSyncs(sites=True) as syncs:
+        generate(model, prompts, GenerationConfig.for_model(model, seed=0), on_step=lambda e: kinds.append(e.kind))
+    steps, blocks = kinds.count("step"), kinds.count("block")
+    assert not [site for site in syncs.by_site if "boolean index" in site], syncs.by_site.most_common()
+    assert syncs.count <= 2 * steps + 3 * blocks + 4 + 3 * len(prompts), syncs.by_site.most_common()
+
+
 def test_the_counter_sees_every_kind_of_host_read():
     x = torch.arange(6)
     with HostSyncs() as syncs:

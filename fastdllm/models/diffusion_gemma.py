@@ -551,12 +551,14 @@ class DiffusionGemma(Transformer):
         in_canvas = [int(c >= start) for _, lo, hi, _, start in windows for c in range(lo, hi)]
         placed = torch.tensor([rows, columns, in_canvas], device=dev)
         positions, canvas = placed[1], placed[2].bool()
-        h = self.embed(x[placed[0], positions])[None]
-        signal = torch.zeros(
-            sum(hi - start for *_, hi, _, start in windows), self.args.dim, dtype=self.dtype, device=dev
-        )
+        # the canvas columns' packed places, known on the host (no boolean index: a host read on a GPU)
+        in_canvas = torch.tensor([j for j, c in enumerate(in_canvas) if c], dtype=torch.long, device=dev)
+        at = torch.cat([placed[:2], placed[:2, :1]], 1)  # and a spare column (`_given_vectors`)
+        h = self.embed(x[at[0], at[1]])[None]
+        signal = torch.zeros(len(in_canvas) + 1, self.args.dim, dtype=self.dtype, device=dev)
         signal, images = self._given_vectors(h, signal, windows, embeds)
-        h[0, canvas] = self.self_conditioned(h[0, canvas], signal)
+        h = h[:, :-1]
+        h[0, in_canvas] = self.self_conditioned(h[0, in_canvas], signal[:-1])
         # every row's columns, one after another: where each layer writes their K/V in one copy
         slots = None if cache is None else cache.write_slots([(row, lo, hi) for row, lo, hi, _, _ in windows])
         plan = AttentionPlan(
@@ -581,9 +583,10 @@ class DiffusionGemma(Transformer):
     def _given_vectors(self, h: torch.Tensor, signal: torch.Tensor, windows, embeds) -> tuple[torch.Tensor, list]:
         """The rows' input vectors (`embeds`: {row: (columns, vectors)}) put in place, every row's at
         once: an image's soft tokens in the prompt replace the scaled embeddings of their columns in
-        `h` (1, N, dim) where a window computes them; in the canvas they are its self-conditioning
-        `signal` (canvas columns, dim). Returns the signal and, where pictures attend both ways,
-        each window's image columns (`_image_groups`)."""
+        `h` (1, N + 1, dim) where a window computes them; in the canvas they are its
+        self-conditioning `signal` (canvas columns + 1, dim). A vector that belongs to neither goes
+        to each one's spare last row (no boolean index: a host read on a GPU). Returns the signal
+        and, where pictures attend both ways, each window's image columns (`_image_groups`)."""
         dev, given = h.device, [(j, embeds[row]) for j, (row, *_) in enumerate(windows) if embeds and row in embeds]
         if not given:
             return signal, [torch.zeros(0, dtype=torch.long, device=dev)] * len(windows)
@@ -597,9 +600,9 @@ class DiffusionGemma(Transformer):
         where = torch.cat([w.to(dev) for _, (w, _) in given])
         vectors = torch.cat([v.to(dev, self.dtype) for _, (_, v) in given])
         before = where < start  # an image's soft tokens in the prompt; in the canvas, the signal
-        signal[(canvas_offset + where - start)[~before]] = vectors[~before]
-        inside = before & (where >= lo)
-        h[0, (offset + where - lo)[inside]] = vectors[inside].to(h.dtype)
+        signal[torch.where(before, signal.shape[0] - 1, canvas_offset + where - start)] = vectors
+        inside = before & (where >= lo)  # a prompt column this window computes
+        h[0, torch.where(inside, offset + where - lo, h.shape[1] - 1)] = vectors.to(h.dtype)
         images = [torch.zeros(0, dtype=torch.long, device=dev)] * len(windows)
         if self.args.extra.get("vision_bidirectional"):  # each window's image columns
             for j, (w, _) in given:

@@ -45,6 +45,11 @@ class PackedRows:
         offsets = sizes[0].cumsum(0) - sizes[0]
         self.queries = (offsets[:, None] + torch.arange(width, device=device)).clamp(max=sum(widths) - 1)
         self.valid = torch.arange(width, device=device)[None, :] < sizes[0][:, None]
+        # where each packed query sits in the (rows x width) padded output: no boolean index (on a
+        # GPU, a host read per layer)
+        self.unpadded = torch.tensor(
+            [r * width + j for r, w in enumerate(widths) for j in range(w)], dtype=torch.long, device=device
+        )
         self.keys = key_slots
         # (rows, queries, keys): a row's real keys
         self.seen = (torch.arange(most, device=device)[None, None, :] < sizes[1][:, None, None]).expand(
@@ -72,4 +77,4 @@ class PackedRows:
             scale=scale,
             enable_gqa=gqa,
         )
-        return out.transpose(1, 2)[self.valid]
+        return out.transpose(1, 2).flatten(0, 1)[self.unpadded]

@@ -82,51 +82,45 @@ class RenoisingStrategy(Decoder):
         (before the block's first step draws)."""
         return torch.randint(0, self.vocab_size, (1, len(tokens)), generator=generator, device=tokens.device)[0]
 
-    def temperature(self, step: int) -> torch.Tensor:
-        """The reference's float32 temperature at step `step` (0-based) of a canvas."""
-        remaining = torch.tensor(self.steps - step, dtype=torch.int32)
+    def temperatures(self, steps: list[int], device) -> torch.Tensor:
+        """(B,) the reference's float32 temperature at each row's step (0-based) of its canvas."""
+        remaining = torch.tensor([self.steps - step for step in steps], dtype=torch.int32, device=device)
         return self.t_min + (self.t_max - self.t_min) * (remaining / self.steps)
 
     def decide(self, logits, view: DecodeView) -> Decision:
+        """Every row's step at once, with no host read: only the draws are per row, each from its
+        own generator in the reference's order (its sample, then its noise)."""
         block, clock, generators, carry = view.block, view.clock, view.generators, view.carry
         bsz, length, vocab = logits.shape
-        tokens, chosen = block.clone(), torch.zeros_like(block, dtype=torch.bool)
-        done = torch.zeros(bsz, dtype=torch.bool, device=block.device)
-        signal = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        histories = []
-        for i in range(bsz):
-            step = clock.step[i]
-            processed = logits[i].float() / self.temperature(step)
-            g = generators[i]
-            sampled = torch.multinomial(processed.softmax(-1, dtype=torch.float32), 1, generator=g).squeeze(-1)
-            argmax = processed.argmax(-1)
-            ent = entropy(processed)
-            accepted = self.rule.select(-ent[None], None, clock, generators, None)[0]
-            canvas = torch.where(accepted, sampled, block[i])
-            noise = torch.randint(0, vocab, (1, length), generator=g, device=block.device)[0]
-            canvas = torch.where(accepted, canvas, noise)
-            history = carry[i] if carry is not None and carry[i] is not None else None
-            if self.stability == 0:
-                stable = True
-            else:
-                if history is None:
-                    history = torch.full((self.stability, length), -1, dtype=torch.long, device=block.device)
-                stable = bool((history == argmax[None]).all())
-                history = torch.roll(history, -1, 0)
-                history[-1] = argmax
-            histories.append(history)
-            confident = self.confidence is not None and bool(ent.mean() < self.confidence)
-            finished = (stable and confident) or step + 1 >= self.steps
-            done[i] = finished
-            tokens[i] = argmax if finished else canvas
-            chosen[i] = accepted | finished
-            signal[i] = processed
+        dev = block.device
+        processed = logits.float() / self.temperatures(clock.step, dev)[:, None, None]
+        probs = processed.softmax(-1, dtype=torch.float32)
+        sampled, noise = torch.empty_like(block), torch.empty_like(block)
+        for i, g in enumerate(generators):
+            sampled[i] = torch.multinomial(probs[i], 1, generator=g).squeeze(-1)
+            noise[i] = torch.randint(0, vocab, (1, length), generator=g, device=dev)[0]
+        argmax = processed.argmax(-1)
+        ent = entropy(processed)
+        accepted = self.rule.select(-ent, None, clock, generators, None)
+        canvas = torch.where(accepted, sampled, noise)
+        if self.stability == 0:
+            stable, histories = torch.ones(bsz, dtype=torch.bool, device=dev), [None] * bsz
+        else:
+            fresh = torch.full((self.stability, length), -1, dtype=torch.long, device=dev)
+            history = torch.stack([fresh if carry is None or carry[i] is None else carry[i] for i in range(bsz)])
+            stable = (history == argmax[:, None]).flatten(1).all(-1)
+            history = torch.roll(history, -1, 1)
+            history[:, -1] = argmax
+            histories = list(history.unbind(0))
+        confident = ent.mean(-1) < self.confidence if self.confidence is not None else torch.zeros_like(stable)
+        last = torch.tensor([step + 1 >= self.steps for step in clock.step], device=dev)
+        done = (stable & confident) | last
         return Decision(
-            tokens,
-            chosen,
-            edited=torch.ones_like(chosen),
+            torch.where(done[:, None], argmax, canvas),
+            accepted | done[:, None],
+            edited=torch.ones_like(accepted),
             block_done=done,
-            signal=SelfConditioning(signal),
+            signal=SelfConditioning(processed),
             carry=histories,
         )
 
