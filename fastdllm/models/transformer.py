@@ -323,9 +323,7 @@ class Transformer(nn.Module):
         the block, and rows that share them must agree on it."""
         return not self.args.block_size
 
-    # Whether its layers' dense math compiles (`compiled_layers`, `GenerationConfig.compile`) and
-    # its cached step is captured as a CUDA graph (`window_logits_static`, `cuda_graphs`).
-    compiles = True
+    # Whether its cached step is captured as a CUDA graph (`window_logits_static`, `cuda_graphs`).
     captures_steps = True
 
     # Whether a decoder may choose how a window attends (`packed_logits`'s `canvas`): a model whose
