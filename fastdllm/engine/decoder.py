@@ -377,12 +377,10 @@ class BlockDecoder:
             for p in parts
         ]
         flat = torch.cat(reads).tolist()
-        columns: dict[int, torch.Tensor] = {}
-        k = 0
+        place: dict[int, tuple[Part, int]] = {}  # row -> its part and its place there
         for p in parts:
             for j, i in enumerate(p.members):
-                host[i], columns[i] = flat[k], p.columns[j]
-                k += 1
+                host[i], place[i] = flat[len(place)], (p, j)
         for r, h in zip(rows, host):
             r.tokens_per_step.append(h[1])
             if h[4] >= 0:
@@ -406,7 +404,8 @@ class BlockDecoder:
             r.finished, r.unrefreshed = bool(h[2]) and r.block >= r.stop_block, 0
             window_logprobs = None
             if self.layout.logprobs is not None and r.config.logprobs is not None:
-                window_logprobs = self.layout.logprobs.window(i, columns[i], r.config.logprobs)
+                p, j = place[i]
+                window_logprobs = self.layout.logprobs.window(i, p.columns[j], r.config.logprobs)
             k = 0
             while True:
                 _, _, b_lo, b_hi = r.answer_span(r.block)

@@ -165,19 +165,6 @@ def iter_generate(
         for pos, t in r.fixed:
             canvas[i, pos] = t
 
-    def show(step) -> None:
-        """Every row's current block on the canvas, in one write."""
-        rows, canvas_cols, block_cols = [], [], []
-        for i, (r, b) in enumerate(zip(step.rows, step.blocks)):
-            a_lo, a_hi, b_lo, _ = r.answer_span(b)
-            rows += [i] * (a_hi - a_lo)
-            canvas_cols += range(a_lo, a_hi)
-            block_cols += range(b_lo, b_lo + a_hi - a_lo)
-        if rows:
-            at = torch.tensor([rows, canvas_cols, block_cols], device=canvas.device)
-            slots = torch.tensor([slot[id(r)] for r in step.rows], device=canvas.device)
-            canvas[slots[at[0]], at[1]] = step.tokens[at[0], at[2]]
-
     while True:
         step = decoder.step()
         if step is None:
@@ -185,7 +172,11 @@ def iter_generate(
         if not step.rows:  # a forward of prompts being prefilled, no row decoding yet
             continue
         live = [slot[id(r)] for r in step.rows]
-        show(step)
+        # every row's current block on the canvas, in one write
+        places = answer_places([(i, r, b) for i, (r, b) in enumerate(zip(step.rows, step.blocks))])
+        if places[0]:
+            at = torch.tensor([[live[i] for i in places[0]], *places], device=canvas.device)
+            canvas[at[0], at[2]] = step.tokens[at[1], at[3]]
         for r in decoder.left:
             canvas[slot[id(r)]] = r.answer
         yield StepEvent(
@@ -200,21 +191,39 @@ def iter_generate(
             leads=[r.lead for r in step.rows],
         )
         by_block: dict[int, list] = {}
-        final = [[], [], []]  # canvas rows, columns and tokens of the blocks that became final
-        for r, b, tokens in decoder.last_blocks:
-            a_lo, a_hi, _, _ = r.answer_span(b)
-            if not r.done and a_hi > a_lo:  # also a block revealed whole while it was a later one
-                final[0] += [slot[id(r)]] * (a_hi - a_lo)
-                final[1] += range(a_lo, a_hi)
-                final[2] += tokens
+        for r, b, _ in decoder.last_blocks:
             by_block.setdefault(b, []).append(slot[id(r)])
-        if final[0]:
-            at = torch.tensor(final, device=canvas.device)
+        # the blocks that became final (also one revealed whole while it was a later one), in one write
+        final = [(slot[id(r)], r, b, tokens) for r, b, tokens in decoder.last_blocks if not r.done]
+        places = answer_places([(k, r, b) for k, (_, r, b, _) in enumerate(final)])
+        if places[0]:
+            tokens = [t for *_, block_tokens in final for t in block_tokens]
+            at = torch.tensor([[final[k][0] for k in places[0]], places[1], tokens], device=canvas.device)
             canvas[at[0], at[1]] = at[2]
         for b in sorted(by_block):
             yield StepEvent("block", canvas, b, by_block[b], finished=[r.finished for r in rows], nfe=decoder.nfe)
 
-    stats = RunStats(
+    finished = [r.finished for r in rows]
+    yield StepEvent(
+        "done", canvas, config.num_blocks - 1, [], finished=finished, nfe=decoder.nfe, stats=run_stats(decoder, rows)
+    )
+
+
+def answer_places(entries) -> tuple[list[int], list[int], list[int]]:
+    """Per answer position that block `b` of row `r` holds, for each (key, r, b) entry: its key,
+    its column in the answer and its column in the block (`Row.answer_span`)."""
+    keys, answer_columns, block_columns = [], [], []
+    for key, r, b in entries:
+        a_lo, a_hi, b_lo, _ = r.answer_span(b)
+        keys += [key] * (a_hi - a_lo)
+        answer_columns += range(a_lo, a_hi)
+        block_columns += range(b_lo, b_lo + a_hi - a_lo)
+    return keys, answer_columns, block_columns
+
+
+def run_stats(decoder: BlockDecoder, rows) -> RunStats:
+    """What a decode of `rows` cost, per row, once they are all done."""
+    return RunStats(
         nfe=decoder.nfe,
         nfe_per_row=[r.nfe for r in rows],
         tokens_per_step=[r.tokens_per_step for r in rows],
@@ -230,8 +239,6 @@ def iter_generate(
         computed_positions=decoder.computed_positions,
         **answer_logprobs(rows),
     )
-    finished = [r.finished for r in rows]
-    yield StepEvent("done", canvas, config.num_blocks - 1, [], finished=finished, nfe=decoder.nfe, stats=stats)
 
 
 def answer_logprobs(rows) -> dict:

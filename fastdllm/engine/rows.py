@@ -179,16 +179,14 @@ class Row:
     # log-probability) pairs), None where no forward chose the token (fixed, or padding after a stop)
     block_logprobs: dict = field(default_factory=dict)
     carry: object = None  # its strategy's state for its next step in this block (`Decision.carry`)
-    # its prompt as host ids (read from the device once, when it was added), and as the prefix
-    # store keys it (`prefix_tokens`, made on first use)
-    prompt_ids: list[int] | None = field(default=None, repr=False)
+    # its prompt as host ids (read from the device once, when it was added: `of_prompt`), and as
+    # the prefix store keys it (`prefix_tokens`, made on first use)
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
     store_keys: list[int] | None = field(default=None, repr=False)
 
     @classmethod
-    def of_prompt(
-        cls, prompt, config: GenerationConfig, generator, tag, block_causal: bool, ids: list[int] | None = None
-    ) -> Row:
-        """A row for `prompt` (`ids`: the same as host ids, where the caller has them): with a
+    def of_prompt(cls, prompt, config: GenerationConfig, generator, tag, block_causal: bool, ids: list[int]) -> Row:
+        """A row for `prompt` (`ids`: the same as host ids): with a
         block-causal model, a prompt that ends inside a block leads into one more block of region
         (`lead_tokens`); a config that reads past the answer (`columns_past_answer`) gets that
         region too."""
@@ -203,9 +201,14 @@ class Row:
             gen_length=config.gen_length + blk,
             steps=None if config.steps is None else config.steps + config.steps // config.num_blocks,
         )
-        kept = None if ids is None else ids[:-lead]
         return cls(
-            prompt[:-lead], region, generator, tag, asked=config.gen_length, lead_tokens=prompt[-lead:], prompt_ids=kept
+            prompt[:-lead],
+            region,
+            generator,
+            tag,
+            asked=config.gen_length,
+            lead_tokens=prompt[-lead:],
+            prompt_ids=ids[:-lead],
         )
 
     def prefill_chunk(self, causal_prompt: bool, cache_keeps_prompt: bool) -> int:
@@ -236,8 +239,7 @@ class Row:
     def prefix_tokens(self) -> list[int]:
         """Its prompt as the prefix store keys it (`prefix_tokens`)."""
         if self.store_keys is None:
-            ids = self.prompt.tolist() if self.prompt_ids is None else self.prompt_ids
-            self.store_keys = prefix_tokens(ids, self.images)
+            self.store_keys = prefix_tokens(self.prompt_ids, self.images)
         return self.store_keys
 
     @property

@@ -548,11 +548,11 @@ class DiffusionGemma(Transformer):
         # every window's (row, column, in its canvas) built on the host and sent in one copy
         rows = [row for row, lo, hi, _, _ in windows for _ in range(lo, hi)]
         columns = [c for _, lo, hi, _, _ in windows for c in range(lo, hi)]
-        in_canvas = [int(c >= start) for _, lo, hi, _, start in windows for c in range(lo, hi)]
-        placed = torch.tensor([rows, columns, in_canvas], device=dev)
+        flags = [int(c >= start) for _, lo, hi, _, start in windows for c in range(lo, hi)]
+        placed = torch.tensor([rows, columns, flags], device=dev)
         positions, canvas = placed[1], placed[2].bool()
         # the canvas columns' packed places, known on the host (no boolean index: a host read on a GPU)
-        in_canvas = torch.tensor([j for j, c in enumerate(in_canvas) if c], dtype=torch.long, device=dev)
+        in_canvas = torch.tensor([j for j, c in enumerate(flags) if c], dtype=torch.long, device=dev)
         at = torch.cat([placed[:2], placed[:2, :1]], 1)  # and a spare column (`_given_vectors`)
         h = self.embed(x[at[0], at[1]])[None]
         signal = torch.zeros(len(in_canvas) + 1, self.args.dim, dtype=self.dtype, device=dev)

@@ -290,26 +290,22 @@ class PagedKVCache:
             return parts[0] if parts else slice(0, 0)
         return torch.cat([torch.arange(s.start, s.stop, device=self.k.device) for s in parts])
 
-    def slots(self, row: int, lo: int, hi: int) -> torch.Tensor:
-        """The pool slots of row `row`'s columns [lo, hi) as an index (`span` as a tensor)."""
-        where = self.span(row, lo, hi)
-        return torch.arange(where.start, where.stop, device=self.k.device) if isinstance(where, slice) else where
+    def slot_ids(self, row: int, lo: int, hi: int) -> list[int]:
+        """The pool slots of row `row`'s columns [lo, hi), as host ints."""
+        return [i for s in self.slices(row, lo, hi) for i in range(s.start, s.stop)]
 
     def write_slots(self, spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """The pool slots of the columns [lo, hi) of each (row, lo, hi), one after another: where a
         forward that packs those rows' windows writes their K/V, one copy per layer for them all
         (`PagedLayerKV.write`). Made on the host and sent in one copy."""
-        slots = [i for row, lo, hi in spans for s in self.slices(row, lo, hi) for i in range(s.start, s.stop)]
+        slots = [i for row, lo, hi in spans for i in self.slot_ids(row, lo, hi)]
         return torch.tensor(slots, dtype=torch.long, device=self.k.device)
 
     def key_slots(self, rows: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
         """(len(rows), most) the pool slots of the columns [0, keys) of each (row, keys), padded with
         slot 0 (keys a caller masks), and each one's count: made on the host and sent in one copy."""
         most = max((keys for _, keys in rows), default=0)
-        table = []
-        for row, keys in rows:
-            slots = [i for s in self.slices(row, 0, keys) for i in range(s.start, s.stop)]
-            table.append(slots + [0] * (most - keys))
+        table = [self.slot_ids(row, 0, keys) + [0] * (most - keys) for row, keys in rows]
         return torch.tensor(table, dtype=torch.long, device=self.k.device).view(len(rows), most), [k for _, k in rows]
 
     def read(self, row: int, lo: int, hi: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
