@@ -13,7 +13,7 @@ recording every forward's window. Each family's model is then built at the width
 config (random bf16 weights, `--layers` of its layers: time per layer is what scales), and the
 windows are replayed on it for `--batch` rows at once: tokens/s of the generated tokens, and
 positions computed per token (the work, independent of the machine). Optional rows: int8 / int4
-weights (`--quant`), the cached steps through the fixed-shape step that `cuda_graphs` captures
+weights (`--quant`), every step after a row's first through the fixed-shape step `cuda_graphs` captures
 (`--graphs`: CUDA graphs on a GPU, compiled once per batch size), and torch.compile of the
 layers with dynamic shapes (`--compile`). Eager forwards run twice, their rows attending in a call
 per row and in one call per layer (`models.packed`: what `attention_calls` "auto" picks from 8 rows
@@ -110,33 +110,29 @@ def wide(family: str, layers: int, device, tiny: bool):
 @torch.inference_mode()
 def replay(model, history: list[list[tuple]], batch: int, device, mode: str = "eager", capacity: int = 0) -> None:
     """The recorded forwards of one row on `batch` copies of it (random tokens: only the shapes
-    matter), each forward one packed call over the rows' windows; with `graphs`, DualCache's
-    cached steps (the window is the block) through the fixed-shape step that `cuda_graphs`
-    captures, over a cache of `capacity` positions (at least the run's largest length: one buffer
-    length for every run, so that each batch size is one layout, captured once); with `compile`, the
-    layers' dense math through torch.compile (dynamic shapes)."""
+    matter), each forward one packed call over the rows' windows; with `graphs`, every forward
+    after the first through the fixed-shape step that `cuda_graphs` captures, over a cache of
+    `capacity` positions (at least the run's largest length: one buffer length for every run, so
+    that each batch size is one layout with a few window widths); with `compile`, the layers'
+    dense math through torch.compile (dynamic shapes)."""
     graphs = mode == "graphs"
     vocab = model.args.vocab_size
     capacity = max(capacity, length(history))
     x = torch.randint(0, vocab, (batch, capacity), device=device)
-    from fastdllm.engine.kv.pages import FixedSlots, PagedKVCache
+    from fastdllm.engine.cache.base import SequenceView
+    from fastdllm.engine.kv.pages import PagedKVCache
+    from fastdllm.engine.kv.runner import FixedForm
 
     cache = PagedKVCache.for_rows(model, batch, capacity)
-    slots = FixedSlots(cache, cache.slot_table(capacity))  # the fixed-shape step's view of it
-    shift = int(model.args.shifted_logits)
-    positions = torch.arange(capacity, device=device).expand(batch, capacity)
-    for forward in history:
+    for n, forward in enumerate(history):
         _, lo, hi, keys, start = forward[0]
-        # a cached step: its window opens at its block, or one column before it for a shifted
-        # family's first logit (a block-start forward opens further back, a full one at 0)
-        if graphs and lo > 0 and 0 <= start - lo <= shift:
-            columns = (lo + torch.arange(hi - lo, device=device)).expand(batch, hi - lo)
-            key_ok = (torch.arange(capacity, device=device) < keys).expand(batch, capacity)
-            step = model.graphed_window_logits()
-            picks = model.logit_columns(0, hi - lo, start - lo)
-            step(x.gather(1, columns), columns, columns, key_ok, positions, slots, None, picks)
+        windows = [(b, lo, hi, keys, start) for b in range(batch)]
+        if graphs and n:  # a step as `cuda_graphs` runs it (not a row's first): in `FixedForm`'s shapes
+            per_row = [(value,) * batch for value in (start, keys, 0, hi - lo, hi - start)]
+            form = FixedForm.of(model, SequenceView(x, *per_row), windows)
+            model.graphed_window_logits()(*form.inputs(x, cache, None))
             continue
-        model.packed_logits(x, [(b, lo, hi, keys, start) for b in range(batch)], cache, compiled=mode == "compile")
+        model.packed_logits(x, windows, cache, compiled=mode == "compile")
 
 
 def length(history: list[list[tuple]]) -> int:
@@ -171,7 +167,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--graphs",
         action="store_true",
-        help="also the cached steps through the fixed-shape step `cuda_graphs` captures (CUDA graphs on a GPU)",
+        help="also every step after the first through the fixed-shape step of `cuda_graphs` (CUDA graphs on a GPU)",
     )
     p.add_argument(
         "--no-attention",

@@ -24,9 +24,10 @@ FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_nemotron"] + [
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatch):
-    """The fixed-shape step run eagerly (no compile): the same tokens, batched with padding, and a
-    suffix window that hides part of the cache; with nothing seen past the block, the vicinity
-    refresh's block starts and the prefix cache's steps take it too."""
+    """The fixed-shape step run eagerly (no compile) serves every step after the rows' first, of
+    every cache policy whose windows are one per row: the same tokens and forwards, rows of
+    different lengths and at different places in their blocks (padded windows), a suffix window
+    that hides part of the cache, the prefix cache's windows to each row's end, no cache."""
     model = request.getfixturevalue(name)
     calls = []
 
@@ -43,15 +44,46 @@ def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatc
     base = GenerationConfig.for_model(model, base, checkpoint_defaults=False, cache="dual", sub_block_length=None)
     vicinity = base.replace(suffix_window=0, refresh="vicinity")
     configs = [base.replace(suffix_window=None), base.replace(suffix_window=block), vicinity]
-    configs += [base.replace(cache="prefix", suffix_window=0)]
-    # (rows that start their blocks at one step share a fixed-shape block start: one row alone does)
+    configs += [base.replace(cache="prefix", suffix_window=0), base.replace(cache="prefix", suffix_window=None)]
+    configs += [base.replace(cache="none", suffix_window=None)]
     for config, lengths in [(c, (6, 11)) for c in configs] + [(vicinity, (6,))]:
-        eager_out = fastdllm.generate(model, random_prompts(model, lengths), config=config)
+        runner = KVRunner(model).record()
+        eager_out = fastdllm.generate(model, random_prompts(model, lengths), config=config, kv=runner)
+        before = len(calls)
         graphed = fastdllm.generate(model, random_prompts(model, lengths), config=config.replace(cuda_graphs=True))
         assert torch.equal(eager_out.sequences, graphed.sequences), config
         assert eager_out.nfe_per_row == graphed.nfe_per_row, config
+        assert len(calls) - before == len(runner.history) - 1, config  # every forward but the rows' first
     assert len({column for column, _ in calls}) > 1  # steps at several blocks went through it
     assert max(width for _, width in calls) >= 2 * block  # a block start: the finished block and the new one
+
+
+@pytest.mark.parametrize("name", ["tiny_llada", "tiny_dream"])
+def test_multi_block_steps_and_the_delayed_cache_take_the_fixed_shape_step(name, request, monkeypatch):
+    """Several blocks decoded at once (wider windows, a block joining mid-way), under DualCache and
+    d3LLM's delayed cache (each row's committed prefix its own): graphed as eager."""
+    model = request.getfixturevalue(name)
+    calls = []
+
+    def eager(self):
+        def run(*args):
+            calls.append(args[0].shape)
+            return self.window_logits_static(*args)
+
+        return run
+
+    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    multi = dict(parallel_blocks=2, block_add_threshold=0.0, lookahead_threshold=1.0, decoded_token_threshold=0.0)
+    base = GenerationConfig(gen_length=32, block_length=8, threshold=0.9, stop_at_eos=False, **multi)
+    for cache in ("dual", "delayed"):
+        config = GenerationConfig.for_model(model, base, checkpoint_defaults=False, cache=cache, suffix_window=None)
+        runner = KVRunner(model).record()
+        eager_out = fastdllm.generate(model, random_prompts(model, (5, 9)), config=config, kv=runner)
+        before = len(calls)
+        graphed = fastdllm.generate(model, random_prompts(model, (5, 9)), config=config.replace(cuda_graphs=True))
+        assert torch.equal(eager_out.sequences, graphed.sequences), cache
+        assert eager_out.nfe_per_row == graphed.nfe_per_row, cache
+        assert len(calls) - before == len(runner.history) - 1, cache
 
 
 def test_a_graphed_whole_block_step_keeps_the_sub_block_caches_logits(monkeypatch):
@@ -94,22 +126,24 @@ def test_cuda_graphs_is_checked():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llada-arith", "sdar-arith"])
-def test_compiled_once_per_layout_and_token_identical(name):
+@pytest.mark.parametrize("name", ["tiny_llada", "tiny_sdar"])
+def test_compiled_a_few_graphs_and_token_identical(name, request):
+    """Compiled (the function a GPU captures as CUDA graphs): the eager tokens; rows padded to
+    their bucket and keys to whole buckets, so that a block's first step and its later ones are
+    one graph each per rows' bucket, as rows leave on their own clocks, and none is compiled again."""
     import torch._dynamo
 
-    model, tok = fastdllm.load(name, dtype=torch.float32)
-    ids = [arith.prompt_ids(tok, p.question, []) for p in arith.test_split()[:3]]
-    # one token a step: every row is in the middle of its block at the same steps, which the
-    # fixed-shape step serves (a step where some row starts its block is an eager packed forward)
-    base = GenerationConfig(gen_length=96, stop_at_eos=False, threshold=None)
-    config = GenerationConfig.for_model(model, base, checkpoint_defaults=False)
-    eager = fastdllm.generate(model, ids, config=config)
+    model = request.getfixturevalue(name)
+    block = model.args.block_size or 8
+    base = GenerationConfig(gen_length=4 * block, block_length=block, threshold=0.6, stop_at_eos=False)
+    config = GenerationConfig.for_model(model, base, checkpoint_defaults=False, cache="dual", sub_block_length=None)
+    eager = fastdllm.generate(model, random_prompts(model, (6, 11, 9)), config=config)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    graphed = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+    graphed = fastdllm.generate(model, random_prompts(model, (6, 11, 9)), config=config.replace(cuda_graphs=True))
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    again = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+    again = fastdllm.generate(model, random_prompts(model, (6, 11, 9)), config=config.replace(cuda_graphs=True))
     assert torch.equal(eager.sequences, graphed.sequences) and torch.equal(eager.sequences, again.sequences)
-    # one per layout: a batch size, as rows leave on their own clocks; none again for the same batch
-    assert 1 <= compiled <= len(ids) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
+    assert eager.nfe_per_row == graphed.nfe_per_row
+    # three rows, then fewer: buckets of 4, 2 and 1 rows, two window widths each at most
+    assert 1 <= compiled <= 6 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled

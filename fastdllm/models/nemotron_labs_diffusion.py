@@ -161,18 +161,18 @@ class NemotronLabsDiffusion(Transformer):
         mask = causal if span == 0 else torch.where(cols < start, causal, k < start + span)
         return None if bool(mask.all()) else mask
 
-    def static_key_mask(self, positions, key_ok, key_positions, block_size):
+    def static_key_mask(self, positions, key_ok, key_positions, block_size, starts):
         """A fixed-shape window's mask (`Transformer.static_key_mask`) by this model's rule for a
-        window (`window_mask` with its default span): the window ends with its block
-        (`block_size` columns; None: the whole window); a column before the block sees the keys up
-        to itself (causal: a finished block being committed), a column of the block every key
-        before the block's end, whatever else the step sees. A decoder that chooses how a window
-        attends (`canvas`) is not graphed."""
-        block_end = positions[:, -1:] + 1
-        block_start = block_end - block_size if block_size else positions[:, :1]
+        window (`window_mask` with its default span): a column before the row's first logit column
+        (`starts`) sees the keys up to itself (causal: a finished block being committed), a column
+        from it on every key before its block's end (`block_size` columns from it; None: the end
+        of the window, its padding at its last column), whatever else the step sees. A decoder that
+        chooses how a window attends (`canvas`) is not graphed."""
+        block_start = starts[:, None, None]
+        block_end = block_start + block_size if block_size else positions.amax(1)[:, None, None] + 1
         keys, queries = key_positions[:, None, :], positions[:, :, None]
-        causal = (keys <= queries) | (queries >= block_start[:, :, None])
-        return (key_ok[:, None, :] & (keys < block_end[:, :, None]) & causal)[:, None]
+        causal = (keys <= queries) | (queries >= block_start)
+        return (key_ok[:, None, :] & (keys < block_end) & causal)[:, None]
 
     def logit_columns(self, lo, hi, start, span=None):
         """The first position's logit from the causal column before it (where the window holds it);

@@ -553,27 +553,28 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        start: torch.Tensor,
+        columns: torch.Tensor,
         key_ok: torch.Tensor,
         key_positions: torch.Tensor,
         cache,
         block_size: int | None,
-        keep: slice | torch.Tensor,
+        keep: torch.Tensor,
+        starts: torch.Tensor,
     ) -> torch.Tensor:
-        """A cached window's logits with every shape fixed for a layout, so that the step can be
-        captured once as a CUDA graph and replayed at every block (`graphed_window_logits`): the
-        window's tokens and positions (B, T) at columns `start` (a 0-d tensor, or (B, T): each
-        row's own), attending over the
-        whole cache buffer (B, ..., S) where `key_ok` (B, S) allows it (the keys after what the
-        step sees are masked, not cut off); `key_positions` (B, S). Returns the logits of the
-        window's hidden states `keep` picks (`logit_columns`: with shifted logits the window starts
-        one column before the block)."""
+        """Rows' windows with every shape fixed, so that a step can be captured once as a CUDA
+        graph and replayed (`graphed_window_logits`): each row's window tokens and RoPE positions
+        (B, T), its K/V written at its cache `columns` (B, T; the slot table's last column for a
+        padded column), attending over the whole cache buffer (B, ..., S) where `key_ok` (B, S)
+        allows it (the keys past what the row sees are masked, not cut off); `key_positions`
+        (B, S); `starts` (B,) each row's first logit column. Returns the logits (B, P, V) of the
+        window columns `keep` (B, P) picks (`logit_columns` of each row's window)."""
         if self.args.masks_last:
             raise ValueError("cuda_graphs: not with a model whose masks attend last (WeDLM)")
-        key_mask = self.static_key_mask(positions, key_ok, key_positions, block_size)
-        return self.head(self.hidden(tokens, positions, key_mask, cache, start)[:, keep])
+        key_mask = self.static_key_mask(positions, key_ok, key_positions, block_size, starts)
+        h = self.hidden(tokens, positions, key_mask, cache, columns)
+        return self.head(h.gather(1, keep[..., None].expand(-1, -1, h.shape[-1])))
 
-    def static_key_mask(self, positions, key_ok, key_positions, block_size) -> torch.Tensor:
+    def static_key_mask(self, positions, key_ok, key_positions, block_size, starts) -> torch.Tensor:
         """(B, 1, T or 1, S) the keys each query of a fixed-shape window attends: those `key_ok`
         allows, within a block-causal model's blocks (`block_size`, default its own)."""
         key_mask = key_ok[:, None, None, :]
@@ -582,17 +583,21 @@ class Transformer(nn.Module):
         return key_mask
 
     def graphed_window_logits(self):
-        """`window_logits_static` through torch.compile(mode="reduce-overhead"): on a GPU its steps
-        replay a captured CUDA graph; elsewhere, a compiled function of fixed shapes."""
+        """`window_logits_static` through torch.compile(mode="reduce-overhead", dynamic shapes):
+        compiled once for the shapes' buckets (`kv.runner.FixedForm`), and on a GPU a CUDA graph
+        captured per bucket and replayed; elsewhere, the compiled function."""
         if self._graphed_window is None:
-            compiled = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=False)
+            compiled = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=True)
 
-            def step(tokens, positions, start, key_ok, key_positions, cache, block_size, keep):
+            def step(tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts):
                 # The graph writes the cache in place: its buffers must be static inputs (as a
                 # module's buffers are), or inductor declines to capture a graph that mutates them.
                 for buffer in (cache.k, cache.v):
                     torch._dynamo.mark_static_address(buffer)
-                return compiled(tokens, positions, start, key_ok, key_positions, cache, block_size, keep)
+                # sizes that happen to be equal in one step (rows, block, keys) stay apart, or the
+                # next step where they differ compiles again
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    return compiled(tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts)
 
             self._graphed_window = step
         return self._graphed_window

@@ -18,7 +18,7 @@ class RefreshRule:
     # holds another's prompt pages by reference under it (`KVRunner.shares_prompt_pages`).
     recomputes_prompt = True
     # Whether `check` may ask for full forwards after a partial refresh (such a step is not one of
-    # fixed shapes: `kv.runner.fixed_shift`)
+    # fixed shapes: `kv.runner.FixedForm`)
     checks = False
 
     def __init__(self, every: int | None = None, tol: float = 0.1):

@@ -56,7 +56,8 @@ class PagedKVCache:
             raise ValueError(f"page_size: must be >= 1 (got {page_size})")
         self.page_size, self.growable = page_size, growable
         with torch.inference_mode(False):  # a pool serves decodes in and out of inference mode
-            self.k = torch.zeros((n_layers, n_kv_heads, pages * page_size, head_dim), dtype=dtype, device=device)
+            # one slot past the pages: where a fixed-shape step writes its padding's K/V (`scratch`)
+            self.k = torch.zeros((n_layers, n_kv_heads, pages * page_size + 1, head_dim), dtype=dtype, device=device)
             self.v = torch.zeros_like(self.k)
         self.free: set[int] = set(range(pages))
         self.refs: dict[int, int] = {}  # page -> its holders (row tables, pending prompts, the store)
@@ -79,7 +80,13 @@ class PagedKVCache:
 
     @property
     def pages(self) -> int:
-        return self.k.shape[2] // self.page_size
+        return (self.k.shape[2] - 1) // self.page_size
+
+    @property
+    def scratch(self) -> int:
+        """The slot past every page: no row's column, never read unmasked; a fixed-shape step
+        writes the K/V of its windows' padding there (`slot_table`)."""
+        return self.k.shape[2] - 1
 
     @property
     def pages_in_use(self) -> int:
@@ -247,12 +254,12 @@ class PagedKVCache:
             )
         old = self.pages
         new = max(old + pages, 2 * old)
-        size = new * self.page_size
+        held = old * self.page_size
         with torch.inference_mode(False):
-            k = self.k.new_zeros(self.k.shape[:2] + (size,) + self.k.shape[3:])
+            k = self.k.new_zeros(self.k.shape[:2] + (new * self.page_size + 1,) + self.k.shape[3:])
             v = torch.zeros_like(k)
-            k[:, :, : self.k.shape[2]] = self.k
-            v[:, :, : self.v.shape[2]] = self.v
+            k[:, :, :held] = self.k[:, :, :held]
+            v[:, :, :held] = self.v[:, :, :held]
         self.k, self.v = k, v
         self.free.update(range(old, new))
 
@@ -316,11 +323,13 @@ class PagedKVCache:
         return k[..., where, :], v[..., where, :]
 
     def slot_table(self, columns: int) -> torch.Tensor:
-        """(rows, columns) the pool slot of every row's columns [0, columns) (slot 0 past a row's
-        pages: keys a fixed-shape step masks), for a step of fixed shapes."""
+        """(rows, columns + 1) the pool slot of every row's columns [0, columns) (slot 0 past a row's
+        pages: keys a fixed-shape step masks), then the `scratch` slot: the column a fixed-shape
+        step writes its padding at (`PagedLayerKV.update`)."""
         held = [min(columns, len(table) * self.page_size) for table in self.tables]
         table, _ = self.key_slots(list(enumerate(held)))
-        return torch.nn.functional.pad(table, (0, columns - table.shape[1]))
+        table = torch.nn.functional.pad(table, (0, columns - table.shape[1]))
+        return torch.nn.functional.pad(table, (0, 1), value=self.scratch)
 
 
 class PagedLayerKV:
@@ -346,18 +355,18 @@ class PagedLayerKV:
             return self.k[:, runs[0]][None], self.v[:, runs[0]][None]
         return torch.cat([self.k[:, r] for r in runs], 1)[None], torch.cat([self.v[:, r] for r in runs], 1)[None]
 
-    def update(self, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fixed-shape step's write and read (`LayerKV.update` with a (B, T) `start`): each
-        row's columns `start` written through `slots` (B, S), the rows' keys of their S columns
-        returned (B, heads, S, head_dim)."""
-        where = self.slots.gather(1, start).flatten()
+    def update(self, columns: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed-shape step's write and read (`LayerKV.update` with (B, T) `columns`): each
+        row's window written at its `columns` through `slots` (B, S + 1: `PagedKVCache.slot_table`;
+        column S, the scratch slot, for padding), the rows' keys of their S columns returned
+        (B, heads, S, head_dim)."""
+        where = self.slots.gather(1, columns).flatten()
         heads, dim = k.shape[1], k.shape[3]
         self.k.index_copy_(1, where, k.transpose(0, 1).reshape(heads, -1, dim))
         self.v.index_copy_(1, where, v.transpose(0, 1).reshape(heads, -1, dim))
-        bsz, s = self.slots.shape
-        keys = self.k[:, self.slots.flatten()].view(heads, bsz, s, dim).transpose(0, 1)
-        values = self.v[:, self.slots.flatten()].view(heads, bsz, s, dim).transpose(0, 1)
-        return keys, values
+        keys = self.slots[:, :-1]
+        bsz, s = keys.shape
+        return tuple(t[:, keys.flatten()].view(heads, bsz, s, dim).transpose(0, 1) for t in (self.k, self.v))
 
 
 class FixedSlots:

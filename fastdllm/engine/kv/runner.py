@@ -7,8 +7,9 @@ prefix store as a server's requests do. Nothing rides on the model: its layers o
 the slots a step hands them.
 
 The runner also runs every decode's forwards (`logits`): the windows a cache policy chose, packed
-into one forward over the rows' pages, the same for every policy; DualCache-shaped steps through
-CUDA graphs; and the full re-forward a refresh rule's check asks for. `record` keeps every
+into one forward over the rows' pages, the same for every policy; with CUDA graphs, any step of
+one window per row in fixed shapes (`FixedForm`); and the full re-forward a refresh rule's check
+asks for. `record` keeps every
 forward's windows (`history`), the schedule a benchmark can replay on another model.
 
 Budgets are the runner's own: `budget_bytes` (the server's `--kv-cache-memory`) is one pool of that
@@ -61,12 +62,9 @@ class KVRunner:
         partial = policy.partial_refreshes(seq, steps)
         joined = any(k == 0 and b == 0 for k, b in zip(steps, seq.blocks))  # a first forward stores its prompt
         if pages.graphs and not (pages.chunks or joined or seq.canvas) and not (partial and policy.refresh.checks):
-            shift = fixed_shift(seq, windows)
-            if shift is not None:
-                logits = self._graphed(pages, seq, shift)
-                if policy.partial_logits:  # the columns a later step's window leaves out keep these
-                    pages.latest = logits.clone()
-                return logits
+            form = FixedForm.of(self.model, seq, windows)
+            if form is not None:
+                return pages.block_logits(seq, windows, self.forward(pages, seq, windows, form), policy.partial_logits)
         cache = pages.cache_for(seq) if partial else None  # the check reads it; the forward takes its own
         before = policy.refresh.probe(cache, seq, partial) if partial else None
         parts = self.forward(pages, seq, windows)
@@ -76,9 +74,10 @@ class KVRunner:
             windows, parts = windows + full, parts + self.forward(pages, seq, full)
         return pages.block_logits(seq, windows, parts, policy.partial_logits)
 
-    def forward(self, pages, seq, windows: list) -> list[torch.Tensor]:
+    def forward(self, pages, seq, windows: list, form: FixedForm | None = None) -> list[torch.Tensor]:
         """One packed forward of `windows` over the rows' pages (`RowPages.run`: this step's
-        prefill chunks ride in it); per window, the logits from its start column on."""
+        prefill chunks ride in it), or with a `form` the fixed-shape step that computes them
+        (a CUDA graph on a GPU); per window, the logits from its start column on."""
         pages.work.append([(row, hi - lo, keys) for row, lo, hi, keys, _ in windows])
         if self.history is not None:
             self.history.append(list(windows))
@@ -96,37 +95,11 @@ class KVRunner:
                 canvas=seq.canvas,
             )
 
-        return pages.run(seq, windows, packed)
+        def fixed(x, windows, cache):
+            logits = self.model.graphed_window_logits()(*form.inputs(x, cache, seq.block_size))
+            return [logits[i, :n] for i, n in enumerate(form.logits)]
 
-    def _graphed(self, pages, seq, shift: int) -> torch.Tensor:
-        """A step of fixed shapes (`fixed_shift`): each row's window (its block, and `shift`
-        columns before it) attends over its whole cache row, the keys past what the step sees
-        masked rather than cut off, and the windows' columns are a tensor
-        (`Transformer.window_logits_static`). The same arithmetic as the eager step over more
-        (masked) keys."""
-        bsz, capacity, dev = seq.x.shape[0], seq.x.shape[1], seq.x.device
-        cache = pages.cache_for(seq)
-        width = seq.width + shift
-        for i, s in enumerate(seq.starts):
-            cache.own(i, s - shift, s + seq.width)
-        first = torch.tensor([s - shift for s in seq.starts], device=dev)
-        columns = first[:, None] + torch.arange(width, device=dev)
-        key_ok = torch.arange(capacity, device=dev)[None, :] < torch.tensor(seq.seen, device=dev)[:, None]
-        key_positions = torch.arange(capacity, device=dev).expand(bsz, capacity)
-        pages.work.append([(i, width, seq.seen[i]) for i in range(bsz)])
-        if self.history is not None:
-            self.history.append([(i, s - shift, s + seq.width, seq.seen[i], s) for i, s in enumerate(seq.starts)])
-        picks = self.model.logit_columns(0, width, shift)  # as the eager window's (`packed_logits`)
-        return self.model.graphed_window_logits()(
-            seq.x.gather(1, columns),
-            columns,
-            columns,
-            key_ok,
-            key_positions,
-            FixedSlots(cache, cache.slot_table(capacity)),
-            seq.block_size,
-            picks if isinstance(picks, slice) else picks.to(dev),
-        )
+        return pages.run(seq, windows, packed if form is None else fixed)
 
     def page_bytes(self, page_size: int) -> int:
         return kv_bytes(self.model.kv_shape, page_size, self.model.dtype)
@@ -227,22 +200,84 @@ class KVRunner:
             store.clear()
 
 
-def fixed_shift(seq, windows: list) -> int | None:
-    """Where this step's windows have the fixed-shape step's form, whatever policy chose them: one
-    per row, in order, from `shift` columns before the row's block (the same for every row, at
-    most one block and one column, and after column 0) to the end of its logits' columns, over
-    every key the row sees, the rows of one block length and width; that `shift`, else None.
-    DualCache's steps after a block's first have it, and so do the vicinity refresh's block starts
-    where nothing past the block is seen (an autoregressive decode's every step)."""
-    if len(windows) != len(seq.starts) or len(set(seq.widths)) != 1 or isinstance(seq.block_size, dict):
-        return None
-    shifts = set()
-    for i, (row, lo, hi, keys, start) in enumerate(windows):
-        if (row, start, hi, keys) != (i, seq.starts[i], start + seq.widths[i], seq.seen[i]) or lo <= 0:
+# The shapes a fixed-shape step is padded to, so that a server's ever-changing batches replay a
+# few captured graphs: rows in vLLM's capture sizes, keys in multiples of KEY_BUCKET.
+ROW_BUCKETS = (1, 2, 4, *range(8, 513, 8))
+KEY_BUCKET = 128
+
+
+class FixedForm:
+    """A step's windows in the fixed shapes a CUDA graph replays, whatever policy chose them: one
+    window per row, in order, each `width` columns from its first (the rows' block and its shift,
+    or the widest window's rounded up to a power of two blocks), attending over its cache row's
+    keys with those past what it sees masked; rows padded to a bucket of `ROW_BUCKETS` and keys to
+    whole `KEY_BUCKET`s, so that a few shapes serve every step of every batch. A window's padding past its own end
+    computes at its last column's position, and a padding row at column 0 seeing key 0; both write
+    their K/V to the pool's scratch slot (`PagedKVCache.slot_table`), and their logits are
+    dropped: the same arithmetic as the eager step for every real column, over more (masked) keys.
+    `logits`: per row, how many of its logits the loop reads (from its window's start, within the
+    step's width)."""
+
+    def __init__(self, windows: list, width: int, picks: list[list[int]], most: int):
+        self.windows, self.width, self.picks, self.most = windows, width, picks, most
+        self.logits = [len(p) for p in picks]
+
+    @classmethod
+    def of(cls, model, seq, windows: list) -> FixedForm | None:
+        if len(windows) != len(seq.starts) or isinstance(seq.block_size, dict):
             return None
-        shifts.add(start - lo)
-    shift = shifts.pop() if len(shifts) == 1 else None
-    return shift if shift is not None and shift <= seq.block_lengths[0] + 1 else None
+        if any(row != i for i, (row, *_) in enumerate(windows)):
+            return None
+        spans = [hi - lo for _, lo, hi, _, _ in windows]
+        width = max(spans)
+        if len(set(spans)) > 1 or width > seq.width + 1:  # not a step of the blocks alone: a bucket
+            bucket, keys = seq.block_lengths[0], -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
+            while bucket < width:
+                bucket *= 2
+            width = max(width, min(bucket, keys))
+        picks = []
+        for i, (_, lo, hi, _, start) in enumerate(windows):
+            columns = model.logit_columns(lo, hi, start)  # of the window's columns, as the eager step's
+            columns = list(range(columns.start, columns.stop)) if isinstance(columns, slice) else columns.tolist()
+            picks.append(columns[: seq.width - (start - seq.starts[i])])
+        return cls(windows, width, picks, max(seq.width, 1))
+
+    def inputs(self, x: torch.Tensor, cache, block_size) -> tuple:
+        """`Transformer.window_logits_static`'s arguments for these windows of the layout `x`
+        over the pool `cache`: the index tables made on the host and sent in one copy."""
+        bsz, width, most = x.shape[0], self.width, self.most
+        rows = next((b for b in ROW_BUCKETS if b >= bsz), bsz)
+        capacity = -(-x.shape[1] // KEY_BUCKET) * KEY_BUCKET
+        pad = rows - bsz
+        positions, columns, keep = [], [], []
+        for (_, lo, hi, _, _), picks in zip(self.windows, self.picks):
+            real = list(range(lo, hi))
+            positions += real + [hi - 1] * (width - len(real))
+            columns += real + [capacity] * (width - len(real))  # the slot table's scratch column
+            keep += picks + (picks[-1:] or [0]) * (most - len(picks))
+        positions += [0] * (pad * width)
+        columns += [capacity] * (pad * width)
+        keep += [0] * (pad * most)
+        keys = [seen for _, _, _, seen, _ in self.windows] + [1] * pad
+        starts = [start for *_, start in self.windows] + [0] * pad
+        tables = torch.tensor(positions + columns + keep + keys + starts, device=x.device)
+        # each its own tensor: views at offsets would be guarded on them (a graph per offset)
+        tables = [t.clone() for t in tables.split([rows * width] * 2 + [rows * most, rows, rows])]
+        positions, columns, keep, keys, starts = tables
+        positions, columns = positions.view(rows, width), columns.view(rows, width)
+        ahead = torch.arange(capacity, device=x.device)[None]  # every row's key positions
+        slots = torch.nn.functional.pad(cache.slot_table(capacity), (0, 0, 0, pad), value=cache.scratch)
+        return (
+            torch.nn.functional.pad(x, (0, 0, 0, pad)).gather(1, positions),
+            positions,
+            columns,
+            ahead < keys[:, None],
+            ahead,
+            FixedSlots(cache, slots),
+            block_size,
+            keep.view(rows, most),
+            starts,
+        )
 
 
 _DEFAULT: weakref.WeakKeyDictionary[torch.nn.Module, KVRunner] = weakref.WeakKeyDictionary()

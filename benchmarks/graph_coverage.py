@@ -1,0 +1,98 @@
+"""Which decoding forwards `cuda_graphs` runs through its fixed-shape step, and in how many shapes:
+per embedded model and cache policy, arith problems decoded in one batch with `cuda_graphs=True`,
+the share of forwards graphed and the distinct input shapes (a CUDA graph each on a GPU).
+
+    python benchmarks/graph_coverage.py [--models llada-arith sdar-arith] [--problems 16] [--out FILE]
+
+Each decodes on a fixed schedule (4 tokens a step, no early stop: the embedded models' confidence
+would end a block in a step or two). The fixed-shape step runs eagerly here (no compile: what is
+counted is which forwards take it, not their time); run it with PYTHONPATH set to another
+checkout to compare. Tokens are checked against the same decode without `cuda_graphs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import fastdllm
+from fastdllm.evaluation.tasks import arith
+from fastdllm.models.transformer import Transformer
+
+MULTI = dict(parallel_blocks=2, block_add_threshold=0.0, lookahead_threshold=1.0, decoded_token_threshold=0.0)
+CONFIGS = {
+    "dual (Fast-dLLM)": dict(cache="dual", suffix_window=None, refresh="full"),
+    "dual, vicinity, suffix 0": dict(cache="dual", suffix_window=0, refresh="vicinity"),
+    "prefix": dict(cache="prefix", suffix_window=None, refresh="full"),
+    "none": dict(cache="none", suffix_window=None),
+    "delayed, 2 blocks": dict(cache="delayed", suffix_window=None, **MULTI),
+    "sub-block": dict(cache="sub-block", suffix_window=None, refresh="full"),  # sub-blocks of half a block
+}
+
+
+def coverage(model, ids, config) -> dict:
+    shapes, graphed = set(), [0]
+
+    def eager(self):
+        def run(*args):
+            graphed[0] += 1
+            shapes.add((tuple(args[0].shape), args[3].shape[-1]))  # (rows, window columns), keys
+            return self.window_logits_static(*args)
+
+        return run
+
+    plain = fastdllm.generate(model, ids, config=config)
+    patched, Transformer.graphed_window_logits = Transformer.graphed_window_logits, eager
+    try:
+        out = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+    finally:
+        Transformer.graphed_window_logits = patched
+    nfe = out.nfe
+    return {
+        "forwards": nfe,
+        "graphed": graphed[0],
+        "graphed_share": round(graphed[0] / max(1, nfe), 3),
+        "shapes": len(shapes),
+        "same_tokens": bool(torch.equal(plain.sequences, out.sequences)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["llada-arith", "dream-arith", "sdar-arith"])
+    ap.add_argument("--problems", type=int, default=16)
+    ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for name in args.models:
+        model, tok = fastdllm.load(name, dtype=torch.float32)
+        ids = [arith.prompt_ids(tok, p.question, arith.fewshot_pool()[:2]) for p in arith.test_split()[: args.problems]]
+        for label, fields in CONFIGS.items():
+            base = fastdllm.GenerationConfig.for_model(model, checkpoint_defaults=False)
+            try:
+                # a fixed schedule, 4 tokens a step to the end: the steps a real model would take
+                steps = dict(gen_length=args.gen_length, steps=args.gen_length // 4, threshold=None, stop_at_eos=False)
+                if fields["cache"] == "sub-block":
+                    fields = dict(fields, sub_block_length=max(1, base.block_length // 2))
+                config = base.replace(**steps, **fields)
+            except ValueError as e:  # a policy the family does not take
+                print(f"{name:12s} {label:26s} -: {e}")
+                continue
+            row = {"model": name, "config": label, **coverage(model, ids, config)}
+            rows.append(row)
+            print(
+                f"{name:12s} {label:26s} forwards {row['forwards']:4d}  graphed {row['graphed']:4d} "
+                f"({100 * row['graphed_share']:5.1f}%)  shapes {row['shapes']:3d}  same tokens {row['same_tokens']}",
+                flush=True,
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
