@@ -204,6 +204,9 @@ class KVRunner:
 # few captured graphs: rows in vLLM's capture sizes, keys in multiples of KEY_BUCKET.
 ROW_BUCKETS = (1, 2, 4, *range(8, 513, 8))
 KEY_BUCKET = 128
+# A step whose windows, padded to one width, would compute more than this many times their own
+# columns stays eager: a graph saves launches, not arithmetic.
+PADDING = 2
 
 
 class FixedForm:
@@ -211,12 +214,13 @@ class FixedForm:
     window per row, in order, each `width` columns from its first (the rows' block and its shift,
     or the widest window's rounded up to a power of two blocks), attending over its cache row's
     keys with those past what it sees masked; rows padded to a bucket of `ROW_BUCKETS` and keys to
-    whole `KEY_BUCKET`s, so that a few shapes serve every step of every batch. A window's padding past its own end
-    computes at its last column's position, and a padding row at column 0 seeing key 0; both write
-    their K/V to the pool's scratch slot (`PagedKVCache.slot_table`), and their logits are
-    dropped: the same arithmetic as the eager step for every real column, over more (masked) keys.
-    `logits`: per row, how many of its logits the loop reads (from its window's start, within the
-    step's width)."""
+    whole `KEY_BUCKET`s, so that a few shapes serve every step of every batch. Windows that padding
+    would more than double (`PADDING`: a long one among short ones) are no fixed form. A window's
+    padding past its own end computes at its last column's position, and a padding row at column
+    0 seeing key 0; both write their K/V to the pool's scratch slot (`PagedKVCache.slot_table`),
+    and their logits are dropped: the same arithmetic as the eager step for every real column,
+    over more (masked) keys. `logits`: per row, how many of its logits the loop reads (from its
+    window's start, within the step's width)."""
 
     def __init__(self, windows: list, width: int, picks: list[list[int]], most: int):
         self.windows, self.width, self.picks, self.most = windows, width, picks, most
@@ -235,6 +239,8 @@ class FixedForm:
             while bucket < width:
                 bucket *= 2
             width = max(width, min(bucket, keys))
+            if len(spans) * width > PADDING * sum(spans):  # rows' windows far apart (a row joining
+                return None  # a batch inside its blocks): eager computes what they need
         picks = []
         for i, (_, lo, hi, _, start) in enumerate(windows):
             columns = model.logit_columns(lo, hi, start)  # of the window's columns, as the eager step's
