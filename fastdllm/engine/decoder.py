@@ -344,16 +344,18 @@ class BlockDecoder:
         """What a strategy hands each row's next step in its block: its state (`Decision.carry`) and
         the signal that conditions the next forward, as the model takes it (`soft_input`: input
         vectors for the block's columns, or those of them the signal keeps), for the part's rows in
-        one call (under `deterministic` a row's alone: its vectors then cannot depend on its batch)."""
+        one call (under `deterministic` a row's alone: its vectors then cannot depend on its batch).
+        Handed to every row: a row whose block is over drops them as its next block begins or as it
+        leaves (`_after_step`), which the step's one read tells."""
         decision, signal = part.decision, part.decision.signal
         kept = None if signal is None else signal.rows_kept()  # one read for the rows
         together = None
         if signal is not None and not self.config.deterministic:
             together = self.model.soft_input(signal.payloads())
-        for j, (i, over) in enumerate(zip(part.members, part.done.tolist())):
+        for j, i in enumerate(part.members):
             r = self.rows[i]
-            r.carry = None if over or decision.carry is None else decision.carry[j]
-            if signal is None or over:
+            r.carry = None if decision.carry is None else decision.carry[j]
+            if signal is None:
                 continue
             if kept is not None and not kept[j]:
                 r.soft = None
@@ -425,6 +427,7 @@ class BlockDecoder:
                     and any(t in self.stop_set for t in tokens[k * blk : (k + 1) * blk])
                 )
             if r.finished or r.answered:
+                r.soft = r.carry = None
                 self.layout.answer(i, r)
                 self.left.append(r)
             else:
