@@ -348,22 +348,23 @@ class BlockDecoder:
         Handed to every row: a row whose block is over drops them as its next block begins or as it
         leaves (`_after_step`), which the step's one read tells."""
         decision, signal = part.decision, part.decision.signal
-        kept = None if signal is None else signal.rows_kept()  # one read for the rows
         together = None
-        if signal is not None and not self.config.deterministic:
-            together = self.model.soft_input(signal.payloads())
+        if signal is not None:
+            blk = self.rows[part.members[0]].block_length  # a part's rows share it
+            columns = torch.tensor([starts[i] for i in part.members], device=self.device)[:, None]
+            columns = columns + torch.arange(blk, device=self.device)
+            if not self.config.deterministic:
+                together = self.model.soft_input(signal.payloads())
         for j, i in enumerate(part.members):
             r = self.rows[i]
             r.carry = None if decision.carry is None else decision.carry[j]
             if signal is None:
                 continue
-            if kept is not None and not kept[j]:
-                r.soft = None
-                continue
-            cols = torch.arange(starts[i], starts[i] + r.block_length, device=self.device)
             vectors = self.model.soft_input(signal.payload(j)) if together is None else together[j]
             keep = signal.keep(j)
-            r.soft = (cols, vectors) if keep is None else (cols[keep], vectors[keep])
+            # a column the signal does not keep: -1, a column no window computes (no boolean index:
+            # a host read on a GPU)
+            r.soft = (columns[j] if keep is None else torch.where(keep, columns[j], -1), vectors)
 
     def _after_step(self, parts: list[Part], work) -> None:
         """Charge the step to its rows, then end the blocks that are over: those rows leave or

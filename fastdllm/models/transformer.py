@@ -477,11 +477,8 @@ class Transformer(nn.Module):
         runs = [(adapters.get(s.row, -1), s.width) for s in segments] if adapters else None
         with BatchInvariant() if batch_invariant else contextlib.nullcontext(), self.adapted(runs):
             h = self.tok_embeddings(tokens)
-            for s in segments if embeds else ():
-                if s.row in embeds:
-                    cols, vectors = embeds[s.row]
-                    inside = (cols >= s.lo) & (cols < s.hi)
-                    h[0, s.offset + cols[inside] - s.lo] = vectors[inside].to(h.dtype)
+            if embeds:
+                h = self.given_vectors(h, segments, embeds)
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
             dense = self.compiled_layers() if compiled else [None] * len(self.layers)
             slots = cache.write_slots([(s.row, s.lo, s.hi) for s in segments])  # the same in every layer
@@ -499,6 +496,20 @@ class Transformer(nn.Module):
             with self.adapted(picked):
                 out = self.head(torch.cat(picks))
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
+
+    @staticmethod
+    def given_vectors(h: torch.Tensor, segments: list, embeds: dict) -> torch.Tensor:
+        """The packed embeddings `h` (1, N, dim) with the rows' input vectors (`embeds`: {row:
+        (columns, vectors)}) in place of their columns' where a window computes them, every row's
+        in one write; a vector of a column no window computes goes to a spare last row, dropped
+        (no boolean index: a host read on a GPU)."""
+        given = [(s, embeds[s.row]) for s in segments if s.row in embeds]
+        where = torch.cat(
+            [torch.where((cols >= s.lo) & (cols < s.hi), s.offset + cols - s.lo, h.shape[1]) for s, (cols, _) in given]
+        )
+        rows = torch.cat([h[0], h.new_zeros(1, h.shape[2])])
+        rows[where] = torch.cat([vectors for _, (_, vectors) in given]).to(h.dtype)
+        return rows[:-1][None]
 
     def packed_rows(self, segments: list, cache, batch_invariant: bool) -> tuple | None:
         """The rows' one attention call per layer, where it is made (`packed.one_call`; on a CPU a

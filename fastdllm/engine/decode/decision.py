@@ -45,10 +45,6 @@ class Signal:
     def keep(self, i: int) -> torch.Tensor | None:
         return None
 
-    def rows_kept(self) -> list[bool] | None:
-        """Per row, whether it feeds any column back (one host read); None: every row does."""
-        return None
-
     @classmethod
     def merged(cls, parts: list, rows: int) -> Signal:
         """One signal for the batch from the groups' ((row indices, signal), ...)."""
@@ -79,9 +75,6 @@ class SoftTokens(Signal):
 
     def keep(self, i: int) -> torch.Tensor:
         return self.kept[i]
-
-    def rows_kept(self) -> list[bool]:
-        return self.kept.any(-1).tolist()
 
 
 @dataclass
