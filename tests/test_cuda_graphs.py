@@ -17,8 +17,9 @@ from fastdllm.models.transformer import Transformer
 from .conftest import random_prompts
 
 # every family in the slow set; the default suite takes one of each attention and logit rule
-FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar", "tiny_nemotron"] + [
-    pytest.param(name, marks=pytest.mark.slow) for name in ("tiny_v2", "tiny_llada2", "tiny_llada_moe")
+# (Nemotron's own: `test_nemotron_labs_diffusion.py` graphs its three modes)
+FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar"] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in ("tiny_nemotron", "tiny_v2", "tiny_llada2", "tiny_llada_moe")
 ]
 
 
@@ -61,7 +62,7 @@ def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatc
     assert max(width for _, width in calls) >= 2 * block  # a block start: the finished block and the new one
 
 
-@pytest.mark.parametrize("name", ["tiny_llada", "tiny_dream"])
+@pytest.mark.parametrize("name", ["tiny_dream", pytest.param("tiny_llada", marks=pytest.mark.slow)])
 def test_multi_block_steps_and_the_delayed_cache_take_the_fixed_shape_step(name, request, monkeypatch):
     """Several blocks decoded at once (wider windows, a block joining mid-way), under DualCache and
     d3LLM's delayed cache (each row's committed prefix its own): graphed as eager."""
