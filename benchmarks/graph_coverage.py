@@ -3,6 +3,7 @@ per embedded model and cache policy, arith problems decoded in one batch with `c
 the share of forwards graphed and the distinct input shapes (a CUDA graph each on a GPU).
 
     python benchmarks/graph_coverage.py [--models llada-arith sdar-arith] [--problems 16] [--out FILE]
+    python benchmarks/graph_coverage.py --models tests/fixtures/nemotron_labs_diffusion_micro  # its 3 modes
 
 Each decodes on a fixed schedule (4 tokens a step, no early stop: the embedded models' confidence
 would end a block in a step or two). The fixed-shape step runs eagerly here (no compile: what is
@@ -22,6 +23,7 @@ from fastdllm.evaluation.tasks import arith
 from fastdllm.models.transformer import Transformer
 
 MULTI = dict(parallel_blocks=2, block_add_threshold=0.0, lookahead_threshold=1.0, decoded_token_threshold=0.0)
+NEMOTRON_MODES = ("nemotron_labs_diffusion", "nemotron_labs_diffusion_ar", "nemotron_labs_diffusion_linear_spec")
 CONFIGS = {
     "dual (Fast-dLLM)": dict(cache="dual", suffix_window=None, refresh="full"),
     "dual, vicinity, suffix 0": dict(cache="dual", suffix_window=0, refresh="vicinity"),
@@ -59,6 +61,14 @@ def coverage(model, ids, config) -> dict:
     }
 
 
+def line(row: dict) -> str:
+    return (
+        f"{row['model'][-12:]:12s} {row['config'][-26:]:26s} forwards {row['forwards']:4d}  "
+        f"graphed {row['graphed']:4d} ({100 * row['graphed_share']:5.1f}%)  shapes {row['shapes']:3d}  "
+        f"same tokens {row['same_tokens']}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["llada-arith", "dream-arith", "sdar-arith"])
@@ -71,6 +81,13 @@ def main() -> None:
     for name in args.models:
         model, tok = fastdllm.load(name, dtype=torch.float32)
         ids = [arith.prompt_ids(tok, p.question, arith.fewshot_pool()[:2]) for p in arith.test_split()[: args.problems]]
+        if model.two_passes:  # Nemotron-Labs-Diffusion: its three modes, each as published
+            for preset in NEMOTRON_MODES:
+                config = getattr(fastdllm.GenerationConfig, preset)(gen_length=args.gen_length)
+                row = {"model": name, "config": preset, **coverage(model, ids, config.fit_to_model(model))}
+                rows.append(row)
+                print(line(row), flush=True)
+            continue
         for label, fields in CONFIGS.items():
             base = fastdllm.GenerationConfig.for_model(model, checkpoint_defaults=False)
             try:
@@ -84,11 +101,7 @@ def main() -> None:
                 continue
             row = {"model": name, "config": label, **coverage(model, ids, config)}
             rows.append(row)
-            print(
-                f"{name:12s} {label:26s} forwards {row['forwards']:4d}  graphed {row['graphed']:4d} "
-                f"({100 * row['graphed_share']:5.1f}%)  shapes {row['shapes']:3d}  same tokens {row['same_tokens']}",
-                flush=True,
-            )
+            print(line(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

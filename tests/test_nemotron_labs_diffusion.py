@@ -553,9 +553,9 @@ def test_its_causal_prompts_are_shared_and_prefilled_in_chunks_exactly(preset):
 
 
 def test_its_modes_decode_the_same_with_the_fixed_shape_step(model, tokenizer, monkeypatch):
-    """`cuda_graphs`: its diffusion mode's cached steps run as the fixed-shape step (eagerly here:
-    on a GPU, one captured graph), the block seeing what its window sees and nothing after it;
-    LinearSpec's passes, which choose how they attend, stay eager; the same tokens as without."""
+    """`cuda_graphs`: its modes' steps run as the fixed-shape step (eagerly here: on a GPU, a
+    captured graph), the block seeing what its window sees and nothing after it, LinearSpec's
+    drafts their span both ways and its verifications causally; the same tokens as without."""
     from fastdllm.models.transformer import Transformer
 
     steps = []
@@ -574,10 +574,14 @@ def test_its_modes_decode_the_same_with_the_fixed_shape_step(model, tokenizer, m
         GenerationConfig.nemotron_labs_diffusion(gen_length=24, block_length=8, threshold=0.5, suffix_window=None),
         GenerationConfig.nemotron_labs_diffusion_ar(gen_length=8),
         GenerationConfig.nemotron_labs_diffusion_linear_spec(gen_length=16, window_size=4),
+        GenerationConfig.nemotron_labs_diffusion_linear_spec(gen_length=16, window_size=8, temperature=0.8, seed=3),
     ]
     for config in configs:
         eager_out = fastdllm.generate(model, prompts, config=config)
+        before = len(steps)
         graphed = fastdllm.generate(model, prompts, config=config.replace(cuda_graphs=True))
         assert torch.equal(graphed.sequences, eager_out.sequences), config
         assert graphed.nfe_per_row == eager_out.nfe_per_row, config
+        assert graphed.acceptances == eager_out.acceptances, config
+        assert len(steps) > before, config  # each mode's steps went through it
     assert len(set(steps)) > 1

@@ -161,18 +161,21 @@ class NemotronLabsDiffusion(Transformer):
         mask = causal if span == 0 else torch.where(cols < start, causal, k < start + span)
         return None if bool(mask.all()) else mask
 
-    def static_key_mask(self, positions, key_ok, key_positions, block_size, starts):
+    def static_key_mask(self, positions, key_ok, key_positions, block_size, starts, spans):
         """A fixed-shape window's mask (`Transformer.static_key_mask`) by this model's rule for a
-        window (`window_mask` with its default span): a column before the row's first logit column
-        (`starts`) sees the keys up to itself (causal: a finished block being committed), a column
-        from it on every key before its block's end (`block_size` columns from it; None: the end
-        of the window, its padding at its last column), whatever else the step sees. A decoder that
-        chooses how a window attends (`canvas`) is not graphed."""
-        block_start = starts[:, None, None]
+        window (`window_mask`): a column before the row's first logit column (`starts`) sees the
+        keys up to itself (causal: a finished block being committed), a column from it on every
+        key before the end of its span: the row's `spans` entry where its decoder chose one (0: the
+        whole window causal, a speculative draft's verification), else its block (`block_size`
+        columns; None: the end of the window, its padding at its last column), whatever else the
+        step sees."""
+        block_start, chosen = starts[:, None, None], spans[:, None, None]
         block_end = block_start + block_size if block_size else positions.amax(1)[:, None, None] + 1
+        block_end = torch.where(chosen >= 0, block_start + chosen, block_end)
         keys, queries = key_positions[:, None, :], positions[:, :, None]
-        causal = (keys <= queries) | (queries >= block_start)
-        return (key_ok[:, None, :] & (keys < block_end) & causal)[:, None]
+        causal = keys <= queries
+        spanned = (keys < block_end) & (causal | (queries >= block_start))
+        return (key_ok[:, None, :] & torch.where(chosen == 0, causal, spanned))[:, None]
 
     def logit_columns(self, lo, hi, start, span=None):
         """The first position's logit from the causal column before it (where the window holds it);

@@ -571,23 +571,27 @@ class Transformer(nn.Module):
         block_size: int | None,
         keep: torch.Tensor,
         starts: torch.Tensor,
+        spans: torch.Tensor,
     ) -> torch.Tensor:
         """Rows' windows with every shape fixed, so that a step can be captured once as a CUDA
         graph and replayed (`graphed_window_logits`): each row's window tokens and RoPE positions
         (B, T), its K/V written at its cache `columns` (B, T; the slot table's last column for a
         padded column), attending over the whole cache buffer (B, ..., S) where `key_ok` (B, S)
         allows it (the keys past what the row sees are masked, not cut off); `key_positions`
-        (B, S); `starts` (B,) each row's first logit column. Returns the logits (B, P, V) of the
-        window columns `keep` (B, P) picks (`logit_columns` of each row's window)."""
+        (B, S); `starts` (B,) each row's first logit column; `spans` (B,) how each row's window
+        attends where its decoder chooses (`packed_logits`' `canvas`; -1: the model's rule).
+        Returns the logits (B, P, V) of the window columns `keep` (B, P) picks (`logit_columns` of
+        each row's window)."""
         if self.args.masks_last:
             raise ValueError("cuda_graphs: not with a model whose masks attend last (WeDLM)")
-        key_mask = self.static_key_mask(positions, key_ok, key_positions, block_size, starts)
+        key_mask = self.static_key_mask(positions, key_ok, key_positions, block_size, starts, spans)
         h = self.hidden(tokens, positions, key_mask, cache, columns)
         return self.head(h.gather(1, keep[..., None].expand(-1, -1, h.shape[-1])))
 
-    def static_key_mask(self, positions, key_ok, key_positions, block_size, starts) -> torch.Tensor:
+    def static_key_mask(self, positions, key_ok, key_positions, block_size, starts, spans) -> torch.Tensor:
         """(B, 1, T or 1, S) the keys each query of a fixed-shape window attends: those `key_ok`
-        allows, within a block-causal model's blocks (`block_size`, default its own)."""
+        allows, within a block-causal model's blocks (`block_size`, default its own). (`spans`:
+        for a model whose decoders choose; this one's never do.)"""
         key_mask = key_ok[:, None, None, :]
         if self.args.block_size:
             key_mask = block_causal_mask(positions, key_positions, block_size or self.args.block_size, key_mask)
@@ -600,7 +604,7 @@ class Transformer(nn.Module):
         if self._graphed_window is None:
             compiled = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=True)
 
-            def step(tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts):
+            def step(tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts, spans):
                 # The graph writes the cache in place: its buffers must be static inputs (as a
                 # module's buffers are), or inductor declines to capture a graph that mutates them.
                 for buffer in (cache.k, cache.v):
@@ -608,7 +612,8 @@ class Transformer(nn.Module):
                 # sizes that happen to be equal in one step (rows, block, keys) stay apart, or the
                 # next step where they differ compiles again
                 with torch.fx.experimental._config.patch(use_duck_shape=False):
-                    return compiled(tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts)
+                    args = (tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts, spans)
+                    return compiled(*args)
 
             self._graphed_window = step
         return self._graphed_window

@@ -61,7 +61,7 @@ class KVRunner:
         windows = policy.windows(seq, steps)
         partial = policy.partial_refreshes(seq, steps)
         joined = any(k == 0 and b == 0 for k, b in zip(steps, seq.blocks))  # a first forward stores its prompt
-        if pages.graphs and not (pages.chunks or joined or seq.canvas) and not (partial and policy.refresh.checks):
+        if pages.graphs and not (pages.chunks or joined) and not (partial and policy.refresh.checks):
             form = FixedForm.of(self.model, seq, windows)
             if form is not None:
                 return pages.block_logits(seq, windows, self.forward(pages, seq, windows, form), policy.partial_logits)
@@ -222,13 +222,16 @@ class FixedForm:
     over more (masked) keys. `logits`: per row, how many of its logits the loop reads (from its
     window's start, within the step's width)."""
 
-    def __init__(self, windows: list, width: int, picks: list[list[int]], most: int):
-        self.windows, self.width, self.picks, self.most = windows, width, picks, most
+    def __init__(self, windows: list, width: int, picks: list[list[int]], most: int, spans: list[int]):
+        self.windows, self.width, self.picks, self.most, self.spans = windows, width, picks, most, spans
         self.logits = [len(p) for p in picks]
 
     @classmethod
     def of(cls, model, seq, windows: list) -> FixedForm | None:
         if len(windows) != len(seq.starts) or isinstance(seq.block_size, dict):
+            return None
+        canvas = seq.canvas or {}
+        if canvas and not model.two_passes:  # the eager step says why
             return None
         if any(row != i for i, (row, *_) in enumerate(windows)):
             return None
@@ -243,10 +246,12 @@ class FixedForm:
                 return None  # a batch inside its blocks): eager computes what they need
         picks = []
         for i, (_, lo, hi, _, start) in enumerate(windows):
-            columns = model.logit_columns(lo, hi, start)  # of the window's columns, as the eager step's
+            columns = model.logit_columns(lo, hi, start, canvas.get(i))  # as the eager step's
             columns = list(range(columns.start, columns.stop)) if isinstance(columns, slice) else columns.tolist()
             picks.append(columns[: seq.width - (start - seq.starts[i])])
-        return cls(windows, width, picks, max(seq.width, 1))
+        # how each row's window attends where its decoder chooses (-1: the model's own rule)
+        spans = [canvas.get(i, -1) for i in range(len(windows))]
+        return cls(windows, width, picks, max(seq.width, 1), spans)
 
     def inputs(self, x: torch.Tensor, cache, block_size) -> tuple:
         """`Transformer.window_logits_static`'s arguments for these windows of the layout `x`
@@ -266,10 +271,11 @@ class FixedForm:
         keep += [0] * (pad * most)
         keys = [seen for _, _, _, seen, _ in self.windows] + [1] * pad
         starts = [start for *_, start in self.windows] + [0] * pad
-        tables = torch.tensor(positions + columns + keep + keys + starts, device=x.device)
+        spans = self.spans + [-1] * pad
+        tables = torch.tensor(positions + columns + keep + keys + starts + spans, device=x.device)
         # each its own tensor: views at offsets would be guarded on them (a graph per offset)
-        tables = [t.clone() for t in tables.split([rows * width] * 2 + [rows * most, rows, rows])]
-        positions, columns, keep, keys, starts = tables
+        tables = [t.clone() for t in tables.split([rows * width] * 2 + [rows * most, rows, rows, rows])]
+        positions, columns, keep, keys, starts, spans = tables
         positions, columns = positions.view(rows, width), columns.view(rows, width)
         ahead = torch.arange(capacity, device=x.device)[None]  # every row's key positions
         slots = torch.nn.functional.pad(cache.slot_table(capacity), (0, 0, 0, pad), value=cache.scratch)
@@ -283,6 +289,7 @@ class FixedForm:
             block_size,
             keep.view(rows, most),
             starts,
+            spans,
         )
 
 
