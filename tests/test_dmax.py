@@ -116,3 +116,33 @@ def test_dmax_decodes_through_the_loop_and_feeds_back_soft_embeddings(arch, requ
     # rows decode as alone (batch-invariant forwards), the fed-back vectors included
     for p, seq in zip(prompts, out.sequences):
         assert torch.equal(generate(model, [p], config=config).sequences[0], seq)
+
+
+def test_dmax_takes_the_fixed_shape_step_with_its_soft_embeddings(tiny_llada, monkeypatch):
+    """`cuda_graphs`: the fed-back vectors ride in the fixed-shape step (eagerly here) as tensors
+    at their windows' columns: the same tokens and forwards as the eager steps, which feed them
+    as input vectors of the packed forward. In float64: the fed-back probabilities carry a step's
+    rounding into the next, and the fixed-shape step sums over more (masked) keys."""
+    import copy
+
+    from fastdllm.models.transformer import Transformer
+
+    tiny_llada = copy.deepcopy(tiny_llada).double()
+
+    given = []
+
+    def eager(self):
+        def run(*args):
+            given.append(args[-1] is not None and bool(args[-1][1].any()))
+            return self.window_logits_static(*args)
+
+        return run
+
+    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    prompts = random_prompts(tiny_llada, [6, 9, 7], seed=2)
+    config = GenerationConfig.dmax(gen_length=24, block_length=8).fit_to_model(tiny_llada)
+    eager_out = generate(tiny_llada, prompts, config=config)
+    graphed = generate(tiny_llada, prompts, config=config.replace(cuda_graphs=True))
+    assert torch.equal(graphed.sequences, eager_out.sequences)
+    assert graphed.nfe_per_row == eager_out.nfe_per_row
+    assert any(given)  # steps whose vectors went through it

@@ -122,10 +122,10 @@ def check_editing(config) -> None:
         "needs editing (editing_threshold): the fed-back positions are the ones a step may revise",
     )
     need(
-        not config.soft_embeddings or (not config.cuda_graphs and config.parallel_blocks == 1),
+        not config.soft_embeddings or config.parallel_blocks == 1,
         config,
         "soft_embeddings",
-        "not with cuda_graphs or parallel_blocks > 1",
+        "not with parallel_blocks > 1",
     )
 
 

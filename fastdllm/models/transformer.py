@@ -408,13 +408,18 @@ class Transformer(nn.Module):
         window_start: int = 0,
         compiled: bool = False,
         batch_invariant: bool = False,
+        given: tuple | None = None,
     ):
         """Final-norm hidden states of a window of tokens (B, T) at absolute `positions` (B, T).
 
         `key_mask` (B, 1, 1, S) is True where a key may be attended; S is T without a cache or the
         cache length with one. With a cache, the window's K/V are written at [window_start, +T).
+        `given` (vectors (B, T, dim), flags (B, T)): input vectors that replace the flagged
+        columns' token embeddings (DMax's soft embeddings in a fixed-shape step).
         """
         x = self.tok_embeddings(tokens)
+        if given is not None:
+            x = torch.where(given[1][..., None], given[0].to(x.dtype), x)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         dense = self.compiled_layers() if compiled else [None] * len(self.layers)
@@ -572,6 +577,7 @@ class Transformer(nn.Module):
         keep: torch.Tensor,
         starts: torch.Tensor,
         spans: torch.Tensor,
+        given: tuple | None = None,
     ) -> torch.Tensor:
         """Rows' windows with every shape fixed, so that a step can be captured once as a CUDA
         graph and replayed (`graphed_window_logits`): each row's window tokens and RoPE positions
@@ -580,12 +586,12 @@ class Transformer(nn.Module):
         allows it (the keys past what the row sees are masked, not cut off); `key_positions`
         (B, S); `starts` (B,) each row's first logit column; `spans` (B,) how each row's window
         attends where its decoder chooses (`packed_logits`' `canvas`; -1: the model's rule).
-        Returns the logits (B, P, V) of the window columns `keep` (B, P) picks (`logit_columns` of
-        each row's window)."""
+        `given`: input vectors for some columns (`hidden`). Returns the logits (B, P, V) of the
+        window columns `keep` (B, P) picks (`logit_columns` of each row's window)."""
         if self.args.masks_last:
             raise ValueError("cuda_graphs: not with a model whose masks attend last (WeDLM)")
         key_mask = self.static_key_mask(positions, key_ok, key_positions, block_size, starts, spans)
-        h = self.hidden(tokens, positions, key_mask, cache, columns)
+        h = self.hidden(tokens, positions, key_mask, cache, columns, given=given)
         return self.head(h.gather(1, keep[..., None].expand(-1, -1, h.shape[-1])))
 
     def static_key_mask(self, positions, key_ok, key_positions, block_size, starts, spans) -> torch.Tensor:
@@ -604,7 +610,7 @@ class Transformer(nn.Module):
         if self._graphed_window is None:
             compiled = torch.compile(self.window_logits_static, mode="reduce-overhead", dynamic=True)
 
-            def step(tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts, spans):
+            def step(tokens, positions, columns, key_ok, key_positions, cache, *rest):
                 # The graph writes the cache in place: its buffers must be static inputs (as a
                 # module's buffers are), or inductor declines to capture a graph that mutates them.
                 for buffer in (cache.k, cache.v):
@@ -612,8 +618,7 @@ class Transformer(nn.Module):
                 # sizes that happen to be equal in one step (rows, block, keys) stay apart, or the
                 # next step where they differ compiles again
                 with torch.fx.experimental._config.patch(use_duck_shape=False):
-                    args = (tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts, spans)
-                    return compiled(*args)
+                    return compiled(tokens, positions, columns, key_ok, key_positions, cache, *rest)
 
             self._graphed_window = step
         return self._graphed_window

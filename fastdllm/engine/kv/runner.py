@@ -222,8 +222,9 @@ class FixedForm:
     over more (masked) keys. `logits`: per row, how many of its logits the loop reads (from its
     window's start, within the step's width)."""
 
-    def __init__(self, windows: list, width: int, picks: list[list[int]], most: int, spans: list[int]):
+    def __init__(self, windows: list, width: int, picks: list[list[int]], most: int, spans: list[int], embeds=None):
         self.windows, self.width, self.picks, self.most, self.spans = windows, width, picks, most, spans
+        self.embeds = embeds  # {row: (columns, vectors)}: input vectors (`SequenceView.embeds`)
         self.logits = [len(p) for p in picks]
 
     @classmethod
@@ -251,7 +252,7 @@ class FixedForm:
             picks.append(columns[: seq.width - (start - seq.starts[i])])
         # how each row's window attends where its decoder chooses (-1: the model's own rule)
         spans = [canvas.get(i, -1) for i in range(len(windows))]
-        return cls(windows, width, picks, max(seq.width, 1), spans)
+        return cls(windows, width, picks, max(seq.width, 1), spans, seq.embeds)
 
     def inputs(self, x: torch.Tensor, cache, block_size) -> tuple:
         """`Transformer.window_logits_static`'s arguments for these windows of the layout `x`
@@ -290,7 +291,26 @@ class FixedForm:
             keep.view(rows, most),
             starts,
             spans,
+            self.given(rows, x.device) if self.embeds else None,
         )
+
+    def given(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' input vectors at their windows' columns (rows, width, dim) and which columns
+        take them (rows, width), every row's placed in one write: a vector of a column outside its
+        window goes to a spare last slot (no boolean index: a host read on a GPU)."""
+        width, spare = self.width, rows * self.width
+        where, vectors = [], []
+        for i, (cols, v) in self.embeds.items():
+            lo, hi = self.windows[i][1], self.windows[i][2]
+            where.append(torch.where((cols >= lo) & (cols < hi), i * width + cols - lo, spare))
+            vectors.append(v)
+        vectors = torch.cat(vectors)
+        placed = vectors.new_zeros(spare + 1, vectors.shape[-1])
+        flags = torch.zeros(spare + 1, dtype=torch.bool, device=device)
+        where = torch.cat(where).to(device)
+        placed[where] = vectors.to(device)
+        flags[where] = True
+        return placed[:-1].view(rows, width, -1), flags[:-1].view(rows, width)
 
 
 _DEFAULT: weakref.WeakKeyDictionary[torch.nn.Module, KVRunner] = weakref.WeakKeyDictionary()
