@@ -23,6 +23,22 @@ FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar"] + [
 ]
 
 
+def run_eagerly(monkeypatch) -> list[tuple]:
+    """The fixed-shape step run eagerly (no compile) from now on; the arguments of each of its
+    calls, in order."""
+    calls = []
+
+    def eager(self):
+        def run(*args):
+            calls.append(args)
+            return self.window_logits_static(*args)
+
+        return run
+
+    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    return calls
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatch):
     """The fixed-shape step run eagerly (no compile) serves every step after the rows' first, of
@@ -30,16 +46,7 @@ def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatc
     different lengths and at different places in their blocks (padded windows), a suffix window
     that hides part of the cache, the prefix cache's windows to each row's end, no cache."""
     model = request.getfixturevalue(name)
-    calls = []
-
-    def eager(self):
-        def run(*args):
-            calls.append((args[2][0, 0].item(), args[0].shape[1]))  # the first row's window column, its width
-            return self.window_logits_static(*args)
-
-        return run
-
-    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    calls = run_eagerly(monkeypatch)
     block = model.args.block_size or 8
     base = GenerationConfig(gen_length=6 * block, block_length=block, threshold=0.6, stop_at_eos=False)
     base = GenerationConfig.for_model(model, base, checkpoint_defaults=False, cache="dual", sub_block_length=None)
@@ -58,8 +65,9 @@ def test_the_fixed_shape_step_decodes_as_the_eager_one(name, request, monkeypatc
         # than the others' may stay eager: `PADDING`)
         inside = [w for w in runner.history[1:] if len({hi - lo for _, lo, hi, _, _ in w}) == 1]
         assert len(calls) - before >= max(len(inside), 1), config
-    assert len({column for column, _ in calls}) > 1  # steps at several blocks went through it
-    assert max(width for _, width in calls) >= 2 * block  # a block start: the finished block and the new one
+    assert len({args[2][0, 0].item() for args in calls}) > 1  # steps at several blocks went through it
+    # a block start: the finished block and the new one
+    assert max(args[0].shape[1] for args in calls) >= 2 * block
 
 
 @pytest.mark.parametrize("name", ["tiny_dream", pytest.param("tiny_llada", marks=pytest.mark.slow)])
@@ -67,16 +75,7 @@ def test_multi_block_steps_and_the_delayed_cache_take_the_fixed_shape_step(name,
     """Several blocks decoded at once (wider windows, a block joining mid-way), under DualCache and
     d3LLM's delayed cache (each row's committed prefix its own): graphed as eager."""
     model = request.getfixturevalue(name)
-    calls = []
-
-    def eager(self):
-        def run(*args):
-            calls.append(args[0].shape)
-            return self.window_logits_static(*args)
-
-        return run
-
-    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    calls = run_eagerly(monkeypatch)
     multi = dict(parallel_blocks=2, block_add_threshold=0.0, lookahead_threshold=1.0, decoded_token_threshold=0.0)
     base = GenerationConfig(gen_length=32, block_length=8, threshold=0.9, stop_at_eos=False, **multi)
     for cache in ("dual", "delayed"):
@@ -122,16 +121,7 @@ def test_a_graphed_whole_block_step_keeps_the_sub_block_caches_logits(monkeypatc
     """Under the sub-block cache a step whose windows are whole blocks is graphed; the columns a
     later sub-block step leaves out read its logits, as after an eager one: the same tokens."""
     model, tok = fastdllm.load("sdar-arith", dtype=torch.float32)
-    calls = []
-
-    def eager(self):
-        def run(*args):
-            calls.append(args[0].shape)
-            return self.window_logits_static(*args)
-
-        return run
-
-    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    calls = run_eagerly(monkeypatch)
     logits_of, kept = KVRunner.logits, []
 
     def logits(self, pages, seq, policy, steps):
