@@ -448,8 +448,9 @@ class GenerationConfig:
     cuda_graphs: bool = _opt(
         False,
         "bool",
-        "DualCache's cached steps with fixed shapes through torch.compile(mode='reduce-overhead'): "
-        "CUDA graphs on a GPU, replayed at every block (the first use compiles)",
+        "every step after a row's first, in shapes padded to buckets, through "
+        "torch.compile(mode='reduce-overhead'): CUDA graphs on a GPU, replayed at every step of "
+        "every policy (the first use compiles; docs/decoding.md#cuda-graphs)",
         server=False,
     )
     deterministic: bool = _opt(
