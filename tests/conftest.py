@@ -184,3 +184,21 @@ def tiny_llada_dir(tmp_path_factory, tiny_llada, tokenizer):
 @pytest.fixture(scope="session")
 def tiny_dream_dir(tmp_path_factory, tiny_dream, tokenizer):
     return save_pretrained(tiny_dream, tmp_path_factory.mktemp("dream"), tokenizer, dtype=torch.float32)
+
+
+def run_eagerly(monkeypatch) -> list[tuple]:
+    """The fixed-shape step run eagerly (no compile) from now on; the arguments of each of its
+    calls, in order."""
+    calls = []
+
+    def eager(self):
+        def run(*args):
+            calls.append(args)
+            return self.window_logits_static(*args)
+
+        return run
+
+    from fastdllm.models.transformer import Transformer
+
+    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
+    return calls

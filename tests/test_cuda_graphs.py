@@ -12,31 +12,14 @@ from fastdllm import GenerationConfig
 from fastdllm.config import ConfigError
 from fastdllm.engine.kv.runner import KVRunner
 from fastdllm.evaluation.tasks import arith
-from fastdllm.models.transformer import Transformer
 
-from .conftest import random_prompts
+from .conftest import random_prompts, run_eagerly
 
 # every family in the slow set; the default suite takes one of each attention and logit rule
 # (Nemotron's own: `test_nemotron_labs_diffusion.py` graphs its three modes)
 FAMILIES = ["tiny_llada", "tiny_dream", "tiny_sdar"] + [
     pytest.param(name, marks=pytest.mark.slow) for name in ("tiny_nemotron", "tiny_v2", "tiny_llada2", "tiny_llada_moe")
 ]
-
-
-def run_eagerly(monkeypatch) -> list[tuple]:
-    """The fixed-shape step run eagerly (no compile) from now on; the arguments of each of its
-    calls, in order."""
-    calls = []
-
-    def eager(self):
-        def run(*args):
-            calls.append(args)
-            return self.window_logits_static(*args)
-
-        return run
-
-    monkeypatch.setattr(Transformer, "graphed_window_logits", eager)
-    return calls
 
 
 @pytest.mark.parametrize("name", FAMILIES)

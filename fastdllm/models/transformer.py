@@ -242,6 +242,30 @@ def block_causal_mask(
     return allowed if key_mask is None else allowed & key_mask
 
 
+def placed_vectors(embeds: dict | None, places: dict, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows' input vectors (`embeds`: {row: (columns, vectors)}) at their places in a sequence of
+    `n` positions (`places`: {row: (offset, lo, hi)}, its window's columns [lo, hi) laid from
+    `offset`): vectors (n, dim) and flags (n,) of the positions that take one, every row's placed
+    in one write; a vector of a column no window computes goes to a spare last slot, dropped (no
+    boolean index: a host read on a GPU). None where no row with vectors has a window."""
+    given = [(places[row], cols, v) for row, (cols, v) in (embeds or {}).items() if row in places]
+    if not given:
+        return None
+    where = torch.cat([torch.where((c >= lo) & (c < hi), offset + c - lo, n) for (offset, lo, hi), c, _ in given])
+    vectors = torch.cat([v for *_, v in given])
+    placed = vectors.new_zeros(n + 1, vectors.shape[-1])
+    flags = torch.zeros(n + 1, dtype=torch.bool, device=vectors.device)
+    placed[where] = vectors
+    flags[where] = True
+    return placed[:-1], flags[:-1]
+
+
+def with_given(x: torch.Tensor, given: tuple | None) -> torch.Tensor:
+    """Token embeddings `x` (..., n, dim) with the flagged positions' input vectors in their place
+    (`placed_vectors`, shaped as `x`'s positions)."""
+    return x if given is None else torch.where(given[1][..., None], given[0].to(x.dtype), x)
+
+
 def positions_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
     """Absolute RoPE positions (B, L). With left padding a row's first real token is position 0,
     so a padded row sees exactly the positions it would see alone."""
@@ -414,12 +438,10 @@ class Transformer(nn.Module):
 
         `key_mask` (B, 1, 1, S) is True where a key may be attended; S is T without a cache or the
         cache length with one. With a cache, the window's K/V are written at [window_start, +T).
-        `given` (vectors (B, T, dim), flags (B, T)): input vectors that replace the flagged
-        columns' token embeddings (DMax's soft embeddings in a fixed-shape step).
+        `given` (vectors (B, T, dim), flags (B, T): `placed_vectors`): input vectors that replace
+        the flagged columns' token embeddings (DMax's soft embeddings in a fixed-shape step).
         """
-        x = self.tok_embeddings(tokens)
-        if given is not None:
-            x = torch.where(given[1][..., None], given[0].to(x.dtype), x)
+        x = with_given(self.tok_embeddings(tokens), given)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         dense = self.compiled_layers() if compiled else [None] * len(self.layers)
@@ -481,9 +503,8 @@ class Transformer(nn.Module):
         tokens, positions = torch.cat(tokens)[None], torch.cat(positions)[None]
         runs = [(adapters.get(s.row, -1), s.width) for s in segments] if adapters else None
         with BatchInvariant() if batch_invariant else contextlib.nullcontext(), self.adapted(runs):
-            h = self.tok_embeddings(tokens)
-            if embeds:
-                h = self.given_vectors(h, segments, embeds)
+            places = {s.row: (s.offset, s.lo, s.hi) for s in segments}
+            h = with_given(self.tok_embeddings(tokens), placed_vectors(embeds, places, tokens.shape[1]))
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
             dense = self.compiled_layers() if compiled else [None] * len(self.layers)
             slots = cache.write_slots([(s.row, s.lo, s.hi) for s in segments])  # the same in every layer
@@ -501,20 +522,6 @@ class Transformer(nn.Module):
             with self.adapted(picked):
                 out = self.head(torch.cat(picks))
         return list(out.split([hi - start for _, _, hi, _, start in windows]))
-
-    @staticmethod
-    def given_vectors(h: torch.Tensor, segments: list, embeds: dict) -> torch.Tensor:
-        """The packed embeddings `h` (1, N, dim) with the rows' input vectors (`embeds`: {row:
-        (columns, vectors)}) in place of their columns' where a window computes them, every row's
-        in one write; a vector of a column no window computes goes to a spare last row, dropped
-        (no boolean index: a host read on a GPU)."""
-        given = [(s, embeds[s.row]) for s in segments if s.row in embeds]
-        where = torch.cat(
-            [torch.where((cols >= s.lo) & (cols < s.hi), s.offset + cols - s.lo, h.shape[1]) for s, (cols, _) in given]
-        )
-        rows = torch.cat([h[0], h.new_zeros(1, h.shape[2])])
-        rows[where] = torch.cat([vectors for _, (_, vectors) in given]).to(h.dtype)
-        return rows[:-1][None]
 
     def packed_rows(self, segments: list, cache, batch_invariant: bool) -> tuple | None:
         """The rows' one attention call per layer, where it is made (`packed.one_call`; on a CPU a

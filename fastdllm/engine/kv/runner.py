@@ -25,6 +25,7 @@ import weakref
 
 import torch
 
+from ...models.transformer import placed_vectors
 from ..registry import CACHE_POLICIES, REFRESH_RULES
 from .pages import FixedSlots, PagedKVCache, kv_bytes
 from .prefix import DEFAULT_BUDGET_BYTES, Lookups, PrefixStore
@@ -219,11 +220,20 @@ class FixedForm:
     padding past its own end computes at its last column's position, and a padding row at column
     0 seeing key 0; both write their K/V to the pool's scratch slot (`PagedKVCache.slot_table`),
     and their logits are dropped: the same arithmetic as the eager step for every real column,
-    over more (masked) keys. `logits`: per row, how many of its logits the loop reads (from its
-    window's start, within the step's width)."""
+    over more (masked) keys. `keys`: the keys' bucket; `logits`: per row, how many of its logits
+    the loop reads (from its window's start, within the step's width)."""
 
-    def __init__(self, windows: list, width: int, picks: list[list[int]], most: int, spans: list[int], embeds=None):
-        self.windows, self.width, self.picks, self.most, self.spans = windows, width, picks, most, spans
+    def __init__(
+        self, windows: list, width: int, keys: int, picks: list[list[int]], most: int, spans: list, embeds=None
+    ):
+        self.windows, self.width, self.keys, self.picks, self.most, self.spans = (
+            windows,
+            width,
+            keys,
+            picks,
+            most,
+            spans,
+        )
         self.embeds = embeds  # {row: (columns, vectors)}: input vectors (`SequenceView.embeds`)
         self.logits = [len(p) for p in picks]
 
@@ -236,15 +246,15 @@ class FixedForm:
             return None
         if any(row != i for i, (row, *_) in enumerate(windows)):
             return None
-        spans = [hi - lo for _, lo, hi, _, _ in windows]
-        width = max(spans)
-        if len(set(spans)) > 1 or width > seq.width + 1:  # not a step of the blocks alone: a bucket
-            bucket, keys = seq.block_lengths[0], -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
+        lengths = [hi - lo for _, lo, hi, _, _ in windows]
+        width, keys = max(lengths), -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
+        if len(set(lengths)) > 1 or width > seq.width + 1:  # not a step of the blocks alone: a bucket
+            bucket = seq.block_lengths[0]
             while bucket < width:
                 bucket *= 2
             width = max(width, min(bucket, keys))
-            if len(spans) * width > PADDING * sum(spans):  # rows' windows far apart (a row joining
-                return None  # a batch inside its blocks): eager computes what they need
+            if len(lengths) * width > PADDING * sum(lengths):  # rows' windows far apart (a row
+                return None  # joining a batch inside its blocks): eager computes what they need
         picks = []
         for i, (_, lo, hi, _, start) in enumerate(windows):
             columns = model.logit_columns(lo, hi, start, canvas.get(i))  # as the eager step's
@@ -252,14 +262,13 @@ class FixedForm:
             picks.append(columns[: seq.width - (start - seq.starts[i])])
         # how each row's window attends where its decoder chooses (-1: the model's own rule)
         spans = [canvas.get(i, -1) for i in range(len(windows))]
-        return cls(windows, width, picks, max(seq.width, 1), spans, seq.embeds)
+        return cls(windows, width, keys, picks, max(seq.width, 1), spans, seq.embeds)
 
     def inputs(self, x: torch.Tensor, cache, block_size) -> tuple:
         """`Transformer.window_logits_static`'s arguments for these windows of the layout `x`
         over the pool `cache`: the index tables made on the host and sent in one copy."""
-        bsz, width, most = x.shape[0], self.width, self.most
+        bsz, width, most, capacity = x.shape[0], self.width, self.most, self.keys
         rows = next((b for b in ROW_BUCKETS if b >= bsz), bsz)
-        capacity = -(-x.shape[1] // KEY_BUCKET) * KEY_BUCKET
         pad = rows - bsz
         positions, columns, keep = [], [], []
         for (_, lo, hi, _, _), picks in zip(self.windows, self.picks):
@@ -291,26 +300,15 @@ class FixedForm:
             keep.view(rows, most),
             starts,
             spans,
-            self.given(rows, x.device) if self.embeds else None,
+            self.given(rows),
         )
 
-    def given(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def given(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows' input vectors at their windows' columns (rows, width, dim) and which columns
-        take them (rows, width), every row's placed in one write: a vector of a column outside its
-        window goes to a spare last slot (no boolean index: a host read on a GPU)."""
-        width, spare = self.width, rows * self.width
-        where, vectors = [], []
-        for i, (cols, v) in self.embeds.items():
-            lo, hi = self.windows[i][1], self.windows[i][2]
-            where.append(torch.where((cols >= lo) & (cols < hi), i * width + cols - lo, spare))
-            vectors.append(v)
-        vectors = torch.cat(vectors)
-        placed = vectors.new_zeros(spare + 1, vectors.shape[-1])
-        flags = torch.zeros(spare + 1, dtype=torch.bool, device=device)
-        where = torch.cat(where).to(device)
-        placed[where] = vectors.to(device)
-        flags[where] = True
-        return placed[:-1].view(rows, width, -1), flags[:-1].view(rows, width)
+        take them (rows, width) (`placed_vectors`)."""
+        places = {i: (i * self.width, lo, hi) for i, (_, lo, hi, _, _) in enumerate(self.windows)}
+        given = placed_vectors(self.embeds, places, rows * self.width)
+        return None if given is None else (given[0].view(rows, self.width, -1), given[1].view(rows, self.width))
 
 
 _DEFAULT: weakref.WeakKeyDictionary[torch.nn.Module, KVRunner] = weakref.WeakKeyDictionary()
