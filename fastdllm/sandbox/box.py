@@ -232,8 +232,11 @@ def kill_uid(uid: int) -> None:
     in the uid's process limit until reaped, which the next box of this uid would find taken). A
     forked helper takes the uid and calls kill(-1), which reaches every process the caller may
     signal but itself, i.e. those of its own uid. A process with a pending SIGKILL cannot
-    complete a fork, so a fork bomb cannot outrun it."""
+    complete a fork, so a fork bomb cannot outrun it. With none left (a box whose programs ended
+    and were reaped), no process can appear under the uid, and no helper is forked."""
     for _ in range(200):
+        if not uid_processes(uid):
+            return
         pid = os.fork()
         if pid == 0:  # child: only system calls, then _exit
             try:
@@ -244,9 +247,8 @@ def kill_uid(uid: int) -> None:
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)
-        if not uid_processes(uid):
-            return
-        time.sleep(0.005)
+        if uid_processes(uid):
+            time.sleep(0.005)
 
 
 def uid_processes(uid: int) -> list[int]:
