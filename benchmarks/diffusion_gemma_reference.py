@@ -3,6 +3,7 @@ the same checkpoint, same seeds.
 
     python benchmarks/diffusion_gemma_reference.py [--dim 128 --layers 4 --experts 8]
         [--prompts 4] [--canvases 2] [--canvas 32] [--steps 48] [--threads 2] [--float64] [--shots N]
+        [--compile | --cuda-graphs]
         [--images N [--image-budget 70] [--vision-dim 64] [--vision-layers 2]] [--profile] [--out FILE]
 
 A random checkpoint made and saved by transformers' class (float32; sliding and full layers, a
@@ -151,6 +152,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--float64", action="store_true")
     p.add_argument("--compile", action="store_true", help="ours with compile=True (warmed up alone and batched)")
+    p.add_argument(
+        "--cuda-graphs", action="store_true", help="ours with cuda_graphs=True (compiled; warmed up alone and batched)"
+    )
     p.add_argument("--shots", type=int, default=0, help="worked examples before each question (a longer prompt)")
     p.add_argument("--images", type=int, default=0, help="pictures per prompt")
     p.add_argument("--image-budget", type=int, default=70, help="soft tokens per picture at most (its processor's)")
@@ -189,7 +193,7 @@ def main() -> None:
     images = {"images": pictures} if a.images else {}
     gen = a.canvases * a.canvas
     config = GenerationConfig.for_model(model, gen_length=gen, max_denoising_steps=a.steps, stop_at_eos=False)
-    config = config.replace(compile=a.compile)
+    config = config.replace(compile=a.compile, cuda_graphs=a.cuda_graphs)
 
     def theirs(i: int) -> tuple[torch.Tensor, dict]:
         """transformers' request i: its placed ids and its processor's outputs (computed here: its
@@ -225,7 +229,7 @@ def main() -> None:
     reference_batch_seconds = time.perf_counter() - started
     first = {"images": pictures[:1]} if a.images else {}
     fastdllm.generate(model, [prompts[0]], config=config.replace(seed=0), **first)  # warm-up
-    if a.compile:  # the batch's shapes too
+    if a.compile or a.cuda_graphs:  # the batch's shapes too
         fastdllm.generate(model, prompts, config=config, row_seeds=list(range(len(prompts))), **images)
     started = time.perf_counter()
     alone = [
@@ -258,6 +262,7 @@ def main() -> None:
             threads=a.threads,
             cache=config.cache,
             compile=a.compile,
+            cuda_graphs=a.cuda_graphs,
         ),
         "reference": {"seconds": reference_seconds, "tokens_per_s": tokens / reference_seconds},
         "reference_batched": {"seconds": reference_batch_seconds, "tokens_per_s": tokens / reference_batch_seconds},

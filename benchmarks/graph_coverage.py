@@ -4,6 +4,7 @@ the share of forwards graphed and the distinct input shapes (a CUDA graph each o
 
     python benchmarks/graph_coverage.py [--models llada-arith sdar-arith] [--problems 16] [--out FILE]
     python benchmarks/graph_coverage.py --models tests/fixtures/nemotron_labs_diffusion_micro  # its 3 modes
+    python benchmarks/graph_coverage.py --models gemma-arith  # DiffusionGemma under each cache it takes
 
 Each decodes on a fixed schedule (4 tokens a step, no early stop: the embedded models' confidence
 would end a block in a step or two). The fixed-shape step runs eagerly here (no compile: what is
@@ -31,6 +32,14 @@ CONFIGS = {
     "none": dict(cache="none", suffix_window=None),
     "delayed, 2 blocks": dict(cache="delayed", suffix_window=None, **MULTI),
     "sub-block": dict(cache="sub-block", suffix_window=None, refresh="full"),  # sub-blocks of half a block
+}
+# DiffusionGemma's canvases under each cache it takes, its own decoding (seeded draws, every
+# denoising step: its adaptive stop off)
+CANVAS_CONFIGS = {
+    "dual, vicinity (default)": dict(cache="dual", refresh="vicinity"),
+    "dual, full refresh": dict(cache="dual", refresh="full"),
+    "prefix": dict(cache="prefix"),
+    "none": dict(cache="none"),
 }
 
 
@@ -85,6 +94,14 @@ def main() -> None:
             for preset in NEMOTRON_MODES:
                 config = getattr(fastdllm.GenerationConfig, preset)(gen_length=args.gen_length)
                 row = {"model": name, "config": preset, **coverage(model, ids, config.fit_to_model(model))}
+                rows.append(row)
+                print(line(row), flush=True)
+            continue
+        if model.family.name == "DiffusionGemma":
+            for label, fields in CANVAS_CONFIGS.items():
+                steps = dict(gen_length=args.gen_length, max_denoising_steps=16, confidence_threshold=None, seed=0)
+                config = fastdllm.GenerationConfig.for_model(model, stop_at_eos=False, **steps, **fields)
+                row = {"model": name, "config": label, **coverage(model, ids, config)}
                 rows.append(row)
                 print(line(row), flush=True)
             continue

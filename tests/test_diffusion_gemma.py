@@ -315,6 +315,64 @@ def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer, settings):
 
 
 @pytest.mark.parametrize(
+    "cache",
+    [dict(cache="dual"), dict(cache="prefix"), dict(cache="none"), dict(cache="dual", refresh="full")],
+    ids=["dual", "prefix", "none", "dual-full"],
+)
+def test_the_fixed_shape_step_decodes_as_the_eager_one(float64_pair, tokenizer, cache, monkeypatch):
+    """`cuda_graphs`, its fixed-shape step run eagerly: rows of different lengths, whose clocks
+    part (the adaptive stop), decode as without it, every step after the rows' first through it
+    (windows padded to one width, rows to a bucket, keys to whole buckets)."""
+    from fastdllm.engine.kv.runner import KVRunner
+
+    from .conftest import run_eagerly
+
+    _, model = float64_pair
+    calls = run_eagerly(monkeypatch)
+    texts = ("Question: 2 + 3?", "Tom has 5 apples. He buys 3 more. How many?", "Question: what is 12 + 30?")
+    prompts = [tokenizer.encode(t) for t in texts]
+    settings = dict(max_denoising_steps=24, t_min=0.01, t_max=0.05, confidence_threshold=7.0)
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=3 * CANVAS, stop_at_eos=False, **settings, **cache)
+    runner = KVRunner(model).record()
+    eager = fastdllm.generate(model, prompts, config=config, row_seeds=[5, 6, 7], kv=runner)
+    graphed = fastdllm.generate(model, prompts, config=config.replace(cuda_graphs=True), row_seeds=[5, 6, 7])
+    assert graphed.sequences.tolist() == eager.sequences.tolist()
+    assert graphed.nfe_per_row == eager.nfe_per_row
+    assert len(set(eager.nfe_per_row)) > 1  # the rows' clocks parted
+    # every step of windows of one width at least (one far wider than the others' may stay eager)
+    alike = [w for w in runner.history[1:] if len({hi - lo for _, lo, hi, _, _ in w}) == 1]
+    assert len(calls) >= len(alike) > 0
+
+
+@pytest.mark.slow
+def test_the_compiled_fixed_shape_step_gives_the_eager_logits(checkpoint, tokenizer):
+    """The fixed-shape step through torch.compile (the function a GPU captures; its float32
+    experts run eagerly between compiled parts): the eager step's logits within float32 rounding,
+    and the same K/V written."""
+    from fastdllm.engine.cache.base import SequenceView
+    from fastdllm.engine.kv.pages import PagedKVCache
+    from fastdllm.engine.kv.runner import FixedForm
+
+    _, model, _ = checkpoint
+    ids = [tokenizer.encode("Question: 3 + 4 = ?"), tokenizer.encode("Tom has 5 apples and buys 3 more.")]
+    ends = [len(p) + CANVAS for p in ids]
+    x = torch.tensor([p + [5] * (max(ends) - len(p)) for p in ids])
+    seq = SequenceView(x, tuple(map(len, ids)), tuple(ends), (0, 0), (CANVAS, CANVAS), (CANVAS, CANVAS))
+    windows = [(i, len(p), end, end, len(p)) for i, (p, end) in enumerate(zip(ids, ends))]
+    form = FixedForm.of(model, seq, windows)
+    outs = []
+    for step in (model.window_logits_static, model.graphed_window_logits()):
+        cache = PagedKVCache.for_rows(model, 2, x.shape[1])
+        cache.k.normal_(generator=torch.Generator().manual_seed(0))  # the prompts' K/V, alike in both
+        cache.v.normal_(generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            outs.append((step(*form.inputs(x, cache, None)), cache.k.clone()))
+    (eager, k_eager), (compiled, k_compiled) = outs
+    assert eager.shape == compiled.shape and (eager - compiled).abs().max() < 1e-4
+    torch.testing.assert_close(k_compiled, k_eager)
+
+
+@pytest.mark.parametrize(
     "change, field",
     [
         (dict(cache="delayed"), "cache"),
@@ -323,7 +381,6 @@ def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer, settings):
         (dict(fixed=((0, (5,)),)), "fixed"),
         (dict(suffix=(5, 6)), "suffix"),
         (dict(unmasking="threshold", threshold=0.9), "unmasking"),
-        (dict(cuda_graphs=True), "cuda_graphs"),
     ],
 )
 def test_what_the_canvas_cannot_do_is_refused_by_name(checkpoint, tokenizer, change, field):

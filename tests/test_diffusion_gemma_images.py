@@ -200,6 +200,41 @@ def test_generate_with_images_gives_transformers_tokens_and_forwards(float64_pai
         model.stop_token_ids = stops
 
 
+@pytest.mark.parametrize("cache", ["dual", "none"])
+def test_the_fixed_shape_step_decodes_images_as_the_eager_one(float64_pair, tokenizer, cache, monkeypatch):
+    """`cuda_graphs` (its fixed-shape step run eagerly) for rows with and without pictures: the
+    same tokens and forwards; a step that computes an image's columns again (no cache) stays
+    eager where images attend both ways, the canvas's steps take the fixed shapes."""
+    from fastdllm.engine.kv.runner import KVRunner
+
+    from .conftest import run_eagerly
+
+    reference, model = float64_pair
+    calls = run_eagerly(monkeypatch)
+    img = reference.config.image_token_id
+    prompt = tokenizer.encode("Look:") + [img] + tokenizer.encode(" what is it?")
+    rows = [prompt, tokenizer.encode("Question: what is 12 + 30? Answer:"), prompt]
+    images = [[picture(40, 60, seed=1)], [], [picture(60, 40, seed=2)]]
+    config = fastdllm.GenerationConfig.for_model(model, gen_length=2 * CANVAS, max_denoising_steps=12, cache=cache)
+    runner = KVRunner(model).record()
+    eager = fastdllm.generate(model, rows, config=config, images=images, row_seeds=[0, 1, 2], kv=runner)
+    graphed = fastdllm.generate(
+        model, rows, config=config.replace(cuda_graphs=True), images=images, row_seeds=[0, 1, 2]
+    )
+    assert graphed.sequences.tolist() == eager.sequences.tolist()
+    assert graphed.nfe_per_row == eager.nfe_per_row
+    both_ways = model.args.extra.get("vision_bidirectional")
+    # every step of windows of one width at least, but where images attend both ways those that
+    # compute columns before a canvas
+    alike = [
+        w
+        for w in runner.history[1:]
+        if len({hi - lo for _, lo, hi, _, _ in w}) == 1 and not (both_ways and any(lo < s for _, lo, *_, s in w))
+    ]
+    assert len(calls) >= len(alike)
+    assert calls == [] if both_ways and cache == "none" else len(calls) > 0
+
+
 def test_rows_with_and_without_images_decode_as_alone(one, tokenizer):
     """Rows of different images, the same image twice and a text row, batched: each row's tokens
     are its tokens alone; an image changes the answer; the prefix store shares a prompt's K/V only

@@ -70,7 +70,7 @@ def check_engine_settings(model, config: GenerationConfig) -> None:
     ValueError naming the field (every model compiles)."""
     name = getattr(getattr(model, "family", None), "name", "this model")
     if config.cuda_graphs and not getattr(model, "captures_steps", True):
-        raise ValueError(f"cuda_graphs: not yet for {name} (its captured step would attend another way)")
+        raise ValueError(f"cuda_graphs: not for {name} (its masks attend in an order its tokens decide)")
 
 
 def brings_decoder(source: PolicySource) -> bool:

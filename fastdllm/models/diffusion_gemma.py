@@ -71,6 +71,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def attention_masks(q, k, start, seen, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which keys (positions `k`) each query (positions `q`) of a row attends in a full and in a
+    sliding layer (broadcast shapes): before its canvas (from `start`) causally, the canvas every
+    key `seen` allows, a sliding layer's window ending at the query or for the canvas at its start."""
+    full = ((k <= q) | (q >= start)) & seen
+    return full, full & (k >= torch.minimum(q, start) - window + 1)
+
+
+class FixedPlan:
+    """How the rows of a fixed-shape step attend (`DiffusionGemma.window_logits_static`): each
+    row's window of T columns at `positions` (B, T) over its cache row's S keys, with `full` and
+    `sliding` (B, 1, T, S) its masks in the two kinds of layer (`attention_masks`, the keys past
+    what the row sees masked by `key_ok` (B, S)), its K/V written at its cache `columns` (B, T)."""
+
+    def __init__(self, positions, starts, key_ok, key_positions, columns, window: int):
+        full, sliding = attention_masks(
+            positions[:, :, None], key_positions[:, None, :], starts[:, None, None], key_ok[:, None, :], window
+        )
+        self.full, self.sliding, self.columns = full[:, None], sliding[:, None], columns
+
+
 class AttentionPlan:
     """How a forward's packed rows attend, built once and shared by its layers: row r's queries
     are its window's columns [lo, hi) and its keys its columns [0, keys) (`key_slots`: their
@@ -89,10 +110,8 @@ class AttentionPlan:
         width, most = max(widths), table.shape[1]
         q = lo[:, None, None] + torch.arange(width, device=device)[None, :, None]  # (rows, queries, 1)
         k = torch.arange(most, device=device)[None, None, :]
-        s = start[:, None, None]
         seen = k < keys[:, None, None]
-        full = ((k <= q) | (q >= s)) & seen
-        sliding = full & (k >= torch.minimum(q, s) - window + 1)
+        full, sliding = attention_masks(q, k, start[:, None, None], seen, window)
         if groups is not None:
             g_q = groups.gather(1, q[..., 0].clamp(max=groups.shape[1] - 1))
             same = (g_q[:, :, None] == groups[:, None, :most]) & (g_q[:, :, None] >= 0) & seen
@@ -140,6 +159,8 @@ class GemmaAttention(nn.Module):
         keys in one call (`AttentionPlan`)."""
         n = q.shape[1]
         gqa = self.n_kv_heads != self.n_heads
+        if isinstance(plan, FixedPlan):
+            return self._fixed(q, k, v, plan, layer_cache, gqa)
         if layer_cache is None:  # the windows' own K/V, packed
             sources = (k[0], v[0])
         else:  # the pool's, each position flattened to the widest layer's width
@@ -166,6 +187,25 @@ class GemmaAttention(nn.Module):
                 enable_gqa=gqa,
             )[0].transpose(0, 1)
         return self.wo(out.reshape(1, n, -1))
+
+    def _fixed(self, q, k, v, plan: FixedPlan, layer_cache, gqa: bool) -> torch.Tensor:
+        """`forward` for a fixed-shape step's rows (B, T), packed one after another in q, k, v:
+        their K/V written at the plan's columns, each row attending over its cache row's keys."""
+        (bsz, t), n = plan.columns.shape, q.shape[1]
+        width = self.n_kv_heads * self.head_dim
+        pad = layer_cache.k.shape[-1] - width
+        keys, values = layer_cache.update(plan.columns, *(F.pad(x.view(bsz, 1, t, width), (0, pad)) for x in (k, v)))
+        keys, values = (x[:, 0, :, :width].unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(1, 2)
+                        for x in (keys, values))  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q.view(bsz, t, self.n_heads, self.head_dim).transpose(1, 2),
+            keys,
+            values,
+            attn_mask=plan.sliding if self.sliding else plan.full,
+            scale=1.0,
+            enable_gqa=gqa,
+        )
+        return self.wo(out.transpose(1, 2).reshape(1, n, -1))
 
     def _flat(self, t: torch.Tensor, layer_cache) -> torch.Tensor:
         """(1, T, heads, d) as the pool keeps a position: (1, 1, T, width), zero-padded."""
@@ -288,8 +328,6 @@ def _inv_freq(head_dim: int, theta: float, rotary: float | None, device=None) ->
 class DiffusionGemma(Transformer):
     """The model (see the module's docstring). `packed_logits` is the loop's forward; `forward` the
     encoder's causal pass over whole sequences (what a likelihood reads)."""
-
-    captures_steps = False
 
     def make_layers(self, args: ModelArgs) -> nn.ModuleList:
         return nn.ModuleList(GemmaLayer(args, i) for i in range(args.n_layers))
@@ -570,15 +608,51 @@ class DiffusionGemma(Transformer):
             # one call on every device: on this project's CPU as fast as a call per row (measured)
             one_call(self.attention_calls, dev, len(windows), batch_invariant, cpu_too=True),
         )
+        dense = self.compiled_layers() if compiled else [None] * len(self.layers)
+        for i, (layer, (cos, sin)) in enumerate(zip(self.layers, self._rope(positions))):
+            h = layer(h, cos, sin, plan, canvas, None if cache is None else cache.layer(i), slots, dense[i])
+        return self.norm(h)[0]
+
+    def _rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the RoPE tables (cos, sin) of `positions` for its kind of layer."""
         tables = {
             SLIDING: (self.sliding_cos[positions], self.sliding_sin[positions]),
             FULL: (self.full_cos[positions], self.full_sin[positions]),
         }
-        dense = self.compiled_layers() if compiled else [None] * len(self.layers)
-        for i, (layer, kind) in enumerate(zip(self.layers, self.args.extra["layer_types"])):
-            cos, sin = tables[kind]
-            h = layer(h, cos, sin, plan, canvas, None if cache is None else cache.layer(i), slots, dense[i])
-        return self.norm(h)[0]
+        return [tables[kind] for kind in self.args.extra["layer_types"]]
+
+    def window_logits_static(
+        self, tokens, positions, columns, key_ok, key_positions, cache, block_size, keep, starts, spans, given=None
+    ) -> torch.Tensor:
+        """`Transformer.window_logits_static` for this model: `packed_logits`' arithmetic with
+        every shape fixed, the rows (B, T) packed one after another. A column from its row's start
+        (`starts`) is in its canvas: self-conditioned, by the `given` vector there (its signal,
+        zeros where none), while a given vector before the canvas is an image's soft token in
+        place of the column's embedding. (`block_size`, `spans`: its windows attend one way.)"""
+        del block_size, spans
+        bsz, t = tokens.shape
+        canvas = positions >= starts[:, None]
+        h, signal = self.embed(tokens), torch.zeros(bsz, t, self.args.dim, dtype=self.dtype, device=tokens.device)
+        if given is not None:
+            vectors, flags = given[0].to(self.dtype), given[1]
+            h = torch.where((flags & ~canvas)[..., None], vectors.to(h.dtype), h)
+            signal = torch.where((flags & canvas)[..., None], vectors, signal)
+        h = torch.where(canvas[..., None], self.self_conditioned(h, signal), h).view(1, bsz * t, -1)
+        plan = FixedPlan(positions, starts, key_ok, key_positions, columns, self.args.extra["sliding_window"])
+        canvas = canvas.flatten()
+        for i, (layer, (cos, sin)) in enumerate(zip(self.layers, self._rope(positions.flatten()))):
+            h = layer(h, cos, sin, plan, canvas, cache.layer(i))
+        h = self.norm(h).view(bsz, t, -1)
+        return self.head(h.gather(1, keep[..., None].expand(-1, -1, h.shape[-1])))
+
+    def fits_fixed_form(self, seq, windows: list) -> bool:
+        """Not where an image's columns may be among a window's queries while images attend each
+        other both ways (`_image_groups`, which the fixed shapes do not carry): a window that
+        computes columns before its canvas, of a row given input vectors. Such steps (a block's
+        first, under refreshes that recompute the prompt) run eagerly."""
+        if not self.args.extra.get("vision_bidirectional") or not seq.embeds:
+            return True
+        return not any(row in seq.embeds and lo < start for row, lo, _, _, start in windows)
 
     def _given_vectors(self, h: torch.Tensor, signal: torch.Tensor, windows, embeds) -> tuple[torch.Tensor, list]:
         """The rows' input vectors (`embeds`: {row: (columns, vectors)}) put in place, every row's at

@@ -53,6 +53,13 @@ def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)
 
 
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grouped_mm run eagerly inside a compiled function: its traced form takes bfloat16 alone,
+    where the CPU's kernel also takes float32."""
+    return F.grouped_mm(x, weight, offs=offsets)
+
+
 def expert_linear(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, grouped: bool | None
 ) -> torch.Tensor:
@@ -60,6 +67,8 @@ def expert_linear(
     grouped: one grouped matmul (True), one batched matmul of gathered weights (False), or, for
     training (None: grouped_mm has no backward here), a slice per expert (a host sync per call)."""
     if grouped:
+        if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return _grouped_mm_eager(x, weight.transpose(-2, -1), offsets)
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     if grouped is None:
         bounds = [0] + offsets.tolist()

@@ -347,8 +347,16 @@ class Transformer(nn.Module):
         the block, and rows that share them must agree on it."""
         return not self.args.block_size
 
-    # Whether its cached step is captured as a CUDA graph (`window_logits_static`, `cuda_graphs`).
-    captures_steps = True
+    @property
+    def captures_steps(self) -> bool:
+        """Whether its steps take the fixed shapes a CUDA graph replays (`window_logits_static`,
+        `cuda_graphs`): not where masks attend last (WeDLM), whose order follows the tokens."""
+        return not self.args.masks_last
+
+    def fits_fixed_form(self, seq, windows: list) -> bool:
+        """Whether a step of these windows may take the fixed-shape step (`kv.runner.FixedForm`);
+        a model with a rule of its own that the fixed shapes do not carry says no."""
+        return True
 
     # Whether a decoder may choose how a window attends (`packed_logits`'s `canvas`): a model whose
     # weights run both causally and bidirectionally (Nemotron-Labs-Diffusion).
@@ -595,8 +603,6 @@ class Transformer(nn.Module):
         attends where its decoder chooses (`packed_logits`' `canvas`; -1: the model's rule).
         `given`: input vectors for some columns (`hidden`). Returns the logits (B, P, V) of the
         window columns `keep` (B, P) picks (`logit_columns` of each row's window)."""
-        if self.args.masks_last:
-            raise ValueError("cuda_graphs: not with a model whose masks attend last (WeDLM)")
         key_mask = self.static_key_mask(positions, key_ok, key_positions, block_size, starts, spans)
         h = self.hidden(tokens, positions, key_mask, cache, columns, given=given)
         return self.head(h.gather(1, keep[..., None].expand(-1, -1, h.shape[-1])))

@@ -244,6 +244,8 @@ class FixedForm:
         canvas = seq.canvas or {}
         if canvas and not model.two_passes:  # the eager step says why
             return None
+        if not model.fits_fixed_form(seq, windows):
+            return None
         if any(row != i for i, (row, *_) in enumerate(windows)):
             return None
         lengths = [hi - lo for _, lo, hi, _, _ in windows]
