@@ -73,6 +73,41 @@ def test_multi_block_steps_and_the_delayed_cache_take_the_fixed_shape_step(name,
         assert len(calls) - before >= max(len(inside), 1), cache
 
 
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_rows_of_other_block_lengths_take_the_fixed_shape_step(tiny_llada, cache, monkeypatch):
+    """Rows decoding in blocks of 8, 16 and 32 in one batch (a bidirectional model's masks read no
+    block length): graphed as eager, their steps inside blocks through the fixed shapes."""
+    from fastdllm.engine.decoder import BlockDecoder
+
+    calls = run_eagerly(monkeypatch)
+    base = GenerationConfig(gen_length=64, block_length=16, threshold=0.6, cache=cache, stop_at_eos=False)
+    configs = [base, base.replace(block_length=32), base.replace(block_length=8)]
+    prompts = random_prompts(tiny_llada, (5, 9, 7))
+    answers = []
+    for graphs in (False, True):
+        decoder = BlockDecoder(tiny_llada, base.replace(cuda_graphs=graphs))
+        rows = [decoder.add([p], config=c.replace(cuda_graphs=graphs))[0] for p, c in zip(prompts, configs)]
+        while decoder.active:
+            decoder.step()
+        answers.append([(r.answer.tolist(), r.nfe) for r in rows])
+    assert answers[0] == answers[1]
+    assert any(args[0].shape[0] >= 3 for args in calls)  # steps of the three rows together
+
+
+def test_a_mask_that_reads_the_block_length_keeps_rows_of_other_lengths_eager(tiny_llada, tiny_nemotron):
+    """Nemotron-Labs-Diffusion's fixed-shape mask reads the rows' block length: a step of rows in
+    blocks of 8 and 16 is no fixed form there, and is one for LLaDA, whose masks read none."""
+    from fastdllm.engine.cache.base import SequenceView
+    from fastdllm.engine.kv.runner import FixedForm
+
+    seq = SequenceView(torch.zeros(2, 64, dtype=torch.long), (16, 16), (32, 32), (1, 1), (8, 16), (8, 16))
+    windows = [(0, 16, 24, 32, 16), (1, 16, 32, 32, 16)]
+    assert FixedForm.of(tiny_llada, seq, windows) is not None
+    assert FixedForm.of(tiny_nemotron, seq, windows) is None
+    same = SequenceView(seq.x, (16, 16), (32, 32), (1, 1), (16, 16), (16, 16))
+    assert FixedForm.of(tiny_nemotron, same, [(0, 16, 32, 32, 16), (1, 16, 32, 32, 16)]) is not None
+
+
 def test_the_fixed_form_pads_windows_rows_and_keys_to_buckets(tiny_llada):
     """Windows of one width stay as they are; differing ones are padded to a power of two blocks,
     rows to a capture size and keys to whole buckets; a window far wider than the others' (a row

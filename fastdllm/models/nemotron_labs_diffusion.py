@@ -161,6 +161,10 @@ class NemotronLabsDiffusion(Transformer):
         mask = causal if span == 0 else torch.where(cols < start, causal, k < start + span)
         return None if bool(mask.all()) else mask
 
+    def fits_fixed_form(self, seq, windows: list) -> bool:
+        """Not for rows of other block lengths in one step: its fixed-shape mask reads one."""
+        return not isinstance(seq.block_size, dict)
+
     def static_key_mask(self, positions, key_ok, key_positions, block_size, starts, spans):
         """A fixed-shape window's mask (`Transformer.static_key_mask`) by this model's rule for a
         window (`window_mask`): a column before the row's first logit column (`starts`) sees the

@@ -355,7 +355,8 @@ class Transformer(nn.Module):
 
     def fits_fixed_form(self, seq, windows: list) -> bool:
         """Whether a step of these windows may take the fixed-shape step (`kv.runner.FixedForm`);
-        a model with a rule of its own that the fixed shapes do not carry says no."""
+        a model with a rule of its own that the fixed shapes do not carry says no. (Rows of other
+        block lengths share a step only where its masks read none: `mixes_block_lengths`.)"""
         return True
 
     # Whether a decoder may choose how a window attends (`packed_logits`'s `canvas`): a model whose

@@ -97,7 +97,9 @@ class KVRunner:
             )
 
         def fixed(x, windows, cache):
-            logits = self.model.graphed_window_logits()(*form.inputs(x, cache, seq.block_size))
+            # rows of other block lengths share a step only where the masks read none (`fits_fixed_form`)
+            block_size = None if isinstance(seq.block_size, dict) else seq.block_size
+            logits = self.model.graphed_window_logits()(*form.inputs(x, cache, block_size))
             return [logits[i, :n] for i, n in enumerate(form.logits)]
 
         return pages.run(seq, windows, packed if form is None else fixed)
@@ -239,7 +241,7 @@ class FixedForm:
 
     @classmethod
     def of(cls, model, seq, windows: list) -> FixedForm | None:
-        if len(windows) != len(seq.starts) or isinstance(seq.block_size, dict):
+        if len(windows) != len(seq.starts):
             return None
         canvas = seq.canvas or {}
         if canvas and not model.two_passes:  # the eager step says why
@@ -251,7 +253,7 @@ class FixedForm:
         lengths = [hi - lo for _, lo, hi, _, _ in windows]
         width, keys = max(lengths), -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
         if len(set(lengths)) > 1 or width > seq.width + 1:  # not a step of the blocks alone: a bucket
-            bucket = seq.block_lengths[0]
+            bucket = min(seq.block_lengths)
             while bucket < width:
                 bucket *= 2
             width = max(width, min(bucket, keys))
