@@ -5,6 +5,7 @@ the share of forwards graphed and the distinct input shapes (a CUDA graph each o
     python benchmarks/graph_coverage.py [--models llada-arith sdar-arith] [--problems 16] [--out FILE]
     python benchmarks/graph_coverage.py --models tests/fixtures/nemotron_labs_diffusion_micro  # its 3 modes
     python benchmarks/graph_coverage.py --models gemma-arith  # DiffusionGemma under each cache it takes
+    python benchmarks/graph_coverage.py --joins 2  # rows joining a running decode, as a server's
 
 Each decodes on a fixed schedule (4 tokens a step, no early stop: the embedded models' confidence
 would end a block in a step or two). The fixed-shape step runs eagerly here (no compile: what is
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
 import torch
 
 import fastdllm
+from fastdllm.engine.decoder import BlockDecoder
+from fastdllm.engine.kv.runner import KVRunner
 from fastdllm.evaluation.tasks import arith
 from fastdllm.models.transformer import Transformer
 
@@ -43,37 +47,59 @@ CANVAS_CONFIGS = {
 }
 
 
-def coverage(model, ids, config) -> dict:
-    shapes, graphed = set(), [0]
+def coverage(model, ids, config, joins: int | None = None) -> dict:
+    """One decode with and one without `cuda_graphs`, counting the fixed-shape steps; with
+    `joins`, the rows join one running decode (`BlockDecoder`) at seeded random steps, up to
+    `joins` at a step, as a server's requests do."""
+    shapes, graphed, calls = set(), [0], [0]
 
     def eager(self):
         def run(*args):
-            graphed[0] += 1
+            calls[0] += 1
             shapes.add((tuple(args[0].shape), args[3].shape[-1]))  # (rows, window columns), keys
             return self.window_logits_static(*args)
 
         return run
 
-    plain = fastdllm.generate(model, ids, config=config)
+    def forward(self, pages, seq, windows, forms=None):
+        graphed[0] += forms is not None
+        return run_forward(self, pages, seq, windows, forms)
+
+    def decode(config):
+        if joins is None:
+            out = fastdllm.generate(model, ids, config=config)
+            return out.sequences.tolist(), out.nfe
+        decoder, rng, pending, rows = BlockDecoder(model, config), random.Random(0), list(ids), []
+        while decoder.active or pending:
+            for _ in range(rng.randint(0, joins)):
+                if pending:
+                    rows += decoder.add([pending.pop(0)], config=config)
+            if decoder.active:
+                decoder.step()
+        return [r.answer.tolist() for r in rows], decoder.nfe
+
+    plain, _ = decode(config)
     patched, Transformer.graphed_window_logits = Transformer.graphed_window_logits, eager
+    run_forward, KVRunner.forward = KVRunner.forward, forward
     try:
-        out = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+        out, nfe = decode(config.replace(cuda_graphs=True))
     finally:
-        Transformer.graphed_window_logits = patched
-    nfe = out.nfe
+        Transformer.graphed_window_logits, KVRunner.forward = patched, run_forward
     return {
         "forwards": nfe,
         "graphed": graphed[0],
         "graphed_share": round(graphed[0] / max(1, nfe), 3),
+        "fixed_shape_calls": calls[0],  # more than one in a step whose windows part (`FixedForm.parts`)
         "shapes": len(shapes),
-        "same_tokens": bool(torch.equal(plain.sequences, out.sequences)),
+        "same_tokens": plain == out,
     }
 
 
 def line(row: dict) -> str:
     return (
         f"{row['model'][-12:]:12s} {row['config'][-26:]:26s} forwards {row['forwards']:4d}  "
-        f"graphed {row['graphed']:4d} ({100 * row['graphed_share']:5.1f}%)  shapes {row['shapes']:3d}  "
+        f"graphed {row['graphed']:4d} ({100 * row['graphed_share']:5.1f}%) in {row['fixed_shape_calls']:4d} calls  "
+        f"shapes {row['shapes']:3d}  "
         f"same tokens {row['same_tokens']}"
     )
 
@@ -83,6 +109,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llada-arith", "dream-arith", "sdar-arith"])
     ap.add_argument("--problems", type=int, default=16)
     ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument(
+        "--joins", type=int, default=None, help="rows join one running decode, up to this many at a step (a server's)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -93,7 +122,7 @@ def main() -> None:
         if model.two_passes:  # Nemotron-Labs-Diffusion: its three modes, each as published
             for preset in NEMOTRON_MODES:
                 config = getattr(fastdllm.GenerationConfig, preset)(gen_length=args.gen_length)
-                row = {"model": name, "config": preset, **coverage(model, ids, config.fit_to_model(model))}
+                row = {"model": name, "config": preset, **coverage(model, ids, config.fit_to_model(model), args.joins)}
                 rows.append(row)
                 print(line(row), flush=True)
             continue
@@ -101,7 +130,7 @@ def main() -> None:
             for label, fields in CANVAS_CONFIGS.items():
                 steps = dict(gen_length=args.gen_length, max_denoising_steps=16, confidence_threshold=None, seed=0)
                 config = fastdllm.GenerationConfig.for_model(model, stop_at_eos=False, **steps, **fields)
-                row = {"model": name, "config": label, **coverage(model, ids, config)}
+                row = {"model": name, "config": label, **coverage(model, ids, config, args.joins)}
                 rows.append(row)
                 print(line(row), flush=True)
             continue
@@ -116,7 +145,7 @@ def main() -> None:
             except ValueError as e:  # a policy the family does not take
                 print(f"{name:12s} {label:26s} -: {e}")
                 continue
-            row = {"model": name, "config": label, **coverage(model, ids, config)}
+            row = {"model": name, "config": label, **coverage(model, ids, config, args.joins)}
             rows.append(row)
             print(line(row), flush=True)
     if args.out:

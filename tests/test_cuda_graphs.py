@@ -133,6 +133,14 @@ def test_the_fixed_form_pads_windows_rows_and_keys_to_buckets(tiny_llada):
     assert inputs[3].shape == (4, 384)  # 300 keys in whole buckets of 128
     joining = [(0, 0, 72, 72, 40), (1, 50, 58, 82, 50), (2, 60, 68, 92, 60)]
     assert FixedForm.of(tiny_llada, seq((40, 50, 60), (72, 82, 92), 3), joining) is None
+    # the step in parts instead: the rows inside their blocks in one, the wide window in another
+    narrow, wide = FixedForm.parts(tiny_llada, seq((40, 50, 60), (72, 82, 92), 3), joining)
+    assert [w[0] for w in narrow.windows] == [1, 2] and narrow.width == 8
+    assert [w[0] for w in wide.windows] == [0] and wide.width == 128  # a power of two blocks
+    tokens = wide.inputs(torch.arange(900).view(3, 300), PagedKVCache.for_rows(tiny_llada, 3, 300), None)[0]
+    assert tokens.shape == (1, 128) and tokens[0, 0] == 0  # row 0's tokens alone
+    tokens = narrow.inputs(torch.arange(900).view(3, 300), PagedKVCache.for_rows(tiny_llada, 3, 300), None)[0]
+    assert tokens.shape == (2, 8) and tokens[:, 0].tolist() == [350, 660]  # rows 1 and 2 from their windows
 
 
 def test_a_graphed_whole_block_step_keeps_the_sub_block_caches_logits(monkeypatch):
@@ -156,6 +164,14 @@ def test_a_graphed_whole_block_step_keeps_the_sub_block_caches_logits(monkeypatc
     graphed = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
     assert kept and all(kept)
     assert torch.equal(graphed.sequences, eager_out.sequences) and graphed.nfe_per_row == eager_out.nfe_per_row
+    # on a fixed schedule its rows' sub-block steps part their phases (a row's block start, which
+    # the full refresh computes to its end, among rows' sub-blocks): such steps run in parts, a
+    # fixed-shape call each (`FixedForm.parts`)
+    config = config.replace(steps=16, threshold=None, stop_at_eos=False, refresh="full", suffix_window=None)
+    eager_out, before, kept[:] = fastdllm.generate(model, ids, config=config), len(calls), []
+    graphed = fastdllm.generate(model, ids, config=config.replace(cuda_graphs=True))
+    assert torch.equal(graphed.sequences, eager_out.sequences) and graphed.nfe_per_row == eager_out.nfe_per_row
+    assert len(calls) - before > len(kept) >= max(graphed.nfe_per_row) - 1
 
 
 def test_cuda_graphs_is_checked():

@@ -8,8 +8,8 @@ the slots a step hands them.
 
 The runner also runs every decode's forwards (`logits`): the windows a cache policy chose, packed
 into one forward over the rows' pages, the same for every policy; with CUDA graphs, any step of
-one window per row in fixed shapes (`FixedForm`); and the full re-forward a refresh rule's check
-asks for. `record` keeps every
+at most one window per row in fixed shapes (`FixedForm`, in parts where its windows' widths part);
+and the full re-forward a refresh rule's check asks for. `record` keeps every
 forward's windows (`history`), the schedule a benchmark can replay on another model.
 
 Budgets are the runner's own: `budget_bytes` (the server's `--kv-cache-memory`) is one pool of that
@@ -63,9 +63,9 @@ class KVRunner:
         partial = policy.partial_refreshes(seq, steps)
         joined = any(k == 0 and b == 0 for k, b in zip(steps, seq.blocks))  # a first forward stores its prompt
         if pages.graphs and not (pages.chunks or joined) and not (partial and policy.refresh.checks):
-            form = FixedForm.of(self.model, seq, windows)
-            if form is not None:
-                return pages.block_logits(seq, windows, self.forward(pages, seq, windows, form), policy.partial_logits)
+            forms = FixedForm.parts(self.model, seq, windows)
+            if forms is not None:
+                return pages.block_logits(seq, windows, self.forward(pages, seq, windows, forms), policy.partial_logits)
         cache = pages.cache_for(seq) if partial else None  # the check reads it; the forward takes its own
         before = policy.refresh.probe(cache, seq, partial) if partial else None
         parts = self.forward(pages, seq, windows)
@@ -75,10 +75,10 @@ class KVRunner:
             windows, parts = windows + full, parts + self.forward(pages, seq, full)
         return pages.block_logits(seq, windows, parts, policy.partial_logits)
 
-    def forward(self, pages, seq, windows: list, form: FixedForm | None = None) -> list[torch.Tensor]:
+    def forward(self, pages, seq, windows: list, forms: list[FixedForm] | None = None) -> list[torch.Tensor]:
         """One packed forward of `windows` over the rows' pages (`RowPages.run`: this step's
-        prefill chunks ride in it), or with a `form` the fixed-shape step that computes them
-        (a CUDA graph on a GPU); per window, the logits from its start column on."""
+        prefill chunks ride in it), or with `forms` the fixed-shape steps that compute them (a
+        CUDA graph each on a GPU); per window, the logits from its start column on."""
         pages.work.append([(row, hi - lo, keys) for row, lo, hi, keys, _ in windows])
         if self.history is not None:
             self.history.append(list(windows))
@@ -99,10 +99,13 @@ class KVRunner:
         def fixed(x, windows, cache):
             # rows of other block lengths share a step only where the masks read none (`fits_fixed_form`)
             block_size = None if isinstance(seq.block_size, dict) else seq.block_size
-            logits = self.model.graphed_window_logits()(*form.inputs(x, cache, block_size))
-            return [logits[i, :n] for i, n in enumerate(form.logits)]
+            by_row = {}
+            for form in forms:
+                logits = self.model.graphed_window_logits()(*form.inputs(x, cache, block_size))
+                by_row.update((w[0], logits[i, :n]) for i, (w, n) in enumerate(zip(form.windows, form.logits)))
+            return [by_row[row] for row, *_ in windows]
 
-        return pages.run(seq, windows, packed if form is None else fixed)
+        return pages.run(seq, windows, packed if forms is None else fixed)
 
     def page_bytes(self, page_size: int) -> int:
         return kv_bytes(self.model.kv_shape, page_size, self.model.dtype)
@@ -241,37 +244,70 @@ class FixedForm:
 
     @classmethod
     def of(cls, model, seq, windows: list) -> FixedForm | None:
-        if len(windows) != len(seq.starts):
+        """The fixed form of `windows` (at most one per row, in the rows' order; a row without one
+        is left out of the step), or None where the model's rule or `PADDING` says no."""
+        rows = [row for row, *_ in windows]
+        if not rows or rows != sorted(set(rows)):
             return None
         canvas = seq.canvas or {}
         if canvas and not model.two_passes:  # the eager step says why
             return None
         if not model.fits_fixed_form(seq, windows):
             return None
-        if any(row != i for i, (row, *_) in enumerate(windows)):
+        keys = -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
+        width = cls.padded_width(seq, [hi - lo for _, lo, hi, _, _ in windows], keys)
+        if width is None:
             return None
-        lengths = [hi - lo for _, lo, hi, _, _ in windows]
-        width, keys = max(lengths), -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
-        if len(set(lengths)) > 1 or width > seq.width + 1:  # not a step of the blocks alone: a bucket
-            bucket = min(seq.block_lengths)
-            while bucket < width:
-                bucket *= 2
-            width = max(width, min(bucket, keys))
-            if len(lengths) * width > PADDING * sum(lengths):  # rows' windows far apart (a row
-                return None  # joining a batch inside its blocks): eager computes what they need
         picks = []
-        for i, (_, lo, hi, _, start) in enumerate(windows):
-            columns = model.logit_columns(lo, hi, start, canvas.get(i))  # as the eager step's
+        for row, lo, hi, _, start in windows:
+            columns = model.logit_columns(lo, hi, start, canvas.get(row))  # as the eager step's
             columns = list(range(columns.start, columns.stop)) if isinstance(columns, slice) else columns.tolist()
-            picks.append(columns[: seq.width - (start - seq.starts[i])])
+            picks.append(columns[: seq.width - (start - seq.starts[row])])
         # how each row's window attends where its decoder chooses (-1: the model's own rule)
-        spans = [canvas.get(i, -1) for i in range(len(windows))]
+        spans = [canvas.get(row, -1) for row in rows]
         return cls(windows, width, keys, picks, max(seq.width, 1), spans, seq.embeds)
+
+    @staticmethod
+    def padded_width(seq, lengths: list[int], keys: int) -> int | None:
+        """The width windows of these lengths take: their own where they are one length and no
+        wider than the rows' logits and a shift, else the widest rounded up to a power of two
+        blocks; None where padding would more than double their columns (`PADDING`)."""
+        width = max(lengths)
+        if len(set(lengths)) == 1 and width <= seq.width + 1:  # a step of the blocks alone
+            return width
+        bucket = min(seq.block_lengths)
+        while bucket < width:
+            bucket *= 2
+        width = max(width, min(bucket, keys))
+        return None if len(lengths) * width > PADDING * sum(lengths) else width
+
+    @classmethod
+    def parts(cls, model, seq, windows: list) -> list[FixedForm] | None:
+        """The step as few fixed forms as its windows need: one, or where padding them to one
+        width would more than double them (rows far apart in their blocks: a row's block start,
+        its window to the row's end, among rows inside their blocks), groups of windows of near
+        widths, narrowest first, each its own fixed-shape step (a graph each on a GPU, where
+        the eager step would launch every kernel). None where no fixed form takes them."""
+        whole = cls.of(model, seq, windows)
+        if whole is not None:
+            return [whole]
+        if len(windows) < 2:
+            return None
+        keys = -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
+        groups: list[list] = []
+        for w in sorted(windows, key=lambda w: w[2] - w[1]):
+            if groups and cls.padded_width(seq, [hi - lo for _, lo, hi, _, _ in groups[-1] + [w]], keys):
+                groups[-1].append(w)
+            else:
+                groups.append([w])
+        forms = [cls.of(model, seq, sorted(group)) for group in groups]
+        return None if any(f is None for f in forms) else forms
 
     def inputs(self, x: torch.Tensor, cache, block_size) -> tuple:
         """`Transformer.window_logits_static`'s arguments for these windows of the layout `x`
-        over the pool `cache`: the index tables made on the host and sent in one copy."""
-        bsz, width, most, capacity = x.shape[0], self.width, self.most, self.keys
+        over the pool `cache`: the index tables made on the host and sent in one copy. The step's
+        rows are the windows' (the layout's rows without one left out)."""
+        bsz, width, most, capacity = len(self.windows), self.width, self.most, self.keys
         rows = next((b for b in ROW_BUCKETS if b >= bsz), bsz)
         pad = rows - bsz
         positions, columns, keep = [], [], []
@@ -292,7 +328,11 @@ class FixedForm:
         positions, columns, keep, keys, starts, spans = tables
         positions, columns = positions.view(rows, width), columns.view(rows, width)
         ahead = torch.arange(capacity, device=x.device)[None]  # every row's key positions
-        slots = torch.nn.functional.pad(cache.slot_table(capacity), (0, 0, 0, pad), value=cache.scratch)
+        slots = cache.slot_table(capacity)
+        if bsz < x.shape[0]:
+            taken = torch.tensor([row for row, *_ in self.windows], device=x.device)
+            x, slots = x[taken], slots[taken]
+        slots = torch.nn.functional.pad(slots, (0, 0, 0, pad), value=cache.scratch)
         return (
             torch.nn.functional.pad(x, (0, 0, 0, pad)).gather(1, positions),
             positions,
@@ -310,7 +350,7 @@ class FixedForm:
     def given(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows' input vectors at their windows' columns (rows, width, dim) and which columns
         take them (rows, width) (`placed_vectors`)."""
-        places = {i: (i * self.width, lo, hi) for i, (_, lo, hi, _, _) in enumerate(self.windows)}
+        places = {row: (i * self.width, lo, hi) for i, (row, lo, hi, _, _) in enumerate(self.windows)}
         given = placed_vectors(self.embeds, places, rows * self.width)
         return None if given is None else (given[0].view(rows, self.width, -1), given[1].view(rows, self.width))
 
