@@ -316,8 +316,13 @@ def test_rows_of_a_batch_decode_as_alone(float64_pair, tokenizer, settings):
 
 @pytest.mark.parametrize(
     "cache",
-    [dict(cache="dual"), dict(cache="prefix"), dict(cache="none"), dict(cache="dual", refresh="full")],
-    ids=["dual", "prefix", "none", "dual-full"],
+    [
+        dict(cache="dual"),
+        dict(cache="none"),
+        pytest.param(dict(cache="prefix"), marks=pytest.mark.slow),
+        pytest.param(dict(cache="dual", refresh="full"), marks=pytest.mark.slow),
+    ],
+    ids=["dual", "none", "prefix", "dual-full"],
 )
 def test_the_fixed_shape_step_decodes_as_the_eager_one(float64_pair, tokenizer, cache, monkeypatch):
     """`cuda_graphs`, its fixed-shape step run eagerly: rows of different lengths, whose clocks
