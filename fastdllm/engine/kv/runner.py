@@ -322,15 +322,15 @@ class FixedForm:
         keys = [seen for _, _, _, seen, _ in self.windows] + [1] * pad
         starts = [start for *_, start in self.windows] + [0] * pad
         spans = self.spans + [-1] * pad
-        tables = torch.tensor(positions + columns + keep + keys + starts + spans, device=x.device)
+        taken = [row for row, *_ in self.windows]  # the layout's rows the step computes
+        tables = torch.tensor(positions + columns + keep + keys + starts + spans + taken, device=x.device)
         # each its own tensor: views at offsets would be guarded on them (a graph per offset)
-        tables = [t.clone() for t in tables.split([rows * width] * 2 + [rows * most, rows, rows, rows])]
-        positions, columns, keep, keys, starts, spans = tables
+        tables = [t.clone() for t in tables.split([rows * width] * 2 + [rows * most, rows, rows, rows, bsz])]
+        positions, columns, keep, keys, starts, spans, taken = tables
         positions, columns = positions.view(rows, width), columns.view(rows, width)
         ahead = torch.arange(capacity, device=x.device)[None]  # every row's key positions
         slots = cache.slot_table(capacity)
         if bsz < x.shape[0]:
-            taken = torch.tensor([row for row, *_ in self.windows], device=x.device)
             x, slots = x[taken], slots[taken]
         slots = torch.nn.functional.pad(slots, (0, 0, 0, pad), value=cache.scratch)
         return (
