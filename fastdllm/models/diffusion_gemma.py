@@ -193,8 +193,8 @@ class GemmaAttention(nn.Module):
         their K/V written at the plan's columns, each row attending over its cache row's keys."""
         (bsz, t), n = plan.columns.shape, q.shape[1]
         width = self.n_kv_heads * self.head_dim
-        pad = layer_cache.k.shape[-1] - width
-        keys, values = layer_cache.update(plan.columns, *(F.pad(x.view(bsz, 1, t, width), (0, pad)) for x in (k, v)))
+        rows = (self._flat(x.view(bsz, t, self.n_kv_heads, self.head_dim), layer_cache) for x in (k, v))
+        keys, values = layer_cache.update(plan.columns, *rows)
         keys, values = (x[:, 0, :, :width].unflatten(-1, (self.n_kv_heads, self.head_dim)).transpose(1, 2)
                         for x in (keys, values))  # fmt: skip
         out = F.scaled_dot_product_attention(
@@ -208,8 +208,8 @@ class GemmaAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(1, n, -1))
 
     def _flat(self, t: torch.Tensor, layer_cache) -> torch.Tensor:
-        """(1, T, heads, d) as the pool keeps a position: (1, 1, T, width), zero-padded."""
-        flat = t.reshape(1, 1, t.shape[1], -1)
+        """(B, T, heads, d) as the pool keeps a position: (B, 1, T, width), zero-padded."""
+        flat = t.reshape(t.shape[0], 1, t.shape[1], -1)
         return F.pad(flat, (0, layer_cache.k.shape[-1] - flat.shape[-1]))
 
 

@@ -246,26 +246,54 @@ class FixedForm:
     def of(cls, model, seq, windows: list) -> FixedForm | None:
         """The fixed form of `windows` (at most one per row, in the rows' order; a row without one
         is left out of the step), or None where the model's rule or `PADDING` says no."""
+        if not cls.takes(model, seq, windows):
+            return None
+        keys = cls.key_bucket(seq)
+        width = cls.padded_width(seq, [hi - lo for _, lo, hi, _, _ in windows], keys)
+        return None if width is None else cls.built(model, seq, windows, width, keys)
+
+    @classmethod
+    def parts(cls, model, seq, windows: list) -> list[FixedForm] | None:
+        """The step as few fixed forms as its windows need: one, or where padding them to one
+        width would more than double them (rows far apart in their blocks: a row's block start,
+        its window to the row's end, among rows inside their blocks), groups of windows of near
+        widths, narrowest first, each its own fixed-shape step (a graph each on a GPU, where
+        the eager step would launch every kernel). None where no fixed form takes them."""
+        whole = cls.of(model, seq, windows)
+        if whole is not None:
+            return [whole]
+        if not cls.takes(model, seq, windows):
+            return None
+        keys, groups = cls.key_bucket(seq), []  # (windows, width) each
+        for w in sorted(windows, key=lambda w: w[2] - w[1]):
+            if groups:
+                joined = groups[-1][0] + [w]
+                width = cls.padded_width(seq, [hi - lo for _, lo, hi, _, _ in joined], keys)
+                if width is not None:
+                    groups[-1] = (joined, width)
+                    continue
+            width = cls.padded_width(seq, [w[2] - w[1]], keys)
+            if width is None:  # a window no padding fits even alone
+                return None
+            groups.append(([w], width))
+        return [cls.built(model, seq, sorted(group), width, keys) for group, width in groups]
+
+    @staticmethod
+    def takes(model, seq, windows: list) -> bool:
+        """Whether the model's rules let these windows take fixed shapes: at most one per row, in
+        the rows' order; no decoder's choice of how a window attends on a model with one way; and
+        the model's own rule (`fits_fixed_form`)."""
         rows = [row for row, *_ in windows]
         if not rows or rows != sorted(set(rows)):
-            return None
-        canvas = seq.canvas or {}
-        if canvas and not model.two_passes:  # the eager step says why
-            return None
-        if not model.fits_fixed_form(seq, windows):
-            return None
-        keys = -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
-        width = cls.padded_width(seq, [hi - lo for _, lo, hi, _, _ in windows], keys)
-        if width is None:
-            return None
-        picks = []
-        for row, lo, hi, _, start in windows:
-            columns = model.logit_columns(lo, hi, start, canvas.get(row))  # as the eager step's
-            columns = list(range(columns.start, columns.stop)) if isinstance(columns, slice) else columns.tolist()
-            picks.append(columns[: seq.width - (start - seq.starts[row])])
-        # how each row's window attends where its decoder chooses (-1: the model's own rule)
-        spans = [canvas.get(row, -1) for row in rows]
-        return cls(windows, width, keys, picks, max(seq.width, 1), spans, seq.embeds)
+            return False
+        if seq.canvas and not model.two_passes:  # the eager step says why
+            return False
+        return model.fits_fixed_form(seq, windows)
+
+    @staticmethod
+    def key_bucket(seq) -> int:
+        """The keys every row attends over: the layout's columns in whole `KEY_BUCKET`s."""
+        return -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
 
     @staticmethod
     def padded_width(seq, lengths: list[int], keys: int) -> int | None:
@@ -282,26 +310,17 @@ class FixedForm:
         return None if len(lengths) * width > PADDING * sum(lengths) else width
 
     @classmethod
-    def parts(cls, model, seq, windows: list) -> list[FixedForm] | None:
-        """The step as few fixed forms as its windows need: one, or where padding them to one
-        width would more than double them (rows far apart in their blocks: a row's block start,
-        its window to the row's end, among rows inside their blocks), groups of windows of near
-        widths, narrowest first, each its own fixed-shape step (a graph each on a GPU, where
-        the eager step would launch every kernel). None where no fixed form takes them."""
-        whole = cls.of(model, seq, windows)
-        if whole is not None:
-            return [whole]
-        if len(windows) < 2:
-            return None
-        keys = -(-seq.x.shape[1] // KEY_BUCKET) * KEY_BUCKET
-        groups: list[list] = []
-        for w in sorted(windows, key=lambda w: w[2] - w[1]):
-            if groups and cls.padded_width(seq, [hi - lo for _, lo, hi, _, _ in groups[-1] + [w]], keys):
-                groups[-1].append(w)
-            else:
-                groups.append([w])
-        forms = [cls.of(model, seq, sorted(group)) for group in groups]
-        return None if any(f is None for f in forms) else forms
+    def built(cls, model, seq, windows: list, width: int, keys: int) -> FixedForm:
+        """The form of windows that `takes` and `padded_width` admitted: which of each window's
+        columns give its logits, as the eager step's (`logit_columns`), and how each row's window
+        attends where its decoder chooses (-1: the model's own rule)."""
+        canvas, picks = seq.canvas or {}, []
+        for row, lo, hi, _, start in windows:
+            columns = model.logit_columns(lo, hi, start, canvas.get(row))
+            columns = list(range(columns.start, columns.stop)) if isinstance(columns, slice) else columns.tolist()
+            picks.append(columns[: seq.width - (start - seq.starts[row])])
+        spans = [canvas.get(row, -1) for row, *_ in windows]
+        return cls(windows, width, keys, picks, max(seq.width, 1), spans, seq.embeds)
 
     def inputs(self, x: torch.Tensor, cache, block_size) -> tuple:
         """`Transformer.window_logits_static`'s arguments for these windows of the layout `x`
